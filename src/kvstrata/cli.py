@@ -1,0 +1,180 @@
+"""The ``kvstrata`` command line (typer + rich).
+
+Exit codes: 0 success, 2 invalid input (bad config, unknown plugin), 1 runtime failure.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from kvstrata.core.config import compose, config_json_schema, validate_config
+from kvstrata.plugins.errors import ConfigError, KvstrataError, PluginError
+from kvstrata.plugins.host import PluginHost
+from kvstrata.plugins.registry import missing_requirements
+
+EXIT_RUNTIME = 1
+EXIT_INVALID = 2
+
+app = typer.Typer(
+    name="kvstrata",
+    help="Hierarchical state cache for hybrid LLM inference.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Compose, validate and inspect configurations.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+out = Console()
+err = Console(stderr=True)
+
+ConfigFiles = Annotated[
+    list[Path], typer.Argument(help="YAML/TOML/JSON files, later ones override earlier ones")
+]
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="override a field: dotted.path=value (value parsed as YAML)"),
+]
+
+
+def _fail(exc: BaseException, code: int) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def plugin_rows(host: PluginHost) -> list[dict[str, Any]]:
+    """Everything ``kvstrata plugins`` shows, gathered without instantiating any plugin."""
+    rows: list[dict[str, Any]] = []
+    for registry in (host.pool_types, host.storage_backends):
+        for entry in registry.entries():
+            row: dict[str, Any] = {
+                "kind": registry.kind,
+                "name": entry.name,
+                "distribution": entry.provider,
+                "version": entry.version,
+                "source": entry.source,
+                "status": "available",
+                "error": None,
+                "missing": [],
+                "capabilities": None,
+            }
+            error = registry.load_error(entry.name)
+            if error is not None:
+                row.update(status="load error", error=str(error))
+            else:
+                cls = registry.get(entry.name)
+                missing = missing_requirements(cls)
+                if missing:
+                    row["missing"] = [{"module": m, "install": i} for m, i in missing]
+                    row["status"] = "missing dependency"
+                reason = getattr(cls, "unavailable_reason", lambda: None)()
+                if reason and not missing:
+                    row.update(status="unavailable", error=reason)
+                caps = getattr(cls, "capabilities", None)
+                if caps is not None:
+                    row["capabilities"] = caps.model_dump(mode="json")
+            rows.append(row)
+    for failed in host.hook_plugin_errors:
+        rows.append(
+            {
+                "kind": "hook plugin",
+                "name": failed.name,
+                "distribution": failed.distribution,
+                "version": failed.version,
+                "source": "entry_point",
+                "status": "load error",
+                "error": failed.error,
+                "missing": [],
+                "capabilities": None,
+            }
+        )
+    return rows
+
+
+@app.command()
+def plugins(
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """List installed pool types and storage backends, with their status and capabilities."""
+    host = PluginHost()
+    rows = plugin_rows(host)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(title="kvstrata plugins")
+    for column in ("kind", "name", "distribution", "status", "details"):
+        table.add_column(column)
+    for row in rows:
+        details = row["error"] or ""
+        if row["missing"]:
+            details = "; ".join(f"needs {m['module']}: {m['install']}" for m in row["missing"])
+        elif row["capabilities"] and not row["error"]:
+            caps = row["capabilities"]
+            flags = [k for k, v in caps.items() if v is True]
+            details = f"pools: {', '.join(caps['pools'])}; " + ", ".join(flags)
+        dist = f"{row['distribution']} {row['version'] or ''}".strip()
+        style = {"available": "green", "missing dependency": "yellow"}.get(row["status"], "red")
+        table.add_row(row["kind"], row["name"], dist, f"[{style}]{row['status']}[/]", details)
+    out.print(table)
+
+
+def _load(files: list[Path], overrides: list[str] | None) -> Any:
+    host = PluginHost()
+    data = compose(files, overrides or [])
+    return validate_config(data, host, ", ".join(map(str, files)))
+
+
+@config_app.command("validate")
+def config_validate(files: ConfigFiles, set_: SetOption = None) -> None:
+    """Check that the composed configuration is valid; errors name the dotted field path."""
+    try:
+        config = _load(files, set_)
+    except (ConfigError, PluginError) as exc:
+        raise _fail(exc, EXIT_INVALID) from None
+    pools = ", ".join(f"{k} ({v.type})" for k, v in config.model.pools.items())
+    storage = ", ".join(f"{k} ({v.type})" for k, v in config.tiers.storage.items()) or "none"
+    out.print(f"[green]valid[/]: model {config.model.name!r}; pools: {pools}; storage: {storage}")
+
+
+@config_app.command("show")
+def config_show(
+    files: ConfigFiles,
+    set_: SetOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of YAML")] = False,
+) -> None:
+    """Print the resolved configuration, defaults included."""
+    try:
+        config = _load(files, set_)
+    except (ConfigError, PluginError) as exc:
+        raise _fail(exc, EXIT_INVALID) from None
+    data = config.model_dump(mode="json")
+    if as_json:
+        print(json.dumps(data, indent=2))
+    else:
+        print(yaml.safe_dump(data, sort_keys=False), end="")
+
+
+@config_app.command("schema")
+def config_schema() -> None:
+    """Print the JSON schema of the root config (every installed plugin's config included)."""
+    print(json.dumps(config_json_schema(PluginHost()), indent=2))
+
+
+def main() -> None:
+    """Console-script entry point: maps kvstrata errors to exit codes instead of tracebacks."""
+    try:
+        app()
+    except (ConfigError, PluginError) as exc:
+        _fail(exc, EXIT_INVALID)
+        sys.exit(EXIT_INVALID)
+    except KvstrataError as exc:
+        _fail(exc, EXIT_RUNTIME)
+        sys.exit(EXIT_RUNTIME)

@@ -1,0 +1,366 @@
+"""The root configuration model and how it is composed from files, environment and overrides.
+
+Precedence, lowest first: each file in the order given (its ``include:`` files first), then
+``KVSTRATA_A__B=value`` environment variables, then ``--set a.b=value`` overrides. Files deep-merge,
+except that a node whose ``type`` changes is replaced whole (a new backend must not inherit the
+old one's fields). Override values are parsed as YAML, so ``3`` is an int and ``{}`` a mapping.
+
+Pool and backend configs are validated by the model their ``type`` names, looked up lazily in a
+:class:`~kvstrata.plugins.PluginHost` passed as validation context: only selected plugins import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    ValidationInfo,
+    WrapValidator,
+    model_validator,
+)
+
+from kvstrata.plugins.errors import ConfigError, PluginError
+from kvstrata.plugins.host import PluginHost
+from kvstrata.plugins.pool_type import Layout, PoolConfig, PoolRole
+from kvstrata.plugins.storage_backend import BackendConfig
+
+ENV_PREFIX = "KVSTRATA_"
+ENV_NESTING = "__"
+
+
+def _host(info: ValidationInfo) -> PluginHost:
+    context = info.context or {}
+    host = context.get("plugins")
+    if host is None:
+        raise ValueError("internal: validate configs with context={'plugins': PluginHost}")
+    return host
+
+
+def _resolver(registry_attr: str, base: type[BaseModel]) -> Any:
+    """A wrap-validator that validates a mapping with the Config of the plugin its ``type`` names."""
+
+    def resolve(value: Any, handler: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, base):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"expected a mapping with a `type` key, got {type(value).__name__}")
+        type_name = value.get("type")
+        if not isinstance(type_name, str):
+            raise ValueError("missing `type` (the plugin name)")
+        registry = getattr(_host(info), registry_attr)
+        try:
+            config_cls = registry.get(type_name).Config
+        except PluginError as exc:
+            raise ValueError(str(exc)) from None
+        return config_cls.model_validate(dict(value), context=info.context)
+
+    return WrapValidator(resolve)
+
+
+PluginPoolConfig = Annotated[SerializeAsAny[PoolConfig], _resolver("pool_types", PoolConfig)]
+PluginBackendConfig = Annotated[
+    SerializeAsAny[BackendConfig], _resolver("storage_backends", BackendConfig)
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    """The model stack: its namespace, page size and pools keyed by instance name."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9._/-]+$", description="namespace of every stored object")
+    page_size: int = Field(default=64, ge=1, description="tokens per page")
+    cache_salt: str = Field(
+        default="", description="tenant / salt: separates otherwise equal prefixes"
+    )
+    pools: dict[str, PluginPoolConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _one_anchor(self, info: ValidationInfo) -> ModelConfig:
+        host = _host(info)
+        anchors = []
+        for instance, pool in self.pools.items():
+            if pool.index_source is not None and pool.index_source not in self.pools:
+                raise ValueError(
+                    f"pools.{instance}.index_source names unknown pool {pool.index_source!r}"
+                )
+            role = host.pool_types.get(pool.type).default_role
+            if role is PoolRole.ANCHOR and pool.index_source is None:
+                anchors.append(instance)
+        if len(anchors) != 1:
+            raise ValueError(
+                "a model stack needs exactly one anchor pool (a pool whose type is an anchor "
+                f"type, with no index_source); found {anchors or 'none'}"
+            )
+        return self
+
+
+class DeviceTierConfig(_Strict):
+    capacity_tokens: int = Field(default=65536, ge=0)
+    device: str = Field(
+        default="cpu", description="torch device of L1 pools: cpu, cuda, cuda:1 ..."
+    )
+
+
+class HostTierConfig(_Strict):
+    capacity_tokens: int = Field(default=262144, ge=0, description="0 disables the host tier")
+    layout: Layout = Layout.PAGE_FIRST
+    pin_memory: bool | None = Field(default=None, description="default: pin when L1 is on CUDA")
+    reserve_bytes: int = Field(default=0, ge=0, description="host memory left for everything else")
+    ranks_per_host: int = Field(default=1, ge=1)
+
+
+class TiersConfig(_Strict):
+    device: DeviceTierConfig = DeviceTierConfig()
+    host: HostTierConfig = HostTierConfig()
+    storage: dict[str, PluginBackendConfig] = Field(
+        default_factory=dict, description="instance name -> backend; empty means no L3"
+    )
+
+
+class PrefetchPolicyConfig(_Strict):
+    policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
+    threshold_tokens: int = Field(default=256, ge=0)
+    timeout_base_s: float = Field(default=1.0, ge=0)
+    timeout_per_ki_token_s: float = Field(default=0.25, ge=0)
+    timeout_max_s: float | None = Field(default=30.0, gt=0)
+    host_fraction_limit: float = Field(default=0.5, gt=0, le=1, description="rate limit")
+
+
+class PolicyConfig(_Strict):
+    write: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
+    write_through_threshold: int = Field(
+        default=2, ge=1, description="hits before selective backup"
+    )
+    load_back_threshold_tokens: int = Field(default=10, ge=0)
+    prefetch: PrefetchPolicyConfig = PrefetchPolicyConfig()
+    checksum: Literal["xxh3", "none"] = "xxh3"
+
+
+class ParallelConfig(_Strict):
+    """Parallel coordinates of this process; they feed keys and the rank agreement."""
+
+    tp_rank: int = Field(default=0, ge=0)
+    tp_size: int = Field(default=1, ge=1)
+    pp_rank: int = Field(default=0, ge=0)
+    pp_size: int = Field(default=1, ge=1)
+    cp_rank: int = Field(default=0, ge=0)
+    cp_size: int = Field(default=1, ge=1)
+    dp_rank: int = Field(default=0, ge=0)
+    dp_size: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _ranks_below_sizes(self) -> ParallelConfig:
+        for axis in ("tp", "pp", "cp", "dp"):
+            rank, size = getattr(self, f"{axis}_rank"), getattr(self, f"{axis}_size")
+            if rank >= size:
+                raise ValueError(f"{axis}_rank {rank} must be below {axis}_size {size}")
+        return self
+
+
+class KvstrataConfig(_Strict):
+    """Root of every kvstrata configuration."""
+
+    model: ModelConfig
+    tiers: TiersConfig = TiersConfig()
+    policy: PolicyConfig = PolicyConfig()
+    parallel: ParallelConfig = ParallelConfig()
+
+
+# --- composition ------------------------------------------------------------------------------
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([("", f"cannot read {path}: {exc.strerror or exc}")], str(path)) from None
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError([("", f"cannot parse: {exc}")], str(path)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([("", "the top level must be a mapping")], str(path))
+    return data
+
+
+def load_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """One file with its ``include:`` files merged underneath it (paths relative to the file)."""
+    path = Path(path).resolve()
+    if path in _seen:
+        chain = " -> ".join(str(p) for p in (*_seen, path))
+        raise ConfigError([("include", f"include cycle: {chain}")], str(path))
+    data = _read_file(path)
+    includes = data.pop("include", [])
+    if isinstance(includes, str):
+        includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise ConfigError([("include", "must be a path or a list of paths")], str(path))
+    merged: dict[str, Any] = {}
+    for include in includes:
+        merged = deep_merge(merged, load_file(path.parent / include, (*_seen, path)))
+    return deep_merge(merged, data)
+
+
+def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge ``over`` into ``base``; a mapping whose ``type`` changes replaces the old one whole."""
+    result = dict(base)
+    for key, value in over.items():
+        old = result.get(key)
+        if (
+            isinstance(old, Mapping)
+            and isinstance(value, Mapping)
+            and not _type_changed(old, value)
+        ):
+            result[key] = deep_merge(old, value)
+        else:
+            result[key] = value
+    return result
+
+
+def _type_changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    return "type" in new and "type" in old and new["type"] != old["type"]
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value parsed as YAML)."""
+    path, sep, raw = text.partition("=")
+    if not sep or not path.strip():
+        raise ConfigError([("", f"override {text!r} is not of the form dotted.path=value")])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError([(path.strip(), f"cannot parse value {raw!r}: {exc}")]) from None
+    return [part.strip() for part in path.strip().split(".")], value
+
+
+def set_path(data: dict[str, Any], path: Sequence[str], value: Any) -> dict[str, Any]:
+    """Set one value; setting a different ``type`` on a node resets that node to ``{type: ...}``."""
+    node = data
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    last = path[-1]
+    if last == "type" and node.get("type") not in (None, value):
+        node.clear()
+    node[last] = value
+    return data
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> list[tuple[list[str], Any]]:
+    """``KVSTRATA_TIERS__HOST__CAPACITY_TOKENS=0`` -> (["tiers", "host", "capacity_tokens"], 0).
+
+    Only names containing ``__`` are config; single-level ``KVSTRATA_*`` names are switches.
+    """
+    environ = os.environ if environ is None else environ
+    result = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or ENV_NESTING not in name:
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTING)]
+        _, value = parse_override(f"x={environ[name]}")
+        result.append((path, value))
+    return result
+
+
+def compose(
+    files: Iterable[str | Path] = (),
+    overrides: Iterable[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Raw composed mapping (not validated): files, then env, then ``--set`` overrides."""
+    data: dict[str, Any] = {}
+    for file in files:
+        data = deep_merge(data, load_file(file))
+    for path, value in env_overrides(environ):
+        set_path(data, path, value)
+    for text in overrides:
+        path, value = parse_override(text)
+        set_path(data, path, value)
+    return data
+
+
+def dotted(loc: Sequence[str | int]) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def validate_config(
+    data: Mapping[str, Any], host: PluginHost, source: str | None = None
+) -> KvstrataConfig:
+    """Validate a composed mapping; errors carry the dotted path of each bad field."""
+    try:
+        return KvstrataConfig.model_validate(dict(data), context={"plugins": host})
+    except ValidationError as exc:
+        errors = [(dotted(err["loc"]), err["msg"]) for err in exc.errors()]
+        raise ConfigError(errors, source) from None
+
+
+def load_config(
+    files: Iterable[str | Path] = (),
+    overrides: Iterable[str] = (),
+    *,
+    host: PluginHost,
+    environ: Mapping[str, str] | None = None,
+) -> KvstrataConfig:
+    """Compose and validate in one step (what the CLI and applications call)."""
+    files = list(files)
+    data = compose(files, overrides, environ)
+    return validate_config(data, host, ", ".join(str(f) for f in files) or None)
+
+
+def config_json_schema(host: PluginHost) -> dict[str, Any]:
+    """JSON schema of the root config with every installed plugin's config as a tagged union.
+
+    This is the one place that imports every plugin: it is for tooling, not for runtime.
+    """
+    from typing import Union
+
+    from pydantic import create_model
+
+    def union(registry: Any) -> Any:
+        classes = []
+        for name in registry.names():
+            if registry.load_error(name) is None:
+                classes.append(registry.get(name).Config)
+        if not classes:
+            return dict[str, Any]
+        if len(classes) == 1:
+            return dict[str, classes[0]]
+        return dict[str, Annotated[Union[tuple(classes)], Field(discriminator="type")]]  # noqa: UP007
+
+    model_schema = create_model(
+        "ModelConfig", __base__=ModelConfig, pools=(union(host.pool_types), ...)
+    )
+    tiers_schema = create_model(
+        "TiersConfig", __base__=TiersConfig, storage=(union(host.storage_backends), {})
+    )
+    root = create_model(
+        "KvstrataConfig",
+        __base__=KvstrataConfig,
+        model=(model_schema, ...),
+        tiers=(tiers_schema, TiersConfig()),
+    )
+    return root.model_json_schema()

@@ -1,0 +1,67 @@
+"""Plugin contracts (pool types, storage backends), registries and the ``PluginHost``."""
+
+from kvstrata.plugins.errors import (
+    ConfigError,
+    KvstrataError,
+    MissingDependencyError,
+    PluginCollisionError,
+    PluginError,
+    PluginLoadError,
+    PluginUnavailableError,
+    UnknownPluginError,
+)
+from kvstrata.plugins.host import PluginHost
+from kvstrata.plugins.pool_type import (
+    BufferSpec,
+    Granularity,
+    HitRule,
+    HitRuleKind,
+    Layout,
+    ModelContext,
+    ObjectSpec,
+    PartialHit,
+    PoolConfig,
+    PoolRole,
+    PoolSpec,
+    PoolType,
+    Replication,
+)
+from kvstrata.plugins.storage_backend import (
+    BackendCapabilities,
+    BackendConfig,
+    BufferRegion,
+    PoolCapabilities,
+    StorageBackend,
+    StorageObject,
+)
+
+__all__ = [
+    "BackendCapabilities",
+    "BackendConfig",
+    "BufferRegion",
+    "BufferSpec",
+    "ConfigError",
+    "Granularity",
+    "HitRule",
+    "HitRuleKind",
+    "KvstrataError",
+    "Layout",
+    "MissingDependencyError",
+    "ModelContext",
+    "ObjectSpec",
+    "PartialHit",
+    "PluginCollisionError",
+    "PluginError",
+    "PluginHost",
+    "PluginLoadError",
+    "PluginUnavailableError",
+    "PoolCapabilities",
+    "PoolConfig",
+    "PoolRole",
+    "PoolSpec",
+    "PoolType",
+    "Replication",
+    "StorageBackend",
+    "StorageObject",
+    "UnknownPluginError",
+]

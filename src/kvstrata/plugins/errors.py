@@ -1,0 +1,82 @@
+"""Errors raised while finding, loading and validating plugins.
+
+Every message names what the user can act on: the distribution that shipped a broken plugin,
+the exact ``pip install`` command for a missing extra, the installed names for an unknown type.
+"""
+
+from __future__ import annotations
+
+
+class KvstrataError(Exception):
+    """Base of every error kvstrata raises on purpose."""
+
+
+class PluginError(KvstrataError):
+    """A plugin could not be found, loaded or validated."""
+
+
+class UnknownPluginError(PluginError):
+    """A config names a ``type`` that no installed plugin provides."""
+
+    def __init__(self, kind: str, name: str, installed: list[str]) -> None:
+        self.kind, self.name, self.installed = kind, name, installed
+        listing = ", ".join(sorted(installed)) or "none"
+        super().__init__(
+            f"unknown {kind} {name!r}; installed: {listing}. Install the package that provides "
+            f"it (e.g. `pip install kvstrata-{name}`) or run `kvstrata plugins` to see what is loaded."
+        )
+
+
+class PluginLoadError(PluginError):
+    """The plugin's module failed to import or its class breaks the plugin contract."""
+
+    def __init__(
+        self, kind: str, name: str, distribution: str | None, version: str | None, reason: str
+    ) -> None:
+        self.kind, self.name, self.distribution, self.version, self.reason = (
+            kind,
+            name,
+            distribution,
+            version,
+            reason,
+        )
+        origin = f"{distribution} {version}" if distribution else "an unknown distribution"
+        super().__init__(f"{kind} {name!r} from {origin} failed to load: {reason}")
+
+
+class PluginCollisionError(PluginError):
+    """Two plugins claim the same name: refuse rather than let install order decide."""
+
+    def __init__(self, kind: str, name: str, first: str, second: str) -> None:
+        self.kind, self.name, self.first, self.second = kind, name, first, second
+        super().__init__(
+            f"{kind} name {name!r} is provided by both {first} and {second}; uninstall one, or "
+            f"block one with KVSTRATA_DISABLED_PLUGINS={name}"
+        )
+
+
+class MissingDependencyError(PluginError):
+    """A selected plugin needs a module that is not installed; says which extra brings it."""
+
+    def __init__(self, kind: str, name: str, module: str, install: str) -> None:
+        self.kind, self.name, self.module, self.install = kind, name, module, install
+        super().__init__(f"{kind} {name!r} needs module {module!r}: run `{install}`")
+
+
+class ConfigError(KvstrataError):
+    """A configuration value is invalid; ``errors`` holds (dotted path, reason) pairs."""
+
+    def __init__(self, errors: list[tuple[str, str]], source: str | None = None) -> None:
+        self.errors = errors
+        self.source = source
+        lines = [f"{path or '<root>'}: {reason}" for path, reason in errors]
+        where = f" in {source}" if source else ""
+        super().__init__(f"invalid configuration{where}:\n  " + "\n  ".join(lines))
+
+
+class PluginUnavailableError(PluginError):
+    """A plugin loaded but reports it cannot work here (e.g. 3FS not mounted)."""
+
+
+class StorageError(KvstrataError):
+    """A storage operation failed; the caller turns this into a per-operation failure."""

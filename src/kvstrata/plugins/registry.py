@@ -1,0 +1,221 @@
+"""One registry per plugin concept: names from entry points, classes loaded lazily by name.
+
+``names()`` never imports a plugin. ``get(name)`` loads it through stevedore, validates the class
+contract and caches it. Entry points are read through ``importlib.metadata`` as well, because only
+that keeps the distribution name and version that error messages must show.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import re
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar
+
+from stevedore import DriverManager
+from stevedore.extension import ExtensionManager
+
+from kvstrata.plugins.errors import (
+    MissingDependencyError,
+    PluginCollisionError,
+    PluginError,
+    PluginLoadError,
+    UnknownPluginError,
+)
+
+T = TypeVar("T")
+
+NAME_PATTERN = re.compile(r"^[a-z0-9_]+$")
+
+
+@dataclass(frozen=True)
+class PluginEntry:
+    """Where a named plugin comes from, known without importing it."""
+
+    kind: str
+    name: str
+    source: Literal["entry_point", "in_process"]
+    provider: str  # distribution name, or the module that registered it in-process
+    version: str | None
+    target: str  # "module:attribute"
+
+    @property
+    def origin(self) -> str:
+        return f"{self.provider} {self.version}" if self.version else self.provider
+
+
+def literal_type_name(config_cls: type) -> str | None:
+    """The single value of a config model's ``type: Literal[...]`` field, if it has one."""
+    field = getattr(config_cls, "model_fields", {}).get("type")
+    if field is None or typing.get_origin(field.annotation) is not Literal:
+        return None
+    args = typing.get_args(field.annotation)
+    return args[0] if len(args) == 1 else None
+
+
+def missing_requirements(cls: type) -> list[tuple[str, str]]:
+    """``(module, install command)`` for each module in ``cls.requires`` that cannot be found."""
+    missing = []
+    for module, install in getattr(cls, "requires", {}).items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append((module, install))
+    return missing
+
+
+class Registry(Generic[T]):
+    """Named plugin classes of one kind (``pool type`` or ``storage backend``)."""
+
+    def __init__(
+        self,
+        kind: str,
+        group: str,
+        validate: Callable[[str, type], None],
+        *,
+        disabled: Iterable[str] = (),
+    ) -> None:
+        self.kind = kind
+        self.group = group
+        self._validate = validate
+        self._disabled = set(disabled)
+        self._entries: dict[str, list[PluginEntry]] = {}
+        self._loaded: dict[str, type[T]] = {}
+        self._errors: dict[str, PluginError] = {}
+
+    # --- discovery ---------------------------------------------------------------------------
+
+    def discover(self) -> None:
+        """Read entry points of this group (no imports). Safe to call again after installs."""
+        # stevedore caches entry points per group for the whole process; a distribution added
+        # after the cache was filled (a test's fake dist-info, a runtime pip install) would stay
+        # invisible, so drop this group's cached copy before a fresh scan.
+        ExtensionManager.ENTRY_POINT_CACHE.pop(self.group, None)
+        seen: set[tuple[str, str, str]] = set()
+        for ep in importlib.metadata.entry_points(group=self.group):
+            if ep.name in self._disabled:
+                continue
+            dist = getattr(ep, "dist", None)
+            provider = dist.name if dist is not None else "unknown distribution"
+            version = dist.version if dist is not None else None
+            if (ep.name, provider, ep.value) in seen:  # same dist seen twice on sys.path
+                continue
+            seen.add((ep.name, provider, ep.value))
+            entry = PluginEntry(self.kind, ep.name, "entry_point", provider, version, ep.value)
+            self._add(entry)
+
+    def _add(self, entry: PluginEntry) -> None:
+        existing = self._entries.setdefault(entry.name, [])
+        if not any(e.origin == entry.origin and e.target == entry.target for e in existing):
+            existing.append(entry)
+
+    def register(self, cls: type[T], provider: str | None = None) -> None:
+        """Add a class in-process (applications, tests): same validation as entry points."""
+        name = getattr(cls, "name", None)
+        if not isinstance(name, str):
+            raise PluginLoadError(self.kind, repr(cls), provider, None, "class has no `name`")
+        if name in self._disabled:
+            return
+        provider = provider or f"in-process module {cls.__module__}"
+        entry = PluginEntry(
+            self.kind, name, "in_process", provider, None, f"{cls.__module__}:{cls.__qualname__}"
+        )
+        others = [e for e in self._entries.get(name, []) if e.target != entry.target]
+        if others:
+            raise PluginCollisionError(self.kind, name, others[0].origin, entry.origin)
+        self._validate(name, cls)
+        self._entries[name] = [entry]
+        self._loaded[name] = cls
+
+    # --- queries -----------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def entries(self) -> list[PluginEntry]:
+        return [e for name in self.names() for e in self._entries[name]]
+
+    def entry(self, name: str) -> PluginEntry:
+        found = self._entries.get(name)
+        if not found:
+            raise UnknownPluginError(self.kind, name, self.names())
+        if len(found) > 1:
+            raise PluginCollisionError(self.kind, name, found[0].origin, found[1].origin)
+        return found[0]
+
+    def get(self, name: str) -> type[T]:
+        """Import, validate and cache the named class; errors name the distribution."""
+        if name in self._loaded:
+            return self._loaded[name]
+        if name in self._errors:
+            raise self._errors[name]
+        entry = self.entry(name)
+        try:
+            cls = self._load(entry)
+            self._validate(name, cls)
+        except PluginLoadError as exc:
+            self._errors[name] = exc
+            raise
+        except Exception as exc:
+            error = PluginLoadError(self.kind, name, entry.provider, entry.version, str(exc))
+            self._errors[name] = error
+            raise error from exc
+        self._loaded[name] = cls
+        return cls
+
+    def _load(self, entry: PluginEntry) -> type[T]:
+        failure: list[BaseException] = []
+
+        def on_failure(_manager: object, _ep: object, exc: BaseException) -> None:
+            failure.append(exc)
+
+        manager = DriverManager(
+            namespace=self.group,
+            name=entry.name,
+            invoke_on_load=False,
+            on_load_failure_callback=on_failure,
+            warn_on_missing_entrypoint=False,
+        )
+        if failure:
+            exc = failure[0]
+            reason = f"{type(exc).__name__}: {exc}"
+            raise PluginLoadError(self.kind, entry.name, entry.provider, entry.version, reason)
+        return manager.driver
+
+    def load_error(self, name: str) -> PluginError | None:
+        """The error ``get(name)`` raises, or ``None``: for listings that must not stop."""
+        try:
+            self.get(name)
+        except PluginError as exc:
+            return exc
+        return None
+
+    def require(self, name: str) -> type[T]:
+        """``get`` plus a check that the plugin's own dependencies are importable."""
+        cls = self.get(name)
+        missing = missing_requirements(cls)
+        if missing:
+            module, install = missing[0]
+            raise MissingDependencyError(self.kind, name, module, install)
+        return cls
+
+
+def check_name(kind: str, entry_name: str, cls: type) -> None:
+    """Shared part of the class contract: ``cls.name`` is valid and equals the entry-point name."""
+    name = getattr(cls, "name", None)
+    if name != entry_name:
+        raise ValueError(
+            f"class {cls.__qualname__} has name {name!r}, entry point says {entry_name!r}"
+        )
+    if not NAME_PATTERN.match(entry_name):
+        raise ValueError(f"{kind} names are lowercase [a-z0-9_]+, got {entry_name!r}")
+    config = getattr(cls, "Config", None)
+    if literal_type_name(config) != entry_name:
+        raise ValueError(
+            f"{cls.__qualname__}.Config must be a pydantic model with `type: Literal[{entry_name!r}]`"
+        )

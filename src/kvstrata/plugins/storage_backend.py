@@ -1,0 +1,141 @@
+"""The storage-backend plugin contract: per-key batch I/O plus declared capabilities.
+
+A backend sees objects as a key and an ordered list of memory regions (pointer, length). The same
+call serves both I/O paths the core may plan: for *zero-copy* the regions point straight into
+registered host-pool memory; for *copy* they point into a staging buffer the core filled. The
+integrity header is always the first region, so a backend stores opaque bytes and never needs to
+know about pools, layouts or checksums.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: Plugin API generation this core implements.
+BACKEND_API_VERSION = 1
+
+#: Key in :attr:`BackendCapabilities.pools` meaning "any pool type".
+ANY_POOL = "*"
+
+
+class PoolCapabilities(BaseModel):
+    """What a backend can do for one pool type."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    zero_copy: bool = False  # reads/writes registered host buffers directly
+    split_heads: bool = False  # can store per-head shards (heterogeneous TP re-sharding)
+
+
+class BackendCapabilities(BaseModel):
+    """A backend's declaration; the core plans every I/O path from this, never from the name."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    api: int = BACKEND_API_VERSION
+    pools: dict[str, PoolCapabilities] = Field(
+        description="pool type name -> capabilities; '*' covers every pool type"
+    )
+    batch_exists: bool = False  # one call answers many keys
+    multi_buffer_objects: bool = False  # an object may be gathered from several regions
+    atomic_visibility: bool = False  # a key becomes visible only once fully written
+    overwrite: Literal["skip_existing", "replace"] = "skip_existing"
+    persistent: bool = False  # survives a restart of the process / service
+    shared_across_instances: bool = False  # other processes or hosts see the same objects
+    self_evicting: bool = False  # makes room by itself (puts may fail per key when full)
+    host_allocator: bool = False  # host pools must be allocated by the backend (shared memory)
+    max_object_bytes: int | None = None
+
+    def for_pool(self, pool_type: str) -> PoolCapabilities | None:
+        """Capabilities for a pool type, or ``None`` when the backend cannot store it."""
+        return self.pools.get(pool_type, self.pools.get(ANY_POOL))
+
+
+class BackendConfig(BaseModel):
+    """Base of every backend's ``Config``; a plugin narrows ``type`` to ``Literal[name]``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+
+
+@dataclass(frozen=True, slots=True)
+class BufferRegion:
+    """A contiguous range of host memory: the unit of zero-copy I/O."""
+
+    ptr: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class StorageObject:
+    """One object to put or get: its key and the regions its bytes come from / go to, in order."""
+
+    key: str
+    regions: tuple[BufferRegion, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(region.nbytes for region in self.regions)
+
+
+class StorageBackend(ABC):
+    """Base class of storage-backend plugins. Subclasses set ``name``, ``Config``, ``capabilities``.
+
+    Results are per key: a failed key never fails the batch. An exception escaping a method fails
+    only the operation that called it (the core catches it); it must never be used for a miss.
+    """
+
+    name: ClassVar[str]
+    Config: ClassVar[type[BackendConfig]]
+    capabilities: ClassVar[BackendCapabilities]
+    api_version: ClassVar[int] = BACKEND_API_VERSION
+    #: ``{importable module: install command}``, checked before ``open`` so a missing extra
+    #: fails with the exact command, e.g. ``{"mooncake.store": "pip install 'kvstrata[mooncake]'"}``.
+    requires: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, instance: str, config: BackendConfig) -> None:
+        self.instance = instance
+        self.config = config
+
+    @classmethod
+    def unavailable_reason(cls, config: BackendConfig | None = None) -> str | None:
+        """Why this backend cannot work on this machine (``None`` when it can).
+
+        Called without instantiating, by ``kvstrata plugins`` and before ``open``.
+        """
+        return None
+
+    def open(self) -> None:  # noqa: B027 - optional hook, most backends need no setup
+        """Connect / create resources. Heavy imports belong here, not at module import."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release every resource; the backend is unusable afterwards."""
+
+    def probe(self) -> str | None:
+        """Quick reachability check for ``kvstrata doctor``: ``None`` if reachable, else why not."""
+        return None
+
+    def register_host_memory(self, region: BufferRegion) -> None:  # noqa: B027
+        """Make a host buffer usable for zero-copy I/O (called again for pools added later)."""
+
+    def allocate_host_memory(self, nbytes: int) -> BufferRegion:
+        """Allocate host-pool memory from the backend (only when ``capabilities.host_allocator``)."""
+        raise NotImplementedError(f"storage backend {self.name!r} does not allocate host memory")
+
+    @abstractmethod
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Per-key presence."""
+
+    @abstractmethod
+    def put(self, objects: Sequence[StorageObject]) -> list[bool]:
+        """Store each object's bytes (read from its regions); per-key success."""
+
+    @abstractmethod
+    def get(self, objects: Sequence[StorageObject]) -> list[int]:
+        """Read each object into its regions; per key the bytes read, or a negative code on a miss."""

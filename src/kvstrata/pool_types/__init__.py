@@ -1,0 +1,1 @@
+"""Built-in pool types, one module each, registered through kvstrata's own entry points."""

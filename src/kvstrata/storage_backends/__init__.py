@@ -1,0 +1,1 @@
+"""Built-in storage backends, one module each, registered through kvstrata's own entry points."""

@@ -1,0 +1,1 @@
+"""Test helpers shipped with kvstrata: a pytest plugin with fixtures for plugin authors."""
