@@ -69,9 +69,7 @@ def _resolver(registry_attr: str, base: type[BaseModel]) -> Any:
 
 
 PluginPoolConfig = Annotated[SerializeAsAny[PoolConfig], _resolver("pool_types", PoolConfig)]
-PluginBackendConfig = Annotated[
-    SerializeAsAny[BackendConfig], _resolver("storage_backends", BackendConfig)
-]
+PluginBackendConfig = Annotated[SerializeAsAny[BackendConfig], _resolver("storage_backends", BackendConfig)]
 
 
 class _Strict(BaseModel):
@@ -83,9 +81,7 @@ class ModelConfig(_Strict):
 
     name: str = Field(pattern=r"^[A-Za-z0-9._/-]+$", description="namespace of every stored object")
     page_size: int = Field(default=64, ge=1, description="tokens per page")
-    cache_salt: str = Field(
-        default="", description="tenant / salt: separates otherwise equal prefixes"
-    )
+    cache_salt: str = Field(default="", description="tenant / salt: separates otherwise equal prefixes")
     pools: dict[str, PluginPoolConfig] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -94,9 +90,7 @@ class ModelConfig(_Strict):
         anchors = []
         for instance, pool in self.pools.items():
             if pool.index_source is not None and pool.index_source not in self.pools:
-                raise ValueError(
-                    f"pools.{instance}.index_source names unknown pool {pool.index_source!r}"
-                )
+                raise ValueError(f"pools.{instance}.index_source names unknown pool {pool.index_source!r}")
             role = host.pool_types.get(pool.type).default_role
             if role is PoolRole.ANCHOR and pool.index_source is None:
                 anchors.append(instance)
@@ -110,9 +104,7 @@ class ModelConfig(_Strict):
 
 class DeviceTierConfig(_Strict):
     capacity_tokens: int = Field(default=65536, ge=0)
-    device: str = Field(
-        default="cpu", description="torch device of L1 pools: cpu, cuda, cuda:1 ..."
-    )
+    device: str = Field(default="cpu", description="torch device of L1 pools: cpu, cuda, cuda:1 ...")
 
 
 class HostTierConfig(_Strict):
@@ -142,9 +134,7 @@ class PrefetchPolicyConfig(_Strict):
 
 class PolicyConfig(_Strict):
     write: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
-    write_through_threshold: int = Field(
-        default=2, ge=1, description="hits before selective backup"
-    )
+    write_through_threshold: int = Field(default=2, ge=1, description="hits before selective backup")
     load_back_threshold_tokens: int = Field(default=10, ge=0)
     prefetch: PrefetchPolicyConfig = PrefetchPolicyConfig()
     checksum: Literal["xxh3", "none"] = "xxh3"
@@ -227,11 +217,7 @@ def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, An
     result = dict(base)
     for key, value in over.items():
         old = result.get(key)
-        if (
-            isinstance(old, Mapping)
-            and isinstance(value, Mapping)
-            and not _type_changed(old, value)
-        ):
+        if isinstance(old, Mapping) and isinstance(value, Mapping) and not _type_changed(old, value):
             result[key] = deep_merge(old, value)
         else:
             result[key] = value
@@ -307,9 +293,7 @@ def dotted(loc: Sequence[str | int]) -> str:
     return ".".join(str(part) for part in loc)
 
 
-def validate_config(
-    data: Mapping[str, Any], host: PluginHost, source: str | None = None
-) -> KvstrataConfig:
+def validate_config(data: Mapping[str, Any], host: PluginHost, source: str | None = None) -> KvstrataConfig:
     """Validate a composed mapping; errors carry the dotted path of each bad field."""
     try:
         return KvstrataConfig.model_validate(dict(data), context={"plugins": host})
@@ -351,9 +335,7 @@ def config_json_schema(host: PluginHost) -> dict[str, Any]:
             return dict[str, classes[0]]
         return dict[str, Annotated[Union[tuple(classes)], Field(discriminator="type")]]  # noqa: UP007
 
-    model_schema = create_model(
-        "ModelConfig", __base__=ModelConfig, pools=(union(host.pool_types), ...)
-    )
+    model_schema = create_model("ModelConfig", __base__=ModelConfig, pools=(union(host.pool_types), ...))
     tiers_schema = create_model(
         "TiersConfig", __base__=TiersConfig, storage=(union(host.storage_backends), {})
     )

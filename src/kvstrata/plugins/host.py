@@ -69,9 +69,7 @@ def _validate_backend(name: str, cls: type) -> None:
     if not isinstance(caps, BackendCapabilities):
         raise ValueError(f"{cls.__qualname__}.capabilities must be a BackendCapabilities instance")
     if cls.api_version != BACKEND_API_VERSION or caps.api != BACKEND_API_VERSION:
-        raise ValueError(
-            f"written for backend API {caps.api}, this kvstrata supports {BACKEND_API_VERSION}"
-        )
+        raise ValueError(f"written for backend API {caps.api}, this kvstrata supports {BACKEND_API_VERSION}")
 
 
 @dataclass(frozen=True)
@@ -111,9 +109,7 @@ class PluginHost:
             self.storage_backends.discover()
             self._load_hook_plugins()
         # Historic calls: every plugin registered now or later feeds the same registries.
-        self.pm.hook.kvstrata_register_pool_types.call_historic(
-            kwargs={"register": self.pool_types.register}
-        )
+        self.pm.hook.kvstrata_register_pool_types.call_historic(kwargs={"register": self.pool_types.register})
         self.pm.hook.kvstrata_register_storage_backends.call_historic(
             kwargs={"register": self.storage_backends.register}
         )

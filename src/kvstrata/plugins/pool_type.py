@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from enum import Enum
+from enum import StrEnum
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -38,15 +38,13 @@ def dtype_itemsize(dtype: str) -> int:
     try:
         return _DTYPE_BYTES[dtype]
     except KeyError:
-        raise ValueError(
-            f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPE_BYTES)}"
-        ) from None
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPE_BYTES)}") from None
 
 
 SUPPORTED_DTYPES = tuple(_DTYPE_BYTES)
 
 
-class PoolRole(str, Enum):
+class PoolRole(StrEnum):
     """Where a pool sits in a model stack."""
 
     ANCHOR = "anchor"  # owns the page index space and the prefix keys; its object commits a page
@@ -54,14 +52,14 @@ class PoolRole(str, Enum):
     SIDECAR = "sidecar"  # reuses another pool's page indices and keys (nsa indexer, draft)
 
 
-class Granularity(str, Enum):
+class Granularity(StrEnum):
     """What one allocation unit of the pool holds."""
 
     TOKEN_PAGES = "token_pages"  # one unit = one page of ``page_size`` tokens
     NODE_STATE = "node_state"  # one unit = one state slot (the state after a node's last token)
 
 
-class HitRuleKind(str, Enum):
+class HitRuleKind(StrEnum):
     """Which stored pages a prefix of length P needs from this pool to be usable."""
 
     ALL_PAGES = "all_pages"  # every page in [0, P)
@@ -84,21 +82,21 @@ class HitRule(BaseModel):
         return self
 
 
-class PartialHit(str, Enum):
+class PartialHit(StrEnum):
     """What happens when this pool holds less of a prefix than the anchor."""
 
     CLAMP = "clamp"  # the prefix shrinks to what this pool holds
     ALL_OR_NOTHING = "all_or_nothing"  # the whole prefetch is dropped
 
 
-class Replication(str, Enum):
+class Replication(StrEnum):
     """How a pool's content relates across tensor-parallel ranks."""
 
     SHARDED = "sharded"  # each rank holds its own shard: every rank writes, keys carry rank/size
     REPLICATED = "replicated"  # identical on every rank: one rank writes, keys carry no rank
 
 
-class Layout(str, Enum):
+class Layout(StrEnum):
     """Host buffer layouts (see README: which is cheap for which transfer)."""
 
     LAYER_FIRST = "layer_first"  # [layer][unit][...]: matches device layout, page scattered

@@ -209,9 +209,7 @@ def check_name(kind: str, entry_name: str, cls: type) -> None:
     """Shared part of the class contract: ``cls.name`` is valid and equals the entry-point name."""
     name = getattr(cls, "name", None)
     if name != entry_name:
-        raise ValueError(
-            f"class {cls.__qualname__} has name {name!r}, entry point says {entry_name!r}"
-        )
+        raise ValueError(f"class {cls.__qualname__} has name {name!r}, entry point says {entry_name!r}")
     if not NAME_PATTERN.match(entry_name):
         raise ValueError(f"{kind} names are lowercase [a-z0-9_]+, got {entry_name!r}")
     config = getattr(cls, "Config", None)

@@ -38,9 +38,7 @@ class StateShape(BaseModel):
 class MambaConfig(PoolConfig):
     type: Literal["mamba"] = "mamba"
     layers: int = Field(ge=1, description="number of Mamba / linear-attention layers")
-    conv: list[StateShape] = Field(
-        min_length=1, description="conv state tensors (one or more shapes)"
-    )
+    conv: list[StateShape] = Field(min_length=1, description="conv state tensors (one or more shapes)")
     temporal: StateShape = Field(description="temporal / SSM state tensor")
 
 
@@ -52,9 +50,7 @@ class MambaPoolType(PoolType):
     def spec(self) -> PoolSpec:
         cfg = self.config
         buffers = [
-            BufferSpec(
-                name=f"conv_{i}", dtype=state.dtype, layers=cfg.layers, unit_shape=state.shape
-            )
+            BufferSpec(name=f"conv_{i}", dtype=state.dtype, layers=cfg.layers, unit_shape=state.shape)
             for i, state in enumerate(cfg.conv)
         ]
         buffers.append(

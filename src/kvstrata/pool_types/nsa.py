@@ -56,9 +56,7 @@ class NSAIndexerPoolType(PoolType):
             replication=cfg.replication,
             page_size=page,
             buffers=(
-                BufferSpec(
-                    name="index_k", dtype="uint8", layers=cfg.layers, unit_shape=(page, row_bytes)
-                ),
+                BufferSpec(name="index_k", dtype="uint8", layers=cfg.layers, unit_shape=(page, row_bytes)),
             ),
             objects=(ObjectSpec(suffix="nsa", buffers=("index_k",)),),
             layouts=(Layout.LAYER_FIRST, Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT),

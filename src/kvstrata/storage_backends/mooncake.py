@@ -28,9 +28,7 @@ class MooncakeConfig(BackendConfig):
     local_hostname: str = "127.0.0.1"
     segment_bytes: int = Field(default=1 << 30, ge=0, description="DRAM this process contributes")
     local_buffer_bytes: int = Field(default=64 << 20, ge=0)
-    standalone: bool = Field(
-        default=False, description="talk to a local mooncake_client (setup_dummy)"
-    )
+    standalone: bool = Field(default=False, description="talk to a local mooncake_client (setup_dummy)")
     client: str = Field(default="127.0.0.1:50052", description="mooncake_client RPC host:port")
 
 
