@@ -128,7 +128,10 @@ class Registry(Generic[T]):
         others = [e for e in self._entries.get(name, []) if e.target != entry.target]
         if others:
             raise PluginCollisionError(self.kind, name, others[0].origin, entry.origin)
-        self._validate(name, cls)
+        try:
+            self._validate(name, cls)
+        except ValueError as exc:
+            raise PluginLoadError(self.kind, name, provider, None, str(exc)) from exc
         self._entries[name] = [entry]
         self._loaded[name] = cls
 
@@ -174,13 +177,16 @@ class Registry(Generic[T]):
         def on_failure(_manager: object, _ep: object, exc: BaseException) -> None:
             failure.append(exc)
 
-        manager = DriverManager(
-            namespace=self.group,
-            name=entry.name,
-            invoke_on_load=False,
-            on_load_failure_callback=on_failure,
-            warn_on_missing_entrypoint=False,
-        )
+        try:
+            manager = DriverManager(
+                namespace=self.group,
+                name=entry.name,
+                invoke_on_load=False,
+                on_load_failure_callback=on_failure,
+                on_missing_entrypoints_callback=lambda names: None,
+            )
+        except Exception as exc:  # stevedore reports "no driver" after a failed import
+            failure.append(failure[0] if failure else exc)
         if failure:
             exc = failure[0]
             reason = f"{type(exc).__name__}: {exc}"

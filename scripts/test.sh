@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install everything the test suite needs on a fresh Debian machine, then run it.
+# `.ci/run` calls exactly this script; extra arguments go to pytest (e.g. -k mooncake).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Mooncake's CPU wheel links against the RDMA and NUMA user-space libraries even for TCP.
+missing=()
+for pkg in libibverbs1 librdmacm1 libnuma1; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# torch is pinned: a loose requirement would pull several GB of CUDA wheels.
+python3 -m pip install -q --disable-pip-version-check 'torch==2.13.0' -e '.[dev,mooncake-cpu,plot,metrics]'
+
+python3 -m ruff check src tests benchmarks
+python3 -m pytest "$@"

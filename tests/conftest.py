@@ -1,0 +1,36 @@
+"""Shared test helpers: fake installed distributions that drive the real entry-point path."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def make_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
+    """Write ``<dist>-<version>.dist-info`` (METADATA + entry_points.txt) and modules to a temp dir
+    on ``sys.path``, exactly as pip would leave them, so ``importlib.metadata`` finds them."""
+    root = tmp_path / "site"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # isolate stevedore's disk cache
+
+    def make(
+        dist: str, version: str, entry_points: dict[str, dict[str, str]], modules: dict[str, str]
+    ) -> Path:
+        info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        lines = []
+        for group, eps in entry_points.items():
+            lines.append(f"[{group}]")
+            lines.extend(f"{name} = {target}" for name, target in eps.items())
+        (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+        for module, source in modules.items():
+            (root / f"{module}.py").write_text(textwrap.dedent(source))
+        return root
+
+    return make

@@ -1,0 +1,165 @@
+"""Config composition (include, overlays, env, --set), validation paths and the CLI's exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvstrata.core.config import compose, config_json_schema, load_config, parse_override
+from kvstrata.plugins import ConfigError, PluginHost
+
+REPO = Path(__file__).resolve().parents[1]
+
+BASE = {
+    "model": {
+        "name": "demo",
+        "page_size": 64,
+        "pools": {"kv": {"type": "kv", "layers": 2, "kv_heads": 2, "head_dim": 64, "dtype": "bfloat16"}},
+    },
+    "tiers": {"host": {"capacity_tokens": 1000}, "storage": {"l3": {"type": "file", "path": "/tmp/a"}}},
+}
+
+
+def write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    return subprocess.run(
+        [sys.executable, "-m", "kvstrata", *args], capture_output=True, text=True, env=env, check=False
+    )
+
+
+def test_precedence_include_then_file_then_env_then_set(tmp_path: Path, kvstrata_host: PluginHost) -> None:
+    write(tmp_path / "base.yaml", BASE)
+    write(
+        tmp_path / "site.yaml",
+        {"include": "base.yaml", "tiers": {"host": {"capacity_tokens": 2000, "reserve_bytes": 7}}},
+    )
+    overlay = tmp_path / "overlay.toml"
+    overlay.write_text("[tiers.host]\ncapacity_tokens = 3000\n[model]\npage_size = 32\n")
+    environ = {"KVSTRATA_TIERS__HOST__CAPACITY_TOKENS": "4000", "KVSTRATA_POLICY__WRITE": "write_back"}
+    config = load_config(
+        [tmp_path / "site.yaml", overlay],
+        ["tiers.host.capacity_tokens=5000"],
+        host=kvstrata_host,
+        environ=environ,
+    )
+    assert config.tiers.host.capacity_tokens == 5000  # --set beats env beats files
+    assert config.policy.write == "write_back"  # env beats defaults
+    assert config.model.page_size == 32  # later file beats earlier
+    assert config.tiers.host.reserve_bytes == 7  # including file beats the included one
+    assert config.model.pools["kv"].layers == 2  # included file still contributes
+    without_set = load_config([tmp_path / "site.yaml", overlay], host=kvstrata_host, environ=environ)
+    assert without_set.tiers.host.capacity_tokens == 4000
+    only_files = load_config([tmp_path / "site.yaml", overlay], host=kvstrata_host, environ={})
+    assert only_files.tiers.host.capacity_tokens == 3000
+
+
+def test_set_values_are_yaml(tmp_path: Path, kvstrata_host: PluginHost) -> None:
+    write(tmp_path / "c.yaml", BASE)
+    config = load_config(
+        [tmp_path / "c.yaml"],
+        ["tiers.host.capacity_tokens=0", "tiers.storage={}"],
+        host=kvstrata_host,
+        environ={},
+    )
+    assert config.tiers.host.capacity_tokens == 0 and isinstance(config.tiers.host.capacity_tokens, int)
+    assert config.tiers.storage == {}
+    assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
+    with pytest.raises(ConfigError):
+        parse_override("no-equals-sign")
+
+
+def test_type_change_replaces_the_node_instead_of_merging(tmp_path: Path, kvstrata_host: PluginHost) -> None:
+    write(tmp_path / "a.yaml", BASE)
+    write(tmp_path / "b.yaml", {"tiers": {"storage": {"l3": {"type": "mooncake", "master": "127.0.0.1:5"}}}})
+    config = load_config([tmp_path / "a.yaml", tmp_path / "b.yaml"], host=kvstrata_host, environ={})
+    l3 = config.tiers.storage["l3"]
+    assert l3.type == "mooncake" and l3.master == "127.0.0.1:5"
+    # the same through --set: the file backend's `path` must not leak into the mooncake node
+    data = compose([tmp_path / "a.yaml"], ["tiers.storage.l3.type=mooncake"], environ={})
+    assert data["tiers"]["storage"]["l3"] == {"type": "mooncake"}
+
+
+def test_errors_carry_dotted_paths(tmp_path: Path, kvstrata_host: PluginHost) -> None:
+    write(tmp_path / "c.yaml", BASE)
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            [tmp_path / "c.yaml"],
+            ["tiers.storage.l3.capacity_bytes=-5", "model.pools.kv.head_dim=wide", "parallel.tp_rank=3"],
+            host=kvstrata_host,
+            environ={},
+        )
+    paths = {path for path, _ in info.value.errors}
+    assert {"tiers.storage.l3.capacity_bytes", "model.pools.kv.head_dim", "parallel"} <= paths
+    assert "tp_rank 3 must be below tp_size 1" in str(info.value)
+
+
+def test_plugin_config_typos_are_rejected(tmp_path: Path, kvstrata_host: PluginHost) -> None:
+    write(tmp_path / "c.yaml", BASE)
+    with pytest.raises(ConfigError) as info:
+        load_config([tmp_path / "c.yaml"], ["tiers.storage.l3.pth=/x"], host=kvstrata_host, environ={})
+    assert info.value.errors[0][0] == "tiers.storage.l3.pth"
+
+
+def test_stack_needs_exactly_one_anchor_and_known_index_sources(
+    tmp_path: Path, kvstrata_host: PluginHost
+) -> None:
+    write(tmp_path / "c.yaml", BASE)
+    second_anchor = "model.pools.other={type: kv, layers: 1, kv_heads: 1, head_dim: 8}"
+    with pytest.raises(ConfigError, match="exactly one anchor"):
+        load_config([tmp_path / "c.yaml"], [second_anchor], host=kvstrata_host, environ={})
+    sidecar = "model.pools.idx={type: nsa, layers: 1, index_source: nowhere}"
+    with pytest.raises(ConfigError, match="unknown pool 'nowhere'"):
+        load_config([tmp_path / "c.yaml"], [sidecar], host=kvstrata_host, environ={})
+
+
+def test_include_cycle_and_unreadable_files_are_config_errors(tmp_path: Path) -> None:
+    write(tmp_path / "a.yaml", {"include": "b.yaml"})
+    write(tmp_path / "b.yaml", {"include": "a.yaml"})
+    with pytest.raises(ConfigError, match="include cycle"):
+        compose([tmp_path / "a.yaml"], environ={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        compose([tmp_path / "missing.yaml"], environ={})
+    (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        compose([tmp_path / "bad.yaml"], environ={})
+
+
+def test_json_schema_has_a_discriminated_union_of_installed_plugins(kvstrata_host: PluginHost) -> None:
+    schema = config_json_schema(kvstrata_host)
+    text = json.dumps(schema)
+    for config_name in ("KVConfig", "MambaConfig", "FileConfig", "MooncakeConfig"):
+        assert config_name in schema["$defs"]
+    assert '"discriminator"' in text
+
+
+def test_cli_validate_wrong_value_exits_2_and_prints_the_path(tmp_path: Path) -> None:
+    config = write(tmp_path / "c.yaml", BASE)
+    bad = run_cli("config", "validate", str(config), "--set", "tiers.host.capacity_tokens=-1")
+    assert bad.returncode == 2
+    assert "tiers.host.capacity_tokens" in bad.stderr
+    good = run_cli("config", "validate", str(config))
+    assert good.returncode == 0, good.stderr
+    unknown = run_cli("config", "validate", str(config), "--set", "tiers.storage.l3.type=redis")
+    assert unknown.returncode == 2 and "installed: file, hf3fs, mooncake" in unknown.stderr
+
+
+def test_cli_show_prints_resolved_config_with_defaults(tmp_path: Path) -> None:
+    config = write(tmp_path / "c.yaml", BASE)
+    shown = run_cli("config", "show", str(config), "--json", "--set", "model.page_size=16")
+    assert shown.returncode == 0, shown.stderr
+    data = json.loads(shown.stdout)
+    assert data["model"]["page_size"] == 16
+    assert data["policy"]["prefetch"]["policy"] == "timeout"  # a default, filled in
+    assert data["tiers"]["storage"]["l3"]["type"] == "file"
+    assert yaml.safe_load(run_cli("config", "show", str(config)).stdout)["model"]["name"] == "demo"

@@ -1,0 +1,248 @@
+"""Discovery through real entry points: fake dist-infos on sys.path, the registry and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstrata.plugins import (
+    MissingDependencyError,
+    PluginCollisionError,
+    PluginHost,
+    PluginLoadError,
+    UnknownPluginError,
+)
+
+BACKENDS = "kvstrata.storage_backends"
+
+FAKE_BACKEND = """
+from typing import Literal
+from kvstrata.plugins import BackendCapabilities, BackendConfig, PoolCapabilities, StorageBackend
+
+class EchoConfig(BackendConfig):
+    type: Literal["{name}"] = "{name}"
+    url: str = "mem://"
+
+class EchoBackend(StorageBackend):
+    name = "{name}"
+    Config = EchoConfig
+    capabilities = BackendCapabilities(pools={{"kv": PoolCapabilities(zero_copy=True)}}, batch_exists=True)
+    requires = {requires}
+
+    def exists(self, keys):
+        return [False] * len(keys)
+
+    def put(self, objects):
+        return [False] * len(objects)
+
+    def get(self, objects):
+        return [-1] * len(objects)
+"""
+
+
+def backend_module(name: str, requires: str = "{}") -> str:
+    return FAKE_BACKEND.format(name=name, requires=requires)
+
+
+def backend_class(name: str, requires: str = "{}") -> type:
+    """Define the fake backend in-process (``dont_inherit``: no postponed annotations from here)."""
+    namespace: dict = {"__name__": f"fake_{name}"}
+    exec(compile(backend_module(name, requires), f"<fake {name}>", "exec", dont_inherit=True), namespace)
+    return namespace["EchoBackend"]
+
+
+def test_fake_distribution_backend_is_listed_and_loads(make_distribution) -> None:
+    make_distribution(
+        "kvstrata-echo",
+        "0.3.1",
+        {BACKENDS: {"echo": "kvstrata_echo:EchoBackend"}},
+        {"kvstrata_echo": backend_module("echo")},
+    )
+    host = PluginHost(autoload=True, disabled=set())
+    assert "echo" in host.storage_backends.names()
+    entry = host.storage_backends.entry("echo")
+    assert (entry.provider, entry.version) == ("kvstrata-echo", "0.3.1")
+    cls = host.storage_backends.get("echo")
+    assert cls.__name__ == "EchoBackend"
+    assert cls.capabilities.for_pool("kv").zero_copy
+    # built-ins travel the same path
+    assert {"file", "mooncake", "hf3fs"} <= set(host.storage_backends.names())
+
+
+def test_broken_plugin_is_reported_with_its_distribution_and_others_still_load(make_distribution) -> None:
+    make_distribution(
+        "kvstrata-echo",
+        "0.3.1",
+        {BACKENDS: {"echo": "kvstrata_echo:EchoBackend"}},
+        {"kvstrata_echo": backend_module("echo")},
+    )
+    make_distribution(
+        "kvstrata-broken",
+        "9.9",
+        {BACKENDS: {"broken": "kvstrata_broken:Backend"}},
+        {"kvstrata_broken": "raise RuntimeError('boom at import')\n"},
+    )
+    host = PluginHost(autoload=True, disabled=set())
+    error = host.storage_backends.load_error("broken")
+    assert isinstance(error, PluginLoadError)
+    assert error.distribution == "kvstrata-broken" and error.version == "9.9"
+    assert "boom at import" in str(error) and "kvstrata-broken 9.9" in str(error)
+    assert host.storage_backends.get("echo").name == "echo"
+    assert host.storage_backends.get("file").name == "file"
+
+
+def test_name_collision_names_both_distributions(make_distribution) -> None:
+    for dist in ("kvstrata-echo-a", "kvstrata-echo-b"):
+        module = dist.replace("-", "_")
+        make_distribution(
+            dist, "1.0", {BACKENDS: {"echo": f"{module}:EchoBackend"}}, {module: backend_module("echo")}
+        )
+    host = PluginHost(autoload=True, disabled=set())
+    with pytest.raises(PluginCollisionError) as info:
+        host.storage_backends.get("echo")
+    assert "kvstrata-echo-a 1.0" in str(info.value) and "kvstrata-echo-b 1.0" in str(info.value)
+
+
+def test_cli_plugins_json_lists_fake_distribution_and_broken_one(make_distribution, tmp_path: Path) -> None:
+    site = make_distribution(
+        "kvstrata-echo",
+        "0.3.1",
+        {BACKENDS: {"echo": "kvstrata_echo:EchoBackend"}},
+        {"kvstrata_echo": backend_module("echo")},
+    )
+    make_distribution(
+        "kvstrata-broken",
+        "9.9",
+        {BACKENDS: {"broken": "kvstrata_broken:Backend"}},
+        {"kvstrata_broken": "import not_a_real_module_xyz\n"},
+    )
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{src}", "XDG_CACHE_HOME": str(tmp_path / "c")}
+    env.pop("KVSTRATA_DISABLED_PLUGINS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstrata", "plugins", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {(row["kind"], row["name"]): row for row in json.loads(result.stdout)}
+    echo = rows[("storage backend", "echo")]
+    assert echo["distribution"] == "kvstrata-echo" and echo["status"] == "available"
+    assert echo["capabilities"]["pools"]["kv"]["zero_copy"] is True
+    broken = rows[("storage backend", "broken")]
+    assert broken["status"] == "load error" and broken["distribution"] == "kvstrata-broken"
+    assert "not_a_real_module_xyz" in broken["error"]
+    assert rows[("pool type", "kv")]["status"] == "available"
+
+
+def test_missing_dependency_names_the_install_command(kvstrata_bare_host: PluginHost) -> None:
+    cls = backend_class("needy", "{'surely_missing_module_xyz': \"pip install 'kvstrata[needy]'\"}")
+    kvstrata_bare_host.storage_backends.register(cls)
+    with pytest.raises(MissingDependencyError) as info:
+        kvstrata_bare_host.storage_backends.require("needy")
+    assert "pip install 'kvstrata[needy]'" in str(info.value)
+    assert "surely_missing_module_xyz" in str(info.value)
+
+
+def test_unknown_type_lists_installed_names(kvstrata_host: PluginHost) -> None:
+    with pytest.raises(UnknownPluginError) as info:
+        kvstrata_host.storage_backends.get("redis")
+    message = str(info.value)
+    assert "redis" in message and "file, hf3fs, mooncake" in message
+
+
+def test_in_process_registration_through_the_hook_lands_in_the_same_registry(
+    kvstrata_host: PluginHost,
+) -> None:
+    import kvstrata
+
+    cls = backend_class("inproc")
+
+    class Contributor:
+        @kvstrata.hookimpl
+        def kvstrata_register_storage_backends(self, register):
+            register(cls)
+
+    kvstrata_host.register_plugin(Contributor())
+    assert kvstrata_host.storage_backends.get("inproc").name == "inproc"
+    entry = kvstrata_host.storage_backends.entry("inproc")
+    assert entry.source == "in_process"
+
+
+def test_in_process_registration_colliding_with_an_entry_point_is_an_error(kvstrata_host: PluginHost) -> None:
+    with pytest.raises(PluginCollisionError) as info:
+        kvstrata_host.storage_backends.register(backend_class("file"))
+    assert "kvstrata 0.1.0" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("patch", "expected"),
+    [
+        ("name = 'other'", "entry point says"),
+        ("Config = None", "Literal"),
+        ("api_version = 99", "backend API"),
+        ("capabilities = {'pools': {}}", "BackendCapabilities"),
+    ],
+)
+def test_contract_violations_are_load_errors(make_distribution, patch: str, expected: str) -> None:
+    attribute, value = patch.split(" = ")
+    source = backend_module("bad") + f"\nEchoBackend.{attribute} = {value}\n"
+    module = f"kvstrata_bad_{attribute}"  # one module per case: sys.modules caches imports
+    make_distribution("kvstrata-bad", "0.1", {BACKENDS: {"bad": f"{module}:EchoBackend"}}, {module: source})
+    host = PluginHost(autoload=True, disabled=set())
+    with pytest.raises(PluginLoadError) as info:
+        host.storage_backends.get("bad")
+    assert expected in str(info.value) and "kvstrata-bad 0.1" in str(info.value)
+
+
+def test_env_switches_disable_autoload_and_single_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSTRATA_DISABLED_PLUGINS", "mooncake, swa")
+    host = PluginHost()
+    assert "mooncake" not in host.storage_backends.names() and "file" in host.storage_backends.names()
+    assert "swa" not in host.pool_types.names() and "kv" in host.pool_types.names()
+    monkeypatch.setenv("KVSTRATA_DISABLE_PLUGIN_AUTOLOAD", "1")
+    assert PluginHost().storage_backends.names() == []
+
+
+def test_broken_hook_plugin_is_reported_not_fatal(make_distribution) -> None:
+    make_distribution(
+        "kvstrata-observer",
+        "2.0",
+        {"kvstrata.plugins": {"observer": "kvstrata_observer"}},
+        {"kvstrata_observer": "raise ImportError('observer needs prometheus')\n"},
+    )
+    with pytest.warns(UserWarning, match="observer"):
+        host = PluginHost(autoload=True, disabled=set())
+    [error] = host.hook_plugin_errors
+    assert error.distribution == "kvstrata-observer" and "prometheus" in error.error
+    assert "file" in host.storage_backends.names()
+
+
+def test_hook_plugin_from_entry_point_receives_events(make_distribution) -> None:
+    make_distribution(
+        "kvstrata-observer",
+        "2.0",
+        {"kvstrata.plugins": {"observer": "kvstrata_observer"}},
+        {
+            "kvstrata_observer": """
+            import kvstrata
+            seen = []
+
+            @kvstrata.hookimpl
+            def kvstrata_eviction(tier, pool, units):
+                seen.append((tier, pool, units))
+        """
+        },
+    )
+    host = PluginHost(autoload=True, disabled=set())
+    host.hook.kvstrata_eviction(tier="device", pool="kv", units=3)
+    import kvstrata_observer  # type: ignore[import-not-found]
+
+    assert kvstrata_observer.seen == [("device", "kv", 3)]
