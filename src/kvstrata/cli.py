@@ -168,6 +168,70 @@ def config_schema() -> None:
     print(json.dumps(config_json_schema(PluginHost()), indent=2))
 
 
+@app.command()
+def simulate(
+    trace: Annotated[
+        Path | None, typer.Argument(help="Mooncake-format JSONL trace (default: the bundled sample)")
+    ] = None,
+    capacity_tokens: Annotated[
+        int | None, typer.Option("--capacity-tokens", help="LRU cache size in tokens (default: unlimited)")
+    ] = None,
+    block_size: Annotated[int, typer.Option("--block-size", help="tokens per trace hash block")] = 512,
+    warmup_fraction: Annotated[
+        float, typer.Option("--warmup-fraction", help="leading share of requests that only warm the cache")
+    ] = 0.0,
+    limit: Annotated[int | None, typer.Option("--limit", help="read only the first N requests")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Reference hit-rate simulation of a trace (LRU over blocks, token-weighted): the replay's baseline."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from pydantic import ValidationError
+
+    from kvstrata.replay.simulate import SimulationConfig
+    from kvstrata.replay.simulate import simulate as run_simulation
+    from kvstrata.replay.trace import TraceError, read_trace
+
+    try:
+        config = SimulationConfig(
+            block_size=block_size, capacity_tokens=capacity_tokens, warmup_fraction=warmup_fraction
+        )
+    except ValidationError as exc:
+        reasons = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors())
+        raise _fail(ValueError(reasons), EXIT_INVALID) from None
+    try:
+        requests = read_trace(trace, limit=limit, block_size=block_size)
+    except TraceError as exc:
+        raise _fail(exc, EXIT_INVALID) from None
+    with Progress(
+        TextColumn("simulating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=as_json or not err.is_terminal,
+    ) as progress:
+        task = progress.add_task("simulate", total=len(requests))
+        result = run_simulation(requests, config, progress=lambda n: progress.update(task, completed=n))
+    if as_json:
+        print(result.model_dump_json(indent=2, exclude={"per_request_hits", "per_request_tokens"}))
+        return
+    capacity = f"{capacity_tokens:,} tokens" if capacity_tokens is not None else "unlimited"
+    table = Table(title=f"simulate {trace or 'bundled sample trace'}", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("cache (LRU over blocks)", capacity)
+    table.add_row("block size", f"{block_size}")
+    table.add_row("requests", f"{result.requests:,}")
+    table.add_row("warm-up requests", f"{result.warmup_requests:,}")
+    table.add_row("measured input tokens", f"{result.tokens:,}")
+    table.add_row("hit tokens", f"{result.hit_tokens:,}")
+    table.add_row("unique / evicted blocks", f"{result.unique_blocks:,} / {result.evicted_blocks:,}")
+    table.add_row("[bold]hit rate[/]", f"[bold]{result.hit_rate:.2%}[/]")
+    out.print(table)
+
+
 def main() -> None:
     """Console-script entry point: maps kvstrata errors to exit codes instead of tracebacks."""
     try:
