@@ -184,9 +184,8 @@ def simulate(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Reference hit-rate simulation of a trace (LRU over blocks, token-weighted): the replay's baseline."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from pydantic import ValidationError
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvstrata.replay.simulate import SimulationConfig
     from kvstrata.replay.simulate import simulate as run_simulation
@@ -197,7 +196,9 @@ def simulate(
             block_size=block_size, capacity_tokens=capacity_tokens, warmup_fraction=warmup_fraction
         )
     except ValidationError as exc:
-        reasons = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors())
+        reasons = "; ".join(
+            f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors()
+        )
         raise _fail(ValueError(reasons), EXIT_INVALID) from None
     try:
         requests = read_trace(trace, limit=limit, block_size=block_size)

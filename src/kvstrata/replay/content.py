@@ -39,7 +39,9 @@ class ContentIdentity:
     unit_nbytes: int
 
     def base_seed(self) -> int:
-        return hash64("kvstrata.content", self.namespace, self.pool, self.buffer, self.dtype, self.unit_nbytes)
+        return hash64(
+            "kvstrata.content", self.namespace, self.pool, self.buffer, self.dtype, self.unit_nbytes
+        )
 
 
 def page_identity(key: bytes | str | int) -> int:
@@ -65,7 +67,9 @@ def word_table(identity: ContentIdentity, layer: int, device: torch.device | str
     return stream(key, words)[0]
 
 
-def generate(seeds: torch.Tensor, table: torch.Tensor, unit_nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def generate(
+    seeds: torch.Tensor, table: torch.Tensor, unit_nbytes: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[n, unit_nbytes]`` uint8 content: row i is ``seeds[i] ^ table`` as bytes (truncated)."""
     seeds = seeds.reshape(-1, 1)
     n = seeds.shape[0]

@@ -217,7 +217,9 @@ def render_summary(
     for tier in (*TIERS, "total"):
         rate = getattr(result.hit_rate, tier)
         style = "bold" if tier == "total" else ""
-        hits.add_row(tier, f"[{style}]{rate:.2%}[/]" if style else f"{rate:.2%}", f"{round(rate * result.tokens):,}")
+        hits.add_row(
+            tier, f"[{style}]{rate:.2%}[/]" if style else f"{rate:.2%}", f"{round(rate * result.tokens):,}"
+        )
     if details.baseline_hit_rate is not None:
         label = details.baseline_label or "reference simulator"
         hits.add_row(f"[dim]{label}[/]", f"[dim]{details.baseline_hit_rate:.2%}[/]", "")
@@ -243,7 +245,12 @@ def render_summary(
         for kind in ordered:
             s = details.latencies[kind]
             lat.add_row(
-                kind, f"{s.count:,}", f"{s.p50_ms:.3f}", f"{s.p90_ms:.3f}", f"{s.p99_ms:.3f}", f"{s.max_ms:.3f}"
+                kind,
+                f"{s.count:,}",
+                f"{s.p50_ms:.3f}",
+                f"{s.p90_ms:.3f}",
+                f"{s.p99_ms:.3f}",
+                f"{s.max_ms:.3f}",
             )
         console.print(lat)
 
@@ -284,7 +291,10 @@ def plot_hit_rates(
     tokens = np.asarray(details.timeline_tokens, dtype=np.float64)
     if tokens.size == 0:
         raise ValueError("nothing to plot: no measured requests")
-    hits = {tier: np.asarray(details.timeline_hits.get(tier, [0] * tokens.size), dtype=np.float64) for tier in TIERS}
+    hits = {
+        tier: np.asarray(details.timeline_hits.get(tier, [0] * tokens.size), dtype=np.float64)
+        for tier in TIERS
+    }
     window = window or max(1, min(500, tokens.size // 10))
     x = np.arange(details.warmup_requests + 1, details.warmup_requests + tokens.size + 1)
     colors = {"device": "tab:green", "host": "tab:blue", "storage": "tab:orange"}
@@ -298,8 +308,12 @@ def plot_hit_rates(
         prev_cum, prev_win = stack_cum.copy(), stack_win.copy()
         stack_cum += np.cumsum(hits[tier]) / cum_tokens
         stack_win += np.convolve(hits[tier], np.ones(window), mode="full")[: tokens.size] / cum_win
-        ax_cum.fill_between(x, prev_cum * 100, stack_cum * 100, color=colors[tier], alpha=0.6, label=tier, lw=0)
-        ax_win.fill_between(x, prev_win * 100, stack_win * 100, color=colors[tier], alpha=0.6, label=tier, lw=0)
+        ax_cum.fill_between(
+            x, prev_cum * 100, stack_cum * 100, color=colors[tier], alpha=0.6, label=tier, lw=0
+        )
+        ax_win.fill_between(
+            x, prev_win * 100, stack_win * 100, color=colors[tier], alpha=0.6, label=tier, lw=0
+        )
     ax_cum.plot(x, stack_cum * 100, color="black", lw=1.0, label="total")
     ax_win.plot(x, stack_win * 100, color="black", lw=0.8, label="total")
     if details.baseline_hit_rate is not None:
