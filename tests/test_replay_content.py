@@ -9,6 +9,7 @@ from kvstrata.replay.content import (
     ContentIdentity,
     fill_units,
     generate,
+    page_identities,
     page_identity,
     unit_seeds,
     verify_units,
@@ -79,3 +80,10 @@ def test_scattered_unit_indices_and_odd_unit_size() -> None:
 def test_rejects_non_byte_buffers() -> None:
     with pytest.raises(ValueError, match="uint8 tensor"):
         fill_units(torch.zeros(4, 8), [0], torch.tensor([1]), ContentIdentity("a", "b", "c", "d", 8), 0)
+
+
+def test_page_identities_stable_and_distinct() -> None:
+    keys = [b"\x00" * 32, b"\x00" * 31 + b"\x01", "prefix:1,2,3", 7, 2**64 - 1]
+    ids = page_identities(keys)
+    assert ids.dtype == torch.int64 and ids.tolist() == page_identities(keys).tolist()
+    assert len(set(ids.tolist())) == len(keys)

@@ -55,6 +55,11 @@ def _layer_key(identity: ContentIdentity, layer: int) -> int:
     return hash64("layer", identity.base_seed(), layer)
 
 
+def page_identities(keys: Sequence[bytes | str | int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """int64 identities of many page keys (one xxhash each: cheap, and only on the verify path)."""
+    return torch.tensor([page_identity(k) for k in keys], dtype=torch.int64, device=device)
+
+
 def unit_seeds(identity: ContentIdentity, page_ids: torch.Tensor, layer: int) -> torch.Tensor:
     """Per-unit seeds (int64): a bijective mix of page id, identity and layer."""
     return splitmix64_(page_ids.to(torch.int64).clone() ^ _layer_key(identity, layer))
