@@ -188,13 +188,11 @@ class FileBackend(StorageBackend):
     def _reserve(self, nbytes: int) -> bool:
         """Evict least recently used files until ``nbytes`` more fit under the capacity."""
         capacity = self.config.capacity_bytes
-        if capacity is None:
-            return True
-        if nbytes > capacity:
+        if capacity is not None and nbytes > capacity:
             return False
         victims: list[Path] = []
         with self._lock:
-            while self._used + nbytes > capacity and self._lru:
+            while capacity is not None and self._used + nbytes > capacity and self._lru:
                 path, size = self._lru.popitem(last=False)
                 self._used -= size
                 victims.append(path)
@@ -205,9 +203,8 @@ class FileBackend(StorageBackend):
         return True
 
     def _release(self, nbytes: int) -> None:
-        if self.config.capacity_bytes is not None:
-            with self._lock:
-                self._used -= nbytes
+        with self._lock:
+            self._used -= nbytes
 
     @property
     def used_bytes(self) -> int:
