@@ -20,6 +20,7 @@ import contextlib
 import importlib
 import os
 import threading
+import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,6 +95,7 @@ class HF3FSBackend(StorageBackend):
         self._lock = threading.Lock()
         self._slots: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (slot, length), LRU
         self._free: list[int] = []
+        self._token = uuid.uuid4().hex[:12]
 
     @classmethod
     def unavailable_reason(cls, config: BackendConfig | None = None) -> str | None:
@@ -106,7 +108,8 @@ class HF3FSBackend(StorageBackend):
 
     @property
     def data_file(self) -> Path:
-        return Path(self.config.path) / f"hf3fs-mock.{self.instance}.bin"
+        # One file per backend object: the key map is private to it, so must be the data.
+        return Path(self.config.path) / f"hf3fs-mock.{self.instance}.{os.getpid()}.{self._token}.bin"
 
     def open(self) -> None:
         reason = self.unavailable_reason(self.config)
@@ -136,7 +139,11 @@ class HF3FSBackend(StorageBackend):
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
-            return [key in self._slots for key in keys]
+            found = [key in self._slots for key in keys]
+            for key, present in zip(keys, found, strict=True):
+                if present:
+                    self._slots.move_to_end(key)  # an existence query is a use: keep it in LRU
+            return found
 
     def _allocate(self, key: str) -> int | None:
         with self._lock:
