@@ -9,7 +9,13 @@ import pytest
 
 from kvstrata.core.config import ParallelConfig
 from kvstrata.core.io_plan import IOMode, plan_backend
-from kvstrata.core.storage_engine import PoolBatch, StorageEngine, longest_present_prefix, read_order, write_order
+from kvstrata.core.storage_engine import (
+    PoolBatch,
+    StorageEngine,
+    longest_present_prefix,
+    read_order,
+    write_order,
+)
 from kvstrata.plugins.storage_backend import ANY_POOL, BackendCapabilities, PoolCapabilities, StorageObject
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
@@ -159,6 +165,6 @@ def test_mismatched_regions_are_refused_with_a_clear_error(faulty: FaultyFileBac
 def test_order_helpers() -> None:
     specs = list(conformance_specs().values())
     assert [s.name for s in write_order(specs)] == ["index", "state", "attn"]
-    assert [s.name for s in read_order(specs)][0] == "attn"
+    assert read_order(specs)[0].name == "attn"
     assert longest_present_prefix([True, True, False, True]) == 2
     assert longest_present_prefix([]) == 0

@@ -33,7 +33,7 @@ def test_without_mount_open_refuses_with_the_reason(tmp_path: Path) -> None:
     reason = HF3FSBackend.unavailable_reason(config)
     assert reason is not None and "hf3fs_fuse.io" in reason and "mock: true" in reason
     backend = HF3FSBackend("l3", config)
-    with pytest.raises(PluginUnavailableError, match="hf3fs_fuse.io"):
+    with pytest.raises(PluginUnavailableError, match=r"hf3fs_fuse\.io"):
         backend.open()
     assert backend.probe() == reason
 
@@ -53,7 +53,9 @@ def test_mock_slot_limit_and_lru_reuse(tmp_path: Path) -> None:
     assert backend.capabilities.max_object_bytes == 4096
     blobs = [bytearray([i]) * 100 for i in range(3)]
     arrays = [(ctypes.c_ubyte * 100).from_buffer(b) for b in blobs]
-    objects = [StorageObject(f"k{i}", (BufferRegion(ctypes.addressof(a), 100),)) for i, a in enumerate(arrays)]
+    objects = [
+        StorageObject(f"k{i}", (BufferRegion(ctypes.addressof(a), 100),)) for i, a in enumerate(arrays)
+    ]
     assert backend.put(objects[:2]) == [True, True]
     assert backend.exists(["k0"]) == [True]
     assert backend.put(objects[2:]) == [True]  # full: the least recently used slot (k1) is reused

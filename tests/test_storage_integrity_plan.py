@@ -81,7 +81,9 @@ def test_plan_modes_follow_capabilities() -> None:
     assert plan_pool("b", single, spec, parallel=parallel).mode is IOMode.COPY
     alloc = CAPS_ZERO.model_copy(update={"host_allocator": True})
     assert plan_pool("b", alloc, spec, parallel=parallel).mode is IOMode.COPY
-    assert plan_pool("b", alloc, spec, parallel=parallel, host_memory_from_backend=True).mode is IOMode.ZERO_COPY
+    assert (
+        plan_pool("b", alloc, spec, parallel=parallel, host_memory_from_backend=True).mode is IOMode.ZERO_COPY
+    )
     copy_only = BackendCapabilities(pools={ANY_POOL: PoolCapabilities()})
     assert plan_pool("b", copy_only, spec, parallel=parallel).mode is IOMode.COPY
 

@@ -77,7 +77,9 @@ def test_sharded_keys_carry_rank_and_size_replicated_have_one_writer() -> None:
         keys[("rep", tp_rank, tp_size)] = rep.key("ab" * 16, "k")
     assert len({keys[(0, 2)], keys[(1, 2)], keys[(0, 4)]}) == 3
     assert keys[("rep", 0, 2)] == keys[("rep", 1, 2)]
-    pp = KeySchema.for_pool(replicated, model_name="org/Model-1.5B", parallel=ParallelConfig(pp_rank=1, pp_size=2))
+    pp = KeySchema.for_pool(
+        replicated, model_name="org/Model-1.5B", parallel=ParallelConfig(pp_rank=1, pp_size=2)
+    )
     assert pp.key("ab" * 16, "k") != keys[("rep", 0, 2)]  # pipeline stages hold different layers
     for key in keys.values():
         assert SAFE_KEY.match(key) and "/" not in key

@@ -242,7 +242,9 @@ def doctor(files: ConfigFiles, set_: SetOption = None) -> None:
     host_tier = config.tiers.host
     units = host_tier.capacity_tokens // config.model.page_size
     required = sum(spec.bytes_per_unit * units for spec in specs.values())
-    available = max(psutil.virtual_memory().available - host_tier.reserve_bytes, 0) // host_tier.ranks_per_host
+    available = (
+        max(psutil.virtual_memory().available - host_tier.reserve_bytes, 0) // host_tier.ranks_per_host
+    )
     verdict = "[green]fits[/]" if required <= available else "[red]does not fit[/]"
     out.print(
         f"host budget: {units} units per pool need {required / 2**30:.3f} GiB per rank; "

@@ -55,10 +55,8 @@ def namespace_root(model_name: str, cache_salt: str = "") -> str:
 
 def _token_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
     """Tokens as one contiguous little-endian uint32 array (vectorised, validated)."""
-    if isinstance(tokens, torch.Tensor):
-        array = tokens.detach().to("cpu").numpy()
-    else:
-        array = np.asarray(tokens)
+    is_tensor = isinstance(tokens, torch.Tensor)
+    array = tokens.detach().to("cpu").numpy() if is_tensor else np.asarray(tokens)
     if array.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {array.shape}")
     if array.size and array.dtype.kind not in "iu":

@@ -363,7 +363,9 @@ class StorageEngine:
                 result = self.put(spec.name, batch.page_hashes, batch.units)
                 results[spec.name] = result
                 if not result.skipped:
-                    failed_pages.update(h for h, ok in zip(batch.page_hashes, result.ok, strict=True) if not ok)
+                    failed_pages.update(
+                        h for h, ok in zip(batch.page_hashes, result.ok, strict=True) if not ok
+                    )
                 continue
             keep = [i for i, page_hash in enumerate(batch.page_hashes) if page_hash not in failed_pages]
             sub = self.put(spec.name, [batch.page_hashes[i] for i in keep], [batch.units[i] for i in keep])

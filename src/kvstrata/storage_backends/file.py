@@ -126,7 +126,9 @@ class FileBackend(StorageBackend):
     def open(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         self._adopt_existing()
-        self._pool = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix=f"kvstrata-file-{self.instance}")
+        self._pool = ThreadPoolExecutor(
+            self.config.io_threads, thread_name_prefix=f"kvstrata-file-{self.instance}"
+        )
 
     def close(self) -> None:
         if self._pool is not None:

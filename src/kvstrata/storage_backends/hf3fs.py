@@ -90,7 +90,9 @@ class HF3FSBackend(StorageBackend):
     def __init__(self, instance: str, config: BackendConfig) -> None:
         super().__init__(instance, config)
         # The slot size bounds objects: the instance narrows the class declaration for the planner.
-        self.capabilities = type(self).capabilities.model_copy(update={"max_object_bytes": self.config.slot_bytes})
+        self.capabilities = type(self).capabilities.model_copy(
+            update={"max_object_bytes": self.config.slot_bytes}
+        )
         self._fd: int | None = None
         self._lock = threading.Lock()
         self._slots: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (slot, length), LRU

@@ -166,7 +166,12 @@ class BackendConformance:
         parallel = ParallelConfig()
         plans = plan_backend(backend.instance, backend.capabilities, specs.values(), parallel=parallel)
         return StorageEngine(
-            backend, specs, plans, model_name=model_name or self.model_name, parallel=parallel, checksum=checksum
+            backend,
+            specs,
+            plans,
+            model_name=model_name or self.model_name,
+            parallel=parallel,
+            checksum=checksum,
         )
 
     def corrupt(self, backend: StorageBackend, key: str, mode: Literal["flip", "truncate"]) -> bool:
@@ -254,7 +259,9 @@ class BackendConformance:
             assert self.engine(backend, {"attn": big}).plans["attn"].mode is IOMode.OFF
         # a backend claiming multi-buffer objects gathers / scatters scattered regions itself
         if caps.multi_buffer_objects:
-            data = torch.randint(0, 256, (4, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+            data = torch.randint(
+                0, 256, (4, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)
+            )
             out = torch.zeros_like(data)
             key = "conformance-raw-multi-region"
             regions = tuple(BufferRegion(data[i, 8 * i :].data_ptr(), 40) for i in range(4))
@@ -337,13 +344,17 @@ class BackendConformance:
                 assert all(self.engine(first, specs).put("attn", hashes, source["attn"].units(range(2))).ok)
                 if first.capabilities.shared_across_instances:
                     target = self.pools(specs, 2, seed=None)
-                    assert all(self.engine(second, specs).get("attn", hashes, target["attn"].units(range(2))).ok)
+                    assert all(
+                        self.engine(second, specs).get("attn", hashes, target["attn"].units(range(2))).ok
+                    )
                     self.assert_units_equal(source["attn"], target["attn"], range(2))
                     return
                 assert all(self.engine(second, specs).put("attn", hashes, other["attn"].units(range(2))).ok)
                 for backend, expected in ((first, source), (second, other)):
                     target = self.pools(specs, 2, seed=None)
-                    assert all(self.engine(backend, specs).get("attn", hashes, target["attn"].units(range(2))).ok)
+                    assert all(
+                        self.engine(backend, specs).get("attn", hashes, target["attn"].units(range(2))).ok
+                    )
                     self.assert_units_equal(expected["attn"], target["attn"], range(2))
             finally:
                 second.close()
