@@ -249,8 +249,12 @@ class FileBackend(StorageBackend):
             return False
         tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
-            path.parent.mkdir(exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+            try:
+                fd = os.open(tmp, flags, 0o644)
+            except FileNotFoundError:  # first object of this fan-out directory
+                path.parent.mkdir(exist_ok=True)
+                fd = os.open(tmp, flags, 0o644)
             try:
                 _write_all(fd, _views(obj.regions))
                 if self.config.fsync:
