@@ -168,3 +168,39 @@ def test_order_helpers() -> None:
     assert read_order(specs)[0].name == "attn"
     assert longest_present_prefix([True, True, False, True]) == 2
     assert longest_present_prefix([]) == 0
+
+
+def test_batch_hooks_fire_and_observer_failures_are_contained(
+    faulty: FaultyFileBackend, kvstrata_bare_host
+) -> None:  # type: ignore[no-untyped-def]
+    import kvstrata
+
+    events: list[tuple] = []  # type: ignore[type-arg]
+
+    class Observer:
+        @kvstrata.hookimpl
+        def kvstrata_pages_stored(self, instance: str, pool: str, pages: int, nbytes: int) -> None:
+            events.append(("stored", instance, pool, pages, nbytes))
+            raise RuntimeError("a broken observer")
+
+        @kvstrata.hookimpl
+        def kvstrata_operation_failed(self, operation: str, instance: str, error: BaseException) -> None:
+            events.append(("failed", operation, instance, type(error).__name__))
+
+    kvstrata_bare_host.register_plugin(Observer())
+    specs = conformance_specs()
+    parallel = ParallelConfig()
+    plans = plan_backend("faulty", faulty.capabilities, specs.values(), parallel=parallel)
+    engine = StorageEngine(
+        faulty, specs, plans, model_name="m", parallel=parallel, hook=kvstrata_bare_host.hook
+    )
+    source = KIT.pools(specs, 2, seed=6)
+    hashes = page_hashes(2, seed=6)
+    assert all(engine.put("index", hashes, source["index"].units(range(2))).ok)
+    faulty.raise_on = {"get"}
+    assert engine.get("index", hashes, source["index"].units(range(2))).ok == [False, False]
+    unit_bytes = 64 + specs["index"].object_bytes("idx")
+    assert events == [
+        ("stored", "faulty", "index", 2, 2 * unit_bytes),
+        ("failed", "get", "faulty", "ConnectionError"),
+    ]

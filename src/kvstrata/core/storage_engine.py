@@ -20,6 +20,7 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -118,7 +119,9 @@ class StorageEngine:
         cache_salt: str = "",
         parallel: ParallelConfig,
         checksum: ChecksumPolicy = "xxh3",
+        hook: Any | None = None,
     ) -> None:
+        """``hook``: a pluggy hook relay (``PluginHost.hook``) for per-batch events; optional."""
         missing = set(specs) - set(plans)
         if missing:
             raise ValueError(f"no I/O plan for pools {sorted(missing)}")
@@ -127,6 +130,7 @@ class StorageEngine:
         self.plans = dict(plans)
         self.checksum: ChecksumPolicy = checksum
         self.metrics = StorageMetrics()
+        self._hook = hook
         self._lock = threading.Lock()
         self.schemas = {
             name: KeySchema.for_pool(spec, model_name=model_name, cache_salt=cache_salt, parallel=parallel)
@@ -152,10 +156,22 @@ class StorageEngine:
             for name, delta in deltas.items():
                 setattr(self.metrics, name, getattr(self.metrics, name) + delta)
 
+    def _emit(self, name: str, **kwargs: Any) -> None:
+        """Call a per-batch hook; an observer's failure must never fail the operation."""
+        if self._hook is None:
+            return
+        try:
+            getattr(self._hook, name)(**kwargs)
+        except Exception:
+            log.exception("hook %s raised; ignored", name)
+
     def _backend_failed(self, operation: str, pool: str, exc: BaseException) -> str:
         self._count(backend_errors=1)
         message = f"{operation} on backend {self.backend.instance!r} (pool {pool!r}) failed: {exc!r}"
         log.warning(message)
+        self._emit(
+            "kvstrata_operation_failed", operation=operation, instance=self.backend.instance, error=exc
+        )
         return message
 
     # --- exists -------------------------------------------------------------------------------
@@ -244,6 +260,14 @@ class StorageEngine:
         ok = [all(stored[i * n_obj + j] for j in range(n_obj)) for i in range(count)]
         written = sum(obj.nbytes for obj, flag in zip(objects, stored, strict=True) if flag)
         self._count(put_units=count, put_failed=ok.count(False), bytes_written=written)
+        if any(ok):
+            self._emit(
+                "kvstrata_pages_stored",
+                instance=self.backend.instance,
+                pool=pool,
+                pages=ok.count(True),
+                nbytes=written,
+            )
         return BatchResult(ok)
 
     def get(self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions]) -> BatchResult:
