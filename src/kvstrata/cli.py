@@ -231,6 +231,96 @@ def simulate(
     table.add_row("unique / evicted blocks", f"{result.unique_blocks:,} / {result.evicted_blocks:,}")
     table.add_row("[bold]hit rate[/]", f"[bold]{result.hit_rate:.2%}[/]")
     out.print(table)
+def build_pool_specs(config: Any, host: PluginHost) -> dict[str, Any]:
+    """PoolSpecs of the configured stack (instantiates the selected pool types only)."""
+    from kvstrata.plugins.pool_type import ModelContext, PoolRole
+
+    anchor = next(
+        name
+        for name, pool in config.model.pools.items()
+        if pool.index_source is None and host.pool_types.get(pool.type).default_role is PoolRole.ANCHOR
+    )
+    context = ModelContext(page_size=config.model.page_size, anchor=anchor)
+    return {
+        name: host.pool_types.require(pool.type)(name, pool, context).spec()
+        for name, pool in config.model.pools.items()
+    }
+
+
+@app.command()
+def doctor(files: ConfigFiles, set_: SetOption = None) -> None:
+    """Check a configuration against this machine: I/O plan per (backend, pool), host memory
+    budget, backend reachability. Exits 1 when something cannot work as configured."""
+    import psutil
+
+    from kvstrata.core.io_plan import IOMode, plan_backend
+
+    host = PluginHost()
+    try:
+        config = validate_config(compose(files, set_ or []), host, ", ".join(map(str, files)))
+        specs = build_pool_specs(config, host)
+    except (ConfigError, PluginError) as exc:
+        raise _fail(exc, EXIT_INVALID) from None
+    problems: list[str] = []
+
+    plan_table = Table(title="I/O plan per (backend, pool)")
+    for column in ("backend", "pool", "type", "mode", "object bytes", "reason"):
+        plan_table.add_column(column)
+    reach_table = Table(title="backends")
+    for column in ("backend", "type", "status", "details"):
+        reach_table.add_column(column)
+    for instance, backend_config in config.tiers.storage.items():
+        try:
+            cls = host.storage_backends.require(backend_config.type)
+        except PluginError as exc:
+            reach_table.add_row(instance, backend_config.type, "[red]missing[/]", str(exc))
+            problems.append(f"backend {instance!r}: {exc}")
+            continue
+        backend = cls(instance, backend_config)
+        plans = plan_backend(instance, backend.capabilities, specs.values(), parallel=config.parallel)
+        for name, plan in plans.items():
+            style = {IOMode.ZERO_COPY: "green", IOMode.COPY: "yellow"}.get(plan.mode, "red")
+            sizes = ", ".join(f"{k}={v}" for k, v in plan.object_bytes.items())
+            plan_table.add_row(instance, name, plan.pool_type, f"[{style}]{plan.mode}[/]", sizes, plan.reason)
+            if plan.mode is IOMode.OFF and not specs[name].logical:
+                problems.append(f"pool {name!r} cannot be stored on backend {instance!r}: {plan.reason}")
+        reason = cls.unavailable_reason(backend_config)
+        if reason is None:
+            try:
+                reason = backend.probe()
+            except Exception as exc:  # a probe must not crash the doctor
+                reason = f"probe failed: {exc!r}"
+        if reason is None:
+            reach_table.add_row(instance, backend_config.type, "[green]reachable[/]", "")
+        else:
+            reach_table.add_row(instance, backend_config.type, "[red]unavailable[/]", reason)
+            problems.append(f"backend {instance!r} ({backend_config.type}): {reason}")
+    if config.tiers.storage:
+        out.print(plan_table)
+        out.print(reach_table)
+    else:
+        out.print("no storage tier configured (tiers.storage is empty)")
+
+    # Host budget: every pool holds capacity_tokens / page_size units in the host tier.
+    host_tier = config.tiers.host
+    units = host_tier.capacity_tokens // config.model.page_size
+    required = sum(spec.bytes_per_unit * units for spec in specs.values())
+    available = (
+        max(psutil.virtual_memory().available - host_tier.reserve_bytes, 0) // host_tier.ranks_per_host
+    )
+    verdict = "[green]fits[/]" if required <= available else "[red]does not fit[/]"
+    out.print(
+        f"host budget: {units} units per pool need {required / 2**30:.3f} GiB per rank; "
+        f"available {available / 2**30:.3f} GiB per rank "
+        f"(available memory - reserve_bytes, / ranks_per_host {host_tier.ranks_per_host}): {verdict}"
+    )
+    if required > available:
+        problems.append(f"host tier needs {required} bytes per rank, {available} available")
+    if problems:
+        for problem in problems:
+            err.print(f"[bold red]problem:[/] {problem}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_RUNTIME)
+    out.print("[green]ok[/]: every pool can be stored as configured")
 
 
 def main() -> None:

@@ -1,27 +1,100 @@
-"""``file``: the embedded default backend, one file per object in a local directory."""
+"""``file``: the embedded default backend, one file per object in a local directory.
+
+Layout: ``{path}/{fan}/{key}`` where ``fan`` is the first ``fanout_chars`` hex digits of the
+key's BLAKE2b digest (spreads objects over 256 sub-directories by default). Keys longer than
+200 characters or with unsafe characters are stored under their digest instead.
+
+Safety with several processes sharing the directory:
+
+* writes are two-phase: a temp file in the same sub-directory is written with ``os.writev``
+  straight from the object's regions, optionally ``fsync``-ed, then ``os.replace``-d onto the
+  final name, so a reader sees a complete object or none;
+* an existing key is not rewritten (skip), since equal keys carry equal bytes;
+* eviction and reads tolerate files that another process removed meanwhile;
+* a truncated file reads short and the core's header/length check turns it into a miss.
+
+Capacity: ``capacity_bytes`` bounds what this process keeps; the LRU order lives in memory,
+seeded at open from the files already there (oldest access/modification time first), updated on
+every hit, put and exists. Files written by other processes after open are adopted when this
+process first touches them.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
+import re
+import threading
+import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
+from kvstrata.core.integrity import region_view
 from kvstrata.plugins.storage_backend import (
     ANY_POOL,
     BackendCapabilities,
     BackendConfig,
+    BufferRegion,
     PoolCapabilities,
     StorageBackend,
     StorageObject,
 )
 
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_TMP_MARK = ".tmp-"
+#: Most platforms cap one readv/writev at 1024 iovecs (IOV_MAX).
+_IOV_MAX = 1024
+MISS = -1
+
 
 class FileConfig(BackendConfig):
+    """Config of the ``file`` backend (all field names are what users write)."""
+
     type: Literal["file"] = "file"
     path: Path = Field(description="directory holding the objects (created if missing)")
     capacity_bytes: int | None = Field(default=None, ge=1, description="LRU-evict above this size")
+    io_threads: int = Field(default=4, ge=1, le=64, description="parallel file operations per batch")
+    fsync: bool = Field(default=False, description="fsync each object before it becomes visible")
+    fanout_chars: int = Field(default=2, ge=0, le=4, description="hex digits of sub-directory fan-out")
+
+
+def _views(regions: Sequence[BufferRegion]) -> list[memoryview]:
+    return [region_view(region) for region in regions if region.nbytes]
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """``os.writev`` until every byte is written (it may write less than asked)."""
+    pending = views
+    while pending:
+        written = os.writev(fd, pending[:_IOV_MAX])
+        while pending and written >= len(pending[0]):
+            written -= len(pending[0])
+            pending = pending[1:]
+        if written:
+            pending = [pending[0][written:], *pending[1:]]
+
+
+def _read_all(fd: int, views: list[memoryview]) -> int:
+    """``os.readv`` until the regions are full or EOF; returns the bytes read."""
+    total = 0
+    pending = views
+    while pending:
+        got = os.readv(fd, pending[:_IOV_MAX])
+        if got == 0:
+            break
+        total += got
+        while pending and got >= len(pending[0]):
+            got -= len(pending[0])
+            pending = pending[1:]
+        if got:
+            pending = [pending[0][got:], *pending[1:]]
+    return total
 
 
 class FileBackend(StorageBackend):
@@ -32,16 +105,212 @@ class FileBackend(StorageBackend):
         batch_exists=True,
         multi_buffer_objects=True,
         atomic_visibility=True,
+        overwrite="skip_existing",
         persistent=True,
         shared_across_instances=True,
         self_evicting=True,
     )
 
+    config: FileConfig
+
+    def __init__(self, instance: str, config: BackendConfig) -> None:
+        super().__init__(instance, config)
+        self.root = Path(self.config.path)
+        self._lru: OrderedDict[Path, int] = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def open(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._adopt_existing()
+        self._pool = ThreadPoolExecutor(
+            self.config.io_threads, thread_name_prefix=f"kvstrata-file-{self.instance}"
+        )
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def probe(self) -> str | None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"cannot create {self.root}: {exc.strerror or exc}"
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            return f"directory {self.root} is not writable"
+        return None
+
+    def _adopt_existing(self) -> None:
+        """Seed the LRU with files already there (restart, or written by other processes)."""
+        found: list[tuple[float, Path, int]] = []
+        for directory, _dirs, files in os.walk(self.root):
+            for name in files:
+                path = Path(directory, name)
+                try:
+                    info = path.stat()
+                except FileNotFoundError:
+                    continue
+                if _TMP_MARK in name:
+                    continue  # a writer died mid-write, or one is writing now: never adopt
+                found.append((max(info.st_atime, info.st_mtime), path, info.st_size))
+        found.sort(key=lambda item: item[0])
+        with self._lock:
+            for _time, path, size in found:
+                if path not in self._lru:
+                    self._lru[path] = size
+                    self._used += size
+
+    # --- paths and LRU ------------------------------------------------------------------------
+
+    def path_for(self, key: str) -> Path:
+        """Where ``key`` lives (also used by tests to corrupt objects on purpose)."""
+        digest = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+        name = key if _SAFE_NAME.match(key) and not key.startswith(".") else digest
+        fan = digest[: self.config.fanout_chars]
+        return self.root / fan / name if fan else self.root / name
+
+    def _touch(self, path: Path, size: int | None = None) -> None:
+        with self._lock:
+            if path in self._lru:
+                self._lru.move_to_end(path)
+            elif size is not None:
+                self._lru[path] = size
+                self._used += size
+
+    def _forget(self, path: Path) -> None:
+        with self._lock:
+            size = self._lru.pop(path, None)
+            if size is not None:
+                self._used -= size
+
+    def _reserve(self, nbytes: int) -> bool:
+        """Evict least recently used files until ``nbytes`` more fit under the capacity."""
+        capacity = self.config.capacity_bytes
+        if capacity is not None and nbytes > capacity:
+            return False
+        victims: list[Path] = []
+        with self._lock:
+            while capacity is not None and self._used + nbytes > capacity and self._lru:
+                path, size = self._lru.popitem(last=False)
+                self._used -= size
+                victims.append(path)
+            self._used += nbytes  # reserved; corrected by _release on failure
+        for path in victims:
+            with contextlib.suppress(FileNotFoundError):  # another process may have removed it
+                path.unlink()
+        return True
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._used -= nbytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    # --- I/O ----------------------------------------------------------------------------------
+
+    def _map(self, fn, items):  # type: ignore[no-untyped-def]
+        if self._pool is None:
+            raise RuntimeError(f"file backend {self.instance!r} is not open")
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        return list(self._pool.map(fn, items))
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        raise NotImplementedError("file backend I/O is not implemented yet (issue #4)")
+        def one(key: str) -> bool:
+            path = self.path_for(key)
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                self._forget(path)
+                return False
+            self._touch(path, size)
+            return True
+
+        return self._map(one, list(keys))
 
     def put(self, objects: Sequence[StorageObject]) -> list[bool]:
-        raise NotImplementedError("file backend I/O is not implemented yet (issue #4)")
+        return self._map(self._put_one, list(objects))
+
+    def _put_one(self, obj: StorageObject) -> bool:
+        path = self.path_for(obj.key)
+        try:
+            self._touch(path, path.stat().st_size)
+            return True  # skip_existing: equal keys carry equal bytes
+        except FileNotFoundError:
+            pass
+        nbytes = obj.nbytes
+        if not self._reserve(nbytes):
+            return False
+        tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+            try:
+                fd = os.open(tmp, flags, 0o644)
+            except FileNotFoundError:  # first object of this fan-out directory
+                path.parent.mkdir(exist_ok=True)
+                fd = os.open(tmp, flags, 0o644)
+            try:
+                _write_all(fd, _views(obj.regions))
+                if self.config.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError:
+            self._release(nbytes)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            return False
+        with self._lock:
+            if path in self._lru:  # adopted meanwhile: do not count twice
+                self._used -= nbytes
+            else:
+                self._lru[path] = nbytes
+        return True
 
     def get(self, objects: Sequence[StorageObject]) -> list[int]:
-        raise NotImplementedError("file backend I/O is not implemented yet (issue #4)")
+        return self._map(self._get_one, list(objects))
+
+    def _get_one(self, obj: StorageObject) -> int:
+        path = self.path_for(obj.key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget(path)
+            return MISS
+        except OSError as exc:
+            return -(exc.errno or 1)
+        try:
+            size = os.fstat(fd).st_size
+            got = _read_all(fd, _views(obj.regions))
+        except OSError as exc:
+            return -(exc.errno or 1)
+        finally:
+            os.close(fd)
+        self._touch(path, size)
+        return got
+
+    # --- test hooks -----------------------------------------------------------------------------
+
+    def corrupt_for_test(self, key: str, mode: Literal["flip", "truncate"], offset: int = -1) -> bool:
+        """Damage a stored object on purpose (conformance kit): flip one byte or cut it in half."""
+        path = self.path_for(key)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return False
+        if mode == "truncate":
+            os.truncate(path, size // 2)
+            return True
+        with open(path, "r+b") as handle:
+            handle.seek(offset % size)
+            byte = handle.read(1)
+            handle.seek(offset % size)
+            handle.write(bytes([byte[0] ^ 0xFF]))
+        return True

@@ -1,14 +1,35 @@
-"""``hf3fs``: DeepSeek 3FS through its USRBIO API (stub until a 3FS mount is available)."""
+"""``hf3fs``: DeepSeek 3FS through its USRBIO API -- a STUB until a 3FS mount is available.
+
+What is real here: the capability declaration, the availability check (``hf3fs_fuse.io`` must
+import AND ``extract_mount_point(path)`` must find a 3FS mount, else ``unavailable_reason`` says
+why and ``open`` raises :class:`PluginUnavailableError`), and the *mock* mode (``mock: true``),
+which keeps the backend's code path tested: one preallocated ordinary file cut into fixed-size
+slots, an in-memory key -> slot map (the role 3FS's metadata service plays), positioned vectored
+I/O (``os.pwritev`` / ``os.preadv``) per object, LRU slot reuse when full.
+
+What is NOT implemented: the USRBIO data path (shared-memory iovecs, io rings) and the metadata
+server. Even with a mount present, ``open`` refuses with a message saying so.
+
+The mock's map lives in the process, so mock objects are neither persistent nor shared between
+processes; the declared capabilities describe this implementation, not a future 3FS one.
+"""
 
 from __future__ import annotations
 
-import importlib.util
+import contextlib
+import importlib
+import os
+import threading
+import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
+from kvstrata.core.integrity import region_view
+from kvstrata.plugins.errors import PluginUnavailableError
 from kvstrata.plugins.storage_backend import (
     ANY_POOL,
     BackendCapabilities,
@@ -18,39 +39,196 @@ from kvstrata.plugins.storage_backend import (
     StorageObject,
 )
 
+MISS = -1
+
 
 class HF3FSConfig(BackendConfig):
+    """Config of the ``hf3fs`` backend."""
+
     type: Literal["hf3fs"] = "hf3fs"
-    path: Path = Field(description="directory on a 3FS mount")
-    mock: bool = Field(default=False, description="use an ordinary file instead of USRBIO (tests)")
+    path: Path = Field(description="directory on a 3FS mount (mock: any directory)")
+    mock: bool = Field(default=False, description="use an ordinary preallocated file instead of USRBIO")
+    file_bytes: int = Field(default=1 << 30, ge=4096, description="size of the preallocated data file")
+    slot_bytes: int = Field(default=4 << 20, ge=128, description="fixed slot per object (max object size)")
+
+    @property
+    def slots(self) -> int:
+        return self.file_bytes // self.slot_bytes
+
+
+def _usrbio_problem(path: Path | None) -> str | None:
+    """Why USRBIO cannot be used (``None`` when the module imports and ``path`` is on 3FS)."""
+    try:
+        usrbio = importlib.import_module("hf3fs_fuse.io")
+    except ImportError as exc:
+        return (
+            f"module hf3fs_fuse.io cannot be imported ({exc}): it ships with a 3FS deployment (built in "
+            "3FS's dev container), not on PyPI; set mock: true to use the file-backed mock"
+        )
+    if path is not None and usrbio.extract_mount_point(str(path)) is None:
+        return f"{path} is not on a 3FS mount (extract_mount_point returned None)"
+    return None
 
 
 class HF3FSBackend(StorageBackend):
     name = "hf3fs"
     Config = HF3FSConfig
     capabilities = BackendCapabilities(
+        # USRBIO moves data through its own shared-memory iovecs, so the core stages (copy path).
         pools={ANY_POOL: PoolCapabilities(zero_copy=False)},
         batch_exists=True,
-        persistent=True,
-        shared_across_instances=True,
+        multi_buffer_objects=True,
+        atomic_visibility=True,  # a key is mapped only after its slot is fully written
+        overwrite="skip_existing",
+        persistent=False,  # mock: the key map is in memory
+        shared_across_instances=False,
+        self_evicting=True,  # LRU slot reuse
     )
+
+    config: HF3FSConfig
+
+    def __init__(self, instance: str, config: BackendConfig) -> None:
+        super().__init__(instance, config)
+        # The slot size bounds objects: the instance narrows the class declaration for the planner.
+        self.capabilities = type(self).capabilities.model_copy(
+            update={"max_object_bytes": self.config.slot_bytes}
+        )
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+        self._slots: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (slot, length), LRU
+        self._free: list[int] = []
+        self._token = uuid.uuid4().hex[:12]
 
     @classmethod
     def unavailable_reason(cls, config: BackendConfig | None = None) -> str | None:
-        if isinstance(config, HF3FSConfig) and config.mock:
-            return None
-        if importlib.util.find_spec("hf3fs_fuse") is None:
-            return (
-                "module hf3fs_fuse.io is not installed: it ships with a 3FS deployment (built in "
-                "3FS's dev container), not on PyPI; set mock: true to use the file-backed mock"
-            )
-        return None
+        if isinstance(config, HF3FSConfig):
+            if config.mock:
+                return None
+            problem = _usrbio_problem(config.path)
+            return problem or "hf3fs is a stub: the USRBIO data path is not implemented; use mock: true"
+        return _usrbio_problem(None)
+
+    @property
+    def data_file(self) -> Path:
+        # One file per backend object: the key map is private to it, so must be the data.
+        return Path(self.config.path) / f"hf3fs-mock.{self.instance}.{os.getpid()}.{self._token}.bin"
+
+    def open(self) -> None:
+        reason = self.unavailable_reason(self.config)
+        if reason is not None:
+            raise PluginUnavailableError(f"storage backend {self.instance!r} (hf3fs): {reason}")
+        self.config.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.data_file, os.O_RDWR | os.O_CREAT, 0o644)
+        os.ftruncate(fd, self.config.slots * self.config.slot_bytes)
+        self._fd = fd
+        self._free = list(range(self.config.slots - 1, -1, -1))
+        self._slots.clear()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            with contextlib.suppress(FileNotFoundError):
+                self.data_file.unlink()  # the map dies with the process, so does the data
+
+    def probe(self) -> str | None:
+        return self.unavailable_reason(self.config)
+
+    def _require_fd(self) -> int:
+        if self._fd is None:
+            raise RuntimeError(f"hf3fs backend {self.instance!r} is not open")
+        return self._fd
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        raise NotImplementedError("hf3fs backend I/O is not implemented yet (issue #4)")
+        with self._lock:
+            found = [key in self._slots for key in keys]
+            for key, present in zip(keys, found, strict=True):
+                if present:
+                    self._slots.move_to_end(key)  # an existence query is a use: keep it in LRU
+            return found
+
+    def _allocate(self, key: str) -> int | None:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if not self._slots:
+                return None
+            _victim, (slot, _length) = self._slots.popitem(last=False)
+            return slot
 
     def put(self, objects: Sequence[StorageObject]) -> list[bool]:
-        raise NotImplementedError("hf3fs backend I/O is not implemented yet (issue #4)")
+        fd = self._require_fd()
+        results: list[bool] = []
+        for obj in objects:
+            with self._lock:
+                if obj.key in self._slots:
+                    self._slots.move_to_end(obj.key)
+                    results.append(True)
+                    continue
+            if obj.nbytes > self.config.slot_bytes:
+                results.append(False)
+                continue
+            slot = self._allocate(obj.key)
+            if slot is None:
+                results.append(False)
+                continue
+            try:
+                views = [region_view(r) for r in obj.regions if r.nbytes]
+                written = os.pwritev(fd, views, slot * self.config.slot_bytes)
+                if written != obj.nbytes:
+                    raise OSError(f"short write {written}/{obj.nbytes}")
+            except OSError:
+                with self._lock:
+                    self._free.append(slot)
+                results.append(False)
+                continue
+            with self._lock:
+                if obj.key in self._slots:  # another thread won: keep its slot
+                    self._free.append(slot)
+                else:
+                    self._slots[obj.key] = (slot, obj.nbytes)
+            results.append(True)
+        return results
 
     def get(self, objects: Sequence[StorageObject]) -> list[int]:
-        raise NotImplementedError("hf3fs backend I/O is not implemented yet (issue #4)")
+        fd = self._require_fd()
+        results: list[int] = []
+        for obj in objects:
+            with self._lock:
+                entry = self._slots.get(obj.key)
+                if entry is not None:
+                    self._slots.move_to_end(obj.key)
+            if entry is None:
+                results.append(MISS)
+                continue
+            slot, length = entry
+            views, budget = [], length
+            for region in obj.regions:
+                if budget <= 0 or not region.nbytes:
+                    continue
+                view = region_view(region)
+                views.append(view[: min(budget, region.nbytes)])
+                budget -= region.nbytes
+            try:
+                results.append(os.preadv(fd, views, slot * self.config.slot_bytes))
+            except OSError as exc:
+                results.append(-(exc.errno or 1))
+        return results
+
+    # --- test hooks -----------------------------------------------------------------------------
+
+    def corrupt_for_test(self, key: str, mode: Literal["flip", "truncate"], offset: int = -1) -> bool:
+        """Damage a stored object on purpose (conformance kit): flip one byte or shorten it."""
+        fd = self._require_fd()
+        with self._lock:
+            entry = self._slots.get(key)
+            if entry is None:
+                return False
+            slot, length = entry
+            if mode == "truncate":
+                self._slots[key] = (slot, length // 2)
+                return True
+        position = slot * self.config.slot_bytes + (offset % length)
+        byte = os.pread(fd, 1, position)
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), position)
+        return True

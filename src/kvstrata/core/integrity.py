@@ -1,0 +1,181 @@
+"""Object header: makes a corrupt, truncated, foreign or mis-shaped object a miss, never data.
+
+Every stored object is ``header (HEADER_BYTES) + payload``; the core builds the header and passes
+it as the object's FIRST region, so backends store opaque bytes. Header layout (little endian)::
+
+    0  magic        4s   b"KVS1"
+    4  version      u16  FORMAT_VERSION
+    6  checksum     u16  0 = none, 1 = xxh3_64 of the payload
+    8  fingerprint  16s  layout fingerprint of (pool type, buffers, dtypes, shapes, page size, suffix)
+    24 key digest   u64  xxh3_64 of the object's key: an object served under another key is rejected
+    32 payload len  u64
+    40 checksum     u64
+    48 reserved     16s  zero
+
+The payload byte order is canonical -- for each buffer of the ObjectSpec in order, each layer in
+order, the unit's elements -- whatever the host layout, so the fingerprint leaves the host layout
+out and a page written from a layer-first host pool can be read into a page-first one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum, StrEnum
+from typing import Literal
+
+import xxhash
+
+from kvstrata.plugins.pool_type import PoolSpec
+from kvstrata.plugins.storage_backend import BufferRegion
+
+MAGIC = b"KVS1"
+FORMAT_VERSION = 1
+HEADER_BYTES = 64
+_STRUCT = struct.Struct("<4sHH16sQQQ16s")
+assert _STRUCT.size == HEADER_BYTES
+
+ChecksumPolicy = Literal["xxh3", "none"]
+
+
+class ChecksumKind(IntEnum):
+    NONE = 0
+    XXH3_64 = 1
+
+
+class Verdict(StrEnum):
+    """Outcome of verifying one object read back."""
+
+    OK = "ok"
+    SHORT_READ = "short_read"  # fewer bytes than a header (missing or truncated object)
+    BAD_MAGIC = "bad_magic"
+    BAD_VERSION = "bad_version"
+    FINGERPRINT_MISMATCH = "fingerprint_mismatch"  # another pool type / layout / shape
+    KEY_MISMATCH = "key_mismatch"  # object stored under a different key
+    LENGTH_MISMATCH = "length_mismatch"  # truncated, or payload size differs from the spec
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+
+
+def region_view(region: BufferRegion) -> memoryview:
+    """A writable byte view of raw memory (no copy); the memory must outlive the view."""
+    if region.nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * region.nbytes).from_address(region.ptr)).cast("B")
+
+
+def layout_fingerprint(spec: PoolSpec, suffix: str) -> bytes:
+    """16-byte digest of everything that shapes one object's bytes (not the host layout)."""
+    obj = next((o for o in spec.objects if o.suffix == suffix), None)
+    if obj is None:
+        raise ValueError(f"pool {spec.name!r} has no object with suffix {suffix!r}")
+    by_name = {b.name: b for b in spec.buffers}
+    description = {
+        "pool_type": spec.pool_type,
+        "page_size": spec.page_size,
+        "granularity": str(spec.granularity),
+        "suffix": suffix,
+        "buffers": [
+            [name, by_name[name].dtype, by_name[name].layers, list(by_name[name].unit_shape)]
+            for name in obj.buffers
+        ],
+    }
+    text = json.dumps(description, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(text, digest_size=16, person=b"kvstrata-fp-v1").digest()
+
+
+def key_digest(key: str) -> int:
+    return xxhash.xxh3_64_intdigest(key.encode())
+
+
+def payload_checksum(regions: Sequence[BufferRegion]) -> int:
+    """xxh3_64 streamed over the regions in order (no concatenation copy)."""
+    hasher = xxhash.xxh3_64()
+    for region in regions:
+        hasher.update(region_view(region))
+    return hasher.intdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectHeader:
+    fingerprint: bytes
+    key_digest: int
+    payload_nbytes: int
+    checksum_kind: ChecksumKind = ChecksumKind.NONE
+    checksum: int = 0
+    version: int = FORMAT_VERSION
+    magic: bytes = MAGIC
+
+    def pack(self) -> bytes:
+        return _STRUCT.pack(
+            self.magic,
+            self.version,
+            int(self.checksum_kind),
+            self.fingerprint,
+            self.key_digest,
+            self.payload_nbytes,
+            self.checksum,
+            bytes(16),
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes | memoryview) -> ObjectHeader:
+        magic, version, kind, fingerprint, digest, nbytes, checksum, _ = _STRUCT.unpack(bytes(data))
+        try:
+            checksum_kind = ChecksumKind(kind)
+        except ValueError:
+            checksum_kind = ChecksumKind.NONE
+            version = -1  # unknown checksum kind: treat like an unknown format
+        return cls(fingerprint, digest, nbytes, checksum_kind, checksum, version, magic)
+
+
+def build_header(
+    key: str, fingerprint: bytes, payload: Sequence[BufferRegion], checksum: ChecksumPolicy
+) -> bytes:
+    """The header bytes for one object whose payload lies in ``payload``."""
+    nbytes = sum(region.nbytes for region in payload)
+    if checksum == "xxh3":
+        kind, value = ChecksumKind.XXH3_64, payload_checksum(payload)
+    else:
+        kind, value = ChecksumKind.NONE, 0
+    return ObjectHeader(fingerprint, key_digest(key), nbytes, kind, value).pack()
+
+
+def verify_object(
+    header: bytes | memoryview,
+    *,
+    key: str,
+    fingerprint: bytes,
+    payload: Sequence[BufferRegion],
+    bytes_read: int,
+    checksum: ChecksumPolicy,
+) -> Verdict:
+    """Check an object read back into ``header`` + ``payload``; anything but OK is a miss.
+
+    The checksum is verified when the writer stored one and the reader's policy is ``xxh3``
+    (policy ``none`` trades detection of silent bit flips for read bandwidth).
+    """
+    if bytes_read < HEADER_BYTES:
+        return Verdict.SHORT_READ
+    parsed = ObjectHeader.unpack(header)
+    if parsed.magic != MAGIC:
+        return Verdict.BAD_MAGIC
+    if parsed.version != FORMAT_VERSION:
+        return Verdict.BAD_VERSION
+    if parsed.fingerprint != fingerprint:
+        return Verdict.FINGERPRINT_MISMATCH
+    if parsed.key_digest != key_digest(key):
+        return Verdict.KEY_MISMATCH
+    expected = sum(region.nbytes for region in payload)
+    if parsed.payload_nbytes != expected or bytes_read != HEADER_BYTES + expected:
+        return Verdict.LENGTH_MISMATCH
+    if (
+        checksum == "xxh3"
+        and parsed.checksum_kind is ChecksumKind.XXH3_64
+        and payload_checksum(payload) != parsed.checksum
+    ):
+        return Verdict.CHECKSUM_MISMATCH
+    return Verdict.OK

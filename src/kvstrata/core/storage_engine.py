@@ -1,0 +1,422 @@
+"""The storage engine: per-pool batch exists / put / get of unit objects on one backend instance.
+
+It is the only code that talks to a backend on the data path. It builds keys from the pool's
+:class:`~kvstrata.core.keys.KeySchema`, prepends the integrity header as the first region,
+follows the frozen :class:`~kvstrata.core.io_plan.IOPlan` (zero-copy regions straight from the
+host pool, or a staging copy), verifies every object read back (a bad one is a miss counted in
+:class:`StorageMetrics`), and turns any backend exception into a failed operation -- it never
+propagates, so a broken backend cannot kill a storage thread or leak host slots.
+
+Units and regions: one *unit* is a page (or a state slot) of a pool; it is stored as one object
+per ``ObjectSpec`` of the pool. Callers pass, per unit, one sequence of :class:`BufferRegion` per
+object, in ``ObjectSpec`` order, whose bytes in order are the canonical payload (see
+:mod:`kvstrata.core.integrity`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvstrata.core.config import ParallelConfig
+from kvstrata.core.integrity import (
+    HEADER_BYTES,
+    ChecksumPolicy,
+    Verdict,
+    build_header,
+    layout_fingerprint,
+    verify_object,
+)
+from kvstrata.core.io_plan import IOMode, IOPlan
+from kvstrata.core.keys import KeySchema
+from kvstrata.plugins.pool_type import PoolRole, PoolSpec
+from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend, StorageObject
+
+log = logging.getLogger(__name__)
+
+#: Regions of one unit: one sequence of regions per object of the pool, in ObjectSpec order.
+UnitRegions = Sequence[Sequence[BufferRegion]]
+
+
+@dataclass
+class StorageMetrics:
+    """Counters of one engine (one backend instance); read by metrics exporters."""
+
+    exists_calls: int = 0
+    put_units: int = 0
+    put_failed: int = 0
+    put_skipped_read_only: int = 0
+    get_units: int = 0
+    get_hits: int = 0
+    get_misses: int = 0
+    corrupt_detected: int = 0
+    corrupt_reasons: dict[str, int] = field(default_factory=dict)
+    backend_errors: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    """Per-unit outcome of one batch; ``error`` is set when the whole operation failed."""
+
+    ok: list[bool]
+    error: str | None = None
+    skipped: bool = False  # nothing attempted (plan off / read-only): ``error`` says why
+
+    @property
+    def prefix(self) -> int:
+        return longest_present_prefix(self.ok)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolBatch:
+    """One pool's share of a multi-pool operation on the same pages."""
+
+    page_hashes: Sequence[str]
+    units: Sequence[UnitRegions] = ()
+
+
+def longest_present_prefix(flags: Sequence[bool]) -> int:
+    """Length of the leading run of ``True``: how many pages from the start are usable."""
+    for index, flag in enumerate(flags):
+        if not flag:
+            return index
+    return len(flags)
+
+
+def write_order(specs: Sequence[PoolSpec]) -> list[PoolSpec]:
+    """Sidecars, then components, then the anchor LAST: the anchor object is the commit marker."""
+    rank = {PoolRole.SIDECAR: 0, PoolRole.COMPONENT: 1, PoolRole.ANCHOR: 2}
+    return sorted(specs, key=lambda spec: rank[spec.role])
+
+
+def read_order(specs: Sequence[PoolSpec]) -> list[PoolSpec]:
+    """Anchor first: no anchor, no point reading the rest."""
+    return list(reversed(write_order(specs)))
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.ctypes.data)
+
+
+class StorageEngine:
+    """Batch I/O of one stack's pools on one backend instance, driven only by plans and specs."""
+
+    def __init__(
+        self,
+        backend: StorageBackend,
+        specs: Mapping[str, PoolSpec],
+        plans: Mapping[str, IOPlan],
+        *,
+        model_name: str,
+        cache_salt: str = "",
+        parallel: ParallelConfig,
+        checksum: ChecksumPolicy = "xxh3",
+        hook: Any | None = None,
+    ) -> None:
+        """``hook``: a pluggy hook relay (``PluginHost.hook``) for per-batch events; optional."""
+        missing = set(specs) - set(plans)
+        if missing:
+            raise ValueError(f"no I/O plan for pools {sorted(missing)}")
+        self.backend = backend
+        self.specs = dict(specs)
+        self.plans = dict(plans)
+        self.checksum: ChecksumPolicy = checksum
+        self.metrics = StorageMetrics()
+        self._hook = hook
+        self._lock = threading.Lock()
+        self.schemas = {
+            name: KeySchema.for_pool(spec, model_name=model_name, cache_salt=cache_salt, parallel=parallel)
+            for name, spec in self.specs.items()
+        }
+        self._fingerprints = {
+            name: [layout_fingerprint(spec, obj.suffix) for obj in spec.objects]
+            for name, spec in self.specs.items()
+        }
+        self._payload_bytes = {
+            name: [spec.object_bytes(obj.suffix) for obj in spec.objects] for name, spec in self.specs.items()
+        }
+
+    # --- keys ---------------------------------------------------------------------------------
+
+    def object_keys(self, pool: str, page_hashes: Sequence[str]) -> list[list[str]]:
+        """Keys per object spec (outer) per unit (inner) of ``pool``."""
+        schema = self.schemas[pool]
+        return [schema.keys(page_hashes, obj.suffix) for obj in self.specs[pool].objects]
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self.metrics, name, getattr(self.metrics, name) + delta)
+
+    def _emit(self, name: str, **kwargs: Any) -> None:
+        """Call a per-batch hook; an observer's failure must never fail the operation."""
+        if self._hook is None:
+            return
+        try:
+            getattr(self._hook, name)(**kwargs)
+        except Exception:
+            log.exception("hook %s raised; ignored", name)
+
+    def _backend_failed(self, operation: str, pool: str, exc: BaseException) -> str:
+        self._count(backend_errors=1)
+        message = f"{operation} on backend {self.backend.instance!r} (pool {pool!r}) failed: {exc!r}"
+        log.warning(message)
+        self._emit(
+            "kvstrata_operation_failed", operation=operation, instance=self.backend.instance, error=exc
+        )
+        return message
+
+    # --- exists -------------------------------------------------------------------------------
+
+    def exists(self, pool: str, page_hashes: Sequence[str]) -> BatchResult:
+        """A unit exists when every one of its objects does."""
+        plan = self.plans[pool]
+        count = len(page_hashes)
+        if not plan.enabled:
+            return BatchResult([False] * count, plan.reason, skipped=True)
+        if count == 0:
+            return BatchResult([])
+        per_object = self.object_keys(pool, page_hashes)
+        flat = [key for keys in per_object for key in keys]
+        self._count(exists_calls=1)
+        try:
+            found = self.backend.exists(flat)
+            if len(found) != len(flat):
+                raise RuntimeError(f"backend returned {len(found)} results for {len(flat)} keys")
+        except Exception as exc:  # a backend failure fails this call only
+            return BatchResult([False] * count, self._backend_failed("exists", pool, exc))
+        ok = [all(found[j * count + i] for j in range(len(per_object))) for i in range(count)]
+        return BatchResult(ok)
+
+    def exists_prefix(self, pool: str, page_hashes: Sequence[str]) -> int:
+        """How many leading pages of ``page_hashes`` the backend holds for ``pool``."""
+        return longest_present_prefix(self.exists(pool, page_hashes).ok)
+
+    # --- put / get ----------------------------------------------------------------------------
+
+    def _check_units(self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions]) -> None:
+        if len(units) != len(page_hashes):
+            raise ValueError(f"pool {pool!r}: {len(units)} units of regions for {len(page_hashes)} pages")
+        sizes = self._payload_bytes[pool]
+        for index, unit in enumerate(units):
+            if len(unit) != len(sizes):
+                raise ValueError(f"pool {pool!r} unit {index}: {len(unit)} objects, spec has {len(sizes)}")
+            for obj_index, regions in enumerate(unit):
+                nbytes = sum(region.nbytes for region in regions)
+                if nbytes != sizes[obj_index]:
+                    raise ValueError(
+                        f"pool {pool!r} unit {index} object {obj_index}: regions hold {nbytes} bytes, "
+                        f"the spec says {sizes[obj_index]}"
+                    )
+
+    def put(self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions]) -> BatchResult:
+        """Store every unit (one object per ObjectSpec); a unit succeeds when all its objects do."""
+        plan = self.plans[pool]
+        count = len(page_hashes)
+        if not plan.enabled:
+            return BatchResult([False] * count, plan.reason, skipped=True)
+        if plan.read_only:
+            self._count(put_skipped_read_only=count)
+            return BatchResult([False] * count, plan.reason, skipped=True)
+        self._check_units(pool, page_hashes, units)
+        if count == 0:
+            return BatchResult([])
+        per_object = self.object_keys(pool, page_hashes)
+        n_obj = len(per_object)
+        headers = np.zeros((count * n_obj, HEADER_BYTES), dtype=np.uint8)
+        staging = self._stage_out(pool, units) if plan.mode is IOMode.COPY else None
+        objects: list[StorageObject] = []
+        offset = 0
+        for i in range(count):
+            for j in range(n_obj):
+                if staging is not None:
+                    nbytes = self._payload_bytes[pool][j]
+                    payload: tuple[BufferRegion, ...] = (BufferRegion(_address(staging) + offset, nbytes),)
+                    offset += nbytes
+                else:
+                    payload = tuple(units[i][j])
+                key = per_object[j][i]
+                row = i * n_obj + j
+                headers[row] = np.frombuffer(
+                    build_header(key, self._fingerprints[pool][j], payload, self.checksum), dtype=np.uint8
+                )
+                header_region = BufferRegion(_address(headers) + row * HEADER_BYTES, HEADER_BYTES)
+                objects.append(StorageObject(key, (header_region, *payload)))
+        try:
+            stored = self.backend.put(objects)
+            if len(stored) != len(objects):
+                raise RuntimeError(f"backend returned {len(stored)} results for {len(objects)} objects")
+        except Exception as exc:
+            self._count(put_units=count, put_failed=count)
+            return BatchResult([False] * count, self._backend_failed("put", pool, exc))
+        ok = [all(stored[i * n_obj + j] for j in range(n_obj)) for i in range(count)]
+        written = sum(obj.nbytes for obj, flag in zip(objects, stored, strict=True) if flag)
+        self._count(put_units=count, put_failed=ok.count(False), bytes_written=written)
+        if any(ok):
+            self._emit(
+                "kvstrata_pages_stored",
+                instance=self.backend.instance,
+                pool=pool,
+                pages=ok.count(True),
+                nbytes=written,
+            )
+        return BatchResult(ok)
+
+    def get(self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions]) -> BatchResult:
+        """Read every unit into its regions; a missing, short or failing object makes the unit a miss.
+
+        On a zero-copy miss the destination regions may hold partial bytes: the caller must not
+        use a unit whose result is False.
+        """
+        plan = self.plans[pool]
+        count = len(page_hashes)
+        if not plan.enabled:
+            return BatchResult([False] * count, plan.reason, skipped=True)
+        self._check_units(pool, page_hashes, units)
+        if count == 0:
+            return BatchResult([])
+        per_object = self.object_keys(pool, page_hashes)
+        n_obj = len(per_object)
+        sizes = self._payload_bytes[pool]
+        headers = np.zeros((count * n_obj, HEADER_BYTES), dtype=np.uint8)
+        staging = np.empty(sum(sizes) * count, dtype=np.uint8) if plan.mode is IOMode.COPY else None
+        objects: list[StorageObject] = []
+        payloads: list[tuple[BufferRegion, ...]] = []
+        offset = 0
+        for i in range(count):
+            for j in range(n_obj):
+                if staging is not None:
+                    payload: tuple[BufferRegion, ...] = (BufferRegion(_address(staging) + offset, sizes[j]),)
+                    offset += sizes[j]
+                else:
+                    payload = tuple(units[i][j])
+                header_region = BufferRegion(_address(headers) + (i * n_obj + j) * HEADER_BYTES, HEADER_BYTES)
+                objects.append(StorageObject(per_object[j][i], (header_region, *payload)))
+                payloads.append(payload)
+        try:
+            read = self.backend.get(objects)
+            if len(read) != len(objects):
+                raise RuntimeError(f"backend returned {len(read)} results for {len(objects)} objects")
+        except Exception as exc:
+            self._count(get_units=count, get_misses=count)
+            return BatchResult([False] * count, self._backend_failed("get", pool, exc))
+        good = [False] * len(objects)
+        corrupt: dict[str, int] = {}
+        for row, obj in enumerate(objects):
+            if read[row] < 0:
+                continue  # a plain miss
+            verdict = verify_object(
+                headers[row].data,
+                key=obj.key,
+                fingerprint=self._fingerprints[pool][row % n_obj],
+                payload=payloads[row],
+                bytes_read=read[row],
+                checksum=self.checksum,
+            )
+            if verdict is Verdict.OK:
+                good[row] = True
+            else:
+                corrupt[verdict.value] = corrupt.get(verdict.value, 0) + 1
+        ok = [all(good[i * n_obj + j] for j in range(n_obj)) for i in range(count)]
+        if staging is not None:
+            self._stage_in(staging, units, ok, sizes)
+        hits = ok.count(True)
+        nbytes = sum(read[row] for row in range(len(objects)) if ok[row // n_obj])
+        with self._lock:
+            self.metrics.get_units += count
+            self.metrics.get_hits += hits
+            self.metrics.get_misses += count - hits
+            self.metrics.bytes_read += nbytes
+            self.metrics.corrupt_detected += sum(corrupt.values())
+            for reason, n in corrupt.items():
+                self.metrics.corrupt_reasons[reason] = self.metrics.corrupt_reasons.get(reason, 0) + n
+        if corrupt:
+            log.warning("pool %r: rejected corrupt or foreign objects %s", pool, corrupt)
+        return BatchResult(ok)
+
+    def _stage_out(self, pool: str, units: Sequence[UnitRegions]) -> np.ndarray:
+        """Gather every unit's regions into one contiguous staging buffer (one memmove per region)."""
+        total = sum(self._payload_bytes[pool]) * len(units)
+        staging = np.empty(total, dtype=np.uint8)
+        cursor = _address(staging)
+        for unit in units:
+            for regions in unit:
+                for region in regions:
+                    ctypes.memmove(cursor, region.ptr, region.nbytes)
+                    cursor += region.nbytes
+        return staging
+
+    @staticmethod
+    def _stage_in(
+        staging: np.ndarray, units: Sequence[UnitRegions], ok: Sequence[bool], sizes: Sequence[int]
+    ) -> None:
+        """Scatter verified units from staging into their destination regions."""
+        cursor = _address(staging)
+        unit_bytes = sum(sizes)
+        for unit, hit in zip(units, ok, strict=True):
+            if hit:
+                position = cursor
+                for regions in unit:
+                    for region in regions:
+                        ctypes.memmove(region.ptr, position, region.nbytes)
+                        position += region.nbytes
+            cursor += unit_bytes
+
+    # --- multi-pool ---------------------------------------------------------------------------
+
+    def put_group(self, batches: Mapping[str, PoolBatch]) -> dict[str, BatchResult]:
+        """Write several pools' objects for the same pages, anchor LAST.
+
+        An anchor page is written only if every other pool of the group that has that page stored
+        it, so a visible anchor object implies its sidecars and components are there.
+        """
+        specs = write_order([self.specs[name] for name in batches])
+        results: dict[str, BatchResult] = {}
+        failed_pages: set[str] = set()
+        for spec in specs:
+            batch = batches[spec.name]
+            if spec.role is not PoolRole.ANCHOR:
+                result = self.put(spec.name, batch.page_hashes, batch.units)
+                results[spec.name] = result
+                if not result.skipped:
+                    failed_pages.update(
+                        h for h, ok in zip(batch.page_hashes, result.ok, strict=True) if not ok
+                    )
+                continue
+            keep = [i for i, page_hash in enumerate(batch.page_hashes) if page_hash not in failed_pages]
+            sub = self.put(spec.name, [batch.page_hashes[i] for i in keep], [batch.units[i] for i in keep])
+            ok = [False] * len(batch.page_hashes)
+            for position, index in enumerate(keep):
+                ok[index] = sub.ok[position]
+            results[spec.name] = BatchResult(ok, sub.error, sub.skipped)
+        return results
+
+    def get_group(self, batches: Mapping[str, PoolBatch]) -> dict[str, BatchResult]:
+        """Read several pools for the same pages, anchor FIRST; other pools only read the pages
+        the anchor delivered (with no anchor in the group, every pool reads every page)."""
+        specs = read_order([self.specs[name] for name in batches])
+        results: dict[str, BatchResult] = {}
+        anchor_hits: set[str] | None = None
+        for spec in specs:
+            batch = batches[spec.name]
+            if spec.role is PoolRole.ANCHOR or anchor_hits is None:
+                result = self.get(spec.name, batch.page_hashes, batch.units)
+                results[spec.name] = result
+                if spec.role is PoolRole.ANCHOR:
+                    anchor_hits = {h for h, ok in zip(batch.page_hashes, result.ok, strict=True) if ok}
+                continue
+            keep = [i for i, page_hash in enumerate(batch.page_hashes) if page_hash in anchor_hits]
+            sub = self.get(spec.name, [batch.page_hashes[i] for i in keep], [batch.units[i] for i in keep])
+            ok = [False] * len(batch.page_hashes)
+            for position, index in enumerate(keep):
+                ok[index] = sub.ok[position]
+            results[spec.name] = BatchResult(ok, sub.error, sub.skipped)
+        return results

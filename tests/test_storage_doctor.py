@@ -1,0 +1,48 @@
+"""`kvstrata doctor`: plan table, host budget, reachability, exit codes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from kvstrata.cli import app
+
+DEMO = Path(__file__).parent.parent / "examples" / "configs" / "demo.yaml"
+runner = CliRunner()
+
+
+def doctor(*overrides: str):  # type: ignore[no-untyped-def]
+    args = ["doctor", str(DEMO)]
+    for item in overrides:
+        args += ["--set", item]
+    return runner.invoke(app, args, env={"COLUMNS": "200"})
+
+
+def test_file_backend_passes(tmp_path: Path) -> None:
+    result = doctor(f"tiers.storage.l3.path={tmp_path}")
+    assert result.exit_code == 0, result.output
+    assert "zero_copy" in result.output and "reachable" in result.output and "host budget" in result.output
+
+
+def test_unavailable_backend_fails_with_reason(tmp_path: Path) -> None:
+    result = doctor(f"tiers.storage.l3={{type: hf3fs, path: {tmp_path}}}")
+    assert result.exit_code == 1
+    assert "hf3fs_fuse.io" in result.output
+
+
+def test_pool_that_cannot_be_stored_fails(tmp_path: Path) -> None:
+    result = doctor(f"tiers.storage.l3={{type: hf3fs, path: {tmp_path}, mock: true, slot_bytes: 4096}}")
+    assert result.exit_code == 1
+    assert "max_object_bytes" in result.output and "cannot be stored" in result.output
+
+
+def test_host_budget_overflow_fails(tmp_path: Path) -> None:
+    result = doctor(f"tiers.storage.l3.path={tmp_path}", "tiers.host.capacity_tokens=100000000000")
+    assert result.exit_code == 1
+    assert "does not fit" in result.output
+
+
+def test_invalid_config_exit_code() -> None:
+    result = doctor("tiers.storage.l3.capacity=1")
+    assert result.exit_code == 2

@@ -1,0 +1,206 @@
+"""The storage engine over a real file backend, with fault injection where a test needs faults."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from kvstrata.core.config import ParallelConfig
+from kvstrata.core.io_plan import IOMode, plan_backend
+from kvstrata.core.storage_engine import (
+    PoolBatch,
+    StorageEngine,
+    longest_present_prefix,
+    read_order,
+    write_order,
+)
+from kvstrata.plugins.storage_backend import ANY_POOL, BackendCapabilities, PoolCapabilities, StorageObject
+from kvstrata.storage_backends.file import FileBackend, FileConfig
+from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
+
+
+class FaultyFileBackend(FileBackend):
+    """FAULT INJECTION: a real file backend that can raise, lie about result counts, fail chosen
+    keys, and records the order of put calls."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.raise_on: set[str] = set()
+        self.short_results = False
+        self.fail_keys: set[str] = set()
+        self.put_log: list[list[str]] = []
+
+    def _maybe_fail(self, operation: str) -> None:
+        if operation in self.raise_on:
+            raise ConnectionError(f"injected {operation} failure")
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        self._maybe_fail("exists")
+        return super().exists(keys)
+
+    def put(self, objects: Sequence[StorageObject]) -> list[bool]:
+        self._maybe_fail("put")
+        self.put_log.append([o.key for o in objects])
+        keep = [o for o in objects if o.key not in self.fail_keys]
+        stored = dict(zip([o.key for o in keep], super().put(keep), strict=True))
+        result = [stored.get(o.key, False) for o in objects]
+        return result[:-1] if self.short_results else result
+
+    def get(self, objects: Sequence[StorageObject]) -> list[int]:
+        self._maybe_fail("get")
+        return super().get(objects)
+
+
+@pytest.fixture
+def faulty(tmp_path: Path) -> FaultyFileBackend:
+    backend = FaultyFileBackend("faulty", FileConfig(path=tmp_path))
+    backend.open()
+    yield backend
+    backend.close()
+
+
+KIT = BackendConformance()
+
+
+def test_backend_exceptions_become_failed_results(faulty: FaultyFileBackend) -> None:
+    specs = conformance_specs()
+    engine = KIT.engine(faulty, specs)
+    source = KIT.pools(specs, 2, seed=1)
+    hashes = page_hashes(2, seed=1)
+    faulty.raise_on = {"exists", "put", "get"}
+    put = engine.put("attn", hashes, source["attn"].units(range(2)))
+    assert put.ok == [False, False] and "injected put failure" in (put.error or "")
+    assert engine.exists("attn", hashes).ok == [False, False]
+    assert engine.get("attn", hashes, source["attn"].units(range(2))).ok == [False, False]
+    assert engine.metrics.backend_errors == 3
+    faulty.raise_on = set()
+    faulty.short_results = True
+    result = engine.put("attn", hashes, source["attn"].units(range(2)))
+    assert result.ok == [False, False] and "results for" in (result.error or "")
+    faulty.short_results = False
+    assert all(engine.put("attn", hashes, source["attn"].units(range(2))).ok)  # recovered
+
+
+def test_anchor_written_last_and_only_over_complete_pages(faulty: FaultyFileBackend) -> None:
+    specs = conformance_specs()
+    engine = KIT.engine(faulty, specs)
+    source = KIT.pools(specs, 3, seed=2)
+    hashes = page_hashes(3, seed=2)
+    faulty.fail_keys = {engine.object_keys("index", hashes)[0][1]}  # sidecar of page 1 fails
+    results = engine.put_group({name: PoolBatch(hashes, source[name].units(range(3))) for name in specs})
+    order = [log[0].split(".")[1] for log in faulty.put_log]
+    assert order == ["conf_idx-index", "conf_state-state", "conf_kv-attn"]
+    assert results["index"].ok == [True, False, True]
+    assert results["attn"].ok == [True, False, True]
+    assert engine.exists("attn", hashes).ok == [True, False, True]  # no anchor without its sidecar
+    faulty.put_log.clear()
+    target = KIT.pools(specs, 3, seed=None)
+    got = engine.get_group({name: PoolBatch(hashes, target[name].units(range(3))) for name in specs})
+    assert got["attn"].ok == [True, False, True]
+    assert got["state"].ok == [True, False, True]  # only pages the anchor delivered are read
+    for name in specs:
+        KIT.assert_units_equal(source[name], target[name], [0, 2])
+
+
+def test_copy_and_zero_copy_paths_store_identical_objects(tmp_path: Path) -> None:
+    specs = conformance_specs()
+    zero = FileBackend("a", FileConfig(path=tmp_path))
+    zero.open()
+    copy = FileBackend("a", FileConfig(path=tmp_path))
+    copy.capabilities = BackendCapabilities(pools={ANY_POOL: PoolCapabilities()}, multi_buffer_objects=True)
+    copy.open()
+    zero_engine, copy_engine = KIT.engine(zero, specs), KIT.engine(copy, specs)
+    assert zero_engine.plans["attn"].mode is IOMode.ZERO_COPY
+    assert copy_engine.plans["attn"].mode is IOMode.COPY
+    source = KIT.pools(specs, 4, seed=3)
+    hashes = page_hashes(4, seed=3)
+    assert all(copy_engine.put("attn", hashes[:2], source["attn"].units(range(2))).ok)
+    assert all(zero_engine.put("attn", hashes[2:], source["attn"].units(range(2, 4))).ok)
+    for engine in (zero_engine, copy_engine):
+        target = KIT.pools(specs, 4, seed=None)
+        assert all(engine.get("attn", hashes, target["attn"].units(range(4))).ok)
+        KIT.assert_units_equal(source["attn"], target["attn"], range(4))
+    zero.close()
+    copy.close()
+
+
+def test_read_only_plan_skips_writes_but_reads(tmp_path: Path) -> None:
+    from kvstrata.plugins.pool_type import Replication
+
+    specs = {"attn": conformance_specs()["attn"].model_copy(update={"replication": Replication.REPLICATED})}
+    backend = FileBackend("b", FileConfig(path=tmp_path))
+    backend.open()
+    engines = {}
+    for rank in (0, 1):
+        parallel = ParallelConfig(tp_rank=rank, tp_size=2)
+        plans = plan_backend("b", backend.capabilities, specs.values(), parallel=parallel)
+        engines[rank] = StorageEngine(backend, specs, plans, model_name="m", parallel=parallel)
+    source = KIT.pools(specs, 2, seed=4)
+    hashes = page_hashes(2, seed=4)
+    skipped = engines[1].put("attn", hashes, source["attn"].units(range(2)))
+    assert skipped.skipped and skipped.ok == [False, False]
+    assert engines[1].exists("attn", hashes).ok == [False, False]
+    assert all(engines[0].put("attn", hashes, source["attn"].units(range(2))).ok)
+    target = KIT.pools(specs, 2, seed=None)
+    assert all(engines[1].get("attn", hashes, target["attn"].units(range(2))).ok)
+    KIT.assert_units_equal(source["attn"], target["attn"], range(2))
+    backend.close()
+
+
+def test_mismatched_regions_are_refused_with_a_clear_error(faulty: FaultyFileBackend) -> None:
+    specs = conformance_specs()
+    engine = KIT.engine(faulty, specs)
+    source = KIT.pools(specs, 2, seed=5)
+    hashes = page_hashes(2, seed=5)
+    with pytest.raises(ValueError, match="1 units of regions for 2 pages"):
+        engine.put("attn", hashes, source["attn"].units([0]))
+    units = source["attn"].units(range(2))
+    units[1][0] = units[1][0][:1]
+    with pytest.raises(ValueError, match="object 0: regions hold"):
+        engine.put("attn", hashes, units)
+
+
+def test_order_helpers() -> None:
+    specs = list(conformance_specs().values())
+    assert [s.name for s in write_order(specs)] == ["index", "state", "attn"]
+    assert read_order(specs)[0].name == "attn"
+    assert longest_present_prefix([True, True, False, True]) == 2
+    assert longest_present_prefix([]) == 0
+
+
+def test_batch_hooks_fire_and_observer_failures_are_contained(
+    faulty: FaultyFileBackend, kvstrata_bare_host
+) -> None:  # type: ignore[no-untyped-def]
+    import kvstrata
+
+    events: list[tuple] = []  # type: ignore[type-arg]
+
+    class Observer:
+        @kvstrata.hookimpl
+        def kvstrata_pages_stored(self, instance: str, pool: str, pages: int, nbytes: int) -> None:
+            events.append(("stored", instance, pool, pages, nbytes))
+            raise RuntimeError("a broken observer")
+
+        @kvstrata.hookimpl
+        def kvstrata_operation_failed(self, operation: str, instance: str, error: BaseException) -> None:
+            events.append(("failed", operation, instance, type(error).__name__))
+
+    kvstrata_bare_host.register_plugin(Observer())
+    specs = conformance_specs()
+    parallel = ParallelConfig()
+    plans = plan_backend("faulty", faulty.capabilities, specs.values(), parallel=parallel)
+    engine = StorageEngine(
+        faulty, specs, plans, model_name="m", parallel=parallel, hook=kvstrata_bare_host.hook
+    )
+    source = KIT.pools(specs, 2, seed=6)
+    hashes = page_hashes(2, seed=6)
+    assert all(engine.put("index", hashes, source["index"].units(range(2))).ok)
+    faulty.raise_on = {"get"}
+    assert engine.get("index", hashes, source["index"].units(range(2))).ok == [False, False]
+    unit_bytes = 64 + specs["index"].object_bytes("idx")
+    assert events == [
+        ("stored", "faulty", "index", 2, 2 * unit_bytes),
+        ("failed", "get", "faulty", "ConnectionError"),
+    ]

@@ -1,0 +1,71 @@
+"""The hf3fs stub: availability reporting, and its file-backed mock through the conformance kit."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvstrata.cli import plugin_rows
+from kvstrata.plugins.errors import PluginUnavailableError
+from kvstrata.plugins.host import PluginHost
+from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend, StorageObject
+from kvstrata.storage_backends.hf3fs import HF3FSBackend, HF3FSConfig
+from kvstrata.testing.conformance import BackendConformance
+
+
+def open_mock(path: Path, instance: str = "l3", **config: object) -> HF3FSBackend:
+    backend = HF3FSBackend(instance, HF3FSConfig(path=path, mock=True, **config))
+    backend.open()
+    return backend
+
+
+class TestHF3FSMockConformance(BackendConformance):
+    @pytest.fixture
+    def backend_factory(self, tmp_path: Path) -> Callable[[str], StorageBackend]:
+        return lambda instance: open_mock(tmp_path, instance, file_bytes=1 << 20, slot_bytes=8192)
+
+
+def test_without_mount_open_refuses_with_the_reason(tmp_path: Path) -> None:
+    config = HF3FSConfig(path=tmp_path)
+    reason = HF3FSBackend.unavailable_reason(config)
+    assert reason is not None and "hf3fs_fuse.io" in reason and "mock: true" in reason
+    backend = HF3FSBackend("l3", config)
+    with pytest.raises(PluginUnavailableError, match=r"hf3fs_fuse\.io"):
+        backend.open()
+    assert backend.probe() == reason
+
+
+def test_plugins_listing_shows_why_unavailable() -> None:
+    host = PluginHost()
+    try:
+        row = next(r for r in plugin_rows(host) if r["name"] == "hf3fs")
+    finally:
+        host.close()
+    assert row["status"] == "unavailable"
+    assert "hf3fs_fuse.io" in row["error"]
+
+
+def test_mock_slot_limit_and_lru_reuse(tmp_path: Path) -> None:
+    backend = open_mock(tmp_path, file_bytes=4096 * 2, slot_bytes=4096)
+    assert backend.capabilities.max_object_bytes == 4096
+    blobs = [bytearray([i]) * 100 for i in range(3)]
+    arrays = [(ctypes.c_ubyte * 100).from_buffer(b) for b in blobs]
+    objects = [
+        StorageObject(f"k{i}", (BufferRegion(ctypes.addressof(a), 100),)) for i, a in enumerate(arrays)
+    ]
+    assert backend.put(objects[:2]) == [True, True]
+    assert backend.exists(["k0"]) == [True]
+    assert backend.put(objects[2:]) == [True]  # full: the least recently used slot (k1) is reused
+    assert backend.exists(["k0", "k1", "k2"]) == [True, False, True]
+    too_big = bytearray(5000)
+    big = (ctypes.c_ubyte * 5000).from_buffer(too_big)
+    assert backend.put([StorageObject("big", (BufferRegion(ctypes.addressof(big), 5000),))]) == [False]
+    out = bytearray(100)
+    target = (ctypes.c_ubyte * 100).from_buffer(out)
+    assert backend.get([StorageObject("k2", (BufferRegion(ctypes.addressof(target), 100),))]) == [100]
+    assert out == blobs[2]
+    backend.close()
+    assert not backend.data_file.exists()
