@@ -197,7 +197,9 @@ class PoolBuffers:
         if self.backing is None or self.layout is not Layout.PAGE_FIRST:
             raise KeyError(name)
         buffer = place.spec
-        per_unit = self.backing.view(self.units, self.unit_bytes)[:, place.offset : place.offset + place.nbytes]
+        per_unit = self.backing.view(self.units, self.unit_bytes)[
+            :, place.offset : place.offset + place.nbytes
+        ]
         try:
             typed = per_unit.view(torch_dtype(buffer.dtype))
         except RuntimeError as exc:

@@ -59,7 +59,9 @@ def host_memory_budget(tier: HostTierConfig, available_bytes: int | None = None)
     return max(0, available - tier.reserve_bytes) // tier.ranks_per_host
 
 
-def check_host_memory(requested: int, tier: HostTierConfig, available_bytes: int | None = None, what: str = "") -> None:
+def check_host_memory(
+    requested: int, tier: HostTierConfig, available_bytes: int | None = None, what: str = ""
+) -> None:
     """Fail with the requested and available bytes when ``requested`` exceeds the budget."""
     available = psutil.virtual_memory().available if available_bytes is None else available_bytes
     budget = host_memory_budget(tier, available)
@@ -149,7 +151,8 @@ class PoolGroup:
         anchors = [
             name
             for name, cfg in pools.items()
-            if cfg.index_source is None and self.plugins.pool_types.get(cfg.type).default_role is PoolRole.ANCHOR
+            if cfg.index_source is None
+            and self.plugins.pool_types.get(cfg.type).default_role is PoolRole.ANCHOR
         ]
         if len(anchors) != 1:
             raise ValueError(f"a model stack needs exactly one anchor pool; found {anchors or 'none'}")

@@ -203,7 +203,9 @@ def _object_columns(pool: PoolBuffers, suffix: str, staging: torch.Tensor) -> li
     for name in obj.buffers:
         buffer = pool.placements[name].spec
         width = buffer.bytes_per_unit
-        view = staging[:, offset : offset + width].unflatten(1, (buffer.layers, buffer.bytes_per_unit_per_layer))
+        view = staging[:, offset : offset + width].unflatten(
+            1, (buffer.layers, buffer.bytes_per_unit_per_layer)
+        )
         columns.append((name, view))
         offset += width
     return columns
