@@ -35,6 +35,8 @@ from kvstrata.plugins.storage_backend import BufferRegion
 #: Buffer start alignment inside a pool's backing (bytes): enough for any dtype view and for DMA.
 ALIGNMENT = 256
 
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 #: Allocates ``nbytes`` of host memory and returns where it is (a backend's shared-memory pool).
 HostAllocatorFn = Callable[[int], BufferRegion]
 
@@ -209,22 +211,43 @@ class PoolBuffers:
             ) from exc
         return typed.unflatten(1, (buffer.layers, *buffer.unit_shape))
 
-    def unit_view(self, name: str) -> torch.Tensor:
-        """uint8 view ``(U, L, bytes_per_unit_per_layer)`` of one buffer: the transfer currency."""
+    def word_bytes(self, name: str) -> int:
+        """Widest integer word (8, 4, 2 or 1 bytes) that tiles this buffer's bytes in every unit.
+
+        Copies move words, not bytes: bit-exact either way, but far fewer elements per copy.
+        """
+        place = self._placement(name)
+        sizes = [place.spec.bytes_per_unit_per_layer, place.offset, self.data_ptr]
+        if self.layout is Layout.PAGE_FIRST:
+            sizes.append(self.unit_bytes)
+        for word in (8, 4, 2):
+            if all(size % word == 0 for size in sizes):
+                return word
+        return 1
+
+    def unit_view(self, name: str, word_bytes: int = 1) -> torch.Tensor:
+        """View ``(U, L, layer_bytes / word_bytes)`` of one buffer in integer words: the transfer currency.
+
+        ``word_bytes`` must divide :meth:`word_bytes` (1 always works: a uint8 view).
+        """
         place = self._placement(name)
         buffer = place.spec
         if self.backing is None:
             raise ValueError(f"pool {self.spec.name!r} is logical and has no buffer {name!r}")
-        layer_bytes = buffer.bytes_per_unit_per_layer
-        if self.layout is Layout.PAGE_FIRST:
-            per_unit = self.backing.view(self.units, self.unit_bytes)
-            return per_unit[:, place.offset : place.offset + place.nbytes].unflatten(
-                1, (buffer.layers, layer_bytes)
+        if self.word_bytes(name) % word_bytes:
+            raise ValueError(
+                f"buffer {name!r} of pool {self.spec.name!r} is not tiled by {word_bytes}-byte words"
             )
-        raw = self.backing[place.offset : place.offset + place.nbytes]
+        word = _WORDS[word_bytes]
+        layer_words = buffer.bytes_per_unit_per_layer // word_bytes
+        if self.layout is Layout.PAGE_FIRST:
+            per_unit = self.backing.view(self.units, self.unit_bytes).view(word)
+            start, stop = place.offset // word_bytes, (place.offset + place.nbytes) // word_bytes
+            return per_unit[:, start:stop].unflatten(1, (buffer.layers, layer_words))
+        raw = self.backing[place.offset : place.offset + place.nbytes].view(word)
         if self.layout is Layout.LAYER_FIRST:
-            return raw.view(buffer.layers, self.units, layer_bytes).transpose(0, 1)
-        return raw.view(self.units, buffer.layers, layer_bytes)
+            return raw.view(buffer.layers, self.units, layer_words).transpose(0, 1)
+        return raw.view(self.units, buffer.layers, layer_words)
 
     def _placement(self, name: str) -> _Placement:
         try:

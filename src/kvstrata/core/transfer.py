@@ -65,35 +65,81 @@ def _check_compatible(src: PoolBuffers, dst: PoolBuffers) -> None:
         )
 
 
-def _copy_buffer(
+def _merge_layers(view: torch.Tensor) -> torch.Tensor | None:
+    """``(U, L, W)`` as ``(U, L*W)`` when a unit's layers are adjacent in memory, else ``None``."""
+    units, layers, words = view.shape
+    if layers == 1 or (view.stride(2) == 1 and view.stride(1) == words):
+        return view.reshape(units, layers * words)
+    return None
+
+
+def _copy_rows(
+    src: torch.Tensor, src_idx: torch.Tensor, src_start: int | None,
+    dst: torch.Tensor, dst_idx: torch.Tensor, dst_start: int | None,
+) -> None:  # fmt: skip
+    """Row gather/scatter on one device; a contiguous run on either side becomes a slice."""
+    count = src_idx.numel()
+    if dst_start is not None:
+        target = dst[dst_start : dst_start + count]
+        if src_start is not None:
+            target.copy_(src[src_start : src_start + count])
+        else:
+            torch.index_select(src, 0, src_idx, out=target)
+    elif src_start is not None:
+        dst.index_copy_(0, dst_idx, src[src_start : src_start + count])
+    else:
+        dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
+
+
+def _local_copy(
+    src_view: torch.Tensor, src_idx: torch.Tensor, dst_view: torch.Tensor, dst_idx: torch.Tensor
+) -> None:
+    """Same-device copy of ``(U, L, W)`` views: one op when both keep a unit's layers together,
+    else one op per layer (rows of one layer are contiguous; a loop over layers, never pages)."""
+    src_idx = src_idx.to(src_view.device)
+    dst_idx = dst_idx.to(dst_view.device)
+    src_start, dst_start = contiguous_run(src_idx), contiguous_run(dst_idx)
+    src_merged, dst_merged = _merge_layers(src_view), _merge_layers(dst_view)
+    if src_merged is not None and dst_merged is not None:
+        _copy_rows(src_merged, src_idx, src_start, dst_merged, dst_idx, dst_start)
+        return
+    for layer in range(src_view.shape[1]):
+        _copy_rows(src_view[:, layer], src_idx, src_start, dst_view[:, layer], dst_idx, dst_start)
+
+
+def _cross_copy(
     src_view: torch.Tensor,
     src_idx: torch.Tensor,
     dst_view: torch.Tensor,
     dst_idx: torch.Tensor,
     keep_alive: list[torch.Tensor],
+    stream: torch.cuda.Stream,
 ) -> None:
+    """Copy between a CUDA pool and host memory: gather on the source side into a unit-major
+    block, one DMA, scatter on the destination side (skipped where an index run is a slice)."""
     count = src_idx.numel()
+    pinned = src_view.device.type == "cuda"  # the host side of a D2H copy needs pinned staging
     src_start = contiguous_run(src_idx)
+    if src_start is not None and src_view[src_start : src_start + count].is_contiguous():
+        block = src_view[src_start : src_start + count]
+    elif src_view.device.type == "cpu":
+        block = torch.empty((count, *src_view.shape[1:]), dtype=src_view.dtype, pin_memory=True)
+        _local_copy(src_view, src_idx, block, torch.arange(count))
+    else:
+        block = src_view.index_select(0, src_idx.to(src_view.device, non_blocking=True))
+    keep_alive.append(block)
     dst_start = contiguous_run(dst_idx)
-    same_device = src_view.device == dst_view.device
-    if same_device and dst_start is not None:
-        target = dst_view[dst_start : dst_start + count]
-        if src_start is not None:
-            target.copy_(src_view[src_start : src_start + count])
-        else:
-            torch.index_select(src_view, 0, src_idx.to(src_view.device), out=target)
-        return
-    if src_start is not None:
-        gathered = src_view[src_start : src_start + count]
+    if dst_start is not None and dst_view[dst_start : dst_start + count].is_contiguous():
+        dst_view[dst_start : dst_start + count].copy_(block, non_blocking=True)
+    elif dst_view.device.type == "cpu":
+        staged = torch.empty(block.shape, dtype=block.dtype, pin_memory=pinned)
+        staged.copy_(block, non_blocking=True)
+        stream.synchronize()  # the CPU scatter below needs the bytes
+        _local_copy(staged, torch.arange(count), dst_view, dst_idx)
     else:
-        gathered = src_view.index_select(0, src_idx.to(src_view.device, non_blocking=True))
-    if not same_device:
-        gathered = gathered.to(dst_view.device, non_blocking=True)
-        keep_alive.append(gathered)
-    if dst_start is not None:
-        dst_view[dst_start : dst_start + count].copy_(gathered)
-    else:
-        dst_view.index_copy_(0, dst_idx.to(dst_view.device, non_blocking=True), gathered)
+        staged = block.to(dst_view.device, non_blocking=True)
+        keep_alive.append(staged)
+        dst_view.index_copy_(0, dst_idx.to(dst_view.device, non_blocking=True), staged)
 
 
 def copy_units(
@@ -121,17 +167,25 @@ def copy_units(
         src.check_indices(src_idx)
     if dst_idx.device.type == "cpu":
         dst.check_indices(dst_idx)
-    uses_cuda = src.device.type == "cuda" or dst.device.type == "cuda"
-    if not uses_cuda:
+
+    def views(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        word = min(src.word_bytes(name), dst.word_bytes(name))
+        return src.unit_view(name, word), dst.unit_view(name, word)
+
+    if src.device == dst.device:
         for name in src.placements:
-            _copy_buffer(src.unit_view(name), src_idx, dst.unit_view(name), dst_idx, handle.keep_alive)
-        return handle
+            src_view, dst_view = views(name)
+            _local_copy(src_view, src_idx, dst_view, dst_idx)
+        if src.device.type != "cuda":
+            return handle
     cuda_device = src.device if src.device.type == "cuda" else dst.device
     side = stream or torch.cuda.Stream(device=cuda_device)
     side.wait_stream(torch.cuda.current_stream(cuda_device))
     with torch.cuda.stream(side):
-        for name in src.placements:
-            _copy_buffer(src.unit_view(name), src_idx, dst.unit_view(name), dst_idx, handle.keep_alive)
+        if src.device != dst.device:
+            for name in src.placements:
+                src_view, dst_view = views(name)
+                _cross_copy(src_view, src_idx, dst_view, dst_idx, handle.keep_alive, side)
         handle.event = torch.cuda.Event()
         handle.event.record(side)
     return handle
