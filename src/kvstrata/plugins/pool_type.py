@@ -214,6 +214,18 @@ class PoolConfig(BaseModel):
         default=None,
         description="sidecars: the pool whose page indices they share (default: the anchor)",
     )
+    device_units: int | None = Field(
+        default=None,
+        ge=0,
+        description="L1 pages/slots of this pool; default: from tiers.device.capacity_tokens "
+        "(token-page pools) or one slot per 16 device pages (node-state pools); not for sidecars",
+    )
+    host_units: int | None = Field(
+        default=None,
+        ge=0,
+        description="L2 pages/slots of this pool; default: from tiers.host.capacity_tokens "
+        "(token-page pools) or device_units x the host/device token ratio (node-state pools)",
+    )
 
 
 class ModelContext(BaseModel):

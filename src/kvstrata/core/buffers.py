@@ -1,0 +1,274 @@
+"""The tensors of one pool on one tier, allocated from its :class:`PoolSpec`.
+
+Every pool's memory on a tier is ONE uint8 allocation (``backing``) carved into per-buffer views.
+One allocation per pool keeps registration with a storage backend (RDMA / shared memory) to one
+region per pool and lets a backend-provided allocator supply the memory.
+
+Layouts (``L`` = layers of the buffer, ``U`` = units = pages or slots):
+
+``layer_first``
+    per buffer a tensor ``(L, U, *unit_shape)`` -- the device layout: one layer of every page is
+    contiguous, so per-layer loads are cheap; a unit's object is ``buffers x L`` regions.
+``page_first_direct``
+    per buffer a tensor ``(U, L, *unit_shape)``: all layers of one unit of one buffer are
+    contiguous; a unit's object is one region per buffer.
+``page_first``
+    the backing viewed as ``(U, bytes_per_unit)``; inside a unit the bytes are ordered object by
+    object, buffer by buffer (object order), layer by layer. Each stored object of a unit is a
+    single contiguous region -- the cheapest layout for storage I/O.
+
+Whatever the layout, an object's bytes are *the same sequence*: its buffers in object order, each
+buffer layer by layer. So an object written from one layout reads back into any other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.plugins.pool_type import BufferSpec, Layout, PoolSpec
+from kvstrata.plugins.storage_backend import BufferRegion
+
+#: Buffer start alignment inside a pool's backing (bytes): enough for any dtype view and for DMA.
+ALIGNMENT = 256
+
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+#: Allocates ``nbytes`` of host memory and returns where it is (a backend's shared-memory pool).
+HostAllocatorFn = Callable[[int], BufferRegion]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a spec dtype name (``bfloat16`` -> ``torch.bfloat16``)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"torch has no dtype {name!r}")
+    return dtype
+
+
+def _align(value: int) -> int:
+    return (value + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def region_tensor(region: BufferRegion) -> torch.Tensor:
+    """Wrap foreign host memory as a uint8 CPU tensor (no copy); the owner must outlive it."""
+    if region.nbytes <= 0:
+        raise ValueError(f"host allocator returned an empty region ({region.nbytes} bytes)")
+    array = (ctypes.c_uint8 * region.nbytes).from_address(region.ptr)
+    return torch.frombuffer(array, dtype=torch.uint8, count=region.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Placement:
+    """Where one buffer lives inside the backing."""
+
+    spec: BufferSpec
+    offset: int  # byte offset in the backing (page_first: byte offset inside a unit)
+    nbytes: int  # bytes of the whole buffer (page_first: bytes of the buffer inside one unit)
+
+
+def buffer_order(spec: PoolSpec) -> list[BufferSpec]:
+    """Buffers in object order (object by object, buffer names in the object's order)."""
+    by_name = {buffer.name: buffer for buffer in spec.buffers}
+    return [by_name[name] for obj in spec.objects for name in obj.buffers]
+
+
+class PoolBuffers:
+    """The memory of one pool on one tier: ``units`` pages or slots in ``layout``.
+
+    A logical pool (no buffers) allocates nothing but still has ``units`` indices.
+    """
+
+    def __init__(
+        self,
+        spec: PoolSpec,
+        units: int,
+        *,
+        device: torch.device | str = "cpu",
+        layout: Layout = Layout.LAYER_FIRST,
+        pin_memory: bool = False,
+        allocator: HostAllocatorFn | None = None,
+    ) -> None:
+        if units < 0:
+            raise ValueError(f"pool {spec.name!r}: units must be >= 0, got {units}")
+        layout = Layout(layout)
+        if spec.buffers and layout not in spec.layouts:
+            raise ValueError(
+                f"pool {spec.name!r} ({spec.pool_type}) does not support layout {layout.value!r}; "
+                f"supported: {[lay.value for lay in spec.layouts]}"
+            )
+        self.spec = spec
+        self.units = units
+        self.layout = layout
+        self.device = torch.device(device)
+        self.placements: dict[str, _Placement] = {}
+        self.unit_bytes = spec.bytes_per_unit
+        self.object_offsets: dict[str, int] = {}  # page_first: object start inside a unit
+        offset = 0
+        for obj in spec.objects:
+            self.object_offsets[obj.suffix] = offset
+            offset += spec.object_bytes(obj.suffix)
+        total = self._place()
+        self.pinned = False
+        self.backing: torch.Tensor | None = None
+        if total:
+            self.backing = self._allocate(total, pin_memory, allocator)
+        self.tensors: dict[str, torch.Tensor] = {}
+        if self.backing is not None and layout is not Layout.PAGE_FIRST:
+            for name, place in self.placements.items():
+                self.tensors[name] = self._typed_view(place)
+
+    # --- allocation -------------------------------------------------------------------------
+
+    def _place(self) -> int:
+        """Compute buffer placements; returns the backing size in bytes."""
+        offset = 0
+        for buffer in buffer_order(self.spec):
+            if self.layout is Layout.PAGE_FIRST:
+                nbytes = buffer.bytes_per_unit
+                self.placements[buffer.name] = _Placement(buffer, offset, nbytes)
+                offset += nbytes
+            else:
+                nbytes = buffer.bytes_per_unit * self.units
+                self.placements[buffer.name] = _Placement(buffer, offset, nbytes)
+                offset = _align(offset + nbytes)
+        if self.layout is Layout.PAGE_FIRST:
+            return offset * self.units
+        return offset
+
+    def _allocate(self, nbytes: int, pin_memory: bool, allocator: HostAllocatorFn | None) -> torch.Tensor:
+        if allocator is not None:
+            if self.device.type != "cpu":
+                raise ValueError(f"pool {self.spec.name!r}: a host allocator only serves cpu pools")
+            region = allocator(nbytes)
+            if region.nbytes < nbytes:
+                raise ValueError(
+                    f"pool {self.spec.name!r}: host allocator returned {region.nbytes} bytes, "
+                    f"{nbytes} requested"
+                )
+            tensor = region_tensor(BufferRegion(region.ptr, nbytes))
+            tensor.zero_()
+            return tensor
+        if pin_memory and self.device.type == "cpu" and torch.cuda.is_available():
+            self.pinned = True
+            return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+        # zeros (not empty): the pages are touched now, so later memory checks see them as used.
+        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _typed_view(self, place: _Placement) -> torch.Tensor:
+        assert self.backing is not None
+        buffer = place.spec
+        raw = self.backing[place.offset : place.offset + place.nbytes]
+        typed = raw.view(torch_dtype(buffer.dtype))
+        if self.layout is Layout.LAYER_FIRST:
+            return typed.view(buffer.layers, self.units, *buffer.unit_shape)
+        return typed.view(self.units, buffer.layers, *buffer.unit_shape)
+
+    # --- views ------------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.backing is None else self.backing.numel()
+
+    @property
+    def data_ptr(self) -> int:
+        return 0 if self.backing is None else self.backing.data_ptr()
+
+    @property
+    def logical(self) -> bool:
+        return self.backing is None
+
+    def region(self) -> BufferRegion | None:
+        """The whole allocation, for registration with a storage backend."""
+        if self.backing is None:
+            return None
+        return BufferRegion(self.backing.data_ptr(), self.backing.numel())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Typed view of one buffer: ``(L, U, *shape)`` layer_first, ``(U, L, *shape)`` otherwise.
+
+        For page_first the view is strided (buffers interleave inside a unit) and exists only when
+        the buffer's offset is aligned to its itemsize.
+        """
+        if name in self.tensors:
+            return self.tensors[name]
+        place = self._placement(name)
+        if self.backing is None or self.layout is not Layout.PAGE_FIRST:
+            raise KeyError(name)
+        buffer = place.spec
+        per_unit = self.backing.view(self.units, self.unit_bytes)[
+            :, place.offset : place.offset + place.nbytes
+        ]
+        try:
+            typed = per_unit.view(torch_dtype(buffer.dtype))
+        except RuntimeError as exc:
+            raise ValueError(
+                f"pool {self.spec.name!r}: buffer {name!r} is not aligned for a {buffer.dtype} view "
+                "in page_first; use unit_view()"
+            ) from exc
+        return typed.unflatten(1, (buffer.layers, *buffer.unit_shape))
+
+    def word_bytes(self, name: str) -> int:
+        """Widest integer word (8, 4, 2 or 1 bytes) that tiles this buffer's bytes in every unit.
+
+        Copies move words, not bytes: bit-exact either way, but far fewer elements per copy.
+        """
+        place = self._placement(name)
+        sizes = [place.spec.bytes_per_unit_per_layer, place.offset, self.data_ptr]
+        if self.layout is Layout.PAGE_FIRST:
+            sizes.append(self.unit_bytes)
+        for word in (8, 4, 2):
+            if all(size % word == 0 for size in sizes):
+                return word
+        return 1
+
+    def unit_view(self, name: str, word_bytes: int = 1) -> torch.Tensor:
+        """View ``(U, L, layer_bytes / word_bytes)`` of one buffer in integer words: the transfer currency.
+
+        ``word_bytes`` must divide :meth:`word_bytes` (1 always works: a uint8 view).
+        """
+        place = self._placement(name)
+        buffer = place.spec
+        if self.backing is None:
+            raise ValueError(f"pool {self.spec.name!r} is logical and has no buffer {name!r}")
+        if self.word_bytes(name) % word_bytes:
+            raise ValueError(
+                f"buffer {name!r} of pool {self.spec.name!r} is not tiled by {word_bytes}-byte words"
+            )
+        word = _WORDS[word_bytes]
+        layer_words = buffer.bytes_per_unit_per_layer // word_bytes
+        if self.layout is Layout.PAGE_FIRST:
+            per_unit = self.backing.view(self.units, self.unit_bytes).view(word)
+            start, stop = place.offset // word_bytes, (place.offset + place.nbytes) // word_bytes
+            return per_unit[:, start:stop].unflatten(1, (buffer.layers, layer_words))
+        raw = self.backing[place.offset : place.offset + place.nbytes].view(word)
+        if self.layout is Layout.LAYER_FIRST:
+            return raw.view(buffer.layers, self.units, layer_words).transpose(0, 1)
+        return raw.view(self.units, buffer.layers, layer_words)
+
+    def _placement(self, name: str) -> _Placement:
+        try:
+            return self.placements[name]
+        except KeyError:
+            raise KeyError(
+                f"pool {self.spec.name!r} has no buffer {name!r}; buffers: {list(self.placements)}"
+            ) from None
+
+    def check_indices(self, indices: torch.Tensor) -> None:
+        """Raise when an index is outside this pool (a foreign or stale index)."""
+        if indices.numel() == 0:
+            return
+        low, high = int(indices.min()), int(indices.max())
+        if low < 0 or high >= self.units:
+            raise IndexError(
+                f"pool {self.spec.name!r}: unit indices [{low}, {high}] outside [0, {self.units})"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"PoolBuffers({self.spec.name!r}, units={self.units}, layout={self.layout.value}, "
+            f"device={self.device}, bytes={self.nbytes})"
+        )

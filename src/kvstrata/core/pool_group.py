@@ -1,0 +1,359 @@
+"""A model stack's pools on the device and host tiers: one anchor, components and sidecars.
+
+The group turns the validated config into :class:`Pool` objects (spec + device buffers + host
+buffers + allocators), sizes every pool from one budget, checks host memory before allocating, and
+accepts pools added after start (a draft worker starts later). It reads specs only: no pool type
+is known here by name.
+
+Sizing (units = pages for token-page pools, slots for node-state pools):
+
+* token pages: ``ceil(tiers.device.capacity_tokens / page_size)`` on the device and
+  ``ceil(tiers.host.capacity_tokens / page_size)`` on the host;
+* node state: ``device_units`` or one slot per 16 device pages (at least 1), and on the host
+  ``host_units`` or the device slots times the host/device token ratio;
+* a pool's ``device_units`` / ``host_units`` override either;
+* sidecars always have exactly their index source's units and share its allocators.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from kvstrata.core.allocator import UnitAllocator
+from kvstrata.core.buffers import HostAllocatorFn, PoolBuffers
+from kvstrata.core.config import HostTierConfig, KvstrataConfig
+from kvstrata.core.transfer import TransferHandle, copy_units
+from kvstrata.plugins.host import PluginHost
+from kvstrata.plugins.pool_type import (
+    Granularity,
+    Layout,
+    ModelContext,
+    PoolConfig,
+    PoolRole,
+    PoolSpec,
+    PoolType,
+)
+from kvstrata.plugins.storage_backend import BufferRegion
+
+log = logging.getLogger(__name__)
+
+#: Node-state pools without ``device_units`` get one slot per this many device pages.
+DEVICE_PAGES_PER_STATE_SLOT = 16
+
+
+class HostMemoryError(MemoryError):
+    """The host tier does not fit in this rank's share of host memory."""
+
+
+def host_memory_budget(tier: HostTierConfig, available_bytes: int | None = None) -> int:
+    """Bytes this rank may allocate: ``(available - reserve_bytes) // ranks_per_host``."""
+    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    return max(0, available - tier.reserve_bytes) // tier.ranks_per_host
+
+
+def check_host_memory(
+    requested: int, tier: HostTierConfig, available_bytes: int | None = None, what: str = ""
+) -> None:
+    """Fail with the requested and available bytes when ``requested`` exceeds the budget."""
+    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    budget = host_memory_budget(tier, available)
+    if requested > budget:
+        raise HostMemoryError(
+            f"not enough host memory{' for ' + what if what else ''}: requested {requested} bytes "
+            f"({requested / 2**30:.2f} GiB), available to this rank {budget} bytes "
+            f"({budget / 2**30:.2f} GiB) = (available {available} - reserve_bytes {tier.reserve_bytes}) "
+            f"// ranks_per_host {tier.ranks_per_host}; lower tiers.host.capacity_tokens or the pools' "
+            "host_units"
+        )
+
+
+@dataclass
+class Pool:
+    """One pool instance: its plugin, spec, memory on both tiers and the allocators it uses.
+
+    A sidecar's allocators are its index owner's objects (shared, not copies).
+    """
+
+    instance: str
+    pool_type: PoolType
+    spec: PoolSpec
+    device: PoolBuffers
+    host: PoolBuffers | None
+    device_allocator: UnitAllocator
+    host_allocator: UnitAllocator | None
+    index_owner: str  # the pool whose allocators this one uses (itself unless a sidecar)
+
+    @property
+    def role(self) -> PoolRole:
+        return self.spec.role
+
+    @property
+    def host_bytes(self) -> int:
+        return 0 if self.host is None else self.host.nbytes
+
+
+class PoolGroup:
+    """All pools of one model stack on this rank (see the module docstring for sizing)."""
+
+    def __init__(
+        self,
+        config: KvstrataConfig,
+        plugins: PluginHost,
+        *,
+        host_allocator: HostAllocatorFn | None = None,
+        available_host_bytes: Callable[[], int] | None = None,
+    ) -> None:
+        """Build and allocate every pool of ``config.model.pools``.
+
+        ``host_allocator`` -- a backend's ``allocate_host_memory`` when its capabilities say host
+        pools must live in its memory; ``available_host_bytes`` -- override of the psutil reading
+        (for callers that account memory themselves).
+        """
+        self.config = config
+        self.plugins = plugins
+        self.page_size = config.model.page_size
+        self.device = torch.device(config.tiers.device.device)
+        self.host_tier = config.tiers.host
+        self.host_enabled = config.tiers.host.capacity_tokens > 0
+        pin = config.tiers.host.pin_memory
+        self.pin_memory = self.device.type == "cuda" if pin is None else pin
+        self.device_pages = math.ceil(config.tiers.device.capacity_tokens / self.page_size)
+        self.host_pages = math.ceil(config.tiers.host.capacity_tokens / self.page_size)
+        self._host_allocator = host_allocator
+        self._available = available_host_bytes
+        self._lock = threading.Lock()
+        self.pools: dict[str, Pool] = {}
+        self.anchor_name = self._find_anchor(config.model.pools)
+        self.context = ModelContext(page_size=self.page_size, anchor=self.anchor_name)
+
+        plugins_by_name = {name: self._instantiate(name, cfg) for name, cfg in config.model.pools.items()}
+        specs = {name: plugin.spec() for name, plugin in plugins_by_name.items()}
+        order = self._build_order(specs)
+        units = {}
+        for name in order:
+            units[name] = self._units(specs[name], plugins_by_name[name].config, units, specs)
+        requested = sum(self._tier_bytes(specs[name], units[name]) for name in order)
+        self._check_memory(requested, f"pools {order}")
+        for name in order:
+            self._add(name, plugins_by_name[name], specs[name], units[name])
+
+    # --- construction -------------------------------------------------------------------------
+
+    def _find_anchor(self, pools: Mapping[str, PoolConfig]) -> str:
+        anchors = [
+            name
+            for name, cfg in pools.items()
+            if cfg.index_source is None
+            and self.plugins.pool_types.get(cfg.type).default_role is PoolRole.ANCHOR
+        ]
+        if len(anchors) != 1:
+            raise ValueError(f"a model stack needs exactly one anchor pool; found {anchors or 'none'}")
+        return anchors[0]
+
+    def _instantiate(self, instance: str, config: PoolConfig | Mapping[str, Any]) -> PoolType:
+        if isinstance(config, Mapping):
+            type_name = config.get("type")
+            if not isinstance(type_name, str):
+                raise ValueError(f"pool {instance!r}: missing `type` (the pool type name)")
+            config = self.plugins.pool_types.get(type_name).Config.model_validate(dict(config))
+        cls = self.plugins.pool_types.get(config.type)
+        return cls(instance, config, self.context)
+
+    @staticmethod
+    def _build_order(specs: Mapping[str, PoolSpec], existing: Sequence[str] = ()) -> list[str]:
+        """Index owners before the sidecars that borrow their indices."""
+        order: list[str] = []
+        placed = set(existing)
+        pending = dict(specs)
+        while pending:
+            ready = [n for n, s in pending.items() if s.index_source is None or s.index_source in placed]
+            if not ready:
+                raise ValueError(f"sidecar index_source cycle or unknown source among {sorted(pending)}")
+            for name in ready:
+                order.append(name)
+                placed.add(name)
+                del pending[name]
+        return order
+
+    def _units(
+        self,
+        spec: PoolSpec,
+        config: PoolConfig,
+        known: Mapping[str, tuple[int, int]],
+        specs: Mapping[str, PoolSpec],
+    ) -> tuple[int, int]:
+        """(device units, host units) of one pool."""
+        if spec.index_source is not None:
+            if config.device_units is not None or config.host_units is not None:
+                raise ValueError(
+                    f"pool {spec.name!r} is a sidecar of {spec.index_source!r}: it shares that pool's "
+                    "indices, so device_units / host_units cannot be set on it"
+                )
+            if spec.index_source in self.pools:
+                source = self.pools[spec.index_source]
+                return source.device.units, source.host.units if source.host is not None else 0
+            return known[spec.index_source]
+        if spec.granularity is Granularity.NODE_STATE:
+            device = config.device_units
+            if device is None:
+                device = max(1, math.ceil(self.device_pages / DEVICE_PAGES_PER_STATE_SLOT))
+            host = config.host_units
+            if host is None:
+                tokens = self.config.tiers
+                ratio = tokens.host.capacity_tokens / max(1, tokens.device.capacity_tokens)
+                host = math.ceil(device * ratio)
+        else:
+            device = self.device_pages if config.device_units is None else config.device_units
+            host = self.host_pages if config.host_units is None else config.host_units
+        return device, (host if self.host_enabled else 0)
+
+    def _host_layout(self, spec: PoolSpec) -> Layout:
+        wanted = self.host_tier.layout
+        if spec.logical or wanted in spec.layouts:
+            return wanted
+        chosen = Layout.PAGE_FIRST if Layout.PAGE_FIRST in spec.layouts else spec.layouts[0]
+        log.warning(
+            "pool %r does not support host layout %s; using %s", spec.name, wanted.value, chosen.value
+        )
+        return chosen
+
+    def _tier_bytes(self, spec: PoolSpec, units: tuple[int, int]) -> int:
+        """Host RAM a pool takes: its host tier, plus its device tier when L1 lives on the CPU."""
+        device_units, host_units = units
+        total = spec.bytes_per_unit * host_units
+        if self.device.type == "cpu":
+            total += spec.bytes_per_unit * device_units
+        return total
+
+    def _check_memory(self, requested: int, what: str) -> None:
+        available = self._available() if self._available is not None else None
+        check_host_memory(requested, self.host_tier, available, what)
+
+    def _add(self, name: str, plugin: PoolType, spec: PoolSpec, units: tuple[int, int]) -> Pool:
+        device_units, host_units = units
+        device = PoolBuffers(spec, device_units, device=self.device, layout=Layout.LAYER_FIRST)
+        host = None
+        if self.host_enabled:
+            host = PoolBuffers(
+                spec,
+                host_units,
+                device="cpu",
+                layout=self._host_layout(spec),
+                pin_memory=self.pin_memory,
+                allocator=self._host_allocator,
+            )
+        if spec.index_source is None:
+            owner = name
+            device_alloc = UnitAllocator(device_units, name=f"{name}/device")
+            host_alloc = UnitAllocator(host_units, name=f"{name}/host") if host is not None else None
+        else:
+            source = self.pools[spec.index_source]
+            owner = source.index_owner
+            device_alloc, host_alloc = source.device_allocator, source.host_allocator
+        pool = Pool(name, plugin, spec, device, host, device_alloc, host_alloc, owner)
+        self.pools[name] = pool
+        return pool
+
+    # --- runtime ------------------------------------------------------------------------------
+
+    def add_pool(self, instance: str, config: PoolConfig | Mapping[str, Any]) -> Pool:
+        """Add a pool after start (e.g. a draft pool); memory is checked for the new bytes."""
+        with self._lock:
+            if instance in self.pools:
+                raise ValueError(f"pool {instance!r} already exists in this group")
+            plugin = self._instantiate(instance, config)
+            spec = plugin.spec()
+            if spec.role is PoolRole.ANCHOR:
+                raise ValueError(f"pool {instance!r} would be a second anchor (anchor: {self.anchor_name!r})")
+            if spec.index_source is not None and spec.index_source not in self.pools:
+                raise ValueError(f"pool {instance!r}: index_source {spec.index_source!r} is not in the group")
+            units = self._units(spec, plugin.config, {}, {instance: spec})
+            self._check_memory(self._tier_bytes(spec, units), f"pool {instance!r}")
+            return self._add(instance, plugin, spec, units)
+
+    @property
+    def anchor(self) -> Pool:
+        return self.pools[self.anchor_name]
+
+    def pool(self, instance: str) -> Pool:
+        try:
+            return self.pools[instance]
+        except KeyError:
+            raise KeyError(f"no pool {instance!r}; pools: {list(self.pools)}") from None
+
+    def by_role(self, role: PoolRole) -> list[Pool]:
+        return [pool for pool in self.pools.values() if pool.role is role]
+
+    def followers(self, owner: str) -> list[Pool]:
+        """``owner`` and every pool using its indices (its sidecars, transitively), owner first."""
+        owner_pool = self.pool(owner)
+        return [owner_pool] + [
+            p for p in self.pools.values() if p.index_owner == owner_pool.index_owner and p is not owner_pool
+        ]
+
+    def host_buffers(self) -> list[PoolBuffers]:
+        return [pool.host for pool in self.pools.values() if pool.host is not None and not pool.host.logical]
+
+    def host_regions(self) -> list[BufferRegion]:
+        """Every host allocation of the group, unique by pointer (what a backend registers)."""
+        unique: dict[int, int] = {}
+        for buffers in self.host_buffers():
+            region = buffers.region()
+            if region is not None:
+                unique[region.ptr] = max(unique.get(region.ptr, 0), region.nbytes)
+        return [BufferRegion(ptr, nbytes) for ptr, nbytes in unique.items()]
+
+    def required_host_bytes(self) -> int:
+        """Sum of the group's host buffers unique by pointer, including pools added later."""
+        return sum(region.nbytes for region in self.host_regions())
+
+    def device_to_host(
+        self,
+        owner: str,
+        device_indices: torch.Tensor | Sequence[int],
+        host_indices: torch.Tensor | Sequence[int],
+    ) -> list[TransferHandle]:
+        """Back up units of ``owner`` and of every sidecar following its indices."""
+        return [
+            copy_units(pool.device, device_indices, pool.host, host_indices)
+            for pool in self.followers(owner)
+            if pool.host is not None
+        ]
+
+    def host_to_device(
+        self,
+        owner: str,
+        host_indices: torch.Tensor | Sequence[int],
+        device_indices: torch.Tensor | Sequence[int],
+    ) -> list[TransferHandle]:
+        """Load units of ``owner`` and of every sidecar following its indices back to the device."""
+        return [
+            copy_units(pool.host, host_indices, pool.device, device_indices)
+            for pool in self.followers(owner)
+            if pool.host is not None
+        ]
+
+    def describe(self) -> list[dict[str, Any]]:
+        """One row per pool (for logs and ``kvstrata doctor``)."""
+        return [
+            {
+                "pool": pool.instance,
+                "type": pool.spec.pool_type,
+                "role": pool.role.value,
+                "index_owner": pool.index_owner,
+                "bytes_per_unit": pool.spec.bytes_per_unit,
+                "device_units": pool.device.units,
+                "host_units": 0 if pool.host is None else pool.host.units,
+                "host_layout": None if pool.host is None else pool.host.layout.value,
+                "host_bytes": pool.host_bytes,
+            }
+            for pool in self.pools.values()
+        ]

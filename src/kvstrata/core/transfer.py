@@ -1,0 +1,295 @@
+"""Batched unit transfers between pool tiers and the byte views storage I/O needs.
+
+All copies work on uint8 views of each buffer shaped ``(units, layers, layer_bytes)``, so any
+dtype (bfloat16, float8 ...) moves bit-exactly and any layout pair works with the same code: one
+``index_select`` / ``index_copy_`` per buffer, never a Python loop over pages. When one side's
+indices form an ascending run, that side is a plain slice and the copy is a single pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstrata.core.buffers import PoolBuffers
+from kvstrata.plugins.pool_type import Layout, ObjectSpec
+from kvstrata.plugins.storage_backend import BufferRegion
+
+
+def as_index(indices: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """Indices as a flat int64 tensor (kept on its device)."""
+    tensor = torch.as_tensor(indices, dtype=torch.int64)
+    return tensor.flatten()
+
+
+def contiguous_run(indices: torch.Tensor) -> int | None:
+    """The start of ``indices`` when they are ``start, start+1, ...``; else ``None``.
+
+    Only evaluated for CPU indices (checking CUDA indices would force a device sync).
+    """
+    if indices.device.type != "cpu" or indices.numel() == 0:
+        return None
+    start = int(indices[0])
+    if int(indices[-1]) - start != indices.numel() - 1:
+        return None
+    if indices.numel() > 1 and not bool((indices[1:] - indices[:-1] == 1).all()):
+        return None
+    return start
+
+
+@dataclass
+class TransferHandle:
+    """Completion of a (possibly asynchronous) transfer; ``wait()`` before reading the destination."""
+
+    event: torch.cuda.Event | None = None
+    keep_alive: list[torch.Tensor] = field(default_factory=list)
+
+    def done(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        self.keep_alive.clear()
+
+
+def _check_compatible(src: PoolBuffers, dst: PoolBuffers) -> None:
+    src_shape = [(b.name, b.layers, b.bytes_per_unit_per_layer) for b in src.spec.buffers]
+    dst_shape = [(b.name, b.layers, b.bytes_per_unit_per_layer) for b in dst.spec.buffers]
+    if sorted(src_shape) != sorted(dst_shape):
+        raise ValueError(
+            f"cannot copy units from pool {src.spec.name!r} to {dst.spec.name!r}: buffers differ "
+            f"({src_shape} vs {dst_shape})"
+        )
+
+
+def _merge_layers(view: torch.Tensor) -> torch.Tensor | None:
+    """``(U, L, W)`` as ``(U, L*W)`` when a unit's layers are adjacent in memory, else ``None``."""
+    units, layers, words = view.shape
+    if layers == 1 or (view.stride(2) == 1 and view.stride(1) == words):
+        return view.reshape(units, layers * words)
+    return None
+
+
+def _copy_rows(
+    src: torch.Tensor, src_idx: torch.Tensor, src_start: int | None,
+    dst: torch.Tensor, dst_idx: torch.Tensor, dst_start: int | None,
+) -> None:  # fmt: skip
+    """Row gather/scatter on one device; a contiguous run on either side becomes a slice."""
+    count = src_idx.numel()
+    if dst_start is not None:
+        target = dst[dst_start : dst_start + count]
+        if src_start is not None:
+            target.copy_(src[src_start : src_start + count])
+        else:
+            torch.index_select(src, 0, src_idx, out=target)
+    elif src_start is not None:
+        dst.index_copy_(0, dst_idx, src[src_start : src_start + count])
+    else:
+        dst.index_copy_(0, dst_idx, src.index_select(0, src_idx))
+
+
+def _local_copy(
+    src_view: torch.Tensor, src_idx: torch.Tensor, dst_view: torch.Tensor, dst_idx: torch.Tensor
+) -> None:
+    """Same-device copy of ``(U, L, W)`` views: one op when both keep a unit's layers together,
+    else one op per layer (rows of one layer are contiguous; a loop over layers, never pages)."""
+    src_idx = src_idx.to(src_view.device)
+    dst_idx = dst_idx.to(dst_view.device)
+    src_start, dst_start = contiguous_run(src_idx), contiguous_run(dst_idx)
+    src_merged, dst_merged = _merge_layers(src_view), _merge_layers(dst_view)
+    if src_merged is not None and dst_merged is not None:
+        _copy_rows(src_merged, src_idx, src_start, dst_merged, dst_idx, dst_start)
+        return
+    for layer in range(src_view.shape[1]):
+        _copy_rows(src_view[:, layer], src_idx, src_start, dst_view[:, layer], dst_idx, dst_start)
+
+
+def _cross_copy(
+    src_view: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst_view: torch.Tensor,
+    dst_idx: torch.Tensor,
+    keep_alive: list[torch.Tensor],
+    stream: torch.cuda.Stream,
+) -> None:
+    """Copy between a CUDA pool and host memory: gather on the source side into a unit-major
+    block, one DMA, scatter on the destination side (skipped where an index run is a slice)."""
+    count = src_idx.numel()
+    pinned = src_view.device.type == "cuda"  # the host side of a D2H copy needs pinned staging
+    src_start = contiguous_run(src_idx)
+    if src_start is not None and src_view[src_start : src_start + count].is_contiguous():
+        block = src_view[src_start : src_start + count]
+    elif src_view.device.type == "cpu":
+        block = torch.empty((count, *src_view.shape[1:]), dtype=src_view.dtype, pin_memory=True)
+        _local_copy(src_view, src_idx, block, torch.arange(count))
+    else:
+        block = src_view.index_select(0, src_idx.to(src_view.device, non_blocking=True))
+    keep_alive.append(block)
+    dst_start = contiguous_run(dst_idx)
+    if dst_start is not None and dst_view[dst_start : dst_start + count].is_contiguous():
+        dst_view[dst_start : dst_start + count].copy_(block, non_blocking=True)
+    elif dst_view.device.type == "cpu":
+        staged = torch.empty(block.shape, dtype=block.dtype, pin_memory=pinned)
+        staged.copy_(block, non_blocking=True)
+        stream.synchronize()  # the CPU scatter below needs the bytes
+        _local_copy(staged, torch.arange(count), dst_view, dst_idx)
+    else:
+        staged = block.to(dst_view.device, non_blocking=True)
+        keep_alive.append(staged)
+        dst_view.index_copy_(0, dst_idx.to(dst_view.device, non_blocking=True), staged)
+
+
+def copy_units(
+    src: PoolBuffers,
+    src_indices: torch.Tensor | Sequence[int],
+    dst: PoolBuffers,
+    dst_indices: torch.Tensor | Sequence[int],
+    *,
+    stream: torch.cuda.Stream | None = None,
+) -> TransferHandle:
+    """Copy units ``src[src_indices[i]] -> dst[dst_indices[i]]`` for every buffer, bit-exactly.
+
+    Works for any layout pair and any devices. Between CUDA and host memory the copies are issued
+    non-blocking on ``stream`` (a side stream is created when none is given) and the returned
+    handle must be waited on; CPU-only copies are complete on return. Logical pools copy nothing.
+    """
+    _check_compatible(src, dst)
+    src_idx, dst_idx = as_index(src_indices), as_index(dst_indices)
+    if src_idx.numel() != dst_idx.numel():
+        raise ValueError(f"index lists differ in length: {src_idx.numel()} vs {dst_idx.numel()}")
+    handle = TransferHandle()
+    if src_idx.numel() == 0 or src.logical:
+        return handle
+    if src_idx.device.type == "cpu":
+        src.check_indices(src_idx)
+    if dst_idx.device.type == "cpu":
+        dst.check_indices(dst_idx)
+
+    def views(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        word = min(src.word_bytes(name), dst.word_bytes(name))
+        return src.unit_view(name, word), dst.unit_view(name, word)
+
+    if src.device == dst.device:
+        for name in src.placements:
+            src_view, dst_view = views(name)
+            _local_copy(src_view, src_idx, dst_view, dst_idx)
+        if src.device.type != "cuda":
+            return handle
+    cuda_device = src.device if src.device.type == "cuda" else dst.device
+    side = stream or torch.cuda.Stream(device=cuda_device)
+    side.wait_stream(torch.cuda.current_stream(cuda_device))
+    with torch.cuda.stream(side):
+        if src.device != dst.device:
+            for name in src.placements:
+                src_view, dst_view = views(name)
+                _cross_copy(src_view, src_idx, dst_view, dst_idx, handle.keep_alive, side)
+        handle.event = torch.cuda.Event()
+        handle.event.record(side)
+    return handle
+
+
+# --- storage views ----------------------------------------------------------------------------
+
+
+def object_regions(
+    pool: PoolBuffers, suffix: str, indices: torch.Tensor | Sequence[int]
+) -> list[tuple[BufferRegion, ...]]:
+    """Zero-copy view of one object per unit: the memory regions holding its bytes, in order.
+
+    The concatenation of the regions is the object's byte sequence (buffers in object order, each
+    layer by layer), identical for every layout: one region per object in page_first, one per
+    buffer in page_first_direct, one per buffer per layer in layer_first.
+    """
+    if pool.device.type != "cpu":
+        raise ValueError(f"pool {pool.spec.name!r}: zero-copy regions exist only for host memory")
+    idx = as_index(indices).cpu()
+    pool.check_indices(idx)
+    obj = _object(pool, suffix)
+    if pool.backing is None or idx.numel() == 0:
+        return [() for _ in range(idx.numel())]
+    base = pool.data_ptr
+    if pool.layout is Layout.PAGE_FIRST:
+        starts = base + idx * pool.unit_bytes + pool.object_offsets[suffix]
+        nbytes = pool.spec.object_bytes(suffix)
+        return [(BufferRegion(ptr, nbytes),) for ptr in starts.tolist()]
+    columns: list[torch.Tensor] = []
+    sizes: list[int] = []
+    for name in obj.buffers:
+        place = pool.placements[name]
+        buffer = place.spec
+        layer_bytes = buffer.bytes_per_unit_per_layer
+        if pool.layout is Layout.LAYER_FIRST:
+            layers = torch.arange(buffer.layers, dtype=torch.int64)
+            # (units, layers): layer l of unit u sits at (l * U + u) * layer_bytes
+            starts = base + place.offset + (layers[None, :] * pool.units + idx[:, None]) * layer_bytes
+            columns.append(starts)
+            sizes.extend([layer_bytes] * buffer.layers)
+        else:
+            columns.append((base + place.offset + idx * buffer.bytes_per_unit)[:, None])
+            sizes.append(buffer.bytes_per_unit)
+    table = torch.cat(columns, dim=1).tolist()
+    return [tuple(BufferRegion(ptr, size) for ptr, size in zip(row, sizes, strict=True)) for row in table]
+
+
+def _object(pool: PoolBuffers, suffix: str) -> ObjectSpec:
+    for obj in pool.spec.objects:
+        if obj.suffix == suffix:
+            return obj
+    raise KeyError(
+        f"pool {pool.spec.name!r} has no object {suffix!r}; objects: {[o.suffix for o in pool.spec.objects]}"
+    )
+
+
+def _object_columns(pool: PoolBuffers, suffix: str, staging: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Per buffer of the object: the staging columns ``(n, L, layer_bytes)`` that hold it."""
+    obj = _object(pool, suffix)
+    expected = pool.spec.object_bytes(suffix)
+    if staging.dtype != torch.uint8 or staging.dim() != 2 or staging.shape[1] != expected:
+        raise ValueError(
+            f"staging for object {suffix!r} of pool {pool.spec.name!r} must be uint8 (n, {expected}); "
+            f"got {staging.dtype} {tuple(staging.shape)}"
+        )
+    columns = []
+    offset = 0
+    for name in obj.buffers:
+        buffer = pool.placements[name].spec
+        width = buffer.bytes_per_unit
+        view = staging[:, offset : offset + width].unflatten(
+            1, (buffer.layers, buffer.bytes_per_unit_per_layer)
+        )
+        columns.append((name, view))
+        offset += width
+    return columns
+
+
+def read_objects(
+    pool: PoolBuffers,
+    suffix: str,
+    indices: torch.Tensor | Sequence[int],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Copy path: the objects of ``indices`` into a contiguous uint8 ``(n, object_bytes)`` staging."""
+    idx = as_index(indices).to(pool.device)
+    pool.check_indices(idx)
+    if out is None:
+        out = torch.empty(idx.numel(), pool.spec.object_bytes(suffix), dtype=torch.uint8, device=pool.device)
+    if out.shape[0] != idx.numel():
+        raise ValueError(f"staging has {out.shape[0]} rows for {idx.numel()} units")
+    for name, column in _object_columns(pool, suffix, out):
+        torch.index_select(pool.unit_view(name), 0, idx, out=column)
+    return out
+
+
+def write_objects(
+    pool: PoolBuffers, suffix: str, indices: torch.Tensor | Sequence[int], staging: torch.Tensor
+) -> None:
+    """Copy path: write ``(n, object_bytes)`` staging rows into the units ``indices``."""
+    idx = as_index(indices).to(pool.device)
+    pool.check_indices(idx)
+    if staging.shape[0] != idx.numel():
+        raise ValueError(f"staging has {staging.shape[0]} rows for {idx.numel()} units")
+    for name, column in _object_columns(pool, suffix, staging):
+        pool.unit_view(name).index_copy_(0, idx, column.to(pool.device))
