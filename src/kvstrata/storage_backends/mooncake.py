@@ -38,7 +38,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kvstrata.plugins.errors import MissingDependencyError, StorageError
 from kvstrata.plugins.storage_backend import (
@@ -59,6 +59,8 @@ NO_AVAILABLE_HANDLE = -200  # segment full: the object was not stored
 INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900  # -9xx: master / client RPC failed
+#: Mooncake refuses smaller segments ("Total size must be at least 16777216").
+MIN_SEGMENT_BYTES = 16 << 20
 #: Returned by :meth:`MooncakeBackend.get` for an object the backend could not even try to read.
 STAGING_TOO_SMALL = -600
 
@@ -92,6 +94,16 @@ class MooncakeConfig(BackendConfig):
         ge=1,
         description="standalone: most host-pool bytes allocate_host_memory may hand out (None = no cap)",
     )
+
+    @field_validator("segment_bytes")
+    @classmethod
+    def _segment_minimum(cls, value: int) -> int:
+        if 0 < value < MIN_SEGMENT_BYTES:
+            raise ValueError(
+                f"segment_bytes={value}: Mooncake needs 0 (contribute no memory) or at least "
+                f"{MIN_SEGMENT_BYTES} bytes (16 MiB)"
+            )
+        return value
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -239,6 +251,8 @@ class MooncakeBackend(StorageBackend):
             )
             what = f"setup against mooncake_master {cfg.master} (metadata {cfg.metadata_server})"
         if rc != 0:
+            with contextlib.suppress(Exception):
+                store.close()
             raise StorageError(f"mooncake backend {self.instance!r}: {what} returned {rc}")
         self._store = store
         try:
