@@ -344,3 +344,32 @@ def test_closed_backend_fails_operations_not_the_process(mooncake_master: Moonca
     backend.close()  # idempotent
     with pytest.raises(StorageError, match="not open"):
         backend.put([StorageObject("k", (BufferRegion(1, 1),))])
+
+
+def test_master_going_away_turns_calls_into_failures(tmp_path: Path) -> None:
+    """Kill the master under a running client: calls return failures (after Mooncake's RPC timeout)."""
+    master = MooncakeMaster(log_dir=tmp_path).start()
+    try:
+        backend = MooncakeBackend(
+            "orphan",
+            MooncakeConfig(
+                master=master.address, metadata_server=master.metadata_url, segment_bytes=16 << 20
+            ),
+        )
+        backend.open()
+        page = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+        (key,) = fresh_keys(1)
+        assert backend.put([StorageObject(key, (region_of(page),))]) == [True]
+    finally:
+        master.stop()
+    try:
+        assert "unreachable" in (backend.probe() or "")
+        with pytest.raises(StorageError, match="batch_is_exist failed"):
+            backend.exists([key])
+        assert any(code <= -900 for code in backend.code_counts), backend.code_counts
+        # After an all-RPC-failure batch the backend probes first: the message proves it did not
+        # wait for another Mooncake RPC timeout.
+        with pytest.raises(StorageError, match=r"unreachable.*failing batch_put_from fast"):
+            backend.put([StorageObject(key + "/2", (region_of(page),))])
+    finally:
+        backend.close()

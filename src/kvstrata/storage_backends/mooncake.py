@@ -20,8 +20,9 @@ transferred in several calls.
 
 Return codes (per key): ``0`` / byte count = success; ``-200`` = no space (not stored, not fatal:
 the master evicts asynchronously); ``-704`` = object not found (a miss); ``-9xx`` = RPC failure
-(master or client unreachable: Mooncake answers after a few seconds, it does not hang). Counts of
-every non-success code are kept in :attr:`MooncakeBackend.code_counts`.
+(master or client unreachable: Mooncake answers after ~4 s, it does not hang; after such a batch
+the backend TCP-probes the endpoint before each call and fails in milliseconds while it is down).
+Counts of every non-success code are kept in :attr:`MooncakeBackend.code_counts`.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ STORE_MODULE = "mooncake.store"
 NO_AVAILABLE_HANDLE = -200  # segment full: the object was not stored
 INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
-RPC_FAIL = -900  # -9xx: master / client RPC failed
+RPC_FAIL = -900  # -9xx (<= -900): master / client RPC failed
 #: Mooncake refuses smaller segments ("Total size must be at least 16777216").
 MIN_SEGMENT_BYTES = 16 << 20
 #: Returned by :meth:`MooncakeBackend.get` for an object the backend could not even try to read.
@@ -193,6 +194,7 @@ class MooncakeBackend(StorageBackend):
         self._staging_keepalive: Any = None  # owner of in-process staging memory
         self._staging_lock = threading.Lock()
         self._state_lock = threading.Lock()
+        self._rpc_failing = False
         #: How often each non-success Mooncake code came back (-200 not stored, -704 miss, ...).
         self.code_counts: collections.Counter[int] = collections.Counter()
 
@@ -416,10 +418,18 @@ class MooncakeBackend(StorageBackend):
 
     def _call(self, method: str, *args: Any) -> list[int]:
         store = self._live_store()
+        if self._rpc_failing:
+            # The last call failed with RPC errors (each costs Mooncake's ~4 s timeout): while the
+            # endpoint does not even accept TCP, fail in milliseconds instead.
+            reason = self.probe()
+            if reason is not None:
+                raise StorageError(f"mooncake backend {self.instance!r}: {reason}; failing {method} fast")
         try:
-            return list(getattr(store, method)(*args))
+            codes = list(getattr(store, method)(*args))
         except Exception as exc:  # a pybind error fails this operation, never the process
             raise StorageError(f"mooncake backend {self.instance!r}: {method} raised {exc!r}") from exc
+        self._rpc_failing = bool(codes) and all(code <= RPC_FAIL for code in codes)
+        return codes
 
     def _transfer(
         self, direction: Literal["put", "get"], keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]
