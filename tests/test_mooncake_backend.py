@@ -373,3 +373,45 @@ def test_master_going_away_turns_calls_into_failures(tmp_path: Path) -> None:
             backend.put([StorageObject(key + "/2", (region_of(page),))])
     finally:
         backend.close()
+
+
+def test_shipped_config_fixture_round_trips_across_instances(
+    mooncake_inprocess_config: MooncakeConfig,
+) -> None:
+    """The plugin's config fixture (what a conformance subclass uses): a second instance reads what a
+    closed first one wrote, since objects live in the session mooncake_client's segment."""
+    page = torch.randint(0, 256, (PAGE_BYTES,), dtype=torch.uint8)
+    (key,) = fresh_keys(1)
+    writer = MooncakeBackend("writer", mooncake_inprocess_config)
+    writer.open()
+    try:
+        assert writer.put([StorageObject(key, (region_of(page),))]) == [True]
+        assert writer.corrupt_for_test(key, "flip", offset=3)
+    finally:
+        writer.close()
+    reader = MooncakeBackend("reader", mooncake_inprocess_config)
+    reader.open()
+    try:
+        target = torch.zeros_like(page)
+        assert reader.get([StorageObject(key, (region_of(target),))]) == [PAGE_BYTES]
+        expected = page.clone()
+        expected[3] ^= 0xFF
+        assert torch.equal(target, expected)
+        assert reader.corrupt_for_test(key, "truncate")
+        assert reader.get([StorageObject(key, (region_of(target),))]) == [PAGE_BYTES // 2]
+    finally:
+        reader.close()
+
+
+def test_object_shorter_than_its_regions_reads_short_not_failed(inprocess: MooncakeBackend) -> None:
+    """Mooncake fails a multi-buffer read of a shorter object (-800); the backend re-reads the
+    leading bytes so the core sees a short read (truncation it can count), never full data."""
+    source = torch.randint(0, 256, (3000,), dtype=torch.uint8)
+    (key,) = fresh_keys(1)
+    assert inprocess.put([StorageObject(key, (region_of(source[:1500]),))]) == [True]
+    head, body = torch.zeros(100, dtype=torch.uint8), torch.zeros(2900, dtype=torch.uint8)
+    read = inprocess.get([StorageObject(key, (region_of(head), region_of(body)))])
+    assert read == [1500]
+    assert torch.equal(head, source[:100])
+    assert torch.equal(body[:1400], source[100:1500])
+    assert bool((body[1400:] == 0).all())

@@ -59,6 +59,7 @@ STORE_MODULE = "mooncake.store"
 NO_AVAILABLE_HANDLE = -200  # segment full: the object was not stored
 INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
+TRANSFER_FAIL = -800  # e.g. a multi-buffer read whose regions do not match the object size
 RPC_FAIL = -900  # -9xx (<= -900): master / client RPC failed
 #: Mooncake refuses smaller segments ("Total size must be at least 16777216").
 MIN_SEGMENT_BYTES = 16 << 20
@@ -405,7 +406,32 @@ class MooncakeBackend(StorageBackend):
         return results
 
     def get(self, objects: Sequence[StorageObject]) -> list[int]:
-        """Read objects into their regions; per key the bytes read, or the negative Mooncake code."""
+        """Read objects into their regions; per key the bytes read, or the negative Mooncake code.
+
+        An object shorter than its regions (truncated or foreign) makes Mooncake's multi-buffer
+        read fail as a whole (``-800``); it is then re-read into the leading bytes of the regions so
+        the caller sees a short read it can count as corruption, rather than an unexplained error.
+        """
+        results = self._get(objects)
+        short = [
+            index
+            for index, code in enumerate(results)
+            if code == TRANSFER_FAIL and len(objects[index].regions) > 1
+        ]
+        if short:
+            sizes = [int(self._live_store().get_size(objects[index].key)) for index in short]
+            retry = [
+                (index, _leading(objects[index], size))
+                for index, size in zip(short, sizes, strict=True)
+                if 0 < size < objects[index].nbytes
+            ]
+            if retry:
+                codes = self._get([obj for _, obj in retry])
+                for (index, _), code in zip(retry, codes, strict=True):
+                    results[index] = code
+        return results
+
+    def _get(self, objects: Sequence[StorageObject]) -> list[int]:
         results = [STAGING_TOO_SMALL] * len(objects)
         for indexes, ptrs, sizes, staged in self._plan_batches(objects):
             with self._staging_guard(staged):
@@ -418,6 +444,30 @@ class MooncakeBackend(StorageBackend):
                 if code < 0:
                     self.code_counts[code] += 1
         return results
+
+    def corrupt_for_test(self, key: str, mode: Literal["flip", "truncate"], offset: int = -1) -> bool:
+        """Test hook (conformance kit): replace ``key`` by a damaged copy, bit flipped or truncated.
+
+        Mooncake never rewrites a key in place, so this reads the object, force-removes it (reads
+        hold a lease) and stores the damaged bytes under the same key. Not for production use.
+        """
+        store = self._live_store()
+        size = int(store.get_size(key))
+        if size <= 0:
+            return False
+        buffer = ctypes.create_string_buffer(size)
+        region = BufferRegion(ctypes.addressof(buffer), size)
+        if self.get([StorageObject(key, (region,))]) != [size]:
+            return False
+        if mode == "flip":
+            position = offset % size
+            buffer[position] = bytes([buffer.raw[position] ^ 0xFF])
+            damaged = region
+        else:
+            damaged = BufferRegion(region.ptr, max(1, size // 2 if offset < 0 else min(offset, size - 1)))
+        if store.remove(key, True) != 0:
+            return False
+        return self.put([StorageObject(key, (damaged,))]) == [True]
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -520,6 +570,18 @@ class MooncakeBackend(StorageBackend):
             sizes.append(obj_sizes)
         if indexes:
             yield indexes, ptrs, sizes, staged
+
+
+def _leading(obj: StorageObject, nbytes: int) -> StorageObject:
+    """``obj`` with its regions cut to their first ``nbytes`` bytes."""
+    regions: list[BufferRegion] = []
+    remaining = nbytes
+    for region in obj.regions:
+        if remaining <= 0:
+            break
+        regions.append(BufferRegion(region.ptr, min(region.nbytes, remaining)))
+        remaining -= region.nbytes
+    return StorageObject(obj.key, tuple(regions))
 
 
 def _aligned(nbytes: int, alignment: int = 64) -> int:

@@ -87,13 +87,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 @pytest.fixture
-def mooncake_inprocess_config(mooncake_master: MooncakeMaster) -> MooncakeConfig:
-    """Config of an in-process Mooncake client (64 MiB segment) against the session master."""
+def mooncake_inprocess_config(mooncake_standalone_client: MooncakeStandaloneClient) -> MooncakeConfig:
+    """Config of an in-process Mooncake client (``setup``) against the session master.
+
+    It contributes no segment of its own: objects land in the session ``mooncake_client``'s
+    256 MiB segment, which outlives every backend instance. (An in-process client's own segment
+    leaves the pool with it on ``close()``, taking its objects along.)
+    """
+    master = mooncake_standalone_client.master
     return MooncakeConfig(
-        master=mooncake_master.address,
-        metadata_server=mooncake_master.metadata_url,
-        segment_bytes=64 << 20,
-        local_buffer_bytes=0,
+        master=master.address, metadata_server=master.metadata_url, segment_bytes=0, local_buffer_bytes=0
     )
 
 
