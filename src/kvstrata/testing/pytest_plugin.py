@@ -7,7 +7,9 @@ Register classes in-process with ``host.pool_types.register(cls)`` or through a 
 
 ``mooncake_master`` / ``mooncake_standalone_client`` (session scope) run the REAL Mooncake binaries
 on free loopback ports (see :mod:`kvstrata.testing.mooncake_servers`); their log tails are attached
-to the report of any failing test that used them.
+to the report of any failing test that used them. ``mooncake_inprocess_config`` /
+``mooncake_standalone_config`` give ready ``MooncakeConfig`` objects for them, so a conformance
+subclass only needs ``MooncakeBackend(instance, mooncake_inprocess_config)`` in its factory.
 """
 
 from __future__ import annotations
