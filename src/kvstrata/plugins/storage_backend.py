@@ -111,6 +111,13 @@ class StorageBackend(ABC):
         """
         return None
 
+    def instance_capabilities(self) -> BackendCapabilities:
+        """Capabilities of this configured instance (a mode may change them, e.g. host_allocator).
+
+        Defaults to the class declaration; the core plans I/O from this, not the class attribute.
+        """
+        return self.capabilities
+
     def open(self) -> None:  # noqa: B027 - optional hook, most backends need no setup
         """Connect / create resources. Heavy imports belong here, not at module import."""
 

@@ -1,22 +1,75 @@
-"""``mooncake``: Mooncake Store, in-process client or standalone (``mooncake_client``) mode."""
+"""``mooncake``: Mooncake Store, in-process client or standalone (``mooncake_client``) mode.
+
+Two ways to join a Mooncake cluster:
+
+* **in-process** (``standalone: false``): ``setup()`` makes this process a real client that
+  contributes ``segment_bytes`` of DRAM to the pool and moves data itself. Host pools are ordinary
+  memory, registered with ``register_host_memory``.
+* **standalone** (``standalone: true``): ``setup_dummy()`` forwards every call to a local
+  ``mooncake_client`` process that owns the segment. That process can only touch memory it maps, so
+  every buffer handed to Mooncake must come from ``alloc_from_mem_pool`` (a memfd it receives):
+  host pools are allocated by this backend (``allocate_host_memory``; the instance declares
+  ``host_allocator=True``).
+
+Regions outside registered memory (the core's small integrity headers, which live in ordinary
+memory) are copied through a **registered staging area** owned by the backend whenever Mooncake
+needs registered memory (standalone mode, or a protocol other than TCP). With in-process TCP they
+are passed through directly, since the TCP/memcpy transports read any address. The staging area is
+``staging_bytes`` large and guarded by a lock; a batch whose unregistered bytes exceed it is
+transferred in several calls.
+
+Return codes (per key): ``0`` / byte count = success; ``-200`` = no space (not stored, not fatal:
+the master evicts asynchronously); ``-704`` = object not found (a miss); ``-9xx`` = RPC failure
+(master or client unreachable: Mooncake answers after ~4 s, it does not hang; after such a batch
+the backend TCP-probes the endpoint before each call and fails in milliseconds while it is down).
+Counts of every non-success code are kept in :attr:`MooncakeBackend.code_counts`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+import bisect
+import collections
+import contextlib
+import ctypes
+import importlib
+import importlib.util
+import logging
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from kvstrata.plugins.errors import MissingDependencyError, StorageError
 from kvstrata.plugins.storage_backend import (
     ANY_POOL,
     BackendCapabilities,
     BackendConfig,
+    BufferRegion,
     PoolCapabilities,
     StorageBackend,
     StorageObject,
 )
 
 INSTALL = "pip install 'kvstrata[mooncake]'  (CPU-only machines: 'kvstrata[mooncake-cpu]')"
+STORE_MODULE = "mooncake.store"
+
+#: Mooncake ``ErrorCode`` values the backend reacts to (see mooncake-store ``types.h``).
+NO_AVAILABLE_HANDLE = -200  # segment full: the object was not stored
+INVALID_PARAMS = -600
+OBJECT_NOT_FOUND = -704
+TRANSFER_FAIL = -800  # e.g. a multi-buffer read whose regions do not match the object size
+RPC_FAIL = -900  # -9xx (<= -900): master / client RPC failed
+#: Mooncake refuses smaller segments ("Total size must be at least 16777216").
+MIN_SEGMENT_BYTES = 16 << 20
+#: Returned by :meth:`MooncakeBackend.get` for an object the backend could not even try to read.
+STAGING_TOO_SMALL = -600
+
+_log = logging.getLogger(__name__)
+
+#: (position of the object in one Mooncake call, scratch ptr, original ptr, nbytes)
+_Staged = tuple[int, int, int, int]
 
 
 class MooncakeConfig(BackendConfig):
@@ -30,12 +83,97 @@ class MooncakeConfig(BackendConfig):
     local_buffer_bytes: int = Field(default=64 << 20, ge=0)
     standalone: bool = Field(default=False, description="talk to a local mooncake_client (setup_dummy)")
     client: str = Field(default="127.0.0.1:50052", description="mooncake_client RPC host:port")
+    connect_timeout_s: float = Field(
+        default=2.0, gt=0, description="TCP probe of master/client before setup (setup itself blocks ~90 s)"
+    )
+    staging_bytes: int = Field(
+        default=4 << 20,
+        ge=4096,
+        description="registered area that unregistered regions (integrity headers) are copied through",
+    )
+    host_memory_limit_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="standalone: most host-pool bytes allocate_host_memory may hand out (None = no cap)",
+    )
+
+    @field_validator("segment_bytes")
+    @classmethod
+    def _segment_minimum(cls, value: int) -> int:
+        if 0 < value < MIN_SEGMENT_BYTES:
+            raise ValueError(
+                f"segment_bytes={value}: Mooncake needs 0 (contribute no memory) or at least "
+                f"{MIN_SEGMENT_BYTES} bytes (16 MiB)"
+            )
+        return value
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise StorageError(f"mooncake address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def tcp_probe(address: str, timeout_s: float) -> str | None:
+    """``None`` when ``address`` accepts a TCP connection within ``timeout_s``, else why not."""
+    try:
+        host, port = _split_address(address)
+    except StorageError as exc:
+        return str(exc)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"{address} did not accept a TCP connection within {timeout_s:g} s ({exc})"
+
+
+class _Ranges:
+    """Sorted, merged address intervals: answers "is [ptr, ptr+n) fully covered?" by bisection."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def covers(self, ptr: int, nbytes: int) -> bool:
+        index = bisect.bisect_right(self.starts, ptr) - 1
+        return index >= 0 and ptr + nbytes <= self.ends[index]
+
+    def gaps(self, ptr: int, nbytes: int) -> list[tuple[int, int]]:
+        """Sub-ranges of [ptr, ptr+n) not yet covered, as (start, length)."""
+        out: list[tuple[int, int]] = []
+        cursor, end = ptr, ptr + nbytes
+        index = max(bisect.bisect_right(self.starts, ptr) - 1, 0)
+        while cursor < end and index < len(self.starts):
+            start, stop = self.starts[index], self.ends[index]
+            if stop <= cursor:
+                index += 1
+                continue
+            if start >= end:
+                break
+            if start > cursor:
+                out.append((cursor, start - cursor))
+            cursor = max(cursor, stop)
+            index += 1
+        if cursor < end:
+            out.append((cursor, end - cursor))
+        return out
+
+    def add(self, ptr: int, nbytes: int) -> None:
+        start, end = ptr, ptr + nbytes
+        index = bisect.bisect_left(self.ends, start)
+        while index < len(self.starts) and self.starts[index] <= end:
+            start = min(start, self.starts[index])
+            end = max(end, self.ends[index])
+            del self.starts[index], self.ends[index]
+        self.starts.insert(index, start)
+        self.ends.insert(index, end)
 
 
 class MooncakeBackend(StorageBackend):
     name = "mooncake"
     Config = MooncakeConfig
-    requires = {"mooncake.store": INSTALL}
+    requires = {STORE_MODULE: INSTALL}
     capabilities = BackendCapabilities(
         pools={ANY_POOL: PoolCapabilities(zero_copy=True, split_heads=True)},
         batch_exists=True,
@@ -45,11 +183,406 @@ class MooncakeBackend(StorageBackend):
         self_evicting=True,
     )
 
+    config: MooncakeConfig
+
+    def __init__(self, instance: str, config: BackendConfig) -> None:
+        super().__init__(instance, config)
+        self._store: Any = None
+        self._registered = _Ranges()
+        self._allocated = _Ranges()  # standalone: memfd regions from alloc_from_mem_pool
+        self._allocated_bytes = 0
+        self._staging: BufferRegion | None = None
+        self._staging_keepalive: Any = None  # owner of in-process staging memory
+        self._staging_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._rpc_failing = False
+        #: How often each non-success Mooncake code came back (-200 not stored, -704 miss, ...).
+        self.code_counts: collections.Counter[int] = collections.Counter()
+
+    # -- discovery / lifecycle -------------------------------------------------------------------
+
+    @classmethod
+    def unavailable_reason(cls, config: BackendConfig | None = None) -> str | None:
+        try:
+            found = importlib.util.find_spec(STORE_MODULE) is not None
+        except ImportError:
+            found = False
+        return None if found else f"module {STORE_MODULE!r} is not installed: run `{INSTALL}`"
+
+    def instance_capabilities(self) -> BackendCapabilities:
+        """Standalone mode needs host pools from the backend's allocator (the client maps memfds)."""
+        if self.config.standalone:
+            return self.capabilities.model_copy(update={"host_allocator": True})
+        return self.capabilities
+
+    @property
+    def _endpoint(self) -> tuple[str, str]:
+        if self.config.standalone:
+            return "mooncake_client", self.config.client
+        return "mooncake_master", self.config.master
+
+    def probe(self) -> str | None:
+        role, address = self._endpoint
+        reason = tcp_probe(address, self.config.connect_timeout_s)
+        return None if reason is None else f"{role} unreachable: {reason}"
+
+    def open(self) -> None:
+        try:
+            store_module = importlib.import_module(STORE_MODULE)
+        except ImportError as exc:
+            raise MissingDependencyError(
+                "storage backend", self.name, STORE_MODULE, self.requires[STORE_MODULE]
+            ) from exc
+        # setup() against a dead master retries for ~90 s; a TCP probe answers in milliseconds.
+        reason = self.probe()
+        if reason is not None:
+            raise StorageError(f"mooncake backend {self.instance!r}: {reason}")
+        cfg = self.config
+        store = store_module.MooncakeDistributedStore()
+        if cfg.standalone:
+            rc = store.setup_dummy(cfg.host_memory_limit_bytes or 0, cfg.local_buffer_bytes, cfg.client)
+            what = f"setup_dummy to mooncake_client {cfg.client}"
+        else:
+            rc = store.setup(
+                cfg.local_hostname,
+                cfg.metadata_server,
+                cfg.segment_bytes,
+                cfg.local_buffer_bytes,
+                cfg.protocol,
+                cfg.device_names,
+                cfg.master,
+            )
+            what = f"setup against mooncake_master {cfg.master} (metadata {cfg.metadata_server})"
+        if rc != 0:
+            with contextlib.suppress(Exception):
+                store.close()
+            raise StorageError(f"mooncake backend {self.instance!r}: {what} returned {rc}")
+        self._store = store
+        try:
+            if self._needs_registered_memory:
+                self._staging = self._new_staging_area(cfg.staging_bytes)
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        with self._state_lock:
+            store, self._store = self._store, None
+        if store is not None:
+            try:
+                store.close()
+            except Exception as exc:  # closing must not fail the caller's shutdown
+                _log.warning("mooncake backend %r: close failed: %s", self.instance, exc)
+        self._staging = None
+        self._staging_keepalive = None
+
+    @property
+    def _needs_registered_memory(self) -> bool:
+        """Whether Mooncake can only move bytes from registered (or, standalone, memfd) memory."""
+        return self.config.standalone or self.config.protocol != "tcp"
+
+    @property
+    def native_store(self) -> Any:
+        """The underlying ``MooncakeDistributedStore`` (benchmarks compare against its raw calls)."""
+        return self._live_store()
+
+    def _live_store(self) -> Any:
+        store = self._store
+        if store is None:
+            raise StorageError(f"mooncake backend {self.instance!r} is not open")
+        return store
+
+    def _new_staging_area(self, nbytes: int) -> BufferRegion:
+        if self.config.standalone:
+            return self.allocate_host_memory(nbytes, count_against_limit=False)
+        buffer = ctypes.create_string_buffer(nbytes)
+        region = BufferRegion(ctypes.addressof(buffer), nbytes)
+        self._staging_keepalive = buffer
+        self.register_host_memory(region)
+        return region
+
+    # -- host memory -----------------------------------------------------------------------------
+
+    def allocate_host_memory(self, nbytes: int, *, count_against_limit: bool = True) -> BufferRegion:
+        """Standalone mode: a new memfd region the mooncake_client maps, registered for zero-copy.
+
+        Pools added after start get their own region, so the client's mapping always covers them;
+        the only refusal is ``host_memory_limit_bytes`` or the OS failing the allocation.
+        """
+        cfg = self.config
+        if not cfg.standalone:
+            raise StorageError(
+                f"mooncake backend {self.instance!r} allocates host memory only in standalone mode; "
+                "in-process mode registers ordinary host memory (register_host_memory)"
+            )
+        if nbytes <= 0:
+            raise StorageError(f"cannot allocate {nbytes} bytes of host memory: size must be positive")
+        store = self._live_store()
+        with self._state_lock:
+            limit = cfg.host_memory_limit_bytes
+            if count_against_limit and limit is not None and self._allocated_bytes + nbytes > limit:
+                raise StorageError(
+                    f"mooncake backend {self.instance!r}: cannot allocate {nbytes} bytes of host memory "
+                    f"from mooncake_client {cfg.client}: {self._allocated_bytes} of "
+                    f"host_memory_limit_bytes={limit} are already allocated "
+                    f"({self._allocated_bytes + nbytes - limit} bytes short); raise "
+                    "host_memory_limit_bytes or shrink the pool"
+                )
+            ptr = int(store.alloc_from_mem_pool(nbytes))
+            if ptr == 0:
+                raise StorageError(
+                    f"mooncake backend {self.instance!r}: alloc_from_mem_pool({nbytes}) failed "
+                    "(memfd creation or mapping refused: check free memory and the cgroup's shmem limit)"
+                )
+            rc = store.register_buffer(ptr, nbytes)
+            if rc != 0:
+                raise StorageError(
+                    f"mooncake backend {self.instance!r}: mooncake_client {cfg.client} refused to map "
+                    f"a new {nbytes}-byte region (register_buffer returned {rc})"
+                )
+            self._allocated.add(ptr, nbytes)
+            self._registered.add(ptr, nbytes)
+            if count_against_limit:
+                self._allocated_bytes += nbytes
+        return BufferRegion(ptr, nbytes)
+
+    def register_host_memory(self, region: BufferRegion) -> None:
+        """Register a host pool; already-registered parts are skipped, so overlaps are harmless."""
+        if region.nbytes <= 0:
+            raise StorageError(f"cannot register an empty host-memory region at {region.ptr:#x}")
+        store = self._live_store()
+        with self._state_lock:
+            if self._registered.covers(region.ptr, region.nbytes):
+                return
+            if self.config.standalone:
+                raise StorageError(
+                    f"mooncake backend {self.instance!r} is in standalone mode: host memory must come "
+                    f"from allocate_host_memory (the mooncake_client maps only memfd regions it handed "
+                    f"out); region {region.ptr:#x}+{region.nbytes} is not one of them"
+                )
+            for start, length in self._registered.gaps(region.ptr, region.nbytes):
+                rc = store.register_buffer(start, length)
+                if rc == INVALID_PARAMS:
+                    # Registered by someone else in this process (overlap): usable as it is.
+                    _log.debug("mooncake: %#x+%d already registered elsewhere", start, length)
+                elif rc != 0:
+                    raise StorageError(
+                        f"mooncake backend {self.instance!r}: register_buffer({start:#x}, {length}) "
+                        f"returned {rc}"
+                    )
+                self._registered.add(start, length)
+
+    # -- data path -------------------------------------------------------------------------------
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        raise NotImplementedError("mooncake backend I/O is not implemented yet (issue #4)")
+        """Per-key presence. A negative code for one key counts as absent; when *every* key fails
+        the backend itself is failing (master unreachable: ``-900``), which raises StorageError so
+        the core does not mistake an outage for a cold cache."""
+        if not keys:
+            return []
+        codes = self._call("batch_is_exist", list(keys))
+        failed = [code for code in codes if code < 0]
+        if failed:
+            self.code_counts.update(failed)
+            if len(failed) == len(codes):
+                raise StorageError(
+                    f"mooncake backend {self.instance!r}: batch_is_exist failed for all "
+                    f"{len(codes)} keys (code {failed[0]})"
+                )
+        return [code == 1 for code in codes]
 
     def put(self, objects: Sequence[StorageObject]) -> list[bool]:
-        raise NotImplementedError("mooncake backend I/O is not implemented yet (issue #4)")
+        """Store objects; an existing key is left as it is (counts as stored); ``-200`` = not stored."""
+        results = [False] * len(objects)
+        for indexes, ptrs, sizes, staged in self._plan_batches(objects):
+            with self._staging_guard(staged):
+                for _, scratch, source, nbytes in staged:
+                    ctypes.memmove(scratch, source, nbytes)
+                codes = self._transfer("put", [objects[i].key for i in indexes], ptrs, sizes)
+            for index, code in zip(indexes, codes, strict=True):
+                results[index] = code == 0
+                if code != 0:
+                    self.code_counts[code] += 1
+        return results
 
     def get(self, objects: Sequence[StorageObject]) -> list[int]:
-        raise NotImplementedError("mooncake backend I/O is not implemented yet (issue #4)")
+        """Read objects into their regions; per key the bytes read, or the negative Mooncake code.
+
+        An object shorter than its regions (truncated or foreign) makes Mooncake's multi-buffer
+        read fail as a whole (``-800``); it is then re-read into the leading bytes of the regions so
+        the caller sees a short read it can count as corruption, rather than an unexplained error.
+        """
+        results = self._get(objects)
+        short = [
+            index
+            for index, code in enumerate(results)
+            if code == TRANSFER_FAIL and len(objects[index].regions) > 1
+        ]
+        if short:
+            sizes = [int(self._live_store().get_size(objects[index].key)) for index in short]
+            retry = [
+                (index, _leading(objects[index], size))
+                for index, size in zip(short, sizes, strict=True)
+                if 0 < size < objects[index].nbytes
+            ]
+            if retry:
+                codes = self._get([obj for _, obj in retry])
+                for (index, _), code in zip(retry, codes, strict=True):
+                    results[index] = code
+        return results
+
+    def _get(self, objects: Sequence[StorageObject]) -> list[int]:
+        results = [STAGING_TOO_SMALL] * len(objects)
+        for indexes, ptrs, sizes, staged in self._plan_batches(objects):
+            with self._staging_guard(staged):
+                codes = self._transfer("get", [objects[i].key for i in indexes], ptrs, sizes)
+                for position, scratch, target, nbytes in staged:
+                    if codes[position] >= 0:
+                        ctypes.memmove(target, scratch, nbytes)
+            for index, code in zip(indexes, codes, strict=True):
+                results[index] = code
+                if code < 0:
+                    self.code_counts[code] += 1
+        return results
+
+    def corrupt_for_test(self, key: str, mode: Literal["flip", "truncate"], offset: int = -1) -> bool:
+        """Test hook (conformance kit): replace ``key`` by a damaged copy, bit flipped or truncated.
+
+        Mooncake never rewrites a key in place, so this reads the object, force-removes it (reads
+        hold a lease) and stores the damaged bytes under the same key. Not for production use.
+        """
+        store = self._live_store()
+        size = int(store.get_size(key))
+        if size <= 0:
+            return False
+        buffer = ctypes.create_string_buffer(size)
+        region = BufferRegion(ctypes.addressof(buffer), size)
+        if self.get([StorageObject(key, (region,))]) != [size]:
+            return False
+        if mode == "flip":
+            position = offset % size
+            buffer[position] = bytes([buffer.raw[position] ^ 0xFF])
+            damaged = region
+        else:
+            damaged = BufferRegion(region.ptr, max(1, size // 2 if offset < 0 else min(offset, size - 1)))
+        if store.remove(key, True) != 0:
+            return False
+        return self.put([StorageObject(key, (damaged,))]) == [True]
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _call(self, method: str, *args: Any) -> list[int]:
+        store = self._live_store()
+        if self._rpc_failing:
+            # The last call failed with RPC errors (each costs Mooncake's ~4 s timeout): while the
+            # endpoint does not even accept TCP, fail in milliseconds instead.
+            reason = self.probe()
+            if reason is not None:
+                raise StorageError(f"mooncake backend {self.instance!r}: {reason}; failing {method} fast")
+        try:
+            codes = list(getattr(store, method)(*args))
+        except Exception as exc:  # a pybind error fails this operation, never the process
+            raise StorageError(f"mooncake backend {self.instance!r}: {method} raised {exc!r}") from exc
+        self._rpc_failing = bool(codes) and all(code <= RPC_FAIL for code in codes)
+        return codes
+
+    def _transfer(
+        self, direction: Literal["put", "get"], keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
+        if all(len(p) == 1 for p in ptrs):
+            flat_ptrs = [p[0] for p in ptrs]
+            flat_sizes = [s[0] for s in sizes]
+            method = "batch_put_from" if direction == "put" else "batch_get_into"
+            codes = self._call(method, keys, flat_ptrs, flat_sizes)
+        else:
+            method = "batch_put_from_multi_buffers" if direction == "put" else "batch_get_into_multi_buffers"
+            codes = self._call(method, keys, ptrs, sizes)
+        if len(codes) != len(keys):
+            raise StorageError(
+                f"mooncake backend {self.instance!r}: {method} answered {len(codes)} codes "
+                f"for {len(keys)} keys"
+            )
+        return codes
+
+    def _staging_guard(self, staged: list[_Staged]) -> contextlib.AbstractContextManager[Any]:
+        return self._staging_lock if staged else contextlib.nullcontext()
+
+    def _plan_batches(
+        self, objects: Sequence[StorageObject]
+    ) -> Iterator[tuple[list[int], list[list[int]], list[list[int]], list[_Staged]]]:
+        """Yield (object indexes, ptr lists, size lists, staged copies) per Mooncake call.
+
+        Staged copies are (position in this call, scratch ptr, original ptr, nbytes): regions
+        Mooncake cannot read where they are. A batch is split when the staging area fills; an
+        object whose unregistered bytes alone exceed the staging area is skipped (put: False;
+        get: STAGING_TOO_SMALL).
+        """
+        if not self._needs_registered_memory:
+            # In-process TCP reads any address: one call for the whole batch, no per-region checks.
+            if any(not obj.regions for obj in objects):
+                raise StorageError(f"mooncake backend {self.instance!r}: an object has no regions")
+            if objects:
+                yield (
+                    list(range(len(objects))),
+                    [[region.ptr for region in obj.regions] for obj in objects],
+                    [[region.nbytes for region in obj.regions] for obj in objects],
+                    [],
+                )
+            return
+        staging = self._staging
+        capacity = staging.nbytes if staging is not None else 0
+        indexes: list[int] = []
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        staged: list[_Staged] = []
+        used = 0
+        for index, obj in enumerate(objects):
+            if not obj.regions:
+                raise StorageError(f"mooncake backend {self.instance!r}: object {obj.key!r} has no regions")
+            obj_ptrs = [region.ptr for region in obj.regions]
+            obj_sizes = [region.nbytes for region in obj.regions]
+            obj_staged = [
+                (position, region.nbytes)
+                for position, region in enumerate(obj.regions)
+                if not self._registered.covers(region.ptr, region.nbytes)
+            ]
+            need = sum(_aligned(nbytes) for _, nbytes in obj_staged)
+            if need and (staging is None or need > capacity):
+                _log.warning(
+                    "mooncake backend %r: object %r has %d unregistered bytes, more than staging_bytes=%d",
+                    self.instance,
+                    obj.key,
+                    need,
+                    capacity,
+                )
+                self.code_counts[STAGING_TOO_SMALL] += 1
+                continue
+            if need and used + need > capacity:
+                yield indexes, ptrs, sizes, staged
+                indexes, ptrs, sizes, staged, used = [], [], [], [], 0
+            for position, nbytes in obj_staged:
+                scratch = staging.ptr + used  # type: ignore[union-attr]
+                staged.append((len(indexes), scratch, obj_ptrs[position], nbytes))
+                obj_ptrs[position] = scratch
+                used += _aligned(nbytes)
+            indexes.append(index)
+            ptrs.append(obj_ptrs)
+            sizes.append(obj_sizes)
+        if indexes:
+            yield indexes, ptrs, sizes, staged
+
+
+def _leading(obj: StorageObject, nbytes: int) -> StorageObject:
+    """``obj`` with its regions cut to their first ``nbytes`` bytes."""
+    regions: list[BufferRegion] = []
+    remaining = nbytes
+    for region in obj.regions:
+        if remaining <= 0:
+            break
+        regions.append(BufferRegion(region.ptr, min(region.nbytes, remaining)))
+        remaining -= region.nbytes
+    return StorageObject(obj.key, tuple(regions))
+
+
+def _aligned(nbytes: int, alignment: int = 64) -> int:
+    return (nbytes + alignment - 1) // alignment * alignment

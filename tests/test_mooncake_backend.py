@@ -1,0 +1,417 @@
+"""MooncakeBackend against REAL mooncake_master / mooncake_client processes on loopback ports.
+
+Objects follow the core's shape: a small integrity header in ordinary (unregistered) memory as
+the first region, then payload regions in host-pool memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata.plugins.errors import MissingDependencyError, StorageError
+from kvstrata.plugins.storage_backend import BufferRegion, StorageObject
+from kvstrata.storage_backends.mooncake import (
+    NO_AVAILABLE_HANDLE,
+    OBJECT_NOT_FOUND,
+    MooncakeBackend,
+    MooncakeConfig,
+)
+from kvstrata.testing.mooncake_servers import MooncakeMaster, MooncakeStandaloneClient, free_loopback_port
+
+pytestmark = pytest.mark.mooncake
+
+HEADER_BYTES = 48
+PAGE_BYTES = 16 << 10
+
+
+def region_of(tensor: torch.Tensor) -> BufferRegion:
+    return BufferRegion(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+def tensor_at(region: BufferRegion) -> torch.Tensor:
+    """A uint8 tensor view of backend-allocated memory (standalone mode)."""
+    return torch.frombuffer((ctypes.c_uint8 * region.nbytes).from_address(region.ptr), dtype=torch.uint8)
+
+
+def header_buffers(count: int, fill: bool) -> tuple[torch.Tensor, list[BufferRegion]]:
+    """Headers in ordinary memory (never registered): one row per object."""
+    headers = torch.randint(0, 256, (count, HEADER_BYTES), dtype=torch.uint8)
+    if not fill:
+        headers.zero_()
+    return headers, [BufferRegion(headers[i].data_ptr(), HEADER_BYTES) for i in range(count)]
+
+
+def fresh_keys(count: int) -> list[str]:
+    prefix = uuid.uuid4().hex
+    return [f"test/{prefix}/{i}" for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def inprocess(mooncake_master: MooncakeMaster) -> Iterator[MooncakeBackend]:
+    """One in-process client for the module: setup/close of a client costs seconds."""
+    config = MooncakeConfig(
+        master=mooncake_master.address,
+        metadata_server=mooncake_master.metadata_url,
+        segment_bytes=64 << 20,
+        local_buffer_bytes=0,
+    )
+    backend = MooncakeBackend("test", config)
+    backend.open()
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def standalone(mooncake_standalone_client: MooncakeStandaloneClient) -> Iterator[MooncakeBackend]:
+    config = MooncakeConfig(
+        standalone=True,
+        client=mooncake_standalone_client.address,
+        local_buffer_bytes=1 << 20,
+        staging_bytes=4096,  # 64 headers of 48 bytes (64-aligned): bigger batches are split
+        host_memory_limit_bytes=8 << 20,
+    )
+    backend = MooncakeBackend("test-standalone", config)
+    backend.open()
+    yield backend
+    backend.close()
+
+
+def test_single_region_objects_round_trip_bit_exact(inprocess: MooncakeBackend) -> None:
+    source = torch.randint(0, 256, (8, PAGE_BYTES), dtype=torch.uint8)
+    target = torch.zeros_like(source)
+    inprocess.register_host_memory(region_of(source))
+    inprocess.register_host_memory(region_of(target))
+    keys = fresh_keys(8)
+    assert (
+        inprocess.put([StorageObject(k, (region_of(source[i]),)) for i, k in enumerate(keys)]) == [True] * 8
+    )
+    assert inprocess.exists(keys) == [True] * 8
+    read = inprocess.get([StorageObject(k, (region_of(target[i]),)) for i, k in enumerate(keys)])
+    assert read == [PAGE_BYTES] * 8
+    assert torch.equal(source, target)
+
+
+def test_multi_region_objects_with_unregistered_header_round_trip(inprocess: MooncakeBackend) -> None:
+    keys_half = torch.randint(0, 256, (6, PAGE_BYTES), dtype=torch.uint8)
+    values_half = torch.randint(0, 256, (6, PAGE_BYTES // 2), dtype=torch.uint8)
+    inprocess.register_host_memory(region_of(keys_half))
+    inprocess.register_host_memory(region_of(values_half))
+    headers, header_regions = header_buffers(6, fill=True)
+    keys = fresh_keys(6)
+    objects = [
+        StorageObject(k, (header_regions[i], region_of(keys_half[i]), region_of(values_half[i])))
+        for i, k in enumerate(keys)
+    ]
+    assert inprocess.put(objects) == [True] * 6
+
+    out_k, out_v = torch.zeros_like(keys_half), torch.zeros_like(values_half)
+    out_headers, out_header_regions = header_buffers(6, fill=False)
+    read = inprocess.get(
+        [
+            StorageObject(k, (out_header_regions[i], region_of(out_k[i]), region_of(out_v[i])))
+            for i, k in enumerate(keys)
+        ]
+    )
+    assert read == [HEADER_BYTES + PAGE_BYTES + PAGE_BYTES // 2] * 6
+    assert torch.equal(out_headers, headers)
+    assert torch.equal(out_k, keys_half)
+    assert torch.equal(out_v, values_half)
+
+
+def test_partial_batch_reports_misses_per_key(inprocess: MooncakeBackend) -> None:
+    source = torch.randint(0, 256, (4, PAGE_BYTES), dtype=torch.uint8)
+    keys = fresh_keys(4)
+    stored = keys[::2]
+    assert inprocess.put([StorageObject(keys[i], (region_of(source[i]),)) for i in (0, 2)]) == [True, True]
+    assert inprocess.exists(keys) == [True, False, True, False]
+
+    target = torch.full_like(source, 7)
+    misses_before = inprocess.code_counts[OBJECT_NOT_FOUND]
+    read = inprocess.get([StorageObject(k, (region_of(target[i]),)) for i, k in enumerate(keys)])
+    assert read == [PAGE_BYTES, OBJECT_NOT_FOUND, PAGE_BYTES, OBJECT_NOT_FOUND]
+    assert inprocess.code_counts[OBJECT_NOT_FOUND] == misses_before + 2
+    assert torch.equal(target[0::2], source[0::2])
+    assert bool((target[1::2] == 7).all()), "a miss must leave the target untouched"
+    assert stored == [keys[0], keys[2]]
+
+
+def test_existing_key_is_not_rewritten(inprocess: MooncakeBackend) -> None:
+    first = torch.randint(0, 256, (PAGE_BYTES,), dtype=torch.uint8)
+    second = first.flip(0).clone() + 1
+    (key,) = fresh_keys(1)
+    assert inprocess.put([StorageObject(key, (region_of(first),))]) == [True]
+    assert inprocess.put([StorageObject(key, (region_of(second),))]) == [True]
+    target = torch.zeros_like(first)
+    assert inprocess.get([StorageObject(key, (region_of(target),))]) == [PAGE_BYTES]
+    assert torch.equal(target, first)
+
+
+def test_register_host_memory_tolerates_overlaps(inprocess: MooncakeBackend) -> None:
+    pool = torch.zeros(1 << 20, dtype=torch.uint8)
+    inprocess.register_host_memory(region_of(pool[: 512 << 10]))
+    inprocess.register_host_memory(region_of(pool[: 512 << 10]))  # again: no-op
+    inprocess.register_host_memory(region_of(pool[4096:8192]))  # inside: no-op
+    inprocess.register_host_memory(region_of(pool))  # superset: only the tail is registered
+    with pytest.raises(StorageError, match="empty"):
+        inprocess.register_host_memory(BufferRegion(pool.data_ptr(), 0))
+
+
+def test_read_from_a_second_process_is_bit_exact(
+    inprocess: MooncakeBackend, mooncake_master: MooncakeMaster, tmp_path: Path
+) -> None:
+    count = 5
+    source = torch.randint(0, 256, (count, PAGE_BYTES), dtype=torch.uint8)
+    headers, header_regions = header_buffers(count, fill=True)
+    keys = fresh_keys(count)
+    objects = [StorageObject(k, (header_regions[i], region_of(source[i]))) for i, k in enumerate(keys)]
+    assert inprocess.put(objects) == [True] * count
+    expected = tmp_path / "expected.pt"
+    torch.save({"keys": keys, "headers": headers, "pages": source}, expected)
+    reader = textwrap.dedent(
+        f"""
+        import sys, torch
+        from kvstrata.plugins.storage_backend import BufferRegion, StorageObject
+        from kvstrata.storage_backends.mooncake import MooncakeBackend, MooncakeConfig
+        data = torch.load({str(expected)!r})
+        keys, headers, pages = data["keys"], data["headers"], data["pages"]
+        out_headers, out_pages = torch.zeros_like(headers), torch.zeros_like(pages)
+        backend = MooncakeBackend("reader", MooncakeConfig(
+            master={mooncake_master.address!r}, metadata_server={mooncake_master.metadata_url!r},
+            segment_bytes=0, local_buffer_bytes=0))
+        backend.open()
+        backend.register_host_memory(BufferRegion(out_pages.data_ptr(), out_pages.numel()))
+        objects = [StorageObject(k, (BufferRegion(out_headers[i].data_ptr(), out_headers.shape[1]),
+                                     BufferRegion(out_pages[i].data_ptr(), out_pages.shape[1])))
+                   for i, k in enumerate(keys)]
+        read = backend.get(objects)
+        backend.close()
+        assert read == [headers.shape[1] + pages.shape[1]] * len(keys), read
+        assert torch.equal(out_headers, headers) and torch.equal(out_pages, pages), "bytes differ"
+        print("READ-OK", len(keys))
+        """
+    )
+    src_dir = Path(__file__).resolve().parents[1] / "src"
+    env_path = f"{src_dir}"
+    completed = subprocess.run(
+        [sys.executable, "-c", reader],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**_clean_env(), "PYTHONPATH": env_path},
+    )
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
+    assert f"READ-OK {count}" in completed.stdout
+
+
+def _clean_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def test_unreachable_master_fails_fast() -> None:
+    dead = f"127.0.0.1:{free_loopback_port()}"
+    backend = MooncakeBackend("dead", MooncakeConfig(master=dead, connect_timeout_s=1.0))
+    assert "unreachable" in (backend.probe() or "")
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=f"mooncake_master unreachable: {dead}"):
+        backend.open()
+    assert time.monotonic() - started < 15, "the probe must fail before setup's ~90 s retry loop"
+    with pytest.raises(StorageError, match="not open"):
+        backend.exists(["k"])
+
+
+def test_unreachable_standalone_client_fails_fast() -> None:
+    dead = f"127.0.0.1:{free_loopback_port()}"
+    backend = MooncakeBackend("dead", MooncakeConfig(standalone=True, client=dead, connect_timeout_s=1.0))
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=f"mooncake_client unreachable: {dead}"):
+        backend.open()
+    assert time.monotonic() - started < 15
+
+
+def test_missing_mooncake_module_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Fault injection: make the import fail as on a machine without the wheel.
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    backend = MooncakeBackend("x", MooncakeConfig())
+    with pytest.raises(MissingDependencyError, match=r"pip install 'kvstrata\[mooncake\]'"):
+        backend.open()
+
+
+def test_full_segment_puts_fail_per_key_with_not_stored(tmp_path: Path) -> None:
+    """A dedicated master and a tiny segment: puts beyond capacity answer -200 per key."""
+    with MooncakeMaster(log_dir=tmp_path) as master:
+        backend = MooncakeBackend(
+            "tiny",
+            MooncakeConfig(
+                master=master.address,
+                metadata_server=master.metadata_url,
+                segment_bytes=16 << 20,
+                local_buffer_bytes=0,
+            ),
+        )
+        backend.open()
+        try:
+            pages = torch.randint(0, 256, (24, 1 << 20), dtype=torch.uint8)  # 24 MiB > 16 MiB
+            backend.register_host_memory(region_of(pages))
+            keys = fresh_keys(24)
+            stored = backend.put([StorageObject(k, (region_of(pages[i]),)) for i, k in enumerate(keys)])
+            assert any(stored) and not all(stored), stored
+            assert backend.code_counts[NO_AVAILABLE_HANDLE] == stored.count(False)
+            target = torch.zeros_like(pages)
+            read = backend.get([StorageObject(k, (region_of(target[i]),)) for i, k in enumerate(keys)])
+            for i, (ok, got) in enumerate(zip(stored, read, strict=True)):
+                if not ok:
+                    assert got == OBJECT_NOT_FOUND, f"key {i} was not stored but read {got}"
+                elif got > 0:  # stored keys may since have been evicted; what is read is exact
+                    assert torch.equal(target[i], pages[i])
+            assert any(got > 0 for got in read)
+        finally:
+            backend.close()
+
+
+def test_standalone_round_trip_with_backend_allocated_memory(standalone: MooncakeBackend) -> None:
+    assert standalone.instance_capabilities().host_allocator is True
+    assert MooncakeBackend.capabilities.host_allocator is False
+    count = 100  # 100 headers > 64 that fit the 4 KiB staging area: the batch is split
+    pool_region = standalone.allocate_host_memory(count * 4096)
+    pool = tensor_at(pool_region).view(count, 4096)
+    pool.copy_(torch.randint(0, 256, (count, 4096), dtype=torch.uint8))
+    headers, header_regions = header_buffers(count, fill=True)
+    keys = fresh_keys(count)
+    objects = [StorageObject(k, (header_regions[i], region_of(pool[i]))) for i, k in enumerate(keys)]
+    assert standalone.put(objects) == [True] * count
+    assert standalone.exists([*keys, "missing/" + keys[0]]) == [True] * count + [False]
+
+    expected = pool.clone()
+    pool.zero_()
+    out_headers, out_header_regions = header_buffers(count, fill=False)
+    read = standalone.get(
+        [StorageObject(k, (out_header_regions[i], region_of(pool[i]))) for i, k in enumerate(keys)]
+    )
+    assert read == [HEADER_BYTES + 4096] * count
+    assert torch.equal(pool, expected)
+    assert torch.equal(out_headers, headers)
+
+
+def test_standalone_refuses_foreign_memory_and_covers_late_pools(standalone: MooncakeBackend) -> None:
+    foreign = torch.zeros(4096, dtype=torch.uint8)
+    with pytest.raises(StorageError, match="allocate_host_memory"):
+        standalone.register_host_memory(region_of(foreign))
+
+    # A pool added after start gets its own region that the mooncake_client maps.
+    late = tensor_at(standalone.allocate_host_memory(64 << 10))
+    late.copy_(torch.randint(0, 256, late.shape, dtype=torch.uint8))
+    (key,) = fresh_keys(1)
+    assert standalone.put([StorageObject(key, (region_of(late[:32768]),))]) == [True]
+    assert standalone.get([StorageObject(key, (region_of(late[32768:]),))]) == [32768]
+    assert torch.equal(late[:32768], late[32768:])
+
+    # Beyond the configured budget the refusal names requested bytes and the limit.
+    with pytest.raises(
+        StorageError, match=r"cannot allocate 16777216 bytes .*host_memory_limit_bytes=8388608"
+    ):
+        standalone.allocate_host_memory(16 << 20)
+
+
+def test_segment_below_mooncake_minimum_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="at least 16777216"):
+        MooncakeConfig(segment_bytes=4 << 20)
+
+
+def test_closed_backend_fails_operations_not_the_process(mooncake_master: MooncakeMaster) -> None:
+    backend = MooncakeBackend(
+        "short",
+        MooncakeConfig(
+            master=mooncake_master.address,
+            metadata_server=mooncake_master.metadata_url,
+            segment_bytes=0,
+            local_buffer_bytes=0,
+        ),
+    )
+    backend.open()
+    backend.close()
+    backend.close()  # idempotent
+    with pytest.raises(StorageError, match="not open"):
+        backend.put([StorageObject("k", (BufferRegion(1, 1),))])
+
+
+def test_master_going_away_turns_calls_into_failures(tmp_path: Path) -> None:
+    """Kill the master under a running client: calls return failures (after Mooncake's RPC timeout)."""
+    master = MooncakeMaster(log_dir=tmp_path).start()
+    try:
+        backend = MooncakeBackend(
+            "orphan",
+            MooncakeConfig(
+                master=master.address, metadata_server=master.metadata_url, segment_bytes=16 << 20
+            ),
+        )
+        backend.open()
+        page = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+        (key,) = fresh_keys(1)
+        assert backend.put([StorageObject(key, (region_of(page),))]) == [True]
+    finally:
+        master.stop()
+    try:
+        assert "unreachable" in (backend.probe() or "")
+        with pytest.raises(StorageError, match="batch_is_exist failed"):
+            backend.exists([key])
+        assert any(code <= -900 for code in backend.code_counts), backend.code_counts
+        # After an all-RPC-failure batch the backend probes first: the message proves it did not
+        # wait for another Mooncake RPC timeout.
+        with pytest.raises(StorageError, match=r"unreachable.*failing batch_put_from fast"):
+            backend.put([StorageObject(key + "/2", (region_of(page),))])
+    finally:
+        backend.close()
+
+
+def test_shipped_config_fixture_round_trips_across_instances(
+    mooncake_inprocess_config: MooncakeConfig,
+) -> None:
+    """The plugin's config fixture (what a conformance subclass uses): a second instance reads what a
+    closed first one wrote, since objects live in the session mooncake_client's segment."""
+    page = torch.randint(0, 256, (PAGE_BYTES,), dtype=torch.uint8)
+    (key,) = fresh_keys(1)
+    writer = MooncakeBackend("writer", mooncake_inprocess_config)
+    writer.open()
+    try:
+        assert writer.put([StorageObject(key, (region_of(page),))]) == [True]
+        assert writer.corrupt_for_test(key, "flip", offset=3)
+    finally:
+        writer.close()
+    reader = MooncakeBackend("reader", mooncake_inprocess_config)
+    reader.open()
+    try:
+        target = torch.zeros_like(page)
+        assert reader.get([StorageObject(key, (region_of(target),))]) == [PAGE_BYTES]
+        expected = page.clone()
+        expected[3] ^= 0xFF
+        assert torch.equal(target, expected)
+        assert reader.corrupt_for_test(key, "truncate")
+        assert reader.get([StorageObject(key, (region_of(target),))]) == [PAGE_BYTES // 2]
+    finally:
+        reader.close()
+
+
+def test_object_shorter_than_its_regions_reads_short_not_failed(inprocess: MooncakeBackend) -> None:
+    """Mooncake fails a multi-buffer read of a shorter object (-800); the backend re-reads the
+    leading bytes so the core sees a short read (truncation it can count), never full data."""
+    source = torch.randint(0, 256, (3000,), dtype=torch.uint8)
+    (key,) = fresh_keys(1)
+    assert inprocess.put([StorageObject(key, (region_of(source[:1500]),))]) == [True]
+    head, body = torch.zeros(100, dtype=torch.uint8), torch.zeros(2900, dtype=torch.uint8)
+    read = inprocess.get([StorageObject(key, (region_of(head), region_of(body)))])
+    assert read == [1500]
+    assert torch.equal(head, source[:100])
+    assert torch.equal(body[:1400], source[100:1500])
+    assert bool((body[1400:] == 0).all())
