@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tree_stacks import PAGE, Units, kv_spec, mamba_spec, nsa_spec, seq, swa_spec
 
 from kvstrata.core.tree import PrefixTree, Tier, TreeError, page_keys
+from tree_stacks import PAGE, Units, kv_spec, mamba_spec, nsa_spec, seq, swa_spec
 
 
 def insert(tree: PrefixTree, units: Units, keys, pools=("kv",), state=True):
@@ -236,7 +236,7 @@ def test_window_lock_survives_split_of_boundary_node():
 # ---------------------------------------------------------------- hybrid hit rules
 def test_mamba_prefix_usable_only_up_to_last_state():
     tree, units = PrefixTree([kv_spec(), mamba_spec()]), Units()
-    res, values = insert(tree, units, seq(1, 2, 3, 4), pools=("kv", "mamba"))
+    _, values = insert(tree, units, seq(1, 2, 3, 4), pools=("kv", "mamba"))
     m = tree.match(seq(1, 2, 3, 4, 5))
     assert (m.pages, m.device_pages) == (4, 4)
     assert torch.equal(m.device_state["mamba"], values["mamba"])
@@ -289,20 +289,17 @@ def test_swa_window_rule_device_vs_host():
     c, _ = insert(tree, units, seq(1, 2, 3, 4), pools=("kv", "swa"))
     for res in (a, b, c):
         backup(tree, units, res.node)
-    swa = tree.index["swa"]
     # drop the device swa of the middle node (page 3): device windows ending at 3 or 4 break
     tree.match(seq(1, 2))
     tree.match(seq(1, 2, 3, 4))
-    lock_c = tree.lock(c.node)
-    tree.unlock(lock_c)
-    tree._set(b.node, Tier.DEVICE, swa, None)  # direct tombstone, as a targeted eviction would
+    assert len(tree.drop_component(b.node, "swa", Tier.DEVICE)) == 1
     tree.check()
     m = tree.match(seq(1, 2, 3, 4))
     assert m.device_pages == 2  # window [0,2) intact on device
     assert m.host_pages == 4  # host holds page 3's swa, so the full window [2,4) is there
     # an interior tombstone outside the window does not matter
     tree.set_device_value(b.node, "swa", units.take(1))
-    tree._set(a.node, Tier.DEVICE, swa, None)
+    tree.drop_component(a.node, "swa", Tier.DEVICE)
     assert tree.match(seq(1, 2, 3, 4)).device_pages == 4
     assert tree.match(seq(1, 2, 3)).device_pages == 0  # window [1,3) needs page 2
     tree.check()
@@ -313,7 +310,7 @@ def test_insert_revives_swa_tombstone_and_returns_duplicates():
     a, _ = insert(tree, units, seq(1, 2), pools=("kv", "swa"))
     insert(tree, units, seq(1, 2, 3), pools=("kv", "swa"))
     swa = tree.index["swa"]
-    tree._set(a.node, Tier.DEVICE, swa, None)
+    tree.drop_component(a.node, "swa", "device")
     res, values = insert(tree, units, seq(1, 2, 3), pools=("kv", "swa"))
     tree.check()
     assert torch.equal(a.node.device[swa], values["swa"][:2])
@@ -323,15 +320,31 @@ def test_insert_revives_swa_tombstone_and_returns_duplicates():
 
 def test_component_eviction_priority_order():
     tree, units = PrefixTree([kv_spec(), swa_spec(PAGE), mamba_spec()]), Units()
-    inner, _ = insert(tree, units, seq(1, 2), pools=("kv", "swa", "mamba"))
+    insert(tree, units, seq(1, 2), pools=("kv", "swa", "mamba"))
     insert(tree, units, seq(1, 2, 3), pools=("kv", "swa", "mamba"))
+    # mamba (priority 0) goes first; its LRU state is the leaf's (touched before its ancestor),
+    # and a device leaf without its state is useless, so the whole leaf goes, which also pays
+    # for the kv and swa requests
     out = tree.evict_device({"kv": 1, "swa": 1, "mamba": 1})
     tree.check()
-    # mamba (priority 0) goes first: the LRU state is the inner one (ancestors are touched later
-    # than descendants... so the leaf is older); the leaf's state loss evicts the leaf whole,
-    # which also satisfies kv and swa
-    assert out.units["mamba"] >= 1 and out.units["kv"] >= 1 and out.units["swa"] >= 1
-    assert out.deleted == 1
+    assert out.units == {"mamba": 1, "kv": 1, "swa": 1} and out.deleted == 1
+    assert tree.match(seq(1, 2, 3)).device_pages == 2
+
+
+def test_component_eviction_tombstones_inner_state_when_leaf_locked():
+    tree, units = PrefixTree([kv_spec(), swa_spec(PAGE), mamba_spec()]), Units()
+    inner, _ = insert(tree, units, seq(1, 2), pools=("kv", "swa", "mamba"))
+    leaf, _ = insert(tree, units, seq(1, 2, 3), pools=("kv", "swa", "mamba"))
+    handle = tree.lock(leaf.node)
+    out = tree.evict_device({"kv": 1, "mamba": 1, "swa": 1})
+    tree.check()
+    # mamba first: the leaf is locked, so the inner state is tombstoned; swa likewise (its window
+    # lock covers only the leaf); kv finds no evictable leaf
+    assert out.units == {"mamba": 1, "swa": 2} and out.tombstoned == 2 and out.deleted == 0
+    assert tree.is_tombstone(inner.node, "mamba", Tier.DEVICE)
+    assert tree.is_tombstone(inner.node, "swa", Tier.DEVICE)
+    assert tree.match(seq(1, 2, 3)).device_pages == 3
+    tree.unlock(handle)
 
 
 def test_set_values_validate_invariants():
@@ -343,4 +356,19 @@ def test_set_values_validate_invariants():
         tree.set_host_value(res.node, "swa", units.take(2))
     with pytest.raises(TreeError, match="root"):
         tree.set_host_value(tree.root, "kv", units.take(0))
+    tree.check()
+
+
+def test_drop_component_respects_locks_and_anchor():
+    tree, units = PrefixTree([kv_spec(), swa_spec()]), Units()
+    res, values = insert(tree, units, seq(1, 2), pools=("kv", "swa"))
+    handle = tree.lock(res.node)
+    with pytest.raises(TreeError, match="locked"):
+        tree.drop_component(res.node, "swa", Tier.DEVICE)
+    with pytest.raises(TreeError, match="evict_device"):
+        tree.drop_component(res.node, "kv", Tier.DEVICE)
+    tree.unlock(handle)
+    assert torch.equal(tree.drop_component(res.node, "swa", Tier.DEVICE), values["swa"])
+    with pytest.raises(TreeError, match="holds no device"):
+        tree.drop_component(res.node, "swa", Tier.DEVICE)
     tree.check()

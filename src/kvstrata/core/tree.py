@@ -499,6 +499,25 @@ class PrefixTree:
             raise TreeError(f"back up the anchor of {node!r} before component {name!r}")
         self._set(node, Tier.HOST, p, value)
 
+    def drop_component(self, node: TreeNode, name: str, tier: Tier | str) -> torch.Tensor:
+        """Tombstone one component of a node in a tier and return its units for the caller to free.
+
+        For targeted releases (e.g. window pages a decode has moved past, a state superseded by
+        a deeper checkpoint); the anchor leaves a tier only through eviction.
+        """
+        p, tier = self._pool(name), Tier(tier)
+        self._require_node(node)
+        if p == 0:
+            raise TreeError(f"the anchor {name!r} leaves a tier through evict_device / evict_host only")
+        vals, locks = (node.device, node.device_lock) if tier is Tier.DEVICE else (node.host, node.host_lock)
+        value = vals[p]
+        if value is None:
+            raise TreeError(f"{node!r} holds no {tier} units of pool {name!r}")
+        if locks[p]:
+            raise TreeError(f"{node!r}: pool {name!r} is {tier}-locked")
+        self._set(node, tier, p, None)
+        return value
+
     def backed_up(self, node: TreeNode) -> bool:
         return node is self.root or node.host[0] is not None
 
