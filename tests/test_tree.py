@@ -29,8 +29,19 @@ def backup(tree: PrefixTree, units: Units, node) -> None:
 
 # ---------------------------------------------------------------- basics
 def test_page_keys_drop_partial_page_and_accept_tensors():
-    assert page_keys(list(range(10)), 4) == [(0, 1, 2, 3), (4, 5, 6, 7)]
-    assert page_keys(torch.arange(8), 4) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    from_list = page_keys(list(range(10)), 4)
+    assert len(from_list) == 2 and from_list == page_keys(torch.arange(8, dtype=torch.int32), 4)
+    assert from_list[0] != from_list[1] and page_keys([0, 1, 2, 3], 4) == from_list[:1]
+    assert page_keys([1, 2, 3], 4) == []
+
+
+def test_token_keys_match_through_the_tree():
+    tree, units = PrefixTree([kv_spec()]), Units()
+    tokens = list(range(100, 100 + 3 * PAGE + 1))
+    tree.insert(tree.keys_of(tokens), {"kv": units.take(3)})
+    other = tokens[: 2 * PAGE] + [7] * PAGE
+    assert tree.match(tree.keys_of(torch.tensor(other))).device_pages == 2
+    tree.check()
 
 
 def test_tree_needs_one_anchor_and_ignores_sidecars():

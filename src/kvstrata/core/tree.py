@@ -1,8 +1,10 @@
 """Page-granular prefix tree with per-pool, per-tier state (the index of the device/host tiers).
 
-Edges are lists of whole-page keys. A page key is the tuple of the page's token ids by default:
-building it is one C-level slice per page, it hashes and compares in C, and equality is exact
-(no hash collisions to guard against). Callers that already hold page hashes (bytes, ints) may
+Edges are lists of whole-page keys. A page key is the page's token ids packed as int64 bytes by
+default (:func:`page_keys`): one C-level pack and one slice per page build it, its hash is
+computed once and cached, comparison is a memcmp, equality is exact (no hash collisions to guard
+against), and bytes are not tracked by the garbage collector (tuples of ints are, and a large
+tree of them makes every full collection slow). Callers that already hold chained page hashes may
 pass those instead: the tree only needs hashable, comparable keys. Children are keyed by their
 first page key, and an edge is compared with one list-slice equality, so matching does no
 per-token Python work.
@@ -18,6 +20,7 @@ reports what it dropped and the owner frees it.
 from __future__ import annotations
 
 import heapq
+import struct
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -39,14 +42,20 @@ class TreeError(ValueError):
     """Bad input to a tree operation (unknown pool, wrong value length, broken invariant)."""
 
 
-def page_keys(tokens: Sequence[int] | torch.Tensor, page_size: int) -> list[tuple[int, ...]]:
-    """Whole-page keys of ``tokens`` (a trailing partial page is dropped: it cannot be cached)."""
+def page_keys(tokens: Sequence[int] | torch.Tensor, page_size: int) -> list[bytes]:
+    """Whole-page keys of ``tokens``: each page's token ids as int64 bytes.
+
+    A trailing partial page is dropped (it cannot be cached). Bytes keys are exact (no hash
+    collisions), hash once (the hash is cached on the object), compare with one memcmp and are
+    invisible to the garbage collector, which matters for a tree of millions of pages.
+    """
     if isinstance(tokens, torch.Tensor):
-        tokens = tokens.tolist()
-    elif not isinstance(tokens, list | tuple):
-        tokens = list(tokens)
-    end = len(tokens) - len(tokens) % page_size
-    return [tuple(tokens[i : i + page_size]) for i in range(0, end, page_size)]
+        flat = tokens.detach().to("cpu", torch.int64).numpy().tobytes()
+    else:
+        flat = struct.pack(f"{len(tokens)}q", *tokens)
+    step = page_size * 8
+    end = len(flat) - len(flat) % step
+    return [flat[i : i + step] for i in range(0, end, step)]
 
 
 class TreeNode:
@@ -68,7 +77,9 @@ class TreeNode:
         "parent",
     )
 
-    def __init__(self, node_id: int, parent: TreeNode | None, keys: list[PageKey], npools: int) -> None:
+    def __init__(
+        self, node_id: int, parent: TreeNode | None, keys: list[PageKey], npools: int, windows: bool
+    ) -> None:
         self.id = node_id
         self.parent = parent
         self.keys = keys
@@ -78,9 +89,10 @@ class TreeNode:
         self.host: list[torch.Tensor | None] = [None] * npools
         self.device_lock = [0] * npools
         self.host_lock = [0] * npools
-        # Window (trailing_pages) locks: the lower page bound of each lock covering this node.
-        self.device_windows: dict[int, list[int]] = {}
-        self.host_windows: dict[int, list[int]] = {}
+        # Window (trailing_pages) locks: the lower page bound of each lock covering this node
+        # (allocated only for stacks with a window pool: fewer objects for the collector).
+        self.device_windows: dict[int, list[int]] = {} if windows else None  # type: ignore[assignment]
+        self.host_windows: dict[int, list[int]] = {} if windows else None  # type: ignore[assignment]
         self.hit_count = 0
         self.last_access = 0
 
@@ -114,10 +126,20 @@ class MatchResult:
     last_node: TreeNode
     device_node: TreeNode
     host_node: TreeNode
+    device_nodes: int = 0  # ``path[:device_nodes]`` is the device-usable part of the path
+    host_nodes: int = 0  # ``path[:host_nodes]`` is the host-usable part
     #: node-state pools: the device slot the request would copy its state from (device tier)
     device_state: dict[str, torch.Tensor] = field(default_factory=dict)
     #: node-state pools: where the host-tier prefix's state lives, and in which tier
     host_state: dict[str, tuple[Tier, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def device_path(self) -> list[TreeNode]:
+        return self.path[: self.device_nodes]
+
+    @property
+    def host_path(self) -> list[TreeNode]:
+        return self.path[: self.host_nodes]
 
     @property
     def device_tokens(self) -> int:
@@ -132,12 +154,40 @@ class MatchResult:
         return self.pages * self.page_size
 
 
-@dataclass
 class InsertResult:
-    node: TreeNode  # the node ending at the inserted length (root for an empty insert)
-    new_pages: int  # pages that did not exist in the tree before
-    #: given units that were not adopted (the tree already held them): the caller frees them
-    duplicates: dict[str, torch.Tensor]
+    """Outcome of an insert; the duplicate tensors are sliced only when asked for."""
+
+    __slots__ = ("_duplicates", "_given", "_ranges", "new_pages", "node")
+
+    def __init__(
+        self,
+        node: TreeNode,
+        new_pages: int,
+        given: dict[str, torch.Tensor],
+        ranges: dict[str, list[list[int]]],
+    ) -> None:
+        self.node = node  # the node ending at the inserted length (root for an empty insert)
+        self.new_pages = new_pages  # pages that did not exist in the tree before
+        self._given = given
+        self._ranges = ranges
+        self._duplicates: dict[str, torch.Tensor] | None = None
+
+    @property
+    def duplicate_ranges(self) -> dict[str, list[tuple[int, int]]]:
+        """Per pool, ``[start, end)`` unit positions of the given values the tree did not adopt."""
+        return {name: [(s, e) for s, e in ranges] for name, ranges in self._ranges.items()}
+
+    @property
+    def duplicates(self) -> dict[str, torch.Tensor]:
+        """Per pool, the given units the tree did not adopt (it already held them): free them."""
+        if self._duplicates is None:
+            out = {}
+            for name, ranges in self._ranges.items():
+                value = self._given[name]
+                parts = [value[s:e] for s, e in ranges]
+                out[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
+            self._duplicates = out
+        return self._duplicates
 
 
 @dataclass
@@ -179,6 +229,7 @@ class PrefixTree:
         self.pools: tuple[PoolSpec, ...] = (anchors[0], *[s for s in tracked if s is not anchors[0]])
         self.page_size: int = page_sizes.pop()
         self.index: dict[str, int] = {s.name: i for i, s in enumerate(self.pools)}
+        self._names = [s.name for s in self.pools]
         self._state = [s.granularity is Granularity.NODE_STATE for s in self.pools]
         self._window = [
             s.hit_rule.pages if s.hit_rule.kind is HitRuleKind.TRAILING_PAGES and not self._state[i] else 0
@@ -192,7 +243,7 @@ class PrefixTree:
         self._anchor_only = len(self.pools) == 1
         self._ids = count(1)
         self._clock = count(1)
-        self.root = TreeNode(0, None, [], len(self.pools))
+        self.root = TreeNode(0, None, [], len(self.pools), bool(self._windowed))
         # Per-tier, per-pool LRU membership: the nodes holding a value of that pool in that tier,
         # ordered for eviction by ``last_access`` (touched bottom-up on every match and insert).
         self._lru: dict[Tier, list[dict[TreeNode, None]]] = {
@@ -242,7 +293,7 @@ class PrefixTree:
         if not isinstance(value, torch.Tensor) or value.dim() != 1:
             raise TreeError(f"pool {self.pools[p].name!r}: values must be 1-D index tensors")
         want = 1 if self._state[p] else pages
-        if len(value) != want:
+        if value.shape[0] != want:
             raise TreeError(f"pool {self.pools[p].name!r}: expected {want} units, got {len(value)}")
         return value
 
@@ -257,7 +308,7 @@ class PrefixTree:
             raise TreeError(f"cannot split {node!r} at page {at}")
         parent = node.parent
         assert parent is not None
-        upper = TreeNode(next(self._ids), parent, node.keys[:at], len(self.pools))
+        upper = TreeNode(next(self._ids), parent, node.keys[:at], len(self.pools), bool(self._windowed))
         node.keys = node.keys[at:]
         parent.children[upper.keys[0]] = upper
         upper.children[node.keys[0]] = node
@@ -291,10 +342,8 @@ class PrefixTree:
     # ------------------------------------------------------------------ match
     def _walk(self, keys: Sequence[PageKey], split: bool) -> tuple[list[TreeNode], int]:
         node, i, n, path = self.root, 0, len(keys), []
-        children_get = None
         while i < n:
-            children_get = node.children.get
-            child = children_get(keys[i])
+            child = node.children.get(keys[i])
             if child is None:
                 break
             ck = child.keys
@@ -343,7 +392,9 @@ class PrefixTree:
             jh = self._fold(path, Tier.HOST)
         dnode = path[jd - 1] if jd else root
         hnode = path[jh - 1] if jh else root
-        result = MatchResult(ps, last.depth_end, dnode.depth_end, hnode.depth_end, path, last, dnode, hnode)
+        result = MatchResult(
+            ps, last.depth_end, dnode.depth_end, hnode.depth_end, path, last, dnode, hnode, jd, jh
+        )
         for p in self._stateful:
             name = self.pools[p].name
             if jd and dnode.device[p] is not None:
@@ -401,7 +452,7 @@ class PrefixTree:
     def values(self, nodes: Sequence[TreeNode], name: str, tier: Tier | str = Tier.DEVICE) -> torch.Tensor:
         """Concatenated unit indices of ``nodes`` (root-to-leaf order) for one pool and tier."""
         p = self._pool(name)
-        attr = Tier(tier).value
+        attr = "device" if tier is Tier.DEVICE else Tier(tier).value
         parts = [getattr(n, attr)[p] for n in nodes]
         if any(v is None for v in parts):
             raise TreeError(f"pool {name!r} has no {attr} value on some of the requested nodes")
@@ -435,28 +486,34 @@ class PrefixTree:
             given[p] = self._check_value(p, value, n)
         if given[0] is None:
             raise TreeError(f"insert needs values for the anchor pool {self.pools[0].name!r}")
+        paged = [p for p, value in enumerate(given) if value is not None and not self._state[p]]
         dev = tier is Tier.DEVICE
-        dups: dict[int, list[torch.Tensor]] = {}
+        # duplicate page ranges per pool, merged while contiguous so each becomes one slice
+        dup_ranges: dict[int, list[list[int]]] = {}
         path, i = self._walk(keys, split=True)
         # adopt into existing nodes: revive host-only nodes / tombstones, the rest is duplicate
         for node in path:
             vals = node.device if dev else node.host
-            s, e = node.depth_start, node.depth_end
-            for p, value in enumerate(given):
-                if value is None or self._state[p]:
+            e = node.depth_end
+            s = e - len(node.keys)
+            for p in paged:  # the anchor (p == 0) is adopted first, so components may follow
+                if vals[p] is None:
+                    self._set(node, tier, p, given[p][s:e])  # type: ignore[index]
                     continue
-                if vals[p] is None:  # the anchor (p == 0) is adopted first, so components may follow
-                    self._set(node, tier, p, value[s:e])
+                ranges = dup_ranges.setdefault(p, [])
+                if ranges and ranges[-1][1] == s:
+                    ranges[-1][1] = e
                 else:
-                    dups.setdefault(p, []).append(value[s:e])
+                    ranges.append([s, e])
         node = path[-1] if path else self.root
         if i < n:
             parent = node
-            node = TreeNode(next(self._ids), parent, list(keys[i:]), len(self.pools))
-            parent.children[node.keys[0]] = node
-            for p, value in enumerate(given):
-                if value is not None and not self._state[p]:
-                    self._set(node, tier, p, value[i:])
+            rest = keys[i:] if isinstance(keys, list) else list(keys[i:])
+            node = TreeNode(next(self._ids), parent, rest, len(self.pools), bool(self._windowed))
+            parent.children[rest[0]] = node
+            for p in paged:
+                value = given[p]
+                self._set(node, tier, p, value if i == 0 else value[i:])  # type: ignore[index]
             path.append(node)
         for p in self._stateful:
             value = given[p]
@@ -464,15 +521,12 @@ class PrefixTree:
                 continue
             vals = node.device if dev else node.host
             if node is self.root or vals[p] is not None or vals[0] is None:
-                dups.setdefault(p, []).append(value)
+                dup_ranges[p] = [[0, 1]]
             else:
                 self._set(node, tier, p, value)
         self._touch(path)
-        duplicates = {
-            self.pools[p].name: (parts[0] if len(parts) == 1 else torch.cat(parts))
-            for p, parts in dups.items()
-        }
-        return InsertResult(node, n - i, duplicates)
+        names = self._names
+        return InsertResult(node, n - i, values, {names[p]: r for p, r in dup_ranges.items()})
 
     # ------------------------------------------------------------------ tier values
     def set_device_value(self, node: TreeNode, name: str, value: torch.Tensor) -> None:
