@@ -4,7 +4,7 @@ Runs the same workload through kvstrata's ``PrefixTree`` and a baseline measured
 run, and prints the ratio. The baseline is SGLang's ``RadixCache`` when ``--sglang-path`` (or
 ``KVSTRATA_SGLANG_PATH``) names a directory it can be imported from; otherwise (or when that
 import fails, reported as ``skipped: <reason>``) a token-level paged radix tree written here in
-the same style (token lists on edges compared page by page, one device index per token, split by
+the same style (token arrays on edges compared page by page, one device index per token, split by
 slicing, match concatenates the indices).
 
     python benchmarks/tree.py [--sequences 10000] [--sglang-path /tmp/sglang-site]
@@ -18,6 +18,7 @@ import os
 import random
 import sys
 import time
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -31,9 +32,10 @@ PAGE = 64
 SEQ_TOKENS = 1024
 
 
-def workload(sequences: int, seed: int) -> list[list[int]]:
+def workload(sequences: int, seed: int) -> list[array]:
     """Sequences = system prompt (256 tokens, 40 of them) + maybe a shared document
-    (384 tokens, 400 of them) + a unique tail, 1024 tokens in all."""
+    (384 tokens, 400 of them) + a unique tail, 1024 tokens in all; held as ``array('q')``, the
+    representation SGLang's RadixKey uses, and given as such to every implementation."""
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
@@ -47,11 +49,11 @@ def workload(sequences: int, seed: int) -> list[list[int]]:
         if rng.random() < 0.6:
             seq += rng.choice(documents)
         seq += tokens(SEQ_TOKENS - len(seq))
-        out.append(seq)
+        out.append(array("q", seq))
     return out
 
 
-def run_kvstrata(seqs: list[list[int]]) -> tuple[float, int]:
+def run_kvstrata(seqs: list[array]) -> tuple[float, int]:
     spec = KVPoolType("kv", KVConfig(layers=1, kv_heads=1, head_dim=8), ModelContext(page_size=PAGE)).spec()
     tree = PrefixTree([spec])
     pages = SEQ_TOKENS // PAGE
@@ -69,7 +71,7 @@ def run_kvstrata(seqs: list[list[int]]) -> tuple[float, int]:
 class _Node:
     __slots__ = ("children", "key", "parent", "value")
 
-    def __init__(self, key: list[int], value: torch.Tensor | None, parent: _Node | None) -> None:
+    def __init__(self, key: array, value: torch.Tensor | None, parent: _Node | None) -> None:
         self.key = key
         self.value = value
         self.parent = parent
@@ -83,7 +85,7 @@ class TokenRadixBaseline:
         self.page = page_size
         self.root = _Node([], None, None)
 
-    def _prefix_len(self, a: list[int], b: list[int]) -> int:
+    def _prefix_len(self, a: array, b: array) -> int:
         n, page, i = min(len(a), len(b)), self.page, 0
         while i + page <= n and a[i : i + page] == b[i : i + page]:
             i += page
@@ -98,7 +100,7 @@ class TokenRadixBaseline:
         child.value = child.value[at:]  # type: ignore[index]
         return upper
 
-    def match(self, key: list[int]) -> torch.Tensor:
+    def match(self, key: array) -> torch.Tensor:
         key = key[: len(key) // self.page * self.page]
         node, values = self.root, []
         while key:
@@ -112,7 +114,7 @@ class TokenRadixBaseline:
             node, key = child, key[n:]
         return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: array, value: torch.Tensor) -> int:
         node, done = self.root, 0
         while key:
             child = node.children.get(tuple(key[: self.page]))
@@ -127,7 +129,7 @@ class TokenRadixBaseline:
         return done
 
 
-def run_baseline(seqs: list[list[int]]) -> tuple[float, int]:
+def run_baseline(seqs: list[array]) -> tuple[float, int]:
     tree = TokenRadixBaseline(PAGE)
     values = [torch.arange(i * SEQ_TOKENS, (i + 1) * SEQ_TOKENS) for i in range(len(seqs))]
     hit = 0
@@ -138,22 +140,27 @@ def run_baseline(seqs: list[list[int]]) -> tuple[float, int]:
     return time.perf_counter() - start, hit
 
 
-def sglang_runner(path: str) -> Callable[[list[list[int]]], tuple[float, int]]:
+def sglang_runner(path: str) -> Callable[[list[array]], tuple[float, int]]:
     """Build a runner over SGLang's RadixCache, or raise with the reason it cannot be imported."""
     sys.path.insert(0, path)
     try:
+        from sglang.srt.mem_cache.base_prefix_cache import (  # type: ignore[import-not-found]
+            InsertParams,
+            MatchPrefixParams,
+        )
         from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # type: ignore[import-not-found]
     except Exception as exc:  # any import-time failure of a foreign package is a skip reason
         raise RuntimeError(f"importing sglang.srt.mem_cache.radix_cache failed: {exc!r}") from exc
 
-    def run(seqs: list[list[int]]) -> tuple[float, int]:
-        cache: Any = RadixCache.create_simulated(page_size=PAGE)  # type: ignore[attr-defined]
+    def run(seqs: list[array]) -> tuple[float, int]:
+        cache: Any = RadixCache.create_simulated(page_size=PAGE)
         values = [torch.arange(i * SEQ_TOKENS, (i + 1) * SEQ_TOKENS) for i in range(len(seqs))]
         hit = 0
         start = time.perf_counter()
-        for seq, value in zip(seqs, values, strict=True):
-            hit += len(cache.match_prefix(RadixKey(seq)).device_indices)
-            cache.insert(RadixKey(seq), value)
+        for tokens, value in zip(seqs, values, strict=True):
+            result = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+            hit += len(cache.path_device_indices(result.last_device_node))
+            cache.insert(InsertParams(key=RadixKey(tokens), value=value))
         return time.perf_counter() - start, hit
 
     return run

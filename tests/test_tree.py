@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 import torch
 
@@ -33,6 +35,7 @@ def test_page_keys_drop_partial_page_and_accept_tensors():
     assert len(from_list) == 2 and from_list == page_keys(torch.arange(8, dtype=torch.int32), 4)
     assert from_list[0] != from_list[1] and page_keys([0, 1, 2, 3], 4) == from_list[:1]
     assert page_keys([1, 2, 3], 4) == []
+    assert page_keys(array("q", range(10)), 4) == from_list
 
 
 def test_token_keys_match_through_the_tree():
