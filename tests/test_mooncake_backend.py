@@ -12,20 +12,21 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvstrata.plugins.errors import MissingDependencyError, StorageError
-from kvstrata.plugins.storage_backend import BufferRegion, StorageObject
+from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend, StorageObject
 from kvstrata.storage_backends.mooncake import (
     NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,
     MooncakeBackend,
     MooncakeConfig,
 )
+from kvstrata.testing.conformance import BackendConformance
 from kvstrata.testing.mooncake_servers import MooncakeMaster, MooncakeStandaloneClient, free_loopback_port
 
 pytestmark = pytest.mark.mooncake
@@ -415,3 +416,16 @@ def test_object_shorter_than_its_regions_reads_short_not_failed(inprocess: Moonc
     assert torch.equal(head, source[:100])
     assert torch.equal(body[:1400], source[100:1500])
     assert bool((body[1400:] == 0).all())
+
+
+class TestMooncakeInProcessConformance(BackendConformance):
+    """The shared backend conformance kit against a real master (in-process client)."""
+
+    @pytest.fixture
+    def backend_factory(self, mooncake_inprocess_config: MooncakeConfig) -> Callable[[str], StorageBackend]:
+        return lambda instance: _opened(MooncakeBackend(instance, mooncake_inprocess_config))
+
+
+def _opened(backend: MooncakeBackend) -> MooncakeBackend:
+    backend.open()
+    return backend

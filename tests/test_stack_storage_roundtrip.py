@@ -37,7 +37,8 @@ SCRIPT = textwrap.dedent(
         backend = host.storage_backends.require(backend_config.type)(instance, backend_config)
         backend.open()
         specs = {name: pool.spec for name, pool in group.pools.items()}
-        plans = plan_backend(instance, backend.capabilities, specs.values(), parallel=config.parallel)
+        caps = backend.instance_capabilities()
+        plans = plan_backend(instance, caps, specs.values(), parallel=config.parallel)
         engine = StorageEngine(backend, specs, plans, model_name=config.model.name,
                                cache_salt=config.model.cache_salt, parallel=config.parallel)
         tokens = torch.arange(pages * config.model.page_size, dtype=torch.int64) * 7 + 3

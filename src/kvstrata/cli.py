@@ -231,6 +231,8 @@ def simulate(
     table.add_row("unique / evicted blocks", f"{result.unique_blocks:,} / {result.evicted_blocks:,}")
     table.add_row("[bold]hit rate[/]", f"[bold]{result.hit_rate:.2%}[/]")
     out.print(table)
+
+
 def build_pool_specs(config: Any, host: PluginHost) -> dict[str, Any]:
     """PoolSpecs of the configured stack (instantiates the selected pool types only)."""
     from kvstrata.plugins.pool_type import ModelContext, PoolRole
@@ -277,7 +279,8 @@ def doctor(files: ConfigFiles, set_: SetOption = None) -> None:
             problems.append(f"backend {instance!r}: {exc}")
             continue
         backend = cls(instance, backend_config)
-        plans = plan_backend(instance, backend.capabilities, specs.values(), parallel=config.parallel)
+        caps = backend.instance_capabilities()
+        plans = plan_backend(instance, caps, specs.values(), parallel=config.parallel)
         for name, plan in plans.items():
             style = {IOMode.ZERO_COPY: "green", IOMode.COPY: "yellow"}.get(plan.mode, "red")
             sizes = ", ".join(f"{k}={v}" for k, v in plan.object_bytes.items())

@@ -164,7 +164,8 @@ class BackendConformance:
     ) -> StorageEngine:
         specs = specs or conformance_specs()
         parallel = ParallelConfig()
-        plans = plan_backend(backend.instance, backend.capabilities, specs.values(), parallel=parallel)
+        caps = backend.instance_capabilities()
+        plans = plan_backend(backend.instance, caps, specs.values(), parallel=parallel)
         return StorageEngine(
             backend,
             specs,
@@ -237,7 +238,7 @@ class BackendConformance:
         assert engine.exists("attn", hashes[:3]).ok == [True, True, False]
 
     def test_zero_copy_honesty(self, backend: StorageBackend) -> None:
-        caps = backend.capabilities
+        caps = backend.instance_capabilities()
         specs = conformance_specs()
         engine = self.engine(backend, specs)
         for name, plan in engine.plans.items():
@@ -342,7 +343,7 @@ class BackendConformance:
                 source, other = self.pools(specs, 2, seed=7), self.pools(specs, 2, seed=8)
                 hashes = page_hashes(2, seed=7)
                 assert all(self.engine(first, specs).put("attn", hashes, source["attn"].units(range(2))).ok)
-                if first.capabilities.shared_across_instances:
+                if first.instance_capabilities().shared_across_instances:
                     target = self.pools(specs, 2, seed=None)
                     assert all(
                         self.engine(second, specs).get("attn", hashes, target["attn"].units(range(2))).ok
