@@ -89,12 +89,29 @@ def load_script(path: Path) -> dict:
     return namespace
 
 
+@pytest.fixture(params=["file", "mooncake"])
+def storage_overrides(request: pytest.FixtureRequest, tmp_path: Path) -> list[str]:
+    """``--set`` overrides that point the example's ``l3`` at a fresh file directory or at the
+    session's real Mooncake master (objects land in the session mooncake_client's segment, so they
+    outlive the writer and a second process can read them)."""
+    if request.param == "file":
+        return [f"tiers.storage.l3.path={tmp_path / 'l3'}"]
+    mooncake = request.getfixturevalue("mooncake_inprocess_config")
+    return [
+        "tiers.storage.l3.type=mooncake",
+        f"tiers.storage.l3.master={mooncake.master}",
+        f"tiers.storage.l3.metadata_server={mooncake.metadata_server}",
+        "tiers.storage.l3.segment_bytes=0",
+        "tiers.storage.l3.local_buffer_bytes=0",
+    ]
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
-def test_every_pool_round_trips_through_file_backend_and_a_second_process(
-    example: Path, tmp_path: Path, stack_script: Path
+def test_every_pool_round_trips_through_storage_and_a_second_process(
+    example: Path, storage_overrides: list[str], stack_script: Path
 ) -> None:
     script = load_script(stack_script)
-    overrides = [f"tiers.storage.l3.path={tmp_path / 'l3'}"]
+    overrides = storage_overrides
     group, backend, engine, plans, hashes = script["open_stack"](example, overrides, PAGES)
     todo, indices = script["batches"](group, plans, hashes)
     assert todo, f"{example.name}: no pool is stored at all"
