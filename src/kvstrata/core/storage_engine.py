@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -392,11 +392,7 @@ class StorageEngine:
                     )
                 continue
             keep = [i for i, page_hash in enumerate(batch.page_hashes) if page_hash not in failed_pages]
-            sub = self.put(spec.name, [batch.page_hashes[i] for i in keep], [batch.units[i] for i in keep])
-            ok = [False] * len(batch.page_hashes)
-            for position, index in enumerate(keep):
-                ok[index] = sub.ok[position]
-            results[spec.name] = BatchResult(ok, sub.error, sub.skipped)
+            results[spec.name] = self._on_subset(self.put, spec.name, batch, keep)
         return results
 
     def get_group(self, batches: Mapping[str, PoolBatch]) -> dict[str, BatchResult]:
@@ -414,9 +410,19 @@ class StorageEngine:
                     anchor_hits = {h for h, ok in zip(batch.page_hashes, result.ok, strict=True) if ok}
                 continue
             keep = [i for i, page_hash in enumerate(batch.page_hashes) if page_hash in anchor_hits]
-            sub = self.get(spec.name, [batch.page_hashes[i] for i in keep], [batch.units[i] for i in keep])
-            ok = [False] * len(batch.page_hashes)
-            for position, index in enumerate(keep):
-                ok[index] = sub.ok[position]
-            results[spec.name] = BatchResult(ok, sub.error, sub.skipped)
+            results[spec.name] = self._on_subset(self.get, spec.name, batch, keep)
         return results
+
+    @staticmethod
+    def _on_subset(
+        operation: Callable[[str, Sequence[str], Sequence[UnitRegions]], BatchResult],
+        pool: str,
+        batch: PoolBatch,
+        keep: Sequence[int],
+    ) -> BatchResult:
+        """Run ``operation`` on the pages at ``keep`` only; the others report False."""
+        sub = operation(pool, [batch.page_hashes[i] for i in keep], [batch.units[i] for i in keep])
+        ok = [False] * len(batch.page_hashes)
+        for position, index in enumerate(keep):
+            ok[index] = sub.ok[position]
+        return BatchResult(ok, sub.error, sub.skipped)
