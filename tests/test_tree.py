@@ -419,3 +419,16 @@ def test_drop_component_respects_locks_and_anchor():
     with pytest.raises(TreeError, match="holds no device"):
         tree.drop_component(res.node, "swa", Tier.DEVICE)
     tree.check()
+
+
+def test_device_eviction_can_keep_nodes_that_have_no_backup():
+    tree, units = PrefixTree([kv_spec()]), Units()
+    insert(tree, units, seq(1, 2))
+    result, _ = insert(tree, units, seq(7, 8))
+    backup(tree, units, result.node)
+    kept = tree.evict_device({"kv": 4}, delete_unbacked=False)
+    assert kept.units == {"kv": 2} and kept.deleted == 0 and kept.demoted == [result.node]
+    assert tree.match(seq(1, 2)).device_pages == 2  # the node without a backup stayed on device
+    gone = tree.evict_device({"kv": 2})
+    assert gone.deleted == 1 and tree.match(seq(1, 2)).pages == 0
+    tree.check()

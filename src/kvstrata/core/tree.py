@@ -246,6 +246,7 @@ class PrefixTree:
         self._windowed = [i for i in range(len(self.pools)) if self._window[i]]
         self._stateful = [i for i in range(len(self.pools)) if self._state[i]]
         self._anchor_only = len(self.pools) == 1
+        self._delete_unbacked = True  # see evict_device
         self._ids = count(1)
         self._clock = count(1)
         self.root = TreeNode(0, None, [], len(self.pools), bool(self._windowed))
@@ -671,7 +672,11 @@ class PrefixTree:
 
     # ------------------------------------------------------------------ eviction
     def evict_device(
-        self, needs: Mapping[str, int], on_free: Callable[[str, torch.Tensor], None] | None = None
+        self,
+        needs: Mapping[str, int],
+        on_free: Callable[[str, torch.Tensor], None] | None = None,
+        *,
+        delete_unbacked: bool = True,
     ) -> EvictionResult:
         """Free at least ``needs[pool]`` device units per pool where possible, least recent first.
 
@@ -680,8 +685,14 @@ class PrefixTree:
         any other leaf is deleted. A component drops its value on inner nodes (tombstone); on a
         device leaf the whole node goes, since its pages are useless without that component.
         Locked nodes are skipped. ``on_free`` is called per freed value (as well as returned).
+        With ``delete_unbacked=False`` (write-back: a node whose backup failed must not lose its
+        only copy) only backed-up nodes leave the device.
         """
-        return self._evict(Tier.DEVICE, needs, on_free)
+        self._delete_unbacked = delete_unbacked
+        try:
+            return self._evict(Tier.DEVICE, needs, on_free)
+        finally:
+            self._delete_unbacked = True
 
     def evict_host(
         self, needs: Mapping[str, int], on_free: Callable[[str, torch.Tensor], None] | None = None
@@ -723,7 +734,7 @@ class PrefixTree:
             if node.device[0] is None or any(node.device_lock):
                 return False
             # a non-backed-up node is deleted, which it cannot be while it has (host) children
-            return node.host[0] is not None or not node.children
+            return node.host[0] is not None or (self._delete_unbacked and not node.children)
         return node.device[0] is None and node.host[0] is not None and not any(node.host_lock)
 
     def _drop_node(self, node: TreeNode, tier: Tier, result: EvictionResult) -> TreeNode:
