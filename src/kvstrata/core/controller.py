@@ -104,6 +104,7 @@ class _Prefetch:
     hashes: list[str]  # page hashes of pages [start, start + len(hashes))
     reserved: dict[str, torch.Tensor]  # host units per tree pool (window: last-window slots)
     started_s: float
+    found: int = 0  # leading pages whose anchor object exists
     pages: int = 0  # pages whose objects the worker read and verified, every pool included
     read_end: int = 0  # pages the worker tried to read (window/state objects sit at its end)
     error: str | None = None
@@ -309,6 +310,10 @@ class CacheController:
     def storage_enabled(self) -> bool:
         return self.engine is not None
 
+    def pool_kind(self, pool: str) -> PoolKind:
+        """How a pool's prefix units are laid out (a sidecar follows the pool owning its indices)."""
+        return self.tree_pools[self._owner_of[pool]].kind
+
     # --- allocation ---------------------------------------------------------------------------
 
     def _allocator(self, pool: str, tier: Tier):
@@ -451,7 +456,7 @@ class CacheController:
     def _prefetch_length(self, op: _Prefetch) -> int:
         """Pages after ``op.start`` that every pool can serve from L3 (0 = drop)."""
         hashes = op.hashes
-        end = self._leading(self._exists(self.anchor, hashes))
+        end = op.found = self._leading(self._exists(self.anchor, hashes))
         pools = list(self.tree_pools.values())
         for tp in pools:  # all-pages pools (and the anchor's sidecars) clamp or drop
             names = tp.followers[1:] if tp.name == self.anchor else tp.followers
@@ -560,7 +565,7 @@ class CacheController:
         self._reserved_pages -= len(op.hashes)
         usable = pages > 0 and (pages == op.pages or self._clampable)
         if not usable:
-            if op.pages or op.read_end:
+            if op.found:
                 self.metrics.count("prefetches_dropped")
             self._free(Tier.HOST, op.reserved)
             return
