@@ -243,3 +243,25 @@ def test_bad_use_is_refused_clearly() -> None:
         cache.release(lease)
         with pytest.raises(RuntimeError, match="closed"):
             cache.admit(lease)
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("stack", ["hybrid-mamba", "mla-nsa-draft"])
+def test_mooncake_l3_then_a_fresh_process_restores_exact_bytes(
+    stack: str, tmp_path: Path, mooncake_inprocess_config
+) -> None:
+    cfg = mooncake_inprocess_config
+    mooncake = [
+        "tiers.storage.l3.type=mooncake",
+        f"tiers.storage.l3.master={cfg.master}",
+        f"tiers.storage.l3.metadata_server={cfg.metadata_server}",
+        "tiers.storage.l3.segment_bytes=0",
+        "tiers.storage.l3.local_buffer_bytes=0",
+        f"model.name=mooncake-{stack}-{tmp_path.name}",  # a namespace of its own on the shared master
+    ]
+    with open_cache(stack, tmp_path, mooncake) as cache:
+        serve(cache, tokens(14, 4))
+        cache.flush()
+        assert cache.metrics.snapshot()["bytes"]["host_to_storage"] > 0
+    report = fresh_process(stack, tmp_path, 14, 4, mooncake)
+    assert report["hits"]["storage"] == 4 and report["bad"] == 0 and report["corrupt"] == 0
