@@ -201,6 +201,7 @@ class CacheController:
         self._leases: set[int] = set()
         self.backend: StorageBackend | None = None
         self.engine: StorageEngine | None = None
+        plugins.hook.kvstrata_configure.call_historic(kwargs={"config": config})
         backend, host_allocator = self._open_backend()
         try:
             self.pools = PoolGroup(config, plugins, host_allocator=host_allocator)
@@ -218,7 +219,6 @@ class CacheController:
         self._reserved_pages = 0  # host anchor pages reserved by in-flight prefetches
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-prefetch")
-        plugins.hook.kvstrata_configure.call_historic(kwargs={"config": config})
 
     # --- construction ---------------------------------------------------------------------------
 
