@@ -369,6 +369,17 @@ class CacheController:
             self.plugins.hook.kvstrata_eviction(tier=tier.value, pool=pool, units=units)
         return self._try_alloc(tier, needs)
 
+    def _alloc_protecting(
+        self, node: TreeNode, tier: Tier, needs: Mapping[str, int]
+    ) -> dict[str, torch.Tensor] | None:
+        """Allocate in ``tier`` while ``node``'s path is locked there, so the eviction that
+        makes room cannot take the nodes the units are for."""
+        guard = self.tree.lock(node, tier)
+        try:
+            return self._alloc(tier, needs)
+        finally:
+            self.tree.unlock(guard)
+
     # --- lookup ---------------------------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int] | torch.Tensor, *, record: bool = True) -> Lease:
@@ -629,11 +640,7 @@ class CacheController:
         needs = {name: sum(len(n.host[self.tree.index[name]]) for n in ns) for name, ns in wanted.items()}
         if not any(needs.values()):
             return False
-        guard = self.tree.lock(end, Tier.DEVICE)  # the nodes being loaded must not be evicted
-        try:
-            got = self._alloc(Tier.DEVICE, needs)
-        finally:
-            self.tree.unlock(guard)
+        got = self._alloc_protecting(end, Tier.DEVICE, needs)  # the nodes being loaded stay
         if got is None:
             self.metrics.fail()
             return False
@@ -788,11 +795,7 @@ class CacheController:
             for name in self.tree_pools:
                 value = node.device[self.tree.index[name]]
                 needs[name] = 0 if value is None else len(value)
-            guard = self.tree.lock(node, Tier.HOST)  # host eviction must not take the path
-            try:
-                got = self._alloc(Tier.HOST, needs)
-            finally:
-                self.tree.unlock(guard)
+            got = self._alloc_protecting(node, Tier.HOST, needs)
             if got is None:
                 self.metrics.fail()
                 break
