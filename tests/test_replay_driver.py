@@ -78,21 +78,31 @@ def test_device_only_unlimited_hit_rate_equals_reference_simulator(tmp_path: Pat
     assert sum(details.timeline_hits["device"]) == reference.hit_tokens
     assert result.hit_rate.total == pytest.approx(reference.hit_tokens / result.tokens, abs=1e-12)
     assert result.hit_rate.host == result.hit_rate.storage == 0.0
-    assert result.hit_rate.total > 0.2  # conversation turns share long prefixes
+    assert result.hit_rate.total > 0.05  # conversation turns share long prefixes
     # ... and the block-level simulator differs only by the partial last blocks (< 1 point here)
     assert result.hit_rate.total == pytest.approx(simulate(requests).hit_rate, abs=0.01)
     assert result.corrupt_pages_served == 0 and result.failures == 0
 
 
+def write_trace(path: Path, *blocks: range) -> Path:
+    """A hand-made trace: one request per range of hash ids, each block full (512 tokens)."""
+    lines = [
+        json.dumps({"timestamp": i, "input_length": len(r) * 512, "output_length": 1, "hash_ids": list(r)})
+        for i, r in enumerate(blocks)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def test_write_through_on_a_tiny_device_tier_serves_from_host(tmp_path: Path) -> None:
-    requests = read_trace(limit=40)
-    biggest = max(r.input_length for r in requests)
-    stack = tiny_stack(
-        tmp_path,
-        device={"capacity_tokens": biggest + 1024},
-        host={"capacity_tokens": 16 * biggest},
+    # A (20 blocks), then B (20 other blocks) pushes A off the 24-block device tier, then A again.
+    trace = write_trace(tmp_path / "t.jsonl", range(0, 20), range(100, 120), range(0, 20))
+    stack = tiny_stack(tmp_path, device={"capacity_tokens": 24 * 512}, host={"capacity_tokens": 64 * 512})
+    result, details = run_replay_detailed(
+        config(stack, "policy.write=write_through"), PluginHost(), read_trace(trace)
     )
-    result = run_replay(config(stack, "policy.write=write_through"), PluginHost(), requests)
+    assert details.timeline_hits["host"][2] > 0  # A came back from the host tier
+    assert details.timeline_hits["device"][2] + details.timeline_hits["host"][2] == 20 * 512
     assert result.hit_rate.host > 0.0
     assert result.bytes.device_to_host > 0 and result.bytes.host_to_device > 0
     assert result.corrupt_pages_served == 0 and result.failures == 0
