@@ -329,13 +329,17 @@ def doctor(files: ConfigFiles, set_: SetOption = None) -> None:
 #: Stack the no-argument ``replay`` runs (found in the source checkout or the working directory).
 SAMPLE_CONFIG = Path("examples") / "configs" / "hybrid-mamba.yaml"
 #: What the no-argument run changes in SAMPLE_CONFIG so the bundled sample (300 requests, up to 120k
-#: tokens each) replays in seconds: fewer KV bytes per token, tiers that hold whole requests and
-#: still spill to host and storage. The file backend's path becomes a fresh temporary directory.
+#: tokens each) replays in seconds: fewer KV bytes per token, the trace's 512-token blocks as pages,
+#: tiers (and Mamba state slots) that hold whole requests and still spill to host and storage. The
+#: file backend's path becomes a fresh temporary directory.
 SAMPLE_OVERRIDES = (
+    "model.page_size=512",
     "model.pools.kv.kv_heads=1",
     "model.pools.kv.head_dim=8",
+    "model.pools.mamba.device_units=64",
+    "model.pools.mamba.host_units=512",
     "tiers.device.capacity_tokens=131072",
-    "tiers.host.capacity_tokens=393216",
+    "tiers.host.capacity_tokens=1048576",
 )
 
 

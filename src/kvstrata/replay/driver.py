@@ -173,15 +173,22 @@ def replay_with_cache(
     tokenizer: BlockTokenizer | None = None,
     baseline_hit_rate: float | None = None,
     baseline_label: str | None = None,
+    state_checkpoint_tokens: int | None = MOONCAKE_BLOCK_SIZE,
 ) -> tuple[ReplayResult, ReplayDetails]:
     """Replay ``requests`` through an open controller; returns the result and the details.
+
+    ``state_checkpoint_tokens``: stacks with node-state pools (Mamba) only hit where a state was
+    stored, and a request stores one state, after its last page. The next turn of a conversation
+    shares the request's prefix only up to its last whole trace block, so the driver does what an
+    engine with chunked prefill does: it first serves the request up to its last multiple of
+    ``state_checkpoint_tokens`` (storing that state), then the whole request. Only the first
+    lookup's hits count as the request's reuse. None disables it; stacks without node-state pools
+    never split.
 
     The first ``int(len(requests) * warmup_fraction)`` requests only warm the cache: hits, bytes,
     failures and latencies are counted from the first measured request on (controller metrics as
     deltas). Everything still in flight is flushed before the clock stops.
     """
-    from kvstrata.core.controller import CacheFullError
-
     if not 0.0 <= warmup_fraction < 1.0:
         raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction}")
     tokenizer = tokenizer or BlockTokenizer(MOONCAKE_BLOCK_SIZE)
@@ -197,37 +204,17 @@ def replay_with_cache(
             before = cache.metrics.snapshot()
             started = time.perf_counter()
         tokens = tokenizer.request_tokens(request)
-        lease = cache.lookup(tokens)
-        try:
-            cache.admit(lease)
-            cached = lease.cached_pages
-            hit_pages = lease.hit_pages
-            pages = lease.pages
-            identities = page_identities(lease.page_hashes)
-            if verify and cached:
-                served = 0
-                for name, pool_content in content.pools.items():
-                    units = lease.prefix_units(name)
-                    ids = content.page_ids(name, identities, lease.prefix_first_page(name), cached)
-                    served += int(pool_content.verify(units, ids).numel())
-                if served:
-                    recorder.add_corrupt(served=served)
-            try:
-                allocated = cache.allocate(lease)
-            except CacheFullError:
-                if recorder.measuring:  # the controller's own failures are counted as deltas
-                    recorder.add_failure("allocate (device tier full)")
-                cache.release(lease)
-                lease = None
-            else:
-                for name, units in allocated.items():
-                    if name in content.pools and units.numel():
-                        content.pools[name].fill(units, content.page_ids(name, identities, cached, pages))
-                cache.insert(lease)
-                lease = None
-        finally:
-            if lease is not None:  # an exception between lookup and insert: do not leak locks
-                cache.release(lease)
+        checkpoint = _checkpoint_tokens(content, request.input_length, page_size, state_checkpoint_tokens)
+        if checkpoint:  # chunked prefill: the state at the last block boundary is stored too
+            hit_pages, served, full = _serve(cache, content, tokens[:checkpoint], verify)
+            _, served_rest, full_rest = _serve(cache, content, tokens, verify)
+            served, full = served + served_rest, full or full_rest
+        else:
+            hit_pages, served, full = _serve(cache, content, tokens, verify)
+        if served:  # counted in warm-up too: wrong bytes are never excused
+            recorder.add_corrupt(served=served)
+        if full and recorder.measuring:  # the controller's own failures are counted as deltas
+            recorder.add_failure("allocate (device tier full)")
         recorder.record_request(
             request.input_length,
             device=hit_pages.get("device", 0) * page_size,
@@ -249,6 +236,50 @@ def replay_with_cache(
         recorder.add_failure("controller", controller_failures)
     recorder.add_corrupt(detected=int(metrics.get("corrupt_detected", 0)))
     return recorder.finish(wall_s=wall, baseline_hit_rate=baseline_hit_rate, baseline_label=baseline_label)
+
+
+def _checkpoint_tokens(content: StackContent, input_length: int, page_size: int, step: int | None) -> int:
+    """Tokens of the chunked-prefill checkpoint of a request, or 0 when it is served whole."""
+    if not step or step % page_size or not any(content.node_state.values()):
+        return 0
+    checkpoint = input_length // step * step
+    return checkpoint if checkpoint > 0 and checkpoint // page_size < input_length // page_size else 0
+
+
+def _serve(
+    cache: CacheController, content: StackContent, tokens: torch.Tensor, verify: bool
+) -> tuple[dict[str, int], int, bool]:
+    """One engine step: lookup, admit, verify the cached prefix, allocate, fill, insert.
+
+    Returns (hit pages per tier, units served with wrong bytes, whether the device tier was full).
+    """
+    from kvstrata.core.controller import CacheFullError
+
+    lease = cache.lookup(tokens)
+    try:
+        cache.admit(lease)
+        cached, pages = lease.cached_pages, lease.pages
+        hit_pages = dict(lease.hit_pages)
+        identities = page_identities(lease.page_hashes)
+        served = 0
+        if verify and cached:
+            for name, pool_content in content.pools.items():
+                units = lease.prefix_units(name)
+                ids = content.page_ids(name, identities, lease.prefix_first_page(name), cached)
+                served += int(pool_content.verify(units, ids).numel())
+        try:
+            allocated = cache.allocate(lease)
+        except CacheFullError:
+            return hit_pages, served, True
+        for name, units in allocated.items():
+            if name in content.pools and units.numel():
+                content.pools[name].fill(units, content.page_ids(name, identities, cached, pages))
+        cache.insert(lease)
+        lease = None
+        return hit_pages, served, False
+    finally:
+        if lease is not None:  # allocation failed or an exception: unlock, free what was taken
+            cache.release(lease)
 
 
 def run_replay_detailed(
