@@ -76,13 +76,46 @@ def test_insert_then_match_reuses_prefix_and_reports_duplicates():
 
 def test_insert_rejects_wrong_lengths_and_missing_anchor():
     tree = PrefixTree([kv_spec(), mamba_spec()])
-    with pytest.raises(TreeError, match="expected 2 units"):
-        tree.insert(seq(1, 2), {"kv": torch.tensor([0])})
+    with pytest.raises(TreeError, match="holds only the first 0"):
+        tree.insert(seq(1, 2), {"kv": torch.tensor([0])})  # a suffix value with nothing before it
+    with pytest.raises(TreeError, match="at most 2 units"):
+        tree.insert(seq(1, 2), {"kv": torch.tensor([0, 1, 2])})
     with pytest.raises(TreeError, match="expected 1 units"):
         tree.insert(seq(1, 2), {"kv": torch.tensor([0, 1]), "mamba": torch.tensor([0, 1])})
     with pytest.raises(TreeError, match="anchor"):
         tree.insert(seq(1, 2), {"mamba": torch.tensor([0])})
     tree.check()
+
+
+def test_suffix_values_extend_a_cached_prefix_without_touching_it():
+    tree, units = PrefixTree([kv_spec(), swa_spec(window_tokens=PAGE), mamba_spec()]), Units()
+    _, first = insert(tree, units, seq(1, 2, 3), pools=("kv", "swa", "mamba"))
+    # a request that reused pages 1..3 computes pages 4..5 only, and swa only for page 5
+    new_kv, new_swa, state = units.take(2), units.take(1), units.take(1)
+    result = tree.insert(seq(1, 2, 3, 4, 5), {"kv": new_kv, "swa": new_swa, "mamba": state})
+    tree.check()
+    assert result.new_pages == 2 and result.duplicates == {}
+    m = tree.match(seq(1, 2, 3, 4, 5))
+    assert m.device_pages == 5
+    assert torch.equal(tree.values(m.path, "kv"), torch.cat([first["kv"], new_kv]))
+    assert torch.equal(m.device_state["mamba"], state)
+    # page 4 got no swa value: its node is a tombstone for swa, page 5's node holds it
+    assert [n.pages for n in m.path[-2:]] == [1, 1]
+    assert tree.is_tombstone(m.path[-2], "swa", Tier.DEVICE)
+    assert torch.equal(m.path[-1].device[tree.index["swa"]], new_swa)
+
+
+def test_suffix_value_starting_inside_a_node_splits_it_and_revives_only_its_part():
+    tree, units = PrefixTree([kv_spec(), swa_spec()]), Units()
+    insert(tree, units, seq(1, 2, 3, 4), pools=("kv",))  # swa tombstoned on every page
+    revive = units.take(2)
+    result = tree.insert(seq(1, 2, 3, 4), {"kv": units.take(4), "swa": revive})
+    tree.check()
+    m = tree.match(seq(1, 2, 3, 4), count_hit=False)
+    assert [n.pages for n in m.path] == [2, 2]
+    assert tree.is_tombstone(m.path[0], "swa", Tier.DEVICE)
+    assert torch.equal(m.path[1].device[tree.index["swa"]], revive)
+    assert result.duplicate_ranges == {"kv": [(0, 4)]}
 
 
 def test_match_without_split_leaves_tree_untouched():
@@ -385,4 +418,17 @@ def test_drop_component_respects_locks_and_anchor():
     assert torch.equal(tree.drop_component(res.node, "swa", Tier.DEVICE), values["swa"])
     with pytest.raises(TreeError, match="holds no device"):
         tree.drop_component(res.node, "swa", Tier.DEVICE)
+    tree.check()
+
+
+def test_device_eviction_can_keep_nodes_that_have_no_backup():
+    tree, units = PrefixTree([kv_spec()]), Units()
+    insert(tree, units, seq(1, 2))
+    result, _ = insert(tree, units, seq(7, 8))
+    backup(tree, units, result.node)
+    kept = tree.evict_device({"kv": 4}, delete_unbacked=False)
+    assert kept.units == {"kv": 2} and kept.deleted == 0 and kept.demoted == [result.node]
+    assert tree.match(seq(1, 2)).device_pages == 2  # the node without a backup stayed on device
+    gone = tree.evict_device({"kv": 2})
+    assert gone.deleted == 1 and tree.match(seq(1, 2)).pages == 0
     tree.check()

@@ -25,7 +25,7 @@ from array import array
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from itertools import count
+from itertools import count, pairwise
 
 import torch
 
@@ -246,6 +246,7 @@ class PrefixTree:
         self._windowed = [i for i in range(len(self.pools)) if self._window[i]]
         self._stateful = [i for i in range(len(self.pools)) if self._state[i]]
         self._anchor_only = len(self.pools) == 1
+        self._delete_unbacked = True  # see evict_device
         self._ids = count(1)
         self._clock = count(1)
         self.root = TreeNode(0, None, [], len(self.pools), bool(self._windowed))
@@ -469,11 +470,13 @@ class PrefixTree:
     def insert(self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor]) -> InsertResult:
         """Insert a device-resident prefix; existing nodes are reused.
 
-        ``values`` maps a tracked pool to its unit indices for the whole sequence (one per page;
-        one slot for node-state pools: the state after the last page). A pool left out gets
-        tombstones on the new nodes. Existing nodes adopt given units where they lack them
-        (host-only nodes come back to device, tombstones are revived); the rest are returned
-        as duplicates. The anchor's values are required.
+        ``values`` maps a tracked pool to its unit indices for the *last* ``len(value)`` pages of
+        the sequence (usually all of them; a shorter value leaves the earlier pages untouched:
+        a request inserting what it computed after its cached prefix, or a window pool that
+        only holds its last pages) -- one slot for node-state pools: the state after the last
+        page. A pool left out gets tombstones on the new nodes. Existing nodes adopt given units
+        where they lack them (host-only nodes come back to device, tombstones are revived); the
+        rest are returned as duplicates. The anchor's values are required.
         """
         return self._insert(keys, values, Tier.DEVICE)
 
@@ -485,41 +488,67 @@ class PrefixTree:
         self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor], tier: Tier
     ) -> InsertResult:
         n = len(keys)
-        given: list[torch.Tensor | None] = [None] * len(self.pools)
+        npools = len(self.pools)
+        given: list[torch.Tensor | None] = [None] * npools
+        start = [0] * npools  # first page each token-page pool's value covers
         for name, value in values.items():
             p = self._pool(name)
-            given[p] = self._check_value(p, value, n)
+            if self._state[p]:
+                given[p] = self._check_value(p, value, n)
+                continue
+            if not isinstance(value, torch.Tensor) or value.dim() != 1 or len(value) > n:
+                raise TreeError(f"pool {name!r}: values must be 1-D index tensors of at most {n} units")
+            given[p] = value
+            start[p] = n - len(value)
         if given[0] is None:
             raise TreeError(f"insert needs values for the anchor pool {self.pools[0].name!r}")
         paged = [p for p, value in enumerate(given) if value is not None and not self._state[p]]
         dev = tier is Tier.DEVICE
-        # duplicate page ranges per pool, merged while contiguous so each becomes one slice
+        # duplicate unit ranges per pool, merged while contiguous so each becomes one slice
         dup_ranges: dict[int, list[list[int]]] = {}
         path, i = self._walk(keys, split=True)
+        if start[0] > i:
+            raise TreeError(
+                f"anchor values cover pages [{start[0]}, {n}) but the tree holds only the first {i}"
+            )
+        # a value starting inside a matched node: split there, so each node is covered whole or not
+        for cut in sorted({start[p] for p in paged if 0 < start[p] < i}):
+            for j, node in enumerate(path):
+                if node.depth_start < cut < node.depth_end:
+                    path.insert(j, self.split(node, cut - node.depth_start))
+                    break
         # adopt into existing nodes: revive host-only nodes / tombstones, the rest is duplicate
         for node in path:
             vals = node.device if dev else node.host
             e = node.depth_end
             s = e - len(node.keys)
             for p in paged:  # the anchor (p == 0) is adopted first, so components may follow
+                if e <= start[p]:
+                    continue  # pages before this pool's value: not given
+                lo, hi = s - start[p], e - start[p]
                 if vals[p] is None:
-                    self._set(node, tier, p, given[p][s:e])  # type: ignore[index]
+                    self._set(node, tier, p, given[p][lo:hi])  # type: ignore[index]
                     continue
                 ranges = dup_ranges.setdefault(p, [])
-                if ranges and ranges[-1][1] == s:
-                    ranges[-1][1] = e
+                if ranges and ranges[-1][1] == lo:
+                    ranges[-1][1] = hi
                 else:
-                    ranges.append([s, e])
+                    ranges.append([lo, hi])
         node = path[-1] if path else self.root
         if i < n:
-            parent = node
-            rest = keys[i:] if isinstance(keys, list) else list(keys[i:])
-            node = TreeNode(next(self._ids), parent, rest, len(self.pools), bool(self._windowed))
-            parent.children[rest[0]] = node
-            for p in paged:
-                value = given[p]
-                self._set(node, tier, p, value if i == 0 else value[i:])  # type: ignore[index]
-            path.append(node)
+            # new pages; one node per stretch where the same pools have values
+            cuts = sorted({i, n} | {start[p] for p in paged if i < start[p] < n})
+            for s, e in pairwise(cuts):
+                parent = node
+                rest = keys[s:e] if isinstance(keys, list) else list(keys[s:e])
+                node = TreeNode(next(self._ids), parent, rest, npools, bool(self._windowed))
+                parent.children[rest[0]] = node
+                for p in paged:
+                    if start[p] <= s:
+                        value = given[p]
+                        whole = s == start[p] and e == n
+                        self._set(node, tier, p, value if whole else value[s - start[p] : e - start[p]])  # type: ignore[index]
+                path.append(node)
         for p in self._stateful:
             value = given[p]
             if value is None:
@@ -643,7 +672,11 @@ class PrefixTree:
 
     # ------------------------------------------------------------------ eviction
     def evict_device(
-        self, needs: Mapping[str, int], on_free: Callable[[str, torch.Tensor], None] | None = None
+        self,
+        needs: Mapping[str, int],
+        on_free: Callable[[str, torch.Tensor], None] | None = None,
+        *,
+        delete_unbacked: bool = True,
     ) -> EvictionResult:
         """Free at least ``needs[pool]`` device units per pool where possible, least recent first.
 
@@ -652,8 +685,14 @@ class PrefixTree:
         any other leaf is deleted. A component drops its value on inner nodes (tombstone); on a
         device leaf the whole node goes, since its pages are useless without that component.
         Locked nodes are skipped. ``on_free`` is called per freed value (as well as returned).
+        With ``delete_unbacked=False`` (write-back: a node whose backup failed must not lose its
+        only copy) only backed-up nodes leave the device or lose components there.
         """
-        return self._evict(Tier.DEVICE, needs, on_free)
+        self._delete_unbacked = delete_unbacked
+        try:
+            return self._evict(Tier.DEVICE, needs, on_free)
+        finally:
+            self._delete_unbacked = True
 
     def evict_host(
         self, needs: Mapping[str, int], on_free: Callable[[str, torch.Tensor], None] | None = None
@@ -695,7 +734,7 @@ class PrefixTree:
             if node.device[0] is None or any(node.device_lock):
                 return False
             # a non-backed-up node is deleted, which it cannot be while it has (host) children
-            return node.host[0] is not None or not node.children
+            return node.host[0] is not None or (self._delete_unbacked and not node.children)
         return node.device[0] is None and node.host[0] is not None and not any(node.host_lock)
 
     def _drop_node(self, node: TreeNode, tier: Tier, result: EvictionResult) -> TreeNode:
@@ -736,8 +775,8 @@ class PrefixTree:
         dev = tier is Tier.DEVICE
         candidates = []
         for node in self._lru[tier][p]:
-            if dev and node.device_lock[p]:
-                continue
+            if dev and (node.device_lock[p] or (not self._delete_unbacked and node.host[0] is None)):
+                continue  # locked, or write-back keeps a node without backup whole
             if not dev and (node.host_lock[p] or node.device[p] is not None):
                 continue
             candidates.append((node.last_access, node.id, node))
