@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 #: Upper bound of the temporaries one fill/verify chunk builds (expected words + gathered words).
 _CHUNK_BYTES = 16 << 20
 
+#: Requests whose token blocks are generated together (fewer, larger vectorised batches).
+_TOKENIZE_AHEAD = 32
+
 ProgressFn = Callable[[int, int], None]
 
 
@@ -101,7 +104,10 @@ class PoolContent:
             ids = page_ids.to(content.view.device)
             step = content.rows_per_chunk()
             for start in range(0, index.numel(), step):
-                content.view[index[start : start + step]] = content.expected(ids[start : start + step])
+                # index_copy_ on the (units, layers, words) view: ~40x faster than index_put on it
+                content.view.index_copy_(
+                    0, index[start : start + step], content.expected(ids[start : start + step])
+                )
 
     def verify(self, units: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
         """Positions (into ``units``) whose bytes differ from the expected content in any buffer."""
@@ -115,7 +121,7 @@ class PoolContent:
             ids = page_ids.to(content.view.device)
             step = content.rows_per_chunk()
             for start in range(0, index.numel(), step):
-                got = content.view[index[start : start + step]]
+                got = content.view.index_select(0, index[start : start + step])
                 wrong = (got != content.expected(ids[start : start + step])).flatten(1).any(dim=1)
                 bad[start : start + step] |= wrong.cpu()
         return torch.nonzero(bad).reshape(-1)
@@ -200,6 +206,9 @@ def replay_with_cache(
     started = time.perf_counter()
     total = len(requests)
     for index, request in enumerate(requests):
+        if index % _TOKENIZE_AHEAD == 0:  # generate the next requests' blocks in one batch
+            window = requests[index : index + _TOKENIZE_AHEAD]
+            tokenizer.blocks(list(dict.fromkeys(h for r in window for h in r.hash_ids)))
         if index == warmup and warmup:
             before = cache.metrics.snapshot()
             started = time.perf_counter()
