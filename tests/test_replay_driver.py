@@ -180,7 +180,6 @@ def test_corrupted_storage_objects_are_detected_never_served(tmp_path: Path) -> 
 def test_wrong_bytes_on_the_device_are_counted_as_served_corruption(tmp_path: Path) -> None:
     """Fault injection: scribble over the device pool between two passes; the verifier must see it."""
     from kvstrata.core.controller import CacheController
-
     from kvstrata.replay.driver import replay_with_cache
 
     requests = read_trace(limit=6)
