@@ -7,6 +7,7 @@ what keeps an anchor page and its sidecar pages at the same index.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -30,51 +31,72 @@ class UnitAllocator:
         self.name = name
         self.units = units
         self._lock = threading.Lock()
-        self._free = torch.arange(units, dtype=torch.int64)
+        # the free list as a queue of index chunks: alloc and free touch only the chunks they
+        # take or give back, never the whole list (a pool may have millions of units)
+        self._chunks: deque[torch.Tensor] = deque([torch.arange(units, dtype=torch.int64)] if units else [])
+        self._available = units
         self._in_use = torch.zeros(units, dtype=torch.bool)
 
     @property
     def available(self) -> int:
         """Units that ``alloc`` can hand out right now."""
-        with self._lock:
-            return int(self._free.numel())
+        return self._available
 
     @property
     def used(self) -> int:
-        return self.units - self.available
+        return self.units - self._available
 
     def alloc(self, count: int) -> torch.Tensor | None:
         """``count`` free indices (int64, CPU), or ``None`` when fewer are free (nothing taken)."""
         if count < 0:
             raise ValueError(f"allocator {self.name!r}: cannot allocate {count} units")
         with self._lock:
-            if count > self._free.numel():
+            if count > self._available:
                 return None
-            taken, self._free = self._free[:count].clone(), self._free[count:]
+            parts, need = [], count
+            while need:
+                chunk = self._chunks[0]
+                if len(chunk) <= need:
+                    parts.append(self._chunks.popleft())
+                    need -= len(chunk)
+                else:
+                    parts.append(chunk[:need])
+                    self._chunks[0] = chunk[need:]
+                    need = 0
+            if not parts:
+                return torch.empty(0, dtype=torch.int64)
+            taken = parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+            self._available -= count
             self._in_use[taken] = True
             return taken
 
     def free(self, indices: torch.Tensor | Sequence[int]) -> None:
         """Return indices; raises :class:`AllocatorError` naming the offending ones on misuse."""
         idx = torch.as_tensor(indices, dtype=torch.int64).flatten().cpu()
-        if idx.numel() == 0:
+        count = idx.numel()
+        if count == 0:
             return
         with self._lock:
-            foreign = idx[(idx < 0) | (idx >= self.units)]
-            if foreign.numel():
+            low, high = torch.aminmax(idx)
+            if int(low) < 0 or int(high) >= self.units:
+                foreign = idx[(idx < 0) | (idx >= self.units)]
                 raise AllocatorError(
                     f"allocator {self.name!r}: indices {foreign[:8].tolist()} are outside [0, {self.units})"
                 )
-            if torch.unique(idx).numel() != idx.numel():
-                raise AllocatorError(f"allocator {self.name!r}: the same index appears twice in one free")
-            not_allocated = idx[~self._in_use[idx]]
-            if not_allocated.numel():
+            flags = self._in_use[idx]
+            if not bool(flags.all()):
                 raise AllocatorError(
                     f"allocator {self.name!r}: double free or never allocated: "
-                    f"indices {not_allocated[:8].tolist()}"
+                    f"indices {idx[~flags][:8].tolist()}"
                 )
+            duplicated = (
+                len(set(idx.tolist())) != count if count <= 4096 else torch.unique(idx).numel() != count
+            )
+            if duplicated:
+                raise AllocatorError(f"allocator {self.name!r}: the same index appears twice in one free")
             self._in_use[idx] = False
-            self._free = torch.cat([self._free, idx])
+            self._chunks.append(idx.clone())  # the caller may reuse its tensor
+            self._available += count
 
     def is_allocated(self, indices: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Per index: whether it is currently allocated (bool tensor)."""
@@ -85,5 +107,6 @@ class UnitAllocator:
     def reset(self) -> None:
         """Free everything (e.g. after a cache flush)."""
         with self._lock:
-            self._free = torch.arange(self.units, dtype=torch.int64)
+            self._chunks = deque([torch.arange(self.units, dtype=torch.int64)] if self.units else [])
+            self._available = self.units
             self._in_use.zero_()
