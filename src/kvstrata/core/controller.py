@@ -98,12 +98,18 @@ class TreePool:
 @dataclass(eq=False)
 class _Prefetch:
     """One L3 -> L2 read. The worker fills the result fields and sets ``done``; only the owner
-    thread touches the tree or frees ``reserved`` (once ``done`` is set)."""
+    thread touches the tree or frees ``reserved`` (once ``done`` is set).
+
+    Host units are taken only after the existence query says how many pages L3 holds (a miss
+    costs no allocation and never evicts host pages): the worker takes free units; when there
+    are not enough it leaves ``short`` set and the owner evicts and reads at ``admit``.
+    """
 
     start: int  # first page read (the request's host-usable prefix before it)
     hashes: list[str]  # page hashes of pages [start, start + len(hashes))
-    reserved: dict[str, torch.Tensor]  # host units per tree pool (window: last-window slots)
     started_s: float
+    reserved: dict[str, torch.Tensor] = field(default_factory=dict)  # host units per tree pool
+    short: dict[str, int] | None = None  # units the worker could not take without eviction
     found: int = 0  # leading pages whose anchor object exists
     pages: int = 0  # pages whose objects the worker read and verified, every pool included
     read_end: int = 0  # pages the worker tried to read (window/state objects sit at its end)
@@ -425,17 +431,7 @@ class CacheController:
         if self._reserved_pages + count > self._prefetch_budget():
             self.metrics.count("prefetches_skipped")
             return None
-        needs = {}
-        for tp in self.tree_pools.values():
-            if tp.kind is PoolKind.WINDOW:
-                needs[tp.name] = min(tp.window, count)
-            else:
-                needs[tp.name] = tp.units_for(count)
-        reserved = self._alloc(Tier.HOST, needs)
-        if reserved is None:
-            self.metrics.count("prefetches_skipped")
-            return None
-        op = _Prefetch(start, lease.page_hashes[start:], reserved, time.perf_counter())
+        op = _Prefetch(start, lease.page_hashes[start:], time.perf_counter())
         self._reserved_pages += count
         self.metrics.count("prefetches_started")
         self._reader.submit(self._run_prefetch, op)
@@ -448,7 +444,13 @@ class CacheController:
             end = self._prefetch_length(op)
             op.read_end = end
             if end > 0 and not op.cancelled:
-                op.pages = self._prefetch_read(op, end)
+                needs = self._prefetch_needs(end)
+                got = self._try_alloc(Tier.HOST, needs)  # allocators are thread-safe; no eviction
+                if got is None:
+                    op.short = needs
+                else:
+                    op.reserved = got
+                    op.pages = self._prefetch_read(op, end)
         except Exception as exc:  # an engine bug must not kill the worker or leak the slots
             log.exception("prefetch failed")
             op.error = repr(exc)
@@ -456,6 +458,14 @@ class CacheController:
         finally:
             self.metrics.latency("prefetch", time.perf_counter() - op.started_s)
             op.done.set()
+
+    def _prefetch_needs(self, end: int) -> dict[str, int]:
+        """Host units per tree pool to hold an L3 prefix of ``end`` pages."""
+        needs = {}
+        for tp in self.tree_pools.values():
+            lo, hi = self._slots(tp, 0, end)
+            needs[tp.name] = hi - lo
+        return needs
 
     def _exists(self, pool: str, hashes: Sequence[str]) -> list[bool]:
         assert self.engine is not None
@@ -561,7 +571,21 @@ class CacheController:
             if policy.timeout_max_s is not None:
                 limit = min(limit, policy.timeout_max_s)
             op.done.wait(limit)
-        return op.pages if op.done.is_set() else 0
+        if not op.done.is_set():
+            return 0
+        if op.short is not None and policy.policy != "best_effort":
+            # L3 has the pages but the host tier is full: make room (owner thread) and read now
+            protect = lease._host_lock or lease._device_lock
+            got = (
+                self._alloc_protecting(protect.node, Tier.HOST, op.short)
+                if protect is not None
+                else self._alloc(Tier.HOST, op.short)
+            )
+            op.short = None
+            if got is not None:
+                op.reserved = got
+                op.pages = self._prefetch_read(op, op.read_end)
+        return op.pages
 
     def _commit_prefetch(self, lease: Lease, pages: int) -> None:
         """Insert the first ``pages`` prefetched pages as host-only nodes; free every other slot."""
