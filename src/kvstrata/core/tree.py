@@ -206,7 +206,7 @@ class EvictionResult:
 
     def _add(self, pool: str, value: torch.Tensor) -> None:
         self.freed.setdefault(pool, []).append(value)
-        self.units[pool] = self.units.get(pool, 0) + len(value)
+        self.units[pool] = self.units.get(pool, 0) + value.shape[0]
 
 
 @dataclass(frozen=True)
@@ -246,16 +246,21 @@ class PrefixTree:
         self._windowed = [i for i in range(len(self.pools)) if self._window[i]]
         self._stateful = [i for i in range(len(self.pools)) if self._state[i]]
         self._anchor_only = len(self.pools) == 1
+        self._npools = len(self.pools)
+        self._has_windows = bool(self._windowed)
         self._delete_unbacked = True  # see evict_device
         self._ids = count(1)
-        self._clock = count(1)
-        self.root = TreeNode(0, None, [], len(self.pools), bool(self._windowed))
+        # LRU clock: the last ``last_access`` handed out (a plain int: bumped inline per node)
+        self._tick = 0
+        self.root = TreeNode(0, None, [], self._npools, self._has_windows)
         # Per-tier, per-pool LRU membership: the nodes holding a value of that pool in that tier,
         # ordered for eviction by ``last_access`` (touched bottom-up on every match and insert).
         self._lru: dict[Tier, list[dict[TreeNode, None]]] = {
             Tier.DEVICE: [{} for _ in self.pools],
             Tier.HOST: [{} for _ in self.pools],
         }
+        self._device_lru = self._lru[Tier.DEVICE]
+        self._host_lru = self._lru[Tier.HOST]
 
     # ------------------------------------------------------------------ helpers
     def keys_of(self, tokens: Sequence[int] | array | torch.Tensor) -> list[bytes]:
@@ -284,16 +289,23 @@ class PrefixTree:
 
     def _touch(self, path: list[TreeNode]) -> None:
         # deepest first, so an ancestor is never older than its descendants
+        tick = self._tick
         for node in reversed(path):
-            node.last_access = next(self._clock)
+            tick += 1
+            node.last_access = tick
+        self._tick = tick
 
     def _set(self, node: TreeNode, tier: Tier, p: int, value: torch.Tensor | None) -> None:
-        vals = node.device if tier is Tier.DEVICE else node.host
-        vals[p] = value
-        if value is None:
-            self._lru[tier][p].pop(node, None)
+        if tier is Tier.DEVICE:
+            node.device[p] = value
+            lru = self._device_lru[p]
         else:
-            self._lru[tier][p][node] = None
+            node.host[p] = value
+            lru = self._host_lru[p]
+        if value is None:
+            lru.pop(node, None)
+        else:
+            lru[node] = None
 
     def _check_value(self, p: int, value: torch.Tensor, pages: int) -> torch.Tensor:
         if not isinstance(value, torch.Tensor) or value.dim() != 1:
@@ -314,22 +326,24 @@ class PrefixTree:
             raise TreeError(f"cannot split {node!r} at page {at}")
         parent = node.parent
         assert parent is not None
-        upper = TreeNode(next(self._ids), parent, node.keys[:at], len(self.pools), bool(self._windowed))
+        upper = TreeNode(next(self._ids), parent, node.keys[:at], self._npools, self._has_windows)
         node.keys = node.keys[at:]
         parent.children[upper.keys[0]] = upper
         upper.children[node.keys[0]] = node
         node.parent = upper
         upper.hit_count = node.hit_count
         upper.last_access = node.last_access
-        for p in range(len(self.pools)):
-            for tier in Tier:
-                vals = node.device if tier is Tier.DEVICE else node.host
-                value = vals[p]
-                if value is not None and not self._state[p]:
-                    self._set(upper, tier, p, value[:at])
-                    vals[p] = value[at:]
+        for p in range(self._npools):
             if self._state[p]:
-                continue  # a state lock stays on the node that holds the state
+                continue  # the state (and its lock) stays on the node that holds it
+            value = node.device[p]
+            if value is not None:
+                self._set(upper, Tier.DEVICE, p, value[:at])
+                node.device[p] = value[at:]
+            value = node.host[p]
+            if value is not None:
+                self._set(upper, Tier.HOST, p, value[:at])
+                node.host[p] = value[at:]
             if self._window[p]:
                 for locks, up_locks in (
                     (node.device_windows, upper.device_windows),
@@ -375,10 +389,17 @@ class PrefixTree:
         nodes end exactly at the matched length; without it the partial node is ignored.
         """
         path, _ = self._walk(keys, split)
-        self._touch(path)
+        tick = self._tick  # _touch inlined: deepest first, so an ancestor is never older
         if count_hit:
-            for node in path:
+            for node in reversed(path):
+                tick += 1
+                node.last_access = tick
                 node.hit_count += 1
+        else:
+            for node in reversed(path):
+                tick += 1
+                node.last_access = tick
+        self._tick = tick
         root = self.root
         last = path[-1] if path else root
         ps = self.page_size
@@ -457,14 +478,20 @@ class PrefixTree:
 
     def values(self, nodes: Sequence[TreeNode], name: str, tier: Tier | str = Tier.DEVICE) -> torch.Tensor:
         """Concatenated unit indices of ``nodes`` (root-to-leaf order) for one pool and tier."""
-        p = self._pool(name)
-        attr = "device" if tier is Tier.DEVICE else Tier(tier).value
-        parts = [getattr(n, attr)[p] for n in nodes]
-        if any(v is None for v in parts):
-            raise TreeError(f"pool {name!r} has no {attr} value on some of the requested nodes")
+        p = self.index.get(name)
+        if p is None:
+            p = self._pool(name)
+        device = tier is Tier.DEVICE or Tier(tier) is Tier.DEVICE
+        parts = [n.device[p] for n in nodes] if device else [n.host[p] for n in nodes]
+        for v in parts:
+            if v is None:
+                attr = "device" if device else "host"
+                raise TreeError(f"pool {name!r} has no {attr} value on some of the requested nodes")
+        if len(parts) == 1:
+            return parts[0]  # type: ignore[return-value]
         if not parts:
             return torch.empty(0, dtype=torch.int64)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)  # type: ignore[arg-type]
+        return torch.cat(parts)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ insert
     def insert(self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor]) -> InsertResult:
@@ -488,66 +515,80 @@ class PrefixTree:
         self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor], tier: Tier
     ) -> InsertResult:
         n = len(keys)
-        npools = len(self.pools)
+        npools = self._npools
+        state = self._state
+        names = self._names
         given: list[torch.Tensor | None] = [None] * npools
         start = [0] * npools  # first page each token-page pool's value covers
         for name, value in values.items():
-            p = self._pool(name)
-            if self._state[p]:
+            p = self.index.get(name)
+            if p is None:
+                p = self._pool(name)
+            if state[p]:
                 given[p] = self._check_value(p, value, n)
                 continue
-            if not isinstance(value, torch.Tensor) or value.dim() != 1 or len(value) > n:
+            # shape, not len(): Tensor.__len__ is a Python-level call, this is the hot path
+            if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.shape[0] > n:
                 raise TreeError(f"pool {name!r}: values must be 1-D index tensors of at most {n} units")
             given[p] = value
-            start[p] = n - len(value)
+            start[p] = n - value.shape[0]
         if given[0] is None:
             raise TreeError(f"insert needs values for the anchor pool {self.pools[0].name!r}")
-        paged = [p for p, value in enumerate(given) if value is not None and not self._state[p]]
+        paged = (
+            [0] if self._anchor_only else [p for p in range(npools) if given[p] is not None and not state[p]]
+        )
+        suffix = any(start[p] for p in paged)  # some value covers only the last pages
         dev = tier is Tier.DEVICE
         # duplicate unit ranges per pool, merged while contiguous so each becomes one slice
-        dup_ranges: dict[int, list[list[int]]] = {}
+        dup_ranges: dict[str, list[list[int]]] = {}
         path, i = self._walk(keys, split=True)
         if start[0] > i:
             raise TreeError(
                 f"anchor values cover pages [{start[0]}, {n}) but the tree holds only the first {i}"
             )
-        # a value starting inside a matched node: split there, so each node is covered whole or not
-        for cut in sorted({start[p] for p in paged if 0 < start[p] < i}):
-            for j, node in enumerate(path):
-                if node.depth_start < cut < node.depth_end:
-                    path.insert(j, self.split(node, cut - node.depth_start))
-                    break
+        if suffix:
+            # a value starting inside a matched node: split there, so each node is covered whole or not
+            for cut in sorted({start[p] for p in paged if 0 < start[p] < i}):
+                for j, node in enumerate(path):
+                    if node.depth_start < cut < node.depth_end:
+                        path.insert(j, self.split(node, cut - node.depth_start))
+                        break
         # adopt into existing nodes: revive host-only nodes / tombstones, the rest is duplicate
         for node in path:
             vals = node.device if dev else node.host
             e = node.depth_end
             s = e - len(node.keys)
             for p in paged:  # the anchor (p == 0) is adopted first, so components may follow
-                if e <= start[p]:
+                first = start[p]
+                if e <= first:
                     continue  # pages before this pool's value: not given
-                lo, hi = s - start[p], e - start[p]
+                lo, hi = s - first, e - first
                 if vals[p] is None:
                     self._set(node, tier, p, given[p][lo:hi])  # type: ignore[index]
                     continue
-                ranges = dup_ranges.setdefault(p, [])
-                if ranges and ranges[-1][1] == lo:
+                ranges = dup_ranges.get(names[p])
+                if ranges is None:
+                    dup_ranges[names[p]] = [[lo, hi]]
+                elif ranges[-1][1] == lo:
                     ranges[-1][1] = hi
                 else:
                     ranges.append([lo, hi])
         node = path[-1] if path else self.root
         if i < n:
             # new pages; one node per stretch where the same pools have values
-            cuts = sorted({i, n} | {start[p] for p in paged if i < start[p] < n})
+            cuts = sorted({i, n} | {start[p] for p in paged if i < start[p] < n}) if suffix else (i, n)
             for s, e in pairwise(cuts):
                 parent = node
                 rest = keys[s:e] if isinstance(keys, list) else list(keys[s:e])
-                node = TreeNode(next(self._ids), parent, rest, npools, bool(self._windowed))
+                node = TreeNode(next(self._ids), parent, rest, npools, self._has_windows)
                 parent.children[rest[0]] = node
                 for p in paged:
-                    if start[p] <= s:
+                    first = start[p]
+                    if first <= s:
                         value = given[p]
-                        whole = s == start[p] and e == n
-                        self._set(node, tier, p, value if whole else value[s - start[p] : e - start[p]])  # type: ignore[index]
+                        if s != first or e != n:
+                            value = value[s - first : e - first]  # type: ignore[index]
+                        self._set(node, tier, p, value)
                 path.append(node)
         for p in self._stateful:
             value = given[p]
@@ -555,12 +596,15 @@ class PrefixTree:
                 continue
             vals = node.device if dev else node.host
             if node is self.root or vals[p] is not None or vals[0] is None:
-                dup_ranges[p] = [[0, 1]]
+                dup_ranges[names[p]] = [[0, 1]]
             else:
                 self._set(node, tier, p, value)
-        self._touch(path)
-        names = self._names
-        return InsertResult(node, n - i, values, {names[p]: r for p, r in dup_ranges.items()})
+        tick = self._tick  # _touch inlined
+        for node_ in reversed(path):
+            tick += 1
+            node_.last_access = tick
+        self._tick = tick
+        return InsertResult(node, n - i, values, dup_ranges)
 
     # ------------------------------------------------------------------ tier values
     def set_device_value(self, node: TreeNode, name: str, value: torch.Tensor) -> None:
