@@ -83,7 +83,13 @@ class TreeNode:
     )
 
     def __init__(
-        self, node_id: int, parent: TreeNode | None, keys: list[PageKey], npools: int, windows: bool
+        self,
+        node_id: int,
+        parent: TreeNode | None,
+        keys: list[PageKey],
+        npools: int,
+        windows: bool,
+        unlocked: tuple[int, ...] | None = None,
     ) -> None:
         self.id = node_id
         self.parent = parent
@@ -92,8 +98,11 @@ class TreeNode:
         self.depth_end = (parent.depth_end if parent is not None else 0) + len(keys)
         self.device: list[torch.Tensor | None] = [None] * npools
         self.host: list[torch.Tensor | None] = [None] * npools
-        self.device_lock = [0] * npools
-        self.host_lock = [0] * npools
+        # Lock counts per pool: immutable tuples, replaced on every (rare) lock change, so an
+        # unlocked node shares the tree's zero tuple instead of owning two GC-tracked lists.
+        zeros = unlocked if unlocked is not None else (0,) * npools
+        self.device_lock: tuple[int, ...] = zeros
+        self.host_lock: tuple[int, ...] = zeros
         # Window (trailing_pages) locks: the lower page bound of each lock covering this node
         # (allocated only for stacks with a window pool: fewer objects for the collector).
         self.device_windows: dict[int, list[int]] = {} if windows else None  # type: ignore[assignment]
@@ -252,7 +261,8 @@ class PrefixTree:
         self._ids = count(1)
         # LRU clock: the last ``last_access`` handed out (a plain int: bumped inline per node)
         self._tick = 0
-        self.root = TreeNode(0, None, [], self._npools, self._has_windows)
+        self._unlocked = (0,) * self._npools
+        self.root = TreeNode(0, None, [], self._npools, self._has_windows, self._unlocked)
         # Per-tier, per-pool LRU membership: the nodes holding a value of that pool in that tier,
         # ordered for eviction by ``last_access`` (touched bottom-up on every match and insert).
         self._lru: dict[Tier, list[dict[TreeNode, None]]] = {
@@ -326,13 +336,16 @@ class PrefixTree:
             raise TreeError(f"cannot split {node!r} at page {at}")
         parent = node.parent
         assert parent is not None
-        upper = TreeNode(next(self._ids), parent, node.keys[:at], self._npools, self._has_windows)
+        upper = TreeNode(
+            next(self._ids), parent, node.keys[:at], self._npools, self._has_windows, self._unlocked
+        )
         node.keys = node.keys[at:]
         parent.children[upper.keys[0]] = upper
         upper.children[node.keys[0]] = node
         node.parent = upper
         upper.hit_count = node.hit_count
         upper.last_access = node.last_access
+        device_lock, host_lock = list(upper.device_lock), list(upper.host_lock)
         for p in range(self._npools):
             if self._state[p]:
                 continue  # the state (and its lock) stays on the node that holds it
@@ -352,11 +365,12 @@ class PrefixTree:
                     bounds = [b for b in locks.get(p, ()) if b < upper.depth_end]
                     if bounds:
                         up_locks[p] = bounds
-                upper.device_lock[p] = len(upper.device_windows.get(p, ()))
-                upper.host_lock[p] = len(upper.host_windows.get(p, ()))
+                device_lock[p] = len(upper.device_windows.get(p, ()))
+                host_lock[p] = len(upper.host_windows.get(p, ()))
             else:
-                upper.device_lock[p] = node.device_lock[p]
-                upper.host_lock[p] = node.host_lock[p]
+                device_lock[p] = node.device_lock[p]
+                host_lock[p] = node.host_lock[p]
+        upper.device_lock, upper.host_lock = tuple(device_lock), tuple(host_lock)
         return upper
 
     # ------------------------------------------------------------------ match
@@ -580,7 +594,7 @@ class PrefixTree:
             for s, e in pairwise(cuts):
                 parent = node
                 rest = keys[s:e] if isinstance(keys, list) else list(keys[s:e])
-                node = TreeNode(next(self._ids), parent, rest, npools, self._has_windows)
+                node = TreeNode(next(self._ids), parent, rest, npools, self._has_windows, self._unlocked)
                 parent.children[rest[0]] = node
                 for p in paged:
                     first = start[p]
@@ -684,14 +698,16 @@ class PrefixTree:
         if node is self.root:
             return
         end = node.depth_end
-        for p in self._stateful:
-            counts = node.device_lock if dev else node.host_lock
-            if counts[p] + delta < 0:
-                raise TreeError(f"unlock without lock on {node!r}")
-            counts[p] += delta
+        if self._stateful:
+            counts = list(node.device_lock if dev else node.host_lock)
+            for p in self._stateful:
+                if counts[p] + delta < 0:
+                    raise TreeError(f"unlock without lock on {node!r}")
+                counts[p] += delta
+            self._set_locks(node, dev, counts)
         cur: TreeNode | None = node
         while cur is not None and cur is not self.root:
-            counts = cur.device_lock if dev else cur.host_lock
+            counts = list(cur.device_lock if dev else cur.host_lock)
             for p in range(len(self.pools)):
                 if self._state[p]:
                     continue
@@ -712,7 +728,15 @@ class PrefixTree:
                 if counts[p] + delta < 0:
                     raise TreeError(f"unlock without lock on {cur!r}")
                 counts[p] += delta
+            self._set_locks(cur, dev, counts)
             cur = cur.parent
+
+    def _set_locks(self, node: TreeNode, dev: bool, counts: list[int]) -> None:
+        locks = self._unlocked if not any(counts) else tuple(counts)
+        if dev:
+            node.device_lock = locks
+        else:
+            node.host_lock = locks
 
     # ------------------------------------------------------------------ eviction
     def evict_device(
