@@ -122,7 +122,7 @@ class TreeNode:
         return f"TreeNode(id={self.id}, pages=[{self.depth_start}, {self.depth_end}))"
 
 
-@dataclass
+@dataclass(slots=True)
 class MatchResult:
     """Per-tier usable prefix lengths (pages) of one lookup, after folding every pool's hit rule.
 
@@ -542,16 +542,17 @@ class PrefixTree:
                 given[p] = self._check_value(p, value, n)
                 continue
             # shape, not len(): Tensor.__len__ is a Python-level call, this is the hot path
-            if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.shape[0] > n:
+            shape = value.shape if isinstance(value, torch.Tensor) else None
+            if shape is None or len(shape) != 1 or shape[0] > n:
                 raise TreeError(f"pool {name!r}: values must be 1-D index tensors of at most {n} units")
             given[p] = value
-            start[p] = n - value.shape[0]
+            start[p] = n - shape[0]
         if given[0] is None:
             raise TreeError(f"insert needs values for the anchor pool {self.pools[0].name!r}")
         paged = (
             [0] if self._anchor_only else [p for p in range(npools) if given[p] is not None and not state[p]]
         )
-        suffix = any(start[p] for p in paged)  # some value covers only the last pages
+        suffix = any(start)  # some value covers only the last pages (only paged pools start > 0)
         dev = tier is Tier.DEVICE
         # duplicate unit ranges per pool, merged while contiguous so each becomes one slice
         dup_ranges: dict[str, list[list[int]]] = {}
