@@ -39,6 +39,12 @@ class Tier(StrEnum):
     HOST = "host"
 
 
+# Enum member lookups (``Tier.DEVICE``) go through a descriptor (~0.1 us each): the hot paths
+# compare against these immutable aliases instead.
+_DEVICE = Tier.DEVICE
+_HOST = Tier.HOST
+
+
 class TreeError(ValueError):
     """Bad input to a tree operation (unknown pool, wrong value length, broken invariant)."""
 
@@ -266,11 +272,11 @@ class PrefixTree:
         # Per-tier, per-pool LRU membership: the nodes holding a value of that pool in that tier,
         # ordered for eviction by ``last_access`` (touched bottom-up on every match and insert).
         self._lru: dict[Tier, list[dict[TreeNode, None]]] = {
-            Tier.DEVICE: [{} for _ in self.pools],
-            Tier.HOST: [{} for _ in self.pools],
+            _DEVICE: [{} for _ in self.pools],
+            _HOST: [{} for _ in self.pools],
         }
-        self._device_lru = self._lru[Tier.DEVICE]
-        self._host_lru = self._lru[Tier.HOST]
+        self._device_lru = self._lru[_DEVICE]
+        self._host_lru = self._lru[_HOST]
 
     # ------------------------------------------------------------------ helpers
     def keys_of(self, tokens: Sequence[int] | array | torch.Tensor) -> list[bytes]:
@@ -306,7 +312,7 @@ class PrefixTree:
         self._tick = tick
 
     def _set(self, node: TreeNode, tier: Tier, p: int, value: torch.Tensor | None) -> None:
-        if tier is Tier.DEVICE:
+        if tier is _DEVICE:
             node.device[p] = value
             lru = self._device_lru[p]
         else:
@@ -351,11 +357,11 @@ class PrefixTree:
                 continue  # the state (and its lock) stays on the node that holds it
             value = node.device[p]
             if value is not None:
-                self._set(upper, Tier.DEVICE, p, value[:at])
+                self._set(upper, _DEVICE, p, value[:at])
                 node.device[p] = value[at:]
             value = node.host[p]
             if value is not None:
-                self._set(upper, Tier.HOST, p, value[:at])
+                self._set(upper, _HOST, p, value[:at])
                 node.host[p] = value[at:]
             if self._window[p]:
                 for locks, up_locks in (
@@ -429,8 +435,8 @@ class PrefixTree:
                     break
                 jh += 1
         else:
-            jd = self._fold(path, Tier.DEVICE)
-            jh = self._fold(path, Tier.HOST)
+            jd = self._fold(path, _DEVICE)
+            jh = self._fold(path, _HOST)
         dnode = path[jd - 1] if jd else root
         hnode = path[jh - 1] if jh else root
         result = MatchResult(
@@ -442,15 +448,15 @@ class PrefixTree:
                 result.device_state[name] = dnode.device[p]  # type: ignore[assignment]
             if jh:
                 if hnode.device[p] is not None:
-                    result.host_state[name] = (Tier.DEVICE, hnode.device[p])  # type: ignore[arg-type]
+                    result.host_state[name] = (_DEVICE, hnode.device[p])  # type: ignore[arg-type]
                 elif hnode.host[p] is not None:
-                    result.host_state[name] = (Tier.HOST, hnode.host[p])  # type: ignore[arg-type]
+                    result.host_state[name] = (_HOST, hnode.host[p])  # type: ignore[arg-type]
         return result
 
     def _present(self, node: TreeNode, p: int, tier: Tier) -> bool:
         if node.device[p] is not None:
             return True
-        return tier is Tier.HOST and node.host[p] is not None
+        return tier is _HOST and node.host[p] is not None
 
     def _fold(self, path: list[TreeNode], tier: Tier) -> int:
         """Number of path nodes usable in ``tier``: the deepest end where every pool's rule holds."""
@@ -495,7 +501,7 @@ class PrefixTree:
         p = self.index.get(name)
         if p is None:
             p = self._pool(name)
-        device = tier is Tier.DEVICE or Tier(tier) is Tier.DEVICE
+        device = tier is _DEVICE or Tier(tier) is _DEVICE
         parts = [n.device[p] for n in nodes] if device else [n.host[p] for n in nodes]
         for v in parts:
             if v is None:
@@ -519,11 +525,11 @@ class PrefixTree:
         where they lack them (host-only nodes come back to device, tombstones are revived); the
         rest are returned as duplicates. The anchor's values are required.
         """
-        return self._insert(keys, values, Tier.DEVICE)
+        return self._insert(keys, values, _DEVICE)
 
     def insert_host(self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor]) -> InsertResult:
         """Insert a host-resident prefix (a committed prefetch): new nodes exist only on host."""
-        return self._insert(keys, values, Tier.HOST)
+        return self._insert(keys, values, _HOST)
 
     def _insert(
         self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor], tier: Tier
@@ -553,7 +559,7 @@ class PrefixTree:
             [0] if self._anchor_only else [p for p in range(npools) if given[p] is not None and not state[p]]
         )
         suffix = any(start)  # some value covers only the last pages (only paged pools start > 0)
-        dev = tier is Tier.DEVICE
+        dev = tier is _DEVICE
         # duplicate unit ranges per pool, merged while contiguous so each becomes one slice
         dup_ranges: dict[str, list[list[int]]] = {}
         path, i = self._walk(keys, split=True)
@@ -633,7 +639,7 @@ class PrefixTree:
             raise TreeError(f"load {node!r}'s parent to device first (device prefixes are closed)")
         if p != 0 and node.device[0] is None:
             raise TreeError(f"load the anchor of {node!r} to device before component {name!r}")
-        self._set(node, Tier.DEVICE, p, value)
+        self._set(node, _DEVICE, p, value)
 
     def set_host_value(self, node: TreeNode, name: str, value: torch.Tensor) -> None:
         """Record a host copy (a finished backup); the anchor's host value marks the node backed up."""
@@ -644,7 +650,7 @@ class PrefixTree:
             raise TreeError(f"{node!r} already holds host units of pool {name!r}")
         if p != 0 and node.host[0] is None:
             raise TreeError(f"back up the anchor of {node!r} before component {name!r}")
-        self._set(node, Tier.HOST, p, value)
+        self._set(node, _HOST, p, value)
 
     def drop_component(self, node: TreeNode, name: str, tier: Tier | str) -> torch.Tensor:
         """Tombstone one component of a node in a tier and return its units for the caller to free.
@@ -656,7 +662,7 @@ class PrefixTree:
         self._require_node(node)
         if p == 0:
             raise TreeError(f"the anchor {name!r} leaves a tier through evict_device / evict_host only")
-        vals, locks = (node.device, node.device_lock) if tier is Tier.DEVICE else (node.host, node.host_lock)
+        vals, locks = (node.device, node.device_lock) if tier is _DEVICE else (node.host, node.host_lock)
         value = vals[p]
         if value is None:
             raise TreeError(f"{node!r} holds no {tier} units of pool {name!r}")
@@ -671,7 +677,7 @@ class PrefixTree:
     def is_tombstone(self, node: TreeNode, name: str, tier: Tier | str) -> bool:
         """A component missing in a tier where the node's anchor is present."""
         p = self._pool(name)
-        vals = node.device if Tier(tier) is Tier.DEVICE else node.host
+        vals = node.device if Tier(tier) is _DEVICE else node.host
         return p != 0 and vals[0] is not None and vals[p] is None
 
     def _require_node(self, node: TreeNode) -> None:
@@ -695,7 +701,7 @@ class PrefixTree:
         self._lock(handle.node, handle.tier, -1)
 
     def _lock(self, node: TreeNode, tier: Tier, delta: int) -> None:
-        dev = tier is Tier.DEVICE
+        dev = tier is _DEVICE
         if node is self.root:
             return
         end = node.depth_end
@@ -759,7 +765,7 @@ class PrefixTree:
         """
         self._delete_unbacked = delete_unbacked
         try:
-            return self._evict(Tier.DEVICE, needs, on_free)
+            return self._evict(_DEVICE, needs, on_free)
         finally:
             self._delete_unbacked = True
 
@@ -767,7 +773,7 @@ class PrefixTree:
         self, needs: Mapping[str, int], on_free: Callable[[str, torch.Tensor], None] | None = None
     ) -> EvictionResult:
         """Free host units; only nodes whose (pool) data is not on device and not host-locked."""
-        return self._evict(Tier.HOST, needs, on_free)
+        return self._evict(_HOST, needs, on_free)
 
     def _evict(
         self, tier: Tier, needs: Mapping[str, int], on_free: Callable[[str, torch.Tensor], None] | None
@@ -791,7 +797,7 @@ class PrefixTree:
         return result
 
     def _has_tier_children(self, node: TreeNode, tier: Tier) -> bool:
-        if tier is Tier.DEVICE:
+        if tier is _DEVICE:
             return any(c.device[0] is not None for c in node.children.values())
         return bool(node.children)
 
@@ -799,7 +805,7 @@ class PrefixTree:
         """Whether ``node`` as a whole can leave ``tier`` now."""
         if node is self.root or self._has_tier_children(node, tier):
             return False
-        if tier is Tier.DEVICE:
+        if tier is _DEVICE:
             if node.device[0] is None or any(node.device_lock):
                 return False
             # a non-backed-up node is deleted, which it cannot be while it has (host) children
@@ -810,18 +816,18 @@ class PrefixTree:
         """Evict a whole node from ``tier`` (demote or delete); returns its parent."""
         parent = node.parent
         assert parent is not None
-        if tier is Tier.DEVICE:
+        if tier is _DEVICE:
             for p, value in enumerate(node.device):
                 if value is not None:
                     result._add(self.pools[p].name, value)
-                    self._set(node, Tier.DEVICE, p, None)
+                    self._set(node, _DEVICE, p, None)
             if node.host[0] is not None:
                 result.demoted.append(node)
                 return parent
         for p, value in enumerate(node.host):
             if value is not None:
                 result._add(self.pools[p].name, value)
-                self._set(node, Tier.HOST, p, None)
+                self._set(node, _HOST, p, None)
         del parent.children[node.keys[0]]
         node.parent = None
         result.deleted += 1
@@ -841,7 +847,7 @@ class PrefixTree:
 
     def _evict_component(self, tier: Tier, p: int, want: int, result: EvictionResult) -> None:
         name = self.pools[p].name
-        dev = tier is Tier.DEVICE
+        dev = tier is _DEVICE
         candidates = []
         for node in self._lru[tier][p]:
             if dev and node.device_lock[p]:
@@ -891,7 +897,7 @@ class PrefixTree:
             if not anchor_dev:
                 assert all(c.device[0] is None for c in node.children.values()), f"{node!r}: device child"
             for p in range(len(self.pools)):
-                for tier, vals in ((Tier.DEVICE, node.device), (Tier.HOST, node.host)):
+                for tier, vals in ((_DEVICE, node.device), (_HOST, node.host)):
                     value = vals[p]
                     member = node in self._lru[tier][p]
                     assert member == (value is not None), f"{node!r} pool {p} {tier} LRU membership"
