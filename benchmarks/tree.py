@@ -333,6 +333,11 @@ def main() -> None:
             print("sglang import: " + "; ".join(notes))
         except RuntimeError as exc:
             print(f"sglang RadixCache skipped: {exc}")
+    else:
+        print(
+            "sglang RadixCache skipped: no --sglang-path / KVSTRATA_SGLANG_PATH (an unpacked sglang wheel;"
+            " see this script's docstring); baseline: the in-benchmark token-level radix tree"
+        )
     # the workload's 10M token ints are not part of either tree: keep them out of the collector's
     # full passes so both sides pay only for the objects they create
     gc.collect()
