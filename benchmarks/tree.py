@@ -281,7 +281,16 @@ def load_sglang(path: str) -> tuple[Any, list[str]]:
     finally:
         sys.meta_path.remove(finder)
     notes = ["sglang/__init__.py: not executed (public-API facade)"]
-    notes += [f"{name}: {why}" for name, why in sorted(stubbed.items())]
+    for root, why in sorted(stubbed.items()):
+        # exactly the modules served as stubs: the root and each submodule something imported
+        served = sorted(
+            m
+            for m, v in sys.modules.items()
+            if isinstance(v, _StubModule)
+            and m.split(".")[0] == root.split(".")[0]
+            and (m == root or m.startswith(root + "."))
+        )
+        notes.append(f"{', '.join(served) or root}: {why}")
     return module, notes
 
 
