@@ -761,7 +761,7 @@ class PrefixTree:
         device leaf the whole node goes, since its pages are useless without that component.
         Locked nodes are skipped. ``on_free`` is called per freed value (as well as returned).
         With ``delete_unbacked=False`` (write-back: a node whose backup failed must not lose its
-        only copy) only backed-up nodes leave the device.
+        only copy) only backed-up nodes leave the device or lose components there.
         """
         self._delete_unbacked = delete_unbacked
         try:
@@ -850,8 +850,8 @@ class PrefixTree:
         dev = tier is _DEVICE
         candidates = []
         for node in self._lru[tier][p]:
-            if dev and node.device_lock[p]:
-                continue
+            if dev and (node.device_lock[p] or (not self._delete_unbacked and node.host[0] is None)):
+                continue  # locked, or write-back keeps a node without backup whole
             if not dev and (node.host_lock[p] or node.device[p] is not None):
                 continue
             candidates.append((node.last_access, node.id, node))

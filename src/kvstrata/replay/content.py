@@ -55,6 +55,12 @@ def _layer_key(identity: ContentIdentity, layer: int) -> int:
     return hash64("layer", identity.base_seed(), layer)
 
 
+def layer_seed_key(identity: ContentIdentity, layer: int) -> int:
+    """The key :func:`unit_seeds` mixes into page identities: lets batched generators (the replay
+    driver fills all layers at once) produce exactly this module's content."""
+    return _layer_key(identity, layer)
+
+
 def page_identities(keys: Sequence[bytes | str | int], device: torch.device | str = "cpu") -> torch.Tensor:
     """int64 identities of many page keys (one xxhash each: cheap, and only on the verify path)."""
     return torch.tensor([page_identity(k) for k in keys], dtype=torch.int64, device=device)

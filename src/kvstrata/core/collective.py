@@ -1,0 +1,64 @@
+"""How ranks agree on hit lengths: a MIN over small integer vectors.
+
+Every rank of a tensor/context-parallel group holds its own shard of each page, so a prefix is
+usable only if *every* rank holds it: the controller takes the MIN of its local lengths at fixed
+points (one call per ``admit``), which all ranks reach in the same order because the engine drives
+them in lockstep. A single process needs no communication (:class:`LocalCollective`, the
+default); a ``torch.distributed`` process group (gloo, CPU tensors) does it across processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Collective(Protocol):
+    """Element-wise MIN of an integer vector over every rank of the group."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_min(self, values: Sequence[int]) -> list[int]: ...
+
+
+class LocalCollective:
+    """One rank: the MIN over one value is the value itself."""
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def all_min(self, values: Sequence[int]) -> list[int]:
+        return [int(v) for v in values]
+
+
+class TorchCollective:
+    """MIN through ``torch.distributed.all_reduce`` on ``group`` (default: the world group).
+
+    The group must have a CPU-capable backend (gloo): the vectors are a few int64 values, far
+    cheaper to reduce on the CPU than to ship to an accelerator.
+    """
+
+    def __init__(self, group: Any | None = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "TorchCollective needs an initialised torch.distributed process group "
+                "(torch.distributed.init_process_group(backend='gloo', ...))"
+            )
+        self._dist = dist
+        self._group = group
+
+    @property
+    def world_size(self) -> int:
+        return int(self._dist.get_world_size(self._group))
+
+    def all_min(self, values: Sequence[int]) -> list[int]:
+        tensor = torch.tensor(list(values), dtype=torch.int64)
+        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=self._group)
+        return [int(v) for v in tensor.tolist()]

@@ -1,0 +1,89 @@
+"""Counters of one cache: hits per tier, bytes per direction, operations, failures, latencies.
+
+Updated by the owner thread and the storage workers (hence the lock), read by ``snapshot()``,
+the replay report and the optional Prometheus exporter (:mod:`kvstrata.prometheus`). Updates
+happen per request or per batch, never per page.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Latency samples kept per kind (the newest; enough for stable percentiles).
+LATENCY_SAMPLES = 100_000
+
+TIERS = ("device", "host", "storage")
+DIRECTIONS = ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host")
+OPERATIONS = (
+    "backups",
+    "load_backs",
+    "storage_writes",
+    "prefetches_started",
+    "prefetches_committed",
+    "prefetches_dropped",
+    "prefetches_revoked",
+    "prefetches_skipped",
+)
+LATENCIES = ("match", "load_back", "prefetch")
+
+
+@dataclass
+class CacheMetrics:
+    requests: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+    operations: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPERATIONS, 0))
+    failures: int = 0
+    latency_s: dict[str, deque[float]] = field(
+        default_factory=lambda: {kind: deque(maxlen=LATENCY_SAMPLES) for kind in LATENCIES}
+    )
+    #: set by the controller: objects the integrity check refused (read from the storage engine)
+    corrupt_detected_fn: Any = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, operation: str, n: int = 1) -> None:
+        with self._lock:
+            self.operations[operation] += n
+
+    def add_bytes(self, direction: str, nbytes: int) -> None:
+        with self._lock:
+            self.bytes[direction] += nbytes
+
+    def fail(self, n: int = 1) -> None:
+        with self._lock:
+            self.failures += n
+
+    def latency(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self.latency_s[kind].append(seconds)
+
+    def request(self, tokens: int, hits: dict[str, int]) -> None:
+        with self._lock:
+            self.requests += 1
+            self.lookup_tokens += tokens
+            for tier, n in hits.items():
+                self.hit_tokens[tier] += n
+
+    @property
+    def corrupt_detected(self) -> int:
+        return int(self.corrupt_detected_fn()) if self.corrupt_detected_fn is not None else 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """A plain-data copy (JSON-serialisable) of every counter."""
+        with self._lock:
+            hits = dict(self.hit_tokens)
+            hits["total"] = sum(hits.values())
+            return {
+                "requests": self.requests,
+                "lookup_tokens": self.lookup_tokens,
+                "hit_tokens": hits,
+                "bytes": dict(self.bytes),
+                "operations": dict(self.operations),
+                "failures": self.failures,
+                "corrupt_detected": self.corrupt_detected,
+                "latency_s": {kind: list(samples) for kind, samples in self.latency_s.items()},
+            }

@@ -1,0 +1,342 @@
+"""The replay driver: plays a trace through the real tier controller, as an inference engine would,
+and checks every restored byte.
+
+Per request: ``lookup`` (device/host match, L3 prefetch) -> ``admit`` (prefetch commit, load-back)
+-> verify every unit of every pool that the cached prefix hands to the engine -> ``allocate`` the
+units of the pages the engine "computes" -> fill them with their expected content -> ``insert``
+(backup, L3 write, eviction happen inside the controller).
+
+Content is a pure function of (namespace, pool, buffer, layer, page identity) where the page
+identity is the chained page hash (for node-state pools: the hash of the last page of the prefix
+the state belongs to); see :mod:`kvstrata.replay.content`. So a page restored from host, from
+storage, or from another process's L3 writes is checked without keeping a copy, and a page of the
+wrong prefix, model, pool or layer reads as corrupt (``corrupt_pages_served``, which must stay 0).
+
+Fill and verify are batched: one vectorised expression per buffer per request over all its units
+and layers (chunked to bound temporaries), never a Python loop over pages or bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvstrata.core.buffers import PoolBuffers
+from kvstrata.core.config import KvstrataConfig
+from kvstrata.plugins.host import PluginHost
+from kvstrata.plugins.pool_type import BufferSpec, Granularity
+from kvstrata.replay._mix import splitmix64_
+from kvstrata.replay.content import ContentIdentity, layer_seed_key, page_identities, word_table
+from kvstrata.replay.report import DIRECTIONS, ReplayDetails, ReplayRecorder, ReplayResult
+from kvstrata.replay.tokens import BlockTokenizer
+from kvstrata.replay.trace import MOONCAKE_BLOCK_SIZE, TraceRequest
+
+if TYPE_CHECKING:
+    from kvstrata.core.controller import CacheController
+
+#: Upper bound of the temporaries one fill/verify chunk builds (expected words + gathered words).
+_CHUNK_BYTES = 16 << 20
+
+#: Requests whose token blocks are generated together (fewer, larger vectorised batches).
+_TOKENIZE_AHEAD = 32
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class _BufferContent:
+    """Expected-content generator for one buffer of one pool on the device tier."""
+
+    spec: BufferSpec
+    view: torch.Tensor  # (units, layers, words) in ``word`` integers
+    layer_keys: torch.Tensor  # (layers,) int64: per-layer seed keys (content.unit_seeds, batched)
+    table: torch.Tensor  # (layers, words64) int64 per-position words (content.word_table)
+    byte_view: bool  # True: ``view`` is uint8 and expected words are truncated to layer bytes
+
+    def expected(self, page_ids: torch.Tensor) -> torch.Tensor:
+        """``(n, layers, words)`` expected content of ``page_ids`` in the dtype of :attr:`view`."""
+        seeds = splitmix64_(page_ids.reshape(-1, 1) ^ self.layer_keys.reshape(1, -1))  # (n, L)
+        words = seeds.unsqueeze(-1) ^ self.table.unsqueeze(0)  # (n, L, W64)
+        if not self.byte_view:
+            return words
+        return words.view(torch.uint8)[..., : self.spec.bytes_per_unit_per_layer]
+
+    def rows_per_chunk(self) -> int:
+        return max(1, _CHUNK_BYTES // (2 * max(1, self.table.numel() * 8)))
+
+
+class PoolContent:
+    """Fills and verifies the device units of one pool with the content the replay expects.
+
+    Equivalent, word for word, to :func:`kvstrata.replay.content.fill_units` applied per layer to
+    each buffer's ``[units, layer_bytes]`` view; batched over units and layers.
+    """
+
+    def __init__(self, namespace: str, pool_name: str, buffers: PoolBuffers) -> None:
+        self.pool_name = pool_name
+        self.buffers: list[_BufferContent] = []
+        device = buffers.device
+        for spec in buffers.spec.buffers:
+            layer_bytes = spec.bytes_per_unit_per_layer
+            identity = ContentIdentity(namespace, pool_name, spec.name, spec.dtype, layer_bytes)
+            keys = torch.tensor(
+                [layer_seed_key(identity, layer) for layer in range(spec.layers)],
+                dtype=torch.int64,
+                device=device,
+            )
+            table = torch.stack([word_table(identity, layer, device) for layer in range(spec.layers)])
+            eight = layer_bytes % 8 == 0 and buffers.word_bytes(spec.name) % 8 == 0
+            view = buffers.unit_view(spec.name, 8 if eight else 1)
+            self.buffers.append(_BufferContent(spec, view, keys, table, byte_view=not eight))
+
+    def fill(self, units: torch.Tensor, page_ids: torch.Tensor) -> None:
+        """Write the expected content of ``page_ids`` into device ``units`` (every buffer, layer)."""
+        if units.numel() != page_ids.numel():
+            raise ValueError(
+                f"pool {self.pool_name!r}: {units.numel()} units for {page_ids.numel()} page identities"
+            )
+        for content in self.buffers:
+            index = units.to(content.view.device)
+            ids = page_ids.to(content.view.device)
+            step = content.rows_per_chunk()
+            for start in range(0, index.numel(), step):
+                # index_copy_ on the (units, layers, words) view: ~40x faster than index_put on it
+                content.view.index_copy_(
+                    0, index[start : start + step], content.expected(ids[start : start + step])
+                )
+
+    def verify(self, units: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+        """Positions (into ``units``) whose bytes differ from the expected content in any buffer."""
+        if units.numel() != page_ids.numel():
+            raise ValueError(
+                f"pool {self.pool_name!r}: {units.numel()} units for {page_ids.numel()} page identities"
+            )
+        bad = torch.zeros(units.numel(), dtype=torch.bool)
+        for content in self.buffers:
+            index = units.to(content.view.device)
+            ids = page_ids.to(content.view.device)
+            step = content.rows_per_chunk()
+            for start in range(0, index.numel(), step):
+                got = content.view.index_select(0, index[start : start + step])
+                wrong = (got != content.expected(ids[start : start + step])).flatten(1).any(dim=1)
+                bad[start : start + step] |= wrong.cpu()
+        return torch.nonzero(bad).reshape(-1)
+
+
+class StackContent:
+    """:class:`PoolContent` of every pool that holds bytes, and how each pool is keyed."""
+
+    def __init__(self, namespace: str, pools: Any) -> None:
+        self.pools: dict[str, PoolContent] = {}
+        self.node_state: dict[str, bool] = {}
+        for name, pool in pools.pools.items():
+            self.add(namespace, name, pool)
+
+    def add(self, namespace: str, name: str, pool: Any) -> None:
+        if pool.spec.logical:
+            return
+        self.pools[name] = PoolContent(namespace, name, pool.device)
+        self.node_state[name] = pool.spec.granularity is Granularity.NODE_STATE
+
+    def page_ids(self, name: str, identities: torch.Tensor, first: int, end: int) -> torch.Tensor:
+        """Identities of the units of pages ``[first, end)`` (node-state: the state after ``end-1``)."""
+        if end <= first:
+            return identities[:0]
+        if self.node_state[name]:
+            return identities[end - 1 : end]
+        return identities[first:end]
+
+
+def _snapshot_delta(after: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:
+    """The counters of ``after`` minus ``before`` (latency lists: the samples added since)."""
+    if before is None:
+        return after
+    delta: dict[str, Any] = {}
+    for key, value in after.items():
+        old = before.get(key)
+        if isinstance(value, dict):
+            delta[key] = _snapshot_delta(value, old if isinstance(old, dict) else None)
+        elif isinstance(value, list):
+            delta[key] = value[len(old) if isinstance(old, list) else 0 :]
+        elif isinstance(value, int | float) and isinstance(old, int | float):
+            delta[key] = value - old
+        else:
+            delta[key] = value
+    return delta
+
+
+def replay_with_cache(
+    cache: CacheController,
+    requests: Sequence[TraceRequest],
+    *,
+    warmup_fraction: float = 0.0,
+    progress: ProgressFn | None = None,
+    verify: bool = True,
+    tokenizer: BlockTokenizer | None = None,
+    baseline_hit_rate: float | None = None,
+    baseline_label: str | None = None,
+    state_checkpoint_tokens: int | None = MOONCAKE_BLOCK_SIZE,
+) -> tuple[ReplayResult, ReplayDetails]:
+    """Replay ``requests`` through an open controller; returns the result and the details.
+
+    ``state_checkpoint_tokens``: stacks with node-state pools (Mamba) only hit where a state was
+    stored, and a request stores one state, after its last page. The next turn of a conversation
+    shares the request's prefix only up to its last whole trace block, so the driver does what an
+    engine with chunked prefill does: it first serves the request up to its last multiple of
+    ``state_checkpoint_tokens`` (storing that state), then the whole request. Only the first
+    lookup's hits count as the request's reuse. None disables it; stacks without node-state pools
+    never split.
+
+    The first ``int(len(requests) * warmup_fraction)`` requests only warm the cache: hits, bytes,
+    failures and latencies are counted from the first measured request on (controller metrics as
+    deltas). Everything still in flight is flushed before the clock stops.
+    """
+    if not 0.0 <= warmup_fraction < 1.0:
+        raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction}")
+    tokenizer = tokenizer or BlockTokenizer(MOONCAKE_BLOCK_SIZE)
+    page_size = cache.page_size
+    content = StackContent(cache.namespace_root, cache.pools)
+    warmup = int(len(requests) * warmup_fraction)
+    recorder = ReplayRecorder(warmup)
+    before: dict[str, Any] | None = cache.metrics.snapshot() if warmup == 0 else None
+    started = time.perf_counter()
+    total = len(requests)
+    for index, request in enumerate(requests):
+        if index % _TOKENIZE_AHEAD == 0:  # generate the next requests' blocks in one batch
+            window = requests[index : index + _TOKENIZE_AHEAD]
+            tokenizer.blocks(list(dict.fromkeys(h for r in window for h in r.hash_ids)))
+        if index == warmup and warmup:
+            before = cache.metrics.snapshot()
+            started = time.perf_counter()
+        tokens = tokenizer.request_tokens(request)
+        checkpoint = _checkpoint_tokens(content, request.input_length, page_size, state_checkpoint_tokens)
+        if checkpoint:  # chunked prefill: the state at the last block boundary is stored too
+            hit_pages, served, full = _serve(cache, content, tokens[:checkpoint], verify)
+            _, served_rest, full_rest = _serve(cache, content, tokens, verify)
+            served, full = served + served_rest, full or full_rest
+        else:
+            hit_pages, served, full = _serve(cache, content, tokens, verify)
+        if served:  # counted in warm-up too: wrong bytes are never excused
+            recorder.add_corrupt(served=served)
+        if full and recorder.measuring:  # the controller's own failures are counted as deltas
+            recorder.add_failure("allocate (device tier full)")
+        recorder.record_request(
+            request.input_length,
+            device=hit_pages.get("device", 0) * page_size,
+            host=hit_pages.get("host", 0) * page_size,
+            storage=hit_pages.get("storage", 0) * page_size,
+        )
+        if progress is not None and ((index + 1) % 16 == 0 or index + 1 == total):
+            progress(index + 1, total)
+    cache.flush()
+    wall = time.perf_counter() - started
+    metrics = _snapshot_delta(cache.metrics.snapshot(), before)
+    for direction in DIRECTIONS:
+        recorder.add_bytes(direction, int(metrics.get("bytes", {}).get(direction, 0)))
+    for kind, samples in metrics.get("latency_s", {}).items():
+        for seconds in samples:
+            recorder.add_latency(kind, seconds)
+    controller_failures = int(metrics.get("failures", 0))
+    if controller_failures:
+        recorder.add_failure("controller", controller_failures)
+    recorder.add_corrupt(detected=int(metrics.get("corrupt_detected", 0)))
+    return recorder.finish(wall_s=wall, baseline_hit_rate=baseline_hit_rate, baseline_label=baseline_label)
+
+
+def _checkpoint_tokens(content: StackContent, input_length: int, page_size: int, step: int | None) -> int:
+    """Tokens of the chunked-prefill checkpoint of a request, or 0 when it is served whole."""
+    if not step or step % page_size or not any(content.node_state.values()):
+        return 0
+    checkpoint = input_length // step * step
+    return checkpoint if checkpoint > 0 and checkpoint // page_size < input_length // page_size else 0
+
+
+def _serve(
+    cache: CacheController, content: StackContent, tokens: torch.Tensor, verify: bool
+) -> tuple[dict[str, int], int, bool]:
+    """One engine step: lookup, admit, verify the cached prefix, allocate, fill, insert.
+
+    Returns (hit pages per tier, units served with wrong bytes, whether the device tier was full).
+    """
+    from kvstrata.core.controller import CacheFullError
+
+    lease = cache.lookup(tokens)
+    try:
+        cache.admit(lease)
+        cached, pages = lease.cached_pages, lease.pages
+        hit_pages = dict(lease.hit_pages)
+        identities = page_identities(lease.page_hashes)
+        served = 0
+        if verify and cached:
+            for name, pool_content in content.pools.items():
+                units = lease.prefix_units(name)
+                ids = content.page_ids(name, identities, lease.prefix_first_page(name), cached)
+                served += int(pool_content.verify(units, ids).numel())
+        try:
+            allocated = cache.allocate(lease)
+        except CacheFullError:
+            return hit_pages, served, True
+        for name, units in allocated.items():
+            if name in content.pools and units.numel():
+                content.pools[name].fill(units, content.page_ids(name, identities, cached, pages))
+        cache.insert(lease)
+        lease = None
+        return hit_pages, served, False
+    finally:
+        if lease is not None:  # allocation failed or an exception: unlock, free what was taken
+            cache.release(lease)
+
+
+def run_replay_detailed(
+    config: KvstrataConfig,
+    plugins: PluginHost,
+    requests: Sequence[TraceRequest],
+    *,
+    warmup_fraction: float = 0.0,
+    progress: ProgressFn | None = None,
+    verify: bool = True,
+    baseline_hit_rate: float | None = None,
+    baseline_label: str | None = None,
+) -> tuple[ReplayResult, ReplayDetails]:
+    """Build a controller from ``config``, replay ``requests`` through it, close it."""
+    from kvstrata.core.controller import CacheController
+
+    with CacheController(config, plugins) as cache:
+        return replay_with_cache(
+            cache,
+            requests,
+            warmup_fraction=warmup_fraction,
+            progress=progress,
+            verify=verify,
+            baseline_hit_rate=baseline_hit_rate,
+            baseline_label=baseline_label,
+        )
+
+
+def run_replay(
+    config: KvstrataConfig,
+    plugins: PluginHost,
+    requests: Sequence[TraceRequest],
+    *,
+    warmup_fraction: float = 0.0,
+    progress: ProgressFn | None = None,
+    verify: bool = True,
+) -> ReplayResult:
+    """Replay a trace through a fresh controller; the JSON-contract result only."""
+    result, _ = run_replay_detailed(
+        config, plugins, requests, warmup_fraction=warmup_fraction, progress=progress, verify=verify
+    )
+    return result
+
+
+__all__ = [
+    "PoolContent",
+    "StackContent",
+    "replay_with_cache",
+    "run_replay",
+    "run_replay_detailed",
+]

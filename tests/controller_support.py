@@ -1,0 +1,110 @@
+"""Drive a CacheController like an engine would, with verifiable page content.
+
+Every unit a request computes is filled with bytes derived from (pool, buffer, page hash, layer),
+and every unit of a restored prefix is compared against what it must hold, so a test sees any
+byte that came back wrong, from the wrong page or from another pool.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import torch
+
+from kvstrata.core.config import load_config
+from kvstrata.core.controller import CacheController, Lease, PoolKind
+from kvstrata.plugins import PluginHost
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = {path.stem: path for path in sorted((REPO / "examples" / "configs").glob("*.yaml"))}
+
+
+def open_cache(
+    example: str,
+    l3: Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    host: PluginHost | None = None,
+    **kwargs: object,
+) -> CacheController:
+    """An example stack; with ``l3`` the file backend lives there, without it there is no L3."""
+    host = host or PluginHost()
+    sets = [f"tiers.storage.l3.path={l3}"] if l3 is not None else ["tiers.storage={}"]
+    config = load_config([EXAMPLES[example]], [*sets, *overrides], host=host, environ={})
+    return CacheController(config, host, **kwargs)  # type: ignore[arg-type]
+
+
+def tokens(seed: int, pages: int, page_size: int = 64) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50_000, (pages * page_size,), generator=generator)
+
+
+def _ids(hashes: list[str]) -> torch.Tensor:
+    return torch.tensor([int(h[:15], 16) for h in hashes], dtype=torch.int64)
+
+
+def _content(pool: str, buffer: str, ids: torch.Tensor, layers: int, nbytes: int) -> torch.Tensor:
+    salt = zlib.crc32(f"{pool}/{buffer}".encode())
+    base = (ids ^ salt)[:, None, None] * 2654435761
+    base = base + torch.arange(layers)[None, :, None] * 40503 + torch.arange(nbytes)[None, None, :] * 7
+    return (base % 251).to(torch.uint8)
+
+
+def _pages_of(cache: CacheController, pool: str, lease: Lease, first: int, count: int, end: int) -> list[str]:
+    if cache.pool_kind(pool) is PoolKind.STATE:
+        return [lease.page_hashes[end - 1]]
+    return lease.page_hashes[first : first + count]
+
+
+def fill(cache: CacheController, lease: Lease, units: dict[str, torch.Tensor]) -> None:
+    for name, value in units.items():
+        if not len(value):
+            continue
+        pool = cache.pools.pools[name]
+        ids = _ids(_pages_of(cache, name, lease, lease.cached_pages, len(value), lease.pages))
+        for buffer in pool.spec.buffers:
+            view = pool.device.unit_view(buffer.name)
+            view[value.to(view.device)] = _content(name, buffer.name, ids, view.shape[1], view.shape[2]).to(
+                view.device
+            )
+
+
+def verify(cache: CacheController, lease: Lease) -> int:
+    """Units of the lease's cached prefix whose bytes are not what they must be."""
+    bad = 0
+    for name, pool in cache.pools.pools.items():
+        value = lease.prefix_units(name)
+        if not len(value):
+            continue
+        first = lease.prefix_first_page(name)
+        ids = _ids(_pages_of(cache, name, lease, first, len(value), lease.cached_pages))
+        for buffer in pool.spec.buffers:
+            view = pool.device.unit_view(buffer.name)
+            expected = _content(name, buffer.name, ids, view.shape[1], view.shape[2])
+            got = view[value.to(view.device)].cpu()
+            bad += int((got != expected).flatten(1).any(dim=1).sum())
+    return bad
+
+
+def serve(cache: CacheController, request: torch.Tensor) -> tuple[Lease, int]:
+    """One request: lookup, admit, check the restored prefix, compute the rest, insert."""
+    lease = cache.lookup(request)
+    cache.admit(lease)
+    bad = verify(cache, lease)
+    units = cache.allocate(lease)
+    fill(cache, lease, units)
+    cache.insert(lease)
+    cache.tree.check()
+    return lease, bad
+
+
+def host_units_in_use(cache: CacheController) -> dict[str, int]:
+    return {
+        name: pool.host_allocator.used
+        for name, pool in cache.pools.pools.items()
+        if pool.host_allocator is not None and pool.index_owner == name
+    }
+
+
+def host_units_held_by_tree(cache: CacheController) -> dict[str, int]:
+    return {name: cache.tree.units(name, "host") for name in cache.tree_pools}

@@ -1,0 +1,267 @@
+"""The tier controller on every example stack: L1 <-> L2 <-> L3 with exact bytes and the hybrid
+rules (state pools end a prefix, window pools drop whole, clamp pools clamp)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from controller_support import (
+    EXAMPLES,
+    REPO,
+    host_units_held_by_tree,
+    host_units_in_use,
+    open_cache,
+    serve,
+    tokens,
+)
+from kvstrata.core.controller import CacheController, CacheFullError, PoolKind
+
+STACKS = sorted(EXAMPLES)
+# until the logical anchor stores a marker object per page, its stack cannot gate L3 reads
+NO_MARKER = pytest.mark.xfail(strict=True, reason="logical anchor has no L3 marker object yet")
+L3_STACKS = [pytest.param(s, marks=NO_MARKER) if s == "logical-swa" else s for s in STACKS]
+WAIT = ["policy.prefetch.policy=wait_complete"]
+
+
+def kinds(cache: CacheController) -> set[PoolKind]:
+    return {tp.kind for tp in cache.tree_pools.values()}
+
+
+def push_off_device(cache: CacheController, pages: int = 4, seed: int = 1000) -> None:
+    """Serve enough unrelated requests that everything older leaves the device tier."""
+    for i in range(math.ceil(cache.pools.device_pages / pages)):
+        serve(cache, tokens(seed + i, pages))
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_evicted_prefix_comes_back_from_host_with_exact_bytes(stack: str) -> None:
+    with open_cache(stack) as cache:
+        first = tokens(1, 4)
+        lease, _ = serve(cache, first)
+        assert lease.cached_pages == 0
+        push_off_device(cache)
+        again, bad = serve(cache, first)
+        assert again.cached_pages == 4 and bad == 0
+        assert again.hit_pages["host"] >= 1
+        assert sum(again.hit_pages.values()) == again.cached_pages
+        snapshot = cache.metrics.snapshot()
+        assert snapshot["operations"]["load_backs"] >= 1 and snapshot["bytes"]["host_to_device"] > 0
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_partial_match_splits_a_host_only_node(stack: str) -> None:
+    with open_cache(stack) as cache:
+        first = tokens(2, 6)
+        serve(cache, first)
+        push_off_device(cache)
+        branch = torch.cat([first[: 2 * 64], tokens(3, 2)])
+        lease = cache.lookup(branch)
+        cache.admit(lease)
+        cache.tree.check()
+        node = cache.tree.match(cache.tree.keys_of(first), count_hit=False).path[0]
+        assert node.depth_end == 2, "the host-only node was split where the branch diverged"
+        if PoolKind.STATE in kinds(cache):
+            assert lease.cached_pages == 0, "no state after page 2: the prefix is not usable"
+        else:
+            assert lease.cached_pages == 2 and lease.hit_pages["host"] >= 1
+        cache.release(lease)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_write_back_failure_keeps_the_node_on_device(stack: str) -> None:
+    overrides = ["policy.write=write_back", "tiers.host.capacity_tokens=64"]
+    with open_cache(stack, overrides=overrides) as cache:
+        pages = cache.pools.device_pages * 5 // 8
+        first = tokens(4, pages)
+        serve(cache, first)
+        lease = cache.lookup(tokens(5, pages))
+        cache.admit(lease)
+        with pytest.raises(CacheFullError, match="device tier cannot hold"):
+            cache.allocate(lease)
+        cache.release(lease)
+        assert cache.metrics.failures >= 1
+        again, bad = serve(cache, first)
+        assert again.hit_pages["device"] == pages and bad == 0
+
+
+FRESH = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from pathlib import Path
+    from controller_support import open_cache, serve, tokens
+    stack, l3, seed, pages = sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    extra = json.loads(sys.argv[6])
+    with open_cache(stack, l3, ["policy.prefetch.policy=wait_complete", *extra]) as cache:
+        lease, bad = serve(cache, tokens(seed, pages))
+        print(json.dumps({"cached": lease.cached_pages, "hits": lease.hit_pages, "bad": bad,
+                          "corrupt": cache.metrics.corrupt_detected}))
+    """
+)
+
+
+def fresh_process(stack: str, l3: Path, seed: int, pages: int, extra: list[str] = ()) -> dict:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            FRESH,
+            str(REPO / "tests"),
+            stack,
+            str(l3),
+            str(seed),
+            str(pages),
+            json.dumps(extra),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"},
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("stack", L3_STACKS)
+def test_l3_write_then_a_fresh_process_restores_exact_bytes(stack: str, tmp_path: Path) -> None:
+    with open_cache(stack, tmp_path) as cache:
+        pages = min(8, cache.pools.device_pages // 2)
+        serve(cache, tokens(6, pages))
+        cache.flush()
+        assert cache.metrics.snapshot()["bytes"]["host_to_storage"] > 0
+    report = fresh_process(stack, tmp_path, 6, pages)
+    assert report["bad"] == 0 and report["corrupt"] == 0
+    assert report["cached"] == pages and report["hits"]["storage"] == pages
+
+
+def delete_objects(cache: CacheController, pool: str, hashes: list[str]) -> None:
+    assert cache.engine is not None and cache.backend is not None
+    for keys in cache.engine.object_keys(pool, hashes):
+        for key in keys:
+            cache.backend.path_for(key).unlink()  # type: ignore[attr-defined]
+
+
+def write_to_l3(stack: str, l3: Path, seed: int, pages: int) -> CacheController:
+    cache = open_cache(stack, l3)
+    lease, _ = serve(cache, tokens(seed, pages))
+    cache.flush()
+    cache.hashes = lease.page_hashes  # type: ignore[attr-defined]
+    return cache
+
+
+@pytest.mark.parametrize("stack", [s for s in STACKS if "mamba" in s])
+def test_a_state_stack_reuses_l3_only_up_to_a_page_with_a_state(stack: str, tmp_path: Path) -> None:
+    with open_cache(stack, tmp_path) as cache:
+        whole = tokens(7, 8)
+        serve(cache, whole[: 3 * 64])  # a state after page 3 ...
+        serve(cache, whole)  # ... and after page 8
+        cache.flush()
+    with open_cache(stack, tmp_path, WAIT) as cold:
+        lease, bad = serve(cold, torch.cat([whole[: 6 * 64], tokens(8, 2)]))
+        assert bad == 0
+        assert lease.cached_pages == 3 and lease.hit_pages["storage"] == 3
+
+
+@pytest.mark.parametrize("stack", [s for s in L3_STACKS if "swa" in str(s)])
+def test_an_l3_window_with_a_missing_page_is_dropped_whole(stack: str, tmp_path: Path) -> None:
+    writer = write_to_l3(stack, tmp_path, 9, 8)
+    window = next(name for name, tp in writer.tree_pools.items() if tp.kind is PoolKind.WINDOW)
+    delete_objects(writer, window, writer.hashes[6:7])  # type: ignore[attr-defined]
+    writer.close()
+    with open_cache(stack, tmp_path, WAIT) as cold:
+        lease = cold.lookup(tokens(9, 8))
+        cold.admit(lease)
+        assert lease.cached_pages == 0 and lease.hit_pages["storage"] == 0
+        assert cold.metrics.snapshot()["operations"]["prefetches_dropped"] == 1
+        cold.release(lease)
+        assert all(used == 0 for used in host_units_in_use(cold).values()), "a host slot leaked"
+
+
+def test_an_indexer_shortfall_clamps_the_l3_prefix_and_draft_comes_with_the_target(tmp_path: Path) -> None:
+    writer = write_to_l3("mla-nsa-draft", tmp_path, 10, 6)
+    delete_objects(writer, "indexer", writer.hashes[4:])  # type: ignore[attr-defined]
+    writer.close()
+    with open_cache("mla-nsa-draft", tmp_path, WAIT) as cold:
+        lease, bad = serve(cold, tokens(10, 6))
+        assert lease.cached_pages == 4 and lease.hit_pages["storage"] == 4
+        assert bad == 0, "target, indexer and draft bytes of the clamped prefix are exact"
+
+
+DRAFT = {"type": "draft", "index_source": "kv", "layers": 1, "kv_heads": 1, "head_dim": 64}
+
+
+def test_a_draft_pool_added_at_runtime_is_stored_and_restored(tmp_path: Path) -> None:
+    with open_cache("kv", tmp_path) as cache:
+        serve(cache, tokens(11, 4))
+        cache.add_pool("draft", DRAFT)
+        assert cache.engine is not None and cache.engine.plans["draft"].enabled
+        again, _ = serve(cache, tokens(11, 4))
+        assert again.cached_pages == 0, "pages cached before the draft pool existed were dropped"
+        push_off_device(cache)
+        back, bad = serve(cache, tokens(11, 4))
+        assert back.cached_pages == 4 and back.hit_pages["host"] >= 1 and bad == 0
+        cache.flush()
+    extra = ["model.pools.draft=" + json.dumps(DRAFT)]
+    report = fresh_process("kv", tmp_path, 11, 4, extra)
+    assert report["hits"]["storage"] == 4 and report["bad"] == 0
+
+
+def test_a_late_pool_must_be_a_sidecar() -> None:
+    with open_cache("kv") as cache, pytest.raises(ValueError, match="only sidecars"):
+        cache.add_pool("swa2", {"type": "swa", "layers": 1, "kv_heads": 1, "head_dim": 8, "window": 64})
+
+
+def test_selective_write_through_backs_up_on_the_second_hit() -> None:
+    overrides = ["policy.write=write_through_selective", "policy.write_through_threshold=2"]
+    with open_cache("kv", overrides=overrides) as cache:
+        request = tokens(12, 3)
+        for expected in (0, 0, 1):
+            serve(cache, request)
+            assert cache.metrics.snapshot()["operations"]["backups"] == expected
+
+
+def test_bad_use_is_refused_clearly() -> None:
+    with open_cache("kv") as cache:
+        lease = cache.lookup(tokens(13, 2))
+        with pytest.raises(RuntimeError, match="admit"):
+            lease.prefix_units("kv")
+        cache.admit(lease)
+        with pytest.raises(KeyError, match="no pool 'nope'"):
+            lease.prefix_units("nope")
+        with pytest.raises(RuntimeError, match="allocate"):
+            cache.insert(lease)
+        cache.release(lease)
+        with pytest.raises(RuntimeError, match="closed"):
+            cache.admit(lease)
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("stack", ["hybrid-mamba", "mla-nsa-draft"])
+def test_mooncake_l3_then_a_fresh_process_restores_exact_bytes(
+    stack: str, tmp_path: Path, mooncake_inprocess_config
+) -> None:
+    cfg = mooncake_inprocess_config
+    mooncake = [
+        "tiers.storage.l3.type=mooncake",
+        f"tiers.storage.l3.master={cfg.master}",
+        f"tiers.storage.l3.metadata_server={cfg.metadata_server}",
+        "tiers.storage.l3.segment_bytes=0",
+        "tiers.storage.l3.local_buffer_bytes=0",
+        f"model.name=mooncake-{stack}-{tmp_path.name}",  # a namespace of its own on the shared master
+    ]
+    with open_cache(stack, tmp_path, mooncake) as cache:
+        serve(cache, tokens(14, 4))
+        cache.flush()
+        assert cache.metrics.snapshot()["bytes"]["host_to_storage"] > 0
+    report = fresh_process(stack, tmp_path, 14, 4, mooncake)
+    assert report["hits"]["storage"] == 4 and report["bad"] == 0 and report["corrupt"] == 0

@@ -1,0 +1,47 @@
+"""A backend that raises on every call (a fault-injection fake, see kvstrata.testing.faults):
+the cache keeps serving from L1/L2, counts the failures, keeps its storage workers alive and
+leaks no host slot."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from controller_support import host_units_held_by_tree, host_units_in_use, open_cache, serve, tokens
+from kvstrata.plugins import PluginHost
+from kvstrata.testing.faults import FaultyBackend
+
+
+@pytest.mark.parametrize("stack", ["kv", "swa-mamba"])
+@pytest.mark.parametrize("fail", ["raise", "refuse"])
+def test_a_failing_backend_fails_operations_not_the_cache(stack: str, fail: str) -> None:
+    host = PluginHost()
+    host.storage_backends.register(FaultyBackend)
+    overrides = [
+        f"tiers.storage={{broken: {{type: faults, fail: {fail}}}}}",
+        "policy.prefetch.threshold_tokens=64",
+    ]
+    with open_cache(stack, overrides=overrides, host=host) as cache:
+        backend = cache.backend
+        assert isinstance(backend, FaultyBackend)
+        first = tokens(31, 4)
+        serve(cache, first)
+        for i in range(6):
+            serve(cache, tokens(40 + i, 4))
+        cache.flush()
+        puts = backend.calls["put"]
+        again, bad = serve(cache, first)
+        assert again.cached_pages == 4 and bad == 0, "L1/L2 keep serving"
+        assert again.hit_pages["host"] >= 1
+        serve(cache, tokens(50, 4))
+        cache.flush()
+        assert backend.calls["put"] > puts, "the write worker still takes work after failures"
+        assert backend.calls["exists"] > 0
+        snapshot = cache.metrics.snapshot()
+        if fail == "raise":
+            assert snapshot["failures"] >= backend.calls["put"] + backend.calls["exists"]
+        assert snapshot["hit_tokens"]["storage"] == 0
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache), "a staged host slot leaked"
+        workers = {t.name.rsplit("_", 1)[0] for t in threading.enumerate() if t.name.startswith("kvstrata-")}
+        assert workers == {"kvstrata-l3-write", "kvstrata-l3-prefetch"}

@@ -1,0 +1,80 @@
+"""Two ranks (two processes, torch.distributed gloo on loopback) agree on L3 prefetch lengths:
+where one rank misses a window page both drop the prefetch, where both hold it both adopt it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from controller_support import REPO
+from kvstrata.testing.mooncake_servers import free_loopback_port
+
+RANK = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from pathlib import Path
+    import torch.distributed as dist
+    from controller_support import open_cache, serve, tokens
+    from kvstrata.core.collective import TorchCollective
+    rank, port, l3 = int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    sets = [f"parallel.tp_rank={rank}", "parallel.tp_size=2", "policy.prefetch.policy=wait_complete"]
+    report = {}
+    for case, seed in (("one_rank_misses", 21), ("both_hold", 22)):
+        with open_cache("swa", l3, sets) as writer:
+            lease, _ = serve(writer, tokens(seed, 8))
+            writer.flush()
+            if case == "one_rank_misses" and rank == 1:
+                (keys,) = writer.engine.object_keys("swa", lease.page_hashes[6:7])
+                writer.backend.path_for(keys[0]).unlink()
+        dist.barrier()
+        with open_cache("swa", l3, sets, collective=TorchCollective()) as cold:
+            lease, bad = serve(cold, tokens(seed, 8))
+            ops = cold.metrics.snapshot()["operations"]
+            report[case] = {"storage": lease.hit_pages["storage"], "bad": bad,
+                            "dropped": ops["prefetches_dropped"], "committed": ops["prefetches_committed"]}
+        dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps(report))
+    """
+)
+
+
+def test_two_ranks_drop_or_adopt_a_prefetch_together(tmp_path: Path) -> None:
+    port = free_loopback_port()
+    env = {
+        "PYTHONPATH": str(REPO / "src"),
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(REPO / "tests"), str(rank), str(port), str(tmp_path / "l3")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in (0, 1)
+    ]
+    reports = []
+    try:
+        for process in ranks:
+            out, err = process.communicate(timeout=240)
+            assert process.returncode == 0, err[-3000:]
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+    for rank, report in enumerate(reports):
+        missed, held = report["one_rank_misses"], report["both_hold"]
+        assert missed["storage"] == 0, f"rank {rank} used a prefetch another rank could not complete"
+        assert held["storage"] == 8 and held["committed"] == 1, f"rank {rank} did not adopt a full prefetch"
+        assert missed["bad"] == 0 and held["bad"] == 0
+    assert reports[0]["one_rank_misses"]["dropped"] == 1, "rank 0 read the pages and dropped them"

@@ -1,0 +1,103 @@
+"""`kvstrata replay` on the command line: the README's first command, the JSON contract, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from kvstrata.cli import app
+
+REPO = Path(__file__).resolve().parents[1]
+JSON_KEYS = {
+    "requests",
+    "tokens",
+    "hit_rate",
+    "bytes",
+    "corrupt_pages_detected",
+    "corrupt_pages_served",
+    "failures",
+    "wall_s",
+    "tokens_per_s",
+}
+
+
+@pytest.fixture(scope="module")
+def no_arg_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """`kvstrata replay --json OUT` (otherwise no arguments) in a fresh process, from another cwd."""
+    tmp = tmp_path_factory.mktemp("replay-cli")
+    scratch = tmp / "tmp"
+    scratch.mkdir()
+    out = tmp / "result.json"
+    env = dict(
+        os.environ,
+        TMPDIR=str(scratch),
+        COLUMNS="120",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstrata", "replay", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp,
+        timeout=240,
+    )
+    return {"proc": proc, "json": json.loads(out.read_text()) if out.is_file() else None, "tmp": scratch}
+
+
+def test_no_arg_run_prints_tier_hit_rates_and_no_served_corruption(no_arg_run: dict[str, Any]) -> None:
+    proc = no_arg_run["proc"]
+    assert proc.returncode == 0, proc.stderr
+    for tier in ("device", "host", "storage", "total"):
+        assert any(
+            line.split("│")[1:2] and line.split("│")[1].strip() == tier for line in proc.stdout.splitlines()
+        ), f"no {tier} row in:\n{proc.stdout}"
+    served = [line for line in proc.stdout.splitlines() if "corrupt_pages_served" in line]
+    assert served and served[0].split("│")[2].strip() == "0"
+    result = no_arg_run["json"]
+    assert result["requests"] == 300  # the whole bundled sample
+    assert result["corrupt_pages_served"] == 0
+    assert result["hit_rate"]["total"] > 0
+    # the temporary L3 directory is gone afterwards
+    assert list(no_arg_run["tmp"].iterdir()) == []
+
+
+def test_json_has_exactly_the_contract_keys(no_arg_run: dict[str, Any]) -> None:
+    result = no_arg_run["json"]
+    assert set(result) == JSON_KEYS
+    assert set(result["hit_rate"]) == {"device", "host", "storage", "total"}
+    assert set(result["bytes"]) == {"device_to_host", "host_to_device", "host_to_storage", "storage_to_host"}
+    rates = result["hit_rate"]
+    assert rates["device"] + rates["host"] + rates["storage"] == pytest.approx(rates["total"])
+    assert result["bytes"]["host_to_storage"] > 0  # the sample stack writes through to the file L3
+    assert result["tokens_per_s"] == pytest.approx(result["tokens"] / result["wall_s"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["/nonexistent/trace.jsonl"], "cannot open"),
+        (["--set", "model.page_size=0"], "model.page_size"),
+        (["--warmup-fraction", "1.5"], "--warmup-fraction"),
+        (["-c", "/nonexistent/config.yaml"], "cannot read"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(args: list[str], message: str, tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["replay", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_bad_trace_line_names_file_and_line(tmp_path: Path) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\nnot json\n')
+    result = CliRunner().invoke(app, ["replay", str(trace)])
+    assert result.exit_code == 2
+    assert f"{trace}:2" in result.output
