@@ -432,3 +432,49 @@ def test_device_eviction_can_keep_nodes_that_have_no_backup():
     gone = tree.evict_device({"kv": 2})
     assert gone.deleted == 1 and tree.match(seq(1, 2)).pages == 0
     tree.check()
+
+
+# ---------------------------------------------------------------- hot-path bookkeeping
+def test_match_and_insert_touch_the_path_deepest_first_and_count_hits():
+    tree, units = PrefixTree([kv_spec()]), Units()
+    insert(tree, units, seq(1, 2))
+    insert(tree, units, seq(1, 2, 3))
+    insert(tree, units, seq(1, 2, 3, 4))
+    m = tree.match(seq(1, 2, 3, 4))
+    assert len(m.path) == 3 and [n.hit_count for n in m.path] == [1, 1, 1]
+    # an ancestor is never older than its descendants, so the LRU evicts leaves first
+    assert m.path[0].last_access > m.path[1].last_access > m.path[2].last_access
+    before = [n.last_access for n in m.path]
+    again = tree.match(seq(1, 2), count_hit=False)
+    assert again.path == m.path[:1] and m.path[0].hit_count == 1
+    assert m.path[0].last_access > before[0] and [n.last_access for n in m.path[1:]] == before[1:]
+    # an insert touches its whole path too (here: the new leaf and its existing ancestors)
+    res, _ = insert(tree, units, seq(1, 2, 3, 4, 5))
+    assert res.node.last_access < m.path[2].last_access < m.path[0].last_access
+    assert m.path[2].last_access > before[0]
+    evicted = tree.evict_device({"kv": 1})
+    assert evicted.deleted == 1 and res.node.parent is None  # the leaf went first
+
+
+def test_locks_of_one_branch_leave_siblings_and_split_halves_exact():
+    tree, units = PrefixTree([kv_spec(), swa_spec(2 * PAGE)]), Units()
+    a, _ = insert(tree, units, seq(1, 2, 3), pools=("kv", "swa"))
+    b, _ = insert(tree, units, seq(1, 2, 7), pools=("kv", "swa"))
+    shared = b.node.parent
+    handle = tree.lock(a.node)
+    tree.check()
+    assert list(b.node.device_lock) == [0, 0] and list(a.node.device_lock) == [1, 1]
+    assert list(shared.device_lock) == [1, 1]  # page 2 is inside a's 2-page window
+    upper = tree.split(shared, 1)  # page 1: below the window, kv-locked only
+    tree.check()
+    assert (
+        list(upper.device_lock) == [1, 0]
+        and list(shared.device_lock) == [1, 1]
+        and list(b.node.device_lock) == [0, 0]
+    )
+    tree.unlock(handle)
+    tree.check()
+    assert all(list(n.device_lock) == [0, 0] and list(n.host_lock) == [0, 0] for n in tree.nodes())
+    with pytest.raises(TreeError, match="unlock without lock"):
+        tree.unlock(handle)
+    assert all(list(n.device_lock) == [0, 0] for n in tree.nodes())

@@ -39,6 +39,12 @@ class Tier(StrEnum):
     HOST = "host"
 
 
+# Enum member lookups (``Tier.DEVICE``) go through a descriptor (~0.1 us each): the hot paths
+# compare against these immutable aliases instead.
+_DEVICE = Tier.DEVICE
+_HOST = Tier.HOST
+
+
 class TreeError(ValueError):
     """Bad input to a tree operation (unknown pool, wrong value length, broken invariant)."""
 
@@ -83,7 +89,13 @@ class TreeNode:
     )
 
     def __init__(
-        self, node_id: int, parent: TreeNode | None, keys: list[PageKey], npools: int, windows: bool
+        self,
+        node_id: int,
+        parent: TreeNode | None,
+        keys: list[PageKey],
+        npools: int,
+        windows: bool,
+        unlocked: tuple[int, ...] | None = None,
     ) -> None:
         self.id = node_id
         self.parent = parent
@@ -92,8 +104,11 @@ class TreeNode:
         self.depth_end = (parent.depth_end if parent is not None else 0) + len(keys)
         self.device: list[torch.Tensor | None] = [None] * npools
         self.host: list[torch.Tensor | None] = [None] * npools
-        self.device_lock = [0] * npools
-        self.host_lock = [0] * npools
+        # Lock counts per pool: immutable tuples, replaced on every (rare) lock change, so an
+        # unlocked node shares the tree's zero tuple instead of owning two GC-tracked lists.
+        zeros = unlocked if unlocked is not None else (0,) * npools
+        self.device_lock: tuple[int, ...] = zeros
+        self.host_lock: tuple[int, ...] = zeros
         # Window (trailing_pages) locks: the lower page bound of each lock covering this node
         # (allocated only for stacks with a window pool: fewer objects for the collector).
         self.device_windows: dict[int, list[int]] = {} if windows else None  # type: ignore[assignment]
@@ -113,7 +128,7 @@ class TreeNode:
         return f"TreeNode(id={self.id}, pages=[{self.depth_start}, {self.depth_end}))"
 
 
-@dataclass
+@dataclass(slots=True)
 class MatchResult:
     """Per-tier usable prefix lengths (pages) of one lookup, after folding every pool's hit rule.
 
@@ -206,7 +221,7 @@ class EvictionResult:
 
     def _add(self, pool: str, value: torch.Tensor) -> None:
         self.freed.setdefault(pool, []).append(value)
-        self.units[pool] = self.units.get(pool, 0) + len(value)
+        self.units[pool] = self.units.get(pool, 0) + value.shape[0]
 
 
 @dataclass(frozen=True)
@@ -246,16 +261,22 @@ class PrefixTree:
         self._windowed = [i for i in range(len(self.pools)) if self._window[i]]
         self._stateful = [i for i in range(len(self.pools)) if self._state[i]]
         self._anchor_only = len(self.pools) == 1
+        self._npools = len(self.pools)
+        self._has_windows = bool(self._windowed)
         self._delete_unbacked = True  # see evict_device
         self._ids = count(1)
-        self._clock = count(1)
-        self.root = TreeNode(0, None, [], len(self.pools), bool(self._windowed))
+        # LRU clock: the last ``last_access`` handed out (a plain int: bumped inline per node)
+        self._tick = 0
+        self._unlocked = (0,) * self._npools
+        self.root = TreeNode(0, None, [], self._npools, self._has_windows, self._unlocked)
         # Per-tier, per-pool LRU membership: the nodes holding a value of that pool in that tier,
         # ordered for eviction by ``last_access`` (touched bottom-up on every match and insert).
         self._lru: dict[Tier, list[dict[TreeNode, None]]] = {
-            Tier.DEVICE: [{} for _ in self.pools],
-            Tier.HOST: [{} for _ in self.pools],
+            _DEVICE: [{} for _ in self.pools],
+            _HOST: [{} for _ in self.pools],
         }
+        self._device_lru = self._lru[_DEVICE]
+        self._host_lru = self._lru[_HOST]
 
     # ------------------------------------------------------------------ helpers
     def keys_of(self, tokens: Sequence[int] | array | torch.Tensor) -> list[bytes]:
@@ -284,16 +305,23 @@ class PrefixTree:
 
     def _touch(self, path: list[TreeNode]) -> None:
         # deepest first, so an ancestor is never older than its descendants
+        tick = self._tick
         for node in reversed(path):
-            node.last_access = next(self._clock)
+            tick += 1
+            node.last_access = tick
+        self._tick = tick
 
     def _set(self, node: TreeNode, tier: Tier, p: int, value: torch.Tensor | None) -> None:
-        vals = node.device if tier is Tier.DEVICE else node.host
-        vals[p] = value
-        if value is None:
-            self._lru[tier][p].pop(node, None)
+        if tier is _DEVICE:
+            node.device[p] = value
+            lru = self._device_lru[p]
         else:
-            self._lru[tier][p][node] = None
+            node.host[p] = value
+            lru = self._host_lru[p]
+        if value is None:
+            lru.pop(node, None)
+        else:
+            lru[node] = None
 
     def _check_value(self, p: int, value: torch.Tensor, pages: int) -> torch.Tensor:
         if not isinstance(value, torch.Tensor) or value.dim() != 1:
@@ -314,22 +342,27 @@ class PrefixTree:
             raise TreeError(f"cannot split {node!r} at page {at}")
         parent = node.parent
         assert parent is not None
-        upper = TreeNode(next(self._ids), parent, node.keys[:at], len(self.pools), bool(self._windowed))
+        upper = TreeNode(
+            next(self._ids), parent, node.keys[:at], self._npools, self._has_windows, self._unlocked
+        )
         node.keys = node.keys[at:]
         parent.children[upper.keys[0]] = upper
         upper.children[node.keys[0]] = node
         node.parent = upper
         upper.hit_count = node.hit_count
         upper.last_access = node.last_access
-        for p in range(len(self.pools)):
-            for tier in Tier:
-                vals = node.device if tier is Tier.DEVICE else node.host
-                value = vals[p]
-                if value is not None and not self._state[p]:
-                    self._set(upper, tier, p, value[:at])
-                    vals[p] = value[at:]
+        device_lock, host_lock = list(upper.device_lock), list(upper.host_lock)
+        for p in range(self._npools):
             if self._state[p]:
-                continue  # a state lock stays on the node that holds the state
+                continue  # the state (and its lock) stays on the node that holds it
+            value = node.device[p]
+            if value is not None:
+                self._set(upper, _DEVICE, p, value[:at])
+                node.device[p] = value[at:]
+            value = node.host[p]
+            if value is not None:
+                self._set(upper, _HOST, p, value[:at])
+                node.host[p] = value[at:]
             if self._window[p]:
                 for locks, up_locks in (
                     (node.device_windows, upper.device_windows),
@@ -338,11 +371,12 @@ class PrefixTree:
                     bounds = [b for b in locks.get(p, ()) if b < upper.depth_end]
                     if bounds:
                         up_locks[p] = bounds
-                upper.device_lock[p] = len(upper.device_windows.get(p, ()))
-                upper.host_lock[p] = len(upper.host_windows.get(p, ()))
+                device_lock[p] = len(upper.device_windows.get(p, ()))
+                host_lock[p] = len(upper.host_windows.get(p, ()))
             else:
-                upper.device_lock[p] = node.device_lock[p]
-                upper.host_lock[p] = node.host_lock[p]
+                device_lock[p] = node.device_lock[p]
+                host_lock[p] = node.host_lock[p]
+        upper.device_lock, upper.host_lock = tuple(device_lock), tuple(host_lock)
         return upper
 
     # ------------------------------------------------------------------ match
@@ -375,10 +409,17 @@ class PrefixTree:
         nodes end exactly at the matched length; without it the partial node is ignored.
         """
         path, _ = self._walk(keys, split)
-        self._touch(path)
+        tick = self._tick  # _touch inlined: deepest first, so an ancestor is never older
         if count_hit:
-            for node in path:
+            for node in reversed(path):
+                tick += 1
+                node.last_access = tick
                 node.hit_count += 1
+        else:
+            for node in reversed(path):
+                tick += 1
+                node.last_access = tick
+        self._tick = tick
         root = self.root
         last = path[-1] if path else root
         ps = self.page_size
@@ -394,8 +435,8 @@ class PrefixTree:
                     break
                 jh += 1
         else:
-            jd = self._fold(path, Tier.DEVICE)
-            jh = self._fold(path, Tier.HOST)
+            jd = self._fold(path, _DEVICE)
+            jh = self._fold(path, _HOST)
         dnode = path[jd - 1] if jd else root
         hnode = path[jh - 1] if jh else root
         result = MatchResult(
@@ -407,15 +448,15 @@ class PrefixTree:
                 result.device_state[name] = dnode.device[p]  # type: ignore[assignment]
             if jh:
                 if hnode.device[p] is not None:
-                    result.host_state[name] = (Tier.DEVICE, hnode.device[p])  # type: ignore[arg-type]
+                    result.host_state[name] = (_DEVICE, hnode.device[p])  # type: ignore[arg-type]
                 elif hnode.host[p] is not None:
-                    result.host_state[name] = (Tier.HOST, hnode.host[p])  # type: ignore[arg-type]
+                    result.host_state[name] = (_HOST, hnode.host[p])  # type: ignore[arg-type]
         return result
 
     def _present(self, node: TreeNode, p: int, tier: Tier) -> bool:
         if node.device[p] is not None:
             return True
-        return tier is Tier.HOST and node.host[p] is not None
+        return tier is _HOST and node.host[p] is not None
 
     def _fold(self, path: list[TreeNode], tier: Tier) -> int:
         """Number of path nodes usable in ``tier``: the deepest end where every pool's rule holds."""
@@ -457,14 +498,20 @@ class PrefixTree:
 
     def values(self, nodes: Sequence[TreeNode], name: str, tier: Tier | str = Tier.DEVICE) -> torch.Tensor:
         """Concatenated unit indices of ``nodes`` (root-to-leaf order) for one pool and tier."""
-        p = self._pool(name)
-        attr = "device" if tier is Tier.DEVICE else Tier(tier).value
-        parts = [getattr(n, attr)[p] for n in nodes]
-        if any(v is None for v in parts):
-            raise TreeError(f"pool {name!r} has no {attr} value on some of the requested nodes")
+        p = self.index.get(name)
+        if p is None:
+            p = self._pool(name)
+        device = tier is _DEVICE or Tier(tier) is _DEVICE
+        parts = [n.device[p] for n in nodes] if device else [n.host[p] for n in nodes]
+        for v in parts:
+            if v is None:
+                attr = "device" if device else "host"
+                raise TreeError(f"pool {name!r} has no {attr} value on some of the requested nodes")
+        if len(parts) == 1:
+            return parts[0]  # type: ignore[return-value]
         if not parts:
             return torch.empty(0, dtype=torch.int64)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)  # type: ignore[arg-type]
+        return torch.cat(parts)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ insert
     def insert(self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor]) -> InsertResult:
@@ -478,76 +525,91 @@ class PrefixTree:
         where they lack them (host-only nodes come back to device, tombstones are revived); the
         rest are returned as duplicates. The anchor's values are required.
         """
-        return self._insert(keys, values, Tier.DEVICE)
+        return self._insert(keys, values, _DEVICE)
 
     def insert_host(self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor]) -> InsertResult:
         """Insert a host-resident prefix (a committed prefetch): new nodes exist only on host."""
-        return self._insert(keys, values, Tier.HOST)
+        return self._insert(keys, values, _HOST)
 
     def _insert(
         self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor], tier: Tier
     ) -> InsertResult:
         n = len(keys)
-        npools = len(self.pools)
+        npools = self._npools
+        state = self._state
+        names = self._names
         given: list[torch.Tensor | None] = [None] * npools
         start = [0] * npools  # first page each token-page pool's value covers
         for name, value in values.items():
-            p = self._pool(name)
-            if self._state[p]:
+            p = self.index.get(name)
+            if p is None:
+                p = self._pool(name)
+            if state[p]:
                 given[p] = self._check_value(p, value, n)
                 continue
-            if not isinstance(value, torch.Tensor) or value.dim() != 1 or len(value) > n:
+            # shape, not len(): Tensor.__len__ is a Python-level call, this is the hot path
+            shape = value.shape if isinstance(value, torch.Tensor) else None
+            if shape is None or len(shape) != 1 or shape[0] > n:
                 raise TreeError(f"pool {name!r}: values must be 1-D index tensors of at most {n} units")
             given[p] = value
-            start[p] = n - len(value)
+            start[p] = n - shape[0]
         if given[0] is None:
             raise TreeError(f"insert needs values for the anchor pool {self.pools[0].name!r}")
-        paged = [p for p, value in enumerate(given) if value is not None and not self._state[p]]
-        dev = tier is Tier.DEVICE
+        paged = (
+            [0] if self._anchor_only else [p for p in range(npools) if given[p] is not None and not state[p]]
+        )
+        suffix = any(start)  # some value covers only the last pages (only paged pools start > 0)
+        dev = tier is _DEVICE
         # duplicate unit ranges per pool, merged while contiguous so each becomes one slice
-        dup_ranges: dict[int, list[list[int]]] = {}
+        dup_ranges: dict[str, list[list[int]]] = {}
         path, i = self._walk(keys, split=True)
         if start[0] > i:
             raise TreeError(
                 f"anchor values cover pages [{start[0]}, {n}) but the tree holds only the first {i}"
             )
-        # a value starting inside a matched node: split there, so each node is covered whole or not
-        for cut in sorted({start[p] for p in paged if 0 < start[p] < i}):
-            for j, node in enumerate(path):
-                if node.depth_start < cut < node.depth_end:
-                    path.insert(j, self.split(node, cut - node.depth_start))
-                    break
+        if suffix:
+            # a value starting inside a matched node: split there, so each node is covered whole or not
+            for cut in sorted({start[p] for p in paged if 0 < start[p] < i}):
+                for j, node in enumerate(path):
+                    if node.depth_start < cut < node.depth_end:
+                        path.insert(j, self.split(node, cut - node.depth_start))
+                        break
         # adopt into existing nodes: revive host-only nodes / tombstones, the rest is duplicate
         for node in path:
             vals = node.device if dev else node.host
             e = node.depth_end
             s = e - len(node.keys)
             for p in paged:  # the anchor (p == 0) is adopted first, so components may follow
-                if e <= start[p]:
+                first = start[p]
+                if e <= first:
                     continue  # pages before this pool's value: not given
-                lo, hi = s - start[p], e - start[p]
+                lo, hi = s - first, e - first
                 if vals[p] is None:
                     self._set(node, tier, p, given[p][lo:hi])  # type: ignore[index]
                     continue
-                ranges = dup_ranges.setdefault(p, [])
-                if ranges and ranges[-1][1] == lo:
+                ranges = dup_ranges.get(names[p])
+                if ranges is None:
+                    dup_ranges[names[p]] = [[lo, hi]]
+                elif ranges[-1][1] == lo:
                     ranges[-1][1] = hi
                 else:
                     ranges.append([lo, hi])
         node = path[-1] if path else self.root
         if i < n:
             # new pages; one node per stretch where the same pools have values
-            cuts = sorted({i, n} | {start[p] for p in paged if i < start[p] < n})
+            cuts = sorted({i, n} | {start[p] for p in paged if i < start[p] < n}) if suffix else (i, n)
             for s, e in pairwise(cuts):
                 parent = node
                 rest = keys[s:e] if isinstance(keys, list) else list(keys[s:e])
-                node = TreeNode(next(self._ids), parent, rest, npools, bool(self._windowed))
+                node = TreeNode(next(self._ids), parent, rest, npools, self._has_windows, self._unlocked)
                 parent.children[rest[0]] = node
                 for p in paged:
-                    if start[p] <= s:
+                    first = start[p]
+                    if first <= s:
                         value = given[p]
-                        whole = s == start[p] and e == n
-                        self._set(node, tier, p, value if whole else value[s - start[p] : e - start[p]])  # type: ignore[index]
+                        if s != first or e != n:
+                            value = value[s - first : e - first]  # type: ignore[index]
+                        self._set(node, tier, p, value)
                 path.append(node)
         for p in self._stateful:
             value = given[p]
@@ -555,12 +617,15 @@ class PrefixTree:
                 continue
             vals = node.device if dev else node.host
             if node is self.root or vals[p] is not None or vals[0] is None:
-                dup_ranges[p] = [[0, 1]]
+                dup_ranges[names[p]] = [[0, 1]]
             else:
                 self._set(node, tier, p, value)
-        self._touch(path)
-        names = self._names
-        return InsertResult(node, n - i, values, {names[p]: r for p, r in dup_ranges.items()})
+        tick = self._tick  # _touch inlined
+        for node_ in reversed(path):
+            tick += 1
+            node_.last_access = tick
+        self._tick = tick
+        return InsertResult(node, n - i, values, dup_ranges)
 
     # ------------------------------------------------------------------ tier values
     def set_device_value(self, node: TreeNode, name: str, value: torch.Tensor) -> None:
@@ -574,7 +639,7 @@ class PrefixTree:
             raise TreeError(f"load {node!r}'s parent to device first (device prefixes are closed)")
         if p != 0 and node.device[0] is None:
             raise TreeError(f"load the anchor of {node!r} to device before component {name!r}")
-        self._set(node, Tier.DEVICE, p, value)
+        self._set(node, _DEVICE, p, value)
 
     def set_host_value(self, node: TreeNode, name: str, value: torch.Tensor) -> None:
         """Record a host copy (a finished backup); the anchor's host value marks the node backed up."""
@@ -585,7 +650,7 @@ class PrefixTree:
             raise TreeError(f"{node!r} already holds host units of pool {name!r}")
         if p != 0 and node.host[0] is None:
             raise TreeError(f"back up the anchor of {node!r} before component {name!r}")
-        self._set(node, Tier.HOST, p, value)
+        self._set(node, _HOST, p, value)
 
     def drop_component(self, node: TreeNode, name: str, tier: Tier | str) -> torch.Tensor:
         """Tombstone one component of a node in a tier and return its units for the caller to free.
@@ -597,7 +662,7 @@ class PrefixTree:
         self._require_node(node)
         if p == 0:
             raise TreeError(f"the anchor {name!r} leaves a tier through evict_device / evict_host only")
-        vals, locks = (node.device, node.device_lock) if tier is Tier.DEVICE else (node.host, node.host_lock)
+        vals, locks = (node.device, node.device_lock) if tier is _DEVICE else (node.host, node.host_lock)
         value = vals[p]
         if value is None:
             raise TreeError(f"{node!r} holds no {tier} units of pool {name!r}")
@@ -612,7 +677,7 @@ class PrefixTree:
     def is_tombstone(self, node: TreeNode, name: str, tier: Tier | str) -> bool:
         """A component missing in a tier where the node's anchor is present."""
         p = self._pool(name)
-        vals = node.device if Tier(tier) is Tier.DEVICE else node.host
+        vals = node.device if Tier(tier) is _DEVICE else node.host
         return p != 0 and vals[0] is not None and vals[p] is None
 
     def _require_node(self, node: TreeNode) -> None:
@@ -636,18 +701,20 @@ class PrefixTree:
         self._lock(handle.node, handle.tier, -1)
 
     def _lock(self, node: TreeNode, tier: Tier, delta: int) -> None:
-        dev = tier is Tier.DEVICE
+        dev = tier is _DEVICE
         if node is self.root:
             return
         end = node.depth_end
-        for p in self._stateful:
-            counts = node.device_lock if dev else node.host_lock
-            if counts[p] + delta < 0:
-                raise TreeError(f"unlock without lock on {node!r}")
-            counts[p] += delta
+        if self._stateful:
+            counts = list(node.device_lock if dev else node.host_lock)
+            for p in self._stateful:
+                if counts[p] + delta < 0:
+                    raise TreeError(f"unlock without lock on {node!r}")
+                counts[p] += delta
+            self._set_locks(node, dev, counts)
         cur: TreeNode | None = node
         while cur is not None and cur is not self.root:
-            counts = cur.device_lock if dev else cur.host_lock
+            counts = list(cur.device_lock if dev else cur.host_lock)
             for p in range(len(self.pools)):
                 if self._state[p]:
                     continue
@@ -668,7 +735,15 @@ class PrefixTree:
                 if counts[p] + delta < 0:
                     raise TreeError(f"unlock without lock on {cur!r}")
                 counts[p] += delta
+            self._set_locks(cur, dev, counts)
             cur = cur.parent
+
+    def _set_locks(self, node: TreeNode, dev: bool, counts: list[int]) -> None:
+        locks = self._unlocked if not any(counts) else tuple(counts)
+        if dev:
+            node.device_lock = locks
+        else:
+            node.host_lock = locks
 
     # ------------------------------------------------------------------ eviction
     def evict_device(
@@ -690,7 +765,7 @@ class PrefixTree:
         """
         self._delete_unbacked = delete_unbacked
         try:
-            return self._evict(Tier.DEVICE, needs, on_free)
+            return self._evict(_DEVICE, needs, on_free)
         finally:
             self._delete_unbacked = True
 
@@ -698,7 +773,7 @@ class PrefixTree:
         self, needs: Mapping[str, int], on_free: Callable[[str, torch.Tensor], None] | None = None
     ) -> EvictionResult:
         """Free host units; only nodes whose (pool) data is not on device and not host-locked."""
-        return self._evict(Tier.HOST, needs, on_free)
+        return self._evict(_HOST, needs, on_free)
 
     def _evict(
         self, tier: Tier, needs: Mapping[str, int], on_free: Callable[[str, torch.Tensor], None] | None
@@ -722,7 +797,7 @@ class PrefixTree:
         return result
 
     def _has_tier_children(self, node: TreeNode, tier: Tier) -> bool:
-        if tier is Tier.DEVICE:
+        if tier is _DEVICE:
             return any(c.device[0] is not None for c in node.children.values())
         return bool(node.children)
 
@@ -730,7 +805,7 @@ class PrefixTree:
         """Whether ``node`` as a whole can leave ``tier`` now."""
         if node is self.root or self._has_tier_children(node, tier):
             return False
-        if tier is Tier.DEVICE:
+        if tier is _DEVICE:
             if node.device[0] is None or any(node.device_lock):
                 return False
             # a non-backed-up node is deleted, which it cannot be while it has (host) children
@@ -741,18 +816,18 @@ class PrefixTree:
         """Evict a whole node from ``tier`` (demote or delete); returns its parent."""
         parent = node.parent
         assert parent is not None
-        if tier is Tier.DEVICE:
+        if tier is _DEVICE:
             for p, value in enumerate(node.device):
                 if value is not None:
                     result._add(self.pools[p].name, value)
-                    self._set(node, Tier.DEVICE, p, None)
+                    self._set(node, _DEVICE, p, None)
             if node.host[0] is not None:
                 result.demoted.append(node)
                 return parent
         for p, value in enumerate(node.host):
             if value is not None:
                 result._add(self.pools[p].name, value)
-                self._set(node, Tier.HOST, p, None)
+                self._set(node, _HOST, p, None)
         del parent.children[node.keys[0]]
         node.parent = None
         result.deleted += 1
@@ -772,7 +847,7 @@ class PrefixTree:
 
     def _evict_component(self, tier: Tier, p: int, want: int, result: EvictionResult) -> None:
         name = self.pools[p].name
-        dev = tier is Tier.DEVICE
+        dev = tier is _DEVICE
         candidates = []
         for node in self._lru[tier][p]:
             if dev and (node.device_lock[p] or (not self._delete_unbacked and node.host[0] is None)):
@@ -822,7 +897,7 @@ class PrefixTree:
             if not anchor_dev:
                 assert all(c.device[0] is None for c in node.children.values()), f"{node!r}: device child"
             for p in range(len(self.pools)):
-                for tier, vals in ((Tier.DEVICE, node.device), (Tier.HOST, node.host)):
+                for tier, vals in ((_DEVICE, node.device), (_HOST, node.host)):
                     value = vals[p]
                     member = node in self._lru[tier][p]
                     assert member == (value is not None), f"{node!r} pool {p} {tier} LRU membership"
