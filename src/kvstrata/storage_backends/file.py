@@ -109,6 +109,7 @@ class FileBackend(StorageBackend):
         persistent=True,
         shared_across_instances=True,
         self_evicting=True,
+        removable=True,
     )
 
     config: FileConfig
@@ -295,6 +296,21 @@ class FileBackend(StorageBackend):
             os.close(fd)
         self._touch(path, size)
         return got
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Unlink objects (an absent one counts as removed); frees their LRU accounting."""
+        return self._map(self._remove_one, list(keys))
+
+    def _remove_one(self, key: str) -> bool:
+        path = self.path_for(key)
+        self._forget(path)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return True
 
     # --- test hooks -----------------------------------------------------------------------------
 

@@ -181,6 +181,7 @@ class MooncakeBackend(StorageBackend):
         atomic_visibility=True,
         shared_across_instances=True,
         self_evicting=True,
+        removable=True,
     )
 
     config: MooncakeConfig
@@ -444,6 +445,20 @@ class MooncakeBackend(StorageBackend):
                 if code < 0:
                     self.code_counts[code] += 1
         return results
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Forced ``batch_remove``: a reader's lease (held for a while after every get) must not keep
+        a damaged object alive. ``-704`` (already gone) counts as removed."""
+        if not keys:
+            return []
+        codes = self._call("batch_remove", list(keys), True)
+        if len(codes) != len(keys):
+            raise StorageError(
+                f"mooncake backend {self.instance!r}: batch_remove answered {len(codes)} codes "
+                f"for {len(keys)} keys"
+            )
+        self.code_counts.update(code for code in codes if code not in (0, OBJECT_NOT_FOUND))
+        return [code in (0, OBJECT_NOT_FOUND) for code in codes]
 
     def corrupt_for_test(self, key: str, mode: Literal["flip", "truncate"], offset: int = -1) -> bool:
         """Test hook (conformance kit): replace ``key`` by a damaged copy, bit flipped or truncated.
