@@ -264,15 +264,29 @@ class StorageEngine:
                     )
         return units
 
-    def _refused(self, pool: str, count: int, *, writing: bool) -> BatchResult | None:
-        """The result of an operation the plan rules out (off, or a write on a read-only rank)."""
+    def _prepare(
+        self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions], *, writing: bool
+    ) -> BatchResult | tuple[Sequence[UnitRegions], np.ndarray | None, _Batch]:
+        """Common start of put/get: the result when the plan rules the operation out (off, or a
+        write on a read-only rank) or there is nothing to do; else the checked units, the staging
+        buffer of the copy path (filled for a write) and the objects."""
         plan = self.plans[pool]
+        count = len(page_hashes)
         if not plan.enabled:
             return BatchResult([False] * count, plan.reason, skipped=True)
         if writing and plan.read_only:
             self._count(put_skipped_read_only=count)
             return BatchResult([False] * count, plan.reason, skipped=True)
-        return None
+        units = self._checked_units(pool, page_hashes, units)
+        if count == 0:
+            return BatchResult([])
+        staging: np.ndarray | None = None
+        if plan.mode is IOMode.COPY:
+            if writing:
+                staging = self._stage_out(pool, units)
+            else:
+                staging = np.empty(sum(self._payload_bytes[pool]) * count, dtype=np.uint8)
+        return units, staging, self._build_objects(pool, page_hashes, units, staging)
 
     def _build_objects(
         self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions], staging: np.ndarray | None
@@ -315,16 +329,11 @@ class StorageEngine:
 
     def put(self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions]) -> BatchResult:
         """Store every unit (one object per ObjectSpec); a unit succeeds when all its objects do."""
+        prepared = self._prepare(pool, page_hashes, units, writing=True)
+        if isinstance(prepared, BatchResult):
+            return prepared
         count = len(page_hashes)
-        refused = self._refused(pool, count, writing=True)
-        if refused is not None:
-            return refused
-        units = self._checked_units(pool, page_hashes, units)
-        if count == 0:
-            return BatchResult([])
-        plan = self.plans[pool]
-        staging = self._stage_out(pool, units) if plan.mode is IOMode.COPY else None
-        batch = self._build_objects(pool, page_hashes, units, staging)
+        _units, _staging, batch = prepared
         fingerprints = self._fingerprints[pool]
         header_bytes = batch.headers.reshape(-1).data
         for row, (obj, payload) in enumerate(zip(batch.objects, batch.payloads, strict=True)):
@@ -356,17 +365,12 @@ class StorageEngine:
         use a unit whose result is False. A damaged object (truncated, bit flip, not ours) is
         removed when the backend can remove, so it is not read again and again.
         """
+        prepared = self._prepare(pool, page_hashes, units, writing=False)
+        if isinstance(prepared, BatchResult):
+            return prepared
         count = len(page_hashes)
-        refused = self._refused(pool, count, writing=False)
-        if refused is not None:
-            return refused
-        units = self._checked_units(pool, page_hashes, units)
-        if count == 0:
-            return BatchResult([])
-        plan = self.plans[pool]
+        units, staging, batch = prepared
         sizes = self._payload_bytes[pool]
-        staging = np.empty(sum(sizes) * count, dtype=np.uint8) if plan.mode is IOMode.COPY else None
-        batch = self._build_objects(pool, page_hashes, units, staging)
         read, _error = self._call_backend("get", pool, batch.objects)
         if read is None:
             self._count(get_units=count, get_misses=count)
