@@ -23,7 +23,7 @@ import ctypes
 import hashlib
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import Literal
@@ -64,10 +64,26 @@ class Verdict(StrEnum):
     CHECKSUM_MISMATCH = "checksum_mismatch"
 
 
+def _memory_view_factory() -> Callable[[int, int, int], memoryview] | None:
+    """CPython's ``PyMemoryView_FromMemory``: one C call, about 4x cheaper than a ctypes array
+    view, and region views are built per object on every storage I/O."""
+    prototype = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+    try:  # a private prototype: never alters the shared ctypes.pythonapi attribute
+        return prototype(("PyMemoryView_FromMemory", ctypes.pythonapi))  # type: ignore[return-value]
+    except (AttributeError, OSError):  # not CPython
+        return None
+
+
+_FROM_MEMORY = _memory_view_factory()
+_PYBUF_WRITE = 0x200
+
+
 def region_view(region: BufferRegion) -> memoryview:
     """A writable byte view of raw memory (no copy); the memory must outlive the view."""
     if region.nbytes == 0:
         return memoryview(b"")
+    if _FROM_MEMORY is not None:
+        return _FROM_MEMORY(region.ptr, region.nbytes, _PYBUF_WRITE)
     return memoryview((ctypes.c_ubyte * region.nbytes).from_address(region.ptr)).cast("B")
 
 
