@@ -23,6 +23,7 @@ backend, or override :meth:`BackendConformance.corrupt` in the test class.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
@@ -158,6 +159,13 @@ class BackendConformance:
 
     model_name = "conformance-model"
 
+    @pytest.fixture(autouse=True)
+    def _fresh_namespace(self) -> None:
+        """A model name (key namespace) of its own per test: a shared backend (one Mooncake
+        cluster for the whole session, several conformance classes) still holds what earlier
+        tests wrote, and "nothing stored yet" assertions must not see it."""
+        self.model_name = f"conformance-{uuid.uuid4().hex[:12]}"
+
     @pytest.fixture
     def backend_factory(self) -> Callable[[str], StorageBackend]:
         raise NotImplementedError("a conformance test class must override the backend_factory fixture")
@@ -279,7 +287,7 @@ class BackendConformance:
                 0, 256, (4, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)
             )
             out = torch.zeros_like(data)
-            key = "conformance-raw-multi-region"
+            key = f"{self.model_name}-raw-multi-region"
             regions = tuple(BufferRegion(data[i, 8 * i :].data_ptr(), 40) for i in range(4))
             assert backend.put([StorageObject(key, regions)]) == [True]
             back = tuple(BufferRegion(out[i, 8 * i :].data_ptr(), 40) for i in range(4))
@@ -303,16 +311,17 @@ class BackendConformance:
 
     def test_namespace_and_layout_isolation(self, backend: StorageBackend) -> None:
         specs = conformance_specs()
-        writer = self.engine(backend, specs, model_name="model-a")
+        model_a = f"{self.model_name}-a"
+        writer = self.engine(backend, specs, model_name=model_a)
         source = self.pools(specs, 2, seed=5)
         hashes = page_hashes(2, seed=5)
         assert all(writer.put("attn", hashes, source["attn"].units(range(2))).ok)
-        other_model = self.engine(backend, specs, model_name="model-b")
+        other_model = self.engine(backend, specs, model_name=f"{self.model_name}-b")
         target = self.pools(specs, 2, seed=None)
         assert other_model.exists("attn", hashes).ok == [False, False]
         assert other_model.get("attn", hashes, target["attn"].units(range(2))).ok == [False, False]
         # same keys, same byte count, another dtype: the layout fingerprint rejects it
-        other_layout = self.engine(backend, conformance_specs(dtype="bfloat16"), model_name="model-a")
+        other_layout = self.engine(backend, conformance_specs(dtype="bfloat16"), model_name=model_a)
         assert other_layout.get("attn", hashes, target["attn"].units(range(2))).ok == [False, False]
         assert other_layout.metrics.corrupt_reasons.get("fingerprint_mismatch", 0) >= 2
 
