@@ -96,6 +96,10 @@ class _Batch:
     headers: np.ndarray  # (len(objects), HEADER_BYTES) uint8, the first region of each object
     n_obj: int  # objects per unit
 
+    @property
+    def units(self) -> int:
+        return len(self.objects) // self.n_obj
+
     def per_unit(self, flags: Sequence[Any]) -> list[bool]:
         """A unit succeeds when every one of its objects does."""
         n_obj = self.n_obj
@@ -264,12 +268,18 @@ class StorageEngine:
                     )
         return units
 
-    def _prepare(
-        self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions], *, writing: bool
-    ) -> BatchResult | tuple[Sequence[UnitRegions], np.ndarray | None, _Batch]:
-        """Common start of put/get: the result when the plan rules the operation out (off, or a
-        write on a read-only rank) or there is nothing to do; else the checked units, the staging
-        buffer of the copy path (filled for a write) and the objects."""
+    def _run(
+        self,
+        pool: str,
+        page_hashes: Sequence[str],
+        units: Sequence[UnitRegions],
+        transfer: Callable[[str, Sequence[UnitRegions], np.ndarray | None, _Batch], BatchResult],
+        *,
+        writing: bool,
+    ) -> BatchResult:
+        """Common frame of put/get: answers itself when the plan rules the operation out (off, or a
+        write on a read-only rank) or there is nothing to do; else builds the objects (and the
+        staging buffer of the copy path, filled for a write) and hands them to ``transfer``."""
         plan = self.plans[pool]
         count = len(page_hashes)
         if not plan.enabled:
@@ -286,7 +296,7 @@ class StorageEngine:
                 staging = self._stage_out(pool, units)
             else:
                 staging = np.empty(sum(self._payload_bytes[pool]) * count, dtype=np.uint8)
-        return units, staging, self._build_objects(pool, page_hashes, units, staging)
+        return transfer(pool, units, staging, self._build_objects(pool, page_hashes, units, staging))
 
     def _build_objects(
         self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions], staging: np.ndarray | None
@@ -329,11 +339,12 @@ class StorageEngine:
 
     def put(self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions]) -> BatchResult:
         """Store every unit (one object per ObjectSpec); a unit succeeds when all its objects do."""
-        prepared = self._prepare(pool, page_hashes, units, writing=True)
-        if isinstance(prepared, BatchResult):
-            return prepared
-        count = len(page_hashes)
-        _units, _staging, batch = prepared
+        return self._run(pool, page_hashes, units, self._put_objects, writing=True)
+
+    def _put_objects(
+        self, pool: str, _units: Sequence[UnitRegions], _staging: np.ndarray | None, batch: _Batch
+    ) -> BatchResult:
+        count = batch.units
         fingerprints = self._fingerprints[pool]
         header_bytes = batch.headers.reshape(-1).data
         for row, (obj, payload) in enumerate(zip(batch.objects, batch.payloads, strict=True)):
@@ -365,11 +376,12 @@ class StorageEngine:
         use a unit whose result is False. A damaged object (truncated, bit flip, not ours) is
         removed when the backend can remove, so it is not read again and again.
         """
-        prepared = self._prepare(pool, page_hashes, units, writing=False)
-        if isinstance(prepared, BatchResult):
-            return prepared
-        count = len(page_hashes)
-        units, staging, batch = prepared
+        return self._run(pool, page_hashes, units, self._get_objects, writing=False)
+
+    def _get_objects(
+        self, pool: str, units: Sequence[UnitRegions], staging: np.ndarray | None, batch: _Batch
+    ) -> BatchResult:
+        count = batch.units
         sizes = self._payload_bytes[pool]
         read, _error = self._call_backend("get", pool, batch.objects)
         if read is None:
