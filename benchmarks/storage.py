@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kvstrata.plugins.storage_backend import BufferRegion, StorageObject
+from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend, StorageObject
 from kvstrata.storage_backends.mooncake import MooncakeBackend, MooncakeConfig
 from kvstrata.testing.mooncake_servers import MooncakeMaster, MooncakeStandaloneClient
 
@@ -115,6 +115,24 @@ def fresh_keys(tag: str, count: int) -> list[str]:
     return [f"bench/{tag}/{round_id}/{i}" for i in range(count)]
 
 
+def backend_round(section: str, backend: StorageBackend, pages: PageSet) -> tuple[float, float]:
+    """Our path: ``backend.put`` then ``backend.get`` of fresh keys (header + page objects, as the
+    core sends them); returns (put seconds, get seconds) after checking the bytes came back."""
+    keys = fresh_keys("ours", pages.pages)
+    started = time.perf_counter()
+    stored = backend.put(pages.objects(keys, into=False))
+    put_s = time.perf_counter() - started
+    pages.target.zero_()
+    started = time.perf_counter()
+    got = backend.get(pages.objects(keys, into=True))
+    get_s = time.perf_counter() - started
+    if not all(stored) or any(g != pages.page_bytes + HEADER_BYTES for g in got):
+        detail = getattr(backend, "code_counts", "")
+        raise SystemExit(f"{section}: backend put/get failed: {stored} {got} {detail}")
+    pages.verify()
+    return put_s, get_s
+
+
 def prefault_segment(store: Any, pages: PageSet, segment_bytes: int) -> None:
     """Touch the whole segment once (fill, then remove everything): a long-running cache writes
     into memory it has used before, so first-touch page faults would misstate steady state."""
@@ -179,18 +197,7 @@ def bench_mooncake(
         return put_s, get_s
 
     def our_round() -> tuple[float, float]:
-        keys = fresh_keys("ours", count)
-        started = time.perf_counter()
-        stored = backend.put(pages.objects(keys, into=False))
-        put_s = time.perf_counter() - started
-        pages.target.zero_()
-        started = time.perf_counter()
-        got = backend.get(pages.objects(keys, into=True))
-        get_s = time.perf_counter() - started
-        if not all(stored) or any(g != size + HEADER_BYTES for g in got):
-            raise SystemExit(f"{section}: backend put/get failed: {stored} {got} {backend.code_counts}")
-        pages.verify()
-        return put_s, get_s
+        return backend_round(section, backend, pages)
 
     def one_round(record: bool, ours_first: bool) -> None:
         order = (our_round, raw_round) if ours_first else (raw_round, our_round)
@@ -219,8 +226,8 @@ def bench_mooncake(
 def bench_file(pages: PageSet, rounds: int, root: Path) -> list[Row] | str:
     from kvstrata.storage_backends.file import FileBackend
 
-    count, size = pages.pages, pages.page_bytes
-    payload = count * size
+    count = pages.pages
+    payload = count * pages.page_bytes
     backend = FileBackend("bench", FileBackend.Config(path=root / "ours"))
     try:
         backend.open()
@@ -233,7 +240,7 @@ def bench_file(pages: PageSet, rounds: int, root: Path) -> list[Row] | str:
     dst_views = [memoryview(pages.target[i].numpy()) for i in range(count)]
     times: dict[str, list[float]] = {"raw_put": [], "raw_get": [], "our_put": [], "our_get": []}
 
-    def one_round(record: bool) -> None:
+    def raw_round() -> tuple[float, float]:
         tag = uuid.uuid4().hex[:12]
         paths = [raw_dir / f"{tag}-{i}" for i in range(count)]
         started = time.perf_counter()
@@ -243,37 +250,30 @@ def bench_file(pages: PageSet, rounds: int, root: Path) -> list[Row] | str:
                 os.write(fd, view)
             finally:
                 os.close(fd)
-        raw_put = time.perf_counter() - started
+        put_s = time.perf_counter() - started
+        pages.target.zero_()
         started = time.perf_counter()
         for path, view in zip(paths, dst_views, strict=True):
             with open(path, "rb", buffering=0) as handle:
                 handle.readinto(view)
-        raw_get = time.perf_counter() - started
-
-        keys = fresh_keys("file", count)
-        started = time.perf_counter()
-        stored = backend.put(pages.objects(keys, into=False))
-        our_put = time.perf_counter() - started
-        pages.target.zero_()
-        started = time.perf_counter()
-        got = backend.get(pages.objects(keys, into=True))
-        our_get = time.perf_counter() - started
-        if not all(stored) or any(g != size + HEADER_BYTES for g in got):
-            raise SystemExit(f"file backend put/get failed: {stored} {got}")
+        get_s = time.perf_counter() - started
         pages.verify()
+        return put_s, get_s
+
+    def one_round(record: bool, ours_first: bool) -> None:
+        # Alternate the order: dirty pages of the first writer's batch slow the second's down.
+        if ours_first:
+            ours, raw = backend_round("file", backend, pages), raw_round()
+        else:
+            raw, ours = raw_round(), backend_round("file", backend, pages)
         if record:
-            for name, value in (
-                ("raw_put", raw_put),
-                ("raw_get", raw_get),
-                ("our_put", our_put),
-                ("our_get", our_get),
-            ):
+            for name, value in zip(times, (*raw, *ours), strict=True):
                 times[name].append(value)
 
     try:
-        one_round(record=False)
-        for _ in range(rounds):
-            one_round(record=True)
+        one_round(record=False, ours_first=False)
+        for index in range(rounds):
+            one_round(record=True, ours_first=index % 2 == 1)
     finally:
         backend.close()
     med = {name: statistics.median(values) for name, values in times.items()}
@@ -283,26 +283,11 @@ def bench_file(pages: PageSet, rounds: int, root: Path) -> list[Row] | str:
     ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pages", type=int, default=64)
-    parser.add_argument("--page-kib", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--no-standalone", action="store_true")
-    parser.add_argument("--no-prefault", action="store_true", help="time first-touch segment memory")
-    args = parser.parse_args()
+def mooncake_rows(args: argparse.Namespace, tmp: Path, segment: int, batch_bytes: int) -> list[Row]:
+    """The in-process and standalone Mooncake sections, against their own master (and client)."""
     page_bytes = args.page_kib << 10
-    batch_bytes = args.pages * page_bytes
-    # Fresh keys every round: the segment holds every round of both paths without eviction.
-    segment = max(256 << 20, 4 * (args.rounds + 1) * batch_bytes)
     rows: list[Row] = []
-    notes: list[str] = []
-    started = time.perf_counter()
-
-    with (
-        tempfile.TemporaryDirectory(prefix="kvstrata-bench-") as tmp,
-        MooncakeMaster(log_dir=Path(tmp)) as master,
-    ):
+    with MooncakeMaster(log_dir=tmp) as master:
         backend = MooncakeBackend(
             "bench",
             MooncakeConfig(
@@ -326,7 +311,7 @@ def main() -> None:
             backend.close()
 
         if not args.no_standalone:
-            with MooncakeStandaloneClient(master, segment_bytes=segment, log_dir=Path(tmp)) as client:
+            with MooncakeStandaloneClient(master, segment_bytes=segment, log_dir=tmp) as client:
                 backend = MooncakeBackend(
                     "bench-standalone",
                     MooncakeConfig(standalone=True, client=client.address, local_buffer_bytes=1 << 20),
@@ -346,7 +331,29 @@ def main() -> None:
                     )
                 finally:
                     backend.close()
+    return rows
 
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pages", type=int, default=64)
+    parser.add_argument("--page-kib", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--no-standalone", action="store_true")
+    parser.add_argument("--no-mooncake", action="store_true", help="file section only")
+    parser.add_argument("--no-prefault", action="store_true", help="time first-touch segment memory")
+    args = parser.parse_args()
+    page_bytes = args.page_kib << 10
+    batch_bytes = args.pages * page_bytes
+    # Fresh keys every round: the segment holds every round of both paths without eviction.
+    segment = max(256 << 20, 4 * (args.rounds + 1) * batch_bytes)
+    rows: list[Row] = []
+    notes: list[str] = []
+    started = time.perf_counter()
+
+    with tempfile.TemporaryDirectory(prefix="kvstrata-bench-") as tmp:
+        if not args.no_mooncake:
+            rows += mooncake_rows(args, Path(tmp), segment, batch_bytes)
         file_pages = PageSet(
             torch.randint(0, 256, (args.pages, page_bytes), dtype=torch.uint8),
             torch.zeros((args.pages, page_bytes), dtype=torch.uint8),

@@ -426,6 +426,18 @@ class TestMooncakeInProcessConformance(BackendConformance):
         return lambda instance: _opened(MooncakeBackend(instance, mooncake_inprocess_config))
 
 
+class TestMooncakeStandaloneConformance(BackendConformance):
+    """The kit against a real ``mooncake_client`` (setup_dummy): host pools are not from the
+    backend's allocator here, so every plan is ``copy`` and regions go through its staging area.
+    Each test writes under its own namespace (the kit's ``_fresh_namespace``): the session
+    segment keeps the in-process class's objects, whose identical keys once made
+    ``test_existence_prefix_semantics`` fail depending on test order."""
+
+    @pytest.fixture
+    def backend_factory(self, mooncake_standalone_config: MooncakeConfig) -> Callable[[str], StorageBackend]:
+        return lambda instance: _opened(MooncakeBackend(instance, mooncake_standalone_config))
+
+
 def _opened(backend: MooncakeBackend) -> MooncakeBackend:
     backend.open()
     return backend

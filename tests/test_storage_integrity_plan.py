@@ -8,6 +8,7 @@ import pytest
 from kvstrata.core.config import ParallelConfig
 from kvstrata.core.integrity import (
     HEADER_BYTES,
+    MARKER_SUFFIX,
     ObjectHeader,
     Verdict,
     build_header,
@@ -103,7 +104,21 @@ def test_plan_off_reasons() -> None:
     exact = CAPS_ZERO.model_copy(update={"max_object_bytes": limit})
     assert plan_pool("b", exact, spec, parallel=parallel).mode is IOMode.ZERO_COPY
     logical = spec.model_copy(update={"buffers": (), "objects": ()})
-    assert plan_pool("b", CAPS_ZERO, logical, parallel=parallel).mode is IOMode.OFF
+    assert plan_pool("b", narrow, logical, parallel=parallel).mode is IOMode.OFF
+
+
+def test_bufferless_pool_plans_one_header_only_marker_object() -> None:
+    logical = conformance_specs()["attn"].model_copy(update={"buffers": (), "objects": ()})
+    parallel = ParallelConfig()
+    plan = plan_pool("b", CAPS_ZERO, logical, parallel=parallel)
+    assert plan.enabled and plan.writes and "marker" in plan.reason
+    assert plan.object_bytes == {MARKER_SUFFIX: HEADER_BYTES}
+    copy_only = BackendCapabilities(pools={ANY_POOL: PoolCapabilities()})
+    assert plan_pool("b", copy_only, logical, parallel=parallel).mode is IOMode.COPY
+    # the marker's fingerprint is its own: never equal to a real object's of the same pool type
+    assert layout_fingerprint(logical, MARKER_SUFFIX) != layout_fingerprint(conformance_specs()["attn"], "k")
+    with pytest.raises(ValueError, match="no object with suffix"):
+        layout_fingerprint(conformance_specs()["attn"], MARKER_SUFFIX)
 
 
 def test_replicated_pool_read_only_on_other_ranks() -> None:

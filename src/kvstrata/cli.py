@@ -285,7 +285,7 @@ def doctor(files: ConfigFiles, set_: SetOption = None) -> None:
             style = {IOMode.ZERO_COPY: "green", IOMode.COPY: "yellow"}.get(plan.mode, "red")
             sizes = ", ".join(f"{k}={v}" for k, v in plan.object_bytes.items())
             plan_table.add_row(instance, name, plan.pool_type, f"[{style}]{plan.mode}[/]", sizes, plan.reason)
-            if plan.mode is IOMode.OFF and not specs[name].logical:
+            if plan.mode is IOMode.OFF:
                 problems.append(f"pool {name!r} cannot be stored on backend {instance!r}: {plan.reason}")
         reason = cls.unavailable_reason(backend_config)
         if reason is None:

@@ -23,7 +23,7 @@ import ctypes
 import hashlib
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import Literal
@@ -34,10 +34,14 @@ from kvstrata.plugins.pool_type import PoolSpec
 from kvstrata.plugins.storage_backend import BufferRegion
 
 MAGIC = b"KVS1"
+#: Suffix of the header-only marker object a pool without buffers (a logical anchor) stores per
+#: unit: its existence is the commit marker that gates reading the other pools of the page.
+MARKER_SUFFIX = "marker"
 FORMAT_VERSION = 1
 HEADER_BYTES = 64
 _STRUCT = struct.Struct("<4sHH16sQQQ16s")
 assert _STRUCT.size == HEADER_BYTES
+_RESERVED = bytes(16)
 
 ChecksumPolicy = Literal["xxh3", "none"]
 
@@ -60,18 +64,49 @@ class Verdict(StrEnum):
     CHECKSUM_MISMATCH = "checksum_mismatch"
 
 
+def _memory_view_factory() -> Callable[[int, int, int], memoryview] | None:
+    """CPython's ``PyMemoryView_FromMemory``: one C call, about 4x cheaper than a ctypes array
+    view, and region views are built per object on every storage I/O."""
+    prototype = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+    try:  # a private prototype: never alters the shared ctypes.pythonapi attribute
+        return prototype(("PyMemoryView_FromMemory", ctypes.pythonapi))  # type: ignore[return-value]
+    except (AttributeError, OSError):  # not CPython
+        return None
+
+
+_FROM_MEMORY = _memory_view_factory()
+_PYBUF_WRITE = 0x200
+
+
 def region_view(region: BufferRegion) -> memoryview:
     """A writable byte view of raw memory (no copy); the memory must outlive the view."""
     if region.nbytes == 0:
         return memoryview(b"")
+    if _FROM_MEMORY is not None:
+        return _FROM_MEMORY(region.ptr, region.nbytes, _PYBUF_WRITE)
     return memoryview((ctypes.c_ubyte * region.nbytes).from_address(region.ptr)).cast("B")
+
+
+def stored_objects(spec: PoolSpec) -> tuple[tuple[str, int], ...]:
+    """``(suffix, payload bytes)`` of every object stored per unit of ``spec``.
+
+    A pool with no objects (no buffers: a logical anchor) still stores one header-only marker
+    object per unit, so its pages can be committed and their existence gated like any other.
+    """
+    if not spec.objects:
+        return ((MARKER_SUFFIX, 0),)
+    return tuple((obj.suffix, spec.object_bytes(obj.suffix)) for obj in spec.objects)
 
 
 def layout_fingerprint(spec: PoolSpec, suffix: str) -> bytes:
     """16-byte digest of everything that shapes one object's bytes (not the host layout)."""
-    obj = next((o for o in spec.objects if o.suffix == suffix), None)
-    if obj is None:
-        raise ValueError(f"pool {spec.name!r} has no object with suffix {suffix!r}")
+    if not spec.objects and suffix == MARKER_SUFFIX:
+        buffer_names: tuple[str, ...] = ()
+    else:
+        obj = next((o for o in spec.objects if o.suffix == suffix), None)
+        if obj is None:
+            raise ValueError(f"pool {spec.name!r} has no object with suffix {suffix!r}")
+        buffer_names = obj.buffers
     by_name = {b.name: b for b in spec.buffers}
     description = {
         "pool_type": spec.pool_type,
@@ -80,7 +115,7 @@ def layout_fingerprint(spec: PoolSpec, suffix: str) -> bytes:
         "suffix": suffix,
         "buffers": [
             [name, by_name[name].dtype, by_name[name].layers, list(by_name[name].unit_shape)]
-            for name in obj.buffers
+            for name in buffer_names
         ],
     }
     text = json.dumps(description, sort_keys=True, separators=(",", ":")).encode()
@@ -118,7 +153,7 @@ class ObjectHeader:
             self.key_digest,
             self.payload_nbytes,
             self.checksum,
-            bytes(16),
+            _RESERVED,
         )
 
     @classmethod
@@ -141,7 +176,8 @@ def build_header(
         kind, value = ChecksumKind.XXH3_64, payload_checksum(payload)
     else:
         kind, value = ChecksumKind.NONE, 0
-    return ObjectHeader(fingerprint, key_digest(key), nbytes, kind, value).pack()
+    # Packed directly (not through ObjectHeader): this runs once per object on the put path.
+    return _STRUCT.pack(MAGIC, FORMAT_VERSION, kind, fingerprint, key_digest(key), nbytes, value, _RESERVED)
 
 
 def verify_object(

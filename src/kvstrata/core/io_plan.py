@@ -12,7 +12,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict
 
 from kvstrata.core.config import ParallelConfig
-from kvstrata.core.integrity import HEADER_BYTES
+from kvstrata.core.integrity import HEADER_BYTES, stored_objects
 from kvstrata.core.keys import is_writer
 from kvstrata.plugins.pool_type import PoolSpec
 from kvstrata.plugins.storage_backend import BackendCapabilities
@@ -58,14 +58,12 @@ def plan_pool(
     """One plan. ``split_heads``: the deployment needs per-head shards of this pool (heterogeneous
     TP); ``host_memory_from_backend``: the host pools were allocated by this backend (required for
     zero-copy when the backend declares ``host_allocator``)."""
-    sizes = {obj.suffix: HEADER_BYTES + spec.object_bytes(obj.suffix) for obj in spec.objects}
+    sizes = {suffix: HEADER_BYTES + nbytes for suffix, nbytes in stored_objects(spec)}
     base = {"backend": backend, "pool": spec.name, "pool_type": spec.pool_type, "object_bytes": sizes}
 
     def off(reason: str) -> IOPlan:
         return IOPlan(mode=IOMode.OFF, reason=reason, **base)
 
-    if spec.logical:
-        return off("logical pool: holds no bytes")
     pool_caps = capabilities.for_pool(spec.pool_type)
     if pool_caps is None:
         stored = ", ".join(sorted(capabilities.pools)) or "none"
@@ -78,18 +76,21 @@ def plan_pool(
         if too_big:
             return off(f"objects {too_big} exceed the backend's max_object_bytes {limit}")
     read_only = not is_writer(spec, parallel)
-    role = "; read-only: replicated pool, TP rank 0 writes it" if read_only else ""
     if not pool_caps.zero_copy:
-        return IOPlan(mode=IOMode.COPY, reason="backend has no zero-copy for this pool" + role,
-                      read_only=read_only, **base)  # fmt: skip
-    if not capabilities.multi_buffer_objects:
+        mode, reason = IOMode.COPY, "backend has no zero-copy for this pool"
+    elif not capabilities.multi_buffer_objects:
+        mode = IOMode.COPY
         reason = "zero-copy needs multi-buffer objects (header + payload regions); staging instead"
-        return IOPlan(mode=IOMode.COPY, reason=reason + role, read_only=read_only, **base)
-    if capabilities.host_allocator and not host_memory_from_backend:
+    elif capabilities.host_allocator and not host_memory_from_backend:
+        mode = IOMode.COPY
         reason = "backend needs host pools from its allocator; they were not: staging instead"
-        return IOPlan(mode=IOMode.COPY, reason=reason + role, read_only=read_only, **base)
-    return IOPlan(mode=IOMode.ZERO_COPY, reason="zero-copy from registered host memory" + role,
-                  read_only=read_only, **base)  # fmt: skip
+    else:
+        mode, reason = IOMode.ZERO_COPY, "zero-copy from registered host memory"
+    if spec.logical:
+        reason = "no bytes: one header-only marker object per unit (the commit marker)"
+    if read_only:
+        reason += "; read-only: replicated pool, TP rank 0 writes it"
+    return IOPlan(mode=mode, reason=reason, read_only=read_only, **base)
 
 
 def plan_backend(

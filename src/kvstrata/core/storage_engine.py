@@ -10,7 +10,9 @@ propagates, so a broken backend cannot kill a storage thread or leak host slots.
 Units and regions: one *unit* is a page (or a state slot) of a pool; it is stored as one object
 per ``ObjectSpec`` of the pool. Callers pass, per unit, one sequence of :class:`BufferRegion` per
 object, in ``ObjectSpec`` order, whose bytes in order are the canonical payload (see
-:mod:`kvstrata.core.integrity`).
+:mod:`kvstrata.core.integrity`). A pool without buffers (a logical anchor) stores one header-only
+marker object per unit; its units may be omitted (``PoolBatch(hashes)``) or be empty (``[]``,
+``[()]``, what ``object_regions`` returns for it).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvstrata.core.integrity import (
     Verdict,
     build_header,
     layout_fingerprint,
+    stored_objects,
     verify_object,
 )
 from kvstrata.core.io_plan import IOMode, IOPlan
@@ -57,6 +60,8 @@ class StorageMetrics:
     get_misses: int = 0
     corrupt_detected: int = 0
     corrupt_reasons: dict[str, int] = field(default_factory=dict)
+    corrupt_removed: int = 0  # damaged objects deleted so they are not read again
+    corrupt_remove_failed: int = 0
     backend_errors: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
@@ -73,6 +78,34 @@ class BatchResult:
     @property
     def prefix(self) -> int:
         return longest_present_prefix(self.ok)
+
+
+#: Verdicts that mean the stored bytes are damaged (not merely another writer's layout or format
+#: version, which a deployment sharing the store may still read): such objects are removed.
+DAMAGE = frozenset(
+    {Verdict.SHORT_READ, Verdict.BAD_MAGIC, Verdict.LENGTH_MISMATCH, Verdict.CHECKSUM_MISMATCH}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """The objects of one put/get, unit-major, with their payload regions and header rows."""
+
+    objects: list[StorageObject]
+    payloads: list[tuple[BufferRegion, ...]]
+    headers: np.ndarray  # (len(objects), HEADER_BYTES) uint8, the first region of each object
+    n_obj: int  # objects per unit
+
+    @property
+    def units(self) -> int:
+        return len(self.objects) // self.n_obj
+
+    def per_unit(self, flags: Sequence[Any]) -> list[bool]:
+        """A unit succeeds when every one of its objects does."""
+        n_obj = self.n_obj
+        if n_obj == 1:
+            return [bool(flag) for flag in flags]
+        return [all(flags[i : i + n_obj]) for i in range(0, len(flags), n_obj)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,20 +169,22 @@ class StorageEngine:
             name: KeySchema.for_pool(spec, model_name=model_name, cache_salt=cache_salt, parallel=parallel)
             for name, spec in self.specs.items()
         }
+        # A bufferless pool stores one header-only marker object per unit (see stored_objects).
+        objects = {name: stored_objects(spec) for name, spec in self.specs.items()}
+        self._suffixes = {name: [suffix for suffix, _ in objs] for name, objs in objects.items()}
+        self._payload_bytes = {name: [nbytes for _, nbytes in objs] for name, objs in objects.items()}
         self._fingerprints = {
-            name: [layout_fingerprint(spec, obj.suffix) for obj in spec.objects]
-            for name, spec in self.specs.items()
+            name: [layout_fingerprint(self.specs[name], suffix) for suffix in suffixes]
+            for name, suffixes in self._suffixes.items()
         }
-        self._payload_bytes = {
-            name: [spec.object_bytes(obj.suffix) for obj in spec.objects] for name, spec in self.specs.items()
-        }
+        self._removable = backend.instance_capabilities().removable
 
     # --- keys ---------------------------------------------------------------------------------
 
     def object_keys(self, pool: str, page_hashes: Sequence[str]) -> list[list[str]]:
         """Keys per object spec (outer) per unit (inner) of ``pool``."""
         schema = self.schemas[pool]
-        return [schema.keys(page_hashes, obj.suffix) for obj in self.specs[pool].objects]
+        return [schema.keys(page_hashes, suffix) for suffix in self._suffixes[pool]]
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -202,10 +237,25 @@ class StorageEngine:
 
     # --- put / get ----------------------------------------------------------------------------
 
-    def _check_units(self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions]) -> None:
+    def _checked_units(
+        self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions]
+    ) -> Sequence[UnitRegions]:
+        """Validate ``units`` against the pool's objects; returns them in canonical form.
+
+        A pool whose objects hold no payload (a bufferless pool: one header-only marker object
+        per unit) accepts ``units`` empty, or one entry per page of any regions totalling 0 bytes
+        (``[]``, ``[()]``...): there is nothing to read or write but the header.
+        """
+        sizes = self._payload_bytes[pool]
+        if not any(sizes):
+            if units and len(units) != len(page_hashes):
+                raise ValueError(f"pool {pool!r}: {len(units)} units of regions for {len(page_hashes)} pages")
+            stray = sum(region.nbytes for unit in units for regions in unit for region in regions)
+            if stray:
+                raise ValueError(f"pool {pool!r} stores no payload; its units' regions hold {stray} bytes")
+            return [[() for _ in sizes]] * len(page_hashes)
         if len(units) != len(page_hashes):
             raise ValueError(f"pool {pool!r}: {len(units)} units of regions for {len(page_hashes)} pages")
-        sizes = self._payload_bytes[pool]
         for index, unit in enumerate(units):
             if len(unit) != len(sizes):
                 raise ValueError(f"pool {pool!r} unit {index}: {len(unit)} objects, spec has {len(sizes)}")
@@ -216,49 +266,98 @@ class StorageEngine:
                         f"pool {pool!r} unit {index} object {obj_index}: regions hold {nbytes} bytes, "
                         f"the spec says {sizes[obj_index]}"
                     )
+        return units
 
-    def put(self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions]) -> BatchResult:
-        """Store every unit (one object per ObjectSpec); a unit succeeds when all its objects do."""
+    def _run(
+        self,
+        pool: str,
+        page_hashes: Sequence[str],
+        units: Sequence[UnitRegions],
+        transfer: Callable[[str, Sequence[UnitRegions], np.ndarray | None, _Batch], BatchResult],
+        *,
+        writing: bool,
+    ) -> BatchResult:
+        """Common frame of put/get: answers itself when the plan rules the operation out (off, or a
+        write on a read-only rank) or there is nothing to do; else builds the objects (and the
+        staging buffer of the copy path, filled for a write) and hands them to ``transfer``."""
         plan = self.plans[pool]
         count = len(page_hashes)
         if not plan.enabled:
             return BatchResult([False] * count, plan.reason, skipped=True)
-        if plan.read_only:
+        if writing and plan.read_only:
             self._count(put_skipped_read_only=count)
             return BatchResult([False] * count, plan.reason, skipped=True)
-        self._check_units(pool, page_hashes, units)
+        units = self._checked_units(pool, page_hashes, units)
         if count == 0:
             return BatchResult([])
-        per_object = self.object_keys(pool, page_hashes)
-        n_obj = len(per_object)
-        headers = np.zeros((count * n_obj, HEADER_BYTES), dtype=np.uint8)
-        staging = self._stage_out(pool, units) if plan.mode is IOMode.COPY else None
+        staging: np.ndarray | None = None
+        if plan.mode is IOMode.COPY:
+            if writing:
+                staging = self._stage_out(pool, units)
+            else:
+                staging = np.empty(sum(self._payload_bytes[pool]) * count, dtype=np.uint8)
+        return transfer(pool, units, staging, self._build_objects(pool, page_hashes, units, staging))
+
+    def _build_objects(
+        self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions], staging: np.ndarray | None
+    ) -> _Batch:
+        """One object per (unit, ObjectSpec), unit-major: a header region, then the payload regions
+        (the caller's, or consecutive slices of ``staging`` on the copy path)."""
+        sizes = self._payload_bytes[pool]
+        n_obj = len(sizes)
+        keys = self.object_keys(pool, page_hashes)
+        headers = np.zeros((len(page_hashes) * n_obj, HEADER_BYTES), dtype=np.uint8)
+        header_ptr = _address(headers)
+        cursor = _address(staging) if staging is not None else 0
         objects: list[StorageObject] = []
-        offset = 0
-        for i in range(count):
-            for j in range(n_obj):
-                if staging is not None:
-                    nbytes = self._payload_bytes[pool][j]
-                    payload: tuple[BufferRegion, ...] = (BufferRegion(_address(staging) + offset, nbytes),)
-                    offset += nbytes
+        payloads: list[tuple[BufferRegion, ...]] = []
+        for i, unit in enumerate(units):
+            for j, nbytes in enumerate(sizes):
+                if not nbytes:
+                    payload: tuple[BufferRegion, ...] = ()
+                elif staging is not None:
+                    payload = (BufferRegion(cursor, nbytes),)
+                    cursor += nbytes
                 else:
-                    payload = tuple(units[i][j])
-                key = per_object[j][i]
-                row = i * n_obj + j
-                headers[row] = np.frombuffer(
-                    build_header(key, self._fingerprints[pool][j], payload, self.checksum), dtype=np.uint8
-                )
-                header_region = BufferRegion(_address(headers) + row * HEADER_BYTES, HEADER_BYTES)
-                objects.append(StorageObject(key, (header_region, *payload)))
+                    payload = tuple(unit[j])
+                objects.append(StorageObject(keys[j][i], (BufferRegion(header_ptr, HEADER_BYTES), *payload)))
+                payloads.append(payload)
+                header_ptr += HEADER_BYTES
+        return _Batch(objects, payloads, headers, n_obj)
+
+    def _call_backend(
+        self, operation: str, pool: str, objects: Sequence[StorageObject]
+    ) -> tuple[list[Any] | None, str | None]:
+        """Run ``backend.put/get``; a raise or a wrong-length answer fails the whole call."""
         try:
-            stored = self.backend.put(objects)
-            if len(stored) != len(objects):
-                raise RuntimeError(f"backend returned {len(stored)} results for {len(objects)} objects")
+            answer = list(getattr(self.backend, operation)(objects))
+            if len(answer) != len(objects):
+                raise RuntimeError(f"backend returned {len(answer)} results for {len(objects)} objects")
         except Exception as exc:
+            return None, self._backend_failed(operation, pool, exc)
+        return answer, None
+
+    def put(self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions]) -> BatchResult:
+        """Store every unit (one object per ObjectSpec); a unit succeeds when all its objects do."""
+        return self._run(pool, page_hashes, units, self._put_objects, writing=True)
+
+    def _put_objects(
+        self, pool: str, _units: Sequence[UnitRegions], _staging: np.ndarray | None, batch: _Batch
+    ) -> BatchResult:
+        count = batch.units
+        fingerprints = self._fingerprints[pool]
+        header_bytes = batch.headers.reshape(-1).data
+        for row, (obj, payload) in enumerate(zip(batch.objects, batch.payloads, strict=True)):
+            start = row * HEADER_BYTES
+            header_bytes[start : start + HEADER_BYTES] = build_header(
+                obj.key, fingerprints[row % batch.n_obj], payload, self.checksum
+            )
+        stored, error = self._call_backend("put", pool, batch.objects)
+        if stored is None:
             self._count(put_units=count, put_failed=count)
-            return BatchResult([False] * count, self._backend_failed("put", pool, exc))
-        ok = [all(stored[i * n_obj + j] for j in range(n_obj)) for i in range(count)]
-        written = sum(obj.nbytes for obj, flag in zip(objects, stored, strict=True) if flag)
+            return BatchResult([False] * count, error)
+        ok = batch.per_unit(stored)
+        written = sum(obj.nbytes for obj, flag in zip(batch.objects, stored, strict=True) if flag)
         self._count(put_units=count, put_failed=ok.count(False), bytes_written=written)
         if any(ok):
             self._emit(
@@ -274,62 +373,46 @@ class StorageEngine:
         """Read every unit into its regions; a missing, short or failing object makes the unit a miss.
 
         On a zero-copy miss the destination regions may hold partial bytes: the caller must not
-        use a unit whose result is False.
+        use a unit whose result is False. A damaged object (truncated, bit flip, not ours) is
+        removed when the backend can remove, so it is not read again and again.
         """
-        plan = self.plans[pool]
-        count = len(page_hashes)
-        if not plan.enabled:
-            return BatchResult([False] * count, plan.reason, skipped=True)
-        self._check_units(pool, page_hashes, units)
-        if count == 0:
-            return BatchResult([])
-        per_object = self.object_keys(pool, page_hashes)
-        n_obj = len(per_object)
+        return self._run(pool, page_hashes, units, self._get_objects, writing=False)
+
+    def _get_objects(
+        self, pool: str, units: Sequence[UnitRegions], staging: np.ndarray | None, batch: _Batch
+    ) -> BatchResult:
+        count = batch.units
         sizes = self._payload_bytes[pool]
-        headers = np.zeros((count * n_obj, HEADER_BYTES), dtype=np.uint8)
-        staging = np.empty(sum(sizes) * count, dtype=np.uint8) if plan.mode is IOMode.COPY else None
-        objects: list[StorageObject] = []
-        payloads: list[tuple[BufferRegion, ...]] = []
-        offset = 0
-        for i in range(count):
-            for j in range(n_obj):
-                if staging is not None:
-                    payload: tuple[BufferRegion, ...] = (BufferRegion(_address(staging) + offset, sizes[j]),)
-                    offset += sizes[j]
-                else:
-                    payload = tuple(units[i][j])
-                header_region = BufferRegion(_address(headers) + (i * n_obj + j) * HEADER_BYTES, HEADER_BYTES)
-                objects.append(StorageObject(per_object[j][i], (header_region, *payload)))
-                payloads.append(payload)
-        try:
-            read = self.backend.get(objects)
-            if len(read) != len(objects):
-                raise RuntimeError(f"backend returned {len(read)} results for {len(objects)} objects")
-        except Exception as exc:
+        read, _error = self._call_backend("get", pool, batch.objects)
+        if read is None:
             self._count(get_units=count, get_misses=count)
-            return BatchResult([False] * count, self._backend_failed("get", pool, exc))
-        good = [False] * len(objects)
+            return BatchResult([False] * count, _error)
+        good = [False] * len(batch.objects)
         corrupt: dict[str, int] = {}
-        for row, obj in enumerate(objects):
+        damaged: list[str] = []
+        fingerprints = self._fingerprints[pool]
+        for row, obj in enumerate(batch.objects):
             if read[row] < 0:
                 continue  # a plain miss
             verdict = verify_object(
-                headers[row].data,
+                batch.headers[row].data,
                 key=obj.key,
-                fingerprint=self._fingerprints[pool][row % n_obj],
-                payload=payloads[row],
+                fingerprint=fingerprints[row % batch.n_obj],
+                payload=batch.payloads[row],
                 bytes_read=read[row],
                 checksum=self.checksum,
             )
             if verdict is Verdict.OK:
                 good[row] = True
-            else:
-                corrupt[verdict.value] = corrupt.get(verdict.value, 0) + 1
-        ok = [all(good[i * n_obj + j] for j in range(n_obj)) for i in range(count)]
+                continue
+            corrupt[verdict.value] = corrupt.get(verdict.value, 0) + 1
+            if verdict in DAMAGE:
+                damaged.append(obj.key)
+        ok = batch.per_unit(good)
         if staging is not None:
             self._stage_in(staging, units, ok, sizes)
         hits = ok.count(True)
-        nbytes = sum(read[row] for row in range(len(objects)) if ok[row // n_obj])
+        nbytes = sum(read[row] for row in range(len(batch.objects)) if ok[row // batch.n_obj])
         with self._lock:
             self.metrics.get_units += count
             self.metrics.get_hits += hits
@@ -340,7 +423,23 @@ class StorageEngine:
                 self.metrics.corrupt_reasons[reason] = self.metrics.corrupt_reasons.get(reason, 0) + n
         if corrupt:
             log.warning("pool %r: rejected corrupt or foreign objects %s", pool, corrupt)
+        if damaged:
+            self._remove_damaged(pool, damaged)
         return BatchResult(ok)
+
+    def _remove_damaged(self, pool: str, keys: Sequence[str]) -> None:
+        """Drop objects that failed verification as damaged, where the backend can remove."""
+        if not self._removable:
+            return
+        try:
+            removed = list(self.backend.remove(keys))
+            if len(removed) != len(keys):
+                raise RuntimeError(f"backend returned {len(removed)} results for {len(keys)} keys")
+        except Exception as exc:
+            self._backend_failed("remove", pool, exc)
+            self._count(corrupt_remove_failed=len(keys))
+            return
+        self._count(corrupt_removed=removed.count(True), corrupt_remove_failed=removed.count(False))
 
     def _stage_out(self, pool: str, units: Sequence[UnitRegions]) -> np.ndarray:
         """Gather every unit's regions into one contiguous staging buffer (one memmove per region)."""
@@ -421,7 +520,8 @@ class StorageEngine:
         keep: Sequence[int],
     ) -> BatchResult:
         """Run ``operation`` on the pages at ``keep`` only; the others report False."""
-        sub = operation(pool, [batch.page_hashes[i] for i in keep], [batch.units[i] for i in keep])
+        units = [batch.units[i] for i in keep] if batch.units else ()  # () for a bufferless pool
+        sub = operation(pool, [batch.page_hashes[i] for i in keep], units)
         ok = [False] * len(batch.page_hashes)
         for position, index in enumerate(keep):
             ok[index] = sub.ok[position]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.core.buffers import PoolBuffers
+from kvstrata.core.integrity import MARKER_SUFFIX
 from kvstrata.plugins.pool_type import Layout, ObjectSpec
 from kvstrata.plugins.storage_backend import BufferRegion
 
@@ -201,12 +202,15 @@ def object_regions(
 
     The concatenation of the regions is the object's byte sequence (buffers in object order, each
     layer by layer), identical for every layout: one region per object in page_first, one per
-    buffer in page_first_direct, one per buffer per layer in layer_first.
+    buffer in page_first_direct, one per buffer per layer in layer_first. A bufferless (logical)
+    pool stores one header-only object per unit, ``MARKER_SUFFIX``: no regions at all.
     """
     if pool.device.type != "cpu":
         raise ValueError(f"pool {pool.spec.name!r}: zero-copy regions exist only for host memory")
     idx = as_index(indices).cpu()
     pool.check_indices(idx)
+    if not pool.spec.objects and suffix == MARKER_SUFFIX:
+        return [() for _ in range(idx.numel())]  # a bufferless pool's header-only marker object
     obj = _object(pool, suffix)
     if pool.backing is None or idx.numel() == 0:
         return [() for _ in range(idx.numel())]

@@ -49,6 +49,7 @@ class BackendCapabilities(BaseModel):
     shared_across_instances: bool = False  # other processes or hosts see the same objects
     self_evicting: bool = False  # makes room by itself (puts may fail per key when full)
     host_allocator: bool = False  # host pools must be allocated by the backend (shared memory)
+    removable: bool = False  # implements remove(): the core deletes objects it found damaged
     max_object_bytes: int | None = None
 
     def for_pool(self, pool_type: str) -> PoolCapabilities | None:
@@ -146,3 +147,11 @@ class StorageBackend(ABC):
     @abstractmethod
     def get(self, objects: Sequence[StorageObject]) -> list[int]:
         """Read each object into its regions; per key the bytes read, or a negative code on a miss."""
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Delete objects; per key True when it is gone (removed now, or absent already).
+
+        Optional: a backend that implements it declares ``capabilities.removable``. The core calls
+        it only for objects that failed verification as damaged, so they are not read forever.
+        """
+        raise NotImplementedError(f"storage backend {self.name!r} does not remove objects")

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import re
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import Field
 
@@ -51,6 +52,12 @@ _TMP_MARK = ".tmp-"
 #: Most platforms cap one readv/writev at 1024 iovecs (IOV_MAX).
 _IOV_MAX = 1024
 MISS = -1
+#: Fewest objects worth handing to another I/O thread (below that, dispatch costs more than it saves).
+_MIN_CHUNK = 8
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)  # no O_NOATIME: atime seeds the LRU
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 class FileConfig(BackendConfig):
@@ -62,6 +69,10 @@ class FileConfig(BackendConfig):
     io_threads: int = Field(default=4, ge=1, le=64, description="parallel file operations per batch")
     fsync: bool = Field(default=False, description="fsync each object before it becomes visible")
     fanout_chars: int = Field(default=2, ge=0, le=4, description="hex digits of sub-directory fan-out")
+
+
+def _apply(fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+    return [fn(item) for item in items]
 
 
 def _views(regions: Sequence[BufferRegion]) -> list[memoryview]:
@@ -109,6 +120,7 @@ class FileBackend(StorageBackend):
         persistent=True,
         shared_across_instances=True,
         self_evicting=True,
+        removable=True,
     )
 
     config: FileConfig
@@ -116,10 +128,14 @@ class FileBackend(StorageBackend):
     def __init__(self, instance: str, config: BackendConfig) -> None:
         super().__init__(instance, config)
         self.root = Path(self.config.path)
-        self._lru: OrderedDict[Path, int] = OrderedDict()
+        # Paths are plain strings on the data path: pathlib costs more than the syscalls it wraps.
+        self._root = os.fspath(self.root)
+        self._lru: OrderedDict[str, int] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._tmp_prefix = f"{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        self._tmp_serial = itertools.count()  # next() is atomic under the GIL
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -146,16 +162,16 @@ class FileBackend(StorageBackend):
 
     def _adopt_existing(self) -> None:
         """Seed the LRU with files already there (restart, or written by other processes)."""
-        found: list[tuple[float, Path, int]] = []
-        for directory, _dirs, files in os.walk(self.root):
+        found: list[tuple[float, str, int]] = []
+        for directory, _dirs, files in os.walk(self._root):
             for name in files:
-                path = Path(directory, name)
-                try:
-                    info = path.stat()
-                except FileNotFoundError:
-                    continue
                 if _TMP_MARK in name:
                     continue  # a writer died mid-write, or one is writing now: never adopt
+                path = os.path.join(directory, name)
+                try:
+                    info = os.stat(path)
+                except FileNotFoundError:
+                    continue
                 found.append((max(info.st_atime, info.st_mtime), path, info.st_size))
         found.sort(key=lambda item: item[0])
         with self._lock:
@@ -166,14 +182,17 @@ class FileBackend(StorageBackend):
 
     # --- paths and LRU ------------------------------------------------------------------------
 
-    def path_for(self, key: str) -> Path:
-        """Where ``key`` lives (also used by tests to corrupt objects on purpose)."""
+    def _path(self, key: str) -> str:
         digest = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
         name = key if _SAFE_NAME.match(key) and not key.startswith(".") else digest
         fan = digest[: self.config.fanout_chars]
-        return self.root / fan / name if fan else self.root / name
+        return f"{self._root}/{fan}/{name}" if fan else f"{self._root}/{name}"
 
-    def _touch(self, path: Path, size: int | None = None) -> None:
+    def path_for(self, key: str) -> Path:
+        """Where ``key`` lives (also used by tests to corrupt objects on purpose)."""
+        return Path(self._path(key))
+
+    def _touch(self, path: str, size: int | None = None) -> None:
         with self._lock:
             if path in self._lru:
                 self._lru.move_to_end(path)
@@ -181,7 +200,7 @@ class FileBackend(StorageBackend):
                 self._lru[path] = size
                 self._used += size
 
-    def _forget(self, path: Path) -> None:
+    def _forget(self, path: str) -> None:
         with self._lock:
             size = self._lru.pop(path, None)
             if size is not None:
@@ -190,18 +209,22 @@ class FileBackend(StorageBackend):
     def _reserve(self, nbytes: int) -> bool:
         """Evict least recently used files until ``nbytes`` more fit under the capacity."""
         capacity = self.config.capacity_bytes
-        if capacity is not None and nbytes > capacity:
+        if capacity is None:
+            with self._lock:
+                self._used += nbytes
+            return True
+        if nbytes > capacity:
             return False
-        victims: list[Path] = []
+        victims: list[str] = []
         with self._lock:
-            while capacity is not None and self._used + nbytes > capacity and self._lru:
+            while self._used + nbytes > capacity and self._lru:
                 path, size = self._lru.popitem(last=False)
                 self._used -= size
                 victims.append(path)
             self._used += nbytes  # reserved; corrected by _release on failure
         for path in victims:
             with contextlib.suppress(FileNotFoundError):  # another process may have removed it
-                path.unlink()
+                os.unlink(path)
         return True
 
     def _release(self, nbytes: int) -> None:
@@ -214,47 +237,56 @@ class FileBackend(StorageBackend):
 
     # --- I/O ----------------------------------------------------------------------------------
 
-    def _map(self, fn, items):  # type: ignore[no-untyped-def]
+    def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+        """``fn`` over ``items`` on the I/O threads, one contiguous chunk per thread: a future per
+        item would cost more than reading a page from the page cache."""
         if self._pool is None:
             raise RuntimeError(f"file backend {self.instance!r} is not open")
-        if len(items) <= 1:
+        chunks = min(self.config.io_threads, len(items) // _MIN_CHUNK)
+        if chunks <= 1:
             return [fn(item) for item in items]
-        return list(self._pool.map(fn, items))
+        bounds = [len(items) * index // chunks for index in range(chunks + 1)]
+        parts = [items[bounds[i] : bounds[i + 1]] for i in range(chunks)]
+        futures = [self._pool.submit(_apply, fn, part) for part in parts[1:]]
+        results = _apply(fn, parts[0])  # this thread works too instead of waiting idle
+        for future in futures:
+            results.extend(future.result())
+        return results
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         def one(key: str) -> bool:
-            path = self.path_for(key)
+            path = self._path(key)
             try:
-                size = path.stat().st_size
+                size = os.stat(path).st_size
             except FileNotFoundError:
                 self._forget(path)
                 return False
             self._touch(path, size)
             return True
 
-        return self._map(one, list(keys))
+        return self._map(one, keys)
 
     def put(self, objects: Sequence[StorageObject]) -> list[bool]:
-        return self._map(self._put_one, list(objects))
+        return self._map(self._put_one, objects)
 
     def _put_one(self, obj: StorageObject) -> bool:
-        path = self.path_for(obj.key)
+        path = self._path(obj.key)
         try:
-            self._touch(path, path.stat().st_size)
+            self._touch(path, os.stat(path).st_size)
             return True  # skip_existing: equal keys carry equal bytes
         except FileNotFoundError:
             pass
         nbytes = obj.nbytes
         if not self._reserve(nbytes):
             return False
-        tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        directory, _, name = path.rpartition("/")
+        tmp = f"{directory}/.{name}{self._tmp_prefix}{next(self._tmp_serial)}"
         try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
             try:
-                fd = os.open(tmp, flags, 0o644)
+                fd = os.open(tmp, _CREATE_FLAGS, 0o644)
             except FileNotFoundError:  # first object of this fan-out directory
-                path.parent.mkdir(exist_ok=True)
-                fd = os.open(tmp, flags, 0o644)
+                os.makedirs(directory, exist_ok=True)
+                fd = os.open(tmp, _CREATE_FLAGS, 0o644)
             try:
                 _write_all(fd, _views(obj.regions))
                 if self.config.fsync:
@@ -265,7 +297,7 @@ class FileBackend(StorageBackend):
         except OSError:
             self._release(nbytes)
             with contextlib.suppress(OSError):
-                tmp.unlink()
+                os.unlink(tmp)
             return False
         with self._lock:
             if path in self._lru:  # adopted meanwhile: do not count twice
@@ -275,26 +307,45 @@ class FileBackend(StorageBackend):
         return True
 
     def get(self, objects: Sequence[StorageObject]) -> list[int]:
-        return self._map(self._get_one, list(objects))
+        return self._map(self._get_one, objects)
 
     def _get_one(self, obj: StorageObject) -> int:
-        path = self.path_for(obj.key)
+        path = self._path(obj.key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, _READ_FLAGS)
         except FileNotFoundError:
             self._forget(path)
             return MISS
         except OSError as exc:
             return -(exc.errno or 1)
         try:
-            size = os.fstat(fd).st_size
             got = _read_all(fd, _views(obj.regions))
+            with self._lock:
+                known = path in self._lru
+                if known:
+                    self._lru.move_to_end(path)
+            if not known:  # written by another process after open: adopt with its real size
+                self._touch(path, os.fstat(fd).st_size)
         except OSError as exc:
             return -(exc.errno or 1)
         finally:
             os.close(fd)
-        self._touch(path, size)
         return got
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Unlink objects (an absent one counts as removed); frees their LRU accounting."""
+        return self._map(self._remove_one, keys)
+
+    def _remove_one(self, key: str) -> bool:
+        path = self._path(key)
+        self._forget(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return True
 
     # --- test hooks -----------------------------------------------------------------------------
 

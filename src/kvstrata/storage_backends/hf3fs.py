@@ -83,6 +83,7 @@ class HF3FSBackend(StorageBackend):
         persistent=False,  # mock: the key map is in memory
         shared_across_instances=False,
         self_evicting=True,  # LRU slot reuse
+        removable=True,
     )
 
     config: HF3FSConfig
@@ -214,6 +215,15 @@ class HF3FSBackend(StorageBackend):
             except OSError as exc:
                 results.append(-(exc.errno or 1))
         return results
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Unmap keys and free their slots (an absent key counts as removed)."""
+        with self._lock:
+            for key in keys:
+                entry = self._slots.pop(key, None)
+                if entry is not None:
+                    self._free.append(entry[0])
+        return [True] * len(keys)
 
     # --- test hooks -----------------------------------------------------------------------------
 

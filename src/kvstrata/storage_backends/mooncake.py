@@ -36,6 +36,7 @@ import importlib.util
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -58,7 +59,11 @@ STORE_MODULE = "mooncake.store"
 #: Mooncake ``ErrorCode`` values the backend reacts to (see mooncake-store ``types.h``).
 NO_AVAILABLE_HANDLE = -200  # segment full: the object was not stored
 INVALID_PARAMS = -600
+REPLICA_NOT_READY = -703  # another writer's put of this key is still in flight
 OBJECT_NOT_FOUND = -704
+#: Waits before re-reading objects that answered -703 (a put of the same key by another thread or
+#: process is finishing; Mooncake reports success to the second writer at once). ~40 ms in all.
+NOT_READY_BACKOFF_S = (0.001, 0.002, 0.004, 0.008, 0.025)
 TRANSFER_FAIL = -800  # e.g. a multi-buffer read whose regions do not match the object size
 RPC_FAIL = -900  # -9xx (<= -900): master / client RPC failed
 #: Mooncake refuses smaller segments ("Total size must be at least 16777216").
@@ -181,6 +186,7 @@ class MooncakeBackend(StorageBackend):
         atomic_visibility=True,
         shared_across_instances=True,
         self_evicting=True,
+        removable=True,
     )
 
     config: MooncakeConfig
@@ -408,11 +414,22 @@ class MooncakeBackend(StorageBackend):
     def get(self, objects: Sequence[StorageObject]) -> list[int]:
         """Read objects into their regions; per key the bytes read, or the negative Mooncake code.
 
+        ``-703`` (the replica is still being written, typically by a concurrent put of the same key
+        whose second writer was already told "stored") is re-read after short waits, so a put that
+        returned True is readable; only if it persists does the key report ``-703`` (a miss).
+
         An object shorter than its regions (truncated or foreign) makes Mooncake's multi-buffer
         read fail as a whole (``-800``); it is then re-read into the leading bytes of the regions so
         the caller sees a short read it can count as corruption, rather than an unexplained error.
         """
         results = self._get(objects)
+        for delay in NOT_READY_BACKOFF_S:
+            pending = [index for index, code in enumerate(results) if code == REPLICA_NOT_READY]
+            if not pending:
+                break
+            time.sleep(delay)
+            for index, code in zip(pending, self._get([objects[i] for i in pending]), strict=True):
+                results[index] = code
         short = [
             index
             for index, code in enumerate(results)
@@ -444,6 +461,20 @@ class MooncakeBackend(StorageBackend):
                 if code < 0:
                     self.code_counts[code] += 1
         return results
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Forced ``batch_remove``: a reader's lease (held for a while after every get) must not keep
+        a damaged object alive. ``-704`` (already gone) counts as removed."""
+        if not keys:
+            return []
+        codes = self._call("batch_remove", list(keys), True)
+        if len(codes) != len(keys):
+            raise StorageError(
+                f"mooncake backend {self.instance!r}: batch_remove answered {len(codes)} codes "
+                f"for {len(keys)} keys"
+            )
+        self.code_counts.update(code for code in codes if code not in (0, OBJECT_NOT_FOUND))
+        return [code in (0, OBJECT_NOT_FOUND) for code in codes]
 
     def corrupt_for_test(self, key: str, mode: Literal["flip", "truncate"], offset: int = -1) -> bool:
         """Test hook (conformance kit): replace ``key`` by a damaged copy, bit flipped or truncated.

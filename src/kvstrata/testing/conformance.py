@@ -23,6 +23,7 @@ backend, or override :meth:`BackendConformance.corrupt` in the test class.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
@@ -100,6 +101,21 @@ def conformance_specs(dtype: str = "float16") -> dict[str, PoolSpec]:
     }
 
 
+def marker_specs() -> dict[str, PoolSpec]:
+    """A bufferless anchor (stored as one header-only marker object per page) and a sidecar."""
+    base = conformance_specs()
+    pages = base["attn"].model_copy(
+        update={
+            "name": "pages",
+            "pool_type": "conf_logical",
+            "buffers": (),
+            "objects": (),
+            "replication": Replication.REPLICATED,
+        }
+    )
+    return {"pages": pages, "index": base["index"].model_copy(update={"index_source": "pages"})}
+
+
 class HostPoolForTests:
     """A layer-first host pool made of plain uint8 tensors: one object = one region per layer."""
 
@@ -142,6 +158,13 @@ class BackendConformance:
     """Behaviour every storage backend must show; subclass and provide ``backend_factory``."""
 
     model_name = "conformance-model"
+
+    @pytest.fixture(autouse=True)
+    def _fresh_namespace(self) -> None:
+        """A model name (key namespace) of its own per test: a shared backend (one Mooncake
+        cluster for the whole session, several conformance classes) still holds what earlier
+        tests wrote, and "nothing stored yet" assertions must not see it."""
+        self.model_name = f"conformance-{uuid.uuid4().hex[:12]}"
 
     @pytest.fixture
     def backend_factory(self) -> Callable[[str], StorageBackend]:
@@ -264,7 +287,7 @@ class BackendConformance:
                 0, 256, (4, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)
             )
             out = torch.zeros_like(data)
-            key = "conformance-raw-multi-region"
+            key = f"{self.model_name}-raw-multi-region"
             regions = tuple(BufferRegion(data[i, 8 * i :].data_ptr(), 40) for i in range(4))
             assert backend.put([StorageObject(key, regions)]) == [True]
             back = tuple(BufferRegion(out[i, 8 * i :].data_ptr(), 40) for i in range(4))
@@ -288,16 +311,17 @@ class BackendConformance:
 
     def test_namespace_and_layout_isolation(self, backend: StorageBackend) -> None:
         specs = conformance_specs()
-        writer = self.engine(backend, specs, model_name="model-a")
+        model_a = f"{self.model_name}-a"
+        writer = self.engine(backend, specs, model_name=model_a)
         source = self.pools(specs, 2, seed=5)
         hashes = page_hashes(2, seed=5)
         assert all(writer.put("attn", hashes, source["attn"].units(range(2))).ok)
-        other_model = self.engine(backend, specs, model_name="model-b")
+        other_model = self.engine(backend, specs, model_name=f"{self.model_name}-b")
         target = self.pools(specs, 2, seed=None)
         assert other_model.exists("attn", hashes).ok == [False, False]
         assert other_model.get("attn", hashes, target["attn"].units(range(2))).ok == [False, False]
         # same keys, same byte count, another dtype: the layout fingerprint rejects it
-        other_layout = self.engine(backend, conformance_specs(dtype="bfloat16"), model_name="model-a")
+        other_layout = self.engine(backend, conformance_specs(dtype="bfloat16"), model_name=model_a)
         assert other_layout.get("attn", hashes, target["attn"].units(range(2))).ok == [False, False]
         assert other_layout.metrics.corrupt_reasons.get("fingerprint_mismatch", 0) >= 2
 
@@ -331,6 +355,63 @@ class BackendConformance:
             worker.join()
         assert not errors, errors
         assert engine.metrics.corrupt_detected == 0
+
+    def test_bufferless_anchor_stores_marker_objects(self, backend: StorageBackend) -> None:
+        specs = marker_specs()
+        engine = self.engine(backend, specs)
+        assert engine.plans["pages"].enabled, engine.plans["pages"].reason
+        source, target = self.pools(specs, 4, seed=11), self.pools(specs, 4, seed=None)
+        hashes = page_hashes(4, seed=11)
+        # a bufferless pool's units may be left out ...
+        put = engine.put_group(
+            {"pages": PoolBatch(hashes[:3]), "index": PoolBatch(hashes[:3], source["index"].units(range(3)))}
+        )
+        assert all(all(result.ok) for result in put.values()), put
+        markers = engine.object_keys("pages", hashes)
+        assert len(markers) == 1, "one marker object per page"
+        assert backend.exists(markers[0]) == [True, True, True, False]
+        assert engine.exists("pages", hashes).ok == [True, True, True, False]
+        # ... or given as empty regions per page
+        index_batch = PoolBatch(hashes, target["index"].units(range(4)))
+        got = engine.get_group({"pages": PoolBatch(hashes, [[()]] * 4), "index": index_batch})
+        assert got["pages"].ok == [True, True, True, False] and got["index"].ok == [True, True, True, False]
+        self.assert_units_equal(source["index"], target["index"], range(3))
+        # a damaged marker is a miss, and the sidecar page it gates is not read at all
+        assert self.corrupt(backend, markers[0][1], "truncate")
+        fresh = self.pools(specs, 3, seed=None)
+        index_batch = PoolBatch(hashes[:3], fresh["index"].units(range(3)))
+        got = engine.get_group({"pages": PoolBatch(hashes[:3], [[]] * 3), "index": index_batch})
+        assert got["pages"].ok == [True, False, True] and got["index"].ok == [True, False, True]
+        assert fresh["index"].unit_bytes(1) == bytes(len(fresh["index"].unit_bytes(1)))
+        assert engine.metrics.corrupt_detected == 1
+        # a marker of another layout under the same key is foreign: a miss, never a commit
+        other = {"pages": specs["pages"].model_copy(update={"page_size": PAGE_SIZE * 2})}
+        foreign = self.engine(backend, other)
+        assert foreign.get("pages", hashes[:1], []).ok == [False]
+        assert foreign.metrics.corrupt_reasons == {"fingerprint_mismatch": 1}
+        with pytest.raises(ValueError, match="stores no payload"):
+            engine.put("pages", hashes[:1], source["index"].units([0]))
+
+    def test_remove_and_damaged_objects_are_removed(self, backend: StorageBackend) -> None:
+        if not backend.instance_capabilities().removable:
+            pytest.skip(f"backend {backend.name!r} declares removable=False (remove() is optional)")
+        specs = conformance_specs()
+        engine = self.engine(backend, specs)
+        source = self.pools(specs, 3, seed=12)
+        hashes = page_hashes(3, seed=12)
+        assert all(engine.put("state", hashes, source["state"].units(range(3))).ok)
+        keys = engine.object_keys("state", hashes)[0]
+        assert backend.remove([keys[0], "conformance-never-stored"]) == [True, True]
+        assert backend.exists(keys) == [False, True, True]
+        assert self.corrupt(backend, keys[1], "flip")
+        target = self.pools(specs, 3, seed=None)
+        assert engine.get("state", hashes, target["state"].units(range(3))).ok == [False, False, True]
+        assert engine.metrics.corrupt_detected == 1 and engine.metrics.corrupt_removed == 1
+        assert backend.exists(keys) == [False, False, True], "the damaged object must be gone"
+        # so a writer can store the page again, and it reads back bit exact
+        assert all(engine.put("state", hashes[:2], source["state"].units(range(2))).ok)
+        assert all(engine.get("state", hashes, target["state"].units(range(3))).ok)
+        self.assert_units_equal(source["state"], target["state"], range(3))
 
     def test_second_instance(self, backend_factory: Callable[[str], StorageBackend]) -> None:
         """Shared backends: a second instance reads what the first wrote, bit exact. Private ones:
