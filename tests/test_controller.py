@@ -25,9 +25,6 @@ from controller_support import (
 from kvstrata.core.controller import CacheController, CacheFullError, PoolKind
 
 STACKS = sorted(EXAMPLES)
-# until the logical anchor stores a marker object per page, its stack cannot gate L3 reads
-NO_MARKER = pytest.mark.xfail(strict=True, reason="logical anchor has no L3 marker object yet")
-L3_STACKS = [pytest.param(s, marks=NO_MARKER) if s == "logical-swa" else s for s in STACKS]
 WAIT = ["policy.prefetch.policy=wait_complete"]
 
 
@@ -132,7 +129,7 @@ def fresh_process(stack: str, l3: Path, seed: int, pages: int, extra: list[str] 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("stack", L3_STACKS)
+@pytest.mark.parametrize("stack", STACKS)
 def test_l3_write_then_a_fresh_process_restores_exact_bytes(stack: str, tmp_path: Path) -> None:
     with open_cache(stack, tmp_path) as cache:
         pages = min(8, cache.pools.device_pages // 2)
@@ -172,7 +169,7 @@ def test_a_state_stack_reuses_l3_only_up_to_a_page_with_a_state(stack: str, tmp_
         assert lease.cached_pages == 3 and lease.hit_pages["storage"] == 3
 
 
-@pytest.mark.parametrize("stack", [s for s in L3_STACKS if "swa" in str(s)])
+@pytest.mark.parametrize("stack", [s for s in STACKS if "swa" in s])
 def test_an_l3_window_with_a_missing_page_is_dropped_whole(stack: str, tmp_path: Path) -> None:
     writer = write_to_l3(stack, tmp_path, 9, 8)
     window = next(name for name, tp in writer.tree_pools.items() if tp.kind is PoolKind.WINDOW)
