@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from _results import Figure, write_results
 
 from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.transfer import copy_units
@@ -63,7 +64,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="pages per transfer")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (both sides alike)")
+    parser.add_argument("--quick", action="store_true", help="3 repeats (CI-sized)")
+    parser.add_argument("--json", help="write results in the benchmarks/README.md format")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats = 3
+    figures: list[Figure] = []
     torch.set_num_threads(args.threads)
 
     device = torch.device(args.device)
@@ -128,7 +134,19 @@ def main() -> None:
                 f"{base_in / pool_in:>5.2f}",
             ]
             print(f"{layout.value:<18} {label:<21} " + " ".join(cells))
+            for direction, ours, plain in (("D->H", pool_out, base_out), ("H->D", pool_in, base_in)):
+                figures.append(
+                    Figure.against(
+                        f"{direction} {layout.value} {label}",
+                        nbytes / ours / gib,
+                        "GiB/s",
+                        nbytes / plain / gib,
+                        "plain contiguous copy",
+                    )
+                )
     print("ratio = plain-copy time / gather-scatter time for the same bytes (goal >= 0.7)")
+    if args.json:
+        write_results(args.json, "pools", figures)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _results import Figure, write_results
 
 from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend, StorageObject
 from kvstrata.storage_backends.mooncake import MooncakeBackend, MooncakeConfig
@@ -342,7 +343,11 @@ def main() -> None:
     parser.add_argument("--no-standalone", action="store_true")
     parser.add_argument("--no-mooncake", action="store_true", help="file section only")
     parser.add_argument("--no-prefault", action="store_true", help="time first-touch segment memory")
+    parser.add_argument("--quick", action="store_true", help="5 rounds (CI-sized)")
+    parser.add_argument("--json", type=Path, help="write results in the benchmarks/README.md format")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds = 5
     page_bytes = args.page_kib << 10
     batch_bytes = args.pages * page_bytes
     # Fresh keys every round: the segment holds every round of both paths without eviction.
@@ -386,6 +391,18 @@ def main() -> None:
     for note in notes:
         print(f"\nNOTE: {note}")
     print(f"\n(total run {time.perf_counter() - started:.1f} s)")
+    if args.json:
+        figures = [
+            Figure.against(
+                f"{row.section} {row.op} ({args.pages} x {args.page_kib} KiB)",
+                row.payload_bytes / row.ours_s / GIB,
+                "GiB/s",
+                row.payload_bytes / row.raw_s / GIB,
+                f"raw {row.section.split()[0]} calls",
+            )
+            for row in rows
+        ]
+        write_results(args.json, "storage", figures)
 
 
 if __name__ == "__main__":
