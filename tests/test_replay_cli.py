@@ -13,19 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvstrata.cli import app
+from replay_contract import REQUIRED_JSON_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
-JSON_KEYS = {
-    "requests",
-    "tokens",
-    "hit_rate",
-    "bytes",
-    "corrupt_pages_detected",
-    "corrupt_pages_served",
-    "failures",
-    "wall_s",
-    "tokens_per_s",
-}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +61,7 @@ def test_no_arg_run_prints_tier_hit_rates_and_no_served_corruption(no_arg_run: d
 
 def test_json_has_exactly_the_contract_keys(no_arg_run: dict[str, Any]) -> None:
     result = no_arg_run["json"]
-    assert set(result) == JSON_KEYS
+    assert set(result) == REQUIRED_JSON_KEYS
     assert set(result["hit_rate"]) == {"device", "host", "storage", "total"}
     assert set(result["bytes"]) == {"device_to_host", "host_to_device", "host_to_storage", "storage_to_host"}
     rates = result["hit_rate"]

@@ -125,16 +125,21 @@ def _replay_cli(*args: str | Path) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
-def test_second_process_is_served_from_storage_and_another_model_is_not(tmp_path: Path) -> None:
-    l3 = tmp_path / "l3"
-    requests = read_trace(limit=30)
+def file_l3_stack(tmp_path: Path, l3: Path, requests: list) -> Path:
+    """A tiny stack whose device tier holds the biggest request, with a file L3 at ``l3``."""
     biggest = max(r.input_length for r in requests)
-    stack = tiny_stack(
+    return tiny_stack(
         tmp_path,
         device={"capacity_tokens": biggest + 1024},
         host={"capacity_tokens": 4 * biggest},
         storage={"l3": {"type": "file", "path": str(l3)}},
     )
+
+
+def test_second_process_is_served_from_storage_and_another_model_is_not(tmp_path: Path) -> None:
+    l3 = tmp_path / "l3"
+    requests = read_trace(limit=30)
+    stack = file_l3_stack(tmp_path, l3, requests)
     first = run_replay(config(stack), PluginHost(), requests)
     assert first.bytes.host_to_storage > 0
     assert first.corrupt_pages_served == 0
@@ -157,13 +162,7 @@ def test_second_process_is_served_from_storage_and_another_model_is_not(tmp_path
 def test_corrupted_storage_objects_are_detected_never_served(tmp_path: Path) -> None:
     l3 = tmp_path / "l3"
     requests = read_trace(limit=12)
-    biggest = max(r.input_length for r in requests)
-    stack = tiny_stack(
-        tmp_path,
-        device={"capacity_tokens": biggest + 1024},
-        host={"capacity_tokens": 4 * biggest},
-        storage={"l3": {"type": "file", "path": str(l3)}},
-    )
+    stack = file_l3_stack(tmp_path, l3, requests)
     run_replay(config(stack), PluginHost(), requests)
     objects = [p for p in l3.rglob("*") if p.is_file() and p.stat().st_size > 256]
     assert objects
