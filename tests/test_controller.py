@@ -262,3 +262,17 @@ def test_mooncake_l3_then_a_fresh_process_restores_exact_bytes(
         assert cache.metrics.snapshot()["bytes"]["host_to_storage"] > 0
     report = fresh_process(stack, tmp_path, 14, 4, mooncake)
     assert report["hits"]["storage"] == 4 and report["bad"] == 0 and report["corrupt"] == 0
+
+
+def test_a_prefetch_into_a_full_host_tier_makes_room_at_admit(tmp_path: Path) -> None:
+    with open_cache("kv", tmp_path, WAIT) as cache:
+        first = tokens(15, 4)
+        serve(cache, first)
+        host_pages = cache.pools.pools["kv"].host_allocator.units
+        for i in range(host_pages // 4 + 4):  # `first` is the oldest: it leaves both tiers
+            serve(cache, tokens(100 + i, 4))
+        cache.flush()
+        assert cache.pools.pools["kv"].host_allocator.available == 0, "the host tier is full"
+        lease, bad = serve(cache, first)
+        assert lease.hit_pages["storage"] == 4 and bad == 0
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
