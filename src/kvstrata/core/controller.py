@@ -222,7 +222,7 @@ class CacheController:
             raise
         self._writes: list[_Write] = []
         self._orphans: list[_Prefetch] = []  # revoked prefetches whose worker has not finished
-        self._reserved_pages = 0  # host anchor pages reserved by in-flight prefetches
+        self._reserved_pages = 0  # pages in flight in prefetches (the rate limit counts them)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-prefetch")
 
