@@ -56,13 +56,28 @@ def backend_class(name: str, requires: str = "{}") -> type:
     return namespace["EchoBackend"]
 
 
-def test_fake_distribution_backend_is_listed_and_loads(make_distribution) -> None:
-    make_distribution(
+def install_echo(make_distribution) -> Path:
+    """The working fake distribution ``kvstrata-echo 0.3.1`` with backend ``echo``."""
+    return make_distribution(
         "kvstrata-echo",
         "0.3.1",
         {BACKENDS: {"echo": "kvstrata_echo:EchoBackend"}},
         {"kvstrata_echo": backend_module("echo")},
     )
+
+
+def install_broken(make_distribution, module_source: str) -> None:
+    """The fake distribution ``kvstrata-broken 9.9`` whose backend module fails to import."""
+    make_distribution(
+        "kvstrata-broken",
+        "9.9",
+        {BACKENDS: {"broken": "kvstrata_broken:Backend"}},
+        {"kvstrata_broken": module_source},
+    )
+
+
+def test_fake_distribution_backend_is_listed_and_loads(make_distribution) -> None:
+    install_echo(make_distribution)
     host = PluginHost(autoload=True, disabled=set())
     assert "echo" in host.storage_backends.names()
     entry = host.storage_backends.entry("echo")
@@ -75,18 +90,8 @@ def test_fake_distribution_backend_is_listed_and_loads(make_distribution) -> Non
 
 
 def test_broken_plugin_is_reported_with_its_distribution_and_others_still_load(make_distribution) -> None:
-    make_distribution(
-        "kvstrata-echo",
-        "0.3.1",
-        {BACKENDS: {"echo": "kvstrata_echo:EchoBackend"}},
-        {"kvstrata_echo": backend_module("echo")},
-    )
-    make_distribution(
-        "kvstrata-broken",
-        "9.9",
-        {BACKENDS: {"broken": "kvstrata_broken:Backend"}},
-        {"kvstrata_broken": "raise RuntimeError('boom at import')\n"},
-    )
+    install_echo(make_distribution)
+    install_broken(make_distribution, "raise RuntimeError('boom at import')\n")
     host = PluginHost(autoload=True, disabled=set())
     error = host.storage_backends.load_error("broken")
     assert isinstance(error, PluginLoadError)
@@ -109,18 +114,8 @@ def test_name_collision_names_both_distributions(make_distribution) -> None:
 
 
 def test_cli_plugins_json_lists_fake_distribution_and_broken_one(make_distribution, tmp_path: Path) -> None:
-    site = make_distribution(
-        "kvstrata-echo",
-        "0.3.1",
-        {BACKENDS: {"echo": "kvstrata_echo:EchoBackend"}},
-        {"kvstrata_echo": backend_module("echo")},
-    )
-    make_distribution(
-        "kvstrata-broken",
-        "9.9",
-        {BACKENDS: {"broken": "kvstrata_broken:Backend"}},
-        {"kvstrata_broken": "import not_a_real_module_xyz\n"},
-    )
+    site = install_echo(make_distribution)
+    install_broken(make_distribution, "import not_a_real_module_xyz\n")
     src = Path(__file__).resolve().parents[1] / "src"
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{src}", "XDG_CACHE_HOME": str(tmp_path / "c")}
     env.pop("KVSTRATA_DISABLED_PLUGINS", None)

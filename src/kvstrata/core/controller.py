@@ -46,7 +46,7 @@ from kvstrata.core.io_plan import IOMode, IOPlan, plan_backend
 from kvstrata.core.keys import hash_pages, namespace_root
 from kvstrata.core.metrics import CacheMetrics
 from kvstrata.core.pool_group import Pool, PoolGroup
-from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
+from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine, longest_present_prefix
 from kvstrata.core.transfer import object_regions
 from kvstrata.core.tree import LockHandle, MatchResult, PrefixTree, Tier, TreeNode, page_keys
 from kvstrata.plugins import PluginHost
@@ -75,7 +75,6 @@ class TreePool:
     name: str
     kind: PoolKind
     window: int  # pages, for WINDOW pools
-    clamp: bool  # a partial L3 hit clamps (True) or drops the whole prefetch (False)
     followers: tuple[str, ...]  # this pool and the sidecars sharing its indices
 
     @classmethod
@@ -86,7 +85,7 @@ class TreePool:
             kind, window = PoolKind.WINDOW, int(spec.hit_rule.pages or 0)
         else:
             kind, window = PoolKind.PAGES, 0
-        return cls(spec.name, kind, window, spec.partial_hit is PartialHit.CLAMP, tuple(followers))
+        return cls(spec.name, kind, window, tuple(followers))
 
     def units_for(self, pages: int) -> int:
         """Units this pool needs to hold ``pages`` new pages."""
@@ -113,7 +112,6 @@ class _Prefetch:
     found: int = 0  # leading pages whose anchor object exists
     pages: int = 0  # pages whose objects the worker read and verified, every pool included
     read_end: int = 0  # pages the worker tried to read (window/state objects sit at its end)
-    error: str | None = None
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -122,10 +120,8 @@ class _Prefetch:
 class _Write:
     """One L2 -> L3 write; host locks keep its source slots alive until the owner drains it."""
 
-    batches: dict[str, PoolBatch]
     locks: list[LockHandle]
-    pages: int
-    future: Future[dict[str, BatchResult]] | None = None
+    future: Future[dict[str, BatchResult]]
 
 
 @dataclass(eq=False)
@@ -254,13 +250,12 @@ class CacheController:
         for spec in self.tree.pools:
             followers = [p.instance for p in self.pools.followers(spec.name)]
             self.tree_pools[spec.name] = TreePool.of(spec, followers)
-        #: a partial L3 hit can be clamped only if every pool besides the anchor says so
+        #: a partial L3 hit can be clamped only if every all-pages pool besides the anchor says so
         self._clampable = all(
-            tp.kind is PoolKind.PAGES and tp.clamp for tp in list(self.tree_pools.values())[1:]
-        ) and all(self.pools.pools[name].spec.partial_hit is PartialHit.CLAMP for name in self._sidecars())
-
-    def _sidecars(self) -> list[str]:
-        return [name for name, pool in self.pools.pools.items() if pool.role is PoolRole.SIDECAR]
+            self.pool_kind(name) is PoolKind.PAGES and pool.spec.partial_hit is PartialHit.CLAMP
+            for name, pool in self.pools.pools.items()
+            if name != self.anchor
+        )
 
     def _attach_storage(self, backend: StorageBackend, *, host_from_backend: bool) -> None:
         caps = backend.instance_capabilities()
@@ -411,7 +406,7 @@ class CacheController:
         self.metrics.latency("match", time.perf_counter() - started)
         if self.policy.write == "write_through_selective":
             hot = [n for n in match.device_path if n.hit_count >= self.policy.write_through_threshold]
-            self._back_up(hot)
+            self._back_up(hot, hashes=lease.page_hashes)
         if self.engine is not None:
             lease._prefetch = self._start_prefetch(lease)
         return lease
@@ -451,9 +446,8 @@ class CacheController:
                 else:
                     op.reserved = got
                     op.pages = self._prefetch_read(op, end)
-        except Exception as exc:  # an engine bug must not kill the worker or leak the slots
+        except Exception:  # an engine bug must not kill the worker or leak the slots
             log.exception("prefetch failed")
-            op.error = repr(exc)
             op.pages = 0
         finally:
             self.metrics.latency("prefetch", time.perf_counter() - op.started_s)
@@ -470,14 +464,18 @@ class CacheController:
     def _exists(self, pool: str, hashes: Sequence[str]) -> list[bool]:
         assert self.engine is not None
         result = self.engine.exists(pool, hashes)
+        self._count_failure(result)
+        return result.ok
+
+    def _count_failure(self, result: BatchResult) -> None:
+        """A storage call that was attempted and failed (a skipped one is a plan, not a failure)."""
         if result.error is not None and not result.skipped:
             self.metrics.fail()
-        return result.ok
 
     def _prefetch_length(self, op: _Prefetch) -> int:
         """Pages after ``op.start`` that every pool can serve from L3 (0 = drop)."""
         hashes = op.hashes
-        end = op.found = self._leading(self._exists(self.anchor, hashes))
+        end = op.found = longest_present_prefix(self._exists(self.anchor, hashes))
         pools = list(self.tree_pools.values())
         for tp in pools:  # all-pages pools (and the anchor's sidecars) clamp or drop
             names = tp.followers[1:] if tp.name == self.anchor else tp.followers
@@ -486,7 +484,7 @@ class CacheController:
             for name in names:
                 if end == 0:
                     return 0
-                have = self._leading(self._exists(name, hashes[:end]))
+                have = longest_present_prefix(self._exists(name, hashes[:end]))
                 if have < end:
                     clamp = self.pools.pools[name].spec.partial_hit is PartialHit.CLAMP
                     end = have if clamp else 0
@@ -501,13 +499,6 @@ class CacheController:
                 if not all(flags):
                     return 0
         return end
-
-    @staticmethod
-    def _leading(flags: Sequence[bool]) -> int:
-        for i, ok in enumerate(flags):
-            if not ok:
-                return i
-        return len(flags)
 
     @staticmethod
     def _all_of(per_pool: Sequence[Sequence[bool]]) -> list[bool]:
@@ -543,10 +534,9 @@ class CacheController:
         nbytes = 0
         done = end
         for name, result in results.items():
-            if result.error is not None and not result.skipped:
-                self.metrics.fail()
-            tp = self.tree_pools.get(name) or self.tree_pools[self._owner_of[name]]
-            have = self._leading(result.ok)
+            self._count_failure(result)
+            tp = self.tree_pools[self._owner_of[name]]
+            have = longest_present_prefix(result.ok)
             nbytes += sum(result.ok) * self.pools.pools[name].spec.bytes_per_unit
             if tp.kind is PoolKind.PAGES:
                 done = min(done, have)
@@ -801,11 +791,11 @@ class CacheController:
 
     # --- backups (L1 -> L2 -> L3) -------------------------------------------------------------
 
-    def _back_up(self, nodes: Iterable[TreeNode], *, hashes: Sequence[str] | None = None) -> list[TreeNode]:
+    def _back_up(self, nodes: Iterable[TreeNode], *, hashes: Sequence[str] | None = None) -> None:
         """Copy device-only nodes to host, root first, stopping at the first that does not fit or
         whose parent has no backup (backups stay a contiguous prefix); queue their L3 write."""
         if not self.pools.host_enabled:
-            return []
+            return
         todo: list[TreeNode] = []
         allocated: list[dict[str, torch.Tensor]] = []
         contiguous = self.policy.write != "write_back"
@@ -826,7 +816,7 @@ class CacheController:
             todo.append(node)
             allocated.append(got)
         if not todo:
-            return []
+            return
         handles = []
         nbytes = 0
         for name, tp in self.tree_pools.items():
@@ -848,7 +838,6 @@ class CacheController:
         self.metrics.add_bytes("device_to_host", nbytes)
         if self.engine is not None:
             self._queue_write(todo, hashes)
-        return todo
 
     def _back_up_for_eviction(self, shortfall: Mapping[str, int]) -> None:
         """Write-back: back up least recently used device nodes before evicting them."""
@@ -903,9 +892,8 @@ class CacheController:
                 batches[name] = self._batch(name, torch.cat(values), page_hashes)
         if not batches:
             return
-        write = _Write(batches, [self.tree.lock(n, Tier.HOST) for n in nodes], sum(n.pages for n in nodes))
-        write.future = self._writer.submit(self.engine.put_group, batches)
-        self._writes.append(write)
+        locks = [self.tree.lock(n, Tier.HOST) for n in nodes]
+        self._writes.append(_Write(locks, self._writer.submit(self.engine.put_group, batches)))
         self.metrics.count("storage_writes")
 
     # --- owner-thread commit points -----------------------------------------------------------
@@ -916,7 +904,7 @@ class CacheController:
         if self._writes:
             pending = []
             for write in self._writes:
-                if write.future is not None and write.future.done():
+                if write.future.done():
                     self._finish_write(write)
                 else:
                     pending.append(write)
@@ -932,7 +920,6 @@ class CacheController:
             self._orphans = alive
 
     def _finish_write(self, write: _Write) -> None:
-        assert write.future is not None
         try:
             results = write.future.result()
         except Exception:  # the engine does not raise on backend errors; this is a bug guard
@@ -941,8 +928,7 @@ class CacheController:
             results = {}
         nbytes = 0
         for name, result in results.items():
-            if result.error is not None and not result.skipped:
-                self.metrics.fail()
+            self._count_failure(result)
             nbytes += sum(result.ok) * self.pools.pools[name].spec.bytes_per_unit
         self.metrics.add_bytes("host_to_storage", nbytes)
         for handle in write.locks:
@@ -952,12 +938,11 @@ class CacheController:
         """Wait for every queued L3 write and revoked prefetch, then commit their results."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for write in list(self._writes):
-            if write.future is not None:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    write.future.exception(remaining)
-                except TimeoutError:
-                    break
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                write.future.exception(remaining)
+            except TimeoutError:
+                break
         for op in list(self._orphans):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             op.done.wait(remaining)
