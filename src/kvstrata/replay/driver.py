@@ -21,12 +21,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.config import KvstrataConfig
+from kvstrata.core.controller import CacheController, CacheFullError
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.pool_type import BufferSpec, Granularity
 from kvstrata.replay._mix import splitmix64_
@@ -34,9 +35,6 @@ from kvstrata.replay.content import ContentIdentity, layer_seed_key, page_identi
 from kvstrata.replay.report import DIRECTIONS, ReplayDetails, ReplayRecorder, ReplayResult
 from kvstrata.replay.tokens import BlockTokenizer
 from kvstrata.replay.trace import MOONCAKE_BLOCK_SIZE, TraceRequest
-
-if TYPE_CHECKING:
-    from kvstrata.core.controller import CacheController
 
 #: Upper bound of the temporaries one fill/verify chunk builds (expected words + gathered words).
 _CHUNK_BYTES = 16 << 20
@@ -56,6 +54,7 @@ class _BufferContent:
     layer_keys: torch.Tensor  # (layers,) int64: per-layer seed keys (content.unit_seeds, batched)
     table: torch.Tensor  # (layers, words64) int64 per-position words (content.word_table)
     byte_view: bool  # True: ``view`` is uint8 and expected words are truncated to layer bytes
+    rows: int  # units per fill/verify chunk (bounds the temporaries at _CHUNK_BYTES)
 
     def expected(self, page_ids: torch.Tensor) -> torch.Tensor:
         """``(n, layers, words)`` expected content of ``page_ids`` in the dtype of :attr:`view`."""
@@ -64,9 +63,6 @@ class _BufferContent:
         if not self.byte_view:
             return words
         return words.view(torch.uint8)[..., : self.spec.bytes_per_unit_per_layer]
-
-    def rows_per_chunk(self) -> int:
-        return max(1, _CHUNK_BYTES // (2 * max(1, self.table.numel() * 8)))
 
 
 class PoolContent:
@@ -79,7 +75,7 @@ class PoolContent:
     def __init__(self, namespace: str, pool_name: str, buffers: PoolBuffers) -> None:
         self.pool_name = pool_name
         self.buffers: list[_BufferContent] = []
-        device = buffers.device
+        self.device = device = buffers.device
         for spec in buffers.spec.buffers:
             layer_bytes = spec.bytes_per_unit_per_layer
             identity = ContentIdentity(namespace, pool_name, spec.name, spec.dtype, layer_bytes)
@@ -91,18 +87,21 @@ class PoolContent:
             table = torch.stack([word_table(identity, layer, device) for layer in range(spec.layers)])
             eight = layer_bytes % 8 == 0 and buffers.word_bytes(spec.name) % 8 == 0
             view = buffers.unit_view(spec.name, 8 if eight else 1)
-            self.buffers.append(_BufferContent(spec, view, keys, table, byte_view=not eight))
+            rows = max(1, _CHUNK_BYTES // (2 * max(1, table.numel() * 8)))
+            self.buffers.append(_BufferContent(spec, view, keys, table, byte_view=not eight, rows=rows))
 
-    def fill(self, units: torch.Tensor, page_ids: torch.Tensor) -> None:
-        """Write the expected content of ``page_ids`` into device ``units`` (every buffer, layer)."""
+    def _on_device(self, units: torch.Tensor, page_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if units.numel() != page_ids.numel():
             raise ValueError(
                 f"pool {self.pool_name!r}: {units.numel()} units for {page_ids.numel()} page identities"
             )
+        return units.to(self.device), page_ids.to(self.device)
+
+    def fill(self, units: torch.Tensor, page_ids: torch.Tensor) -> None:
+        """Write the expected content of ``page_ids`` into device ``units`` (every buffer, layer)."""
+        index, ids = self._on_device(units, page_ids)
         for content in self.buffers:
-            index = units.to(content.view.device)
-            ids = page_ids.to(content.view.device)
-            step = content.rows_per_chunk()
+            step = content.rows
             for start in range(0, index.numel(), step):
                 # index_copy_ on the (units, layers, words) view: ~40x faster than index_put on it
                 content.view.index_copy_(
@@ -111,20 +110,15 @@ class PoolContent:
 
     def verify(self, units: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
         """Positions (into ``units``) whose bytes differ from the expected content in any buffer."""
-        if units.numel() != page_ids.numel():
-            raise ValueError(
-                f"pool {self.pool_name!r}: {units.numel()} units for {page_ids.numel()} page identities"
-            )
-        bad = torch.zeros(units.numel(), dtype=torch.bool)
+        index, ids = self._on_device(units, page_ids)
+        bad = torch.zeros(units.numel(), dtype=torch.bool, device=self.device)
         for content in self.buffers:
-            index = units.to(content.view.device)
-            ids = page_ids.to(content.view.device)
-            step = content.rows_per_chunk()
+            step = content.rows
             for start in range(0, index.numel(), step):
                 got = content.view.index_select(0, index[start : start + step])
                 wrong = (got != content.expected(ids[start : start + step])).flatten(1).any(dim=1)
-                bad[start : start + step] |= wrong.cpu()
-        return torch.nonzero(bad).reshape(-1)
+                bad[start : start + step] |= wrong
+        return torch.nonzero(bad).reshape(-1).cpu()
 
 
 class StackContent:
@@ -205,6 +199,10 @@ def replay_with_cache(
     before: dict[str, Any] | None = cache.metrics.snapshot() if warmup == 0 else None
     started = time.perf_counter()
     total = len(requests)
+    # chunked prefill only for stacks with node-state pools, at a page-aligned step
+    step = state_checkpoint_tokens or 0
+    if step % page_size or not any(content.node_state.values()):
+        step = 0
     for index, request in enumerate(requests):
         if index % _TOKENIZE_AHEAD == 0:  # generate the next requests' blocks in one batch
             window = requests[index : index + _TOKENIZE_AHEAD]
@@ -213,7 +211,7 @@ def replay_with_cache(
             before = cache.metrics.snapshot()
             started = time.perf_counter()
         tokens = tokenizer.request_tokens(request)
-        checkpoint = _checkpoint_tokens(content, request.input_length, page_size, state_checkpoint_tokens)
+        checkpoint = _checkpoint_tokens(request.input_length, page_size, step)
         if checkpoint:  # chunked prefill: the state at the last block boundary is stored too
             hit_pages, served, full = _serve(cache, content, tokens[:checkpoint], verify)
             _, served_rest, full_rest = _serve(cache, content, tokens, verify)
@@ -247,9 +245,9 @@ def replay_with_cache(
     return recorder.finish(wall_s=wall, baseline_hit_rate=baseline_hit_rate, baseline_label=baseline_label)
 
 
-def _checkpoint_tokens(content: StackContent, input_length: int, page_size: int, step: int | None) -> int:
+def _checkpoint_tokens(input_length: int, page_size: int, step: int) -> int:
     """Tokens of the chunked-prefill checkpoint of a request, or 0 when it is served whole."""
-    if not step or step % page_size or not any(content.node_state.values()):
+    if not step:
         return 0
     checkpoint = input_length // step * step
     return checkpoint if checkpoint > 0 and checkpoint // page_size < input_length // page_size else 0
@@ -262,14 +260,12 @@ def _serve(
 
     Returns (hit pages per tier, units served with wrong bytes, whether the device tier was full).
     """
-    from kvstrata.core.controller import CacheFullError
-
     lease = cache.lookup(tokens)
     try:
         cache.admit(lease)
         cached, pages = lease.cached_pages, lease.pages
         hit_pages = dict(lease.hit_pages)
-        identities = page_identities(lease.page_hashes)
+        identities = page_identities(lease.page_hashes, device=cache.pools.device)
         served = 0
         if verify and cached:
             for name, pool_content in content.pools.items():
@@ -303,8 +299,6 @@ def run_replay_detailed(
     baseline_label: str | None = None,
 ) -> tuple[ReplayResult, ReplayDetails]:
     """Build a controller from ``config``, replay ``requests`` through it, close it."""
-    from kvstrata.core.controller import CacheController
-
     with CacheController(config, plugins) as cache:
         return replay_with_cache(
             cache,
