@@ -15,7 +15,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from kvstrata.core.config import compose, config_json_schema, load_config, validate_config
+from kvstrata.core.config import config_json_schema, load_config
 from kvstrata.plugins.errors import ConfigError, KvstrataError, PluginError
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.registry import missing_requirements
@@ -126,17 +126,11 @@ def plugins(
     out.print(table)
 
 
-def _load(files: list[Path], overrides: list[str] | None) -> Any:
-    host = PluginHost()
-    data = compose(files, overrides or [])
-    return validate_config(data, host, ", ".join(map(str, files)))
-
-
 @config_app.command("validate")
 def config_validate(files: ConfigFiles, set_: SetOption = None) -> None:
     """Check that the composed configuration is valid; errors name the dotted field path."""
     try:
-        config = _load(files, set_)
+        config = load_config(files, set_ or [], host=PluginHost())
     except (ConfigError, PluginError) as exc:
         raise _fail(exc, EXIT_INVALID) from None
     pools = ", ".join(f"{k} ({v.type})" for k, v in config.model.pools.items())
@@ -152,7 +146,7 @@ def config_show(
 ) -> None:
     """Print the resolved configuration, defaults included."""
     try:
-        config = _load(files, set_)
+        config = load_config(files, set_ or [], host=PluginHost())
     except (ConfigError, PluginError) as exc:
         raise _fail(exc, EXIT_INVALID) from None
     data = config.model_dump(mode="json")
@@ -253,13 +247,12 @@ def build_pool_specs(config: Any, host: PluginHost) -> dict[str, Any]:
 def doctor(files: ConfigFiles, set_: SetOption = None) -> None:
     """Check a configuration against this machine: I/O plan per (backend, pool), host memory
     budget, backend reachability. Exits 1 when something cannot work as configured."""
-    import psutil
-
     from kvstrata.core.io_plan import IOMode, plan_backend
+    from kvstrata.core.pool_group import host_memory_budget
 
     host = PluginHost()
     try:
-        config = validate_config(compose(files, set_ or []), host, ", ".join(map(str, files)))
+        config = load_config(files, set_ or [], host=host)
         specs = build_pool_specs(config, host)
     except (ConfigError, PluginError) as exc:
         raise _fail(exc, EXIT_INVALID) from None
@@ -308,9 +301,7 @@ def doctor(files: ConfigFiles, set_: SetOption = None) -> None:
     host_tier = config.tiers.host
     units = host_tier.capacity_tokens // config.model.page_size
     required = sum(spec.bytes_per_unit * units for spec in specs.values())
-    available = (
-        max(psutil.virtual_memory().available - host_tier.reserve_bytes, 0) // host_tier.ranks_per_host
-    )
+    available = host_memory_budget(host_tier)
     verdict = "[green]fits[/]" if required <= available else "[red]does not fit[/]"
     out.print(
         f"host budget: {units} units per pool need {required / 2**30:.3f} GiB per rank; "

@@ -51,14 +51,10 @@ def page_identity(key: bytes | str | int) -> int:
     return hash64("page", key)
 
 
-def _layer_key(identity: ContentIdentity, layer: int) -> int:
-    return hash64("layer", identity.base_seed(), layer)
-
-
 def layer_seed_key(identity: ContentIdentity, layer: int) -> int:
     """The key :func:`unit_seeds` mixes into page identities: lets batched generators (the replay
     driver fills all layers at once) produce exactly this module's content."""
-    return _layer_key(identity, layer)
+    return hash64("layer", identity.base_seed(), layer)
 
 
 def page_identities(keys: Sequence[bytes | str | int], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -68,13 +64,13 @@ def page_identities(keys: Sequence[bytes | str | int], device: torch.device | st
 
 def unit_seeds(identity: ContentIdentity, page_ids: torch.Tensor, layer: int) -> torch.Tensor:
     """Per-unit seeds (int64): a bijective mix of page id, identity and layer."""
-    return splitmix64_(page_ids.to(torch.int64).clone() ^ _layer_key(identity, layer))
+    return splitmix64_(page_ids.to(torch.int64).clone() ^ layer_seed_key(identity, layer))
 
 
 def word_table(identity: ContentIdentity, layer: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The per-position words that every unit of this (identity, layer) XORs with its seed."""
     words = -(-identity.unit_nbytes // 8)
-    key = torch.tensor([_layer_key(identity, layer) ^ 0x7AB1E], dtype=torch.int64, device=device)
+    key = torch.tensor([layer_seed_key(identity, layer) ^ 0x7AB1E], dtype=torch.int64, device=device)
     return stream(key, words)[0]
 
 

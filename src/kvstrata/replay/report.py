@@ -8,7 +8,6 @@ The JSON has exactly the keys of :class:`ReplayResult`; everything else the summ
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,14 +18,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 from rich.table import Table
 
+from kvstrata.core.metrics import DIRECTIONS as _DIRECTIONS
+from kvstrata.core.metrics import LATENCIES
+from kvstrata.core.metrics import TIERS as _TIERS
 from kvstrata.plugins.errors import KvstrataError
 
 Tier = Literal["device", "host", "storage"]
 Direction = Literal["device_to_host", "host_to_device", "host_to_storage", "storage_to_host"]
-TIERS: tuple[Tier, ...] = ("device", "host", "storage")
-DIRECTIONS: tuple[Direction, ...] = ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host")
+# the controller's own names (kvstrata.core.metrics), so report and metrics cannot drift apart
+TIERS: tuple[Tier, ...] = _TIERS  # type: ignore[assignment]
+DIRECTIONS: tuple[Direction, ...] = _DIRECTIONS  # type: ignore[assignment]
 #: Operations whose latency the summary reports.
-LATENCY_KINDS = ("match", "load_back", "prefetch")
+LATENCY_KINDS = LATENCIES
 PLOT_INSTALL = "pip install 'kvstrata[plot]'"
 
 
@@ -113,7 +116,6 @@ class ReplayRecorder:
         self._failures: Counter[str] = Counter()
         self.corrupt_pages_detected = 0
         self.corrupt_pages_served = 0
-        self._started = time.perf_counter()
 
     @property
     def measuring(self) -> bool:
@@ -152,12 +154,12 @@ class ReplayRecorder:
 
     def finish(
         self,
-        wall_s: float | None = None,
+        wall_s: float,
         baseline_hit_rate: float | None = None,
         baseline_label: str | None = None,
     ) -> tuple[ReplayResult, ReplayDetails]:
-        """Build the result; ``wall_s`` defaults to the time since the recorder was created."""
-        wall = time.perf_counter() - self._started if wall_s is None else wall_s
+        """Build the result; ``wall_s`` is the measured part's wall time (the driver's clock)."""
+        wall = wall_s
         tokens = sum(self._tokens)
         per_tier = {tier: sum(hits) for tier, hits in self._hits.items()}
 
