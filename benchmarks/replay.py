@@ -17,8 +17,6 @@ blocks) for the hit rates, and its bookkeeping-only token rate for throughput. T
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import tempfile
 import time
@@ -26,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from _results import Figure, write_results
+from _traces import find_trace
 
-from kvstrata.core.config import load_config
+from kvstrata.core.config import env_overrides, set_path, validate_config
 from kvstrata.plugins.host import PluginHost
 from kvstrata.replay.driver import run_replay_detailed
 from kvstrata.replay.report import ReplayResult
@@ -37,18 +36,6 @@ from kvstrata.replay.trace import TraceRequest, read_trace
 PAPER_UNLIMITED, PAPER_3M_SHARE = 0.40, 0.41
 QUICK_REQUESTS = 1500
 PAGE = 512
-
-
-def trace_path() -> Path:
-    env = os.environ.get("KVSTRATA_TRACE_DIR")
-    repo = Path(__file__).resolve().parents[1]
-    candidates = (
-        [Path(env)] if env else [repo.parent / "shared/data/traces", repo.parents[1] / "shared/data/traces"]
-    )
-    for candidate in candidates:
-        if (candidate / "conversation_trace.jsonl").is_file():
-            return candidate / "conversation_trace.jsonl"
-    raise SystemExit("traces not found: set KVSTRATA_TRACE_DIR to the folder with conversation_trace.jsonl")
 
 
 def stack(*, device_tokens: int, host_tokens: int, l3: Path | None, hybrid: bool) -> dict[str, Any]:
@@ -77,13 +64,9 @@ def stack(*, device_tokens: int, host_tokens: int, l3: Path | None, hybrid: bool
 
 def replay(requests: list[TraceRequest], data: dict[str, Any], label: str) -> tuple[ReplayResult, float]:
     host = PluginHost()
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump(data, handle)
-        path = Path(handle.name)
-    try:
-        config = load_config([path], host=host)
-    finally:
-        path.unlink()
+    for path, value in env_overrides():  # KVSTRATA_A__B=... applies here as to any config
+        set_path(data, path, value)
+    config = validate_config(data, host, f"benchmark stack {label!r}")
     last = [time.perf_counter()]
 
     def progress(done: int, total: int) -> None:
@@ -116,7 +99,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, help="first N requests (default: the whole trace)")
     args = parser.parse_args()
     limit = args.limit or (QUICK_REQUESTS if args.quick else None)
-    requests = read_trace(trace_path(), limit=limit)
+    requests = read_trace(find_trace("conversation_trace.jsonl"), limit=limit)
     total_tokens = sum(r.input_length for r in requests)
 
     start = time.perf_counter()

@@ -8,11 +8,11 @@ Also times the simulator itself (requests/s), baseline: reading and validating t
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
 from _results import Figure, write_results
+from _traces import find_trace
 
 from kvstrata.replay.simulate import SimulationConfig, simulate
 from kvstrata.replay.trace import read_trace
@@ -21,17 +21,6 @@ PAPER = {  # trace -> (unlimited cache ratio, share of it reached with a 3M-toke
     "conversation_trace.jsonl": (0.40, 0.41),
     "synthetic_trace.jsonl": (0.66, 0.46),
 }
-
-
-def trace_dir() -> Path:
-    env = os.environ.get("KVSTRATA_TRACE_DIR")
-    repo = Path(__file__).resolve().parents[1]
-    for candidate in (
-        [Path(env)] if env else [repo.parent / "shared/data/traces", repo.parents[1] / "shared/data/traces"]
-    ):
-        if candidate.is_dir():
-            return candidate
-    raise SystemExit("traces not found: set KVSTRATA_TRACE_DIR to the folder with conversation_trace.jsonl")
 
 
 def main() -> None:
@@ -43,7 +32,7 @@ def main() -> None:
     names = list(PAPER)[:1] if args.quick else list(PAPER)
     for name in names:
         start = time.perf_counter()
-        trace = read_trace(trace_dir() / name)
+        trace = read_trace(find_trace(name))
         read_s = time.perf_counter() - start
         start = time.perf_counter()
         unlimited = simulate(trace).hit_rate

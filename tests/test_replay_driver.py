@@ -18,23 +18,11 @@ from kvstrata.plugins.host import PluginHost
 from kvstrata.replay.driver import run_replay, run_replay_detailed
 from kvstrata.replay.simulate import simulate
 from kvstrata.replay.trace import MOONCAKE_BLOCK_SIZE, TraceRequest, read_trace
+from trace_files import full_trace
 
 REPO = Path(__file__).resolve().parents[1]
-TRACE_DIR_ENV = "KVSTRATA_TRACE_DIR"
 #: Requests of the conversation trace compared against the simulator (a few seconds of replay).
 PREFIX_REQUESTS = 400
-
-
-def conversation_trace() -> Path:
-    """The shared conversation trace, or skip naming where it was looked for."""
-    candidates = [Path(os.environ[TRACE_DIR_ENV])] if os.environ.get(TRACE_DIR_ENV) else []
-    candidates += [REPO.parent / "shared" / "data" / "traces", REPO.parents[1] / "shared" / "data" / "traces"]
-    for directory in candidates:
-        if (directory / "conversation_trace.jsonl").is_file():
-            return directory / "conversation_trace.jsonl"
-    pytest.skip(
-        f"conversation_trace.jsonl not found in {', '.join(map(str, candidates))}; set {TRACE_DIR_ENV}"
-    )
 
 
 def tiny_stack(tmp_path: Path, *, page_size: int = 64, **tiers: Any) -> Path:
@@ -64,7 +52,7 @@ def whole_pages_only(request: TraceRequest) -> TraceRequest:
 
 
 def test_device_only_unlimited_hit_rate_equals_reference_simulator(tmp_path: Path) -> None:
-    requests = read_trace(conversation_trace(), limit=PREFIX_REQUESTS)
+    requests = read_trace(full_trace("conversation_trace.jsonl"), limit=PREFIX_REQUESTS)
     never_evict = sum(r.input_length for r in requests) + MOONCAKE_BLOCK_SIZE
     stack = tiny_stack(
         tmp_path, page_size=512, device={"capacity_tokens": never_evict}, host={"capacity_tokens": 0}

@@ -10,7 +10,6 @@ The synthetic trace gives 65.1 % unlimited (paper 66 %) and 48.6 % of max at 3M 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -18,19 +17,7 @@ from pydantic import ValidationError
 
 from kvstrata.replay.simulate import HitRateSimulator, SimulationConfig, simulate
 from kvstrata.replay.trace import TraceRequest, read_trace
-
-TRACE_DIR_ENV = "KVSTRATA_TRACE_DIR"
-
-
-def full_trace(name: str) -> Path:
-    """Path of ``name`` (e.g. conversation_trace.jsonl), or skip naming where it was looked for."""
-    repo = Path(__file__).resolve().parents[1]
-    candidates = [Path(os.environ[TRACE_DIR_ENV])] if os.environ.get(TRACE_DIR_ENV) else []
-    candidates += [repo.parent / "shared" / "data" / "traces", repo.parents[1] / "shared" / "data" / "traces"]
-    for directory in candidates:
-        if (directory / name).is_file():
-            return directory / name
-    pytest.skip(f"{name} not found in {', '.join(map(str, candidates))}; set {TRACE_DIR_ENV}")
+from trace_files import full_trace
 
 
 def req(length: int, *ids: int) -> TraceRequest:
