@@ -288,43 +288,19 @@ def _serve(
 
 
 def run_replay_detailed(
-    config: KvstrataConfig,
-    plugins: PluginHost,
-    requests: Sequence[TraceRequest],
-    *,
-    warmup_fraction: float = 0.0,
-    progress: ProgressFn | None = None,
-    verify: bool = True,
-    baseline_hit_rate: float | None = None,
-    baseline_label: str | None = None,
+    config: KvstrataConfig, plugins: PluginHost, requests: Sequence[TraceRequest], **options: Any
 ) -> tuple[ReplayResult, ReplayDetails]:
-    """Build a controller from ``config``, replay ``requests`` through it, close it."""
+    """Build a controller from ``config``, replay ``requests`` through it (``options`` as for
+    :func:`replay_with_cache`), close it."""
     with CacheController(config, plugins) as cache:
-        return replay_with_cache(
-            cache,
-            requests,
-            warmup_fraction=warmup_fraction,
-            progress=progress,
-            verify=verify,
-            baseline_hit_rate=baseline_hit_rate,
-            baseline_label=baseline_label,
-        )
+        return replay_with_cache(cache, requests, **options)
 
 
 def run_replay(
-    config: KvstrataConfig,
-    plugins: PluginHost,
-    requests: Sequence[TraceRequest],
-    *,
-    warmup_fraction: float = 0.0,
-    progress: ProgressFn | None = None,
-    verify: bool = True,
+    config: KvstrataConfig, plugins: PluginHost, requests: Sequence[TraceRequest], **options: Any
 ) -> ReplayResult:
     """Replay a trace through a fresh controller; the JSON-contract result only."""
-    result, _ = run_replay_detailed(
-        config, plugins, requests, warmup_fraction=warmup_fraction, progress=progress, verify=verify
-    )
-    return result
+    return run_replay_detailed(config, plugins, requests, **options)[0]
 
 
 __all__ = [
