@@ -41,6 +41,8 @@ class CacheMetrics:
     latency_s: dict[str, deque[float]] = field(
         default_factory=lambda: {kind: deque(maxlen=LATENCY_SAMPLES) for kind in LATENCIES}
     )
+    #: samples ever recorded per kind (the deques keep only the newest LATENCY_SAMPLES)
+    latency_count: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LATENCIES, 0))
     #: set by the controller: objects the integrity check refused (read from the storage engine)
     corrupt_detected_fn: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -60,6 +62,7 @@ class CacheMetrics:
     def latency(self, kind: str, seconds: float) -> None:
         with self._lock:
             self.latency_s[kind].append(seconds)
+            self.latency_count[kind] += 1
 
     def request(self, tokens: int, hits: dict[str, int]) -> None:
         with self._lock:
@@ -86,4 +89,5 @@ class CacheMetrics:
                 "failures": self.failures,
                 "corrupt_detected": self.corrupt_detected,
                 "latency_s": {kind: list(samples) for kind, samples in self.latency_s.items()},
+                "latency_count": dict(self.latency_count),
             }

@@ -146,7 +146,8 @@ class StackContent:
 
 
 def _snapshot_delta(after: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:
-    """The counters of ``after`` minus ``before`` (latency lists: the samples added since)."""
+    """The counters of ``after`` minus ``before``; latency lists keep the samples added since
+    (counted by ``latency_count``: the lists hold only the newest samples)."""
     if before is None:
         return after
     delta: dict[str, Any] = {}
@@ -154,12 +155,13 @@ def _snapshot_delta(after: dict[str, Any], before: dict[str, Any] | None) -> dic
         old = before.get(key)
         if isinstance(value, dict):
             delta[key] = _snapshot_delta(value, old if isinstance(old, dict) else None)
-        elif isinstance(value, list):
-            delta[key] = value[len(old) if isinstance(old, list) else 0 :]
         elif isinstance(value, int | float) and isinstance(old, int | float):
             delta[key] = value - old
         else:
             delta[key] = value
+    for kind, samples in after.get("latency_s", {}).items():
+        added = delta["latency_count"][kind]
+        delta["latency_s"][kind] = samples[max(0, len(samples) - added) :] if added else []
     return delta
 
 
