@@ -844,8 +844,8 @@ class CacheController:
         want = shortfall.get(self.anchor, 0) or max(shortfall.values(), default=0)
         candidates = [
             n
-            for n in self.tree.nodes()
-            if n.device[0] is not None and not self.tree.backed_up(n) and not any(n.device_lock)
+            for n in self.tree.holding(self.anchor, Tier.DEVICE)
+            if not self.tree.backed_up(n) and not any(n.device_lock)
         ]
         candidates.sort(key=lambda n: (n.last_access, n.id))
         chosen, units = [], 0

@@ -290,6 +290,10 @@ class PrefixTree:
                 f"pool {name!r} is not tracked by the tree (tracked: {list(self.index)})"
             ) from None
 
+    def holding(self, name: str, tier: Tier | str) -> list[TreeNode]:
+        """The nodes holding units of a pool in a tier (its LRU membership; no tree walk)."""
+        return list(self._lru[Tier(tier)][self._pool(name)])
+
     def units(self, name: str, tier: Tier | str) -> int:
         """Units of a pool held by the tree in a tier (pages or slots)."""
         p = self._pool(name)
