@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvstrata.core.config import load_config
-from kvstrata.core.pool_group import HostMemoryError, PoolGroup
+from kvstrata.core.pool_group import HostMemoryError, Pool, PoolGroup
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.pool_type import PoolRole
 from kvstrata.plugins.storage_backend import BufferRegion
@@ -119,6 +119,11 @@ def test_draft_added_after_start_grows_required_bytes(plugins: PluginHost) -> No
         group.add_pool("d2", {"type": "draft", "layers": 1, "kv_heads": 1, "head_dim": 8, "host_units": 3})
 
 
+def device_rows(pool: Pool, name: str, indices: torch.Tensor) -> torch.Tensor:
+    """Units ``indices`` of buffer ``name`` in the pool's device tier, as CPU bytes."""
+    return pool.device.unit_view(name).index_select(0, indices.to(pool.device.device)).cpu()
+
+
 def test_sidecars_follow_anchor_indices(plugins: PluginHost) -> None:
     group = build(plugins, "mla-nsa-draft.yaml")
     anchor, indexer, draft = group.pool("mla"), group.pool("indexer"), group.pool("draft")
@@ -137,7 +142,7 @@ def test_sidecars_follow_anchor_indices(plugins: PluginHost) -> None:
         handle.wait()
     for pool in (anchor, indexer, draft):
         for name in pool.device.placements:
-            src = pool.device.unit_view(name).index_select(0, device_idx.to(pool.device.device)).cpu()
+            src = device_rows(pool, name, device_idx)
             assert torch.equal(src, pool.host.unit_view(name)[host_idx]), (pool.instance, name)
     # and back to other device pages
     target = torch.tensor([7, 6, 5, 4, 3])
@@ -145,7 +150,7 @@ def test_sidecars_follow_anchor_indices(plugins: PluginHost) -> None:
         handle.wait()
     for pool in (indexer, draft):
         for name in pool.device.placements:
-            got = pool.device.unit_view(name).index_select(0, target.to(pool.device.device)).cpu()
+            got = device_rows(pool, name, target)
             assert torch.equal(got, pool.host.unit_view(name)[host_idx])
 
 

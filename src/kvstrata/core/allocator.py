@@ -17,6 +17,11 @@ class AllocatorError(ValueError):
     """A free of indices that are not currently allocated (double free, or foreign indices)."""
 
 
+def _as_cpu_index(indices: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """Indices as a flat int64 CPU tensor."""
+    return torch.as_tensor(indices, dtype=torch.int64).flatten().cpu()
+
+
 class UnitAllocator:
     """FIFO free list over ``units`` indices with an in-use bitmap for misuse detection.
 
@@ -33,9 +38,10 @@ class UnitAllocator:
         self._lock = threading.Lock()
         # the free list as a queue of index chunks: alloc and free touch only the chunks they
         # take or give back, never the whole list (a pool may have millions of units)
-        self._chunks: deque[torch.Tensor] = deque([torch.arange(units, dtype=torch.int64)] if units else [])
-        self._available = units
+        self._chunks: deque[torch.Tensor]
+        self._available: int
         self._in_use = torch.zeros(units, dtype=torch.bool)
+        self.reset()
 
     @property
     def available(self) -> int:
@@ -72,7 +78,7 @@ class UnitAllocator:
 
     def free(self, indices: torch.Tensor | Sequence[int]) -> None:
         """Return indices; raises :class:`AllocatorError` naming the offending ones on misuse."""
-        idx = torch.as_tensor(indices, dtype=torch.int64).flatten().cpu()
+        idx = _as_cpu_index(indices)
         count = idx.numel()
         if count == 0:
             return
@@ -100,7 +106,7 @@ class UnitAllocator:
 
     def is_allocated(self, indices: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Per index: whether it is currently allocated (bool tensor)."""
-        idx = torch.as_tensor(indices, dtype=torch.int64).flatten().cpu()
+        idx = _as_cpu_index(indices)
         with self._lock:
             return self._in_use[idx].clone()
 

@@ -120,6 +120,8 @@ class PoolBuffers:
         if self.backing is not None and layout is not Layout.PAGE_FIRST:
             for name, place in self.placements.items():
                 self.tensors[name] = self._typed_view(place)
+        # construction-time facts only (placement, backing address, layout): computed once
+        self._word_bytes = {name: self._widest_word(place) for name, place in self.placements.items()}
 
     # --- allocation -------------------------------------------------------------------------
 
@@ -216,7 +218,11 @@ class PoolBuffers:
 
         Copies move words, not bytes: bit-exact either way, but far fewer elements per copy.
         """
-        place = self._placement(name)
+        if name not in self._word_bytes:
+            self._placement(name)  # raises the KeyError that lists this pool's buffers
+        return self._word_bytes[name]
+
+    def _widest_word(self, place: _Placement) -> int:
         sizes = [place.spec.bytes_per_unit_per_layer, place.offset, self.data_ptr]
         if self.layout is Layout.PAGE_FIRST:
             sizes.append(self.unit_bytes)

@@ -72,6 +72,16 @@ PluginPoolConfig = Annotated[SerializeAsAny[PoolConfig], _resolver("pool_types",
 PluginBackendConfig = Annotated[SerializeAsAny[BackendConfig], _resolver("storage_backends", BackendConfig)]
 
 
+def anchor_instances(pools: Mapping[str, PoolConfig], host: PluginHost) -> list[str]:
+    """The instances that anchor the stack: no ``index_source`` and a type whose default role is
+    anchor (a valid stack has exactly one)."""
+    return [
+        instance
+        for instance, pool in pools.items()
+        if pool.index_source is None and host.pool_types.get(pool.type).default_role is PoolRole.ANCHOR
+    ]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -86,14 +96,10 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _one_anchor(self, info: ValidationInfo) -> ModelConfig:
-        host = _host(info)
-        anchors = []
         for instance, pool in self.pools.items():
             if pool.index_source is not None and pool.index_source not in self.pools:
                 raise ValueError(f"pools.{instance}.index_source names unknown pool {pool.index_source!r}")
-            role = host.pool_types.get(pool.type).default_role
-            if role is PoolRole.ANCHOR and pool.index_source is None:
-                anchors.append(instance)
+        anchors = anchor_instances(self.pools, _host(info))
         if len(anchors) != 1:
             raise ValueError(
                 "a model stack needs exactly one anchor pool (a pool whose type is an anchor "

@@ -29,8 +29,8 @@ import torch
 
 from kvstrata.core.allocator import UnitAllocator
 from kvstrata.core.buffers import HostAllocatorFn, PoolBuffers
-from kvstrata.core.config import HostTierConfig, KvstrataConfig
-from kvstrata.core.transfer import TransferHandle, copy_units
+from kvstrata.core.config import HostTierConfig, KvstrataConfig, anchor_instances
+from kvstrata.core.transfer import TransferHandle, as_index, copy_units
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.pool_type import (
     Granularity,
@@ -139,7 +139,7 @@ class PoolGroup:
         order = self._build_order(specs)
         units = {}
         for name in order:
-            units[name] = self._units(specs[name], plugins_by_name[name].config, units, specs)
+            units[name] = self._units(specs[name], plugins_by_name[name].config, units)
         requested = sum(self._tier_bytes(specs[name], units[name]) for name in order)
         self._check_memory(requested, f"pools {order}")
         for name in order:
@@ -148,12 +148,7 @@ class PoolGroup:
     # --- construction -------------------------------------------------------------------------
 
     def _find_anchor(self, pools: Mapping[str, PoolConfig]) -> str:
-        anchors = [
-            name
-            for name, cfg in pools.items()
-            if cfg.index_source is None
-            and self.plugins.pool_types.get(cfg.type).default_role is PoolRole.ANCHOR
-        ]
+        anchors = anchor_instances(pools, self.plugins)
         if len(anchors) != 1:
             raise ValueError(f"a model stack needs exactly one anchor pool; found {anchors or 'none'}")
         return anchors[0]
@@ -188,7 +183,6 @@ class PoolGroup:
         spec: PoolSpec,
         config: PoolConfig,
         known: Mapping[str, tuple[int, int]],
-        specs: Mapping[str, PoolSpec],
     ) -> tuple[int, int]:
         """(device units, host units) of one pool."""
         if spec.index_source is not None:
@@ -275,7 +269,7 @@ class PoolGroup:
                 raise ValueError(f"pool {instance!r} would be a second anchor (anchor: {self.anchor_name!r})")
             if spec.index_source is not None and spec.index_source not in self.pools:
                 raise ValueError(f"pool {instance!r}: index_source {spec.index_source!r} is not in the group")
-            units = self._units(spec, plugin.config, {}, {instance: spec})
+            units = self._units(spec, plugin.config, {})
             self._check_memory(self._tier_bytes(spec, units), f"pool {instance!r}")
             return self._add(instance, plugin, spec, units)
 
@@ -322,11 +316,7 @@ class PoolGroup:
         host_indices: torch.Tensor | Sequence[int],
     ) -> list[TransferHandle]:
         """Back up units of ``owner`` and of every sidecar following its indices."""
-        return [
-            copy_units(pool.device, device_indices, pool.host, host_indices)
-            for pool in self.followers(owner)
-            if pool.host is not None
-        ]
+        return self._copy_followers(owner, device_indices, host_indices, to_host=True)
 
     def host_to_device(
         self,
@@ -335,11 +325,26 @@ class PoolGroup:
         device_indices: torch.Tensor | Sequence[int],
     ) -> list[TransferHandle]:
         """Load units of ``owner`` and of every sidecar following its indices back to the device."""
-        return [
-            copy_units(pool.host, host_indices, pool.device, device_indices)
+        return self._copy_followers(owner, host_indices, device_indices, to_host=False)
+
+    def _copy_followers(
+        self,
+        owner: str,
+        src_indices: torch.Tensor | Sequence[int],
+        dst_indices: torch.Tensor | Sequence[int],
+        *,
+        to_host: bool,
+    ) -> list[TransferHandle]:
+        """Copy units between the tiers for ``owner`` and every pool following its indices."""
+        pairs = [
+            (pool.device, pool.host) if to_host else (pool.host, pool.device)
             for pool in self.followers(owner)
             if pool.host is not None
         ]
+        if not pairs:
+            return []
+        src_idx, dst_idx = as_index(src_indices), as_index(dst_indices)
+        return [copy_units(src, src_idx, dst, dst_idx) for src, dst in pairs]
 
     def describe(self) -> list[dict[str, Any]]:
         """One row per pool (for logs and ``kvstrata doctor``)."""

@@ -93,13 +93,13 @@ def _copy_rows(
 
 
 def _local_copy(
-    src_view: torch.Tensor, src_idx: torch.Tensor, dst_view: torch.Tensor, dst_idx: torch.Tensor
-) -> None:
+    src_view: torch.Tensor, src_idx: torch.Tensor, src_start: int | None,
+    dst_view: torch.Tensor, dst_idx: torch.Tensor, dst_start: int | None,
+) -> None:  # fmt: skip
     """Same-device copy of ``(U, L, W)`` views: one op when both keep a unit's layers together,
-    else one op per layer (rows of one layer are contiguous; a loop over layers, never pages)."""
-    src_idx = src_idx.to(src_view.device)
-    dst_idx = dst_idx.to(dst_view.device)
-    src_start, dst_start = contiguous_run(src_idx), contiguous_run(dst_idx)
+    else one op per layer (rows of one layer are contiguous; a loop over layers, never pages).
+
+    The indices are on the views' device; ``*_start`` are their :func:`contiguous_run`."""
     src_merged, dst_merged = _merge_layers(src_view), _merge_layers(dst_view)
     if src_merged is not None and dst_merged is not None:
         _copy_rows(src_merged, src_idx, src_start, dst_merged, dst_idx, dst_start)
@@ -109,38 +109,46 @@ def _local_copy(
 
 
 def _cross_copy(
-    src_view: torch.Tensor,
-    src_idx: torch.Tensor,
-    dst_view: torch.Tensor,
-    dst_idx: torch.Tensor,
+    src_view: torch.Tensor, src_idx: torch.Tensor, src_start: int | None,
+    dst_view: torch.Tensor, dst_idx: torch.Tensor, dst_start: int | None,
+    rows: torch.Tensor,
     keep_alive: list[torch.Tensor],
     stream: torch.cuda.Stream,
-) -> None:
+) -> None:  # fmt: skip
     """Copy between a CUDA pool and host memory: gather on the source side into a unit-major
-    block, one DMA, scatter on the destination side (skipped where an index run is a slice)."""
+    block, one DMA, scatter on the destination side (skipped where an index run is a slice).
+
+    Indices as in :func:`_local_copy`; ``rows`` is ``arange(count)`` on the CPU (staging rows)."""
     count = src_idx.numel()
     pinned = src_view.device.type == "cuda"  # the host side of a D2H copy needs pinned staging
-    src_start = contiguous_run(src_idx)
     if src_start is not None and src_view[src_start : src_start + count].is_contiguous():
         block = src_view[src_start : src_start + count]
     elif src_view.device.type == "cpu":
         block = torch.empty((count, *src_view.shape[1:]), dtype=src_view.dtype, pin_memory=True)
-        _local_copy(src_view, src_idx, block, torch.arange(count))
+        _local_copy(src_view, src_idx, src_start, block, rows, 0)
     else:
-        block = src_view.index_select(0, src_idx.to(src_view.device, non_blocking=True))
+        block = src_view.index_select(0, src_idx)
     keep_alive.append(block)
-    dst_start = contiguous_run(dst_idx)
     if dst_start is not None and dst_view[dst_start : dst_start + count].is_contiguous():
         dst_view[dst_start : dst_start + count].copy_(block, non_blocking=True)
     elif dst_view.device.type == "cpu":
         staged = torch.empty(block.shape, dtype=block.dtype, pin_memory=pinned)
         staged.copy_(block, non_blocking=True)
         stream.synchronize()  # the CPU scatter below needs the bytes
-        _local_copy(staged, torch.arange(count), dst_view, dst_idx)
+        _local_copy(staged, rows, 0, dst_view, dst_idx, dst_start)
     else:
         staged = block.to(dst_view.device, non_blocking=True)
         keep_alive.append(staged)
-        dst_view.index_copy_(0, dst_idx.to(dst_view.device, non_blocking=True), staged)
+        dst_view.index_copy_(0, dst_idx, staged)
+
+
+def _placed(
+    indices: torch.Tensor, device: torch.device, *, non_blocking: bool = False
+) -> tuple[torch.Tensor, int | None]:
+    """``indices`` on ``device`` and their :func:`contiguous_run`, read on whichever copy is on the
+    CPU (CUDA indices are never inspected). ``non_blocking`` applies to CUDA targets only."""
+    placed = indices.to(device, non_blocking=non_blocking and device.type == "cuda")
+    return placed, contiguous_run(indices if indices.device.type == "cpu" else placed)
 
 
 def copy_units(
@@ -169,14 +177,18 @@ def copy_units(
     if dst_idx.device.type == "cpu":
         dst.check_indices(dst_idx)
 
-    def views(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    views = []
+    for name in src.placements:
         word = min(src.word_bytes(name), dst.word_bytes(name))
-        return src.unit_view(name, word), dst.unit_view(name, word)
+        views.append((src.unit_view(name, word), dst.unit_view(name, word)))
+    # the memory's own devices (a pool's ``device`` may be a bare "cuda")
+    src_device, dst_device = views[0][0].device, views[0][1].device
 
     if src.device == dst.device:
-        for name in src.placements:
-            src_view, dst_view = views(name)
-            _local_copy(src_view, src_idx, dst_view, dst_idx)
+        src_at, src_start = _placed(src_idx, src_device)
+        dst_at, dst_start = _placed(dst_idx, dst_device)
+        for src_view, dst_view in views:
+            _local_copy(src_view, src_at, src_start, dst_view, dst_at, dst_start)
         if src.device.type != "cuda":
             return handle
     cuda_device = src.device if src.device.type == "cuda" else dst.device
@@ -184,9 +196,13 @@ def copy_units(
     side.wait_stream(torch.cuda.current_stream(cuda_device))
     with torch.cuda.stream(side):
         if src.device != dst.device:
-            for name in src.placements:
-                src_view, dst_view = views(name)
-                _cross_copy(src_view, src_idx, dst_view, dst_idx, handle.keep_alive, side)
+            src_at, src_start = _placed(src_idx, src_device, non_blocking=True)
+            dst_at, dst_start = _placed(dst_idx, dst_device, non_blocking=True)
+            rows = torch.arange(src_idx.numel())
+            for src_view, dst_view in views:
+                _cross_copy(
+                    src_view, src_at, src_start, dst_view, dst_at, dst_start, rows, handle.keep_alive, side
+                )
         handle.event = torch.cuda.Event()
         handle.event.record(side)
     return handle

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from enum import StrEnum
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 #: Plugin API generation this core implements; a plugin declares the one it was written against.
 POOL_API_VERSION = 1
@@ -42,6 +42,17 @@ def dtype_itemsize(dtype: str) -> int:
 
 
 SUPPORTED_DTYPES = tuple(_DTYPE_BYTES)
+
+
+def check_dtype(value: str) -> str:
+    """Validator of a config's dtype name: one of :data:`SUPPORTED_DTYPES`."""
+    if value not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {value!r} is not one of {list(SUPPORTED_DTYPES)}")
+    return value
+
+
+#: A config field holding a dtype name (validated by :func:`check_dtype`).
+Dtype = Annotated[str, AfterValidator(check_dtype)]
 
 
 class PoolRole(StrEnum):
@@ -192,10 +203,6 @@ class PoolSpec(BaseModel):
     @property
     def bytes_per_unit(self) -> int:
         return sum(buffer.bytes_per_unit for buffer in self.buffers)
-
-    @property
-    def dtypes(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(buffer.dtype for buffer in self.buffers))
 
     def object_bytes(self, suffix: str) -> int:
         """Payload bytes of one stored object (one unit) with this suffix."""

@@ -186,7 +186,8 @@ class Registry(Generic[T]):
                 on_missing_entrypoints_callback=lambda names: None,
             )
         except Exception as exc:  # stevedore reports "no driver" after a failed import
-            failure.append(failure[0] if failure else exc)
+            if not failure:
+                failure.append(exc)
         if failure:
             exc = failure[0]
             reason = f"{type(exc).__name__}: {exc}"

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from kvstrata.plugins.pool_type import SUPPORTED_DTYPES, BufferSpec, PoolConfig
+from kvstrata.plugins.pool_type import BufferSpec, Dtype, PoolConfig
 
 
 class AttentionConfig(PoolConfig):
@@ -14,13 +14,7 @@ class AttentionConfig(PoolConfig):
     kv_heads: int = Field(ge=1, description="KV heads held by this rank (after TP sharding)")
     head_dim: int = Field(ge=1)
     v_head_dim: int | None = Field(default=None, ge=1, description="defaults to head_dim")
-    dtype: str = "bfloat16"
-
-    @model_validator(mode="after")
-    def _known_dtype(self) -> AttentionConfig:
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {list(SUPPORTED_DTYPES)}")
-        return self
+    dtype: Dtype = "bfloat16"
 
 
 def kv_buffers(config: AttentionConfig, page_size: int) -> tuple[BufferSpec, BufferSpec]:

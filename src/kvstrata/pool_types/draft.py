@@ -37,8 +37,8 @@ class DraftPoolType(PoolType):
         return PoolSpec(
             name=self.instance,
             pool_type=self.name,
-            role=PoolRole.SIDECAR,
-            index_source=self.config.index_source or self.model.anchor,
+            role=self.role,
+            index_source=self.index_source,
             granularity=Granularity.TOKEN_PAGES,
             hit_rule=HitRule(kind=HitRuleKind.ALL_PAGES),
             partial_hit=PartialHit.CLAMP,
@@ -49,7 +49,3 @@ class DraftPoolType(PoolType):
             layouts=(Layout.LAYER_FIRST, Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT),
             eviction_priority=2,
         )
-
-    @property
-    def role(self) -> PoolRole:
-        return PoolRole.SIDECAR

@@ -11,8 +11,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvstrata.plugins.pool_type import (
-    SUPPORTED_DTYPES,
     BufferSpec,
+    Dtype,
     Granularity,
     HitRule,
     HitRuleKind,
@@ -33,20 +33,13 @@ class StateShape(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     shape: tuple[int, ...] = Field(min_length=1)
-    dtype: str = "bfloat16"
+    dtype: Dtype = "bfloat16"
 
     @field_validator("shape")
     @classmethod
     def _positive(cls, value: tuple[int, ...]) -> tuple[int, ...]:
         if any(dim < 1 for dim in value):
             raise ValueError(f"state shape needs positive dimensions, got {list(value)}")
-        return value
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, value: str) -> str:
-        if value not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype {value!r} is not one of {list(SUPPORTED_DTYPES)}")
         return value
 
 
