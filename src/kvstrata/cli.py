@@ -15,7 +15,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from kvstrata.core.config import config_json_schema, load_config
+from kvstrata.core.config import anchor_instances, config_json_schema, load_config
 from kvstrata.plugins.errors import ConfigError, KvstrataError, PluginError
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.registry import missing_requirements
@@ -229,13 +229,9 @@ def simulate(
 
 def build_pool_specs(config: Any, host: PluginHost) -> dict[str, Any]:
     """PoolSpecs of the configured stack (instantiates the selected pool types only)."""
-    from kvstrata.plugins.pool_type import ModelContext, PoolRole
+    from kvstrata.plugins.pool_type import ModelContext
 
-    anchor = next(
-        name
-        for name, pool in config.model.pools.items()
-        if pool.index_source is None and host.pool_types.get(pool.type).default_role is PoolRole.ANCHOR
-    )
+    anchor = anchor_instances(config.model.pools, host)[0]  # validation guarantees exactly one
     context = ModelContext(page_size=config.model.page_size, anchor=anchor)
     return {
         name: host.pool_types.require(pool.type)(name, pool, context).spec()
