@@ -21,7 +21,6 @@ mooncake_master / mooncake_client on free loopback ports).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import tempfile
@@ -34,12 +33,13 @@ from typing import Any
 import torch
 from _results import Figure, write_results
 
+from kvstrata.core.buffers import region_tensor
+from kvstrata.core.integrity import HEADER_BYTES
 from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend, StorageObject
-from kvstrata.storage_backends.mooncake import MooncakeBackend, MooncakeConfig
+from kvstrata.storage_backends.mooncake import MooncakeBackend
 from kvstrata.testing.mooncake_servers import MooncakeMaster, MooncakeStandaloneClient
 
 GIB = float(1 << 30)
-HEADER_BYTES = 64
 
 
 @dataclass
@@ -73,10 +73,6 @@ def region_of(tensor: torch.Tensor) -> BufferRegion:
     return BufferRegion(tensor.data_ptr(), tensor.numel())
 
 
-def tensor_at(region: BufferRegion) -> torch.Tensor:
-    return torch.frombuffer((ctypes.c_uint8 * region.nbytes).from_address(region.ptr), dtype=torch.uint8)
-
-
 class PageSet:
     """Source/target pages plus per-object headers in ordinary memory, as the core provides them."""
 
@@ -105,6 +101,13 @@ class PageSet:
     def page_ptrs(self, into: bool) -> list[int]:
         base = (self.target if into else self.source).data_ptr()
         return [base + i * self.page_bytes for i in range(self.pages)]
+
+    def multi_buffers(self, into: bool) -> list[list[int]]:
+        """Per page, the (header, page) pointers of the raw multi-buffer calls."""
+        page_base = (self.target if into else self.source).data_ptr()
+        header_base = (self.headers_out if into else self.headers).data_ptr()
+        size = self.page_bytes
+        return [[header_base + i * HEADER_BYTES, page_base + i * size] for i in range(self.pages)]
 
     def verify(self) -> None:
         if not torch.equal(self.source, self.target):
@@ -177,20 +180,14 @@ def bench_mooncake(
         """Raw Mooncake with the very regions our objects have (header + page): what the
         multi-region call itself costs, so the overhead of our Python layer shows separately."""
         keys = fresh_keys("raw2", count)
-        header_base, page_base = pages.headers.data_ptr(), pages.source.data_ptr()
         started = time.perf_counter()
         codes = store.batch_put_from_multi_buffers(
-            keys,
-            [[header_base + i * HEADER_BYTES, page_base + i * size] for i in range(count)],
-            [[HEADER_BYTES, size]] * count,
+            keys, pages.multi_buffers(into=False), [[HEADER_BYTES, size]] * count
         )
         put_s = time.perf_counter() - started
-        header_base, page_base = pages.headers_out.data_ptr(), pages.target.data_ptr()
         started = time.perf_counter()
         read = store.batch_get_into_multi_buffers(
-            keys,
-            [[header_base + i * HEADER_BYTES, page_base + i * size] for i in range(count)],
-            [[HEADER_BYTES, size]] * count,
+            keys, pages.multi_buffers(into=True), [[HEADER_BYTES, size]] * count
         )
         get_s = time.perf_counter() - started
         if any(c != 0 for c in codes) or any(r != size + HEADER_BYTES for r in read):
@@ -224,17 +221,13 @@ def bench_mooncake(
     ]
 
 
-def bench_file(pages: PageSet, rounds: int, root: Path) -> list[Row] | str:
+def bench_file(pages: PageSet, rounds: int, root: Path) -> list[Row]:
     from kvstrata.storage_backends.file import FileBackend
 
     count = pages.pages
     payload = count * pages.page_bytes
     backend = FileBackend("bench", FileBackend.Config(path=root / "ours"))
-    try:
-        backend.open()
-        backend.exists([])
-    except NotImplementedError as exc:
-        return f"file section skipped: FileBackend is not implemented in this checkout ({exc})"
+    backend.open()
     raw_dir = root / "raw"
     raw_dir.mkdir()
     src_views = [memoryview(pages.source[i].numpy()) for i in range(count)]
@@ -291,12 +284,7 @@ def mooncake_rows(args: argparse.Namespace, tmp: Path, segment: int, batch_bytes
     with MooncakeMaster(log_dir=tmp) as master:
         backend = MooncakeBackend(
             "bench",
-            MooncakeConfig(
-                master=master.address,
-                metadata_server=master.metadata_url,
-                segment_bytes=segment,
-                local_buffer_bytes=0,
-            ),
+            master.backend_config(segment_bytes=segment, local_buffer_bytes=0),
         )
         backend.open()
         try:
@@ -315,12 +303,13 @@ def mooncake_rows(args: argparse.Namespace, tmp: Path, segment: int, batch_bytes
             with MooncakeStandaloneClient(master, segment_bytes=segment, log_dir=tmp) as client:
                 backend = MooncakeBackend(
                     "bench-standalone",
-                    MooncakeConfig(standalone=True, client=client.address, local_buffer_bytes=1 << 20),
+                    client.backend_config(local_buffer_bytes=1 << 20),
                 )
                 backend.open()
                 try:
-                    source = tensor_at(backend.allocate_host_memory(batch_bytes)).view(args.pages, page_bytes)
-                    target = tensor_at(backend.allocate_host_memory(batch_bytes)).view(args.pages, page_bytes)
+                    shape = (args.pages, page_bytes)
+                    source = region_tensor(backend.allocate_host_memory(batch_bytes)).view(shape)
+                    target = region_tensor(backend.allocate_host_memory(batch_bytes)).view(shape)
                     source.copy_(torch.randint(0, 256, source.shape, dtype=torch.uint8))
                     rows += bench_mooncake(
                         "mooncake standalone",
@@ -353,7 +342,6 @@ def main() -> None:
     # Fresh keys every round: the segment holds every round of both paths without eviction.
     segment = max(256 << 20, 4 * (args.rounds + 1) * batch_bytes)
     rows: list[Row] = []
-    notes: list[str] = []
     started = time.perf_counter()
 
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-") as tmp:
@@ -363,11 +351,7 @@ def main() -> None:
             torch.randint(0, 256, (args.pages, page_bytes), dtype=torch.uint8),
             torch.zeros((args.pages, page_bytes), dtype=torch.uint8),
         )
-        result = bench_file(file_pages, args.rounds, Path(tmp))
-        if isinstance(result, str):
-            notes.append(result)
-        else:
-            rows += result
+        rows += bench_file(file_pages, args.rounds, Path(tmp))
 
     print(
         f"\n{args.pages} x {args.page_kib} KiB pages per batch ({batch_bytes / (1 << 20):.0f} MiB), "
@@ -388,8 +372,6 @@ def main() -> None:
     print("|" + "|".join(" --- " for _ in header) + "|")
     for row in rows:
         print("| " + " | ".join(row.cells()) + " |")
-    for note in notes:
-        print(f"\nNOTE: {note}")
     print(f"\n(total run {time.perf_counter() - started:.1f} s)")
     if args.json:
         figures = [

@@ -6,7 +6,6 @@ the first region, then payload regions in host-pool memory.
 
 from __future__ import annotations
 
-import ctypes
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstrata.core.buffers import region_tensor
 from kvstrata.plugins.errors import MissingDependencyError, StorageError
 from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend, StorageObject
 from kvstrata.storage_backends.mooncake import (
@@ -39,11 +39,6 @@ def region_of(tensor: torch.Tensor) -> BufferRegion:
     return BufferRegion(tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
 
-def tensor_at(region: BufferRegion) -> torch.Tensor:
-    """A uint8 tensor view of backend-allocated memory (standalone mode)."""
-    return torch.frombuffer((ctypes.c_uint8 * region.nbytes).from_address(region.ptr), dtype=torch.uint8)
-
-
 def header_buffers(count: int, fill: bool) -> tuple[torch.Tensor, list[BufferRegion]]:
     """Headers in ordinary memory (never registered): one row per object."""
     headers = torch.randint(0, 256, (count, HEADER_BYTES), dtype=torch.uint8)
@@ -60,12 +55,7 @@ def fresh_keys(count: int) -> list[str]:
 @pytest.fixture(scope="module")
 def inprocess(mooncake_master: MooncakeMaster) -> Iterator[MooncakeBackend]:
     """One in-process client for the module: setup/close of a client costs seconds."""
-    config = MooncakeConfig(
-        master=mooncake_master.address,
-        metadata_server=mooncake_master.metadata_url,
-        segment_bytes=64 << 20,
-        local_buffer_bytes=0,
-    )
+    config = mooncake_master.backend_config(segment_bytes=64 << 20, local_buffer_bytes=0)
     backend = MooncakeBackend("test", config)
     backend.open()
     yield backend
@@ -74,9 +64,7 @@ def inprocess(mooncake_master: MooncakeMaster) -> Iterator[MooncakeBackend]:
 
 @pytest.fixture(scope="module")
 def standalone(mooncake_standalone_client: MooncakeStandaloneClient) -> Iterator[MooncakeBackend]:
-    config = MooncakeConfig(
-        standalone=True,
-        client=mooncake_standalone_client.address,
+    config = mooncake_standalone_client.backend_config(
         local_buffer_bytes=1 << 20,
         staging_bytes=4096,  # 64 headers of 48 bytes (64-aligned): bigger batches are split
         host_memory_limit_bytes=8 << 20,
@@ -254,12 +242,7 @@ def test_full_segment_puts_fail_per_key_with_not_stored(tmp_path: Path) -> None:
     with MooncakeMaster(log_dir=tmp_path) as master:
         backend = MooncakeBackend(
             "tiny",
-            MooncakeConfig(
-                master=master.address,
-                metadata_server=master.metadata_url,
-                segment_bytes=16 << 20,
-                local_buffer_bytes=0,
-            ),
+            master.backend_config(segment_bytes=16 << 20, local_buffer_bytes=0),
         )
         backend.open()
         try:
@@ -286,7 +269,7 @@ def test_standalone_round_trip_with_backend_allocated_memory(standalone: Mooncak
     assert MooncakeBackend.capabilities.host_allocator is False
     count = 100  # 100 headers > 64 that fit the 4 KiB staging area: the batch is split
     pool_region = standalone.allocate_host_memory(count * 4096)
-    pool = tensor_at(pool_region).view(count, 4096)
+    pool = region_tensor(pool_region).view(count, 4096)
     pool.copy_(torch.randint(0, 256, (count, 4096), dtype=torch.uint8))
     headers, header_regions = header_buffers(count, fill=True)
     keys = fresh_keys(count)
@@ -311,7 +294,7 @@ def test_standalone_refuses_foreign_memory_and_covers_late_pools(standalone: Moo
         standalone.register_host_memory(region_of(foreign))
 
     # A pool added after start gets its own region that the mooncake_client maps.
-    late = tensor_at(standalone.allocate_host_memory(64 << 10))
+    late = region_tensor(standalone.allocate_host_memory(64 << 10))
     late.copy_(torch.randint(0, 256, late.shape, dtype=torch.uint8))
     (key,) = fresh_keys(1)
     assert standalone.put([StorageObject(key, (region_of(late[:32768]),))]) == [True]
@@ -333,12 +316,7 @@ def test_segment_below_mooncake_minimum_is_a_config_error() -> None:
 def test_closed_backend_fails_operations_not_the_process(mooncake_master: MooncakeMaster) -> None:
     backend = MooncakeBackend(
         "short",
-        MooncakeConfig(
-            master=mooncake_master.address,
-            metadata_server=mooncake_master.metadata_url,
-            segment_bytes=0,
-            local_buffer_bytes=0,
-        ),
+        mooncake_master.backend_config(segment_bytes=0, local_buffer_bytes=0),
     )
     backend.open()
     backend.close()
@@ -353,9 +331,7 @@ def test_master_going_away_turns_calls_into_failures(tmp_path: Path) -> None:
     try:
         backend = MooncakeBackend(
             "orphan",
-            MooncakeConfig(
-                master=master.address, metadata_server=master.metadata_url, segment_bytes=16 << 20
-            ),
+            master.backend_config(segment_bytes=16 << 20),
         )
         backend.open()
         page = torch.randint(0, 256, (4096,), dtype=torch.uint8)

@@ -51,6 +51,9 @@ class ChecksumKind(IntEnum):
     XXH3_64 = 1
 
 
+_CHECKSUM_KINDS = frozenset(int(kind) for kind in ChecksumKind)
+
+
 class Verdict(StrEnum):
     """Outcome of verifying one object read back."""
 
@@ -85,6 +88,23 @@ def region_view(region: BufferRegion) -> memoryview:
     if _FROM_MEMORY is not None:
         return _FROM_MEMORY(region.ptr, region.nbytes, _PYBUF_WRITE)
     return memoryview((ctypes.c_ubyte * region.nbytes).from_address(region.ptr)).cast("B")
+
+
+def region_views(regions: Sequence[BufferRegion]) -> list[memoryview]:
+    """Writable byte views of the non-empty ``regions``, in order (vectored I/O takes these)."""
+    return [region_view(region) for region in regions if region.nbytes]
+
+
+def leading_regions(regions: Sequence[BufferRegion], nbytes: int) -> tuple[BufferRegion, ...]:
+    """``regions`` cut to their first ``nbytes`` bytes."""
+    out: list[BufferRegion] = []
+    remaining = nbytes
+    for region in regions:
+        if remaining <= 0:
+            break
+        out.append(BufferRegion(region.ptr, min(region.nbytes, remaining)))
+        remaining -= region.nbytes
+    return tuple(out)
 
 
 def stored_objects(spec: PoolSpec) -> tuple[tuple[str, int], ...]:
@@ -144,18 +164,6 @@ class ObjectHeader:
     version: int = FORMAT_VERSION
     magic: bytes = MAGIC
 
-    def pack(self) -> bytes:
-        return _STRUCT.pack(
-            self.magic,
-            self.version,
-            int(self.checksum_kind),
-            self.fingerprint,
-            self.key_digest,
-            self.payload_nbytes,
-            self.checksum,
-            _RESERVED,
-        )
-
     @classmethod
     def unpack(cls, data: bytes | memoryview) -> ObjectHeader:
         magic, version, kind, fingerprint, digest, nbytes, checksum, _ = _STRUCT.unpack(bytes(data))
@@ -196,22 +204,19 @@ def verify_object(
     """
     if bytes_read < HEADER_BYTES:
         return Verdict.SHORT_READ
-    parsed = ObjectHeader.unpack(header)
-    if parsed.magic != MAGIC:
+    # Unpacked directly (not through ObjectHeader): this runs once per object on every read.
+    magic, version, kind, stored_fingerprint, digest, nbytes, stored_checksum, _ = _STRUCT.unpack(header)
+    if magic != MAGIC:
         return Verdict.BAD_MAGIC
-    if parsed.version != FORMAT_VERSION:
+    if version != FORMAT_VERSION or kind not in _CHECKSUM_KINDS:  # unknown kind: unknown format
         return Verdict.BAD_VERSION
-    if parsed.fingerprint != fingerprint:
+    if stored_fingerprint != fingerprint:
         return Verdict.FINGERPRINT_MISMATCH
-    if parsed.key_digest != key_digest(key):
+    if digest != key_digest(key):
         return Verdict.KEY_MISMATCH
     expected = sum(region.nbytes for region in payload)
-    if parsed.payload_nbytes != expected or bytes_read != HEADER_BYTES + expected:
+    if nbytes != expected or bytes_read != HEADER_BYTES + expected:
         return Verdict.LENGTH_MISMATCH
-    if (
-        checksum == "xxh3"
-        and parsed.checksum_kind is ChecksumKind.XXH3_64
-        and payload_checksum(payload) != parsed.checksum
-    ):
+    if checksum == "xxh3" and kind == ChecksumKind.XXH3_64 and payload_checksum(payload) != stored_checksum:
         return Verdict.CHECKSUM_MISMATCH
     return Verdict.OK

@@ -173,6 +173,7 @@ class StorageEngine:
         objects = {name: stored_objects(spec) for name, spec in self.specs.items()}
         self._suffixes = {name: [suffix for suffix, _ in objs] for name, objs in objects.items()}
         self._payload_bytes = {name: [nbytes for _, nbytes in objs] for name, objs in objects.items()}
+        self._unit_bytes = {name: sum(sizes) for name, sizes in self._payload_bytes.items()}
         self._fingerprints = {
             name: [layout_fingerprint(self.specs[name], suffix) for suffix in suffixes]
             for name, suffixes in self._suffixes.items()
@@ -233,7 +234,7 @@ class StorageEngine:
 
     def exists_prefix(self, pool: str, page_hashes: Sequence[str]) -> int:
         """How many leading pages of ``page_hashes`` the backend holds for ``pool``."""
-        return longest_present_prefix(self.exists(pool, page_hashes).ok)
+        return self.exists(pool, page_hashes).prefix
 
     # --- put / get ----------------------------------------------------------------------------
 
@@ -292,10 +293,9 @@ class StorageEngine:
             return BatchResult([])
         staging: np.ndarray | None = None
         if plan.mode is IOMode.COPY:
+            staging = np.empty(self._unit_bytes[pool] * count, dtype=np.uint8)
             if writing:
-                staging = self._stage_out(pool, units)
-            else:
-                staging = np.empty(sum(self._payload_bytes[pool]) * count, dtype=np.uint8)
+                self._stage_out(staging, units)
         return transfer(pool, units, staging, self._build_objects(pool, page_hashes, units, staging))
 
     def _build_objects(
@@ -382,7 +382,6 @@ class StorageEngine:
         self, pool: str, units: Sequence[UnitRegions], staging: np.ndarray | None, batch: _Batch
     ) -> BatchResult:
         count = batch.units
-        sizes = self._payload_bytes[pool]
         read, _error = self._call_backend("get", pool, batch.objects)
         if read is None:
             self._count(get_units=count, get_misses=count)
@@ -410,7 +409,7 @@ class StorageEngine:
                 damaged.append(obj.key)
         ok = batch.per_unit(good)
         if staging is not None:
-            self._stage_in(staging, units, ok, sizes)
+            self._stage_in(staging, units, ok, self._unit_bytes[pool])
         hits = ok.count(True)
         nbytes = sum(read[row] for row in range(len(batch.objects)) if ok[row // batch.n_obj])
         with self._lock:
@@ -441,25 +440,22 @@ class StorageEngine:
             return
         self._count(corrupt_removed=removed.count(True), corrupt_remove_failed=removed.count(False))
 
-    def _stage_out(self, pool: str, units: Sequence[UnitRegions]) -> np.ndarray:
-        """Gather every unit's regions into one contiguous staging buffer (one memmove per region)."""
-        total = sum(self._payload_bytes[pool]) * len(units)
-        staging = np.empty(total, dtype=np.uint8)
+    @staticmethod
+    def _stage_out(staging: np.ndarray, units: Sequence[UnitRegions]) -> None:
+        """Gather every unit's regions into the contiguous ``staging`` buffer (one memmove per region)."""
         cursor = _address(staging)
         for unit in units:
             for regions in unit:
                 for region in regions:
                     ctypes.memmove(cursor, region.ptr, region.nbytes)
                     cursor += region.nbytes
-        return staging
 
     @staticmethod
     def _stage_in(
-        staging: np.ndarray, units: Sequence[UnitRegions], ok: Sequence[bool], sizes: Sequence[int]
+        staging: np.ndarray, units: Sequence[UnitRegions], ok: Sequence[bool], unit_bytes: int
     ) -> None:
-        """Scatter verified units from staging into their destination regions."""
+        """Scatter verified units (``unit_bytes`` each in ``staging``) into their destination regions."""
         cursor = _address(staging)
-        unit_bytes = sum(sizes)
         for unit, hit in zip(units, ok, strict=True):
             if hit:
                 position = cursor

@@ -36,12 +36,11 @@ from typing import Literal, TypeVar
 
 from pydantic import Field
 
-from kvstrata.core.integrity import region_view
+from kvstrata.core.integrity import region_views
 from kvstrata.plugins.storage_backend import (
     ANY_POOL,
     BackendCapabilities,
     BackendConfig,
-    BufferRegion,
     PoolCapabilities,
     StorageBackend,
     StorageObject,
@@ -75,20 +74,23 @@ def _apply(fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
     return [fn(item) for item in items]
 
 
-def _views(regions: Sequence[BufferRegion]) -> list[memoryview]:
-    return [region_view(region) for region in regions if region.nbytes]
+def _advance(pending: list[memoryview], done: int) -> list[memoryview]:
+    """``pending`` less its first ``done`` bytes: the views fully done dropped in one slice, the
+    next one cut where the transfer stopped."""
+    index = 0
+    while index < len(pending) and done >= len(pending[index]):
+        done -= len(pending[index])
+        index += 1
+    if done:
+        return [pending[index][done:], *pending[index + 1 :]]
+    return pending[index:]
 
 
 def _write_all(fd: int, views: list[memoryview]) -> None:
     """``os.writev`` until every byte is written (it may write less than asked)."""
     pending = views
     while pending:
-        written = os.writev(fd, pending[:_IOV_MAX])
-        while pending and written >= len(pending[0]):
-            written -= len(pending[0])
-            pending = pending[1:]
-        if written:
-            pending = [pending[0][written:], *pending[1:]]
+        pending = _advance(pending, os.writev(fd, pending[:_IOV_MAX]))
 
 
 def _read_all(fd: int, views: list[memoryview]) -> int:
@@ -100,11 +102,7 @@ def _read_all(fd: int, views: list[memoryview]) -> int:
         if got == 0:
             break
         total += got
-        while pending and got >= len(pending[0]):
-            got -= len(pending[0])
-            pending = pending[1:]
-        if got:
-            pending = [pending[0][got:], *pending[1:]]
+        pending = _advance(pending, got)
     return total
 
 
@@ -288,7 +286,7 @@ class FileBackend(StorageBackend):
                 os.makedirs(directory, exist_ok=True)
                 fd = os.open(tmp, _CREATE_FLAGS, 0o644)
             try:
-                _write_all(fd, _views(obj.regions))
+                _write_all(fd, region_views(obj.regions))
                 if self.config.fsync:
                     os.fsync(fd)
             finally:
@@ -319,7 +317,7 @@ class FileBackend(StorageBackend):
         except OSError as exc:
             return -(exc.errno or 1)
         try:
-            got = _read_all(fd, _views(obj.regions))
+            got = _read_all(fd, region_views(obj.regions))
             with self._lock:
                 known = path in self._lru
                 if known:

@@ -28,7 +28,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvstrata.core.integrity import region_view
+from kvstrata.core.integrity import leading_regions, region_views
 from kvstrata.plugins.errors import PluginUnavailableError
 from kvstrata.plugins.storage_backend import (
     ANY_POOL,
@@ -148,7 +148,7 @@ class HF3FSBackend(StorageBackend):
                     self._slots.move_to_end(key)  # an existence query is a use: keep it in LRU
             return found
 
-    def _allocate(self, key: str) -> int | None:
+    def _allocate(self) -> int | None:
         with self._lock:
             if self._free:
                 return self._free.pop()
@@ -166,18 +166,18 @@ class HF3FSBackend(StorageBackend):
                     self._slots.move_to_end(obj.key)
                     results.append(True)
                     continue
-            if obj.nbytes > self.config.slot_bytes:
+            nbytes = obj.nbytes
+            if nbytes > self.config.slot_bytes:
                 results.append(False)
                 continue
-            slot = self._allocate(obj.key)
+            slot = self._allocate()
             if slot is None:
                 results.append(False)
                 continue
             try:
-                views = [region_view(r) for r in obj.regions if r.nbytes]
-                written = os.pwritev(fd, views, slot * self.config.slot_bytes)
-                if written != obj.nbytes:
-                    raise OSError(f"short write {written}/{obj.nbytes}")
+                written = os.pwritev(fd, region_views(obj.regions), slot * self.config.slot_bytes)
+                if written != nbytes:
+                    raise OSError(f"short write {written}/{nbytes}")
             except OSError:
                 with self._lock:
                     self._free.append(slot)
@@ -187,7 +187,7 @@ class HF3FSBackend(StorageBackend):
                 if obj.key in self._slots:  # another thread won: keep its slot
                     self._free.append(slot)
                 else:
-                    self._slots[obj.key] = (slot, obj.nbytes)
+                    self._slots[obj.key] = (slot, nbytes)
             results.append(True)
         return results
 
@@ -203,13 +203,7 @@ class HF3FSBackend(StorageBackend):
                 results.append(MISS)
                 continue
             slot, length = entry
-            views, budget = [], length
-            for region in obj.regions:
-                if budget <= 0 or not region.nbytes:
-                    continue
-                view = region_view(region)
-                views.append(view[: min(budget, region.nbytes)])
-                budget -= region.nbytes
+            views = region_views(leading_regions(obj.regions, length))
             try:
                 results.append(os.preadv(fd, views, slot * self.config.slot_bytes))
             except OSError as exc:

@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from kvstrata.core.integrity import leading_regions
 from kvstrata.plugins.errors import MissingDependencyError, StorageError
 from kvstrata.plugins.storage_backend import (
     ANY_POOL,
@@ -195,7 +196,6 @@ class MooncakeBackend(StorageBackend):
         super().__init__(instance, config)
         self._store: Any = None
         self._registered = _Ranges()
-        self._allocated = _Ranges()  # standalone: memfd regions from alloc_from_mem_pool
         self._allocated_bytes = 0
         self._staging: BufferRegion | None = None
         self._staging_keepalive: Any = None  # owner of in-process staging memory
@@ -346,7 +346,6 @@ class MooncakeBackend(StorageBackend):
                     f"mooncake backend {self.instance!r}: mooncake_client {cfg.client} refused to map "
                     f"a new {nbytes}-byte region (register_buffer returned {rc})"
                 )
-            self._allocated.add(ptr, nbytes)
             self._registered.add(ptr, nbytes)
             if count_against_limit:
                 self._allocated_bytes += nbytes
@@ -438,7 +437,7 @@ class MooncakeBackend(StorageBackend):
         if short:
             sizes = [int(self._live_store().get_size(objects[index].key)) for index in short]
             retry = [
-                (index, _leading(objects[index], size))
+                (index, StorageObject(objects[index].key, leading_regions(objects[index].regions, size)))
                 for index, size in zip(short, sizes, strict=True)
                 if 0 < size < objects[index].nbytes
             ]
@@ -601,18 +600,6 @@ class MooncakeBackend(StorageBackend):
             sizes.append(obj_sizes)
         if indexes:
             yield indexes, ptrs, sizes, staged
-
-
-def _leading(obj: StorageObject, nbytes: int) -> StorageObject:
-    """``obj`` with its regions cut to their first ``nbytes`` bytes."""
-    regions: list[BufferRegion] = []
-    remaining = nbytes
-    for region in obj.regions:
-        if remaining <= 0:
-            break
-        regions.append(BufferRegion(region.ptr, min(region.nbytes, remaining)))
-        remaining -= region.nbytes
-    return StorageObject(obj.key, tuple(regions))
 
 
 def _aligned(nbytes: int, alignment: int = 64) -> int:

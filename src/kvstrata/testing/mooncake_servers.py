@@ -21,6 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
+
+from kvstrata.storage_backends.mooncake import MooncakeConfig, tcp_probe
 
 MOONCAKE_INSTALL = "pip install 'kvstrata[mooncake-cpu]'  (GPU machines: 'kvstrata[mooncake]')"
 LOOPBACK = "127.0.0.1"
@@ -48,15 +51,6 @@ def free_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])
-
-
-def port_accepts(host: str, port: int, timeout_s: float = 0.2) -> bool:
-    """Whether a TCP connection to host:port succeeds within ``timeout_s``."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 def _log_tail(path: Path, lines: int = 30) -> str:
@@ -92,7 +86,7 @@ class ManagedProcess:
                     f"{LOOPBACK}:{self.ready_port}; command: {' '.join(self.argv)}\n"
                     f"log tail ({self.log_path}):\n{_log_tail(self.log_path)}"
                 )
-            if port_accepts(LOOPBACK, self.ready_port):
+            if tcp_probe(f"{LOOPBACK}:{self.ready_port}", 0.2) is None:
                 return
             time.sleep(0.05)
         self.stop()
@@ -168,6 +162,10 @@ class MooncakeMaster:
         """URL of the master's HTTP metadata server (``MooncakeConfig.metadata_server``)."""
         return f"http://{LOOPBACK}:{self.http_port}/metadata"
 
+    def backend_config(self, **fields: Any) -> MooncakeConfig:
+        """An in-process (``setup``) ``MooncakeConfig`` against this master, plus ``fields``."""
+        return MooncakeConfig(master=self.address, metadata_server=self.metadata_url, **fields)
+
     def start(self) -> MooncakeMaster:
         self.process.start()
         return self
@@ -216,6 +214,10 @@ class MooncakeStandaloneClient:
     def address(self) -> str:
         """``host:port`` for ``MooncakeConfig.client`` (``setup_dummy``)."""
         return f"{LOOPBACK}:{self.port}"
+
+    def backend_config(self, **fields: Any) -> MooncakeConfig:
+        """A standalone (``setup_dummy``) ``MooncakeConfig`` talking to this client, plus ``fields``."""
+        return MooncakeConfig(standalone=True, client=self.address, **fields)
 
     def start(self) -> MooncakeStandaloneClient:
         self.process.start(ready_timeout_s=30.0)

@@ -66,7 +66,7 @@ def mooncake_standalone_client(
 
 
 def _stop_reporting_crash(process: ManagedProcess) -> None:
-    crashed = process.popen is not None and process.popen.poll() is not None
+    crashed = process.popen is not None and not process.alive()
     process.stop()
     if crashed:
         warnings.warn(
@@ -96,19 +96,13 @@ def mooncake_inprocess_config(mooncake_standalone_client: MooncakeStandaloneClie
     256 MiB segment, which outlives every backend instance. (An in-process client's own segment
     leaves the pool with it on ``close()``, taking its objects along.)
     """
-    master = mooncake_standalone_client.master
-    return MooncakeConfig(
-        master=master.address, metadata_server=master.metadata_url, segment_bytes=0, local_buffer_bytes=0
-    )
+    return mooncake_standalone_client.master.backend_config(segment_bytes=0, local_buffer_bytes=0)
 
 
 @pytest.fixture
 def mooncake_standalone_config(mooncake_standalone_client: MooncakeStandaloneClient) -> MooncakeConfig:
     """Config of a standalone (setup_dummy) client talking to the session ``mooncake_client``."""
-    return MooncakeConfig(
-        standalone=True,
-        client=mooncake_standalone_client.address,
-        master=mooncake_standalone_client.master.address,
-        metadata_server=mooncake_standalone_client.master.metadata_url,
-        local_buffer_bytes=1 << 20,
+    master = mooncake_standalone_client.master
+    return mooncake_standalone_client.backend_config(
+        master=master.address, metadata_server=master.metadata_url, local_buffer_bytes=1 << 20
     )
