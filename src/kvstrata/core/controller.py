@@ -211,7 +211,7 @@ class CacheController:
             self.anchor = self.tree.pools[0].name
             self._describe_pools()
             if backend is not None:
-                self._attach_storage(backend, host_from_backend=host_allocator is not None)
+                self._attach_storage(backend)
         except BaseException:
             if backend is not None:
                 backend.close()
@@ -257,39 +257,40 @@ class CacheController:
             if name != self.anchor
         )
 
-    def _attach_storage(self, backend: StorageBackend, *, host_from_backend: bool) -> None:
+    def _attach_storage(self, backend: StorageBackend) -> None:
         caps = backend.instance_capabilities()
         specs = {name: pool.spec for name, pool in self.pools.pools.items()}
-        plans = plan_backend(
-            backend.instance,
-            caps,
-            specs.values(),
-            parallel=self.config.parallel,
-            host_memory_from_backend=host_from_backend,
-        )
-        self._register_zero_copy(backend, plans, host_from_backend)
-        for name, plan in plans.items():
-            log.info("I/O plan %s/%s: %s (%s)", backend.instance, name, plan.mode.value, plan.reason)
         self.backend = backend
-        self.engine = self._new_engine(backend, specs, plans)
-        self.metrics.corrupt_detected_fn = lambda: self.engine.metrics.corrupt_detected if self.engine else 0
-        self.plugins.hook.kvstrata_backend_opened(
-            instance=backend.instance, backend=backend, capabilities=caps
-        )
-
-    def _new_engine(
-        self, backend: StorageBackend, specs: Mapping[str, PoolSpec], plans: Mapping[str, IOPlan]
-    ) -> StorageEngine:
-        return StorageEngine(
+        self.engine = StorageEngine(
             backend,
             specs,
-            plans,
+            self._plan(backend, specs.values()),
             model_name=self.config.model.name,
             cache_salt=self.config.model.cache_salt,
             parallel=self.config.parallel,
             checksum=self.policy.checksum,
             hook=self.plugins.hook,
         )
+        self.metrics.corrupt_detected_fn = lambda: self.engine.metrics.corrupt_detected if self.engine else 0
+        self.plugins.hook.kvstrata_backend_opened(
+            instance=backend.instance, backend=backend, capabilities=caps
+        )
+
+    def _plan(self, backend: StorageBackend, specs: Iterable[PoolSpec]) -> dict[str, IOPlan]:
+        """Plan each (backend, pool) I/O path, register zero-copy host memory, log the plans."""
+        caps = backend.instance_capabilities()
+        host_from_backend = bool(caps.host_allocator)
+        plans = plan_backend(
+            backend.instance,
+            caps,
+            specs,
+            parallel=self.config.parallel,
+            host_memory_from_backend=host_from_backend,
+        )
+        self._register_zero_copy(backend, plans, host_from_backend)
+        for name, plan in plans.items():
+            log.info("I/O plan %s/%s: %s (%s)", backend.instance, name, plan.mode.value, plan.reason)
+        return plans
 
     def _register_zero_copy(
         self, backend: StorageBackend, plans: Mapping[str, IOPlan], host_from_backend: bool
@@ -971,21 +972,8 @@ class CacheController:
         self.tree.evict_host(everything, self._free_evicted(Tier.HOST))
         self._describe_pools()
         if self.engine is not None and self.backend is not None:
-            caps = self.backend.instance_capabilities()
-            host_from_backend = bool(caps.host_allocator)
-            (plan,) = plan_backend(
-                self.backend.instance,
-                caps,
-                [pool.spec],
-                parallel=self.config.parallel,
-                host_memory_from_backend=host_from_backend,
-            ).values()
-            self._register_zero_copy(self.backend, {name: plan}, host_from_backend)
-            log.info("I/O plan %s/%s: %s (%s)", self.backend.instance, name, plan.mode.value, plan.reason)
-            metrics = self.engine.metrics
-            specs = {**self.engine.specs, name: pool.spec}
-            self.engine = self._new_engine(self.backend, specs, {**self.engine.plans, name: plan})
-            self.engine.metrics = metrics
+            (plan,) = self._plan(self.backend, [pool.spec]).values()
+            self.engine.add_pool(name, pool.spec, plan)
         return pool
 
     # --- shutdown -------------------------------------------------------------------------------

@@ -159,26 +159,35 @@ class StorageEngine:
         if missing:
             raise ValueError(f"no I/O plan for pools {sorted(missing)}")
         self.backend = backend
-        self.specs = dict(specs)
-        self.plans = dict(plans)
         self.checksum: ChecksumPolicy = checksum
         self.metrics = StorageMetrics()
         self._hook = hook
         self._lock = threading.Lock()
-        self.schemas = {
-            name: KeySchema.for_pool(spec, model_name=model_name, cache_salt=cache_salt, parallel=parallel)
-            for name, spec in self.specs.items()
-        }
-        # A bufferless pool stores one header-only marker object per unit (see stored_objects).
-        objects = {name: stored_objects(spec) for name, spec in self.specs.items()}
-        self._suffixes = {name: [suffix for suffix, _ in objs] for name, objs in objects.items()}
-        self._payload_bytes = {name: [nbytes for _, nbytes in objs] for name, objs in objects.items()}
-        self._unit_bytes = {name: sum(sizes) for name, sizes in self._payload_bytes.items()}
-        self._fingerprints = {
-            name: [layout_fingerprint(self.specs[name], suffix) for suffix in suffixes]
-            for name, suffixes in self._suffixes.items()
-        }
+        self._key_context = {"model_name": model_name, "cache_salt": cache_salt, "parallel": parallel}
+        self.specs: dict[str, PoolSpec] = {}
+        self.plans: dict[str, IOPlan] = {}
+        self.schemas: dict[str, KeySchema] = {}
+        self._suffixes: dict[str, list[str]] = {}
+        self._payload_bytes: dict[str, list[int]] = {}
+        self._unit_bytes: dict[str, int] = {}
+        self._fingerprints: dict[str, list[bytes]] = {}
+        for name, spec in specs.items():
+            self.add_pool(name, spec, plans[name])
         self._removable = backend.instance_capabilities().removable
+
+    def add_pool(self, name: str, spec: PoolSpec, plan: IOPlan) -> None:
+        """Start serving one more pool (e.g. a draft pool added after start) with its own plan."""
+        if name in self.specs:
+            raise ValueError(f"pool {name!r} is already served by this engine")
+        self.specs[name] = spec
+        self.plans[name] = plan
+        self.schemas[name] = KeySchema.for_pool(spec, **self._key_context)
+        # A bufferless pool stores one header-only marker object per unit (see stored_objects).
+        objects = stored_objects(spec)
+        self._suffixes[name] = [suffix for suffix, _ in objects]
+        self._payload_bytes[name] = [nbytes for _, nbytes in objects]
+        self._unit_bytes[name] = sum(self._payload_bytes[name])
+        self._fingerprints[name] = [layout_fingerprint(spec, suffix) for suffix, _ in objects]
 
     # --- keys ---------------------------------------------------------------------------------
 
