@@ -19,11 +19,10 @@ out and a page written from a layer-first host pool can be read into a page-firs
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import Literal
@@ -31,7 +30,7 @@ from typing import Literal
 import xxhash
 
 from kvstrata.plugins.pool_type import PoolSpec
-from kvstrata.plugins.storage_backend import BufferRegion
+from kvstrata.plugins.storage_backend import BufferRegion, region_view
 
 MAGIC = b"KVS1"
 #: Suffix of the header-only marker object a pool without buffers (a logical anchor) stores per
@@ -65,46 +64,6 @@ class Verdict(StrEnum):
     KEY_MISMATCH = "key_mismatch"  # object stored under a different key
     LENGTH_MISMATCH = "length_mismatch"  # truncated, or payload size differs from the spec
     CHECKSUM_MISMATCH = "checksum_mismatch"
-
-
-def _memory_view_factory() -> Callable[[int, int, int], memoryview] | None:
-    """CPython's ``PyMemoryView_FromMemory``: one C call, about 4x cheaper than a ctypes array
-    view, and region views are built per object on every storage I/O."""
-    prototype = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
-    try:  # a private prototype: never alters the shared ctypes.pythonapi attribute
-        return prototype(("PyMemoryView_FromMemory", ctypes.pythonapi))  # type: ignore[return-value]
-    except (AttributeError, OSError):  # not CPython
-        return None
-
-
-_FROM_MEMORY = _memory_view_factory()
-_PYBUF_WRITE = 0x200
-
-
-def region_view(region: BufferRegion) -> memoryview:
-    """A writable byte view of raw memory (no copy); the memory must outlive the view."""
-    if region.nbytes == 0:
-        return memoryview(b"")
-    if _FROM_MEMORY is not None:
-        return _FROM_MEMORY(region.ptr, region.nbytes, _PYBUF_WRITE)
-    return memoryview((ctypes.c_ubyte * region.nbytes).from_address(region.ptr)).cast("B")
-
-
-def region_views(regions: Sequence[BufferRegion]) -> list[memoryview]:
-    """Writable byte views of the non-empty ``regions``, in order (vectored I/O takes these)."""
-    return [region_view(region) for region in regions if region.nbytes]
-
-
-def leading_regions(regions: Sequence[BufferRegion], nbytes: int) -> tuple[BufferRegion, ...]:
-    """``regions`` cut to their first ``nbytes`` bytes."""
-    out: list[BufferRegion] = []
-    remaining = nbytes
-    for region in regions:
-        if remaining <= 0:
-            break
-        out.append(BufferRegion(region.ptr, min(region.nbytes, remaining)))
-        remaining -= region.nbytes
-    return tuple(out)
 
 
 def stored_objects(spec: PoolSpec) -> tuple[tuple[str, int], ...]:

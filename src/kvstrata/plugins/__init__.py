@@ -33,6 +33,9 @@ from kvstrata.plugins.storage_backend import (
     PoolCapabilities,
     StorageBackend,
     StorageObject,
+    leading_regions,
+    region_view,
+    region_views,
 )
 
 __all__ = [
@@ -64,4 +67,7 @@ __all__ = [
     "StorageBackend",
     "StorageObject",
     "UnknownPluginError",
+    "leading_regions",
+    "region_view",
+    "region_views",
 ]

@@ -9,8 +9,9 @@ know about pools, layouts or checksums.
 
 from __future__ import annotations
 
+import ctypes
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -83,6 +84,50 @@ class StorageObject:
     @property
     def nbytes(self) -> int:
         return sum(region.nbytes for region in self.regions)
+
+
+# --- byte views of regions: what a backend needs to read or write an object's memory ---------
+# They live in the plugin API (not the core) so a third-party backend needs nothing internal.
+
+
+def _memory_view_factory() -> Callable[[int, int, int], memoryview] | None:
+    """CPython's ``PyMemoryView_FromMemory``: one C call, about 4x cheaper than a ctypes array
+    view, and region views are built per object on every storage I/O."""
+    prototype = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+    try:  # a private prototype: never alters the shared ctypes.pythonapi attribute
+        return prototype(("PyMemoryView_FromMemory", ctypes.pythonapi))  # type: ignore[return-value]
+    except (AttributeError, OSError):  # not CPython
+        return None
+
+
+_FROM_MEMORY = _memory_view_factory()
+_PYBUF_WRITE = 0x200
+
+
+def region_view(region: BufferRegion) -> memoryview:
+    """A writable byte view of raw memory (no copy); the memory must outlive the view."""
+    if region.nbytes == 0:
+        return memoryview(b"")
+    if _FROM_MEMORY is not None:
+        return _FROM_MEMORY(region.ptr, region.nbytes, _PYBUF_WRITE)
+    return memoryview((ctypes.c_ubyte * region.nbytes).from_address(region.ptr)).cast("B")
+
+
+def region_views(regions: Sequence[BufferRegion]) -> list[memoryview]:
+    """Writable byte views of the non-empty ``regions``, in order (vectored I/O takes these)."""
+    return [region_view(region) for region in regions if region.nbytes]
+
+
+def leading_regions(regions: Sequence[BufferRegion], nbytes: int) -> tuple[BufferRegion, ...]:
+    """``regions`` cut to their first ``nbytes`` bytes."""
+    out: list[BufferRegion] = []
+    remaining = nbytes
+    for region in regions:
+        if remaining <= 0:
+            break
+        out.append(BufferRegion(region.ptr, min(region.nbytes, remaining)))
+        remaining -= region.nbytes
+    return tuple(out)
 
 
 class StorageBackend(ABC):

@@ -36,7 +36,6 @@ from typing import Literal, TypeVar
 
 from pydantic import Field
 
-from kvstrata.core.integrity import region_views
 from kvstrata.plugins.storage_backend import (
     ANY_POOL,
     BackendCapabilities,
@@ -44,6 +43,7 @@ from kvstrata.plugins.storage_backend import (
     PoolCapabilities,
     StorageBackend,
     StorageObject,
+    region_views,
 )
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")

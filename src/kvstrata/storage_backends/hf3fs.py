@@ -28,7 +28,6 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvstrata.core.integrity import leading_regions, region_views
 from kvstrata.plugins.errors import PluginUnavailableError
 from kvstrata.plugins.storage_backend import (
     ANY_POOL,
@@ -37,6 +36,8 @@ from kvstrata.plugins.storage_backend import (
     PoolCapabilities,
     StorageBackend,
     StorageObject,
+    leading_regions,
+    region_views,
 )
 
 MISS = -1

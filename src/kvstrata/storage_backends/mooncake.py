@@ -42,7 +42,6 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from kvstrata.core.integrity import leading_regions
 from kvstrata.plugins.errors import MissingDependencyError, StorageError
 from kvstrata.plugins.storage_backend import (
     ANY_POOL,
@@ -52,6 +51,7 @@ from kvstrata.plugins.storage_backend import (
     PoolCapabilities,
     StorageBackend,
     StorageObject,
+    leading_regions,
 )
 
 INSTALL = "pip install 'kvstrata[mooncake]'  (CPU-only machines: 'kvstrata[mooncake-cpu]')"
