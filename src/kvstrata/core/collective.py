@@ -62,3 +62,29 @@ class TorchCollective:
         tensor = torch.tensor(list(values), dtype=torch.int64)
         self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=self._group)
         return [int(v) for v in tensor.tolist()]
+
+
+class RankAgreement:
+    """The two points where ranks agree on what a request reuses, named so a reader finds them.
+
+    ``prefetch_pages``: after each rank ended its prefetch, the pages every rank read;
+    ``cached_pages``: after the load-back, the device prefix every rank holds. Each is one MIN
+    over the group, reached in the same order on every rank. ``disagreements`` counts the calls
+    where this rank had more than the group agreed on (pages it holds but may not serve).
+    """
+
+    def __init__(self, collective: Collective) -> None:
+        self.collective = collective
+        self.disagreements = 0
+
+    def _agree(self, local: int) -> int:
+        (agreed,) = self.collective.all_min([local])
+        if agreed < local:
+            self.disagreements += 1
+        return agreed
+
+    def prefetch_pages(self, local: int) -> int:
+        return self._agree(local)
+
+    def cached_pages(self, local: int) -> int:
+        return self._agree(local)

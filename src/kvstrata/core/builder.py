@@ -1,0 +1,136 @@
+"""Start-up in one pass: config -> backend, pools, tree, stack layout, storage engine and plans.
+
+The controller receives the finished parts (:class:`CacheParts`) and never re-enters start-up,
+so following a config through start-up means reading this file top to bottom:
+
+1. the ``kvstrata_configure`` hook sees the config;
+2. the storage backend (if any) is opened; its capabilities say whether host pools must live in
+   its memory;
+3. the pool group allocates every pool on both tiers; the prefix tree tracks the anchor and the
+   components; :class:`~kvstrata.core.stack.StackLayout` records how each pool is treated;
+4. an I/O plan per (backend, pool) is made from capabilities x specs, zero-copy host memory is
+   registered with the backend, and the storage engine is built over those plans.
+
+A pool added later (a draft pool) goes through :func:`plan_late_pool`, the same planning step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata.core.config import KvstrataConfig
+from kvstrata.core.io_plan import IOMode, IOPlan, plan_backend
+from kvstrata.core.metrics import CacheMetrics
+from kvstrata.core.pool_group import Pool, PoolGroup
+from kvstrata.core.stack import StackLayout
+from kvstrata.core.storage_engine import StorageEngine
+from kvstrata.core.tree import PrefixTree
+from kvstrata.plugins import PluginHost
+from kvstrata.plugins.pool_type import PoolSpec
+from kvstrata.plugins.storage_backend import StorageBackend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheParts:
+    """Everything start-up builds; the controller's parts share these objects."""
+
+    config: KvstrataConfig
+    plugins: PluginHost
+    pools: PoolGroup
+    tree: PrefixTree
+    layout: StackLayout
+    metrics: CacheMetrics
+    backend: StorageBackend | None = None
+    engine: StorageEngine | None = None
+
+
+def build_cache(config: KvstrataConfig, plugins: PluginHost) -> CacheParts:
+    """Open the backend and build every part; on any failure the opened backend is closed."""
+    plugins.hook.kvstrata_configure.call_historic(kwargs={"config": config})
+    backend, host_allocator = _open_backend(config, plugins)
+    try:
+        pools = PoolGroup(config, plugins, host_allocator=host_allocator)
+        tree = PrefixTree(pool.spec for pool in pools.pools.values())
+        parts = CacheParts(config, plugins, pools, tree, StackLayout.of(pools, tree), CacheMetrics())
+        if backend is not None:
+            _attach_storage(parts, backend)
+    except BaseException:
+        if backend is not None:
+            backend.close()
+        raise
+    return parts
+
+
+def _open_backend(config: KvstrataConfig, plugins: PluginHost) -> tuple[StorageBackend | None, Any]:
+    storage = config.tiers.storage
+    if not storage:
+        return None, None
+    if len(storage) > 1:
+        raise ValueError(f"tiers.storage: one storage instance per cache is supported, got {sorted(storage)}")
+    if config.tiers.host.capacity_tokens <= 0:
+        raise ValueError(
+            "tiers.storage needs a host tier (L3 reads and writes go through L2): "
+            "set tiers.host.capacity_tokens > 0"
+        )
+    ((instance, backend_config),) = storage.items()
+    backend = plugins.storage_backends.require(backend_config.type)(instance, backend_config)
+    backend.open()
+    caps = backend.instance_capabilities()
+    return backend, (backend.allocate_host_memory if caps.host_allocator else None)
+
+
+def _attach_storage(parts: CacheParts, backend: StorageBackend) -> None:
+    config = parts.config
+    specs = {name: pool.spec for name, pool in parts.pools.pools.items()}
+    engine = StorageEngine(
+        backend,
+        specs,
+        _plan(parts.pools, backend, config, specs.values()),
+        model_name=config.model.name,
+        cache_salt=config.model.cache_salt,
+        parallel=config.parallel,
+        checksum=config.policy.checksum,
+        hook=parts.plugins.hook,
+    )
+    parts.backend, parts.engine = backend, engine
+    parts.metrics.corrupt_detected_fn = lambda: engine.metrics.corrupt_detected
+    parts.plugins.hook.kvstrata_backend_opened(
+        instance=backend.instance, backend=backend, capabilities=backend.instance_capabilities()
+    )
+
+
+def plan_late_pool(parts: CacheParts, pool: Pool) -> None:
+    """Plan and register a pool added after start, and hand it to the storage engine."""
+    if parts.engine is None or parts.backend is None:
+        return
+    (plan,) = _plan(parts.pools, parts.backend, parts.config, [pool.spec]).values()
+    parts.engine.add_pool(pool.instance, pool.spec, plan)
+
+
+def _plan(
+    pools: PoolGroup, backend: StorageBackend, config: KvstrataConfig, specs: Iterable[PoolSpec]
+) -> dict[str, IOPlan]:
+    """Plan each (backend, pool) I/O path, register zero-copy host memory, log the plans."""
+    caps = backend.instance_capabilities()
+    host_from_backend = bool(caps.host_allocator)
+    plans = plan_backend(
+        backend.instance, caps, specs, parallel=config.parallel, host_memory_from_backend=host_from_backend
+    )
+    if not host_from_backend:  # backend-allocated memory is registered already
+        seen: set[int] = set()
+        for name, plan in plans.items():
+            host = pools.pools[name].host
+            if plan.mode is not IOMode.ZERO_COPY or host is None:
+                continue
+            region = host.region()
+            if region is not None and region.ptr not in seen:
+                seen.add(region.ptr)
+                backend.register_host_memory(region)
+    for name, plan in plans.items():
+        log.info("I/O plan %s/%s: %s (%s)", backend.instance, name, plan.mode.value, plan.reason)
+    return plans

@@ -1,0 +1,108 @@
+"""Load-back: host (L2) -> device (L1) for the part of a match that only the host tier holds.
+
+A plan names, per tree pool, the nodes whose host units must be copied up: every page for
+all-pages pools (for components, also pages above the device prefix that the component dropped),
+the nodes covering the last window for window pools, and the end node's slot for state pools.
+Executing a plan is all-or-nothing over pools: either every needed device unit is allocated and
+filled, or nothing changes (a partial hybrid prefix is never served).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.core.metrics import CacheMetrics
+from kvstrata.core.pool_group import PoolGroup
+from kvstrata.core.stack import PoolKind, StackLayout, unit_bytes
+from kvstrata.core.tier_units import TierUnits
+from kvstrata.core.tree import MatchResult, PrefixTree, Tier, TreeNode
+
+
+@dataclass(frozen=True)
+class LoadBackPlan:
+    """What to copy: per tree pool, the nodes (in copy order) whose host units go to the device."""
+
+    end: TreeNode  # the last node of the host-usable prefix (locked while room is made)
+    nodes: dict[str, list[TreeNode]]
+    units: dict[str, int]  # device units needed per tree pool
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.units.values())
+
+
+@dataclass(frozen=True)
+class LoadBackResult:
+    loaded: bool  # False: nothing to load, or the device tier could not make room
+    bytes: int = 0
+
+
+class LoadBack:
+    """Plans and runs host -> device copies (owner thread)."""
+
+    def __init__(
+        self,
+        pools: PoolGroup,
+        tree: PrefixTree,
+        layout: StackLayout,
+        units: TierUnits,
+        metrics: CacheMetrics,
+    ) -> None:
+        self.pools = pools
+        self.tree = tree
+        self.layout = layout
+        self.units = units
+        self.metrics = metrics
+
+    def plan(self, match: MatchResult) -> LoadBackPlan:
+        """The copies that make the host part of ``match`` usable on the device."""
+        host_only = match.path[match.device_nodes : match.host_nodes]
+        end = match.host_node
+        wanted: dict[str, list[TreeNode]] = {}
+        for tp in self.layout.tree_pools.values():
+            p = self.tree.index[tp.name]
+            if tp.kind is PoolKind.STATE:
+                candidates = [end]
+            elif tp.kind is PoolKind.WINDOW:
+                candidates = list(reversed(self.tree.window_nodes(end, tp.name)))
+            else:  # components may have dropped pages the anchor keeps on the device
+                candidates = list(match.path[: match.host_nodes]) if p else host_only
+            wanted[tp.name] = [n for n in candidates if n.device[p] is None and n.host[p] is not None]
+        needs = {
+            name: sum(len(n.host[self.tree.index[name]]) for n in nodes)  # type: ignore[arg-type]
+            for name, nodes in wanted.items()
+        }
+        return LoadBackPlan(end, wanted, needs)
+
+    def run(self, plan: LoadBackPlan) -> LoadBackResult:
+        """Allocate, copy and index every unit of ``plan``, or change nothing."""
+        if plan.empty:
+            return LoadBackResult(False)
+        got = self.units.alloc_protecting(plan.end, Tier.DEVICE, plan.units)  # the nodes stay
+        if got is None:
+            self.metrics.fail()
+            return LoadBackResult(False)
+        handles = []
+        nbytes = 0
+        for name, nodes in plan.nodes.items():
+            if not nodes:
+                continue
+            p = self.tree.index[name]
+            host = torch.cat([n.host[p] for n in nodes])  # type: ignore[misc]
+            handles += self.pools.host_to_device(name, host, got[name])
+            nbytes += len(host) * unit_bytes(self.pools, self.layout.tree_pools[name])
+        for handle in handles:
+            handle.wait()
+        # anchor first, root to leaf (device prefixes stay closed), then the components
+        for name, nodes in plan.nodes.items():
+            p = self.tree.index[name]
+            offset = 0
+            for node in nodes:
+                width = len(node.host[p])  # type: ignore[arg-type]
+                self.tree.set_device_value(node, name, got[name][offset : offset + width])
+                offset += width
+        self.metrics.count("load_backs")
+        self.metrics.add_bytes("host_to_device", nbytes)
+        return LoadBackResult(True, nbytes)

@@ -1,0 +1,272 @@
+"""The prefetcher: storage (L3) -> host (L2) for the pages after a request's host-usable prefix.
+
+How a prefetch decides, in order:
+
+1. **Gates** (:meth:`Prefetcher.start`, owner thread): at least ``threshold_tokens`` to fetch, and
+   the pages in flight stay under ``host_fraction_limit`` of the host tier (the rate limit).
+2. **Length** (worker thread): the existence query runs first, so a miss never takes or evicts host
+   units. The anchor's present prefix, clamped or dropped by each all-pages pool as it declares;
+   a state pool ends it at the last page that has a state; a window pool that misses part of its
+   window drops the whole prefetch.
+3. **Read** (worker thread): into free host units; when the host tier has too few free units the
+   worker leaves the read to the owner, which makes room at ``admit``.
+4. **End** (:meth:`Prefetcher.finish`, at ``admit``): ``best_effort`` takes what is done,
+   ``wait_complete`` waits, ``timeout`` waits a base plus a per-Ki-token time, capped.
+5. **Commit** (:meth:`Prefetcher.commit`, owner thread): the pages every rank read become host-only
+   tree nodes; every other unit is freed. A revoked prefetch frees its units once its worker ends.
+
+Worker threads never touch the tree: they fill the :class:`PrefetchOp` and set ``done``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from pluggy import HookRelay
+
+from kvstrata.core.config import PolicyConfig
+from kvstrata.core.metrics import CacheMetrics
+from kvstrata.core.pool_group import PoolGroup
+from kvstrata.core.stack import PoolKind, StackLayout, pool_batch
+from kvstrata.core.storage_engine import PoolBatch, StorageEngine, longest_present_prefix
+from kvstrata.core.tier_units import TierUnits
+from kvstrata.core.tree import PageKey, PrefixTree, Tier, TreeNode
+from kvstrata.core.writer import count_failure
+from kvstrata.plugins.pool_type import PartialHit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PrefetchOp:
+    """One L3 -> L2 read. The worker fills the result fields and sets ``done``; only the owner
+    thread touches the tree or frees ``reserved`` (once ``done`` is set)."""
+
+    start: int  # first page read (the request's host-usable prefix before it)
+    hashes: list[str]  # page hashes of pages [start, start + len(hashes))
+    started_s: float
+    reserved: dict[str, torch.Tensor] = field(default_factory=dict)  # host units per tree pool
+    short: dict[str, int] | None = None  # units the worker could not take without eviction
+    found: int = 0  # leading pages whose anchor object exists
+    pages: int = 0  # pages whose objects the worker read and verified, every pool included
+    read_end: int = 0  # pages the worker tried to read (window/state objects sit at its end)
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def _all_of(per_pool: Sequence[Sequence[bool]]) -> list[bool]:
+    return [all(column) for column in zip(*per_pool, strict=True)]
+
+
+class Prefetcher:
+    """L3 -> L2 reads for leases (see the module docstring for the decision steps)."""
+
+    def __init__(
+        self,
+        pools: PoolGroup,
+        tree: PrefixTree,
+        layout: StackLayout,
+        units: TierUnits,
+        engine: StorageEngine,
+        policy: PolicyConfig,
+        metrics: CacheMetrics,
+        hook: HookRelay,
+        *,
+        page_size: int,
+    ) -> None:
+        self.pools = pools
+        self.tree = tree
+        self.layout = layout
+        self.units = units
+        self.engine = engine
+        self.policy = policy.prefetch
+        self.metrics = metrics
+        self.hook = hook
+        self.page_size = page_size
+        self.orphans: list[PrefetchOp] = []  # revoked prefetches whose worker has not finished
+        self.reserved_pages = 0  # pages in flight (the rate limit counts them)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-prefetch")
+
+    # --- gates (owner thread) -------------------------------------------------------------------
+
+    def _budget(self) -> int:
+        anchor_host = self.pools.pools[self.layout.anchor].host_allocator
+        return int(anchor_host.units * self.policy.host_fraction_limit) if anchor_host else 0
+
+    def start(self, start: int, hashes: Sequence[str]) -> PrefetchOp | None:
+        """Start reading pages ``[start, start + len(hashes))`` if the gates allow."""
+        count = len(hashes)
+        threshold = max(self.policy.threshold_tokens, self.page_size)
+        if count <= 0 or count * self.page_size < threshold:
+            return None
+        if self.reserved_pages + count > self._budget():
+            self.metrics.count("prefetches_skipped")
+            return None
+        op = PrefetchOp(start, list(hashes), time.perf_counter())
+        self.reserved_pages += count
+        self.metrics.count("prefetches_started")
+        self._thread.submit(self._run, op)
+        return op
+
+    # --- length and read (worker thread) --------------------------------------------------------
+
+    def _run(self, op: PrefetchOp) -> None:
+        """Existence per pool, the usable length by each pool's rule, then the read. Never
+        touches the tree; ``done`` is always set."""
+        try:
+            end = self._length(op)
+            op.read_end = end
+            if end > 0 and not op.cancelled:
+                needs = self.layout.slot_counts(end)
+                got = self.units.try_alloc(Tier.HOST, needs)  # allocators are thread-safe
+                if got is None:
+                    op.short = needs
+                else:
+                    op.reserved = got
+                    op.pages = self._read(op, end)
+        except Exception:  # an engine bug must not kill the worker or leak the slots
+            log.exception("prefetch failed")
+            op.pages = 0
+        finally:
+            self.metrics.latency("prefetch", time.perf_counter() - op.started_s)
+            op.done.set()
+
+    def _exists(self, pool: str, hashes: Sequence[str]) -> list[bool]:
+        result = self.engine.exists(pool, hashes)
+        count_failure(self.metrics, result)
+        return result.ok
+
+    def _length(self, op: PrefetchOp) -> int:
+        """Pages after ``op.start`` that every pool can serve from L3 (0 = drop)."""
+        hashes = op.hashes
+        anchor = self.layout.anchor
+        end = op.found = longest_present_prefix(self._exists(anchor, hashes))
+        pools = list(self.layout.tree_pools.values())
+        for tp in pools:  # all-pages pools (and the anchor's sidecars) clamp or drop
+            if tp.kind is not PoolKind.PAGES:
+                continue
+            for name in tp.followers[1:] if tp.name == anchor else tp.followers:
+                if end == 0:
+                    return 0
+                have = longest_present_prefix(self._exists(name, hashes[:end]))
+                if have < end:
+                    end = have if self.pools.pools[name].spec.partial_hit is PartialHit.CLAMP else 0
+        for tp in pools:  # a prefix ends where a state exists
+            if tp.kind is PoolKind.STATE and end > 0:
+                flags = _all_of([self._exists(name, hashes[:end]) for name in tp.followers])
+                end = max((j + 1 for j, ok in enumerate(flags) if ok), default=0)
+        for tp in pools:  # the last window must be whole
+            if tp.kind is PoolKind.WINDOW and end > 0:
+                lo = max(0, end - tp.window)
+                flags = _all_of([self._exists(name, hashes[lo:end]) for name in tp.followers])
+                if not all(flags):
+                    return 0
+        return end
+
+    def _read(self, op: PrefetchOp, end: int) -> int:
+        """Read pages [0, end) (relative to op.start) into the reserved host units; returns how many
+        pages every pool delivered (0 if a window or state pool is incomplete)."""
+        batches: dict[str, PoolBatch] = {}
+        for tp in self.layout.tree_pools.values():
+            lo, hi = tp.slots(0, end)
+            units = op.reserved[tp.name][: hi - lo]
+            for name in tp.followers:
+                if self.engine.plans[name].enabled:
+                    batches[name] = pool_batch(self.pools, name, units, op.hashes[lo:hi])
+        results = self.engine.get_group(batches)
+        nbytes = 0
+        done = end
+        for name, result in results.items():
+            count_failure(self.metrics, result)
+            have = longest_present_prefix(result.ok)
+            nbytes += sum(result.ok) * self.pools.pools[name].spec.bytes_per_unit
+            if self.layout.kind(name) is PoolKind.PAGES:
+                done = min(done, have)
+            elif have < len(result.ok):
+                done = 0
+        if done < end and not self.layout.clampable:
+            done = 0
+        self.metrics.add_bytes("storage_to_host", nbytes)
+        return done
+
+    # --- end and commit (owner thread) ----------------------------------------------------------
+
+    def finish(self, op: PrefetchOp, protect: TreeNode | None) -> int:
+        """End ``op`` per policy; returns the pages this rank can commit. ``protect`` is the
+        lease's locked node, kept while the owner makes room for a read the worker left to it."""
+        if self.policy.policy == "wait_complete":
+            op.done.wait()
+        elif self.policy.policy == "timeout":
+            tokens = len(op.hashes) * self.page_size
+            limit = self.policy.timeout_base_s + self.policy.timeout_per_ki_token_s * tokens / 1024
+            if self.policy.timeout_max_s is not None:
+                limit = min(limit, self.policy.timeout_max_s)
+            op.done.wait(limit)
+        if not op.done.is_set():
+            return 0
+        if op.short is not None and self.policy.policy != "best_effort":
+            # L3 has the pages but the host tier is full: make room (owner thread) and read now
+            got = self.units.alloc_protecting(protect, Tier.HOST, op.short)
+            op.short = None
+            if got is not None:
+                op.reserved = got
+                op.pages = self._read(op, op.read_end)
+        return op.pages
+
+    def commit(self, op: PrefetchOp, keys: Sequence[PageKey], pages: int, request_id: str) -> int:
+        """Insert the first ``pages`` prefetched pages as host-only nodes under ``keys[:op.start]``;
+        free every other unit. Returns the pages committed (0 when dropped or still reading)."""
+        if not op.done.is_set():  # still reading into the slots: free them when it finishes
+            op.cancelled = True
+            self.orphans.append(op)
+            self.metrics.count("prefetches_revoked")
+            return 0
+        self.reserved_pages -= len(op.hashes)
+        if not (pages > 0 and (pages == op.pages or self.layout.clampable)):
+            if op.found:
+                self.metrics.count("prefetches_dropped")
+            self.units.free(Tier.HOST, op.reserved)
+            return 0
+        values: dict[str, torch.Tensor] = {}
+        spare: dict[str, torch.Tensor] = {}
+        for tp in self.layout.tree_pools.values():
+            lo, hi = tp.slots(0, pages)
+            have = op.reserved[tp.name]
+            values[tp.name] = have[: hi - lo]
+            spare[tp.name] = have[hi - lo :]
+        result = self.tree.insert_host(list(keys[: op.start + pages]), values)
+        self.units.free(Tier.HOST, spare)
+        self.units.free(Tier.HOST, result.duplicates)
+        self.metrics.count("prefetches_committed")
+        self.hook.kvstrata_prefetch_committed(
+            request_id=request_id, tokens=pages * self.page_size, pools=list(self.pools.pools)
+        )
+        return pages
+
+    def drain(self) -> None:
+        """Free the units of revoked prefetches whose worker has finished."""
+        if not self.orphans:
+            return
+        alive = []
+        for op in self.orphans:
+            if op.done.is_set():
+                self.reserved_pages -= len(op.hashes)
+                self.units.free(Tier.HOST, op.reserved)
+            else:
+                alive.append(op)
+        self.orphans = alive
+
+    def wait(self, deadline: float | None) -> None:
+        """Wait (up to ``deadline``, a ``time.monotonic`` value) for revoked prefetches to end."""
+        for op in list(self.orphans):
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            op.done.wait(remaining)
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,117 @@
+"""Units of a tier across every pool of a stack: all-or-nothing allocation that evicts to fit.
+
+Load-back, the prefetcher, the writer and the lease API all need "N units of every tree pool in
+this tier, or none", and when the tier is full, the same eviction step: ask the tree for the
+least valuable unlocked nodes, free their units, tell the hooks. One object owns that, so no
+part frees or evicts behind another's back. Sidecars share their owner's allocator, so only tree
+pools appear here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from kvstrata.core.allocator import UnitAllocator
+from kvstrata.core.pool_group import PoolGroup
+from kvstrata.core.stack import NO_UNITS
+from kvstrata.core.tree import PrefixTree, Tier, TreeNode
+
+#: Called before the device tier evicts, with the units per pool it is short of (write-back
+#: backs nodes up there, so eviction may drop them).
+BeforeDeviceEviction = Callable[[Mapping[str, int]], None]
+
+
+class TierUnits:
+    """Allocation and eviction of device and host units (owner thread; allocators are thread-safe)."""
+
+    def __init__(
+        self,
+        pools: PoolGroup,
+        tree: PrefixTree,
+        *,
+        delete_unbacked: bool,
+        on_eviction: Callable[[str, str, torch.Tensor], None],
+    ) -> None:
+        """``delete_unbacked``: whether device eviction may delete a node with no host copy
+        (false for write-back); ``on_eviction(tier, pool, units)`` observes every eviction."""
+        self.pools = pools
+        self.tree = tree
+        self.delete_unbacked = delete_unbacked
+        self.on_eviction = on_eviction
+        self.before_device_eviction: BeforeDeviceEviction | None = None
+
+    def allocator(self, pool: str, tier: Tier) -> UnitAllocator | None:
+        p = self.pools.pools[pool]
+        return p.device_allocator if tier is Tier.DEVICE else p.host_allocator
+
+    def free(self, tier: Tier, units: Mapping[str, torch.Tensor]) -> None:
+        for pool, value in units.items():
+            if len(value):
+                self.allocator(pool, tier).free(value)  # type: ignore[union-attr]
+
+    def freer(self, tier: Tier) -> Callable[[str, torch.Tensor], None]:
+        """A callback the tree calls with the units it dropped from ``tier``."""
+
+        def free(pool: str, value: torch.Tensor) -> None:
+            self.allocator(pool, tier).free(value)  # type: ignore[union-attr]
+
+        return free
+
+    def try_alloc(self, tier: Tier, needs: Mapping[str, int]) -> dict[str, torch.Tensor] | None:
+        """Every unit of ``needs`` from free units, or none (never evicts: worker threads call it)."""
+        got: dict[str, torch.Tensor] = {}
+        for pool, count in needs.items():
+            if count == 0:
+                got[pool] = NO_UNITS
+                continue
+            allocator = self.allocator(pool, tier)
+            units = allocator.alloc(count) if allocator is not None else None
+            if units is None:
+                self.free(tier, got)
+                return None
+            got[pool] = units
+        return got
+
+    def alloc(self, tier: Tier, needs: Mapping[str, int]) -> dict[str, torch.Tensor] | None:
+        """All-or-nothing allocation over pools; evicts the shortfall (LRU) once if needed."""
+        got = self.try_alloc(tier, needs)
+        if got is not None:
+            return got
+        shortfall = {}
+        for pool, count in needs.items():
+            allocator = self.allocator(pool, tier)
+            available = allocator.available if allocator is not None else 0
+            if count > available:
+                shortfall[pool] = count - available
+        if tier is Tier.DEVICE:
+            if self.before_device_eviction is not None:
+                self.before_device_eviction(shortfall)
+            result = self.tree.evict_device(
+                shortfall, self.freer(Tier.DEVICE), delete_unbacked=self.delete_unbacked
+            )
+        else:
+            result = self.tree.evict_host(shortfall, self.freer(Tier.HOST))
+        for pool, units in result.units.items():
+            self.on_eviction(tier.value, pool, units)
+        return self.try_alloc(tier, needs)
+
+    def alloc_protecting(
+        self, node: TreeNode | None, tier: Tier, needs: Mapping[str, int]
+    ) -> dict[str, torch.Tensor] | None:
+        """Allocate in ``tier`` while ``node``'s path is locked there, so the eviction that
+        makes room cannot take the nodes the units are for."""
+        if node is None:
+            return self.alloc(tier, needs)
+        guard = self.tree.lock(node, tier)
+        try:
+            return self.alloc(tier, needs)
+        finally:
+            self.tree.unlock(guard)
+
+    def drop_everything(self) -> None:
+        """Evict every unlocked node from both tiers (a late pool has no data for them)."""
+        everything = {name: 1 << 62 for name in (spec.name for spec in self.tree.pools)}
+        self.tree.evict_device(everything, self.freer(Tier.DEVICE))
+        self.tree.evict_host(everything, self.freer(Tier.HOST))

@@ -1,0 +1,252 @@
+"""The writer: device (L1) -> host (L2) backups, and host (L2) -> storage (L3) writes.
+
+Backups follow the write policy: ``write_through`` backs up on insert, ``write_through_selective``
+once a node is hot, ``write_back`` only when the device tier must evict. Except under write-back,
+backups form a contiguous prefix from the root (a node is backed up only after its parent), so a
+host hit never depends on a page that exists only on the device.
+
+Every node that reaches the host tier is queued for L3 in ``put_group`` order (sidecars and
+components first, the anchor object last: the anchor commits a page). The write runs on one worker
+thread that only reads the host units it was handed; host locks keep those units alive, and the
+owner thread drains finished writes (unlock, count) in :meth:`Writer.drain`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvstrata.core.config import PolicyConfig
+from kvstrata.core.keys import hash_pages
+from kvstrata.core.metrics import CacheMetrics
+from kvstrata.core.pool_group import PoolGroup
+from kvstrata.core.stack import PoolKind, StackLayout, pool_batch, unit_bytes
+from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
+from kvstrata.core.tier_units import TierUnits
+from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PendingWrite:
+    """One queued L2 -> L3 write; host locks keep its source slots alive until it is drained."""
+
+    locks: list[LockHandle]
+    future: Future[dict[str, BatchResult]]
+
+
+def count_failure(metrics: CacheMetrics, result: BatchResult) -> None:
+    """A storage call that was attempted and failed (a skipped one is a plan, not a failure)."""
+    if result.error is not None and not result.skipped:
+        metrics.fail()
+
+
+class Writer:
+    """Backups and L3 writes (owner thread; the L3 write itself runs on the writer thread)."""
+
+    def __init__(
+        self,
+        pools: PoolGroup,
+        tree: PrefixTree,
+        layout: StackLayout,
+        units: TierUnits,
+        engine: StorageEngine | None,
+        policy: PolicyConfig,
+        metrics: CacheMetrics,
+        *,
+        page_size: int,
+        namespace_root: str,
+    ) -> None:
+        self.pools = pools
+        self.tree = tree
+        self.layout = layout
+        self.units = units
+        self.engine = engine
+        self.policy = policy
+        self.metrics = metrics
+        self.page_size = page_size
+        self.namespace_root = namespace_root
+        self.pending: list[PendingWrite] = []
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
+        if policy.write == "write_back":
+            units.before_device_eviction = self.back_up_for_eviction
+
+    # --- L1 -> L2 -----------------------------------------------------------------------------
+
+    def on_insert(self, node: TreeNode | None, hashes: Sequence[str]) -> None:
+        """Write-through: back up the path to a freshly inserted node."""
+        if node is None or self.policy.write != "write_through":
+            return
+        self.back_up(_path(self.tree, node), hashes=hashes)
+
+    def on_lookup(self, device_path: Sequence[TreeNode], hashes: Sequence[str]) -> None:
+        """Selective write-through: back up the nodes that turned hot."""
+        if self.policy.write != "write_through_selective":
+            return
+        hot = [n for n in device_path if n.hit_count >= self.policy.write_through_threshold]
+        self.back_up(hot, hashes=hashes)
+
+    def back_up(self, nodes: Iterable[TreeNode], *, hashes: Sequence[str] | None = None) -> None:
+        """Copy device-only nodes to host, root first, stopping at the first that does not fit or
+        whose parent has no backup (backups stay a contiguous prefix); queue their L3 write."""
+        if not self.pools.host_enabled:
+            return
+        todo: list[TreeNode] = []
+        allocated: list[dict[str, torch.Tensor]] = []
+        contiguous = self.policy.write != "write_back"
+        root = self.tree.root
+        for node in nodes:
+            if self.tree.backed_up(node) or node.device[0] is None:
+                continue
+            parent = node.parent
+            if contiguous and parent is not root and not self.tree.backed_up(parent):  # type: ignore[arg-type]
+                break
+            needs = {}
+            for name in self.layout.tree_pools:
+                value = node.device[self.tree.index[name]]
+                needs[name] = 0 if value is None else len(value)
+            got = self.units.alloc_protecting(node, Tier.HOST, needs)
+            if got is None:
+                self.metrics.fail()
+                break
+            todo.append(node)
+            allocated.append(got)
+        if not todo:
+            return
+        self._copy_down(todo, allocated)
+        if self.engine is not None:
+            self._queue_write(todo, hashes)
+
+    def _copy_down(self, nodes: Sequence[TreeNode], allocated: Sequence[dict[str, torch.Tensor]]) -> None:
+        """Device -> host copies of ``nodes`` into ``allocated``, then index the host copies."""
+        handles = []
+        nbytes = 0
+        for name, tp in self.layout.tree_pools.items():
+            p = self.tree.index[name]
+            pairs = [(n.device[p], a[name]) for n, a in zip(nodes, allocated, strict=True) if len(a[name])]
+            if not pairs:
+                continue
+            device = torch.cat([d for d, _ in pairs])  # type: ignore[misc]
+            host = torch.cat([h for _, h in pairs])
+            handles += self.pools.device_to_host(name, device, host)
+            nbytes += len(host) * unit_bytes(self.pools, tp)
+        for handle in handles:
+            handle.wait()
+        for node, got in zip(nodes, allocated, strict=True):
+            for name in self.layout.tree_pools:  # anchor first: it marks the node backed up
+                if len(got[name]):
+                    self.tree.set_host_value(node, name, got[name])
+        self.metrics.count("backups", len(nodes))
+        self.metrics.add_bytes("device_to_host", nbytes)
+
+    def back_up_for_eviction(self, shortfall: Mapping[str, int]) -> None:
+        """Write-back: back up least recently used device nodes before evicting them."""
+        anchor = self.layout.anchor
+        want = shortfall.get(anchor, 0) or max(shortfall.values(), default=0)
+        candidates = [
+            n
+            for n in self.tree.holding(anchor, Tier.DEVICE)
+            if not self.tree.backed_up(n) and not any(n.device_lock)
+        ]
+        candidates.sort(key=lambda n: (n.last_access, n.id))
+        chosen, units = [], 0
+        for node in candidates:
+            if units >= want:
+                break
+            chosen.append(node)
+            units += node.pages
+        chosen.sort(key=lambda n: n.depth_end)
+        self.back_up(chosen)
+
+    # --- L2 -> L3 -----------------------------------------------------------------------------
+
+    def _node_hashes(self, node: TreeNode) -> list[str]:
+        """Page hashes of ``node``'s pages, rebuilt from the keys of its path (token pages)."""
+        keys = [k for n in _path(self.tree, node) for k in n.keys]
+        tokens = np.frombuffer(b"".join(keys), dtype=np.int64)
+        return hash_pages(tokens, self.page_size, self.namespace_root)[node.depth_start :]
+
+    def _queue_write(self, nodes: Sequence[TreeNode], hashes: Sequence[str] | None) -> None:
+        """L2 -> L3 for freshly backed-up nodes: batches built here, written on the worker."""
+        assert self.engine is not None
+        per_pool: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
+        for node in nodes:
+            if hashes is not None:
+                node_hashes = list(hashes[node.depth_start : node.depth_end])
+            else:
+                node_hashes = self._node_hashes(node)
+            for name, tp in self.layout.tree_pools.items():
+                value = node.host[self.tree.index[name]]
+                if value is None:
+                    continue
+                page_hashes = node_hashes[-1:] if tp.kind is PoolKind.STATE else node_hashes
+                for follower in tp.followers:
+                    entry = per_pool.setdefault(follower, ([], []))
+                    entry[0].extend(page_hashes)
+                    entry[1].append(value)
+        batches: dict[str, PoolBatch] = {}
+        for name, (page_hashes, values) in per_pool.items():
+            if self.engine.plans[name].writes:
+                batches[name] = pool_batch(self.pools, name, torch.cat(values), page_hashes)
+        if not batches:
+            return
+        locks = [self.tree.lock(n, Tier.HOST) for n in nodes]
+        self.pending.append(PendingWrite(locks, self._thread.submit(self.engine.put_group, batches)))
+        self.metrics.count("storage_writes")
+
+    def drain(self) -> None:
+        """Commit finished writes: count bytes and failures, unlock their host sources."""
+        if not self.pending:
+            return
+        still = []
+        for write in self.pending:
+            if write.future.done():
+                self._finish(write)
+            else:
+                still.append(write)
+        self.pending = still
+
+    def _finish(self, write: PendingWrite) -> None:
+        try:
+            results = write.future.result()
+        except Exception:  # the engine does not raise on backend errors; this is a bug guard
+            log.exception("L3 write failed")
+            self.metrics.fail()
+            results = {}
+        nbytes = 0
+        for name, result in results.items():
+            count_failure(self.metrics, result)
+            nbytes += sum(result.ok) * self.pools.pools[name].spec.bytes_per_unit
+        self.metrics.add_bytes("host_to_storage", nbytes)
+        for handle in write.locks:
+            self.tree.unlock(handle)
+
+    def wait(self, deadline: float | None) -> None:
+        """Wait (up to ``deadline``, a ``time.monotonic`` value) for every queued write."""
+        for write in list(self.pending):
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                write.future.exception(remaining)
+            except TimeoutError:
+                return
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+def _path(tree: PrefixTree, node: TreeNode) -> list[TreeNode]:
+    """The nodes from the root's child down to ``node``."""
+    path = []
+    cur: TreeNode | None = node
+    while cur is not None and cur is not tree.root:
+        path.append(cur)
+        cur = cur.parent
+    path.reverse()
+    return path
