@@ -1,0 +1,149 @@
+"""The controller's parts tested on their own: each takes explicit inputs and returns a plan or a
+result, so a behaviour can be pinned to the part that owns it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from controller_support import EXAMPLES, fill, tokens
+from kvstrata.core.builder import build_cache
+from kvstrata.core.collective import RankAgreement
+from kvstrata.core.config import load_config
+from kvstrata.core.controller import CacheController
+from kvstrata.core.load_back import LoadBack
+from kvstrata.core.stack import PoolKind
+from kvstrata.core.tier_units import TierUnits
+from kvstrata.core.tree import Tier, page_keys
+from kvstrata.plugins import PluginHost
+
+
+def _config(example: str, *overrides: str):
+    host = PluginHost()
+    return load_config([EXAMPLES[example]], ["tiers.storage={}", *overrides], host=host, environ={}), host
+
+
+def test_stack_layout_reads_rules_from_specs() -> None:
+    config, host = _config("swa-mamba")
+    parts = build_cache(config, host)
+    layout = parts.layout
+    assert layout.anchor == "kv"
+    assert {name: tp.kind for name, tp in layout.tree_pools.items()} == {
+        "kv": PoolKind.PAGES,
+        "swa": PoolKind.WINDOW,
+        "mamba": PoolKind.STATE,
+    }
+    assert layout.tree_pools["swa"].window == 256 // config.model.page_size
+    # a 10-page prefix read from L3: every kv page, the last window of swa, one mamba state
+    assert layout.slot_counts(10) == {"kv": 10, "swa": 4, "mamba": 1}
+    assert layout.units_for(3) == {"kv": 3, "swa": 3, "mamba": 1}
+    assert not layout.clampable  # window and state pools drop, never clamp
+
+
+def test_sidecars_follow_their_index_owner() -> None:
+    config, host = _config("mla-nsa-draft")
+    layout = build_cache(config, host).layout
+    assert list(layout.tree_pools) == ["mla"]
+    assert set(layout.tree_pools["mla"].followers) == {"mla", "indexer", "draft"}
+    assert layout.owner("draft").name == "mla" and layout.kind("indexer") is PoolKind.PAGES
+
+
+def test_load_back_plan_names_every_host_only_unit_and_run_restores_bytes() -> None:
+    """Back a request up to host, evict it from the device, then plan and run its load-back."""
+    config, host = _config("hybrid-mamba")
+    with CacheController(config, host) as cache:
+        request = tokens(1, 6)
+        lease = cache.lookup(request)
+        units = cache.allocate(lease)
+        fill(cache, lease, units)
+        cache.insert(lease)  # write-through: host copies of all 6 pages and the state
+        before = {
+            name: cache.pools.pools[name].device.unit_view(b.name)[units[name]].clone()
+            for name in units
+            for b in cache.pools.pools[name].spec.buffers[:1]
+        }
+        everything = {name: 1 << 30 for name in cache.tree_pools}
+        cache.tree.evict_device(everything, cache.units.freer(Tier.DEVICE))
+        match = cache.tree.match(page_keys(request, cache.page_size), count_hit=False)
+        assert (match.device_pages, match.host_pages) == (0, 6)
+
+        plan = cache.load_back.plan(match)
+        assert plan.units == {"kv": 6, "mamba": 1}
+        assert plan.end is match.host_node
+        result = cache.load_back.run(plan)
+        assert result.loaded and result.bytes > 0
+
+        after = cache.tree.match(page_keys(request, cache.page_size), count_hit=False)
+        assert after.device_pages == 6
+        for name, old in before.items():
+            pool = cache.pools.pools[name]
+            unit = after.device_state[name] if name == "mamba" else cache.tree.values(after.device_path, name)
+            view = pool.device.unit_view(pool.spec.buffers[0].name)
+            assert torch.equal(view[unit], old)
+
+
+def test_load_back_changes_nothing_when_the_device_cannot_make_room() -> None:
+    config, host = _config("hybrid-mamba")
+    parts = build_cache(config, host)
+    units = TierUnits(parts.pools, parts.tree, delete_unbacked=True, on_eviction=lambda *a: None)
+    load_back = LoadBack(parts.pools, parts.tree, parts.layout, units, parts.metrics)
+    # a host-only node whose load-back needs more device units than the tier has
+    keys = page_keys(tokens(2, 20), config.model.page_size)
+    pages = len(keys)
+    host_units = {
+        "kv": parts.pools.pools["kv"].host_allocator.alloc(pages),
+        "mamba": parts.pools.pools["mamba"].host_allocator.alloc(1),
+    }
+    parts.tree.insert_host(keys, host_units)
+    match = parts.tree.match(keys, count_hit=False)
+    plan = load_back.plan(match)
+    assert plan.units["kv"] == pages > parts.pools.pools["kv"].device_allocator.units
+    assert not load_back.run(plan).loaded
+    assert parts.metrics.failures == 1
+    assert parts.tree.match(keys, count_hit=False).device_pages == 0
+    assert parts.pools.pools["kv"].device_allocator.used == 0
+
+
+class _OtherRankHolds:
+    """A stand-in for the other ranks of a group (this test is about counting, not transport)."""
+
+    world_size = 2
+
+    def __init__(self, other: int) -> None:
+        self.other = other
+
+    def all_min(self, values: list[int]) -> list[int]:
+        return [min(v, self.other) for v in values]
+
+
+def test_rank_agreement_takes_the_min_and_counts_what_this_rank_gave_up() -> None:
+    agreement = RankAgreement(_OtherRankHolds(3))
+    assert agreement.prefetch_pages(2) == 2 and agreement.disagreements == 0
+    assert agreement.cached_pages(5) == 3 and agreement.disagreements == 1
+
+
+def test_prefetcher_gates_skip_short_and_over_budget_reads(tmp_path: Path) -> None:
+    host = PluginHost()
+    config = load_config(
+        [EXAMPLES["kv"]],
+        [f"tiers.storage.l3.path={tmp_path}", "policy.prefetch.threshold_tokens=256"],
+        host=host,
+        environ={},
+    )
+    with CacheController(config, host) as cache:
+        prefetcher = cache.prefetcher
+        assert prefetcher is not None
+        page = cache.page_size
+        short = max(1, 256 // page - 1)
+        assert prefetcher.start(0, ["00"] * short) is None  # below the threshold: not even counted
+        assert cache.metrics.operations["prefetches_skipped"] == 0
+        budget = prefetcher._budget()
+        assert prefetcher.start(0, ["00"] * (budget + 1)) is None  # over the rate limit
+        assert cache.metrics.operations["prefetches_skipped"] == 1
+        op = prefetcher.start(0, ["ab" * 16] * max(short + 1, 256 // page))
+        assert op is not None and prefetcher.reserved_pages == len(op.hashes)
+        op.done.wait(10)
+        assert op.found == 0 and op.pages == 0  # nothing in L3: no unit taken
+        assert prefetcher.commit(op, [], 0, request_id="t") == 0
+        assert prefetcher.reserved_pages == 0
