@@ -13,6 +13,8 @@ from kvstrata.core.collective import RankAgreement
 from kvstrata.core.config import load_config
 from kvstrata.core.controller import CacheController
 from kvstrata.core.load_back import LoadBack
+from kvstrata.core.metrics import SkipReason
+from kvstrata.core.prefetcher import PrefetchMode
 from kvstrata.core.stack import PoolKind
 from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import Tier, page_keys
@@ -123,7 +125,7 @@ def test_rank_agreement_takes_the_min_and_counts_what_this_rank_gave_up() -> Non
     assert agreement.cached_pages(5) == 3 and agreement.disagreements == 1
 
 
-def test_prefetcher_gates_skip_short_and_over_budget_reads(tmp_path: Path) -> None:
+def test_prefetcher_gates_skip_short_and_over_budget_reads_and_say_why(tmp_path: Path) -> None:
     host = PluginHost()
     config = load_config(
         [EXAMPLES["kv"]],
@@ -136,14 +138,19 @@ def test_prefetcher_gates_skip_short_and_over_budget_reads(tmp_path: Path) -> No
         assert prefetcher is not None
         page = cache.page_size
         short = max(1, 256 // page - 1)
-        assert prefetcher.start(0, ["00"] * short) is None  # below the threshold: not even counted
-        assert cache.metrics.operations["prefetches_skipped"] == 0
+        skipped: dict[str, int] = {}
+        assert prefetcher.start(0, ["00"] * short, skipped) is None
+        assert skipped == {SkipReason.BELOW_THRESHOLD: short}
         budget = prefetcher._budget()
-        assert prefetcher.start(0, ["00"] * (budget + 1)) is None  # over the rate limit
+        assert prefetcher.start(0, ["00"] * (budget + 1), skipped) is None
+        assert skipped[SkipReason.HOST_FRACTION] == budget + 1
         assert cache.metrics.operations["prefetches_skipped"] == 1
-        op = prefetcher.start(0, ["ab" * 16] * max(short + 1, 256 // page))
-        assert op is not None and prefetcher.reserved_pages == len(op.hashes)
+        assert cache.metrics.skipped_pages[SkipReason.BELOW_THRESHOLD] == short
+        # an explicit wait skips the gates
+        assert prefetcher.start(0, ["00"] * short, skipped, PrefetchMode.WAIT) is not None
+        op = prefetcher.start(0, ["ab" * 16] * max(short + 1, 256 // page), skipped)
+        assert op is not None
         op.done.wait(10)
         assert op.found == 0 and op.pages == 0  # nothing in L3: no unit taken
-        assert prefetcher.commit(op, [], 0, request_id="t") == 0
-        assert prefetcher.reserved_pages == 0
+        assert prefetcher.commit(op, [], 0, request_id="t", skipped=skipped) == 0
+        assert prefetcher.orphans == [] and cache.pools.pools["kv"].host_allocator.used == 0

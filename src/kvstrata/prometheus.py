@@ -72,6 +72,14 @@ class CacheCollector:
             ops.add_metric([self.cache, operation], value)
         yield ops
         yield counter("kvstrata_failures", "Failed storage operations and backups", snap["failures"])
+        skipped = core.CounterMetricFamily(
+            "kvstrata_skipped_pages",
+            "Pages the host tier or L3 could have served but did not, by reason",
+            labels=[*labels, "reason"],
+        )
+        for reason, value in snap["skipped_pages"].items():
+            skipped.add_metric([self.cache, reason], value)
+        yield skipped
         yield counter(
             "kvstrata_corrupt_objects", "Objects the integrity check refused", snap["corrupt_detected"]
         )

@@ -47,8 +47,9 @@ from kvstrata.core.config import KvstrataConfig, PoolConfig
 from kvstrata.core.keys import namespace_root
 from kvstrata.core.lease import CacheFullError, Lease, prefix_units
 from kvstrata.core.load_back import LoadBack
+from kvstrata.core.metrics import SkipReason
 from kvstrata.core.pool_group import Pool
-from kvstrata.core.prefetcher import Prefetcher
+from kvstrata.core.prefetcher import Prefetcher, PrefetchMode
 from kvstrata.core.stack import PoolKind, TreePool
 from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import MatchResult, Tier, TreeNode, page_keys
@@ -56,7 +57,7 @@ from kvstrata.core.writer import Writer
 from kvstrata.plugins import PluginHost
 from kvstrata.plugins.pool_type import PoolRole
 
-__all__ = ["CacheController", "CacheFullError", "Lease", "PoolKind", "TreePool"]
+__all__ = ["CacheController", "CacheFullError", "Lease", "PoolKind", "PrefetchMode", "SkipReason", "TreePool"]
 
 
 class CacheController:
@@ -144,12 +145,20 @@ class CacheController:
 
     # --- lookup ---------------------------------------------------------------------------------
 
-    def lookup(self, tokens: Sequence[int] | torch.Tensor, *, record: bool = True) -> Lease:
+    def lookup(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        *,
+        record: bool = True,
+        prefetch: PrefetchMode | str = PrefetchMode.POLICY,
+    ) -> Lease:
         """Match ``tokens`` against the device and host tiers, lock the usable prefix, and start
         an L3 prefetch of the pages after it when the prefetch policy allows.
 
         ``record=False`` keeps the request out of the hit counters: for the later chunks of a
-        chunked prefill, whose "hits" are the request's own earlier chunks."""
+        chunked prefill, whose "hits" are the request's own earlier chunks. ``prefetch="wait"``
+        skips the prefetch gates and makes ``admit`` wait for the whole read; ``"off"`` reads
+        nothing from L3."""
         self._check_open()
         self.poll()
         started = time.perf_counter()
@@ -168,7 +177,9 @@ class CacheController:
         if self.policy.write == "write_through_selective":
             self.writer.on_lookup(match.device_path, lease.page_hashes)
         if self.prefetcher is not None and lease.pages > lease.host_pages:
-            lease._prefetch = self.prefetcher.start(lease.host_pages, lease.page_hashes[lease.host_pages :])
+            lease._prefetch = self.prefetcher.start(
+                lease.host_pages, lease.page_hashes[lease.host_pages :], lease.skipped, PrefetchMode(prefetch)
+            )
         return lease
 
     # --- admit (prefetch end + commit, load-back) -----------------------------------------------
@@ -190,14 +201,19 @@ class CacheController:
             self.ranks.prefetch_pages(0)
         started = time.perf_counter()
         match = self.tree.match(lease.keys, count_hit=False)
-        if (match.host_pages - match.device_pages) * self.page_size >= max(
-            1, self.policy.load_back_threshold_tokens
-        ):
-            if self.load_back.run(self.load_back.plan(match)).loaded:
+        host_only = match.host_pages - match.device_pages
+        if host_only * self.page_size >= max(1, self.policy.load_back_threshold_tokens):
+            result = self.load_back.run(self.load_back.plan(match))
+            if result.loaded:
                 match = self.tree.match(lease.keys, count_hit=False)
+            elif result.device_full:
+                self._skip(lease, SkipReason.DEVICE_FULL, host_only)
             self.metrics.latency("load_back", time.perf_counter() - started)
+        else:
+            self._skip(lease, SkipReason.BELOW_LOAD_BACK_THRESHOLD, host_only)
         cached = self.ranks.cached_pages(match.device_pages)
         if cached < match.device_pages:
+            self._skip(lease, SkipReason.RANK_DISAGREEMENT, match.device_pages - cached)
             match = self.tree.match(lease.keys[:cached], count_hit=False)
         self._settle(lease, match)
         return lease
@@ -205,7 +221,29 @@ class CacheController:
     def _commit_prefetch(self, lease: Lease, pages: int) -> None:
         op, lease._prefetch = lease._prefetch, None
         assert op is not None and self.prefetcher is not None
-        lease._storage_pages = self.prefetcher.commit(op, lease.keys, pages, request_id=str(id(lease)))
+        if pages > 0 and op.start > 0 and not self._host_backed(lease.keys[: op.start], lease):
+            # host-only pages below a device-only page would break "backups form a contiguous
+            # prefix from the root" and pin that page on the device: drop the refill
+            self.prefetcher.drop(op, SkipReason.UNBACKED_PARENT, lease.skipped)
+            return
+        lease._storage_pages = self.prefetcher.commit(
+            op, lease.keys, pages, request_id=str(id(lease)), skipped=lease.skipped
+        )
+
+    def _host_backed(self, keys: Sequence[bytes], lease: Lease) -> bool:
+        """Whether every page of ``keys`` has a host copy, backing the device-only ones up first."""
+        match = self.tree.match(keys, count_hit=False)
+        if match.host_pages < len(keys):
+            return False
+        unbacked = [n for n in match.path if not self.tree.backed_up(n)]
+        if unbacked:
+            self.writer.back_up(match.path, hashes=lease.page_hashes)
+        return all(self.tree.backed_up(n) for n in match.path)
+
+    def _skip(self, lease: Lease, reason: SkipReason, pages: int) -> None:
+        if pages > 0:
+            lease.skipped[reason] = lease.skipped.get(reason, 0) + pages
+            self.metrics.skip(reason, pages)
 
     def _settle(self, lease: Lease, match: MatchResult) -> None:
         """Fix the lease's prefix at the device-usable length of ``match``; move its lock there."""

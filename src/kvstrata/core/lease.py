@@ -34,6 +34,8 @@ class Lease:
     cached_pages: int = 0  # usable on device after admit
     hit_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     record: bool = True  # count this request in the hit metrics
+    #: pages the host tier or L3 held that this request could not use, by SkipReason
+    skipped: dict[str, int] = field(default_factory=dict)
     admitted: bool = False
     closed: bool = False
     _hashes: list[str] | None = None

@@ -37,6 +37,7 @@ class LoadBackPlan:
 class LoadBackResult:
     loaded: bool  # False: nothing to load, or the device tier could not make room
     bytes: int = 0
+    device_full: bool = False  # the device tier could not make room
 
 
 class LoadBack:
@@ -83,7 +84,7 @@ class LoadBack:
         got = self.units.alloc_protecting(plan.end, Tier.DEVICE, plan.units)  # the nodes stay
         if got is None:
             self.metrics.fail()
-            return LoadBackResult(False)
+            return LoadBackResult(False, device_full=True)
         handles = []
         nbytes = 0
         for name, nodes in plan.nodes.items():

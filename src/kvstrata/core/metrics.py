@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 #: Latency samples kept per kind (the newest; enough for stable percentiles).
@@ -30,6 +31,29 @@ OPERATIONS = (
 LATENCIES = ("match", "load_back", "prefetch")
 
 
+class SkipReason(StrEnum):
+    """Why pages the host tier or L3 could have served were not used (no miss goes unexplained).
+
+    Counted per lease (``Lease.skipped``) and in :attr:`CacheMetrics.skipped_pages`. For the
+    gates (threshold, host fraction, rate limit, disabled) the pages are the ones the gate kept
+    from being looked up in L3; for the others, pages L3 or the host tier held.
+    """
+
+    BELOW_THRESHOLD = "below_threshold"  # fewer tokens to fetch than policy.prefetch.threshold_tokens
+    HOST_FRACTION = "host_fraction"  # the read alone exceeds host_fraction_limit of the host tier
+    RATE_LIMIT = "rate_limit"  # reads in flight plus this one exceed host_fraction_limit
+    DISABLED = "disabled"  # the caller asked for no prefetch
+    TIMEOUT = "timeout"  # the read had not finished at admit (timeout / best_effort policies)
+    HOST_FULL = "host_full"  # no room in the host tier even after eviction
+    DAMAGED_OBJECT = "damaged_object"  # an object failed verification or could not be read
+    LAYOUT_MISMATCH = "layout_mismatch"  # an object of another layout / format under our key
+    INCOMPLETE_STACK = "incomplete_stack"  # a pool of the stack lacks objects (window, state, sidecar)
+    RANK_DISAGREEMENT = "rank_disagreement"  # another rank holds less
+    UNBACKED_PARENT = "unbacked_parent"  # the refill would sit below a device page with no host copy
+    DEVICE_FULL = "device_full"  # host pages could not be loaded back: no room on the device
+    BELOW_LOAD_BACK_THRESHOLD = "below_load_back_threshold"  # policy.load_back_threshold_tokens
+
+
 @dataclass
 class CacheMetrics:
     requests: int = 0
@@ -38,6 +62,8 @@ class CacheMetrics:
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
     operations: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPERATIONS, 0))
     failures: int = 0
+    #: pages that could have been served but were not, by :class:`SkipReason`
+    skipped_pages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SkipReason, 0))
     latency_s: dict[str, deque[float]] = field(
         default_factory=lambda: {kind: deque(maxlen=LATENCY_SAMPLES) for kind in LATENCIES}
     )
@@ -58,6 +84,10 @@ class CacheMetrics:
     def fail(self, n: int = 1) -> None:
         with self._lock:
             self.failures += n
+
+    def skip(self, reason: SkipReason, pages: int) -> None:
+        with self._lock:
+            self.skipped_pages[reason] += pages
 
     def latency(self, kind: str, seconds: float) -> None:
         with self._lock:
@@ -87,6 +117,7 @@ class CacheMetrics:
                 "bytes": dict(self.bytes),
                 "operations": dict(self.operations),
                 "failures": self.failures,
+                "skipped_pages": {str(reason): n for reason, n in self.skipped_pages.items()},
                 "corrupt_detected": self.corrupt_detected,
                 "latency_s": {kind: list(samples) for kind, samples in self.latency_s.items()},
                 "latency_count": dict(self.latency_count),

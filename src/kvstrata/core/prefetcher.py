@@ -3,17 +3,24 @@
 How a prefetch decides, in order:
 
 1. **Gates** (:meth:`Prefetcher.start`, owner thread): at least ``threshold_tokens`` to fetch, and
-   the pages in flight stay under ``host_fraction_limit`` of the host tier (the rate limit).
+   the pages in flight stay under ``host_fraction_limit`` of the host tier (the rate limit). A
+   caller may skip the gates and wait for the whole read (:attr:`PrefetchMode.WAIT`).
 2. **Length** (worker thread): the existence query runs first, so a miss never takes or evicts host
    units. The anchor's present prefix, clamped or dropped by each all-pages pool as it declares;
    a state pool ends it at the last page that has a state; a window pool that misses part of its
    window drops the whole prefetch.
 3. **Read** (worker thread): into free host units; when the host tier has too few free units the
-   worker leaves the read to the owner, which makes room at ``admit``.
+   worker leaves the read to the owner, which makes room at ``admit``. An object that fails
+   verification truncates the prefix at the last page where every pool verifies (for a state
+   pool: the last earlier checkpoint; for a window pool: a window that is whole), re-reading only
+   the state and window objects of the shorter prefix.
 4. **End** (:meth:`Prefetcher.finish`, at ``admit``): ``best_effort`` takes what is done,
    ``wait_complete`` waits, ``timeout`` waits a base plus a per-Ki-token time, capped.
 5. **Commit** (:meth:`Prefetcher.commit`, owner thread): the pages every rank read become host-only
    tree nodes; every other unit is freed. A revoked prefetch frees its units once its worker ends.
+
+Every page L3 held that a request could not use is counted by reason (:class:`SkipReason`) on the
+lease and in the metrics: no miss is silent.
 
 Worker threads never touch the tree: they fill the :class:`PrefetchOp` and set ``done``.
 """
@@ -26,12 +33,13 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
 from pluggy import HookRelay
 
 from kvstrata.core.config import PolicyConfig
-from kvstrata.core.metrics import CacheMetrics
+from kvstrata.core.metrics import CacheMetrics, SkipReason
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import PoolKind, StackLayout, pool_batch
 from kvstrata.core.storage_engine import PoolBatch, StorageEngine, longest_present_prefix
@@ -41,6 +49,14 @@ from kvstrata.core.writer import count_failure
 from kvstrata.plugins.pool_type import PartialHit
 
 log = logging.getLogger(__name__)
+
+
+class PrefetchMode(StrEnum):
+    """How a lookup prefetches from L3."""
+
+    POLICY = "policy"  # the configured gates and end policy
+    WAIT = "wait"  # no gates; admit waits for the whole read (an engine that must not recompute)
+    OFF = "off"  # no L3 read for this request
 
 
 @dataclass(eq=False)
@@ -56,8 +72,29 @@ class PrefetchOp:
     found: int = 0  # leading pages whose anchor object exists
     pages: int = 0  # pages whose objects the worker read and verified, every pool included
     read_end: int = 0  # pages the worker tried to read (window/state objects sit at its end)
+    blocking: bool = False  # admit waits for it whatever the end policy
+    #: prefix ends where every state pool has an object (from the existence query)
+    checkpoints: list[int] = field(default_factory=list)
+    #: anchor pages found but not usable, by reason (filled by the worker)
+    lost: dict[SkipReason, int] = field(default_factory=dict)
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
+
+
+def _lose(op: PrefetchOp, reason: SkipReason, pages: int) -> None:
+    if pages > 0:
+        op.lost[reason] = op.lost.get(reason, 0) + pages
+
+
+def _whole_windows(present: Sequence[bool], window: int) -> list[bool]:
+    """Per prefix end ``j + 1``: whether pages ``[j + 1 - window, j + 1)`` (from 0 at the start)
+    are all present."""
+    whole = []
+    run = 0
+    for j, flag in enumerate(present):
+        run = run + 1 if flag else 0
+        whole.append(run >= min(window, j + 1))
+    return whole
 
 
 def _all_of(per_pool: Sequence[Sequence[bool]]) -> list[bool]:
@@ -99,20 +136,44 @@ class Prefetcher:
         anchor_host = self.pools.pools[self.layout.anchor].host_allocator
         return int(anchor_host.units * self.policy.host_fraction_limit) if anchor_host else 0
 
-    def start(self, start: int, hashes: Sequence[str]) -> PrefetchOp | None:
-        """Start reading pages ``[start, start + len(hashes))`` if the gates allow."""
+    def start(
+        self,
+        start: int,
+        hashes: Sequence[str],
+        skipped: dict[str, int],
+        mode: PrefetchMode = PrefetchMode.POLICY,
+    ) -> PrefetchOp | None:
+        """Start reading pages ``[start, start + len(hashes))`` if the gates allow; a gate that
+        refuses counts the pages in ``skipped`` (the lease's) and in the metrics."""
         count = len(hashes)
-        threshold = max(self.policy.threshold_tokens, self.page_size)
-        if count <= 0 or count * self.page_size < threshold:
+        if count <= 0:
             return None
-        if self.reserved_pages + count > self._budget():
-            self.metrics.count("prefetches_skipped")
+        reason = None
+        if mode is PrefetchMode.OFF:
+            reason = SkipReason.DISABLED
+        elif mode is PrefetchMode.POLICY:
+            budget = self._budget()
+            if count * self.page_size < max(self.policy.threshold_tokens, self.page_size):
+                reason = SkipReason.BELOW_THRESHOLD
+            elif count > budget:
+                reason = SkipReason.HOST_FRACTION
+            elif self.reserved_pages + count > budget:
+                reason = SkipReason.RATE_LIMIT
+        if reason is not None:
+            self.skip(skipped, reason, count)
+            if reason is not SkipReason.BELOW_THRESHOLD and reason is not SkipReason.DISABLED:
+                self.metrics.count("prefetches_skipped")
             return None
-        op = PrefetchOp(start, list(hashes), time.perf_counter())
+        op = PrefetchOp(start, list(hashes), time.perf_counter(), blocking=mode is PrefetchMode.WAIT)
         self.reserved_pages += count
         self.metrics.count("prefetches_started")
         self._thread.submit(self._run, op)
         return op
+
+    def skip(self, skipped: dict[str, int], reason: SkipReason, pages: int) -> None:
+        if pages > 0:
+            skipped[reason] = skipped.get(reason, 0) + pages
+            self.metrics.skip(reason, pages)
 
     # --- length and read (worker thread) --------------------------------------------------------
 
@@ -129,7 +190,7 @@ class Prefetcher:
                     op.short = needs
                 else:
                     op.reserved = got
-                    op.pages = self._read(op, end)
+                    op.pages = self._read_verified(op, end)
         except Exception:  # an engine bug must not kill the worker or leak the slots
             log.exception("prefetch failed")
             op.pages = 0
@@ -153,27 +214,35 @@ class Prefetcher:
                 continue
             for name in tp.followers[1:] if tp.name == anchor else tp.followers:
                 if end == 0:
-                    return 0
+                    break
                 have = longest_present_prefix(self._exists(name, hashes[:end]))
                 if have < end:
                     end = have if self.pools.pools[name].spec.partial_hit is PartialHit.CLAMP else 0
-        for tp in pools:  # a prefix ends where a state exists
-            if tp.kind is PoolKind.STATE and end > 0:
-                flags = _all_of([self._exists(name, hashes[:end]) for name in tp.followers])
-                end = max((j + 1 for j, ok in enumerate(flags) if ok), default=0)
-        for tp in pools:  # the last window must be whole
-            if tp.kind is PoolKind.WINDOW and end > 0:
-                lo = max(0, end - tp.window)
-                flags = _all_of([self._exists(name, hashes[lo:end]) for name in tp.followers])
-                if not all(flags):
-                    return 0
+        # where may the prefix end? where every state pool has a state, and every window pool
+        # has its whole window (the longest such prefix wins; shorter ones are fallbacks)
+        can_end = [True] * end
+        for tp in pools:
+            if tp.kind is PoolKind.PAGES or end == 0:
+                continue
+            flags = _all_of([self._exists(name, hashes[:end]) for name in tp.followers])
+            if tp.kind is PoolKind.WINDOW:
+                flags = _whole_windows(flags, tp.window)
+            can_end = [a and b for a, b in zip(can_end, flags, strict=True)]
+        op.checkpoints = [j + 1 for j, ok in enumerate(can_end) if ok]
+        end = op.checkpoints[-1] if op.checkpoints else 0
+        _lose(op, SkipReason.INCOMPLETE_STACK, op.found - end)
         return end
 
-    def _read(self, op: PrefetchOp, end: int) -> int:
-        """Read pages [0, end) (relative to op.start) into the reserved host units; returns how many
-        pages every pool delivered (0 if a window or state pool is incomplete)."""
+    def _read(self, op: PrefetchOp, end: int, *, pages_read: bool = False) -> tuple[int, int]:
+        """Read the objects of a prefix of ``end`` pages (relative to op.start) into the reserved
+        host units. Returns ``(pages, usable)``: the leading pages every all-pages pool verified,
+        and the longest prefix end at or below it where the state and window pools verified too
+        (``usable == end`` when everything verified). ``pages_read``: the all-pages pools verified
+        ``[0, end)`` already; read only the window and state objects."""
         batches: dict[str, PoolBatch] = {}
         for tp in self.layout.tree_pools.values():
+            if pages_read and tp.kind is PoolKind.PAGES:
+                continue
             lo, hi = tp.slots(0, end)
             units = op.reserved[tp.name][: hi - lo]
             for name in tp.followers:
@@ -181,26 +250,62 @@ class Prefetcher:
                     batches[name] = pool_batch(self.pools, name, units, op.hashes[lo:hi])
         results = self.engine.get_group(batches)
         nbytes = 0
-        done = end
+        pages = end
+        usable = end
         for name, result in results.items():
             count_failure(self.metrics, result)
-            have = longest_present_prefix(result.ok)
             nbytes += sum(result.ok) * self.pools.pools[name].spec.bytes_per_unit
-            if self.layout.kind(name) is PoolKind.PAGES:
-                done = min(done, have)
-            elif have < len(result.ok):
-                done = 0
-        if done < end and not self.layout.clampable:
-            done = 0
+            tp = self.layout.owner(name)
+            have = longest_present_prefix(result.ok)
+            if tp.kind is PoolKind.PAGES:
+                pages = min(pages, have)
+            elif tp.kind is PoolKind.STATE and not all(result.ok):
+                usable = min(usable, end - 1)  # the state at ``end`` is bad: an earlier checkpoint
+            elif tp.kind is PoolKind.WINDOW and have < len(result.ok):
+                lo = end - len(result.ok)
+                usable = min(usable, lo + have)  # the window may end just before the bad page
         self.metrics.add_bytes("storage_to_host", nbytes)
-        return done
+        return pages, min(usable, pages)
+
+    def _read_verified(self, op: PrefetchOp, end: int) -> int:
+        """Read a prefix of ``end`` pages; a damaged or missing object truncates it to the
+        longest prefix where every pool verifies. Returns the pages usable (0 = drop)."""
+        pages, usable = self._read(op, end)
+        target = end
+        for _ in range(8):  # each round strictly shortens the prefix; bounded for safety
+            if usable == target:
+                break
+            # state and window pools can only end the prefix where L3 has their objects
+            target = max((c for c in op.checkpoints if c <= usable), default=0)
+            if target == 0:
+                break
+            _, usable = self._read(op, target, pages_read=True)
+            usable = min(usable, pages)
+        else:
+            target = 0
+        if usable != target:
+            target = 0
+        if target < end and not self._can_truncate():
+            target = 0
+        _lose(op, SkipReason.DAMAGED_OBJECT, end - target)
+        return target
+
+    def _can_truncate(self) -> bool:
+        """A verified shorter prefix is served unless an all-pages pool forbids partial hits."""
+        return all(
+            self.pools.pools[name].spec.partial_hit is PartialHit.CLAMP
+            for tp in self.layout.tree_pools.values()
+            if tp.kind is PoolKind.PAGES
+            for name in tp.followers
+            if name != self.layout.anchor
+        )
 
     # --- end and commit (owner thread) ----------------------------------------------------------
 
     def finish(self, op: PrefetchOp, protect: TreeNode | None) -> int:
         """End ``op`` per policy; returns the pages this rank can commit. ``protect`` is the
         lease's locked node, kept while the owner makes room for a read the worker left to it."""
-        if self.policy.policy == "wait_complete":
+        if op.blocking or self.policy.policy == "wait_complete":
             op.done.wait()
         elif self.policy.policy == "timeout":
             tokens = len(op.hashes) * self.page_size
@@ -210,24 +315,37 @@ class Prefetcher:
             op.done.wait(limit)
         if not op.done.is_set():
             return 0
-        if op.short is not None and self.policy.policy != "best_effort":
+        if op.short is not None:
             # L3 has the pages but the host tier is full: make room (owner thread) and read now
-            got = self.units.alloc_protecting(protect, Tier.HOST, op.short)
+            got = None
+            if op.blocking or self.policy.policy != "best_effort":
+                got = self.units.alloc_protecting(protect, Tier.HOST, op.short)
             op.short = None
-            if got is not None:
+            if got is None:
+                _lose(op, SkipReason.HOST_FULL, op.read_end)
+            else:
                 op.reserved = got
-                op.pages = self._read(op, op.read_end)
+                op.pages = self._read_verified(op, op.read_end)
         return op.pages
 
-    def commit(self, op: PrefetchOp, keys: Sequence[PageKey], pages: int, request_id: str) -> int:
+    def commit(
+        self, op: PrefetchOp, keys: Sequence[PageKey], pages: int, request_id: str, skipped: dict[str, int]
+    ) -> int:
         """Insert the first ``pages`` prefetched pages as host-only nodes under ``keys[:op.start]``;
-        free every other unit. Returns the pages committed (0 when dropped or still reading)."""
+        free every other unit. Returns the pages committed (0 when dropped or still reading).
+        Pages found but not committed are counted in ``skipped`` by reason."""
         if not op.done.is_set():  # still reading into the slots: free them when it finishes
             op.cancelled = True
             self.orphans.append(op)
             self.metrics.count("prefetches_revoked")
+            self.skip(skipped, SkipReason.TIMEOUT, len(op.hashes))
             return 0
         self.reserved_pages -= len(op.hashes)
+        for reason, lost in op.lost.items():
+            self.skip(skipped, reason, lost)
+        if pages < op.pages:
+            partial = pages > 0 and self.layout.clampable
+            self.skip(skipped, SkipReason.RANK_DISAGREEMENT, op.pages - pages if partial else op.pages)
         if not (pages > 0 and (pages == op.pages or self.layout.clampable)):
             if op.found:
                 self.metrics.count("prefetches_dropped")
@@ -248,6 +366,13 @@ class Prefetcher:
             request_id=request_id, tokens=pages * self.page_size, pools=list(self.pools.pools)
         )
         return pages
+
+    def drop(self, op: PrefetchOp, reason: SkipReason, skipped: dict[str, int]) -> None:
+        """Give up a finished (or still running) prefetch whose pages cannot be placed."""
+        if op.done.is_set():
+            self.skip(skipped, reason, op.pages)
+            op.pages = 0
+        self.commit(op, [], 0, request_id="", skipped=skipped)
 
     def drain(self) -> None:
         """Free the units of revoked prefetches whose worker has finished."""
