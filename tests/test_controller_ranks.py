@@ -37,7 +37,8 @@ RANK = textwrap.dedent(
             lease, bad = serve(cold, tokens(seed, 8))
             ops = cold.metrics.snapshot()["operations"]
             report[case] = {"storage": lease.hit_pages["storage"], "bad": bad,
-                            "dropped": ops["prefetches_dropped"], "committed": ops["prefetches_committed"]}
+                            "dropped": ops["prefetches_dropped"], "committed": ops["prefetches_committed"],
+                            "skipped": lease.skipped}
         dist.barrier()
     dist.destroy_process_group()
     print(json.dumps(report))
@@ -78,3 +79,5 @@ def test_two_ranks_drop_or_adopt_a_prefetch_together(tmp_path: Path) -> None:
         assert held["storage"] == 8 and held["committed"] == 1, f"rank {rank} did not adopt a full prefetch"
         assert missed["bad"] == 0 and held["bad"] == 0
     assert reports[0]["one_rank_misses"]["dropped"] == 1, "rank 0 read the pages and dropped them"
+    assert reports[0]["one_rank_misses"]["skipped"] == {"rank_disagreement": 8}, "the drop says why"
+    assert reports[0]["both_hold"]["skipped"] == {} and reports[1]["both_hold"]["skipped"] == {}

@@ -11,6 +11,7 @@ counts the failures, keeps its worker threads alive and leaks no host slot. It s
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Literal
 
@@ -32,6 +33,7 @@ class FaultsConfig(BackendConfig):
         default="raise", description="raise an exception, or answer 'not stored' / 'missing'"
     )
     operations: list[Literal["exists", "put", "get"]] = Field(default=["exists", "put", "get"])
+    delay_s: float = Field(default=0.0, ge=0, description="sleep this long in every call (a slow store)")
 
 
 class InjectedFault(RuntimeError):
@@ -55,6 +57,8 @@ class FaultyBackend(StorageBackend):
     def _fails(self, operation: str) -> bool:
         with self._lock:
             self.calls[operation] += 1
+        if self.config.delay_s:
+            time.sleep(self.config.delay_s)
         if operation not in self.config.operations:
             return False
         if self.config.fail == "raise":

@@ -1,0 +1,175 @@
+"""No silent misses: every page the host tier or L3 held that a request could not use is counted
+with its reason; a damaged object shortens a restore to the longest verified prefix; an L3
+refill never hangs below a device page that has no host copy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from controller_support import EXAMPLES, host_units_in_use, open_cache, serve, tokens, verify
+from kvstrata.core.controller import CacheController, PoolKind, SkipReason
+from kvstrata.core.tree import Tier
+from kvstrata.plugins import PluginHost
+from kvstrata.testing.faults import FaultyBackend
+
+WAIT = ["policy.prefetch.policy=wait_complete"]
+STACKS = sorted(EXAMPLES)
+
+
+def _damage(cache: CacheController, pool: str, page_hash: str) -> None:
+    """Cut the object of ``pool`` for one page to half its length (a torn or truncated write)."""
+    assert cache.engine is not None and cache.backend is not None
+    for keys in cache.engine.object_keys(pool, [page_hash]):
+        for key in keys:
+            path: Path = cache.backend.path_for(key)  # type: ignore[attr-defined]
+            data = path.read_bytes()
+            path.write_bytes(data[: len(data) // 2])
+
+
+def _all_pages_pools(cache: CacheController) -> list[str]:
+    return [name for name in cache.pools.pools if cache.pool_kind(name) is PoolKind.PAGES]
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_damaged_middle_object_truncates_the_restore_at_the_last_verified_end(
+    stack: str, tmp_path: Path
+) -> None:
+    """Written in two chunks (3 then 8 pages: state checkpoints at both), then page 5 of each
+    all-pages pool in turn is damaged: the restore ends at the last end <= 5 every pool verifies."""
+    whole = tokens(31, 8)
+    with open_cache(stack, tmp_path / "probe") as probe:
+        pools = _all_pages_pools(probe)
+        has_state = any(tp.kind is PoolKind.STATE for tp in probe.tree_pools.values())
+    expected = 3 if has_state else 5
+    for pool in pools:
+        l3 = tmp_path / pool
+        with open_cache(stack, l3) as writer:
+            serve(writer, whole[: 3 * 64])
+            lease, _ = serve(writer, whole)
+            writer.flush()
+            _damage(writer, pool, lease.page_hashes[5])
+        with open_cache(stack, l3, WAIT) as cold:
+            lease = cold.lookup(whole)
+            cold.admit(lease)
+            assert lease.cached_pages == expected, f"damaged {pool}"
+            assert lease.hit_pages["storage"] == expected
+            assert verify(cold, lease) == 0, "every restored byte is exact"
+            assert lease.skipped.get(SkipReason.DAMAGED_OBJECT) == 8 - expected
+            cold.release(lease)
+
+
+def test_an_l3_refill_below_an_unbacked_device_page_backs_it_up_first(tmp_path: Path) -> None:
+    whole = tokens(32, 8)
+    with open_cache("kv", tmp_path) as writer:
+        serve(writer, whole)
+        writer.flush()
+    selective = [*WAIT, "policy.write=write_through_selective", "policy.write_through_threshold=5"]
+    with open_cache("kv", tmp_path, [*selective, "policy.prefetch.host_fraction_limit=1"]) as cache:
+        serve(cache, whole[: 3 * 64])  # device only: not hot enough for a backup
+        assert cache.tree.units("kv", "host") == 0
+        lease, bad = serve(cache, whole)
+        assert bad == 0 and lease.cached_pages == 8 and lease.hit_pages["storage"] == 5
+        for node in cache.tree.nodes():  # backups stay a contiguous prefix from the root
+            if node.host[0] is not None and node.parent is not cache.tree.root:
+                assert node.parent.host[0] is not None  # type: ignore[union-attr]
+
+
+def test_an_l3_refill_below_a_device_page_that_cannot_be_backed_up_is_dropped(tmp_path: Path) -> None:
+    whole = tokens(33, 8)
+    with open_cache("kv", tmp_path) as writer:
+        serve(writer, whole)
+        writer.flush()
+    # the host tier holds the 5 prefetched pages but not the 3-page parent on top
+    tight = [
+        *WAIT,
+        "policy.write=write_through_selective",
+        "policy.write_through_threshold=5",
+        "policy.prefetch.host_fraction_limit=1",
+        "tiers.host.capacity_tokens=320",
+    ]
+    with open_cache("kv", tmp_path, tight) as cache:
+        serve(cache, whole[: 3 * 64])
+        lease = cache.lookup(whole)
+        cache.admit(lease)
+        assert lease.cached_pages == 3 and lease.hit_pages["storage"] == 0
+        assert lease.skipped == {SkipReason.UNBACKED_PARENT: 5}
+        cache.release(lease)
+        cache.tree.check()
+        assert cache.tree.units("kv", "host") == 0, "no host-only child under a device-only parent"
+        assert all(used == 0 for used in host_units_in_use(cache).values())
+
+
+def test_gates_count_threshold_host_fraction_and_rate_limit(tmp_path: Path) -> None:
+    # host: 32 pages, budget 16 pages in flight
+    sets = ["policy.prefetch.threshold_tokens=256", "policy.prefetch.host_fraction_limit=0.5"]
+    with open_cache("kv", tmp_path, sets) as cache:
+        small = cache.lookup(tokens(40, 2))  # 128 tokens < 256
+        assert small.skipped == {SkipReason.BELOW_THRESHOLD: 2}
+        huge = cache.lookup(tokens(41, 20))  # 20 pages > 16 on its own
+        assert huge.skipped == {SkipReason.HOST_FRACTION: 20}
+        first = cache.lookup(tokens(42, 10))  # in flight until admitted
+        second = cache.lookup(tokens(43, 10))  # 10 + 10 > 16
+        assert first.skipped == {} and second.skipped == {SkipReason.RATE_LIMIT: 10}
+        waited = cache.lookup(tokens(44, 10), prefetch="wait")  # an engine may ask past the gates
+        assert waited.skipped == {}
+        for lease in (small, huge, first, second, waited):
+            cache.release(lease)
+        skipped = cache.metrics.snapshot()["skipped_pages"]
+        assert skipped["below_threshold"] == 2 and skipped["host_fraction"] == 20
+        assert skipped["rate_limit"] == 10
+
+
+def test_a_read_still_running_at_admit_counts_as_timeout() -> None:
+    host = PluginHost()
+    host.storage_backends.register(FaultyBackend)
+    slow = [
+        "tiers.storage={slow: {type: faults, fail: refuse, operations: [get], delay_s: 0.5}}",
+        "policy.prefetch.policy=best_effort",
+    ]
+    with open_cache("kv", None, slow, host=host) as cache:
+        lease = cache.lookup(tokens(45, 6))
+        cache.admit(lease)  # best effort: the worker is still asleep in the backend
+        assert lease.skipped == {SkipReason.TIMEOUT: 6}
+        cache.release(lease)
+        cache.flush()
+        assert all(used == 0 for used in host_units_in_use(cache).values()), "revoked slots freed"
+
+
+def test_a_prefix_larger_than_the_host_tier_counts_as_host_full(tmp_path: Path) -> None:
+    whole = tokens(46, 40)
+    big = ["tiers.device.capacity_tokens=4096", "tiers.host.capacity_tokens=4096"]
+    with open_cache("kv", tmp_path, big) as writer:
+        serve(writer, whole)
+        writer.flush()
+    with open_cache("kv", tmp_path, ["tiers.device.capacity_tokens=4096"]) as cache:  # host: 32 pages
+        lease = cache.lookup(whole, prefetch="wait")
+        cache.admit(lease)
+        assert lease.cached_pages == 0
+        assert lease.skipped == {SkipReason.HOST_FULL: 40}
+        cache.release(lease)
+
+
+def test_host_pages_not_loaded_back_say_why() -> None:
+    with open_cache("kv", None, ["policy.load_back_threshold_tokens=640"]) as cache:
+        request = tokens(47, 4)
+        serve(cache, request)
+        everything = {name: 1 << 30 for name in cache.tree_pools}
+        cache.tree.evict_device(everything, cache.units.freer(Tier.DEVICE))
+        lease = cache.lookup(request)
+        cache.admit(lease)  # 4 host pages = 256 tokens < 640
+        assert lease.cached_pages == 0 and lease.skipped == {SkipReason.BELOW_LOAD_BACK_THRESHOLD: 4}
+        cache.release(lease)
+
+    with open_cache("kv", None) as cache:
+        request = tokens(48, 4)
+        serve(cache, request)
+        hog = cache.lookup(tokens(49, cache.pools.device_pages))
+        cache.allocate(hog)  # takes every device unit (evicting the request's device copy)
+        lease = cache.lookup(request)
+        cache.admit(lease)
+        assert lease.cached_pages == 0 and lease.skipped == {SkipReason.DEVICE_FULL: 4}
+        cache.release(lease)
+        cache.release(hog)
+        assert cache.pools.pools["kv"].device_allocator.used == 0
