@@ -1,10 +1,15 @@
 """kvstrata: a hierarchical (device / host / storage) state cache for hybrid LLM inference.
 
-Pool types and storage backends are plugins found through entry points; see
-``kvstrata.plugins`` for the contracts and ``kvstrata.hookspecs`` for the hooks.
+The engine-facing API is :func:`kvstrata.open` and the :class:`CacheController` it returns (see
+the README "Library API"). Pool types and storage backends are plugins found through entry
+points; see ``kvstrata.plugins`` for the contracts and ``kvstrata.hookspecs`` for the hooks.
+Everything but ``hookimpl`` loads lazily, so a plugin importing ``kvstrata`` does not pay for
+torch.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -13,4 +18,52 @@ __version__ = "0.1.0"
 #: Decorate hook implementations with this marker (``@kvstrata.hookimpl``).
 hookimpl = pluggy.HookimplMarker("kvstrata")
 
-__all__ = ["__version__", "hookimpl"]
+#: public name -> module defining it (imported on first use)
+_LAZY = {
+    "open": "kvstrata.api",
+    "load": "kvstrata.api",
+    "CacheController": "kvstrata.core.controller",
+    "CacheFullError": "kvstrata.core.lease",
+    "Lease": "kvstrata.core.lease",
+    "PrefetchMode": "kvstrata.core.prefetcher",
+    "SkipReason": "kvstrata.core.metrics",
+    "KvstrataConfig": "kvstrata.core.config",
+    "ConfigError": "kvstrata.plugins.errors",
+    "PluginHost": "kvstrata.plugins.host",
+}
+
+__all__ = [
+    "CacheController",
+    "CacheFullError",
+    "ConfigError",
+    "KvstrataConfig",
+    "Lease",
+    "PluginHost",
+    "PrefetchMode",
+    "SkipReason",
+    "__version__",
+    "hookimpl",
+    "load",
+    "open",
+]
+
+if TYPE_CHECKING:
+    from kvstrata.api import load, open
+    from kvstrata.core.config import KvstrataConfig
+    from kvstrata.core.controller import CacheController
+    from kvstrata.core.lease import CacheFullError, Lease
+    from kvstrata.core.metrics import SkipReason
+    from kvstrata.core.prefetcher import PrefetchMode
+    from kvstrata.plugins.errors import ConfigError
+    from kvstrata.plugins.host import PluginHost
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstrata' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
