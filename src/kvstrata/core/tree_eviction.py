@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Mapping
-from operator import attrgetter
 from typing import Protocol
 
 import torch
@@ -36,22 +35,25 @@ from kvstrata.core.tree_node import (
 class EvictionOrder(Protocol):
     """Which node leaves a tier first, among those the tree's rules allow to leave.
 
-    ``rank`` is read when a node becomes a candidate (at the start of an eviction, or when its
-    last child in the tier has just left); the lowest rank leaves first. Ranks must be distinct
-    (end them with ``node.id``) so the order never depends on how candidates were collected.
+    The evictor collects the nodes that may leave and asks ``ranked`` for one entry per node,
+    ``(rank, node.id, node)``; it sorts (or heaps) the entries and the lowest leaves first. The
+    id breaks ties (the older node first), so the order never depends on how candidates were
+    collected. A node is ranked when it becomes a candidate: at the start of an eviction, or when
+    its last child in the tier has just left. One call ranks a whole batch: every candidate of
+    every eviction is ranked, and a Python call per node measurably slowed eviction.
     """
 
-    def rank(self, node: TreeNode) -> tuple[int, ...]: ...
+    def ranked(self, nodes: list[TreeNode]) -> list[tuple[float, int, TreeNode]]: ...
 
 
 class LruOrder:
     """Least recently used first: ``last_access`` is stamped by every match and insert, deepest
-    node first, so a parent is never older than its children; the node id breaks ties."""
+    node first, so a parent is never older than its children."""
 
     __slots__ = ()
 
-    #: a C-level getter: the rank is read for every candidate of every eviction
-    rank = staticmethod(attrgetter("last_access", "id"))
+    def ranked(self, nodes: list[TreeNode]) -> list[tuple[float, int, TreeNode]]:
+        return [(n.last_access, n.id, n) for n in nodes]
 
 
 class TreeEvictor:
@@ -158,38 +160,40 @@ class TreeEvictor:
         """Drop whole leaves of the tier, lowest rank first; a parent left without children in
         the tier becomes a candidate in turn."""
         name = self.pools[0].name
-        rank = self.orders[tier].rank
-        heap = [(rank(n), n) for n in self._members[tier][0] if self._node_evictable(n, tier)]
+        ranked = self.orders[tier].ranked
+        heap = ranked([n for n in self._members[tier][0] if self._node_evictable(n, tier)])
         heapq.heapify(heap)
         while heap and result.units.get(name, 0) < want:
-            _, node = heapq.heappop(heap)
+            _, _, node = heapq.heappop(heap)
             if not self._node_evictable(node, tier):
                 continue
             parent = self._drop_node(node, tier, result)
             if self._node_evictable(parent, tier):
-                heapq.heappush(heap, (rank(parent), parent))
+                heapq.heappush(heap, ranked([parent])[0])
 
     def _evict_component(self, tier: Tier, p: int, want: int, result: EvictionResult) -> None:
         """Drop one component's units, lowest rank first: a whole node where it may leave the
         tier (its pages are useless without the component), else a tombstone."""
         name = self.pools[p].name
         dev = tier is _DEVICE
-        candidates = []
-        for node in self._members[tier][p]:
-            if dev and (node.device_lock[p] or (not self._delete_unbacked and node.host[0] is None)):
-                continue  # locked, or write-back keeps a node without backup whole
-            if not dev and (node.host_lock[p] or node.device[p] is not None):
-                continue
-            candidates.append(node)
-        candidates.sort(key=self.orders[tier].rank)
-        for node in candidates:
+        members = self._members[tier][p]
+        if dev:
+            # not locked; and write-back (keep_unbacked) keeps a node without a backup whole
+            keep_unbacked = not self._delete_unbacked
+            nodes = [n for n in members if not n.device_lock[p] and not (keep_unbacked and n.host[0] is None)]
+        else:
+            # not locked, and not also on device (the device copy goes first)
+            nodes = [n for n in members if not n.host_lock[p] and n.device[p] is None]
+        candidates = self.orders[tier].ranked(nodes)
+        candidates.sort()
+        for _, _, node in candidates:
             if result.units.get(name, 0) >= want:
                 break
             if (node.device if dev else node.host)[p] is None:
                 continue  # already dropped with a cascaded node
             if self._node_evictable(node, tier):
                 parent = self._drop_node(node, tier, result)
-                # the parent's own component value is considered in its LRU turn
+                # the parent's own component value is considered in its own turn
                 del parent
             else:
                 value = (node.device if dev else node.host)[p]
