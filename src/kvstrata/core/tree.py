@@ -16,8 +16,9 @@ pools, one slot for node-state pools), device and host lock counts. A component 
 missing on a node that exists for the anchor is a *tombstone*. The tree never frees memory: it
 reports what it dropped and the owner frees it.
 
-Where each part lives (``PrefixTree`` owns the nodes and the membership sets and hands each part
-the shared layout, root and setter; every name below is importable from this module):
+Where each part lives. ``PrefixTree`` (here) owns the nodes, the membership sets and the setter
+that keeps them in step, builds each part once and hands it that shared state; callers use only
+``PrefixTree`` and the types, all importable from this module:
 
 - ``tree_node``: page keys, ``TreeNode``, ``PoolLayout`` (the pools and their hit rules), the
   access clock and the result types (``MatchResult``, ``InsertResult``, ``EvictionResult``,

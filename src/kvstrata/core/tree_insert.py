@@ -4,7 +4,7 @@ The write side of the hot path (``benchmarks/tree.py`` times it with matching), 
 tree's owner (``tree.PrefixTree``) so the one long procedure -- validate the values, walk,
 split where a value starts inside a node, adopt into existing nodes, grow new ones, place
 node-state slots, stamp recency -- reads top to bottom. It reuses the matcher's ``walk`` and
-``split`` (passed in as callables) and touches each node once, never each page.
+``split`` (passed in as callables) and works per node, never per page.
 """
 
 from __future__ import annotations
