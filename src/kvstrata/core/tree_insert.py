@@ -1,0 +1,158 @@
+"""Insertion: add a prefix's pages and per-pool values to the tree, adopting what exists.
+
+The write side of the hot path (``benchmarks/tree.py`` times it with matching), apart from the
+tree's owner (``tree.PrefixTree``) so the one long procedure -- validate the values, walk,
+split where a value starts inside a node, adopt into existing nodes, grow new ones, place
+node-state slots, stamp recency -- reads top to bottom. It reuses the matcher's ``walk`` and
+``split`` (passed in as callables) and works per node, never per page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from itertools import count, pairwise
+
+import torch
+
+from kvstrata.core.tree_node import (
+    _DEVICE,
+    AccessClock,
+    InsertResult,
+    PageKey,
+    PoolLayout,
+    SetValue,
+    Tier,
+    TreeError,
+    TreeNode,
+)
+
+Walk = Callable[[Sequence[PageKey], bool], tuple[list[TreeNode], int]]
+Split = Callable[[TreeNode, int], TreeNode]
+
+
+class TreeInserter:
+    """Inserts device- or host-resident prefixes; holds only references to the tree's shared parts."""
+
+    def __init__(
+        self,
+        layout: PoolLayout,
+        root: TreeNode,
+        ids: count[int],
+        clock: AccessClock,
+        set_value: SetValue,
+        walk: Walk,
+        split: Split,
+    ) -> None:
+        self.root = root
+        self._index = layout.index
+        self._pool = layout.pool
+        self._check_value = layout.check_value
+        self._anchor_name = layout.pools[0].name
+        self._names = layout.names
+        self._npools = layout.npools
+        self._state = layout.state
+        self._stateful = layout.stateful
+        self._anchor_only = layout.anchor_only
+        self._has_windows = layout.has_windows
+        self._unlocked = layout.unlocked
+        self._ids = ids  # node ids, shared with the matcher's split
+        self._clock = clock
+        self._set = set_value  # sets a node's value and its tier membership (PrefixTree._set)
+        self._walk = walk
+        self._split = split
+
+    def insert(self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor], tier: Tier) -> InsertResult:
+        """See ``PrefixTree.insert`` (``tier`` device) and ``PrefixTree.insert_host`` (host)."""
+        n = len(keys)
+        npools = self._npools
+        state = self._state
+        names = self._names
+        given: list[torch.Tensor | None] = [None] * npools
+        start = [0] * npools  # first page each token-page pool's value covers
+        for name, value in values.items():
+            p = self._index.get(name)
+            if p is None:
+                p = self._pool(name)
+            if state[p]:
+                given[p] = self._check_value(p, value, n)
+                continue
+            # shape, not len(): Tensor.__len__ is a Python-level call, this is the hot path
+            shape = value.shape if isinstance(value, torch.Tensor) else None
+            if shape is None or len(shape) != 1 or shape[0] > n:
+                raise TreeError(f"pool {name!r}: values must be 1-D index tensors of at most {n} units")
+            given[p] = value
+            start[p] = n - shape[0]
+        if given[0] is None:
+            raise TreeError(f"insert needs values for the anchor pool {self._anchor_name!r}")
+        paged = (
+            [0] if self._anchor_only else [p for p in range(npools) if given[p] is not None and not state[p]]
+        )
+        suffix = any(start)  # some value covers only the last pages (only paged pools start > 0)
+        dev = tier is _DEVICE
+        # duplicate unit ranges per pool, merged while contiguous so each becomes one slice
+        dup_ranges: dict[str, list[list[int]]] = {}
+        path, i = self._walk(keys, True)
+        if start[0] > i:
+            raise TreeError(
+                f"anchor values cover pages [{start[0]}, {n}) but the tree holds only the first {i}"
+            )
+        if suffix:
+            # a value starting inside a matched node: split there, so each node is covered whole or not
+            for cut in sorted({start[p] for p in paged if 0 < start[p] < i}):
+                for j, node in enumerate(path):
+                    if node.depth_start < cut < node.depth_end:
+                        path.insert(j, self._split(node, cut - node.depth_start))
+                        break
+        # adopt into existing nodes: revive host-only nodes / tombstones, the rest is duplicate
+        for node in path:
+            vals = node.device if dev else node.host
+            e = node.depth_end
+            s = e - len(node.keys)
+            for p in paged:  # the anchor (p == 0) is adopted first, so components may follow
+                first = start[p]
+                if e <= first:
+                    continue  # pages before this pool's value: not given
+                lo, hi = s - first, e - first
+                if vals[p] is None:
+                    self._set(node, tier, p, given[p][lo:hi])  # type: ignore[index]
+                    continue
+                ranges = dup_ranges.get(names[p])
+                if ranges is None:
+                    dup_ranges[names[p]] = [[lo, hi]]
+                elif ranges[-1][1] == lo:
+                    ranges[-1][1] = hi
+                else:
+                    ranges.append([lo, hi])
+        node = path[-1] if path else self.root
+        if i < n:
+            # new pages; one node per stretch where the same pools have values
+            cuts = sorted({i, n} | {start[p] for p in paged if i < start[p] < n}) if suffix else (i, n)
+            for s, e in pairwise(cuts):
+                parent = node
+                rest = keys[s:e] if isinstance(keys, list) else list(keys[s:e])
+                node = TreeNode(next(self._ids), parent, rest, npools, self._has_windows, self._unlocked)
+                parent.children[rest[0]] = node
+                for p in paged:
+                    first = start[p]
+                    if first <= s:
+                        value = given[p]
+                        if s != first or e != n:
+                            value = value[s - first : e - first]  # type: ignore[index]
+                        self._set(node, tier, p, value)
+                path.append(node)
+        for p in self._stateful:
+            value = given[p]
+            if value is None:
+                continue
+            vals = node.device if dev else node.host
+            if node is self.root or vals[p] is not None or vals[0] is None:
+                dup_ranges[names[p]] = [[0, 1]]
+            else:
+                self._set(node, tier, p, value)
+        clock = self._clock
+        tick = clock.tick  # stamped deepest first, as in match
+        for node_ in reversed(path):
+            tick += 1
+            node_.last_access = tick
+        clock.tick = tick
+        return InsertResult(node, n - i, values, dup_ranges)

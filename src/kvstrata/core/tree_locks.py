@@ -1,0 +1,78 @@
+"""Locks: what a request's prefix protects from eviction, per tier and per pool.
+
+Kept apart from matching and eviction because the rules differ per pool kind and are easy to
+get wrong: anchor and all_pages pools lock the whole path, trailing_pages (window) pools only
+the nodes of the last window (each such lock also records its lower page bound on the node, so a
+later split knows which half it covers), node-state pools only the node itself. Lock counts are
+immutable tuples replaced on every (rare) change, so an unlocked node shares the layout's zero
+tuple instead of owning lists the garbage collector must track.
+"""
+
+from __future__ import annotations
+
+from kvstrata.core.tree_node import _DEVICE, LockHandle, PoolLayout, Tier, TreeError, TreeNode
+
+
+class TreeLocks:
+    """Counts and window bounds of the tree's locks; the evictor reads them from the nodes."""
+
+    def __init__(self, layout: PoolLayout, root: TreeNode) -> None:
+        self.root = root
+        self._npools = layout.npools
+        self._state = layout.state
+        self._window = layout.window
+        self._stateful = layout.stateful
+        self._unlocked = layout.unlocked
+
+    def lock(self, node: TreeNode, tier: Tier) -> LockHandle:
+        """See ``PrefixTree.lock``."""
+        self._change(node, tier, +1)
+        return LockHandle(node, tier)
+
+    def unlock(self, handle: LockHandle) -> None:
+        self._change(handle.node, handle.tier, -1)
+
+    def _change(self, node: TreeNode, tier: Tier, delta: int) -> None:
+        dev = tier is _DEVICE
+        if node is self.root:
+            return
+        end = node.depth_end
+        if self._stateful:
+            counts = list(node.device_lock if dev else node.host_lock)
+            for p in self._stateful:
+                if counts[p] + delta < 0:
+                    raise TreeError(f"unlock without lock on {node!r}")
+                counts[p] += delta
+            self._set_locks(node, dev, counts)
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.root:
+            counts = list(cur.device_lock if dev else cur.host_lock)
+            for p in range(self._npools):
+                if self._state[p]:
+                    continue
+                if self._window[p]:
+                    bound = end - self._window[p]
+                    if cur.depth_end <= bound:
+                        continue
+                    windows = cur.device_windows if dev else cur.host_windows
+                    if delta > 0:
+                        windows.setdefault(p, []).append(bound)
+                    else:
+                        try:
+                            windows[p].remove(bound)
+                        except (KeyError, ValueError):
+                            raise TreeError(f"unlock without lock on {cur!r}") from None
+                        if not windows[p]:
+                            del windows[p]
+                if counts[p] + delta < 0:
+                    raise TreeError(f"unlock without lock on {cur!r}")
+                counts[p] += delta
+            self._set_locks(cur, dev, counts)
+            cur = cur.parent
+
+    def _set_locks(self, node: TreeNode, dev: bool, counts: list[int]) -> None:
+        locks = self._unlocked if not any(counts) else tuple(counts)
+        if dev:
+            node.device_lock = locks
+        else:
+            node.host_lock = locks

@@ -1,0 +1,204 @@
+"""Matching: walk page keys down the tree, split a node where a match ends inside it, and fold
+every pool's hit rule into one usable prefix per tier.
+
+This is the read side of the hot path (``benchmarks/tree.py`` times it with insertion), kept
+apart from the owner of the tree (``tree.PrefixTree``) so a reader sees the whole walk-and-fold
+on one screen. The walk does one dict lookup and one list-slice comparison per node, never a
+Python step per page or token; the pool layout's lists are copied onto the matcher once so each
+use is a single attribute lookup. ``split`` lives here because a match is what splits nodes
+(insertion reuses it for values that start inside a node).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import count
+
+from kvstrata.core.tree_node import (
+    _DEVICE,
+    _HOST,
+    AccessClock,
+    MatchResult,
+    PageKey,
+    PoolLayout,
+    SetValue,
+    Tier,
+    TreeError,
+    TreeNode,
+)
+
+
+class TreeMatcher:
+    """Walks, splits and matches; owns no state beyond references to the tree's shared parts."""
+
+    def __init__(
+        self, layout: PoolLayout, root: TreeNode, ids: count[int], clock: AccessClock, set_value: SetValue
+    ) -> None:
+        self.root = root
+        self.page_size = layout.page_size
+        self.pools = layout.pools
+        self._npools = layout.npools
+        self._state = layout.state
+        self._window = layout.window
+        self._all_pages = layout.all_pages
+        self._windowed = layout.windowed
+        self._stateful = layout.stateful
+        self._anchor_only = layout.anchor_only
+        self._has_windows = layout.has_windows
+        self._unlocked = layout.unlocked
+        self._ids = ids  # node ids, shared with insertion
+        self._clock = clock
+        self._set = set_value  # sets a node's value and its tier membership (PrefixTree._set)
+
+    # ------------------------------------------------------------------ split
+    def split(self, node: TreeNode, at: int) -> TreeNode:
+        """Split ``node`` after its first ``at`` pages; returns the new upper node.
+
+        Token-page values split by position; a node-state value stays on the deeper node (it is
+        the state after the last token) and the new parent is a tombstone for that pool.
+        """
+        if node is self.root or not 0 < at < len(node.keys):
+            raise TreeError(f"cannot split {node!r} at page {at}")
+        parent = node.parent
+        assert parent is not None
+        upper = TreeNode(
+            next(self._ids), parent, node.keys[:at], self._npools, self._has_windows, self._unlocked
+        )
+        node.keys = node.keys[at:]
+        parent.children[upper.keys[0]] = upper
+        upper.children[node.keys[0]] = node
+        node.parent = upper
+        upper.hit_count = node.hit_count
+        upper.last_access = node.last_access
+        device_lock, host_lock = list(upper.device_lock), list(upper.host_lock)
+        for p in range(self._npools):
+            if self._state[p]:
+                continue  # the state (and its lock) stays on the node that holds it
+            value = node.device[p]
+            if value is not None:
+                self._set(upper, _DEVICE, p, value[:at])
+                node.device[p] = value[at:]
+            value = node.host[p]
+            if value is not None:
+                self._set(upper, _HOST, p, value[:at])
+                node.host[p] = value[at:]
+            if self._window[p]:
+                for locks, up_locks in (
+                    (node.device_windows, upper.device_windows),
+                    (node.host_windows, upper.host_windows),
+                ):
+                    bounds = [b for b in locks.get(p, ()) if b < upper.depth_end]
+                    if bounds:
+                        up_locks[p] = bounds
+                device_lock[p] = len(upper.device_windows.get(p, ()))
+                host_lock[p] = len(upper.host_windows.get(p, ()))
+            else:
+                device_lock[p] = node.device_lock[p]
+                host_lock[p] = node.host_lock[p]
+        upper.device_lock, upper.host_lock = tuple(device_lock), tuple(host_lock)
+        return upper
+
+    # ------------------------------------------------------------------ match
+    def walk(self, keys: Sequence[PageKey], split: bool) -> tuple[list[TreeNode], int]:
+        """The nodes ``keys`` run through and how many pages matched (splitting the last one
+        where the match ends inside it when ``split``, else leaving it out)."""
+        node, i, n, path = self.root, 0, len(keys), []
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None:
+                break
+            ck = child.keys
+            width = len(ck)
+            if keys[i : i + width] == ck:
+                path.append(child)
+                node = child
+                i += width
+                continue
+            m, lim = 1, min(width, n - i)
+            while m < lim and ck[m] == keys[i + m]:
+                m += 1
+            if split:
+                path.append(self.split(child, m))
+                i += m
+            break
+        return path, i
+
+    def match(self, keys: Sequence[PageKey], split: bool, count_hit: bool) -> MatchResult:
+        """See ``PrefixTree.match``."""
+        path, _ = self.walk(keys, split)
+        clock = self._clock
+        tick = clock.tick  # deepest first, so an ancestor is never older
+        if count_hit:
+            for node in reversed(path):
+                tick += 1
+                node.last_access = tick
+                node.hit_count += 1
+        else:
+            for node in reversed(path):
+                tick += 1
+                node.last_access = tick
+        clock.tick = tick
+        root = self.root
+        last = path[-1] if path else root
+        ps = self.page_size
+        if self._anchor_only:
+            jd = 0
+            for node in path:
+                if node.device[0] is None:
+                    break
+                jd += 1
+            jh = jd
+            for node in path[jd:]:
+                if node.host[0] is None:
+                    break
+                jh += 1
+        else:
+            jd = self._fold(path, _DEVICE)
+            jh = self._fold(path, _HOST)
+        dnode = path[jd - 1] if jd else root
+        hnode = path[jh - 1] if jh else root
+        result = MatchResult(
+            ps, last.depth_end, dnode.depth_end, hnode.depth_end, path, last, dnode, hnode, jd, jh
+        )
+        for p in self._stateful:
+            name = self.pools[p].name
+            if jd and dnode.device[p] is not None:
+                result.device_state[name] = dnode.device[p]  # type: ignore[assignment]
+            if jh:
+                if hnode.device[p] is not None:
+                    result.host_state[name] = (_DEVICE, hnode.device[p])  # type: ignore[arg-type]
+                elif hnode.host[p] is not None:
+                    result.host_state[name] = (_HOST, hnode.host[p])  # type: ignore[arg-type]
+        return result
+
+    # ------------------------------------------------------------------ fold
+    def _present(self, node: TreeNode, p: int, tier: Tier) -> bool:
+        if node.device[p] is not None:
+            return True
+        return tier is _HOST and node.host[p] is not None
+
+    def _fold(self, path: list[TreeNode], tier: Tier) -> int:
+        """Number of path nodes usable in ``tier``: the deepest end where every pool's rule holds."""
+        present = self._present
+        limit = 0
+        for node in path:
+            if not present(node, 0, tier) or any(not present(node, p, tier) for p in self._all_pages):
+                break
+            limit += 1
+        for j in range(limit, 0, -1):
+            end = path[j - 1]
+            if any(not present(end, p, tier) for p in self._stateful):
+                continue
+            if all(self._window_ok(path, j, p, tier) for p in self._windowed):
+                return j
+        return 0
+
+    def _window_ok(self, path: list[TreeNode], j: int, p: int, tier: Tier) -> bool:
+        bound = path[j - 1].depth_end - self._window[p]
+        for i in range(j - 1, -1, -1):
+            node = path[i]
+            if not self._present(node, p, tier):
+                return False
+            if node.depth_start <= bound:
+                return True
+        return True  # the window reaches the root: a short prefix needs every page it has
