@@ -9,7 +9,9 @@ so following a config through start-up means reading this file top to bottom:
 3. the pool group allocates every pool on both tiers; the prefix tree tracks the anchor and the
    components; :class:`~kvstrata.core.stack.StackLayout` records how each pool is treated;
 4. an I/O plan per (backend, pool) is made from capabilities x specs, zero-copy host memory is
-   registered with the backend, and the storage engine is built over those plans.
+   registered with the backend, and the storage engine is built over those plans;
+5. the controller's working parts are wired over those objects: unit allocation and eviction,
+   load-back, the writer and (with L3) the prefetcher.
 
 A pool added later (a draft pool) goes through :func:`plan_late_pool`, the same planning step.
 """
@@ -18,16 +20,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvstrata.core.config import KvstrataConfig
 from kvstrata.core.io_plan import IOMode, IOPlan, plan_backend
+from kvstrata.core.keys import namespace_root
+from kvstrata.core.load_back import LoadBack
 from kvstrata.core.metrics import CacheMetrics
 from kvstrata.core.pool_group import Pool, PoolGroup
+from kvstrata.core.prefetcher import Prefetcher
 from kvstrata.core.stack import StackLayout
 from kvstrata.core.storage_engine import StorageEngine
+from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import PrefixTree
+from kvstrata.core.writer import Writer
 from kvstrata.plugins import PluginHost
 from kvstrata.plugins.pool_type import PoolSpec
 from kvstrata.plugins.storage_backend import StorageBackend
@@ -37,7 +44,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class CacheParts:
-    """Everything start-up builds; the controller's parts share these objects."""
+    """Everything start-up builds; the controller coordinates these objects."""
 
     config: KvstrataConfig
     plugins: PluginHost
@@ -47,6 +54,18 @@ class CacheParts:
     metrics: CacheMetrics
     backend: StorageBackend | None = None
     engine: StorageEngine | None = None
+    units: TierUnits = field(init=False)
+    load_back: LoadBack = field(init=False)
+    writer: Writer = field(init=False)
+    prefetcher: Prefetcher | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.config.model.page_size
+
+    @property
+    def namespace_root(self) -> str:
+        return namespace_root(self.config.model.name, self.config.model.cache_salt)
 
 
 def build_cache(config: KvstrataConfig, plugins: PluginHost) -> CacheParts:
@@ -59,11 +78,39 @@ def build_cache(config: KvstrataConfig, plugins: PluginHost) -> CacheParts:
         parts = CacheParts(config, plugins, pools, tree, StackLayout.of(pools, tree), CacheMetrics())
         if backend is not None:
             _attach_storage(parts, backend)
+        _wire(parts)
     except BaseException:
         if backend is not None:
             backend.close()
         raise
     return parts
+
+
+def _wire(parts: CacheParts) -> None:
+    """The controller's working parts, sharing the pools, tree, layout, metrics and engine."""
+    policy, hook = parts.config.policy, parts.plugins.hook
+
+    def on_eviction(tier: str, pool: str, units: Any) -> None:
+        hook.kvstrata_eviction(tier=tier, pool=pool, units=units)
+
+    common = (parts.pools, parts.tree, parts.layout)
+    parts.units = TierUnits(
+        parts.pools, parts.tree, delete_unbacked=policy.write != "write_back", on_eviction=on_eviction
+    )
+    parts.load_back = LoadBack(*common, parts.units, parts.metrics)
+    parts.writer = Writer(
+        *common,
+        parts.units,
+        parts.engine,
+        policy,
+        parts.metrics,
+        page_size=parts.page_size,
+        namespace_root=parts.namespace_root,
+    )
+    if parts.engine is not None:
+        parts.prefetcher = Prefetcher(
+            *common, parts.units, parts.engine, policy, parts.metrics, hook, page_size=parts.page_size
+        )
 
 
 def _open_backend(config: KvstrataConfig, plugins: PluginHost) -> tuple[StorageBackend | None, Any]:

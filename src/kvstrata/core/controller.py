@@ -44,16 +44,12 @@ import torch
 from kvstrata.core.builder import CacheParts, build_cache, plan_late_pool
 from kvstrata.core.collective import Collective, LocalCollective, RankAgreement
 from kvstrata.core.config import KvstrataConfig, PoolConfig
-from kvstrata.core.keys import namespace_root
 from kvstrata.core.lease import CacheFullError, Lease, prefix_units
-from kvstrata.core.load_back import LoadBack
 from kvstrata.core.metrics import SkipReason
 from kvstrata.core.pool_group import Pool
 from kvstrata.core.prefetcher import Prefetcher, PrefetchMode
 from kvstrata.core.stack import PoolKind, TreePool
-from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import MatchResult, Tier, TreeNode, page_keys
-from kvstrata.core.writer import Writer
 from kvstrata.plugins import PluginHost
 from kvstrata.plugins.pool_type import PoolRole
 
@@ -68,50 +64,21 @@ class CacheController:
     ) -> None:
         self.config = config
         self.plugins = plugins
-        self.page_size = config.model.page_size
-        self.namespace_root = namespace_root(config.model.name, config.model.cache_salt)
         self.policy = config.policy
         self.ranks = RankAgreement(collective or LocalCollective())
         self._closed = False
         self._leases: set[int] = set()
         self.parts: CacheParts = build_cache(config, plugins)
         parts = self.parts
-        self.metrics, self.pools, self.tree = parts.metrics, parts.pools, parts.tree
-        self.layout = parts.layout
-        self.units = TierUnits(
-            self.pools,
-            self.tree,
-            delete_unbacked=self.policy.write != "write_back",
-            on_eviction=self._on_eviction,
+        self.page_size, self.namespace_root = parts.page_size, parts.namespace_root
+        self.metrics, self.pools, self.tree, self.layout = (
+            parts.metrics,
+            parts.pools,
+            parts.tree,
+            parts.layout,
         )
-        self.load_back = LoadBack(self.pools, self.tree, self.layout, self.units, self.metrics)
-        self.writer = Writer(
-            self.pools,
-            self.tree,
-            self.layout,
-            self.units,
-            parts.engine,
-            self.policy,
-            self.metrics,
-            page_size=self.page_size,
-            namespace_root=self.namespace_root,
-        )
-        self.prefetcher: Prefetcher | None = None
-        if parts.engine is not None:
-            self.prefetcher = Prefetcher(
-                self.pools,
-                self.tree,
-                self.layout,
-                self.units,
-                parts.engine,
-                self.policy,
-                self.metrics,
-                plugins.hook,
-                page_size=self.page_size,
-            )
-
-    def _on_eviction(self, tier: str, pool: str, units: torch.Tensor) -> None:
-        self.plugins.hook.kvstrata_eviction(tier=tier, pool=pool, units=units)
+        self.units, self.load_back, self.writer = parts.units, parts.load_back, parts.writer
+        self.prefetcher: Prefetcher | None = parts.prefetcher
 
     # --- what the parts hold, under the names callers use -------------------------------------
 
@@ -221,7 +188,11 @@ class CacheController:
     def _commit_prefetch(self, lease: Lease, pages: int) -> None:
         op, lease._prefetch = lease._prefetch, None
         assert op is not None and self.prefetcher is not None
-        if pages > 0 and op.start > 0 and not self._host_backed(lease.keys[: op.start], lease):
+        if (
+            pages > 0
+            and op.start > 0
+            and not self.writer.back_up_prefix(lease.keys[: op.start], lease.page_hashes)
+        ):
             # host-only pages below a device-only page would break "backups form a contiguous
             # prefix from the root" and pin that page on the device: drop the refill
             self.prefetcher.drop(op, SkipReason.UNBACKED_PARENT, lease.skipped)
@@ -230,20 +201,8 @@ class CacheController:
             op, lease.keys, pages, request_id=str(id(lease)), skipped=lease.skipped
         )
 
-    def _host_backed(self, keys: Sequence[bytes], lease: Lease) -> bool:
-        """Whether every page of ``keys`` has a host copy, backing the device-only ones up first."""
-        match = self.tree.match(keys, count_hit=False)
-        if match.host_pages < len(keys):
-            return False
-        unbacked = [n for n in match.path if not self.tree.backed_up(n)]
-        if unbacked:
-            self.writer.back_up(match.path, hashes=lease.page_hashes)
-        return all(self.tree.backed_up(n) for n in match.path)
-
     def _skip(self, lease: Lease, reason: SkipReason, pages: int) -> None:
-        if pages > 0:
-            lease.skipped[reason] = lease.skipped.get(reason, 0) + pages
-            self.metrics.skip(reason, pages)
+        self.metrics.skip(reason, pages, lease.skipped)
 
     def _settle(self, lease: Lease, match: MatchResult) -> None:
         """Fix the lease's prefix at the device-usable length of ``match``; move its lock there."""

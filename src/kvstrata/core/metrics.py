@@ -85,9 +85,14 @@ class CacheMetrics:
         with self._lock:
             self.failures += n
 
-    def skip(self, reason: SkipReason, pages: int) -> None:
+    def skip(self, reason: SkipReason, pages: int, into: dict[str, int] | None = None) -> None:
+        """Count ``pages`` not served for ``reason`` (also into a lease's ``skipped``)."""
+        if pages <= 0:
+            return
         with self._lock:
             self.skipped_pages[reason] += pages
+        if into is not None:
+            into[reason] = into.get(reason, 0) + pages
 
     def latency(self, kind: str, seconds: float) -> None:
         with self._lock:

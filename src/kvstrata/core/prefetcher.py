@@ -160,7 +160,7 @@ class Prefetcher:
             elif self.reserved_pages + count > budget:
                 reason = SkipReason.RATE_LIMIT
         if reason is not None:
-            self.skip(skipped, reason, count)
+            self.metrics.skip(reason, count, skipped)
             if reason is not SkipReason.BELOW_THRESHOLD and reason is not SkipReason.DISABLED:
                 self.metrics.count("prefetches_skipped")
             return None
@@ -169,11 +169,6 @@ class Prefetcher:
         self.metrics.count("prefetches_started")
         self._thread.submit(self._run, op)
         return op
-
-    def skip(self, skipped: dict[str, int], reason: SkipReason, pages: int) -> None:
-        if pages > 0:
-            skipped[reason] = skipped.get(reason, 0) + pages
-            self.metrics.skip(reason, pages)
 
     # --- length and read (worker thread) --------------------------------------------------------
 
@@ -338,14 +333,16 @@ class Prefetcher:
             op.cancelled = True
             self.orphans.append(op)
             self.metrics.count("prefetches_revoked")
-            self.skip(skipped, SkipReason.TIMEOUT, len(op.hashes))
+            self.metrics.skip(SkipReason.TIMEOUT, len(op.hashes), skipped)
             return 0
         self.reserved_pages -= len(op.hashes)
         for reason, lost in op.lost.items():
-            self.skip(skipped, reason, lost)
+            self.metrics.skip(reason, lost, skipped)
         if pages < op.pages:
             partial = pages > 0 and self.layout.clampable
-            self.skip(skipped, SkipReason.RANK_DISAGREEMENT, op.pages - pages if partial else op.pages)
+            self.metrics.skip(
+                SkipReason.RANK_DISAGREEMENT, op.pages - pages if partial else op.pages, skipped
+            )
         if not (pages > 0 and (pages == op.pages or self.layout.clampable)):
             if op.found:
                 self.metrics.count("prefetches_dropped")
@@ -370,7 +367,7 @@ class Prefetcher:
     def drop(self, op: PrefetchOp, reason: SkipReason, skipped: dict[str, int]) -> None:
         """Give up a finished (or still running) prefetch whose pages cannot be placed."""
         if op.done.is_set():
-            self.skip(skipped, reason, op.pages)
+            self.metrics.skip(reason, op.pages, skipped)
             op.pages = 0
         self.commit(op, [], 0, request_id="", skipped=skipped)
 

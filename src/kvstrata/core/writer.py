@@ -29,7 +29,7 @@ from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import PoolKind, StackLayout, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.tier_units import TierUnits
-from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
+from kvstrata.core.tree import LockHandle, PageKey, PrefixTree, Tier, TreeNode
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,16 @@ class Writer:
         self._copy_down(todo, allocated)
         if self.engine is not None:
             self._queue_write(todo, hashes)
+
+    def back_up_prefix(self, keys: Sequence[PageKey], hashes: Sequence[str]) -> bool:
+        """Whether every page of ``keys`` has a host copy, backing device-only ones up first
+        (an L3 refill below a page without one would break the contiguous-backup rule)."""
+        match = self.tree.match(keys, count_hit=False)
+        if match.host_pages < len(keys):
+            return False
+        if not all(self.tree.backed_up(n) for n in match.path):
+            self.back_up(match.path, hashes=hashes)
+        return all(self.tree.backed_up(n) for n in match.path)
 
     def _copy_down(self, nodes: Sequence[TreeNode], allocated: Sequence[dict[str, torch.Tensor]]) -> None:
         """Device -> host copies of ``nodes`` into ``allocated``, then index the host copies."""
