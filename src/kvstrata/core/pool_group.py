@@ -414,6 +414,7 @@ class PoolGroup:
                 "index_owner": pool.index_owner,
                 "bytes_per_unit": pool.spec.bytes_per_unit,
                 "device_units": pool.device.units,
+                "device_memory": "kvstrata" if pool.device.owned else "engine",
                 "host_units": 0 if pool.host is None else pool.host.units,
                 "host_layout": None if pool.host is None else pool.host.layout.value,
                 "host_bytes": pool.host_bytes,
