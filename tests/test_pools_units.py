@@ -21,6 +21,7 @@ from kvstrata.plugins import PluginHost
 from kvstrata.plugins.pool_type import Layout, ModelContext, PoolSpec
 from kvstrata.pool_types.draft import DraftConfig, DraftPoolType
 from kvstrata.pool_types.kv import KVConfig, KVPoolType
+from kvstrata.pool_types.logical import LogicalConfig, LogicalPoolType
 from kvstrata.pool_types.mamba import MambaConfig, MambaPoolType
 from kvstrata.pool_types.mla import MLAConfig, MLAPoolType
 from kvstrata.pool_types.nsa import NSAConfig, NSAIndexerPoolType
@@ -172,6 +173,48 @@ def test_write_read_round_trip_through_host_and_back(name: str, kind: str, data:
         back_at = draw_units(data, units, count, f"back units {host_layout.value}")
         copy_units(host, host_at, again, back_at).wait()
         assert_same(again.read_units(back_at), payload)
+
+
+TIER_CASES = [(name, layout) for name in SPECS for layout in SPECS[name]().layouts]
+
+
+@pytest.mark.parametrize(("name", "layout"), TIER_CASES)
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_tier_layout_reads_what_was_written(name: str, layout: Layout, data: st.DataObject) -> None:
+    """kvstrata's own tiers in each layout the spec declares, and engine tensors in page_first_direct."""
+    spec = SPECS[name]()
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31), label="seed"))
+    tiers = [PoolBuffers(spec, 5, device="cpu", layout=layout)]
+    if layout is Layout.PAGE_FIRST_DIRECT:
+        tensors = {
+            b.name: torch.zeros(5, b.layers, *b.unit_shape, dtype=torch_dtype(b.dtype), device=DEVICE)
+            for b in spec.buffers
+        }
+        tiers.append(PoolBuffers.from_tensors(spec, tensors, layout=layout))
+    for tier in tiers:
+        count = data.draw(st.integers(1, 5), label="count")
+        at = draw_units(data, 5, count, "units")
+        payload = random_units(spec, count, generator)
+        tier.write_units(at, payload)
+        assert_same(tier.read_units(at), payload)
+        for buffer in spec.buffers:
+            try:
+                view = tier.buffer_view(buffer.name)
+            except ValueError as exc:  # page_first: a buffer not aligned for its dtype has no view
+                assert layout is Layout.PAGE_FIRST and "not aligned" in str(exc)
+                continue
+            assert view.shape == (5, buffer.layers, *buffer.unit_shape)
+            assert torch.equal(bits(view[at[0]]), bits(payload[buffer.name][0]))
+
+
+def test_logical_pool_has_units_but_no_bytes() -> None:
+    spec = LogicalPoolType("anchor", LogicalConfig(), CONTEXT).spec()
+    tier = PoolBuffers(spec, 8)
+    assert tier.logical and tier.read_units([1, 2]) == {}
+    tier.write_units([1, 2], {})
+    engine = PoolBuffers.from_tensors(spec, {}, units=8)
+    assert engine.logical and engine.units == 8 and engine.nbytes == 0
 
 
 @pytest.mark.parametrize(("name", "kind"), CASES)
