@@ -13,6 +13,14 @@ Sizing (units = pages for token-page pools, slots for node-state pools):
   ``host_units`` or the device slots times the host/device token ratio;
 * a pool's ``device_units`` / ``host_units`` override either;
 * sidecars always have exactly their index source's units and share its allocators.
+
+Engine-supplied device tiers (``device_tensors``): a pool listed there uses the engine's own
+tensors as its device tier instead of allocating one (see
+:meth:`kvstrata.core.buffers.PoolBuffers.from_tensors`; per buffer one ``(layers, units,
+*unit_shape)`` tensor or a sequence of per-layer ``(units, *unit_shape)`` tensors). Its device
+units are the tensors' unit count: they replace the ``capacity_tokens`` default, a configured
+``device_units`` must equal them, and a sidecar's tensors must hold its index source's units.
+Those tensors are the engine's memory, so they are not counted against the host memory budget.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import psutil
 import torch
 
 from kvstrata.core.allocator import UnitAllocator
-from kvstrata.core.buffers import HostAllocatorFn, PoolBuffers
+from kvstrata.core.buffers import EngineTensor, HostAllocatorFn, PoolBuffers, engine_tensor_units
 from kvstrata.core.config import HostTierConfig, KvstrataConfig, anchor_instances
 from kvstrata.core.transfer import TransferHandle, as_index, copy_units
 from kvstrata.plugins.host import PluginHost
@@ -110,12 +118,14 @@ class PoolGroup:
         *,
         host_allocator: HostAllocatorFn | None = None,
         available_host_bytes: Callable[[], int] | None = None,
+        device_tensors: Mapping[str, Mapping[str, EngineTensor]] | None = None,
     ) -> None:
         """Build and allocate every pool of ``config.model.pools``.
 
         ``host_allocator`` -- a backend's ``allocate_host_memory`` when its capabilities say host
         pools must live in its memory; ``available_host_bytes`` -- override of the psutil reading
-        (for callers that account memory themselves).
+        (for callers that account memory themselves); ``device_tensors`` -- ``{pool: {buffer:
+        tensor}}``: the engine's own device memory for those pools (see the module docstring).
         """
         self.config = config
         self.plugins = plugins
@@ -133,6 +143,12 @@ class PoolGroup:
         self.pools: dict[str, Pool] = {}
         self.anchor_name = self._find_anchor(config.model.pools)
         self.context = ModelContext(page_size=self.page_size, anchor=self.anchor_name)
+        self._device_tensors: dict[str, Mapping[str, EngineTensor]] = dict(device_tensors or {})
+        unknown = sorted(set(self._device_tensors) - set(config.model.pools))
+        if unknown:
+            raise ValueError(
+                f"device_tensors names pools {unknown} that are not in model.pools {list(config.model.pools)}"
+            )
 
         plugins_by_name = {name: self._instantiate(name, cfg) for name, cfg in config.model.pools.items()}
         specs = {name: plugin.spec() for name, plugin in plugins_by_name.items()}
@@ -195,8 +211,16 @@ class PoolGroup:
                 source = self.pools[spec.index_source]
                 return source.device.units, source.host.units if source.host is not None else 0
             return known[spec.index_source]
+        device = config.device_units
+        engine_units = self._engine_units(spec)
+        if engine_units is not None:
+            if device is not None and device != engine_units:
+                raise ValueError(
+                    f"pool {spec.name!r}: device_units is {device} but the engine's device tensors "
+                    f"hold {engine_units} units; drop device_units or make them agree"
+                )
+            device = engine_units
         if spec.granularity is Granularity.NODE_STATE:
-            device = config.device_units
             if device is None:
                 device = max(1, math.ceil(self.device_pages / DEVICE_PAGES_PER_STATE_SLOT))
             host = config.host_units
@@ -205,9 +229,16 @@ class PoolGroup:
                 ratio = tokens.host.capacity_tokens / max(1, tokens.device.capacity_tokens)
                 host = math.ceil(device * ratio)
         else:
-            device = self.device_pages if config.device_units is None else config.device_units
+            device = self.device_pages if device is None else device
             host = self.host_pages if config.host_units is None else config.host_units
         return device, (host if self.host_enabled else 0)
+
+    def _engine_units(self, spec: PoolSpec) -> int | None:
+        """Units of the engine's device tensors for this pool (None: kvstrata allocates)."""
+        tensors = self._device_tensors.get(spec.name)
+        if tensors is None:
+            return None
+        return engine_tensor_units(spec, tensors, Layout.LAYER_FIRST)
 
     def _host_layout(self, spec: PoolSpec) -> Layout:
         wanted = self.host_tier.layout
@@ -223,7 +254,7 @@ class PoolGroup:
         """Host RAM a pool takes: its host tier, plus its device tier when L1 lives on the CPU."""
         device_units, host_units = units
         total = spec.bytes_per_unit * host_units
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and spec.name not in self._device_tensors:
             total += spec.bytes_per_unit * device_units
         return total
 
@@ -233,7 +264,16 @@ class PoolGroup:
 
     def _add(self, name: str, plugin: PoolType, spec: PoolSpec, units: tuple[int, int]) -> Pool:
         device_units, host_units = units
-        device = PoolBuffers(spec, device_units, device=self.device, layout=Layout.LAYER_FIRST)
+        if name in self._device_tensors:
+            device = PoolBuffers.from_tensors(
+                spec,
+                self._device_tensors[name],
+                units=device_units,
+                layout=Layout.LAYER_FIRST,
+                device=self.device,
+            )
+        else:
+            device = PoolBuffers(spec, device_units, device=self.device, layout=Layout.LAYER_FIRST)
         host = None
         if self.host_enabled:
             host = PoolBuffers(
@@ -258,20 +298,38 @@ class PoolGroup:
 
     # --- runtime ------------------------------------------------------------------------------
 
-    def add_pool(self, instance: str, config: PoolConfig | Mapping[str, Any]) -> Pool:
-        """Add a pool after start (e.g. a draft pool); memory is checked for the new bytes."""
+    def add_pool(
+        self,
+        instance: str,
+        config: PoolConfig | Mapping[str, Any],
+        *,
+        device_tensors: Mapping[str, EngineTensor] | None = None,
+    ) -> Pool:
+        """Add a pool after start (e.g. a draft pool); memory is checked for the new bytes.
+
+        ``device_tensors`` -- ``{buffer: tensor}``: the engine's own device memory for it.
+        """
         with self._lock:
             if instance in self.pools:
                 raise ValueError(f"pool {instance!r} already exists in this group")
-            plugin = self._instantiate(instance, config)
-            spec = plugin.spec()
-            if spec.role is PoolRole.ANCHOR:
-                raise ValueError(f"pool {instance!r} would be a second anchor (anchor: {self.anchor_name!r})")
-            if spec.index_source is not None and spec.index_source not in self.pools:
-                raise ValueError(f"pool {instance!r}: index_source {spec.index_source!r} is not in the group")
-            units = self._units(spec, plugin.config, {})
-            self._check_memory(self._tier_bytes(spec, units), f"pool {instance!r}")
-            return self._add(instance, plugin, spec, units)
+            if device_tensors is not None:
+                self._device_tensors[instance] = device_tensors
+            try:
+                return self._add_late(instance, config)
+            except BaseException:
+                self._device_tensors.pop(instance, None)
+                raise
+
+    def _add_late(self, instance: str, config: PoolConfig | Mapping[str, Any]) -> Pool:
+        plugin = self._instantiate(instance, config)
+        spec = plugin.spec()
+        if spec.role is PoolRole.ANCHOR:
+            raise ValueError(f"pool {instance!r} would be a second anchor (anchor: {self.anchor_name!r})")
+        if spec.index_source is not None and spec.index_source not in self.pools:
+            raise ValueError(f"pool {instance!r}: index_source {spec.index_source!r} is not in the group")
+        units = self._units(spec, plugin.config, {})
+        self._check_memory(self._tier_bytes(spec, units), f"pool {instance!r}")
+        return self._add(instance, plugin, spec, units)
 
     @property
     def anchor(self) -> Pool:
@@ -356,6 +414,7 @@ class PoolGroup:
                 "index_owner": pool.index_owner,
                 "bytes_per_unit": pool.spec.bytes_per_unit,
                 "device_units": pool.device.units,
+                "device_memory": "kvstrata" if pool.device.owned else "engine",
                 "host_units": 0 if pool.host is None else pool.host.units,
                 "host_layout": None if pool.host is None else pool.host.layout.value,
                 "host_bytes": pool.host_bytes,

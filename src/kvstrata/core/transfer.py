@@ -3,7 +3,9 @@
 All copies work on uint8 views of each buffer shaped ``(units, layers, layer_bytes)``, so any
 dtype (bfloat16, float8 ...) moves bit-exactly and any layout pair works with the same code: one
 ``index_select`` / ``index_copy_`` per buffer, never a Python loop over pages. When one side's
-indices form an ascending run, that side is a plain slice and the copy is a single pass.
+indices form an ascending run, that side is a plain slice and the copy is a single pass. A buffer
+held as an engine's per-layer tensors (:meth:`PoolBuffers.from_tensors`) is copied layer by layer
+(a loop over layers, still never over pages).
 """
 
 from __future__ import annotations
@@ -180,7 +182,14 @@ def copy_units(
     views = []
     for name in src.placements:
         word = min(src.word_bytes(name), dst.word_bytes(name))
-        views.append((src.unit_view(name, word), dst.unit_view(name, word)))
+        if src.split_layers(name) or dst.split_layers(name):  # an engine's per-layer tensors
+            layers = src.placements[name].spec.layers
+            views.extend(
+                (src.unit_view(name, word, layer=i)[:, None], dst.unit_view(name, word, layer=i)[:, None])
+                for i in range(layers)
+            )
+        else:
+            views.append((src.unit_view(name, word), dst.unit_view(name, word)))
     # the memory's own devices (a pool's ``device`` may be a bare "cuda")
     src_device, dst_device = views[0][0].device, views[0][1].device
 
@@ -221,8 +230,10 @@ def object_regions(
     buffer in page_first_direct, one per buffer per layer in layer_first. A bufferless (logical)
     pool stores one header-only object per unit, ``MARKER_SUFFIX``: no regions at all.
     """
-    if pool.device.type != "cpu":
-        raise ValueError(f"pool {pool.spec.name!r}: zero-copy regions exist only for host memory")
+    if pool.device.type != "cpu" or not pool.owned:
+        raise ValueError(
+            f"pool {pool.spec.name!r}: zero-copy regions exist only for host memory kvstrata allocated"
+        )
     idx = as_index(indices).cpu()
     pool.check_indices(idx)
     if not pool.spec.objects and suffix == MARKER_SUFFIX:
@@ -299,7 +310,11 @@ def read_objects(
     if out.shape[0] != idx.numel():
         raise ValueError(f"staging has {out.shape[0]} rows for {idx.numel()} units")
     for name, column in _object_columns(pool, suffix, out):
-        torch.index_select(pool.unit_view(name), 0, idx, out=column)
+        if pool.split_layers(name):
+            for layer in range(column.shape[1]):
+                column[:, layer] = pool.unit_view(name, layer=layer).index_select(0, idx)
+        else:
+            torch.index_select(pool.unit_view(name), 0, idx, out=column)
     return out
 
 
@@ -312,4 +327,9 @@ def write_objects(
     if staging.shape[0] != idx.numel():
         raise ValueError(f"staging has {staging.shape[0]} rows for {idx.numel()} units")
     for name, column in _object_columns(pool, suffix, staging):
-        pool.unit_view(name).index_copy_(0, idx, column.to(pool.device))
+        rows = column.to(pool.device)
+        if pool.split_layers(name):
+            for layer in range(rows.shape[1]):
+                pool.unit_view(name, layer=layer).index_copy_(0, idx, rows[:, layer])
+        else:
+            pool.unit_view(name).index_copy_(0, idx, rows)

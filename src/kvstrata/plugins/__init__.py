@@ -16,6 +16,7 @@ from kvstrata.plugins.pool_type import (
     Granularity,
     HitRule,
     HitRuleKind,
+    LayerIdError,
     Layout,
     ModelContext,
     ObjectSpec,
@@ -25,6 +26,7 @@ from kvstrata.plugins.pool_type import (
     PoolSpec,
     PoolType,
     Replication,
+    UnitLayout,
 )
 from kvstrata.plugins.storage_backend import (
     BackendCapabilities,
@@ -48,6 +50,7 @@ __all__ = [
     "HitRule",
     "HitRuleKind",
     "KvstrataError",
+    "LayerIdError",
     "Layout",
     "MissingDependencyError",
     "ModelContext",
@@ -66,6 +69,7 @@ __all__ = [
     "Replication",
     "StorageBackend",
     "StorageObject",
+    "UnitLayout",
     "UnknownPluginError",
     "leading_regions",
     "region_view",

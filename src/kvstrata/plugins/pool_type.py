@@ -10,6 +10,7 @@ of pool names.
 from __future__ import annotations
 
 import math
+import operator
 from abc import ABC, abstractmethod
 from enum import StrEnum
 from typing import Annotated, ClassVar
@@ -115,8 +116,23 @@ class Layout(StrEnum):
     PAGE_FIRST_DIRECT = "page_first_direct"  # [unit][layer][tokens...] grouped for direct copies
 
 
+class UnitLayout(StrEnum):
+    """Order of a token-page unit's dimensions, as the engine's kernels read them.
+
+    It is part of ``unit_shape`` (and so of the stored objects' layout fingerprint): kvstrata moves
+    the unit's bytes as they are, it never transposes between the two.
+    """
+
+    TOKEN_MAJOR = "token_major"  # (page, heads, dim): a token's heads are adjacent (paged kernels)
+    HEAD_MAJOR = "head_major"  # (heads, page, dim): a head's tokens are adjacent ([B, H, T, D])
+
+
 class BufferSpec(BaseModel):
-    """One tensor of a pool: ``layers`` x units x ``unit_shape`` elements of ``dtype``."""
+    """One tensor of a pool: ``layers`` x units x ``unit_shape`` elements of ``dtype``.
+
+    ``unit_layout`` and ``unit_dims`` describe one unit for engines, adapters and tools (which
+    dimension is the page, the heads ...); the core moves bytes and reads neither.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -124,6 +140,10 @@ class BufferSpec(BaseModel):
     dtype: str
     layers: int = Field(ge=1)
     unit_shape: tuple[int, ...]  # elements of one unit (page or slot) in one layer
+    #: token-page buffers: the order of page and heads in ``unit_shape``; None for state slots
+    unit_layout: UnitLayout | None = None
+    #: one name per ``unit_shape`` dimension (e.g. ``("page", "heads", "head_dim")``); () = unnamed
+    unit_dims: tuple[str, ...] = ()
 
     @field_validator("dtype")
     @classmethod
@@ -137,6 +157,19 @@ class BufferSpec(BaseModel):
         if not value or any(dim < 1 for dim in value):
             raise ValueError(f"unit_shape needs positive dimensions, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _dims_name_the_shape(self) -> BufferSpec:
+        if self.unit_dims:
+            if len(self.unit_dims) != len(self.unit_shape):
+                raise ValueError(
+                    f"buffer {self.name!r}: unit_dims {list(self.unit_dims)} name "
+                    f"{len(self.unit_dims)} dimensions, unit_shape {list(self.unit_shape)} has "
+                    f"{len(self.unit_shape)}"
+                )
+            if len(set(self.unit_dims)) != len(self.unit_dims):
+                raise ValueError(f"buffer {self.name!r}: unit_dims repeat a name: {list(self.unit_dims)}")
+        return self
 
     @property
     def bytes_per_unit_per_layer(self) -> int:
@@ -154,6 +187,28 @@ class ObjectSpec(BaseModel):
 
     suffix: str = Field(pattern=r"^[a-z0-9_]+$")
     buffers: tuple[str, ...] = Field(min_length=1)
+
+
+class LayerIdError(KeyError):
+    """A model layer id that is not one of a pool's layers."""
+
+    def __str__(self) -> str:  # KeyError would show the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
+def check_layer_ids(value: list[int] | tuple[int, ...] | None) -> list[int] | tuple[int, ...] | None:
+    """``layer_ids`` are distinct, non-negative model layer ids."""
+    if value is None:
+        return value
+    if not value:
+        raise ValueError("layer_ids is empty; leave it out to number the pool's layers 0..layers-1")
+    negative = [layer for layer in value if layer < 0]
+    if negative:
+        raise ValueError(f"layer_ids must be >= 0, got {negative}")
+    repeated = sorted({layer for layer in value if list(value).count(layer) > 1})
+    if repeated:
+        raise ValueError(f"layer_ids must be unique; repeated: {repeated}")
+    return value
 
 
 class PoolSpec(BaseModel):
@@ -174,6 +229,9 @@ class PoolSpec(BaseModel):
     objects: tuple[ObjectSpec, ...] = ()
     layouts: tuple[Layout, ...] = (Layout.PAGE_FIRST,)
     eviction_priority: int = 0  # lower goes first when components compete for device room
+    #: model layer id of each pool layer (pool layer i holds model layer ``layer_ids[i]``);
+    #: None: the pool's layers are the model layers 0..layers-1
+    layer_ids: Annotated[tuple[int, ...] | None, AfterValidator(check_layer_ids)] = None
 
     @model_validator(mode="after")
     def _consistent(self) -> PoolSpec:
@@ -193,7 +251,46 @@ class PoolSpec(BaseModel):
             raise ValueError(f"every buffer must be in exactly one object (pool {self.name!r})")
         if not self.layouts:
             raise ValueError("a pool supports at least one layout")
+        if self.layer_ids is not None:
+            if not self.buffers:
+                raise ValueError(f"pool {self.name!r} holds no layers, so it takes no layer_ids")
+            wrong = {b.name: b.layers for b in self.buffers if b.layers != len(self.layer_ids)}
+            if wrong:
+                raise ValueError(
+                    f"pool {self.name!r}: layer_ids has {len(self.layer_ids)} ids but buffers have "
+                    f"layers {wrong}"
+                )
         return self
+
+    @property
+    def layers(self) -> int:
+        """Layers of the pool (0 for a logical pool); every buffer of a built-in type has as many."""
+        return max((buffer.layers for buffer in self.buffers), default=0)
+
+    def layer_index(self, layer_id: int) -> int:
+        """The pool layer index holding model layer ``layer_id`` (see ``layer_ids``)."""
+        layer_id = operator.index(layer_id)  # TypeError for a non-integer id
+        if self.layer_ids is None:
+            if 0 <= layer_id < self.layers:
+                return layer_id
+            raise LayerIdError(
+                f"pool {self.name!r} has no model layer {layer_id!r}: it has no layer_ids, so its "
+                f"layers are model layers 0..{self.layers - 1}"
+            )
+        try:
+            return self.layer_ids.index(layer_id)
+        except ValueError:
+            raise LayerIdError(
+                f"pool {self.name!r} has no model layer {layer_id!r}; its layer_ids: {list(self.layer_ids)}"
+            ) from None
+
+    def buffer(self, name: str) -> BufferSpec:
+        """The buffer called ``name`` (KeyError listing the pool's buffers otherwise)."""
+        for buffer in self.buffers:
+            if buffer.name == name:
+                return buffer
+        names = [b.name for b in self.buffers]
+        raise KeyError(f"pool {self.name!r} has no buffer {name!r}; buffers: {names}")
 
     @property
     def logical(self) -> bool:
@@ -233,6 +330,21 @@ class PoolConfig(BaseModel):
         description="L2 pages/slots of this pool; default: from tiers.host.capacity_tokens "
         "(token-page pools) or device_units x the host/device token ratio (node-state pools)",
     )
+    layer_ids: Annotated[list[int] | None, AfterValidator(check_layer_ids)] = Field(
+        default=None,
+        description="model layer id of each of the pool's layers, in pool order (unique; as many as "
+        "`layers`); lets an engine address a layer by its model layer id. Default: 0..layers-1",
+    )
+
+    @model_validator(mode="after")
+    def _layer_ids_cover_layers(self) -> PoolConfig:
+        layers = getattr(self, "layers", None)
+        if self.layer_ids is not None and isinstance(layers, int) and len(self.layer_ids) != layers:
+            raise ValueError(
+                f"layer_ids has {len(self.layer_ids)} ids but layers is {layers}: give one model "
+                "layer id per pool layer"
+            )
+        return self
 
 
 class ModelContext(BaseModel):

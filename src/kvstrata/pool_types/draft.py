@@ -48,4 +48,5 @@ class DraftPoolType(PoolType):
             objects=(ObjectSpec(suffix="draft", buffers=("k", "v")),),
             layouts=(Layout.LAYER_FIRST, Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT),
             eviction_priority=2,
+            layer_ids=self.config.layer_ids,
         )

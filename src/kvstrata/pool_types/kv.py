@@ -45,4 +45,5 @@ class KVPoolType(PoolType):
             objects=(ObjectSpec(suffix="kv", buffers=("k", "v")),),
             layouts=(Layout.LAYER_FIRST, Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT),
             eviction_priority=2,
+            layer_ids=self.config.layer_ids,
         )

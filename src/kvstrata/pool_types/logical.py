@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import model_validator
+
 from kvstrata.plugins.pool_type import (
     Granularity,
     HitRule,
@@ -25,6 +27,12 @@ from kvstrata.plugins.pool_type import (
 
 class LogicalConfig(PoolConfig):
     type: Literal["logical"] = "logical"
+
+    @model_validator(mode="after")
+    def _no_layers(self) -> LogicalConfig:
+        if self.layer_ids is not None:
+            raise ValueError("layer_ids: a logical pool holds no layers")
+        return self
 
 
 class LogicalPoolType(PoolType):

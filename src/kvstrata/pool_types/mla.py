@@ -1,6 +1,8 @@
 """``mla``: multi-head latent attention, a compressed latent plus a rope part per layer per token.
 
-The latent is identical on every TP rank, so one rank writes it and keys carry no rank.
+The latent is identical on every TP rank, so one rank writes it and keys carry no rank. The latent
+is one head shared by all query heads, so a unit is token-major ``(page, kv_lora_rank)`` (and
+``(page, qk_rope_head_dim)``); there is no head dimension to put first.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvstrata.plugins.pool_type import (
     PoolSpec,
     PoolType,
     Replication,
+    UnitLayout,
 )
 
 
@@ -46,6 +49,8 @@ class MLAPoolType(PoolType):
                 dtype=cfg.dtype,
                 layers=cfg.layers,
                 unit_shape=(page, cfg.kv_lora_rank),
+                unit_layout=UnitLayout.TOKEN_MAJOR,
+                unit_dims=("page", "kv_lora_rank"),
             )
         ]
         if cfg.qk_rope_head_dim:
@@ -55,6 +60,8 @@ class MLAPoolType(PoolType):
                     dtype=cfg.dtype,
                     layers=cfg.layers,
                     unit_shape=(page, cfg.qk_rope_head_dim),
+                    unit_layout=UnitLayout.TOKEN_MAJOR,
+                    unit_dims=("page", "qk_rope_head_dim"),
                 )
             )
         return PoolSpec(
@@ -71,4 +78,5 @@ class MLAPoolType(PoolType):
             objects=(ObjectSpec(suffix="mla", buffers=tuple(b.name for b in buffers)),),
             layouts=(Layout.LAYER_FIRST, Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT),
             eviction_priority=2,
+            layer_ids=self.config.layer_ids,
         )

@@ -53,6 +53,7 @@ class SWAPoolType(PoolType):
             objects=(ObjectSpec(suffix="swa", buffers=("k", "v")),),
             layouts=(Layout.LAYER_FIRST, Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT),
             eviction_priority=1,
+            layer_ids=self.config.layer_ids,
         )
 
     @property
