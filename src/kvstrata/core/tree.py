@@ -197,7 +197,9 @@ class PrefixTree:
         return torch.cat(parts)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ insert
-    def insert(self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor]) -> InsertResult:
+    def insert(
+        self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor], *, at: TreeNode | None = None
+    ) -> InsertResult:
         """Insert a device-resident prefix; existing nodes are reused.
 
         ``values`` maps a tracked pool to its unit indices for the *last* ``len(value)`` pages of
@@ -207,8 +209,13 @@ class PrefixTree:
         page. A pool left out gets tombstones on the new nodes. Existing nodes adopt given units
         where they lack them (host-only nodes come back to device, tombstones are revived); the
         rest are returned as duplicates. The anchor's values are required.
+
+        ``at``: a node of the tree to insert below; ``keys`` are then the pages after it. A
+        request extending its own prefix chunk by chunk pays only for its new pages.
         """
-        return self._inserter.insert(keys, values, _DEVICE)
+        if at is not None and at is not self.root:
+            self._require_node(at)
+        return self._inserter.insert(keys, values, _DEVICE, at)
 
     def insert_host(self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor]) -> InsertResult:
         """Insert a host-resident prefix (a committed prefetch): new nodes exist only on host."""
@@ -284,6 +291,12 @@ class PrefixTree:
 
     def unlock(self, handle: LockHandle) -> None:
         self._locks.unlock(handle)
+
+    def move_lock(self, handle: LockHandle, node: TreeNode) -> LockHandle:
+        """Move a lock down to ``node``, a descendant of ``handle.node`` (or the node itself):
+        what a request holds after inserting its next chunk. Costs the nodes between the two
+        (and the last window), not the whole path."""
+        return self._locks.move(handle, node)
 
     # ------------------------------------------------------------------ eviction
     def evict_device(

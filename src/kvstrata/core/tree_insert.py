@@ -26,7 +26,7 @@ from kvstrata.core.tree_node import (
     TreeNode,
 )
 
-Walk = Callable[[Sequence[PageKey], bool], tuple[list[TreeNode], int]]
+Walk = Callable[[Sequence[PageKey], bool, TreeNode | None], tuple[list[TreeNode], int]]
 Split = Callable[[TreeNode, int], TreeNode]
 
 
@@ -61,8 +61,18 @@ class TreeInserter:
         self._walk = walk
         self._split = split
 
-    def insert(self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor], tier: Tier) -> InsertResult:
-        """See ``PrefixTree.insert`` (``tier`` device) and ``PrefixTree.insert_host`` (host)."""
+    def insert(
+        self,
+        keys: Sequence[PageKey],
+        values: Mapping[str, torch.Tensor],
+        tier: Tier,
+        at: TreeNode | None = None,
+    ) -> InsertResult:
+        """See ``PrefixTree.insert`` (``tier`` device) and ``PrefixTree.insert_host`` (host).
+        ``at``: insert below this node (``keys`` are the pages after it), so a request that
+        keeps its place in the tree pays for its new pages only."""
+        top = at or self.root
+        base = top.depth_end  # page positions below are relative to ``top``
         n = len(keys)
         npools = self._npools
         state = self._state
@@ -91,7 +101,7 @@ class TreeInserter:
         dev = tier is _DEVICE
         # duplicate unit ranges per pool, merged while contiguous so each becomes one slice
         dup_ranges: dict[str, list[list[int]]] = {}
-        path, i = self._walk(keys, True)
+        path, i = self._walk(keys, True, top)
         if start[0] > i:
             raise TreeError(
                 f"anchor values cover pages [{start[0]}, {n}) but the tree holds only the first {i}"
@@ -100,13 +110,13 @@ class TreeInserter:
             # a value starting inside a matched node: split there, so each node is covered whole or not
             for cut in sorted({start[p] for p in paged if 0 < start[p] < i}):
                 for j, node in enumerate(path):
-                    if node.depth_start < cut < node.depth_end:
-                        path.insert(j, self._split(node, cut - node.depth_start))
+                    if node.depth_start - base < cut < node.depth_end - base:
+                        path.insert(j, self._split(node, cut - node.depth_start + base))
                         break
         # adopt into existing nodes: revive host-only nodes / tombstones, the rest is duplicate
         for node in path:
             vals = node.device if dev else node.host
-            e = node.depth_end
+            e = node.depth_end - base
             s = e - len(node.keys)
             for p in paged:  # the anchor (p == 0) is adopted first, so components may follow
                 first = start[p]
@@ -123,7 +133,7 @@ class TreeInserter:
                     ranges[-1][1] = hi
                 else:
                     ranges.append([lo, hi])
-        node = path[-1] if path else self.root
+        node = path[-1] if path else top
         if i < n:
             # new pages; one node per stretch where the same pools have values
             cuts = sorted({i, n} | {start[p] for p in paged if i < start[p] < n}) if suffix else (i, n)
@@ -145,7 +155,7 @@ class TreeInserter:
             if value is None:
                 continue
             vals = node.device if dev else node.host
-            if node is self.root or vals[p] is not None or vals[0] is None:
+            if node is top or vals[p] is not None or vals[0] is None:
                 dup_ranges[names[p]] = [[0, 1]]
             else:
                 self._set(node, tier, p, value)

@@ -23,6 +23,8 @@ class TreeLocks:
         self._window = layout.window
         self._stateful = layout.stateful
         self._unlocked = layout.unlocked
+        self._windowed = [p for p in range(layout.npools) if layout.window[p]]
+        self._paged = [p for p in range(layout.npools) if not layout.state[p] and not layout.window[p]]
 
     def lock(self, node: TreeNode, tier: Tier) -> LockHandle:
         """See ``PrefixTree.lock``."""
@@ -68,6 +70,59 @@ class TreeLocks:
                     raise TreeError(f"unlock without lock on {cur!r}")
                 counts[p] += delta
             self._set_locks(cur, dev, counts)
+            cur = cur.parent
+
+    def move(self, handle: LockHandle, node: TreeNode) -> LockHandle:
+        """See ``PrefixTree.move_lock``: the same counts as ``unlock(handle)`` + ``lock(node)``,
+        touching only the nodes below ``handle.node`` and the two windows."""
+        old = handle.node
+        if node is old:
+            return handle
+        if old is self.root:
+            return self.lock(node, handle.tier)
+        fresh = []
+        cur: TreeNode | None = node
+        while cur is not old:
+            if cur is None or cur is self.root or cur.depth_end <= old.depth_end:
+                raise TreeError(f"cannot move a lock from {old!r} to {node!r}: not below it")
+            fresh.append(cur)
+            cur = cur.parent
+        dev = handle.tier is _DEVICE
+        if self._stateful:
+            self._bump(old, dev, self._stateful, -1)
+            self._bump(node, dev, self._stateful, +1)
+        for p in self._windowed:
+            self._window_lock(old, dev, p, -1)
+            self._window_lock(node, dev, p, +1)
+        if self._paged:
+            for cur in fresh:
+                self._bump(cur, dev, self._paged, +1)
+        return LockHandle(node, handle.tier)
+
+    def _bump(self, node: TreeNode, dev: bool, pools: list[int], delta: int) -> None:
+        counts = list(node.device_lock if dev else node.host_lock)
+        for p in pools:
+            if counts[p] + delta < 0:
+                raise TreeError(f"unlock without lock on {node!r}")
+            counts[p] += delta
+        self._set_locks(node, dev, counts)
+
+    def _window_lock(self, end: TreeNode, dev: bool, p: int, delta: int) -> None:
+        """Add or remove one window lock of pool ``p`` ending at ``end`` (its last window's nodes)."""
+        bound = end.depth_end - self._window[p]
+        cur: TreeNode | None = end
+        while cur is not None and cur is not self.root and cur.depth_end > bound:
+            windows = cur.device_windows if dev else cur.host_windows
+            if delta > 0:
+                windows.setdefault(p, []).append(bound)
+            else:
+                try:
+                    windows[p].remove(bound)
+                except (KeyError, ValueError):
+                    raise TreeError(f"unlock without lock on {cur!r}") from None
+                if not windows[p]:
+                    del windows[p]
+            self._bump(cur, dev, [p], delta)
             cur = cur.parent
 
     def _set_locks(self, node: TreeNode, dev: bool, counts: list[int]) -> None:

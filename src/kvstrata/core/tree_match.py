@@ -99,10 +99,13 @@ class TreeMatcher:
         return upper
 
     # ------------------------------------------------------------------ match
-    def walk(self, keys: Sequence[PageKey], split: bool) -> tuple[list[TreeNode], int]:
+    def walk(
+        self, keys: Sequence[PageKey], split: bool, start: TreeNode | None = None
+    ) -> tuple[list[TreeNode], int]:
         """The nodes ``keys`` run through and how many pages matched (splitting the last one
-        where the match ends inside it when ``split``, else leaving it out)."""
-        node, i, n, path = self.root, 0, len(keys), []
+        where the match ends inside it when ``split``, else leaving it out). ``start``: walk
+        below this node, ``keys`` being the pages after it (the root by default)."""
+        node, i, n, path = start or self.root, 0, len(keys), []
         while i < n:
             child = node.children.get(keys[i])
             if child is None:
