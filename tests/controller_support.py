@@ -61,7 +61,8 @@ def fill(cache: CacheController, lease: Lease, units: dict[str, torch.Tensor]) -
         if not len(value):
             continue
         pool = cache.pools.pools[name]
-        ids = _ids(_pages_of(cache, name, lease, lease.cached_pages, len(value), lease.pages))
+        first = lease.allocated_first_page(name)
+        ids = _ids(_pages_of(cache, name, lease, first, len(value), first + len(value)))
         for buffer in pool.spec.buffers:
             view = pool.device.unit_view(buffer.name)
             view[value.to(view.device)] = _content(name, buffer.name, ids, view.shape[1], view.shape[2]).to(

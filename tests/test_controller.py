@@ -69,6 +69,9 @@ def test_partial_match_splits_a_host_only_node(stack: str) -> None:
         assert node.depth_end == 2, "the host-only node was split where the branch diverged"
         if PoolKind.STATE in kinds(cache):
             assert lease.cached_pages == 0, "no state after page 2: the prefix is not usable"
+        elif PoolKind.WINDOW in kinds(cache):
+            # a request keeps only its last window (pages [4, 6) here): no window ends at page 2
+            assert lease.cached_pages == 0, "no window ending at page 2: the prefix is not usable"
         else:
             assert lease.cached_pages == 2 and lease.hit_pages["host"] >= 1
         cache.release(lease)
@@ -171,28 +174,42 @@ def test_a_state_stack_reuses_l3_only_up_to_a_page_with_a_state(stack: str, tmp_
 
 
 @pytest.mark.parametrize("stack", [s for s in STACKS if "swa" in s])
-def test_an_l3_window_with_a_missing_page_falls_back_to_the_longest_whole_window(
+def test_an_l3_window_missing_its_last_page_falls_back_to_the_longest_whole_window(
     stack: str, tmp_path: Path
 ) -> None:
-    """Page 6 of the window pool is gone: a prefix may end only where its window is whole (and,
-    with a state pool, where a state was stored: here only after page 8, so nothing is usable)."""
-    writer = write_to_l3(stack, tmp_path, 9, 8)
-    window = next(name for name, tp in writer.tree_pools.items() if tp.kind is PoolKind.WINDOW)
-    window_pages = writer.tree_pools[window].window
-    delete_objects(writer, window, writer.hashes[6:7])  # type: ignore[attr-defined]
-    writer.close()
-    expected = 0 if "mamba" in stack else 6
-    assert window_pages <= 6, "the example's window must fit below the missing page"
+    """Written in two chunks (5, then 8 pages): windows (and states) end at pages 5 and 8. With
+    the window object of page 7 gone, the restore falls back to the prefix ending at page 5."""
+    whole = tokens(9, 8)
+    with open_cache(stack, tmp_path) as writer:
+        serve(writer, whole[: 5 * 64])
+        lease, _ = serve(writer, whole)
+        writer.flush()
+        window = next(name for name, tp in writer.tree_pools.items() if tp.kind is PoolKind.WINDOW)
+        assert writer.tree_pools[window].window <= 5, "the example's window must fit in the first chunk"
+        delete_objects(writer, window, lease.page_hashes[7:8])
     with open_cache(stack, tmp_path, WAIT) as cold:
-        lease = cold.lookup(tokens(9, 8))
+        lease = cold.lookup(whole)
         cold.admit(lease)
-        assert lease.cached_pages == expected and lease.hit_pages["storage"] == expected
+        assert lease.cached_pages == 5 and lease.hit_pages["storage"] == 5
         assert verify(cold, lease) == 0
-        assert lease.skipped == {SkipReason.INCOMPLETE_STACK: 8 - expected}
-        if expected == 0:
-            assert cold.metrics.snapshot()["operations"]["prefetches_dropped"] == 1
+        assert lease.skipped == {SkipReason.INCOMPLETE_STACK: 3}
         cold.release(lease)
-        assert all(used <= expected for used in host_units_in_use(cold).values()), "a host slot leaked"
+        assert all(used <= 5 for used in host_units_in_use(cold).values()), "a host slot leaked"
+
+
+@pytest.mark.parametrize("stack", [s for s in STACKS if "swa" in s and "mamba" not in s])
+def test_an_l3_window_with_no_whole_window_is_dropped(stack: str, tmp_path: Path) -> None:
+    writer = write_to_l3(stack, tmp_path, 10, 8)
+    window = next(name for name, tp in writer.tree_pools.items() if tp.kind is PoolKind.WINDOW)
+    delete_objects(writer, window, writer.hashes[7:8])  # type: ignore[attr-defined]
+    writer.close()
+    with open_cache(stack, tmp_path, WAIT) as cold:
+        lease = cold.lookup(tokens(10, 8))
+        cold.admit(lease)
+        assert lease.cached_pages == 0 and lease.skipped == {SkipReason.INCOMPLETE_STACK: 8}
+        assert cold.metrics.snapshot()["operations"]["prefetches_dropped"] == 1
+        cold.release(lease)
+        assert all(used == 0 for used in host_units_in_use(cold).values()), "a host slot leaked"
 
 
 def test_an_indexer_shortfall_clamps_the_l3_prefix_and_draft_comes_with_the_target(tmp_path: Path) -> None:

@@ -44,12 +44,20 @@ import torch
 from kvstrata.core.builder import CacheParts, build_cache, plan_late_pool
 from kvstrata.core.collective import Collective, LocalCollective, RankAgreement
 from kvstrata.core.config import KvstrataConfig, PoolConfig
-from kvstrata.core.lease import CacheFullError, Lease, prefix_units
+from kvstrata.core.lease import (
+    CacheFullError,
+    Lease,
+    add_allocation,
+    allocation_needs,
+    prefix_units,
+    take_for_insert,
+)
 from kvstrata.core.metrics import SkipReason
 from kvstrata.core.pool_group import Pool
 from kvstrata.core.prefetcher import Prefetcher, PrefetchMode
 from kvstrata.core.stack import PoolKind, TreePool
-from kvstrata.core.tree import MatchResult, Tier, TreeNode, page_keys
+from kvstrata.core.transfer import copy_units
+from kvstrata.core.tree import MatchResult, Tier, page_keys
 from kvstrata.plugins import PluginHost
 from kvstrata.plugins.pool_type import PoolRole
 
@@ -131,7 +139,8 @@ class CacheController:
         started = time.perf_counter()
         tokens = torch.as_tensor(tokens, dtype=torch.int64).flatten().cpu()
         keys = page_keys(tokens, self.page_size)
-        lease = Lease(tokens, keys, self.namespace_root, self.page_size, record=record)
+        tail = tokens[len(keys) * self.page_size :]
+        lease = Lease(keys, tail, self.namespace_root, self.page_size, record=record)
         lease._owner_of = self.layout.owner_of
         match = self.tree.match(keys)
         lease.device_pages, lease.host_pages = match.device_pages, match.host_pages
@@ -210,7 +219,8 @@ class CacheController:
         cached = match.device_pages
         if cached:
             lease._device_lock = self.tree.lock(match.device_node, Tier.DEVICE)
-        lease.cached_pages = cached
+        lease.cached_pages = lease.committed_pages = lease.allocated_pages = cached
+        lease._node = match.device_node if cached else None
         lease._prefix, lease._first = prefix_units(self.tree, self.layout, match)
         device = min(lease.device_pages, cached)
         storage = max(0, min(cached, lease.host_pages + lease._storage_pages) - max(lease.host_pages, device))
@@ -223,42 +233,86 @@ class CacheController:
 
     # --- allocate / insert / release ----------------------------------------------------------
 
-    def allocate(self, lease: Lease) -> dict[str, torch.Tensor]:
-        """Device units for pages [cached_pages, pages) of every pool (sidecars share their
-        owner's units; node-state pools get one slot). Raises :class:`CacheFullError`."""
+    def allocate(
+        self, lease: Lease, *, end_page: int | None = None, partial_page: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Device units for the pages of ``lease`` that are neither cached nor allocated yet,
+        through ``end_page`` (default: every whole page), per pool. Sidecars share their
+        owner's units; a window pool gets units only for the pages that stay in its window
+        (``lease.allocated_first_page`` says which); a state pool one slot per insert, for the
+        state after the last inserted page. ``partial_page`` adds the page being filled (decode).
+        Raises :class:`CacheFullError`."""
         self._check_lease(lease)
         if not lease.admitted:
             self.admit(lease)
-        if lease._allocated is not None:
-            raise RuntimeError("units already allocated for this lease")
-        new = lease.pages - lease.cached_pages
-        needs = self.layout.units_for(new)
+        end = lease.pages if end_page is None else end_page
+        if not lease.allocated_pages <= end <= lease.pages:
+            raise ValueError(f"end_page {end} outside [{lease.allocated_pages}, {lease.pages}]")
+        end += int(partial_page and end == lease.pages)
+        needs = allocation_needs(self.layout, lease, end)
         got = self.units.alloc(Tier.DEVICE, needs)
         if got is None:
             self.metrics.fail()
             raise CacheFullError(
-                f"device tier cannot hold {new} new pages ({needs}) even after evicting every "
-                "unlocked page: raise tiers.device.capacity_tokens or admit fewer requests at once"
+                f"device tier cannot hold {end - lease.allocated_pages} new pages ({needs}) even after "
+                "evicting every unlocked page: raise tiers.device.capacity_tokens or admit fewer "
+                "requests at once"
             )
-        lease._allocated = got
+        self.units.free(Tier.DEVICE, add_allocation(self.layout, lease, got, end))
         return {name: got[owner] for name, owner in self.layout.owner_of.items()}
 
-    def insert(self, lease: Lease) -> None:
-        """Index the pages the engine computed, back them up per write policy, close the lease."""
+    def insert(self, lease: Lease, *, close: bool = True) -> None:
+        """Index the pages the engine computed (through the last whole page), back them up per
+        write policy and queue their L3 write; then close the lease, or with ``close=False``
+        keep it (and its place in the tree) for the next chunk. A state pool's slot must hold
+        the state after the last inserted page: each insert is a checkpoint."""
         self._check_lease(lease)
         self.poll()
-        got = lease._allocated
-        if got is None:
-            raise RuntimeError("insert needs the units from cache.allocate(lease)")
-        node: TreeNode | None = None
-        if lease.pages > lease.cached_pages:
-            result = self.tree.insert(lease.keys, got)
+        end = lease.pages
+        if lease.allocated_pages < end:
+            raise RuntimeError(
+                f"insert needs units for pages [{lease.allocated_pages}, {end}): call cache.allocate(lease)"
+            )
+        if end > lease.committed_pages:
+            values, rest = take_for_insert(self.layout, lease, end)
+            above = lease._node
+            result = self.tree.insert(lease.keys[lease.committed_pages : end], values, at=above)
             self.units.free(Tier.DEVICE, result.duplicates)
-            node = result.node
-        lease._allocated = None
-        self._close_lease(lease)
-        if node is not None and self.policy.write == "write_through":
-            self.writer.on_insert(node, lease.page_hashes)
+            lock = lease._device_lock
+            lease._device_lock = (
+                self.tree.lock(result.node, Tier.DEVICE)
+                if lock is None
+                else self.tree.move_lock(lock, result.node)
+            )
+            lease._node, lease.committed_pages, lease._allocated = result.node, end, rest
+            if self.policy.write == "write_through":
+                self.writer.on_insert(result.node, lease.page_hashes, since=above)
+        if close:
+            if lease._allocated is not None:
+                self.units.free(Tier.DEVICE, lease._allocated)
+                lease._allocated = None
+            self._close_lease(lease)
+
+    def fork_state(self, lease: Lease) -> dict[str, torch.Tensor]:
+        """Copy the state at the lease's committed end into its newly allocated state slot, for
+        every state pool (and its sidecars), and return those working units: engines update
+        states in place, and the cached checkpoint must stay as it was."""
+        self._check_lease(lease)
+        out: dict[str, torch.Tensor] = {}
+        for tp in self.layout.tree_pools.values():
+            if tp.kind is not PoolKind.STATE:
+                continue
+            slot = (lease._allocated or {}).get(tp.name)
+            if slot is None or not len(slot):
+                raise RuntimeError("fork_state copies into the lease's new state slot: call allocate first")
+            node = lease._node
+            source = node.device[self.tree.index[tp.name]] if node is not None else None
+            for name in tp.followers:
+                if source is not None:
+                    pool = self.pools.pools[name]
+                    copy_units(pool.device, source, pool.device, slot).wait()
+                out[name] = slot
+        return out
 
     def release(self, lease: Lease) -> None:
         """Abort a request: free its unused units, end its prefetch, unlock its prefix."""

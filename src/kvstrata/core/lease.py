@@ -4,14 +4,16 @@ units the engine reads. The controller fills it; an engine reads its public fiel
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvstrata.core.keys import hash_pages
 from kvstrata.core.stack import NO_UNITS, PoolKind, StackLayout
-from kvstrata.core.tree import LockHandle, MatchResult, PrefixTree
+from kvstrata.core.tree import LockHandle, MatchResult, PrefixTree, TreeNode, page_keys
 
 if TYPE_CHECKING:
     from kvstrata.core.prefetcher import PrefetchOp
@@ -23,15 +25,22 @@ class CacheFullError(RuntimeError):
 
 @dataclass(eq=False)
 class Lease:
-    """A request's hold on its cached prefix, from ``lookup`` to ``insert`` or ``release``."""
+    """A request's hold on its cached prefix, from ``lookup`` to ``insert`` or ``release``.
 
-    tokens: torch.Tensor
+    A lease may grow (:meth:`extend`, chunked prefill and decode) and commit chunk by chunk
+    (``insert(lease, close=False)``); it keeps its place in the tree and its page hashes, so each
+    chunk costs only its new pages.
+    """
+
     keys: list[bytes]
+    _tail: torch.Tensor  # tokens after the last whole page
     namespace_root: str
     page_size: int
     device_pages: int = 0  # usable on device at lookup
     host_pages: int = 0  # usable on device + host at lookup
     cached_pages: int = 0  # usable on device after admit
+    committed_pages: int = 0  # pages of this request in the tree: cached + inserted by it
+    allocated_pages: int = 0  # end of the units handed out so far (>= committed_pages)
     hit_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     record: bool = True  # count this request in the hit metrics
     #: pages the host tier or L3 held that this request could not use, by SkipReason
@@ -44,24 +53,53 @@ class Lease:
     _owner_of: dict[str, str] = field(default_factory=dict)
     _device_lock: LockHandle | None = None
     _host_lock: LockHandle | None = None
+    _node: TreeNode | None = None  # the tree node ending at committed_pages (None: the root)
     _prefetch: PrefetchOp | None = None
     _storage_pages: int = 0  # pages [host_pages, host_pages + this) came from L3
+    #: units handed out but not yet inserted, per tree pool (window pools: the last pages only)
     _allocated: dict[str, torch.Tensor] | None = None
+    _allocated_first: dict[str, int] = field(default_factory=dict)  # page of each pool's first new unit
 
     @property
     def pages(self) -> int:
+        """Whole pages of the request so far."""
         return len(self.keys)
 
     @property
+    def tokens(self) -> torch.Tensor:
+        """Every token of the request so far (whole pages and the partial one)."""
+        whole = torch.from_numpy(np.frombuffer(b"".join(self.keys), dtype=np.int64).copy())
+        return torch.cat([whole, self._tail]) if len(self._tail) else whole
+
+    @property
     def page_hashes(self) -> list[str]:
-        """Chained hashes (hex) of every whole page, computed once when first needed."""
-        if self._hashes is None:
-            self._hashes = hash_pages(self.tokens, self.page_size, self.namespace_root)
-        return self._hashes
+        """Chained hashes (hex) of every whole page, computed once each, incrementally."""
+        have = 0 if self._hashes is None else len(self._hashes)
+        if have < len(self.keys):
+            parent = self._hashes[-1] if self._hashes else self.namespace_root
+            tokens = np.frombuffer(b"".join(self.keys[have:]), dtype=np.int64)
+            new = hash_pages(tokens, self.page_size, parent)
+            if self._hashes is None:
+                self._hashes = new
+            else:
+                self._hashes.extend(new)
+        return self._hashes  # type: ignore[return-value]
 
     @property
     def cached_tokens(self) -> int:
         return self.cached_pages * self.page_size
+
+    def extend(self, tokens: Sequence[int] | torch.Tensor) -> int:
+        """Append tokens (the next prefill chunk, or decoded tokens); returns the whole pages
+        this completed. Units for them come from the next ``allocate``."""
+        if self.closed:
+            raise RuntimeError("lease is closed (inserted or released)")
+        new = torch.as_tensor(tokens, dtype=torch.int64).flatten().cpu()
+        joined = torch.cat([self._tail, new]) if len(self._tail) else new
+        keys = page_keys(joined, self.page_size)
+        self.keys.extend(keys)
+        self._tail = joined[len(keys) * self.page_size :]
+        return len(keys)
 
     def prefix_units(self, pool: str) -> torch.Tensor:
         """Device units holding the cached prefix of ``pool`` (see ``prefix_first_page``)."""
@@ -73,6 +111,12 @@ class Lease:
         the slot holds the state after page ``cached_pages - 1``)."""
         self._require_admitted()
         return self._first[self._owner(pool)]
+
+    def allocated_first_page(self, pool: str) -> int:
+        """The page the first unit of the last ``allocate`` holds: its first new page for
+        all-pages pools, the first page of the trailing window for window pools; a node-state
+        pool's slot is for the state after the last page to be inserted."""
+        return self._allocated_first[self._owner(pool)]
 
     def _owner(self, pool: str) -> str:
         try:
@@ -104,3 +148,68 @@ def prefix_units(
         else:
             units[tp.name], first[tp.name] = tree.values(match.device_path, tp.name), 0
     return units, first
+
+
+# --- the units a lease holds between allocate and insert ------------------------------------------
+
+
+def allocation_needs(layout: StackLayout, lease: Lease, end: int) -> dict[str, int]:
+    """Units per tree pool for pages ``[lease.allocated_pages, end)``: every page for all-pages
+    pools, only what stays in the window for window pools, one slot per insert for state pools."""
+    new = end - lease.allocated_pages
+    pending = lease._allocated or {}
+    needs = {}
+    for tp in layout.tree_pools.values():
+        if tp.kind is PoolKind.PAGES:
+            needs[tp.name] = new
+        elif tp.kind is PoolKind.WINDOW:
+            needs[tp.name] = min(tp.window, new)
+        else:
+            needs[tp.name] = 1 if new > 0 and not len(pending.get(tp.name, NO_UNITS)) else 0
+    return needs
+
+
+def add_allocation(
+    layout: StackLayout, lease: Lease, got: dict[str, torch.Tensor], end: int
+) -> dict[str, torch.Tensor]:
+    """Record ``got`` as the units of pages ``[lease.allocated_pages, end)``; returns the window
+    units that fell out of the window (the caller frees them)."""
+    pending = dict(lease._allocated or {})
+    dropped: dict[str, torch.Tensor] = {}
+    for tp in layout.tree_pools.values():
+        old, new = pending.get(tp.name, NO_UNITS), got[tp.name]
+        if tp.kind is PoolKind.PAGES:
+            pending[tp.name] = torch.cat([old, new]) if len(old) else new
+            lease._allocated_first[tp.name] = lease.allocated_pages
+        elif tp.kind is PoolKind.WINDOW:
+            both = torch.cat([old, new]) if len(old) else new
+            cut = max(0, len(both) - tp.window)
+            pending[tp.name], dropped[tp.name] = both[cut:], both[:cut]
+            lease._allocated_first[tp.name] = end - len(new)
+        else:
+            pending[tp.name] = new if len(new) else old
+            lease._allocated_first[tp.name] = end - 1
+    lease._allocated = pending
+    lease.allocated_pages = end
+    return dropped
+
+
+def take_for_insert(
+    layout: StackLayout, lease: Lease, end: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Split the pending units into the values of pages ``[committed_pages, end)`` (what the tree
+    gets) and the rest (units of pages at or after ``end``, kept for the next insert)."""
+    new = end - lease.committed_pages
+    after = lease.allocated_pages - end  # pages allocated beyond ``end`` (a partial page)
+    values: dict[str, torch.Tensor] = {}
+    rest: dict[str, torch.Tensor] = {}
+    for tp in layout.tree_pools.values():
+        pending = (lease._allocated or {}).get(tp.name, NO_UNITS)
+        if tp.kind is PoolKind.PAGES:
+            values[tp.name], rest[tp.name] = pending[:new], pending[new:]
+        elif tp.kind is PoolKind.WINDOW:
+            keep = len(pending) - min(after, len(pending))
+            values[tp.name], rest[tp.name] = pending[:keep], pending[keep:]
+        else:
+            values[tp.name], rest[tp.name] = pending, NO_UNITS
+    return {name: v for name, v in values.items() if len(v)}, rest

@@ -80,11 +80,11 @@ class Writer:
 
     # --- L1 -> L2 -----------------------------------------------------------------------------
 
-    def on_insert(self, node: TreeNode | None, hashes: Sequence[str]) -> None:
-        """Write-through: back up the path to a freshly inserted node."""
-        if node is None or self.policy.write != "write_through":
-            return
-        self.back_up(_path(self.tree, node), hashes=hashes)
+    def on_insert(self, node: TreeNode, hashes: Sequence[str], since: TreeNode | None = None) -> None:
+        """Write-through: back up the path to a freshly inserted node (below ``since``, which a
+        chunked request inserted, and backed up, before)."""
+        if self.policy.write == "write_through":
+            self.back_up(_path(self.tree, node, since), hashes=hashes)
 
     def on_lookup(self, device_path: Sequence[TreeNode], hashes: Sequence[str]) -> None:
         """Selective write-through: back up the nodes that turned hot."""
@@ -106,7 +106,12 @@ class Writer:
             if self.tree.backed_up(node) or node.device[0] is None:
                 continue
             parent = node.parent
-            if contiguous and parent is not root and not self.tree.backed_up(parent):  # type: ignore[arg-type]
+            if (
+                contiguous
+                and parent is not root
+                and not self.tree.backed_up(parent)  # type: ignore[arg-type]
+                and not (todo and todo[-1] is parent)  # its parent is being backed up right now
+            ):
                 break
             needs = {}
             for name in self.layout.tree_pools:
@@ -251,11 +256,11 @@ class Writer:
         self._thread.shutdown(wait=True)
 
 
-def _path(tree: PrefixTree, node: TreeNode) -> list[TreeNode]:
-    """The nodes from the root's child down to ``node``."""
+def _path(tree: PrefixTree, node: TreeNode, since: TreeNode | None = None) -> list[TreeNode]:
+    """The nodes from the root's child (or ``since``'s) down to ``node``."""
     path = []
     cur: TreeNode | None = node
-    while cur is not None and cur is not tree.root:
+    while cur is not None and cur is not tree.root and cur is not since:
         path.append(cur)
         cur = cur.parent
     path.reverse()

@@ -280,7 +280,9 @@ def _serve(
             return hit_pages, served, True
         for name, units in allocated.items():
             if name in content.pools and units.numel():
-                content.pools[name].fill(units, content.page_ids(name, identities, cached, pages))
+                first = lease.allocated_first_page(name)
+                ids = content.page_ids(name, identities, first, pages)
+                content.pools[name].fill(units, ids)
         cache.insert(lease)
         lease = None
         return hit_pages, served, False
