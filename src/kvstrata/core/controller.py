@@ -49,22 +49,22 @@ from kvstrata.core.lease import (
     Lease,
     add_allocation,
     allocation_needs,
-    prefix_units,
+    settle,
     take_for_insert,
 )
 from kvstrata.core.metrics import SkipReason
 from kvstrata.core.pool_group import Pool
 from kvstrata.core.prefetcher import Prefetcher, PrefetchMode
 from kvstrata.core.stack import PoolKind, TreePool
-from kvstrata.core.transfer import copy_units
 from kvstrata.core.tree import MatchResult, Tier, page_keys
+from kvstrata.core.unit_memory import UnitMemory
 from kvstrata.plugins import PluginHost
 from kvstrata.plugins.pool_type import PoolRole
 
 __all__ = ["CacheController", "CacheFullError", "Lease", "PoolKind", "PrefetchMode", "SkipReason", "TreePool"]
 
 
-class CacheController:
+class CacheController(UnitMemory):
     """Device (L1), host (L2) and storage (L3) tiers of one model stack; see the module docstring."""
 
     def __init__(
@@ -79,12 +79,8 @@ class CacheController:
         self.parts: CacheParts = build_cache(config, plugins)
         parts = self.parts
         self.page_size, self.namespace_root = parts.page_size, parts.namespace_root
-        self.metrics, self.pools, self.tree, self.layout = (
-            parts.metrics,
-            parts.pools,
-            parts.tree,
-            parts.layout,
-        )
+        self.metrics, self.pools, self.tree = parts.metrics, parts.pools, parts.tree
+        self.layout, self.backend, self.engine = parts.layout, parts.backend, parts.engine
         self.units, self.load_back, self.writer = parts.units, parts.load_back, parts.writer
         self.prefetcher: Prefetcher | None = parts.prefetcher
 
@@ -93,14 +89,6 @@ class CacheController:
     @property
     def collective(self) -> Collective:
         return self.ranks.collective
-
-    @property
-    def backend(self) -> Any:
-        return self.parts.backend
-
-    @property
-    def engine(self) -> Any:
-        return self.parts.engine
 
     @property
     def storage_enabled(self) -> bool:
@@ -214,22 +202,11 @@ class CacheController:
         self.metrics.skip(reason, pages, lease.skipped)
 
     def _settle(self, lease: Lease, match: MatchResult) -> None:
-        """Fix the lease's prefix at the device-usable length of ``match``; move its lock there."""
         self._unlock(lease)
-        cached = match.device_pages
-        if cached:
-            lease._device_lock = self.tree.lock(match.device_node, Tier.DEVICE)
-        lease.cached_pages = lease.committed_pages = lease.allocated_pages = cached
-        lease._node = match.device_node if cached else None
-        lease._prefix, lease._first = prefix_units(self.tree, self.layout, match)
-        device = min(lease.device_pages, cached)
-        storage = max(0, min(cached, lease.host_pages + lease._storage_pages) - max(lease.host_pages, device))
-        lease.hit_pages = {"device": device, "host": cached - device - storage, "storage": storage}
-        lease.admitted = True
+        settle(lease, self.tree, self.layout, match)
         if lease.record:
-            self.metrics.request(
-                lease.pages * self.page_size, {t: n * self.page_size for t, n in lease.hit_pages.items()}
-            )
+            page = self.page_size
+            self.metrics.request(lease.pages * page, {t: n * page for t, n in lease.hit_pages.items()})
 
     # --- allocate / insert / release ----------------------------------------------------------
 
@@ -292,27 +269,6 @@ class CacheController:
                 self.units.free(Tier.DEVICE, lease._allocated)
                 lease._allocated = None
             self._close_lease(lease)
-
-    def fork_state(self, lease: Lease) -> dict[str, torch.Tensor]:
-        """Copy the state at the lease's committed end into its newly allocated state slot, for
-        every state pool (and its sidecars), and return those working units: engines update
-        states in place, and the cached checkpoint must stay as it was."""
-        self._check_lease(lease)
-        out: dict[str, torch.Tensor] = {}
-        for tp in self.layout.tree_pools.values():
-            if tp.kind is not PoolKind.STATE:
-                continue
-            slot = (lease._allocated or {}).get(tp.name)
-            if slot is None or not len(slot):
-                raise RuntimeError("fork_state copies into the lease's new state slot: call allocate first")
-            node = lease._node
-            source = node.device[self.tree.index[tp.name]] if node is not None else None
-            for name in tp.followers:
-                if source is not None:
-                    pool = self.pools.pools[name]
-                    copy_units(pool.device, source, pool.device, slot).wait()
-                out[name] = slot
-        return out
 
     def release(self, lease: Lease) -> None:
         """Abort a request: free its unused units, end its prefetch, unlock its prefix."""

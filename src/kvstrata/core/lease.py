@@ -13,7 +13,7 @@ import torch
 
 from kvstrata.core.keys import hash_pages
 from kvstrata.core.stack import NO_UNITS, PoolKind, StackLayout
-from kvstrata.core.tree import LockHandle, MatchResult, PrefixTree, TreeNode, page_keys
+from kvstrata.core.tree import LockHandle, MatchResult, PrefixTree, Tier, TreeNode, page_keys
 
 if TYPE_CHECKING:
     from kvstrata.core.prefetcher import PrefetchOp
@@ -127,6 +127,21 @@ class Lease:
     def _require_admitted(self) -> None:
         if not self.admitted:
             raise RuntimeError("call cache.admit(lease) before reading its prefix")
+
+
+def settle(lease: Lease, tree: PrefixTree, layout: StackLayout, match: MatchResult) -> None:
+    """Fix an (unlocked) lease's prefix at the device-usable length of ``match``: lock it, set
+    the prefix units every pool hands the engine, and split the hit by tier."""
+    cached = match.device_pages
+    if cached:
+        lease._device_lock = tree.lock(match.device_node, Tier.DEVICE)
+    lease.cached_pages = lease.committed_pages = lease.allocated_pages = cached
+    lease._node = match.device_node if cached else None
+    lease._prefix, lease._first = prefix_units(tree, layout, match)
+    device = min(lease.device_pages, cached)
+    storage = max(0, min(cached, lease.host_pages + lease._storage_pages) - max(lease.host_pages, device))
+    lease.hit_pages = {"device": device, "host": cached - device - storage, "storage": storage}
+    lease.admitted = True
 
 
 def prefix_units(

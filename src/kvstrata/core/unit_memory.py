@@ -1,0 +1,83 @@
+"""Unit memory: what an engine reads, writes and computes in, on the device tier.
+
+The controller hands out unit indices; these methods turn them into tensors in each buffer's
+declared unit layout (token-major or head-major, any dtype, bit-exact), map model layer ids to a
+pool's layers (``layer_ids``), give zero-copy views for engines that compute in place, and fork a
+restored state into a private working slot (engines update conv/SSM states in place, and a cached
+checkpoint must stay as it was). Kept apart from the lease API so each reads on one screen; the
+controller inherits them and supplies ``pools``, ``tree`` and ``layout``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvstrata.core.buffers import PoolBuffers
+from kvstrata.core.lease import Lease
+from kvstrata.core.pool_group import PoolGroup
+from kvstrata.core.stack import PoolKind, StackLayout
+from kvstrata.core.transfer import copy_units
+from kvstrata.core.tree import PrefixTree
+from kvstrata.plugins.pool_type import PoolSpec
+
+
+class UnitMemory:
+    """Device unit access for the engine (mixed into :class:`~kvstrata.core.controller.CacheController`)."""
+
+    pools: PoolGroup
+    tree: PrefixTree
+    layout: StackLayout
+
+    def fork_state(self, lease: Lease) -> dict[str, torch.Tensor]:
+        """Copy the state at the lease's committed end into its newly allocated state slot, for
+        every state pool (and its sidecars), and return those working units: engines update
+        states in place, and the cached checkpoint must stay as it was."""
+        if lease.closed:
+            raise RuntimeError("lease is closed (inserted or released)")
+        out: dict[str, torch.Tensor] = {}
+        for tp in self.layout.tree_pools.values():
+            if tp.kind is not PoolKind.STATE:
+                continue
+            slot = (lease._allocated or {}).get(tp.name)
+            if slot is None or not len(slot):
+                raise RuntimeError("fork_state copies into the lease's new state slot: call allocate first")
+            node = lease._node
+            source = node.device[self.tree.index[tp.name]] if node is not None else None
+            for name in tp.followers:
+                if source is not None:
+                    pool = self.pools.pools[name]
+                    copy_units(pool.device, source, pool.device, slot).wait()
+                out[name] = slot
+        return out
+
+    def read_units(
+        self, pool: str, units: torch.Tensor | Sequence[int], *, layer: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """A copy of device ``units`` of ``pool`` per buffer, ``(n, [layers,] *unit_shape)`` in the
+        pool's declared unit layout; ``layer`` is a model layer id (the pool's ``layer_ids``)."""
+        spec, buffers = self._device(pool)
+        return buffers.read_units(units, layer=None if layer is None else spec.layer_index(layer))
+
+    def write_units(
+        self,
+        pool: str,
+        units: torch.Tensor | Sequence[int],
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        layer: int | None = None,
+    ) -> None:
+        """Write ``tensors`` (buffer -> ``(n, [layers,] *unit_shape)``) into device ``units``."""
+        spec, buffers = self._device(pool)
+        buffers.write_units(units, tensors, layer=None if layer is None else spec.layer_index(layer))
+
+    def device_view(self, pool: str, buffer: str, *, layer: int | None = None) -> torch.Tensor:
+        """Zero-copy typed view ``(units, [layers,] *unit_shape)`` of one device buffer, for
+        engines that compute in place."""
+        spec, buffers = self._device(pool)
+        return buffers.buffer_view(buffer, layer=None if layer is None else spec.layer_index(layer))
+
+    def _device(self, pool: str) -> tuple[PoolSpec, PoolBuffers]:
+        found = self.pools.pool(pool)
+        return found.spec, found.device
