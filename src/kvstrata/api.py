@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstrata.core.builder import DeviceTensors
 from kvstrata.core.collective import Collective
 from kvstrata.core.config import (
     KvstrataConfig,
@@ -67,18 +68,20 @@ def open(
     overrides: Overrides = (),
     plugins: PluginHost | None = None,
     collective: Collective | None = None,
+    device_tensors: DeviceTensors | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> CacheController:
     """A ready cache: ``kvstrata.open("stack.yaml", overrides={"tiers.host.capacity_tokens": 0})``.
 
     ``plugins``: a :class:`~kvstrata.plugins.PluginHost` with in-process registrations (default: the
-    installed plugins); ``collective``: how ranks agree on reuse (default: one rank). Close the cache
-    (or use it as a context manager) to flush L3 writes.
+    installed plugins); ``collective``: how ranks agree on reuse (default: one rank);
+    ``device_tensors``: the engine's own device memory as L1 (pool -> buffer -> tensor, or a list
+    of per-layer tensors), validated against each pool's spec. Close the cache (or use it as a
+    context manager) to flush L3 writes.
     """
     host = plugins or PluginHost()
-    return CacheController(
-        load(config, overrides=overrides, plugins=host, environ=environ), host, collective=collective
-    )
+    config_object = load(config, overrides=overrides, plugins=host, environ=environ)
+    return CacheController(config_object, host, collective=collective, device_tensors=device_tensors)
 
 
 def _plain(data: Mapping[str, Any]) -> dict[str, Any]:

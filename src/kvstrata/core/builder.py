@@ -19,9 +19,11 @@ A pool added later (a draft pool) goes through :func:`plan_late_pool`, the same 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from kvstrata.core.config import KvstrataConfig
 from kvstrata.core.io_plan import IOMode, IOPlan, plan_backend
@@ -40,6 +42,9 @@ from kvstrata.plugins.pool_type import PoolSpec
 from kvstrata.plugins.storage_backend import StorageBackend
 
 log = logging.getLogger(__name__)
+
+#: an engine's device tensors: pool -> buffer -> one tensor or one tensor per layer
+DeviceTensors = Mapping[str, Mapping[str, torch.Tensor | Sequence[torch.Tensor]]]
 
 
 @dataclass
@@ -68,12 +73,15 @@ class CacheParts:
         return namespace_root(self.config.model.name, self.config.model.cache_salt)
 
 
-def build_cache(config: KvstrataConfig, plugins: PluginHost) -> CacheParts:
-    """Open the backend and build every part; on any failure the opened backend is closed."""
+def build_cache(
+    config: KvstrataConfig, plugins: PluginHost, *, device_tensors: DeviceTensors | None = None
+) -> CacheParts:
+    """Open the backend and build every part; on any failure the opened backend is closed.
+    ``device_tensors``: an engine's own device memory per pool and buffer, used as L1."""
     plugins.hook.kvstrata_configure.call_historic(kwargs={"config": config})
     backend, host_allocator = _open_backend(config, plugins)
     try:
-        pools = PoolGroup(config, plugins, host_allocator=host_allocator)
+        pools = PoolGroup(config, plugins, host_allocator=host_allocator, device_tensors=device_tensors)
         tree = PrefixTree(pool.spec for pool in pools.pools.values())
         parts = CacheParts(config, plugins, pools, tree, StackLayout.of(pools, tree), CacheMetrics())
         if backend is not None:

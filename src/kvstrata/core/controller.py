@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from kvstrata.core.builder import CacheParts, build_cache, plan_late_pool
+from kvstrata.core.builder import CacheParts, DeviceTensors, build_cache, plan_late_pool
 from kvstrata.core.collective import Collective, LocalCollective, RankAgreement
 from kvstrata.core.config import KvstrataConfig, PoolConfig
 from kvstrata.core.lease import (
@@ -68,15 +68,17 @@ class CacheController(UnitMemory):
     """Device (L1), host (L2) and storage (L3) tiers of one model stack; see the module docstring."""
 
     def __init__(
-        self, config: KvstrataConfig, plugins: PluginHost, *, collective: Collective | None = None
+        self,
+        config: KvstrataConfig,
+        plugins: PluginHost,
+        *,
+        collective: Collective | None = None,
+        device_tensors: DeviceTensors | None = None,
     ) -> None:
-        self.config = config
-        self.plugins = plugins
-        self.policy = config.policy
+        self.config, self.plugins, self.policy = config, plugins, config.policy
         self.ranks = RankAgreement(collective or LocalCollective())
-        self._closed = False
-        self._leases: set[int] = set()
-        self.parts: CacheParts = build_cache(config, plugins)
+        self._closed, self._leases = False, set[int]()
+        self.parts: CacheParts = build_cache(config, plugins, device_tensors=device_tensors)
         parts = self.parts
         self.page_size, self.namespace_root = parts.page_size, parts.namespace_root
         self.metrics, self.pools, self.tree = parts.metrics, parts.pools, parts.tree
@@ -93,10 +95,6 @@ class CacheController(UnitMemory):
     @property
     def storage_enabled(self) -> bool:
         return self.parts.engine is not None
-
-    @property
-    def anchor(self) -> str:
-        return self.layout.anchor
 
     @property
     def tree_pools(self) -> dict[str, TreePool]:
@@ -171,13 +169,13 @@ class CacheController(UnitMemory):
             if result.loaded:
                 match = self.tree.match(lease.keys, count_hit=False)
             elif result.device_full:
-                self._skip(lease, SkipReason.DEVICE_FULL, host_only)
+                self.metrics.skip(SkipReason.DEVICE_FULL, host_only, lease.skipped)
             self.metrics.latency("load_back", time.perf_counter() - started)
         else:
-            self._skip(lease, SkipReason.BELOW_LOAD_BACK_THRESHOLD, host_only)
+            self.metrics.skip(SkipReason.BELOW_LOAD_BACK_THRESHOLD, host_only, lease.skipped)
         cached = self.ranks.cached_pages(match.device_pages)
         if cached < match.device_pages:
-            self._skip(lease, SkipReason.RANK_DISAGREEMENT, match.device_pages - cached)
+            self.metrics.skip(SkipReason.RANK_DISAGREEMENT, match.device_pages - cached, lease.skipped)
             match = self.tree.match(lease.keys[:cached], count_hit=False)
         self._settle(lease, match)
         return lease
@@ -197,9 +195,6 @@ class CacheController(UnitMemory):
         lease._storage_pages = self.prefetcher.commit(
             op, lease.keys, pages, request_id=str(id(lease)), skipped=lease.skipped
         )
-
-    def _skip(self, lease: Lease, reason: SkipReason, pages: int) -> None:
-        self.metrics.skip(reason, pages, lease.skipped)
 
     def _settle(self, lease: Lease, match: MatchResult) -> None:
         self._unlock(lease)
@@ -223,9 +218,9 @@ class CacheController(UnitMemory):
         if not lease.admitted:
             self.admit(lease)
         end = lease.pages if end_page is None else end_page
-        if not lease.allocated_pages <= end <= lease.pages:
-            raise ValueError(f"end_page {end} outside [{lease.allocated_pages}, {lease.pages}]")
-        end += int(partial_page and end == lease.pages)
+        if not 0 <= end <= lease.pages:
+            raise ValueError(f"end_page {end} outside [0, {lease.pages}] (the lease's whole pages)")
+        end = max(end + int(partial_page and end == lease.pages), lease.allocated_pages)
         needs = allocation_needs(self.layout, lease, end)
         got = self.units.alloc(Tier.DEVICE, needs)
         if got is None:

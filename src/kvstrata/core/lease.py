@@ -195,15 +195,17 @@ def add_allocation(
         old, new = pending.get(tp.name, NO_UNITS), got[tp.name]
         if tp.kind is PoolKind.PAGES:
             pending[tp.name] = torch.cat([old, new]) if len(old) else new
-            lease._allocated_first[tp.name] = lease.allocated_pages
+            first = lease.allocated_pages
         elif tp.kind is PoolKind.WINDOW:
             both = torch.cat([old, new]) if len(old) else new
             cut = max(0, len(both) - tp.window)
             pending[tp.name], dropped[tp.name] = both[cut:], both[:cut]
-            lease._allocated_first[tp.name] = end - len(new)
+            first = end - len(new)
         else:
             pending[tp.name] = new if len(new) else old
-            lease._allocated_first[tp.name] = end - 1
+            first = end - 1
+        if len(new):  # a pool that got nothing keeps saying where its last units start
+            lease._allocated_first[tp.name] = first
     lease._allocated = pending
     lease.allocated_pages = end
     return dropped

@@ -1,0 +1,238 @@
+"""The engine-facing API driven as an engine would, through public calls only: ``kvstrata.open``,
+lookup / admit / allocate / write_units / insert(close=False) / extend, fork_state, read_units,
+engine-supplied device tensors."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvstrata
+from controller_support import EXAMPLES, tokens
+from kvstrata.core.buffers import torch_dtype
+
+PAGE = 64
+#: kv + mamba with room for 50-page requests and a checkpoint every 8 pages
+HYBRID = [
+    "tiers.device.capacity_tokens=8192",
+    "tiers.host.capacity_tokens=16384",
+    "model.pools.mamba.device_units=32",
+    "model.pools.mamba.host_units=64",
+]
+
+
+def _open(example: str, overrides: list[str], l3: Path | None = None) -> kvstrata.CacheController:
+    storage = [f"tiers.storage.l3.path={l3}"] if l3 is not None else ["tiers.storage={}"]
+    return kvstrata.open(EXAMPLES[example], overrides=[*storage, *overrides], environ={})
+
+
+def _content(cache: kvstrata.CacheController, pool: str, pages: list[str]) -> dict[str, torch.Tensor]:
+    """What an engine would have computed for ``pages`` (one unit per page hash), typed."""
+    spec = cache.pools.pool(pool).spec
+    out = {}
+    for buffer in spec.buffers:
+        dtype = torch_dtype(buffer.dtype)
+        nbytes = buffer.layers * torch.Size(buffer.unit_shape).numel() * dtype.itemsize
+        rows = []
+        for page_hash in pages:
+            seed = zlib.crc32(f"{pool}/{buffer.name}/{page_hash}".encode())
+            generator = torch.Generator().manual_seed(seed)
+            rows.append(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator))
+        raw = torch.stack(rows) if rows else torch.empty(0, nbytes, dtype=torch.uint8)
+        out[buffer.name] = raw.view(dtype).reshape(len(pages), buffer.layers, *buffer.unit_shape)
+    return out
+
+
+def _pages_of(
+    cache: kvstrata.CacheController, lease: kvstrata.Lease, pool: str, first: int, n: int
+) -> list[str]:
+    if cache.pool_kind(pool).value == "state":
+        return [lease.page_hashes[first]]
+    return lease.page_hashes[first : first + n]
+
+
+def _compute(
+    cache: kvstrata.CacheController,
+    lease: kvstrata.Lease,
+    units: dict[str, torch.Tensor],
+    first_page: int | None = None,
+) -> None:
+    """The engine writes every new unit (state: the state after the last page to insert)."""
+    for pool, value in units.items():
+        if len(value):
+            first = lease.allocated_first_page(pool) if first_page is None else first_page
+            cache.write_units(
+                pool, value, _content(cache, pool, _pages_of(cache, lease, pool, first, len(value)))
+            )
+
+
+def _bad_units(cache: kvstrata.CacheController, lease: kvstrata.Lease) -> int:
+    """Units of the cached prefix whose bytes differ from what was computed for their pages."""
+    bad = 0
+    for pool in cache.pools.pools:
+        units = lease.prefix_units(pool)
+        if not len(units):
+            continue
+        pages = _pages_of(cache, lease, pool, lease.prefix_first_page(pool), len(units))
+        got, want = cache.read_units(pool, units), _content(cache, pool, pages)
+        for name in want:
+            same = got[name].view(torch.uint8).flatten(1) == want[name].view(torch.uint8).flatten(1)
+            bad += int((~same.all(dim=1)).sum())
+    return bad
+
+
+def chunked_prefill(cache: kvstrata.CacheController, request: torch.Tensor, chunk_pages: int) -> None:
+    """One lease from the first chunk to the last: allocate, fork the state, compute, insert."""
+    lease = cache.lookup(request[: chunk_pages * PAGE])
+    cache.admit(lease)
+    while True:
+        units = cache.allocate(lease)
+        cache.fork_state(lease)
+        _compute(cache, lease, units)
+        last = lease.pages * PAGE >= len(request)
+        cache.insert(lease, close=last)
+        if last:
+            return
+        lease.extend(request[lease.pages * PAGE : (lease.pages + chunk_pages) * PAGE])
+
+
+def test_chunked_prefill_checkpoints_serve_a_request_sharing_37_of_50_pages() -> None:
+    request = tokens(51, 50)
+    with _open("hybrid-mamba", HYBRID) as cache:
+        chunked_prefill(cache, request, chunk_pages=8)  # checkpoints after 8, 16, ..., 48, 50
+        sharing = torch.cat([request[: 37 * PAGE], tokens(52, 13)])
+        lease = cache.lookup(sharing)
+        cache.admit(lease)
+        assert lease.cached_pages == 32, "the last checkpoint at or below page 37"
+        assert _bad_units(cache, lease) == 0
+        cache.release(lease)
+        cache.tree.check()
+
+
+def test_chunked_prefill_checkpoints_come_back_from_l3_in_a_fresh_cache(tmp_path: Path) -> None:
+    request = tokens(53, 50)
+    with _open("hybrid-mamba", HYBRID, tmp_path) as writer:
+        chunked_prefill(writer, request, chunk_pages=8)
+    wait = [*HYBRID, "policy.prefetch.policy=wait_complete"]
+    with _open("hybrid-mamba", wait, tmp_path) as cold:
+        lease = cold.lookup(torch.cat([request[: 37 * PAGE], tokens(54, 13)]))
+        cold.admit(lease)
+        assert lease.cached_pages == 32 and lease.hit_pages["storage"] == 32
+        assert _bad_units(cold, lease) == 0
+        cold.release(lease)
+
+
+def test_fork_state_copies_the_checkpoint_and_leaves_it_untouched() -> None:
+    request = tokens(55, 16)
+    with _open("hybrid-mamba", HYBRID) as cache:
+        chunked_prefill(cache, request, chunk_pages=8)
+        lease = cache.lookup(torch.cat([request, tokens(56, 1)]))
+        cache.admit(lease)
+        checkpoint = lease.prefix_units("mamba")
+        before = cache.read_units("mamba", checkpoint)
+        working = cache.allocate(lease)["mamba"]
+        forked = cache.fork_state(lease)
+        assert torch.equal(forked["mamba"], working) and not torch.equal(working, checkpoint)
+        after_fork = cache.read_units("mamba", working)
+        for name, value in before.items():
+            assert torch.equal(after_fork[name].view(torch.uint8), value.view(torch.uint8))
+        cache.write_units("mamba", working, _content(cache, "mamba", ["engine moved on"]))
+        for name, value in cache.read_units("mamba", checkpoint).items():
+            assert torch.equal(value.view(torch.uint8), before[name].view(torch.uint8))
+        cache.release(lease)
+
+
+def test_a_window_pool_allocates_only_its_window() -> None:
+    with _open("swa", []) as cache:
+        window = cache.tree_pools["swa"].window
+        lease = cache.lookup(tokens(57, 8))
+        units = cache.allocate(lease)
+        assert len(units["swa"]) == window < 8 and len(units[cache.layout.anchor]) == 8
+        assert lease.allocated_first_page("swa") == 8 - window
+        cache.release(lease)
+        assert cache.pools.pools["swa"].device_allocator.used == 0
+
+
+def test_decode_extends_one_lease_token_by_token() -> None:
+    with _open("kv", []) as cache:
+        prompt = tokens(58, 3)[: 2 * PAGE + 10]  # 2 whole pages and 10 tokens
+        lease = cache.lookup(prompt)
+        cache.admit(lease)
+        first = cache.allocate(lease, partial_page=True)
+        assert len(first["kv"]) == 3 and lease.allocated_pages == 3
+        _compute(cache, lease, {"kv": first["kv"][:2]}, first_page=0)
+        cache.insert(lease, close=False)
+        assert lease.committed_pages == 2
+        completed = 0
+        for token in range(PAGE - 10):  # decode until the third page is whole
+            completed += lease.extend([token])
+            assert not len(cache.allocate(lease, partial_page=lease.pages < 3)["kv"])
+        assert completed == 1 and lease.pages == 3
+        _compute(cache, lease, {"kv": first["kv"][2:]}, first_page=2)
+        cache.insert(lease, close=False)
+        more = cache.allocate(lease, partial_page=True)
+        assert len(more["kv"]) == 1 and lease.allocated_first_page("kv") == 3
+        cache.insert(lease)  # closes; the unit of the unfinished page goes back
+        assert cache.pools.pools["kv"].device_allocator.used == 3
+        again = cache.lookup(lease.tokens[: 3 * PAGE])
+        cache.admit(again)
+        assert again.cached_pages == 3 and _bad_units(cache, again) == 0
+        cache.release(again)
+
+
+@pytest.mark.parametrize("stack", sorted(EXAMPLES))
+def test_units_round_trip_through_the_controller_for_every_pool(stack: str) -> None:
+    with _open(stack, []) as cache:
+        lease = cache.lookup(tokens(59, 4))
+        units = cache.allocate(lease)
+        for pool, value in units.items():
+            if not cache.pools.pool(pool).spec.buffers or not len(value):
+                continue
+            want = _content(cache, pool, [f"u{i}" for i in range(len(value))])
+            cache.write_units(pool, value, want)
+            got = cache.read_units(pool, value)
+            for name in want:
+                assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), (pool, name)
+            view = cache.device_view(pool, next(iter(want)))
+            assert torch.equal(view[value].view(torch.uint8), want[next(iter(want))].view(torch.uint8))
+        cache.release(lease)
+
+
+def test_model_layer_ids_select_a_pool_layer() -> None:
+    with _open("hybrid-mamba", ["model.pools.kv.layer_ids=[3, 7]"]) as cache:
+        lease = cache.lookup(tokens(60, 2))
+        units = cache.allocate(lease)["kv"]
+        cache.write_units("kv", units, _content(cache, "kv", ["a", "b"]))
+        whole = cache.read_units("kv", units)
+        layer = cache.read_units("kv", units, layer=7)
+        assert torch.equal(layer["k"].view(torch.uint8), whole["k"][:, 1].view(torch.uint8))
+        with pytest.raises(KeyError, match="kv"):
+            cache.read_units("kv", units, layer=4)
+        cache.release(lease)
+
+
+def test_engine_device_tensors_are_the_device_tier_and_are_validated() -> None:
+    config = kvstrata.load(EXAMPLES["kv"], overrides=["tiers.storage={}"], environ={})
+    spec_probe = kvstrata.open(config)
+    spec = spec_probe.pools.pool("kv").spec
+    units = spec_probe.pools.device_pages
+    spec_probe.close()
+    engine = {
+        b.name: torch.zeros(b.layers, units, *b.unit_shape, dtype=torch_dtype(b.dtype)) for b in spec.buffers
+    }
+    with kvstrata.open(config, device_tensors={"kv": engine}) as cache:
+        lease = cache.lookup(tokens(61, 2))
+        got = cache.allocate(lease)["kv"]
+        want = _content(cache, "kv", ["x", "y"])
+        cache.write_units("kv", got, want)
+        landed = engine["k"][:, got].transpose(0, 1).contiguous()
+        assert torch.equal(landed.view(torch.uint8), want["k"].view(torch.uint8)), "in the engine's tensor"
+        cache.release(lease)
+    wrong = dict(engine, k=engine["k"][..., :-1])
+    with pytest.raises(ValueError, match=r"pool 'kv'.*buffer 'k'.*expected"):
+        kvstrata.open(config, device_tensors={"kv": wrong})
+    with pytest.raises(ValueError, match=r"buffer 'v'.*expected"):
+        kvstrata.open(config, device_tensors={"kv": dict(engine, v=engine["v"].float())})
