@@ -26,6 +26,7 @@ BENCHMARKS = {
     "pools": "pools.py",
     "storage": "storage.py",
     "tree": "tree.py",
+    "engine": "engine.py",
     "replay": "replay.py",
     "simulate": "simulate.py",
 }

@@ -211,6 +211,8 @@ class PoolBuffers:
         self.layout = layout
         self.device = torch.device(device)
         self.owned = True  # kvstrata allocated this memory (False: the engine's tensors)
+        #: view pairs of copies to other tiers, by id(other tier) (see transfer._view_pairs)
+        self.copy_views: dict[int, tuple[PoolBuffers, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self._layer_tensors: dict[str, list[torch.Tensor]] = {}  # engine buffers given per layer
         self.placements: dict[str, _Placement] = {}
         self.unit_bytes = spec.bytes_per_unit
@@ -305,6 +307,7 @@ class PoolBuffers:
         tier.layout = layout
         tier.device = first_device or expected_device or torch.device("cpu")
         tier.owned = False
+        tier.copy_views = {}
         tier._layer_tensors = found
         tier.placements = {b.name: _Placement(b, 0, b.bytes_per_unit * units) for b in spec.buffers}
         tier.unit_bytes = spec.bytes_per_unit

@@ -104,7 +104,10 @@ class TierUnits:
         makes room cannot take the nodes the units are for."""
         if node is None:
             return self.alloc(tier, needs)
-        guard = self.tree.lock(node, tier)
+        got = self.try_alloc(tier, needs)  # free units suffice: no eviction, no lock to take
+        if got is not None:
+            return got
+        guard = self.tree.lock(node, tier)  # a lock walks the whole path: only when evicting
         try:
             return self.alloc(tier, needs)
         finally:

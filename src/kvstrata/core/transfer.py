@@ -153,6 +153,29 @@ def _placed(
     return placed, contiguous_run(indices if indices.device.type == "cpu" else placed)
 
 
+def _view_pairs(src: PoolBuffers, dst: PoolBuffers) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(U, L, W)`` view pairs a copy between two tiers walks, built (and the tiers checked
+    compatible) once per pair: tiers live as long as the cache, and a chunked request copies a
+    few pages at a time, so per-call set-up would otherwise dominate."""
+    cached = src.copy_views.get(id(dst))
+    if cached is not None and cached[0] is dst:
+        return cached[1]
+    _check_compatible(src, dst)
+    views = []
+    for name in src.placements:
+        word = min(src.word_bytes(name), dst.word_bytes(name))
+        if src.split_layers(name) or dst.split_layers(name):  # an engine's per-layer tensors
+            layers = src.placements[name].spec.layers
+            views.extend(
+                (src.unit_view(name, word, layer=i)[:, None], dst.unit_view(name, word, layer=i)[:, None])
+                for i in range(layers)
+            )
+        else:
+            views.append((src.unit_view(name, word), dst.unit_view(name, word)))
+    src.copy_views[id(dst)] = (dst, views)
+    return views
+
+
 def copy_units(
     src: PoolBuffers,
     src_indices: torch.Tensor | Sequence[int],
@@ -167,7 +190,7 @@ def copy_units(
     non-blocking on ``stream`` (a side stream is created when none is given) and the returned
     handle must be waited on; CPU-only copies are complete on return. Logical pools copy nothing.
     """
-    _check_compatible(src, dst)
+    views = _view_pairs(src, dst)
     src_idx, dst_idx = as_index(src_indices), as_index(dst_indices)
     if src_idx.numel() != dst_idx.numel():
         raise ValueError(f"index lists differ in length: {src_idx.numel()} vs {dst_idx.numel()}")
@@ -179,17 +202,6 @@ def copy_units(
     if dst_idx.device.type == "cpu":
         dst.check_indices(dst_idx)
 
-    views = []
-    for name in src.placements:
-        word = min(src.word_bytes(name), dst.word_bytes(name))
-        if src.split_layers(name) or dst.split_layers(name):  # an engine's per-layer tensors
-            layers = src.placements[name].spec.layers
-            views.extend(
-                (src.unit_view(name, word, layer=i)[:, None], dst.unit_view(name, word, layer=i)[:, None])
-                for i in range(layers)
-            )
-        else:
-            views.append((src.unit_view(name, word), dst.unit_view(name, word)))
     # the memory's own devices (a pool's ``device`` may be a bare "cuda")
     src_device, dst_device = views[0][0].device, views[0][1].device
 
