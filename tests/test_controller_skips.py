@@ -174,3 +174,19 @@ def test_host_pages_not_loaded_back_say_why() -> None:
         cache.release(lease)
         cache.release(hog)
         assert cache.pools.pools["kv"].device_allocator.used == 0
+
+
+def test_an_l3_restore_makes_room_by_dropping_host_copies_of_device_pages(tmp_path: Path) -> None:
+    """L2 full of copies of pages L1 still holds: a 38-page restore takes their room."""
+    sets = ["tiers.device.capacity_tokens=4096", "tiers.host.capacity_tokens=6144"]  # 64 and 96 pages
+    wanted = tokens(62, 38)
+    with open_cache("kv", tmp_path, sets) as writer:
+        serve(writer, wanted)
+        writer.flush()
+    with open_cache("kv", tmp_path, sets) as cache:
+        for i in range(12):
+            serve(cache, tokens(200 + i, 8))
+        assert cache.pools.pools["kv"].host_allocator.available == 0
+        lease, bad = serve(cache, wanted)
+        assert lease.cached_pages == 38 and lease.hit_pages["storage"] == 38 and bad == 0
+        assert lease.skipped == {}

@@ -218,14 +218,20 @@ def test_host_only_insert_and_host_eviction():
     assert ins.new_pages == 2 and torch.equal(ins.duplicates["kv"], host_vals[:2])
     m = tree.match(seq(1, 2, 3, 4))
     assert (m.device_pages, m.host_pages) == (2, 4)
-    # host eviction: the device-resident backed-up node is not a candidate, the host-only one is
+    # host eviction: host-only nodes go first; copies of device-resident nodes only when that
+    # is not enough (their pages stay on the device), and never under a host lock
     lock = tree.lock(m.host_node, Tier.HOST)
     assert tree.evict_host({"kv": 10}).units == {}
     tree.unlock(lock)
-    out = tree.evict_host({"kv": 10})
+    out = tree.evict_host({"kv": 2})
     tree.check()
     assert out.units == {"kv": 2} and out.deleted == 1
     assert tree.match(seq(1, 2, 3, 4)).host_pages == 2
+    assert tree.backed_up(res.node)
+    out = tree.evict_host({"kv": 10})
+    tree.check()
+    assert out.units == {"kv": 2} and out.deleted == 0, "the copy went, the node stayed"
+    assert tree.match(seq(1, 2)).device_pages == 2 and not tree.backed_up(res.node)
 
 
 # ---------------------------------------------------------------- locks

@@ -131,7 +131,7 @@ class TiersConfig(_Strict):
 
 class PrefetchPolicyConfig(_Strict):
     policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
-    threshold_tokens: int = Field(default=256, ge=0)
+    threshold_tokens: int = Field(default=0, ge=0, description="skip L3 reads shorter than this")
     timeout_base_s: float = Field(default=1.0, ge=0)
     timeout_per_ki_token_s: float = Field(default=0.25, ge=0)
     timeout_max_s: float | None = Field(default=30.0, gt=0)

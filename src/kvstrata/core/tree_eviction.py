@@ -134,6 +134,23 @@ class TreeEvictor:
             return node.host[0] is not None or (self._delete_unbacked and not node.children)
         return node.device[0] is None and node.host[0] is not None and not any(node.host_lock)
 
+    def _copy_droppable(self, node: TreeNode) -> bool:
+        """Whether the host copy of a device-resident node may go (the second host pass): not
+        locked (an L3 write reads it), and no child holds a host copy (backups stay a prefix)."""
+        return (
+            node.device[0] is not None
+            and node.host[0] is not None
+            and not any(node.host_lock)
+            and not any(c.host[0] is not None for c in node.children.values())
+        )
+
+    def _drop_copy(self, node: TreeNode, result: EvictionResult) -> None:
+        """Drop the host copy of a node that stays on the device (it is no longer backed up)."""
+        for p, value in enumerate(node.host):
+            if value is not None:
+                result._add(self.pools[p].name, value)
+                self._set(node, _HOST, p, None)
+
     def _drop_node(self, node: TreeNode, tier: Tier, result: EvictionResult) -> TreeNode:
         """Evict a whole node from ``tier`` (demote or delete); returns its parent."""
         parent = node.parent
@@ -169,6 +186,24 @@ class TreeEvictor:
                 continue
             parent = self._drop_node(node, tier, result)
             if self._node_evictable(parent, tier):
+                heapq.heappush(heap, ranked([parent])[0])
+        if tier is _HOST and result.units.get(name, 0) < want:
+            self._drop_copies(want, result)
+
+    def _drop_copies(self, want: int, result: EvictionResult) -> None:
+        """Second host pass: host copies of pages that stay on the device go, deepest first in
+        the order (their pages are still served from L1; the host tier needs the room)."""
+        name = self.pools[0].name
+        ranked = self.orders[_HOST].ranked
+        heap = ranked([n for n in self._members[_HOST][0] if self._copy_droppable(n)])
+        heapq.heapify(heap)
+        while heap and result.units.get(name, 0) < want:
+            _, _, node = heapq.heappop(heap)
+            if not self._copy_droppable(node):
+                continue
+            self._drop_copy(node, result)
+            parent = node.parent
+            if parent is not None and parent is not self.root and self._copy_droppable(parent):
                 heapq.heappush(heap, ranked([parent])[0])
 
     def _evict_component(self, tier: Tier, p: int, want: int, result: EvictionResult) -> None:
