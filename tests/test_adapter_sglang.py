@@ -226,6 +226,14 @@ def test_batch_exists_returns_the_leading_run_of_stored_pages(writer: tuple[Any,
     assert storage.batch_exists(keys[6:7]) == 1
     assert storage.exists(keys[6]) and not storage.exists(keys[7])
     assert storage.batch_exists([]) == 0
+    # long queries are asked in growing chunks that stop at the first gap
+    many = support.page_keys(60, seed=33)
+    stored = [i for i in range(60) if i != 41]
+    flat = [pool.get_dummy_flat_data_page() for _ in stored]
+    assert storage.batch_set([many[i] for i in stored], flat)
+    assert storage.batch_exists(many) == 41
+    assert storage.batch_exists(many[:20]) == 20
+    assert storage.batch_exists(many[42:]) == 18
 
 
 def test_a_flipped_byte_is_a_counted_miss_and_the_rest_still_reads(

@@ -5,13 +5,13 @@ Three formats, picked per host pool when SGLang registers it with the adapter:
 ``CanonicalPages`` (exact conversion)
     For SGLang's ``MHATokenToKVPoolHost`` and ``MLATokenToKVPoolHost``, whose buffer shapes per
     host layout are known (:data:`MHA_PAGE_VIEWS`, :data:`MLA_PAGE_VIEWS`). A *page view* is a
-    strided view of the host buffer shaped ``(pages, *canonical)``: its C order per page is
-    kvstrata's canonical payload of a ``kv`` unit (K then V, each layer by layer, each layer
-    ``(tokens, heads, head_dim)``) or an ``mla`` unit (layer by layer, ``(tokens, row)``). Every
-    layout reads and writes the same bytes, so a page written from ``page_first`` reads back
-    exactly into ``layer_first``. A page whose canonical bytes lie in a few large runs
-    (``page_first_direct``, ``page_unified``, ``layer_first`` with big pages) is moved zero-copy
-    straight from/to host memory; otherwise one torch gather/scatter through a staging tensor.
+    strided view of the host buffer shaped ``(pages, *canonical)`` whose C order per page is the
+    stored byte order: for MHA, K then V, each ``(tokens, layers, heads, head_dim)``; for MLA
+    ``(tokens, layers, row)`` -- the token-major order of SGLang's default ``page_first`` layout, so
+    that default moves zero-copy (two runs per page, straight between host memory and the
+    backend). Every other layout (``layer_first``, ``page_first_direct``, ``page_head``,
+    ``page_unified``) converts exactly through one torch gather/scatter, so a page written from
+    ``page_first`` reads back bit-exact into ``layer_first`` and vice versa.
 ``FlatPages`` (opaque)
     Any other host pool (Mamba states, DSA indexer, DeepSeek-V4 pools, asymmetric or scaled MHA):
     the bytes of SGLang's own flat data page (``get_data_page`` / ``set_from_flat_data_page``, the
@@ -64,28 +64,28 @@ PageView = Callable[[Any], torch.Tensor]
 
 
 def _mha_views() -> dict[str, PageView]:
-    """SGLang MHA host buffer per layout (see its ``init_kv_buffer``) -> ``(P, 2, L, t, H, D)``."""
-
-    def layer_first(pool: Any) -> torch.Tensor:  # (2, L, size, H, D)
-        b, p = pool.kv_buffer, pool.page_size
-        return b.view(2, pool.layer_num, -1, p, pool.head_num, pool.head_dim).permute(2, 0, 1, 3, 4, 5)
+    """SGLang MHA host buffer per layout (its ``init_kv_buffer``) -> ``(P, 2, t, L, H, D)``."""
 
     def page_first(pool: Any) -> torch.Tensor:  # (2, size, L, H, D)
         b, p = pool.kv_buffer, pool.page_size
-        return b.view(2, -1, p, pool.layer_num, pool.head_num, pool.head_dim).permute(1, 0, 3, 2, 4, 5)
+        return b.view(2, -1, p, pool.layer_num, pool.head_num, pool.head_dim).permute(1, 0, 2, 3, 4, 5)
+
+    def layer_first(pool: Any) -> torch.Tensor:  # (2, L, size, H, D)
+        b, p = pool.kv_buffer, pool.page_size
+        return b.view(2, pool.layer_num, -1, p, pool.head_num, pool.head_dim).permute(2, 0, 3, 1, 4, 5)
 
     def page_first_direct(pool: Any) -> torch.Tensor:  # (2, P, L, t, H, D)
-        return pool.kv_buffer.permute(1, 0, 2, 3, 4, 5)
+        return pool.kv_buffer.permute(1, 0, 3, 2, 4, 5)
 
     def page_head(pool: Any) -> torch.Tensor:  # (2, P, H, t, L, D)
-        return pool.kv_buffer.permute(1, 0, 4, 3, 2, 5)
+        return pool.kv_buffer.permute(1, 0, 3, 4, 2, 5)
 
-    def page_unified(pool: Any) -> torch.Tensor:  # (P, G, L, 2, t, H/G, D) -> (P, 2, L, t, G, H/G, D)
-        return pool.kv_buffer.permute(0, 3, 2, 4, 1, 5, 6)
+    def page_unified(pool: Any) -> torch.Tensor:  # (P, G, L, 2, t, H/G, D) -> (P, 2, t, L, G, H/G, D)
+        return pool.kv_buffer.permute(0, 3, 4, 2, 1, 5, 6)
 
     return {
-        "layer_first": layer_first,
         "page_first": page_first,
+        "layer_first": layer_first,
         "page_first_direct": page_first_direct,
         "page_head": page_head,
         "page_unified": page_unified,
@@ -93,23 +93,22 @@ def _mha_views() -> dict[str, PageView]:
 
 
 def _mla_views() -> dict[str, PageView]:
-    """SGLang MLA host buffer per layout -> ``(P, L, t, row)`` (row = latent and rope, packed)."""
+    """SGLang MLA host buffer per layout -> ``(P, t, L, row)`` (row = latent and rope, packed)."""
+
+    def page_first(pool: Any) -> torch.Tensor:  # (size, L, 1, C)
+        return pool.kv_buffer.view(-1, pool.page_size, pool.layer_num, pool.kv_cache_dim)
 
     def layer_first(pool: Any) -> torch.Tensor:  # (L, size, 1, C)
         b, p = pool.kv_buffer, pool.page_size
-        return b.view(pool.layer_num, -1, p, pool.kv_cache_dim).permute(1, 0, 2, 3)
-
-    def page_first(pool: Any) -> torch.Tensor:  # (size, L, 1, C)
-        b, p = pool.kv_buffer, pool.page_size
-        return b.view(-1, p, pool.layer_num, pool.kv_cache_dim).permute(0, 2, 1, 3)
+        return b.view(pool.layer_num, -1, p, pool.kv_cache_dim).permute(1, 2, 0, 3)
 
     def page_major(pool: Any) -> torch.Tensor:  # (P, L, t, 1, C) or (P, L, t, C)
         b = pool.kv_buffer
-        return b.view(b.shape[0], pool.layer_num, pool.page_size, pool.kv_cache_dim)
+        return b.view(b.shape[0], pool.layer_num, pool.page_size, pool.kv_cache_dim).permute(0, 2, 1, 3)
 
     return {
-        "layer_first": layer_first,
         "page_first": page_first,
+        "layer_first": layer_first,
         "page_first_direct": page_major,
         "page_unified": page_major,
     }
@@ -270,9 +269,12 @@ class CanonicalPages(PageFormat):
         staging = torch.empty((pages.numel(), *self.canonical), dtype=self.view.dtype)
 
         def finish(ok: Sequence[bool]) -> None:
-            hit = torch.tensor(list(ok), dtype=torch.bool)
-            if bool(hit.any()):
-                self.view.index_copy_(0, pages[hit], staging[hit])
+            if all(ok):
+                self.view.index_copy_(0, pages, staging)
+                return
+            rows = torch.tensor([i for i, hit in enumerate(ok) if hit], dtype=torch.int64)
+            if rows.numel():
+                self.view.index_copy_(0, pages[rows], staging[rows])
 
         return Transfer(_rows(staging), finish, staging)
 
@@ -395,16 +397,42 @@ def _spec_from_type(
     return cls(instance, config, ModelContext(page_size=page_size, anchor=instance)).spec()
 
 
-def _named(plugins: PluginHost, pool_type: str, sglang_name: str, page_size: int, **fields: Any) -> PoolSpec:
-    """Spec whose instance name carries a digest of its layout fingerprint: pools of different
-    models (dtype, layers, heads, page size) never share keys."""
-    draft = _spec_from_type(plugins, pool_type, "x", page_size, **fields)
+def _exact_spec(
+    pool_type: str,
+    sglang_name: str,
+    page_size: int,
+    dtype: str,
+    buffers: dict[str, tuple[int, ...]],
+    suffix: str,
+    replication: Replication,
+) -> PoolSpec:
+    """Spec of SGLang's token-major page: one object of ``buffers`` (each one (tokens, layers, ...)
+    block, so ``layers=1``). Its instance name carries a digest of the layout fingerprint: pools
+    of other models (dtype, layers, heads, page size) never share keys."""
+
+    def build(instance: str) -> PoolSpec:
+        return PoolSpec(
+            name=instance,
+            pool_type=pool_type,
+            role=PoolRole.ANCHOR,
+            granularity=Granularity.TOKEN_PAGES,
+            hit_rule=HitRule(kind=HitRuleKind.ALL_PAGES),
+            partial_hit=PartialHit.CLAMP,
+            replication=replication,
+            page_size=page_size,
+            buffers=tuple(
+                BufferSpec(name=name, dtype=dtype, layers=1, unit_shape=shape)
+                for name, shape in buffers.items()
+            ),
+            objects=(ObjectSpec(suffix=suffix, buffers=tuple(buffers)),),
+        )
+
+    draft = build("x")
     prints = [layout_fingerprint(draft, suffix).hex() for suffix, _ in stored_objects(draft)]
-    instance = f"{sglang_name}-{digest(pool_type, *prints)}"
-    return _spec_from_type(plugins, pool_type, instance, page_size, **fields)
+    return build(f"{sglang_name}-{digest(pool_type, *prints)}")
 
 
-def _canonical(pool: Any, sglang_name: str, plugins: PluginHost) -> CanonicalPages | None:
+def _canonical(pool: Any, sglang_name: str) -> CanonicalPages | None:
     """Exact format for SGLang's plain MHA / MLA host pools, or None (then opaque)."""
     kind = class_id(pool)
     layout = getattr(pool, "layout", None)
@@ -419,25 +447,18 @@ def _canonical(pool: Any, sglang_name: str, plugins: PluginHost) -> CanonicalPag
         if getattr(pool, "v_head_dim", dim) != dim:
             return None
         view = MHA_PAGE_VIEWS[layout](pool)
-        expected = (2, layers, page, heads, dim)
-        spec = _named(
-            plugins, "kv", sglang_name, page, layers=layers, kv_heads=heads, head_dim=dim, dtype=dtype
+        block = (page, layers, heads, dim)
+        expected = (2, *block)
+        spec = _exact_spec(
+            "kv", sglang_name, page, dtype, {"k": block, "v": block}, "kv", Replication.SHARDED
         )
     elif kind == MLA_CLASS and layout in MLA_PAGE_VIEWS:
         layers, row = int(pool.layer_num), int(pool.kv_cache_dim)
         view = MLA_PAGE_VIEWS[layout](pool)
-        expected = (layers, page, row)
-        # SGLang's MLA row (latent + rope, or the packed fp8 DSA row) is one buffer of `row` elements
-        spec = _named(
-            plugins,
-            "mla",
-            sglang_name,
-            page,
-            layers=layers,
-            kv_lora_rank=row,
-            qk_rope_head_dim=0,
-            dtype=dtype,
-        )
+        expected = (page, layers, row)
+        # the MLA row (latent + rope, or the packed fp8 DSA row) is one run of `row` elements; it is
+        # identical on every TP rank: one key for all ranks, written by rank 0
+        spec = _exact_spec("mla", sglang_name, page, dtype, {"row": expected}, "mla", Replication.REPLICATED)
     else:
         return None
     if math.prod(view.shape[1:]) != math.prod(expected) or tuple(view.shape[1:4]) != expected[:3]:
@@ -457,7 +478,7 @@ def describe_host_pool(pool: Any, sglang_name: str, plugins: PluginHost, *, repl
         )
         return MarkerPages(pool, spec)
     try:
-        exact = _canonical(pool, sglang_name, plugins)
+        exact = _canonical(pool, sglang_name)
     except (RuntimeError, ValueError, AttributeError):  # an unexpected buffer shape: store it opaque
         exact = None
     if exact is not None:

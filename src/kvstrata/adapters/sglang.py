@@ -67,6 +67,9 @@ KV_POOL = "kv"
 #: ``should_backup`` keeps Mamba state per rank (TP-sharded even under MLA).
 TP_SHARDED_SIDE_POOLS = frozenset({"mamba"})
 
+#: First chunk of an existence query; each further chunk doubles (see ``_leading_pages``).
+FIRST_EXISTS_CHUNK = 16
+
 _SAFE_HASH = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
@@ -412,9 +415,20 @@ class KvstrataHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading pages of ``keys`` the backend holds (SGLang's prefix length)."""
-        if not keys:
-            return 0
-        return self.engine.exists(self._anchor().name, [page_hash(key) for key in keys]).prefix
+        return self._leading_pages(self._anchor(), [page_hash(key) for key in keys])
+
+    def _leading_pages(self, pool: PageFormat, hashes: Sequence[str]) -> int:
+        """Leading run of stored pages, asked in growing chunks (16, 32, 64 ...) that stop at the
+        first missing page: a mostly-missing prefix costs a few lookups, not one per page."""
+        done, chunk = 0, FIRST_EXISTS_CHUNK
+        while done < len(hashes):
+            batch = hashes[done : done + chunk]
+            found = self.engine.exists(pool.name, batch).prefix
+            done += found
+            if found < len(batch):
+                break
+            chunk *= 2
+        return done
 
     # v2: hybrid stacks (every pool registered through register_mem_host_pool_v2)
 
@@ -427,7 +441,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         """Longest usable prefix: the KV prefix, cut by each pool's hit policy (SGLang's semantics:
         ``all_pages`` needs every page, ``trailing_pages`` the last ``len(keys)`` pages of a prefix)."""
         hashes = [page_hash(key) for key in keys]
-        kv_pages = self.engine.exists(self._anchor().name, hashes).prefix if hashes else 0
+        kv_pages = self._leading_pages(self._anchor(), hashes)
         hit_count: dict[Any, int] = {KV_POOL: kv_pages} if kv_pages else {}
         restorable = set(range(1, kv_pages + 1))
         for transfer in pool_transfers or []:

@@ -24,9 +24,10 @@ triton at module level). :func:`load_sglang_mem_cache` therefore does exactly tw
 Everything else -- ``hicache_storage`` (the storage ABC, ``HiCacheFile``, ``PoolTransfer``),
 ``storage.backend_factory`` (the dynamic loader), ``pool_host.{base,common,mha,mla,page_unified}``,
 ``device_pool_info``, ``platforms``, ``runtime_context``, ``environ`` -- is SGLang's real code,
-imported from the installed package. Install it without its CUDA dependencies::
+imported from the installed package. Install it without its dependencies (its metadata pins a
+CUDA torch); the one package its mem_cache modules import beyond kvstrata's own is ``msgspec``::
 
-    pip install --no-deps 'sglang==0.5.23' && pip install msgspec pybase64 dill tqdm 'torch==2.13.0'
+    pip install --no-deps 'sglang==0.5.23' && pip install msgspec 'torch==2.13.0'
 
 The host pools built by :func:`mha_host_pool` / :func:`mla_host_pool` are SGLang's own classes,
 constructed the way its pool assembler does, over small CPU "device" buffers.
@@ -47,9 +48,7 @@ from typing import Any
 import torch
 
 SGLANG_VERSION = "0.5.23"
-INSTALL_HINT = (
-    "pip install --no-deps 'sglang==0.5.23' && pip install msgspec pybase64 dill tqdm 'torch==2.13.0'"
-)
+INSTALL_HINT = "pip install --no-deps 'sglang==0.5.23' && pip install msgspec 'torch==2.13.0'"
 
 #: Module trees served as CPU stand-ins: name -> (what unknown attributes become, why).
 CPU_STAND_INS = {
