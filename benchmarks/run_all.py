@@ -28,6 +28,7 @@ BENCHMARKS = {
     "tree": "tree.py",
     "replay": "replay.py",
     "simulate": "simulate.py",
+    "sglang_l3": "sglang_l3.py",
 }
 
 

@@ -10,13 +10,15 @@ default host layout), the same pages, driven the way SGLang's ``HiCacheControlle
   exists = ``batch_exists`` (one ``exists`` per key).
 * kvstrata (``--hicache-storage-backend dynamic`` with ``"interface_v1": 1``) over kvstrata's file
   backend, integrity headers with xxh3 checksums ON: ``batch_set_v1`` / ``batch_get_v1`` /
-  ``batch_exists``.
+  ``batch_exists``; and the same adapter through the generic path above (without ``interface_v1``).
 
 One batch = 128 pages (SGLang's ``STORAGE_BATCH_SIZE``); every round writes fresh keys (both sides
 skip keys that exist), then reads them back (page cache warm for both), then queries existence.
 Sides alternate order per round; 1 warm-up round, then the median of ``--rounds``. The result is
-checked bit-exact once. Figures: set and get GiB/s (ratio = kvstrata / HiCacheFile; goal >= 1.5x
-on get), exists microseconds per key (lower is better; ratio = HiCacheFile / kvstrata, goal >= 1).
+checked bit-exact once. Figures, wall clock and this process's CPU time (the machine is shared):
+set and get GiB/s (ratio = kvstrata / HiCacheFile; goal >= 1.5x on get), exists microseconds per
+key queried, all / half / none of the keys present (lower is better; ratio = HiCacheFile /
+kvstrata, goal >= 1).
 
     PYTHONPATH=src python benchmarks/sglang_l3.py [--quick] [--rounds N] [--json OUT]
 """
@@ -45,6 +47,7 @@ from kvstrata.testing.sglang_cpu import (
 
 GIB = float(1 << 30)
 BATCH_PAGES = 128  # SGLang's STORAGE_BATCH_SIZE
+EXISTS_REPEATS = 5
 
 
 def keys_for(round_id: int, side: str, count: int) -> list[str]:
@@ -125,6 +128,18 @@ class KvstrataSide:
         self.storage.close()
 
 
+class KvstrataGenericSide(KvstrataSide):
+    """The same adapter through SGLang's generic page path (what runs without ``interface_v1``)."""
+
+    label = "kvstrata-generic"
+
+    def set(self, keys: list[str], indices: torch.Tensor) -> bool:
+        return HiCacheFileSide.set(self, keys, indices)  # type: ignore[arg-type]
+
+    def get(self, keys: list[str], indices: torch.Tensor) -> int:
+        return HiCacheFileSide.get(self, keys, indices)  # type: ignore[arg-type]
+
+
 def timed(fn: Callable[[], Any]) -> tuple[tuple[float, float], Any]:
     """(wall seconds, CPU seconds of this process's threads) and the result. The machine is shared:
     the wall clock also counts time given to other processes; CPU time does not."""
@@ -133,13 +148,20 @@ def timed(fn: Callable[[], Any]) -> tuple[tuple[float, float], Any]:
     return (time.perf_counter() - wall, time.process_time() - cpu), result
 
 
+def best_of(repeats: int, fn: Callable[[], Any]) -> tuple[tuple[float, float], Any]:
+    """Fastest of ``repeats`` runs per clock: an existence query takes about a millisecond, so one
+    scheduler hiccup of this shared machine would otherwise decide the figure."""
+    runs = [timed(fn) for _ in range(repeats)]
+    return (min(t[0] for t, _ in runs), min(t[1] for t, _ in runs)), runs[-1][1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CI-sized: smaller pages, 3 rounds")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    rounds = args.rounds or (3 if args.quick else 7)
+    rounds = args.rounds or (3 if args.quick else 9)
     # per TP rank: 16 layers x 4 KV heads x 128 dims, bf16, 32-token pages = 1 MiB per page
     layers, heads, head_dim, page = (8, 4, 128, 16) if args.quick else (16, 4, 128, 32)
     pages = BATCH_PAGES
@@ -162,10 +184,14 @@ def main() -> None:
     batch_bytes = pages * page_bytes
 
     with tempfile.TemporaryDirectory(prefix="kvstrata-sglang-l3-") as tmp:
-        sides = [HiCacheFileSide(Path(tmp) / "hicache", pool), KvstrataSide(Path(tmp) / "kvstrata", pool)]
+        sides = [
+            HiCacheFileSide(Path(tmp) / "hicache", pool),
+            KvstrataSide(Path(tmp) / "kvstrata", pool),
+            KvstrataGenericSide(Path(tmp) / "kvstrata-generic", pool),
+        ]
         times: dict[tuple[str, str], list[float]] = {}
         for round_id in range(rounds + 1):
-            order = sides if round_id % 2 == 0 else list(reversed(sides))
+            order = sides[round_id % len(sides) :] + sides[: round_id % len(sides)]
             for side in order:
                 keys = keys_for(round_id, side.label, pages)
                 set_s, ok = timed(lambda side=side, keys=keys: side.set(keys, indices))
@@ -178,13 +204,13 @@ def main() -> None:
                         side.label
                     )
                 pool.kv_buffer.copy_(original)
-                exists_s, found = timed(lambda side=side, keys=keys: side.exists(keys))
+                exists_s, found = best_of(EXISTS_REPEATS, lambda side=side, keys=keys: side.exists(keys))
                 assert found == pages, f"{side.label}: exists found {found}"
                 half = keys[: pages // 2] + keys_for(-1 - round_id, "half", pages - pages // 2)
-                partial_s, found = timed(lambda side=side, half=half: side.exists(half))
+                partial_s, found = best_of(EXISTS_REPEATS, lambda side=side, half=half: side.exists(half))
                 assert found == pages // 2, f"{side.label}: exists found {found} of {pages // 2}"
                 absent = keys_for(-1 - round_id, "absent", pages)
-                miss_s, found = timed(lambda side=side, absent=absent: side.exists(absent))
+                miss_s, found = best_of(EXISTS_REPEATS, lambda side=side, absent=absent: side.exists(absent))
                 assert found == 0
                 if round_id == 0:
                     continue  # warm-up
@@ -204,25 +230,28 @@ def main() -> None:
 
     ours, theirs = "kvstrata", "HiCacheFile"
     figures = []
-    for op in ("set", "get"):
-        for clock, clock_name in ((0, "wall"), (1, "CPU time")):
-            value = batch_bytes / median(ours, op, clock) / GIB
-            base = batch_bytes / median(theirs, op, clock) / GIB
-            metric = f"{op} {pages} pages x {page_bytes >> 10} KiB, v1 vs generic ({clock_name})"
-            figures.append(Figure.against(metric, value, "GiB/s", base, theirs))
+    for side, path in ((ours, "v1"), ("kvstrata-generic", "generic")):
+        for op in ("set", "get"):
+            for clock, clock_name in ((0, "wall"), (1, "CPU time")):
+                value = batch_bytes / median(side, op, clock) / GIB
+                base = batch_bytes / median(theirs, op, clock) / GIB
+                metric = f"{op} {pages} pages x {page_bytes >> 10} KiB, kvstrata {path} ({clock_name})"
+                figures.append(Figure.against(metric, value, "GiB/s", base, theirs))
     for op, what in (("exists", "all present"), ("partial", "first half present"), ("miss", "none present")):
-        value = median(ours, op) / pages * 1e6
-        base = median(theirs, op) / pages * 1e6
-        # lower is better: the ratio is baseline / ours, so > 1 means kvstrata is faster
-        metric = f"exists per key queried, {what} (lower is better; ratio = speed-up)"
-        figures.append(Figure(metric, value, "us", base, base / value, theirs))
+        for clock, clock_name in ((0, "wall"), (1, "CPU time")):
+            value = median(ours, op, clock) / pages * 1e6
+            base = median(theirs, op, clock) / pages * 1e6
+            # lower is better: the ratio is baseline / ours, so > 1 means kvstrata is faster
+            metric = f"exists per key queried, {what}, {clock_name} (lower is better; ratio = speed-up)"
+            figures.append(Figure(metric, value, "us", base, base / value if value else None, theirs))
     print(
         f"SGLang MHATokenToKVPoolHost page_first: {layers} layers x {heads} heads x {head_dim}, "
         f"page {page} tokens; median of {rounds} rounds"
     )
-    print(f"{'metric':<78} {'kvstrata':>9} {'HiCacheFile':>11} {'ratio':>6}")
+    print(f"{'metric':<88} {'kvstrata':>9} {'HiCacheFile':>11} {'ratio':>6}")
     for fig in figures:
-        print(f"{fig.metric:<78} {fig.value:>9.3f} {fig.baseline:>11.3f} {fig.ratio:>6.2f}  {fig.unit}")
+        ratio = f"{fig.ratio:>6.2f}" if fig.ratio is not None else "     -"
+        print(f"{fig.metric:<88} {fig.value:>9.3f} {fig.baseline:>11.3f} {ratio}  {fig.unit}")
     if args.json:
         write_results(args.json, "sglang_l3", figures)
 

@@ -429,3 +429,50 @@ def test_the_adapter_branches_on_no_backend_name() -> None:
         if isinstance(node, ast.Constant) and node.value in names
     ]
     assert not offenders, offenders
+
+
+def test_the_readme_launch_flags_parse_with_sglang_and_load_the_adapter(tmp_path: Path) -> None:
+    """The README's command, parsed by SGLang's own argument definitions (its Memory group), and
+    its extra config handed to SGLang's factory with the example kvstrata config."""
+    import argparse
+    import importlib
+    import shlex
+
+    import yaml
+
+    readme = (TESTS.parent / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(readme) if line.startswith("python -m sglang.launch_server"))
+    lines = []
+    for line in readme[start:]:
+        lines.append(line.rstrip("\\"))
+        if not line.endswith("\\"):
+            break
+    argv = shlex.split(" ".join(lines))[3:]  # past `python -m sglang.launch_server`
+    arg_utils = importlib.import_module("sglang.srt.arg_groups.arg_utils")
+    memory = importlib.import_module("sglang.srt.arg_groups.fields.memory")
+    parser = argparse.ArgumentParser()
+    arg_utils.add_cli_args_from_dataclass(parser, memory.Memory)
+    args, rest = parser.parse_known_args(argv)
+    assert rest == ["--model-path", "Qwen/Qwen3-8B"]  # another argument group of SGLang's
+    assert args.enable_hierarchical_cache and args.hicache_storage_backend == "dynamic"
+    extra = json.loads(args.hicache_storage_backend_extra_config)
+
+    example = yaml.safe_load((TESTS.parent / "examples/configs/sglang-l3.yaml").read_text())
+    example["tiers"]["storage"]["l3"]["path"] = str(tmp_path / "l3")
+    config_path = tmp_path / "sglang-l3.yaml"
+    config_path.write_text(yaml.safe_dump(example))
+    extra["kvstrata_config"] = str(config_path)
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    pool = support.new_mha_pool(args.hicache_mem_layout)
+    storage = StorageBackendFactory.create_backend(
+        "dynamic", support.storage_config(extra_config=extra), pool
+    )
+    try:
+        assert isinstance(storage, KvstrataHiCacheStorage)
+        storage.register_mem_pool_host(pool)
+        keys = support.page_keys(2, seed=10)
+        assert storage.batch_set_v1(keys, support.fill_mha(pool, [0, 1], 10, [0, 1])) == [True, True]
+        assert storage.batch_exists(keys) == 2
+    finally:
+        storage.close()

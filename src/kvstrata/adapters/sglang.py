@@ -67,7 +67,7 @@ KV_POOL = "kv"
 #: ``should_backup`` keeps Mamba state per rank (TP-sharded even under MLA).
 TP_SHARDED_SIDE_POOLS = frozenset({"mamba"})
 
-#: First chunk of an existence query; each further chunk doubles (see ``_leading_pages``).
+#: Second chunk of an existence query (after one probe page); each further chunk doubles.
 FIRST_EXISTS_CHUNK = 16
 
 _SAFE_HASH = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -415,19 +415,20 @@ class KvstrataHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading pages of ``keys`` the backend holds (SGLang's prefix length)."""
-        return self._leading_pages(self._anchor(), [page_hash(key) for key in keys])
+        return self._leading_pages(self._anchor(), keys)
 
-    def _leading_pages(self, pool: PageFormat, hashes: Sequence[str]) -> int:
-        """Leading run of stored pages, asked in growing chunks (16, 32, 64 ...) that stop at the
-        first missing page: a mostly-missing prefix costs a few lookups, not one per page."""
-        done, chunk = 0, FIRST_EXISTS_CHUNK
-        while done < len(hashes):
-            batch = hashes[done : done + chunk]
+    def _leading_pages(self, pool: PageFormat, keys: Sequence[str]) -> int:
+        """Leading run of stored pages, asked in growing chunks (1, 16, 32, 64 ...) that stop at the
+        first missing page: a prefix missing from the start costs one lookup, a partial hit a few,
+        not one per page of the query."""
+        done, chunk = 0, 1
+        while done < len(keys):
+            batch = [page_hash(key) for key in keys[done : done + chunk]]
             found = self.engine.exists(pool.name, batch).prefix
             done += found
             if found < len(batch):
                 break
-            chunk *= 2
+            chunk = FIRST_EXISTS_CHUNK if chunk == 1 else chunk * 2
         return done
 
     # v2: hybrid stacks (every pool registered through register_mem_host_pool_v2)
@@ -440,8 +441,8 @@ class KvstrataHiCacheStorage(HiCacheStorage):
     ) -> PoolTransferResult:
         """Longest usable prefix: the KV prefix, cut by each pool's hit policy (SGLang's semantics:
         ``all_pages`` needs every page, ``trailing_pages`` the last ``len(keys)`` pages of a prefix)."""
-        hashes = [page_hash(key) for key in keys]
-        kv_pages = self._leading_pages(self._anchor(), hashes)
+        kv_pages = self._leading_pages(self._anchor(), keys)
+        hashes = [page_hash(key) for key in keys[:kv_pages]]
         hit_count: dict[Any, int] = {KV_POOL: kv_pages} if kv_pages else {}
         restorable = set(range(1, kv_pages + 1))
         for transfer in pool_transfers or []:
@@ -449,7 +450,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                 break
             pool = self._pool(transfer.name)
             present = (
-                list(self.engine.exists(pool.name, hashes[:kv_pages]).ok)
+                list(self.engine.exists(pool.name, hashes).ok)
                 if pool is not None
                 else [False] * kv_pages
             )
