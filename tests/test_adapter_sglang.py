@@ -315,7 +315,23 @@ def test_bad_calls_fail_the_call_not_the_thread(writer: tuple[Any, Any]) -> None
     assert storage.batch_get_v2(
         [PoolTransfer(name=PoolName.MAMBA, keys=keys, host_indices=torch.arange(2))]
     ) == {PoolName.MAMBA: [False, False]}
+    assert storage.batch_get_v1(keys, torch.arange(40 * PAGE, 42 * PAGE)) == [False, False]  # not in the pool
     assert storage.clear() is False
+
+
+def test_calls_before_any_pool_is_registered_answer_a_miss(l3: dict[str, Any]) -> None:
+    storage = KvstrataHiCacheStorage(
+        support.storage_config(extra_config={**support.ADAPTER, "kvstrata_config": l3})
+    )
+    keys = support.page_keys(2, seed=11)
+    try:
+        assert storage.batch_exists(keys) == 0
+        assert storage.batch_get_v1(keys, torch.arange(2 * PAGE)) == [False, False]
+        assert storage.batch_set_v1(keys, torch.arange(2 * PAGE)) == [False, False]
+        assert storage.get(keys[0]) is None
+        assert storage.batch_exists_v2(keys).kv_hit_pages == 0
+    finally:
+        storage.close()
 
 
 # --- hybrid stacks: the v2 calls ------------------------------------------------------------------

@@ -163,6 +163,7 @@ class PageFormat(ABC):
     slots_per_page: int  # SGLang host-index granularity of one page (1 for state slots)
     zero_copy = False  # whether page I/O points straight into host memory
     unit_bytes = 0  # payload bytes of one page
+    page_count = 0  # pages of the host pool (0: unknown, not checked)
     description: str
 
     def __init__(self, pool: Any) -> None:
@@ -183,7 +184,13 @@ class PageFormat(ABC):
         starts = indices[::slots].to(torch.int64).cpu()
         if slots > 1 and bool((starts % slots).any()):
             raise ValueError(f"pool {self.name!r}: host indices are not page-aligned")
-        return starts // slots
+        pages = starts // slots
+        # zero-copy I/O computes raw addresses from page numbers: never outside the host buffer
+        if pages.numel() and (
+            int(pages.min()) < 0 or (self.page_count and int(pages.max()) >= self.page_count)
+        ):
+            raise ValueError(f"pool {self.name!r}: host indices outside the pool's {self.page_count} pages")
+        return pages
 
     def host_region(self) -> BufferRegion | None:
         """Host memory the backend may register for zero-copy I/O (None: nothing zero-copy)."""
@@ -212,6 +219,7 @@ class CanonicalPages(PageFormat):
         self.spec = spec
         self.slots_per_page = int(pool.page_size)
         self.view = page_view
+        self.page_count = int(page_view.shape[0])
         self.canonical = tuple(page_view.shape[1:])
         self.itemsize = page_view.element_size()
         self.unit_bytes = math.prod(self.canonical) * self.itemsize
@@ -320,6 +328,7 @@ class FlatPages(PageFormat):
         super().__init__(pool)
         self.spec = spec
         self.slots_per_page = int(getattr(pool, "page_size", 1) or 1)
+        self.page_count = int(getattr(pool, "size", 0) or 0) // self.slots_per_page
         self.dtype = dummy.dtype
         self.unit_bytes = dummy.numel() * dummy.element_size()
         self.description = (

@@ -31,12 +31,13 @@ keys already keep other deployments' pages apart).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -185,6 +186,32 @@ class _Stats:
 
 
 # --- the storage class ----------------------------------------------------------------------------
+
+
+def _never_raises(failure: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """SGLang's storage threads die on an exception (leaking queued work): a data-path call that
+    fails for any reason answers ``failure(*args)`` -- a miss / not stored -- and logs why."""
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception:
+                log.exception("kvstrata L3: %s failed; SGLang sees a miss / failed write", method.__name__)
+                return failure(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+def _all_false(keys: Sequence[Any], *_: Any, **__: Any) -> list[bool]:
+    return [False] * len(keys)
+
+
+def _per_transfer_false(transfers: Sequence[Any], *_: Any, **__: Any) -> dict[Any, list[bool]]:
+    return {transfer.name: [False] * len(transfer.keys or []) for transfer in transfers}
 
 
 class KvstrataHiCacheStorage(HiCacheStorage):
@@ -348,19 +375,27 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         result = self.engine.get(pool.name, [page_hash(key) for key in keys], transfer.units)
         ok = list(result.ok)
-        transfer.finish(ok)
+        try:
+            transfer.finish(ok)
+        except Exception:  # pages may be half copied into place: none of them is usable
+            log.exception(
+                "kvstrata L3: copying %d pages of %r into the host pool failed", len(keys), pool.name
+            )
+            return [False] * len(keys)
         hits = sum(ok)
         self._stats.record(True, hits, hits * pool.unit_bytes, time.perf_counter() - start)
         return ok
 
     # v1: zero-copy from/to the registered anchor pool
 
+    @_never_raises(_all_false)
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         pool = self._anchor()
         return self._write(pool, keys, lambda at: pool.write_units(pool.pages(host_indices, len(keys))[at]))
 
+    @_never_raises(_all_false)
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
@@ -369,6 +404,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
 
     # generic: flat data pages (SGLang's default path without interface_v1)
 
+    @_never_raises(lambda *args, **kwargs: False)
     def set(
         self,
         key: str,
@@ -378,6 +414,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
     ) -> bool:
         return self.batch_set([key], [value if value is not None else target_location])
 
+    @_never_raises(lambda *args, **kwargs: False)
     def batch_set(
         self,
         keys: list[str],
@@ -392,11 +429,13 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         pool = self._anchor()
         return all(self._write(pool, keys, lambda at: pool.flat_write_units([flats[i] for i in at])))
 
+    @_never_raises(lambda *args, **kwargs: None)
     def get(
         self, key: str, target_location: Any | None = None, target_sizes: Any | None = None
     ) -> torch.Tensor | None:
         return self.batch_get([key], [target_location])[0]
 
+    @_never_raises(lambda keys, *args, **kwargs: [None] * len(keys))
     def batch_get(
         self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None
     ) -> list[torch.Tensor | None]:
@@ -410,9 +449,11 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         ok = self._read(pool, keys, lambda: pool.flat_read_units(targets))
         return [target if hit else None for target, hit in zip(targets, ok, strict=True)]
 
+    @_never_raises(lambda *args, **kwargs: False)
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
+    @_never_raises(lambda *args, **kwargs: 0)
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading pages of ``keys`` the backend holds (SGLang's prefix length)."""
         return self._leading_pages(self._anchor(), keys)
@@ -433,6 +474,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
 
     # v2: hybrid stacks (every pool registered through register_mem_host_pool_v2)
 
+    @_never_raises(lambda *args, **kwargs: PoolTransferResult.empty())
     def batch_exists_v2(
         self,
         keys: list[str],
@@ -448,23 +490,23 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         for transfer in pool_transfers or []:
             if not restorable:
                 break
+            if transfer.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
+                # block_groups, unused by SGLang 0.5.23: by its definition it never gates the KV hit
+                log.warning(
+                    "kvstrata L3: hit policy %r of pool %r not evaluated", transfer.hit_policy, transfer.name
+                )
+                continue
             pool = self._pool(transfer.name)
             present = (
-                list(self.engine.exists(pool.name, hashes).ok)
-                if pool is not None
-                else [False] * kv_pages
+                list(self.engine.exists(pool.name, hashes).ok) if pool is not None else [False] * kv_pages
             )
             if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
                 boundary = longest_present_prefix(present)
                 allowed = set(range(1, boundary + 1))
-            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+            else:
                 window = max(1, len(transfer.keys) if transfer.keys else 1)
                 allowed = _trailing_prefixes(present, window)
                 boundary = max(allowed, default=0)
-            else:
-                raise ValueError(
-                    f"unsupported pool hit policy {transfer.hit_policy!r} for pool {transfer.name!r}"
-                )
             if boundary:
                 hit_count[transfer.name] = boundary
             restorable &= allowed
@@ -484,6 +526,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             return None
         return pool, keys, transfer.host_indices
 
+    @_never_raises(_per_transfer_false)
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[Any, list[bool]]:
@@ -501,6 +544,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             )
         return results
 
+    @_never_raises(_per_transfer_false)
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[Any, list[bool]]:
