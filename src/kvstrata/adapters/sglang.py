@@ -269,6 +269,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         )
         self._pools: dict[str, PageFormat] = {}
         self._registered_memory: set[int] = set()
+        self._keep_registered: list[Any] = []
         self._lock = threading.Lock()
         self._stats = _Stats()
         self._closed = False
@@ -308,6 +309,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             ):
                 self.backend.register_host_memory(region)
                 self._registered_memory.add(region.ptr)
+                self._keep_registered.append(pool)  # registered memory must outlive the backend
             self._pools[sglang_name] = page_format
         log.info(
             "kvstrata L3: SGLang pool %r -> %s; plan %s (%s)",
@@ -596,6 +598,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             self.plugins.hook.kvstrata_backend_closing(instance=self.backend.instance, backend=self.backend)
         finally:
             self.backend.close()
+            self.plugins.close()
 
 
 def _trailing_prefixes(present: Sequence[bool], window: int) -> set[int]:
