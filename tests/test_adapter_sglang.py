@@ -467,7 +467,7 @@ def test_the_readme_launch_flags_parse_with_sglang_and_load_the_adapter(tmp_path
     assert args.enable_hierarchical_cache and args.hicache_storage_backend == "dynamic"
     extra = json.loads(args.hicache_storage_backend_extra_config)
 
-    example = yaml.safe_load((TESTS.parent / "examples/configs/sglang-l3.yaml").read_text())
+    example = yaml.safe_load((TESTS.parent / "examples/sglang/l3.yaml").read_text())
     example["tiers"]["storage"]["l3"]["path"] = str(tmp_path / "l3")
     config_path = tmp_path / "sglang-l3.yaml"
     config_path.write_text(yaml.safe_dump(example))
