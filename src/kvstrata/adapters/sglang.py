@@ -1,0 +1,612 @@
+"""kvstrata as SGLang's L3: a ``HiCacheStorage`` loaded by SGLang's dynamic storage backend.
+
+Launch SGLang with (the README shows a complete command)::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvstrata",
+        "module_path": "kvstrata.adapters.sglang", "class_name": "KvstrataHiCacheStorage",
+        "interface_v1": 1, "kvstrata_config": "/etc/kvstrata/l3.yaml"}'
+
+SGLang's ``StorageBackendFactory`` imports this module, checks that the class subclasses
+``HiCacheStorage`` and calls ``KvstrataHiCacheStorage(storage_config, kwargs)``. ``kvstrata_config``
+(a YAML/TOML/JSON path or an inline mapping, validated by :class:`SGLangL3Config`) names the
+storage backend -- any kvstrata backend plugin, reached through ``PluginHost().storage_backends``
+and planned from its declared capabilities like kvstrata's own cache does (``StorageEngine`` over
+``plan_pool``) -- plus the namespace and checksum policy. The model layout comes from SGLang's
+host pools as they register (see :mod:`kvstrata.adapters._sglang_pages`).
+
+Keys: SGLang's page hashes become the page-hash component of kvstrata keys
+``{model+salt namespace}.{pool type}-{pool}-{layout digest}.{tp/pp/cp shard}.{page}.{object}``,
+so servers with another model, salt, dtype, head count, page size or TP size never read each
+other's pages. Every object carries kvstrata's integrity header; a corrupt, truncated or foreign
+object is a miss (counted in :attr:`KvstrataHiCacheStorage.metrics`), never data.
+
+Interfaces, all implemented: generic ``get``/``set``/``batch_get``/``batch_set``/``exists``/
+``batch_exists`` (SGLang's default path), zero-copy ``batch_get_v1``/``batch_set_v1`` (chosen by
+``"interface_v1": 1``), the hybrid v2 calls ``batch_exists_v2``/``batch_get_v2``/``batch_set_v2``
+for every pool registered with ``register_mem_host_pool_v2``, ``get_stats`` and ``close``.
+``clear`` answers False: kvstrata backends have no "remove everything" operation (namespaced
+keys already keep other deployments' pages apart).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from kvstrata.adapters._sglang_pages import PageFormat, Transfer, describe_host_pool
+from kvstrata.core.config import ParallelConfig, PluginBackendConfig, dotted, load_file
+from kvstrata.core.io_plan import IOMode, plan_pool
+from kvstrata.core.storage_engine import StorageEngine, StorageMetrics, longest_present_prefix
+from kvstrata.plugins import ConfigError, PluginHost, StorageBackend
+
+log = logging.getLogger(__name__)
+
+#: The key of SGLang's extra config that holds kvstrata's settings.
+CONFIG_KEY = "kvstrata_config"
+#: SGLang's pool name of the anchor KV pool (``PoolName.KV``).
+KV_POOL = "kv"
+#: Host pools SGLang writes from every TP rank even in rank-replicated (MLA) models: its
+#: ``should_backup`` keeps Mamba state per rank (TP-sharded even under MLA).
+TP_SHARDED_SIDE_POOLS = frozenset({"mamba"})
+
+#: Second chunk of an existence query (after one probe page); each further chunk doubles.
+FIRST_EXISTS_CHUNK = 16
+
+_SAFE_HASH = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+# --- settings -------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SGLangModelSettings(_Strict):
+    name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="namespace of the stored pages; default: SGLang's served model name",
+    )
+    cache_salt: str = Field(default="", description="tenant / salt: separates otherwise equal prefixes")
+
+
+class SGLangTiersSettings(_Strict):
+    storage: dict[str, PluginBackendConfig] = Field(
+        min_length=1, max_length=1, description="one storage instance: instance name -> backend config"
+    )
+
+
+class SGLangPolicySettings(_Strict):
+    checksum: Literal["xxh3", "none"] = Field(
+        default="xxh3", description="payload checksum in every object header (none: header checks only)"
+    )
+
+
+class SGLangL3Config(_Strict):
+    """``kvstrata_config``: the same key names as a kvstrata config file (``model``, ``tiers.storage``,
+    ``policy.checksum``); the model layout and parallel coordinates come from SGLang."""
+
+    model: SGLangModelSettings = SGLangModelSettings()
+    tiers: SGLangTiersSettings
+    policy: SGLangPolicySettings = SGLangPolicySettings()
+
+
+def load_l3_config(value: Any, plugins: PluginHost) -> SGLangL3Config:
+    """Validate ``kvstrata_config`` (path or mapping); errors name ``kvstrata_config.<dotted path>``."""
+    source: str | None = None
+    if isinstance(value, (str, Path)):
+        source = str(value)
+        try:
+            data: Any = load_file(value)
+        except ConfigError as exc:
+            raise ConfigError([(_prefixed(path), reason) for path, reason in exc.errors], source) from None
+    elif isinstance(value, Mapping):
+        data = dict(value)
+    elif value is None:
+        raise ConfigError(
+            [
+                (
+                    CONFIG_KEY,
+                    "missing: give a kvstrata config path or an inline mapping in SGLang's extra config",
+                )
+            ]
+        )
+    else:
+        raise ConfigError([(CONFIG_KEY, f"expected a path or a mapping, got {type(value).__name__}")])
+    try:
+        return SGLangL3Config.model_validate(data, context={"plugins": plugins})
+    except ValidationError as exc:
+        errors = [(_prefixed(dotted(err["loc"])), err["msg"]) for err in exc.errors()]
+        raise ConfigError(errors, source) from None
+
+
+def _prefixed(path: str) -> str:
+    return f"{CONFIG_KEY}.{path}" if path else CONFIG_KEY
+
+
+def page_hash(key: str) -> str:
+    """SGLang's page key as a kvstrata page-hash component (hex SHA-256 passes as it is)."""
+    if _SAFE_HASH.fullmatch(key):
+        return key
+    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
+
+class _Stats:
+    """Pages and bandwidth per batch, drained by ``get_stats`` (SGLang's storage metrics)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.prefetch_pgs: list[int] = []
+        self.backup_pgs: list[int] = []
+        self.prefetch_bandwidth: list[float] = []
+        self.backup_bandwidth: list[float] = []
+
+    def record(self, reading: bool, pages: int, nbytes: int, seconds: float) -> None:
+        if pages <= 0:
+            return
+        gbps = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+        with self.lock:
+            if reading:
+                self.prefetch_pgs.append(pages)
+                self.prefetch_bandwidth.append(gbps)
+            else:
+                self.backup_pgs.append(pages)
+                self.backup_bandwidth.append(gbps)
+
+    def drain(self) -> tuple[list[int], list[int], list[float], list[float]]:
+        with self.lock:
+            out = (self.prefetch_pgs, self.backup_pgs, self.prefetch_bandwidth, self.backup_bandwidth)
+            self.prefetch_pgs, self.backup_pgs, self.prefetch_bandwidth, self.backup_bandwidth = (
+                [],
+                [],
+                [],
+                [],
+            )
+        return out
+
+
+# --- the storage class ----------------------------------------------------------------------------
+
+
+def _never_raises(failure: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """SGLang's storage threads die on an exception (leaking queued work): a data-path call that
+    fails for any reason answers ``failure(*args)`` -- a miss / not stored -- and logs why."""
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception:
+                log.exception("kvstrata L3: %s failed; SGLang sees a miss / failed write", method.__name__)
+                return failure(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+def _all_false(keys: Sequence[Any], *_: Any, **__: Any) -> list[bool]:
+    return [False] * len(keys)
+
+
+def _per_transfer_false(transfers: Sequence[Any], *_: Any, **__: Any) -> dict[Any, list[bool]]:
+    return {transfer.name: [False] * len(transfer.keys or []) for transfer in transfers}
+
+
+class KvstrataHiCacheStorage(HiCacheStorage):
+    """SGLang ``HiCacheStorage`` over any kvstrata storage backend (see the module docstring)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        if getattr(storage_config, "dcp_size", 1) > 1:
+            raise ValueError(
+                "kvstrata's SGLang adapter does not support decode context parallel (dcp_size > 1)"
+            )
+        if storage_config.should_split_heads:
+            raise ValueError(
+                "kvstrata's SGLang adapter does not support heterogeneous-TP head splitting (tp_lcm_size "
+                "with page_head); use equal TP sizes"
+            )
+        self.storage_config = storage_config
+        self.plugins = PluginHost()
+        self.settings = load_l3_config(extra.get(CONFIG_KEY), self.plugins)
+        model_name = self.settings.model.name or storage_config.model_name
+        if not model_name:
+            raise ConfigError(
+                [(f"{CONFIG_KEY}.model.name", "required: SGLang passed no served model name to key pages by")]
+            )
+        self.model_name = model_name
+        self.parallel = ParallelConfig(
+            tp_rank=storage_config.tp_rank,
+            tp_size=storage_config.tp_size,
+            pp_rank=storage_config.pp_rank,
+            pp_size=storage_config.pp_size,
+            cp_rank=storage_config.attn_cp_rank,
+            cp_size=storage_config.attn_cp_size,
+        )
+        ((instance, backend_config),) = self.settings.tiers.storage.items()
+        backend_cls = self.plugins.storage_backends.require(backend_config.type)
+        self.backend: StorageBackend = backend_cls(instance, backend_config)
+        self.backend.open()
+        try:
+            self.capabilities = self.backend.instance_capabilities()
+            self.engine = StorageEngine(
+                self.backend,
+                {},
+                {},
+                model_name=model_name,
+                cache_salt=self.settings.model.cache_salt,
+                parallel=self.parallel,
+                checksum=self.settings.policy.checksum,
+                hook=self.plugins.hook,
+            )
+        except BaseException:
+            self.backend.close()
+            raise
+        self.plugins.hook.kvstrata_backend_opened(
+            instance=instance, backend=self.backend, capabilities=self.capabilities
+        )
+        self._pools: dict[str, PageFormat] = {}
+        self._registered_memory: set[int] = set()
+        self._keep_registered: list[Any] = []
+        self._lock = threading.Lock()
+        self._stats = _Stats()
+        self._closed = False
+
+    # --- registration --------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """The anchor host pool (or SGLang's ``HostPoolGroup``, whose anchor entry is used)."""
+        super().register_mem_pool_host(mem_pool_host)
+        anchor_entry = getattr(mem_pool_host, "anchor_entry", None)
+        pool = anchor_entry.host_pool if anchor_entry is not None else mem_pool_host
+        self._register(KV_POOL, pool)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A host pool of a hybrid stack (SWA, Mamba, indexer, draft ...), served by the v2 calls."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._register(str(host_pool_name), host_pool)
+
+    def _register(self, sglang_name: str, pool: Any) -> PageFormat:
+        with self._lock:
+            known = self._pools.get(sglang_name)
+            if known is not None and known.pool is pool:
+                return known
+            replicated = self.storage_config.is_mla_model and sglang_name not in TP_SHARDED_SIDE_POOLS
+            page_format = describe_host_pool(pool, sglang_name, self.plugins, replicated=replicated)
+            if page_format.name not in self.engine.specs:
+                plan = plan_pool(
+                    self.backend.instance, self.capabilities, page_format.spec, parallel=self.parallel
+                )
+                self.engine.add_pool(page_format.name, page_format.spec, plan)
+            plan = self.engine.plans[page_format.name]
+            region = page_format.host_region()
+            if (
+                plan.mode is IOMode.ZERO_COPY
+                and region is not None
+                and region.ptr not in self._registered_memory
+            ):
+                self.backend.register_host_memory(region)
+                self._registered_memory.add(region.ptr)
+                self._keep_registered.append(pool)  # registered memory must outlive the backend
+            self._pools[sglang_name] = page_format
+        log.info(
+            "kvstrata L3: SGLang pool %r -> %s; plan %s (%s)",
+            sglang_name,
+            page_format.description,
+            plan.mode.value,
+            plan.reason,
+        )
+        return page_format
+
+    def _pool(self, sglang_name: Any) -> PageFormat | None:
+        return self._pools.get(str(sglang_name))
+
+    @property
+    def metrics(self) -> StorageMetrics:
+        """kvstrata's counters: hits, misses, ``corrupt_detected`` (objects refused), bytes, errors."""
+        return self.engine.metrics
+
+    def pool_formats(self) -> dict[str, str]:
+        """How each registered SGLang pool is stored (for logs and tests)."""
+        return {name: f"{fmt.name}: {fmt.description}" for name, fmt in self._pools.items()}
+
+    # --- the data path ---------------------------------------------------------------------------
+
+    def _anchor(self) -> PageFormat:
+        pool = self._pools.get(KV_POOL)
+        if pool is None:
+            raise RuntimeError("no host pool registered: SGLang calls register_mem_pool_host first")
+        return pool
+
+    def _write(self, pool: PageFormat, keys: Sequence[str], make: Any) -> list[bool]:
+        """Store the pages of ``keys`` not stored yet; ``make(positions)`` gives their Transfer."""
+        if not keys:
+            return []
+        hashes = [page_hash(key) for key in keys]
+        start = time.perf_counter()
+        # dedup first (SGLang backs up every page reaching the host tier): no gather, no checksum
+        # for pages already stored
+        present = self.engine.exists(pool.name, hashes)
+        ok = list(present.ok) if present.error is None else [False] * len(keys)
+        missing = [i for i, stored in enumerate(ok) if not stored]
+        if not missing:
+            return ok
+        try:
+            transfer = make(missing)
+        except (ValueError, RuntimeError) as exc:
+            log.warning("kvstrata L3: cannot write %d pages of %r: %s", len(missing), pool.name, exc)
+            return [False] * len(keys)
+        result = self.engine.put(pool.name, [hashes[i] for i in missing], transfer.units)
+        for i, stored in zip(missing, result.ok, strict=True):
+            ok[i] = stored
+        written = sum(result.ok)
+        self._stats.record(False, written, written * pool.unit_bytes, time.perf_counter() - start)
+        return ok
+
+    def _read(self, pool: PageFormat, keys: Sequence[str], make: Any) -> list[bool]:
+        """Read the pages of ``keys``; ``make()`` gives the Transfer; only verified pages land."""
+        if not keys:
+            return []
+        start = time.perf_counter()
+        try:
+            transfer: Transfer = make()
+        except (ValueError, RuntimeError) as exc:
+            log.warning("kvstrata L3: cannot read %d pages of %r: %s", len(keys), pool.name, exc)
+            return [False] * len(keys)
+        result = self.engine.get(pool.name, [page_hash(key) for key in keys], transfer.units)
+        ok = list(result.ok)
+        try:
+            transfer.finish(ok)
+        except Exception:  # pages may be half copied into place: none of them is usable
+            log.exception(
+                "kvstrata L3: copying %d pages of %r into the host pool failed", len(keys), pool.name
+            )
+            return [False] * len(keys)
+        hits = sum(ok)
+        self._stats.record(True, hits, hits * pool.unit_bytes, time.perf_counter() - start)
+        return ok
+
+    # v1: zero-copy from/to the registered anchor pool
+
+    @_never_raises(_all_false)
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        pool = self._anchor()
+        return self._write(pool, keys, lambda at: pool.write_units(pool.pages(host_indices, len(keys))[at]))
+
+    @_never_raises(_all_false)
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        pool = self._anchor()
+        return self._read(pool, keys, lambda: pool.read_units(pool.pages(host_indices, len(keys))))
+
+    # generic: flat data pages (SGLang's default path without interface_v1)
+
+    @_never_raises(lambda *args, **kwargs: False)
+    def set(
+        self,
+        key: str,
+        value: Any | None = None,
+        target_location: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        return self.batch_set([key], [value if value is not None else target_location])
+
+    @_never_raises(lambda *args, **kwargs: False)
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        flats = values if values is not None else target_locations
+        if flats is None or len(flats) != len(keys) or any(flat is None for flat in flats):
+            log.warning("kvstrata L3: batch_set needs one flat page per key")
+            return False
+        pool = self._anchor()
+        return all(self._write(pool, keys, lambda at: pool.flat_write_units([flats[i] for i in at])))
+
+    @_never_raises(lambda *args, **kwargs: None)
+    def get(
+        self, key: str, target_location: Any | None = None, target_sizes: Any | None = None
+    ) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    @_never_raises(lambda keys, *args, **kwargs: [None] * len(keys))
+    def batch_get(
+        self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None
+    ) -> list[torch.Tensor | None]:
+        pool = self._anchor()
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        if len(targets) != len(keys):
+            log.warning("kvstrata L3: batch_get got %d targets for %d keys", len(targets), len(keys))
+            return [None] * len(keys)
+        anchor_pool = pool.pool
+        targets = [t if t is not None else anchor_pool.get_dummy_flat_data_page() for t in targets]
+        ok = self._read(pool, keys, lambda: pool.flat_read_units(targets))
+        return [target if hit else None for target, hit in zip(targets, ok, strict=True)]
+
+    @_never_raises(lambda *args, **kwargs: False)
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    @_never_raises(lambda *args, **kwargs: 0)
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many leading pages of ``keys`` the backend holds (SGLang's prefix length)."""
+        return self._leading_pages(self._anchor(), keys)
+
+    def _leading_pages(self, pool: PageFormat, keys: Sequence[str]) -> int:
+        """Leading run of stored pages, asked in growing chunks (1, 16, 32, 64 ...) that stop at the
+        first missing page: a prefix missing from the start costs one lookup, a partial hit a few,
+        not one per page of the query."""
+        done, chunk = 0, 1
+        while done < len(keys):
+            batch = [page_hash(key) for key in keys[done : done + chunk]]
+            found = self.engine.exists(pool.name, batch).prefix
+            done += found
+            if found < len(batch):
+                break
+            chunk = FIRST_EXISTS_CHUNK if chunk == 1 else chunk * 2
+        return done
+
+    # v2: hybrid stacks (every pool registered through register_mem_host_pool_v2)
+
+    @_never_raises(lambda *args, **kwargs: PoolTransferResult.empty())
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """Longest usable prefix: the KV prefix, cut by each pool's hit policy (SGLang's semantics:
+        ``all_pages`` needs every page, ``trailing_pages`` the last ``len(keys)`` pages of a prefix)."""
+        kv_pages = self._leading_pages(self._anchor(), keys)
+        hashes = [page_hash(key) for key in keys[:kv_pages]]
+        hit_count: dict[Any, int] = {KV_POOL: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            if transfer.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
+                # block_groups, unused by SGLang 0.5.23: by its definition it never gates the KV hit
+                log.warning(
+                    "kvstrata L3: hit policy %r of pool %r not evaluated", transfer.hit_policy, transfer.name
+                )
+                continue
+            pool = self._pool(transfer.name)
+            present = (
+                list(self.engine.exists(pool.name, hashes).ok) if pool is not None else [False] * kv_pages
+            )
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = longest_present_prefix(present)
+                allowed = set(range(1, boundary + 1))
+            else:
+                window = max(1, len(transfer.keys) if transfer.keys else 1)
+                allowed = _trailing_prefixes(present, window)
+                boundary = max(allowed, default=0)
+            if boundary:
+                hit_count[transfer.name] = boundary
+            restorable &= allowed
+        ordered = sorted(restorable)
+        return PoolTransferResult(ordered[-1] if ordered else 0, hit_count, ordered)
+
+    def _pool_transfer(self, transfer: PoolTransfer) -> tuple[PageFormat, list[str], torch.Tensor] | None:
+        pool = self._pool(transfer.name)
+        keys = list(transfer.keys or [])
+        if pool is None:
+            log.warning(
+                "kvstrata L3: pool %r was never registered (register_mem_host_pool_v2)", transfer.name
+            )
+            return None
+        if transfer.host_indices is None:
+            log.warning("kvstrata L3: transfer of pool %r has no host indices", transfer.name)
+            return None
+        return pool, keys, transfer.host_indices
+
+    @_never_raises(_per_transfer_false)
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[Any, list[bool]]:
+        results: dict[Any, list[bool]] = {}
+        for transfer in transfers:
+            found = self._pool_transfer(transfer)
+            if found is None:
+                results[transfer.name] = [False] * len(transfer.keys or [])
+                continue
+            pool, keys, indices = found
+            results[transfer.name] = self._read(
+                pool,
+                keys,
+                lambda pool=pool, keys=keys, indices=indices: pool.read_units(pool.pages(indices, len(keys))),
+            )
+        return results
+
+    @_never_raises(_per_transfer_false)
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[Any, list[bool]]:
+        results: dict[Any, list[bool]] = {}
+        for transfer in transfers:
+            found = self._pool_transfer(transfer)
+            if found is None:
+                results[transfer.name] = [False] * len(transfer.keys or [])
+                continue
+            pool, keys, indices = found
+            results[transfer.name] = self._write(
+                pool,
+                keys,
+                lambda at, pool=pool, keys=keys, indices=indices: pool.write_units(
+                    pool.pages(indices, len(keys))[at]
+                ),
+            )
+        return results
+
+    # --- housekeeping ----------------------------------------------------------------------------
+
+    def clear(self) -> bool:
+        log.warning(
+            "kvstrata L3: clear() is not supported -- kvstrata storage backends have no bulk delete; "
+            "pages of other models/layouts never hit anyway (namespaced keys). Remove them with the "
+            "backend's own tools (e.g. delete the file backend's directory)."
+        )
+        return False
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` (pages and GB/s per batch since the last call), or None."""
+        prefetch_pgs, backup_pgs, prefetch_bw, backup_bw = self._stats.drain()
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics as SGLangStorageMetrics
+        except Exception:  # metrics module unavailable (CPU test stand-ins): SGLang then uses its own
+            return None
+        metrics = SGLangStorageMetrics()
+        metrics.prefetch_pgs.extend(prefetch_pgs)
+        metrics.backup_pgs.extend(backup_pgs)
+        metrics.prefetch_bandwidth.extend(prefetch_bw)
+        metrics.backup_bandwidth.extend(backup_bw)
+        return metrics
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.plugins.hook.kvstrata_backend_closing(instance=self.backend.instance, backend=self.backend)
+        finally:
+            self.backend.close()
+            self.plugins.close()
+
+
+def _trailing_prefixes(present: Sequence[bool], window: int) -> set[int]:
+    """Prefix lengths ``p`` whose last ``window`` pages (``[p - window, p)``) are all present."""
+    allowed: set[int] = set()
+    run = 0
+    for index, flag in enumerate(present):
+        run = run + 1 if flag else 0
+        if run >= min(window, index + 1):
+            allowed.add(index + 1)
+    return allowed
