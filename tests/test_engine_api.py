@@ -236,3 +236,13 @@ def test_engine_device_tensors_are_the_device_tier_and_are_validated() -> None:
         kvstrata.open(config, device_tensors={"kv": wrong})
     with pytest.raises(ValueError, match=r"buffer 'v'.*expected"):
         kvstrata.open(config, device_tensors={"kv": dict(engine, v=engine["v"].float())})
+
+
+def test_state_slots_are_sized_for_the_engine_checkpoint_interval() -> None:
+    sets = ["tiers.device.capacity_tokens=8192", "model.pools.mamba.device_units=null"]
+    with _open("hybrid-mamba", [*sets, "model.pools.mamba.state_every_pages=4"]) as every_4:
+        assert every_4.pools.pool("mamba").device.units == 128 // 4
+    with _open("hybrid-mamba", sets) as default:
+        assert default.pools.pool("mamba").device.units == 128 // 16
+    with pytest.raises(ValueError, match="state_every_pages sizes node-state pools"):
+        _open("hybrid-mamba", ["model.pools.kv.state_every_pages=4"])

@@ -222,13 +222,19 @@ class PoolGroup:
             device = engine_units
         if spec.granularity is Granularity.NODE_STATE:
             if device is None:
-                device = max(1, math.ceil(self.device_pages / DEVICE_PAGES_PER_STATE_SLOT))
+                every = config.state_every_pages or DEVICE_PAGES_PER_STATE_SLOT
+                device = max(1, math.ceil(self.device_pages / every))
             host = config.host_units
             if host is None:
                 tokens = self.config.tiers
                 ratio = tokens.host.capacity_tokens / max(1, tokens.device.capacity_tokens)
                 host = math.ceil(device * ratio)
         else:
+            if config.state_every_pages is not None:
+                raise ValueError(
+                    f"pool {spec.name!r}: state_every_pages sizes node-state pools (one state per "
+                    "node); this pool holds token pages"
+                )
             device = self.device_pages if device is None else device
             host = self.host_pages if config.host_units is None else config.host_units
         return device, (host if self.host_enabled else 0)

@@ -330,6 +330,13 @@ class PoolConfig(BaseModel):
         description="L2 pages/slots of this pool; default: from tiers.host.capacity_tokens "
         "(token-page pools) or device_units x the host/device token ratio (node-state pools)",
     )
+    state_every_pages: int | None = Field(
+        default=None,
+        ge=1,
+        description="node-state pools: how often the engine checkpoints a state (its chunk size "
+        "in pages: every insert is a checkpoint); sizes the default device_units to one slot per "
+        "this many device pages (default 16)",
+    )
     layer_ids: Annotated[list[int] | None, AfterValidator(check_layer_ids)] = Field(
         default=None,
         description="model layer id of each of the pool's layers, in pool order (unique; as many as "
