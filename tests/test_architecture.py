@@ -76,3 +76,10 @@ def test_core_modules_fit_on_a_screen_or_two() -> None:
     paths = sorted((PACKAGE / "core").glob("*.py"))
     assert PACKAGE / "core" / "controller.py" in paths and PACKAGE / "core" / "tree.py" in paths
     assert not _oversized(paths), _oversized(paths)
+
+
+def test_the_architecture_doc_names_every_core_module() -> None:
+    doc = (PACKAGE.parents[1] / "docs" / "architecture.md").read_text()
+    missing = [p.name for p in sorted((PACKAGE / "core").glob("*.py")) if p.name != "__init__.py"]
+    missing = [name for name in missing if f"`{name}`" not in doc]
+    assert not missing, f"docs/architecture.md does not say what these core modules own: {missing}"
