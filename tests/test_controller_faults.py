@@ -45,3 +45,26 @@ def test_a_failing_backend_fails_operations_not_the_cache(stack: str, fail: str)
         assert host_units_in_use(cache) == host_units_held_by_tree(cache), "a staged host slot leaked"
         workers = {t.name.rsplit("_", 1)[0] for t in threading.enumerate() if t.name.startswith("kvstrata-")}
         assert workers == {"kvstrata-l3-write", "kvstrata-l3-prefetch"}
+
+
+@pytest.mark.parametrize("wait_s", [5.0, 0.0])
+def test_write_through_waits_for_in_flight_l3_writes_instead_of_skipping_backups(wait_s: float) -> None:
+    """A slow L3 (fault injection: every put sleeps, then refuses) holds the host units of the
+    last two requests while they are written; the third request's backup must wait for them."""
+    host = PluginHost()
+    host.storage_backends.register(FaultyBackend)
+    slow = [
+        "tiers.storage={slow: {type: faults, fail: refuse, operations: [put], delay_s: 0.3}}",
+        f"policy.backup_wait_s={wait_s}",
+        "policy.prefetch.threshold_tokens=1000000",  # no reads: only the writes are slow
+    ]
+    with open_cache("kv", None, slow, host=host) as cache:
+        half = cache.pools.pools["kv"].host_allocator.units // 2
+        for seed in range(3):
+            serve(cache, tokens(300 + seed, half))
+        ops = cache.metrics.snapshot()["operations"]
+        if wait_s:
+            assert ops["backups"] == 3 and ops["backups_skipped"] == 0 and ops["backups_waited"] >= 1
+        else:  # the control: without waiting, the same run skips (and says so, apart from failures)
+            assert ops["backups_skipped"] >= 1 and ops["backups"] < 3
+        cache.flush()

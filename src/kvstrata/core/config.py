@@ -142,6 +142,11 @@ class PolicyConfig(_Strict):
     write: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
     write_through_threshold: int = Field(default=2, ge=1, description="hits before selective backup")
     load_back_threshold_tokens: int = Field(default=10, ge=0)
+    backup_wait_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="how long a backup may wait for in-flight L3 writes to free host units",
+    )
     prefetch: PrefetchPolicyConfig = PrefetchPolicyConfig()
     checksum: Literal["xxh3", "none"] = "xxh3"
 

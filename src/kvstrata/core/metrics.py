@@ -20,6 +20,8 @@ TIERS = ("device", "host", "storage")
 DIRECTIONS = ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host")
 OPERATIONS = (
     "backups",
+    "backups_waited",  # backups that waited for in-flight L3 writes to free host units
+    "backups_skipped",  # backups not made: the host tier stayed full (not failures)
     "load_backs",
     "storage_writes",
     "prefetches_started",

@@ -118,8 +118,10 @@ class Writer:
                 value = node.device[self.tree.index[name]]
                 needs[name] = 0 if value is None else len(value)
             got = self.units.alloc_protecting(node, Tier.HOST, needs)
-            if got is None:
-                self.metrics.fail()
+            if got is None and self.pending:
+                got = self._wait_for_room(node, needs)
+            if got is None:  # the host tier is full of pages other requests hold
+                self.metrics.count("backups_skipped")
                 break
             todo.append(node)
             allocated.append(got)
@@ -128,6 +130,26 @@ class Writer:
         self._copy_down(todo, allocated)
         if self.engine is not None:
             self._queue_write(todo, hashes)
+
+    def _wait_for_room(self, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None:
+        """Backpressure: the host units may be held by in-flight L3 writes. Wait for them, oldest
+        first, up to ``policy.backup_wait_s``, so write-through persists what it promised
+        instead of skipping a backup whenever L3 is a little behind."""
+        deadline = time.monotonic() + self.policy.backup_wait_s
+        while self.pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                self.pending[0].future.exception(remaining)
+            except TimeoutError:
+                return None
+            self.drain()
+            got = self.units.alloc_protecting(node, Tier.HOST, needs)
+            if got is not None:
+                self.metrics.count("backups_waited")
+                return got
+        return None
 
     def back_up_prefix(self, keys: Sequence[PageKey], hashes: Sequence[str]) -> bool:
         """Whether every page of ``keys`` has a host copy, backing device-only ones up first
