@@ -30,9 +30,9 @@ from typing import Literal
 import xxhash
 
 from kvstrata.plugins.pool_type import PoolSpec
-from kvstrata.plugins.storage_backend import BufferRegion, region_view
+from kvstrata.plugins.storage_backend import OBJECT_MAGIC, BufferRegion, region_view
 
-MAGIC = b"KVS1"
+MAGIC = OBJECT_MAGIC
 #: Suffix of the header-only marker object a pool without buffers (a logical anchor) stores per
 #: unit: its existence is the commit marker that gates reading the other pools of the page.
 MARKER_SUFFIX = "marker"

@@ -23,6 +23,11 @@ BACKEND_API_VERSION = 1
 #: Key in :attr:`BackendCapabilities.pools` meaning "any pool type".
 ANY_POOL = "*"
 
+#: The first bytes of every object the core stores (the magic of its integrity header). A backend
+#: whose namespace may hold other data (a directory a user points it at) checks them before it
+#: adopts or evicts anything, so it never touches what it cannot prove it wrote.
+OBJECT_MAGIC = b"KVS1"
+
 
 class PoolCapabilities(BaseModel):
     """What a backend can do for one pool type."""
