@@ -6,9 +6,13 @@ the first region, then payload regions in host-pool memory.
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstrata.core.breaker import BreakerState
 from kvstrata.core.buffers import region_tensor
 from kvstrata.plugins.errors import MissingDependencyError, StorageError
 from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend, StorageObject
@@ -25,8 +30,9 @@ from kvstrata.storage_backends.mooncake import (
     OBJECT_NOT_FOUND,
     MooncakeBackend,
     MooncakeConfig,
+    tcp_probe,
 )
-from kvstrata.testing.conformance import BackendConformance
+from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
 from kvstrata.testing.mooncake_servers import MooncakeMaster, MooncakeStandaloneClient, free_loopback_port
 
 pytestmark = pytest.mark.mooncake
@@ -417,3 +423,96 @@ class TestMooncakeStandaloneConformance(BackendConformance):
 def _opened(backend: MooncakeBackend) -> MooncakeBackend:
     backend.open()
     return backend
+
+
+# --- deadlines and the circuit breaker against an endpoint that does not answer (issue 15, defect 2) --
+
+
+def test_open_against_a_socket_that_is_not_a_master_gives_up_at_its_deadline() -> None:
+    """A port that accepts TCP but never answers: a TCP probe passes and setup (which holds the
+    GIL) would retry for minutes; open refuses within connect_timeout_s instead."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        assert tcp_probe(address, 1.0) is None, "the endpoint does accept TCP: only an answer tells"
+        config = MooncakeConfig(
+            master=address, segment_bytes=16 << 20, local_buffer_bytes=0, connect_timeout_s=1
+        )
+        backend = MooncakeBackend("mute", config)
+        outcome: list[BaseException] = []
+        opener = threading.Thread(target=lambda: _capture(backend.open, outcome), daemon=True)
+        opener.start()
+        opener.join(120)  # liveness guard only: without the answer probe setup blocks ~35 s
+        assert not opener.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], StorageError), outcome
+        assert "accepts connections but did not answer within 1 s" in str(outcome[0])
+        assert "setup" not in str(outcome[0]), "refused before setup was tried"
+        with pytest.raises(StorageError, match="not open"):
+            backend.exists(["k"])
+
+
+def _capture(call: Callable[[], object], errors: list[BaseException]) -> None:
+    try:
+        call()
+    except BaseException as exc:
+        errors.append(exc)
+
+
+def test_stopped_master_opens_the_breaker_then_recovers(tmp_path: Path) -> None:
+    """SIGSTOP the real master (by PID): calls end at the RPC deadline, the breaker opens after two
+    of them and later calls never reach Mooncake; after SIGCONT a trial call closes it and the
+    data written before is read back bit exact; close() of a client whose master is stopped returns
+    after the answer probe instead of blocking in Mooncake's close."""
+    master = MooncakeMaster(log_dir=tmp_path, client_ttl_s=120).start()
+    pid = master.process.pid
+    assert pid is not None
+    stopped = False
+    try:
+        config = master.backend_config(
+            segment_bytes=16 << 20,
+            local_buffer_bytes=0,
+            rpc_timeout_s=1,
+            connect_timeout_s=1,
+            circuit_breaker={"failures": 2, "cooldown_s": 2},
+        )
+        backend = MooncakeBackend("stopped", config)
+        backend.open()
+        kit = BackendConformance()
+        specs = conformance_specs()
+        engine = kit.engine(backend, specs, model_name=f"breaker-{uuid.uuid4().hex[:8]}")
+        source, target = kit.pools(specs, 3, seed=41), kit.pools(specs, 3, seed=None)
+        hashes = page_hashes(3, seed=41)
+        assert all(engine.put("state", hashes, source["state"].units(range(3))).ok)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = True
+        first = engine.exists("state", hashes)
+        assert first.failed == 3 and "not answering" in (first.error or ""), first
+        second = engine.get("state", hashes, target["state"].units(range(3)))
+        assert second.ok == [False] * 3 and second.failed == 3
+        assert engine.breaker.state is BreakerState.OPEN and engine.metrics.breaker_trips == 1
+        codes = dict(backend.code_counts)
+        refused = [engine.exists("state", hashes) for _ in range(10)]
+        assert all("circuit breaker open" in (r.error or "") for r in refused)
+        assert dict(backend.code_counts) == codes, "no call reached the stopped master"
+        os.kill(pid, signal.SIGCONT)
+        stopped = False
+        deadline = time.monotonic() + 90  # liveness guard: a trial goes through every 2 s
+        while engine.breaker.state is not BreakerState.CLOSED and time.monotonic() < deadline:
+            engine.exists("state", hashes)
+            time.sleep(0.2)
+        assert engine.breaker.state is BreakerState.CLOSED
+        assert engine.get("state", hashes, target["state"].units(range(3))).ok == [True] * 3
+        kit.assert_units_equal(source["state"], target["state"], range(3))
+        os.kill(pid, signal.SIGSTOP)
+        stopped = True
+        closer = threading.Thread(target=backend.close, daemon=True)
+        closer.start()
+        closer.join(60)  # liveness guard: Mooncake's close holds the GIL ~15 s on a stopped master
+        assert not closer.is_alive(), "close blocked on the stopped master"
+        with pytest.raises(StorageError, match="not open"):
+            backend.exists(["k"])
+    finally:
+        if stopped:
+            os.kill(pid, signal.SIGCONT)
+        master.stop()

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstrata.core.breaker import BreakerState, CircuitBreaker
 from kvstrata.core.config import ParallelConfig
 from kvstrata.core.integrity import (
     DAMAGE,
@@ -54,7 +55,7 @@ from kvstrata.core.storage_batch import (
     write_order,
 )
 from kvstrata.plugins.pool_type import PoolRole, PoolSpec
-from kvstrata.plugins.storage_backend import StorageBackend
+from kvstrata.plugins.storage_backend import BackendConfig, BreakerConfig, StorageBackend
 
 __all__ = [
     "DAMAGE",
@@ -92,6 +93,8 @@ class StorageMetrics:
     foreign_removed: int = 0  # deleted so the key can be written again in this reader's layout
     foreign_remove_failed: int = 0
     backend_errors: int = 0
+    breaker_trips: int = 0  # times the circuit breaker opened
+    breaker_rejected: int = 0  # calls refused at once while it was open (failed, not attempted)
     bytes_written: int = 0
     bytes_read: int = 0
 
@@ -131,6 +134,9 @@ class StorageEngine:
         for name, spec in specs.items():
             self.add_pool(name, spec, plans[name])
         self._removable = backend.instance_capabilities().removable
+        config = getattr(backend, "config", None)
+        breaker = config.circuit_breaker if isinstance(config, BackendConfig) else BreakerConfig()
+        self.breaker = CircuitBreaker(breaker.failures, breaker.cooldown_s)
 
     def add_pool(self, name: str, spec: PoolSpec, plan: IOPlan) -> None:
         """Start serving one more pool (e.g. a draft pool added after start) with its own plan."""
@@ -180,14 +186,37 @@ class StorageEngine:
         self, operation: str, pool: str, items: Sequence[Any]
     ) -> tuple[list[Any] | None, str | None]:
         """Run ``backend.<operation>(items)``; a raise or a wrong-length answer fails the whole
-        call (``None`` and why), never the caller."""
+        call (``None`` and why), never the caller. While the circuit breaker is open the backend
+        is not called at all: the call fails at once."""
+        if not self.breaker.allow():
+            self._count(breaker_rejected=1)
+            return None, (
+                f"{operation} on backend {self.backend.instance!r} refused: circuit breaker open after "
+                f"repeated failures (a trial call goes through every {self.breaker.cooldown_s:g} s)"
+            )
         try:
             answer = list(getattr(self.backend, operation)(items))
             if len(answer) != len(items):
                 raise RuntimeError(f"backend returned {len(answer)} results for {len(items)} items")
         except Exception as exc:  # a backend failure fails this call only
+            self._breaker_outcome(ok=False)
             return None, self._backend_failed(operation, pool, exc)
+        self._breaker_outcome(ok=True)
         return answer, None
+
+    def _breaker_outcome(self, *, ok: bool) -> None:
+        changed = self.breaker.record(ok)
+        if changed is BreakerState.OPEN:
+            self._count(breaker_trips=1)
+            log.warning(
+                "backend %r failed %d calls in a row: circuit breaker open, calls fail at once for %g s "
+                "(L1/L2 keep serving)",
+                self.backend.instance,
+                self.breaker.failures,
+                self.breaker.cooldown_s,
+            )
+        elif changed is BreakerState.CLOSED:
+            log.warning("backend %r answered again: circuit breaker closed", self.backend.instance)
 
     # --- exists -------------------------------------------------------------------------------
 
