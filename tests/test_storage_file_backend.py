@@ -256,9 +256,12 @@ def test_engine_objects_are_adopted_and_evicted_user_files_kept(tmp_path: Path) 
     source = kit.pools(specs, 6, seed=21)
     hashes = page_hashes(6, seed=21)
     first = open_file_backend(tmp_path)
-    assert all(kit.engine(first, specs).put("index", hashes, source["index"].units(range(6))).ok)
+    engine = kit.engine(first, specs)
+    assert all(engine.put("index", hashes, source["index"].units(range(6))).ok)
     written = first.used_bytes
     first.close()
+    for age, key in enumerate(engine.object_keys("index", hashes)[0]):  # page 0 the oldest
+        os.utime(first.path_for(key), (1_000_000 + age, 1_000_000 + age))  # timestamps can tie
     second = open_file_backend(tmp_path, capacity_bytes=written)
     assert second.used_bytes == written
     more = page_hashes(3, seed=22)

@@ -9,13 +9,13 @@ mechanics of laying units out as objects.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvstrata.core.integrity import HEADER_BYTES
+from kvstrata.core.integrity import HEADER_BYTES, ChecksumPolicy, Verdict, verify_object
 from kvstrata.plugins.pool_type import PoolRole, PoolSpec
 from kvstrata.plugins.storage_backend import BufferRegion, StorageObject
 
@@ -193,3 +193,70 @@ def on_subset(
     for position, index in enumerate(keep):
         ok[index] = sub.ok[position]
     return BatchResult(ok, sub.error, sub.skipped, sub.failed)
+
+
+def verify_batch(
+    batch: ObjectBatch, read: Sequence[int], fingerprints: Sequence[bytes], checksum: ChecksumPolicy
+) -> tuple[list[bool], dict[Verdict, list[str]]]:
+    """Verify every object read back (``read``: bytes per object, negative = a plain miss):
+    per object whether it is good, and the keys of the rejected ones by verdict."""
+    good = [False] * len(batch.objects)
+    rejected: dict[Verdict, list[str]] = {}
+    for row, obj in enumerate(batch.objects):
+        if read[row] < 0:
+            continue  # a plain miss
+        verdict = verify_object(
+            batch.headers[row].data,
+            key=obj.key,
+            fingerprint=fingerprints[row % batch.n_obj],
+            payload=batch.payloads[row],
+            bytes_read=read[row],
+            checksum=checksum,
+        )
+        if verdict is Verdict.OK:
+            good[row] = True
+        else:
+            rejected.setdefault(verdict, []).append(obj.key)
+    return good, rejected
+
+
+Operation = Callable[[str, Sequence[str], Sequence[UnitRegions]], BatchResult]
+
+
+def put_group(
+    specs: Mapping[str, PoolSpec], put: Operation, batches: Mapping[str, PoolBatch]
+) -> dict[str, BatchResult]:
+    """``StorageEngine.put_group``: sidecars and components first, then the anchor over the pages
+    every other pool of the group stored."""
+    results: dict[str, BatchResult] = {}
+    failed_pages: set[str] = set()
+    for spec in write_order([specs[name] for name in batches]):
+        batch = batches[spec.name]
+        if spec.role is not PoolRole.ANCHOR:
+            result = put(spec.name, batch.page_hashes, batch.units)
+            results[spec.name] = result
+            if not result.skipped:
+                failed_pages.update(h for h, ok in zip(batch.page_hashes, result.ok, strict=True) if not ok)
+            continue
+        keep = [i for i, page_hash in enumerate(batch.page_hashes) if page_hash not in failed_pages]
+        results[spec.name] = on_subset(put, spec.name, batch, keep)
+    return results
+
+
+def get_group(
+    specs: Mapping[str, PoolSpec], get: Operation, batches: Mapping[str, PoolBatch]
+) -> dict[str, BatchResult]:
+    """``StorageEngine.get_group``: the anchor first, the other pools over the pages it delivered."""
+    results: dict[str, BatchResult] = {}
+    anchor_hits: set[str] | None = None
+    for spec in read_order([specs[name] for name in batches]):
+        batch = batches[spec.name]
+        if spec.role is PoolRole.ANCHOR or anchor_hits is None:
+            result = get(spec.name, batch.page_hashes, batch.units)
+            results[spec.name] = result
+            if spec.role is PoolRole.ANCHOR:
+                anchor_hits = {h for h, ok in zip(batch.page_hashes, result.ok, strict=True) if ok}
+            continue
+        keep = [i for i, page_hash in enumerate(batch.page_hashes) if page_hash in anchor_hits]
+        results[spec.name] = on_subset(get, spec.name, batch, keep)
+    return results

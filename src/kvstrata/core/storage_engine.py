@@ -36,7 +36,6 @@ from kvstrata.core.integrity import (
     build_header,
     layout_fingerprint,
     stored_objects,
-    verify_object,
 )
 from kvstrata.core.io_plan import IOMode, IOPlan
 from kvstrata.core.keys import KeySchema
@@ -47,14 +46,16 @@ from kvstrata.core.storage_batch import (
     UnitRegions,
     build_objects,
     checked_units,
+    get_group,
     longest_present_prefix,
-    on_subset,
+    put_group,
     read_order,
     stage_in,
     stage_out,
+    verify_batch,
     write_order,
 )
-from kvstrata.plugins.pool_type import PoolRole, PoolSpec
+from kvstrata.plugins.pool_type import PoolSpec
 from kvstrata.plugins.storage_backend import BackendConfig, BreakerConfig, StorageBackend
 
 __all__ = [
@@ -335,24 +336,7 @@ class StorageEngine:
         if read is None:
             self._count(get_units=count, get_misses=count)
             return BatchResult([False] * count, error, failed=count)
-        good = [False] * len(batch.objects)
-        rejected: dict[Verdict, list[str]] = {}
-        fingerprints = self._fingerprints[pool]
-        for row, obj in enumerate(batch.objects):
-            if read[row] < 0:
-                continue  # a plain miss
-            verdict = verify_object(
-                batch.headers[row].data,
-                key=obj.key,
-                fingerprint=fingerprints[row % batch.n_obj],
-                payload=batch.payloads[row],
-                bytes_read=read[row],
-                checksum=self.checksum,
-            )
-            if verdict is Verdict.OK:
-                good[row] = True
-            else:
-                rejected.setdefault(verdict, []).append(obj.key)
+        good, rejected = verify_batch(batch, read, self._fingerprints[pool], self.checksum)
         ok = batch.per_unit(good)
         if staging is not None:
             stage_in(staging, units, ok, self._unit_bytes[pool])
@@ -406,37 +390,9 @@ class StorageEngine:
         An anchor page is written only if every other pool of the group that has that page stored
         it, so a visible anchor object implies its sidecars and components are there.
         """
-        specs = write_order([self.specs[name] for name in batches])
-        results: dict[str, BatchResult] = {}
-        failed_pages: set[str] = set()
-        for spec in specs:
-            batch = batches[spec.name]
-            if spec.role is not PoolRole.ANCHOR:
-                result = self.put(spec.name, batch.page_hashes, batch.units)
-                results[spec.name] = result
-                if not result.skipped:
-                    failed_pages.update(
-                        h for h, ok in zip(batch.page_hashes, result.ok, strict=True) if not ok
-                    )
-                continue
-            keep = [i for i, page_hash in enumerate(batch.page_hashes) if page_hash not in failed_pages]
-            results[spec.name] = on_subset(self.put, spec.name, batch, keep)
-        return results
+        return put_group(self.specs, self.put, batches)
 
     def get_group(self, batches: Mapping[str, PoolBatch]) -> dict[str, BatchResult]:
         """Read several pools for the same pages, anchor FIRST; other pools only read the pages
         the anchor delivered (with no anchor in the group, every pool reads every page)."""
-        specs = read_order([self.specs[name] for name in batches])
-        results: dict[str, BatchResult] = {}
-        anchor_hits: set[str] | None = None
-        for spec in specs:
-            batch = batches[spec.name]
-            if spec.role is PoolRole.ANCHOR or anchor_hits is None:
-                result = self.get(spec.name, batch.page_hashes, batch.units)
-                results[spec.name] = result
-                if spec.role is PoolRole.ANCHOR:
-                    anchor_hits = {h for h, ok in zip(batch.page_hashes, result.ok, strict=True) if ok}
-                continue
-            keep = [i for i, page_hash in enumerate(batch.page_hashes) if page_hash in anchor_hits]
-            results[spec.name] = on_subset(self.get, spec.name, batch, keep)
-        return results
+        return get_group(self.specs, self.get, batches)
