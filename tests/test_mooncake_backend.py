@@ -6,6 +6,7 @@ the first region, then payload regions in host-pool memory.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -459,12 +460,12 @@ def _capture(call: Callable[[], object], errors: list[BaseException]) -> None:
         errors.append(exc)
 
 
-def test_stopped_master_opens_the_breaker_then_recovers(tmp_path: Path) -> None:
-    """SIGSTOP the real master (by PID): calls end at the RPC deadline, the breaker opens after two
-    of them and later calls never reach Mooncake; after SIGCONT a trial call closes it and the
-    data written before is read back bit exact; close() of a client whose master is stopped returns
-    after the answer probe instead of blocking in Mooncake's close."""
-    master = MooncakeMaster(log_dir=tmp_path, client_ttl_s=120).start()
+def _stopped_master_scenario(log_dir: str, queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    """Child process (one Mooncake client in it: observed, a client opened after another one was
+    closed in the same process answered batch_is_exist with the master stopped). Reports what it
+    saw; the parent asserts."""
+    seen: dict[str, object] = {}
+    master = MooncakeMaster(log_dir=Path(log_dir), client_ttl_s=120).start()
     pid = master.process.pid
     assert pid is not None
     stopped = False
@@ -483,36 +484,63 @@ def test_stopped_master_opens_the_breaker_then_recovers(tmp_path: Path) -> None:
         engine = kit.engine(backend, specs, model_name=f"breaker-{uuid.uuid4().hex[:8]}")
         source, target = kit.pools(specs, 3, seed=41), kit.pools(specs, 3, seed=None)
         hashes = page_hashes(3, seed=41)
-        assert all(engine.put("state", hashes, source["state"].units(range(3))).ok)
+        seen["put"] = engine.put("state", hashes, source["state"].units(range(3))).ok
         os.kill(pid, signal.SIGSTOP)
         stopped = True
         first = engine.exists("state", hashes)
-        assert first.failed == 3 and "not answering" in (first.error or ""), first
         second = engine.get("state", hashes, target["state"].units(range(3)))
-        assert second.ok == [False] * 3 and second.failed == 3
-        assert engine.breaker.state is BreakerState.OPEN and engine.metrics.breaker_trips == 1
+        seen["first"] = (first.ok, first.failed, first.error)
+        seen["second"] = (second.ok, second.failed)
+        seen["state_after_two"] = str(engine.breaker.state)
+        seen["trips"] = engine.metrics.breaker_trips
         codes = dict(backend.code_counts)
         refused = [engine.exists("state", hashes) for _ in range(10)]
-        assert all("circuit breaker open" in (r.error or "") for r in refused)
-        assert dict(backend.code_counts) == codes, "no call reached the stopped master"
+        seen["refused"] = sum("circuit breaker open" in (r.error or "") for r in refused)
+        seen["codes_unchanged"] = dict(backend.code_counts) == codes
         os.kill(pid, signal.SIGCONT)
         stopped = False
-        deadline = time.monotonic() + 90  # liveness guard: a trial goes through every 2 s
+        deadline = time.monotonic() + 90  # a trial goes through every 2 s
         while engine.breaker.state is not BreakerState.CLOSED and time.monotonic() < deadline:
             engine.exists("state", hashes)
             time.sleep(0.2)
-        assert engine.breaker.state is BreakerState.CLOSED
-        assert engine.get("state", hashes, target["state"].units(range(3))).ok == [True] * 3
-        kit.assert_units_equal(source["state"], target["state"], range(3))
+        seen["recovered"] = str(engine.breaker.state)
+        seen["read_back"] = engine.get("state", hashes, target["state"].units(range(3))).ok
+        seen["bit_exact"] = all(
+            source["state"].unit_bytes(i) == target["state"].unit_bytes(i) for i in range(3)
+        )
         os.kill(pid, signal.SIGSTOP)
         stopped = True
-        closer = threading.Thread(target=backend.close, daemon=True)
-        closer.start()
-        closer.join(60)  # liveness guard: Mooncake's close holds the GIL ~15 s on a stopped master
-        assert not closer.is_alive(), "close blocked on the stopped master"
-        with pytest.raises(StorageError, match="not open"):
-            backend.exists(["k"])
+        backend.close()  # would hold the GIL ~15 s in Mooncake's close without the answer probe
+        seen["closed"] = True
     finally:
         if stopped:
             os.kill(pid, signal.SIGCONT)
         master.stop()
+        queue.put(seen)
+
+
+def test_stopped_master_opens_the_breaker_then_recovers(tmp_path: Path) -> None:
+    """SIGSTOP the real master (by PID): calls end at the RPC deadline, the breaker opens after two
+    of them and later calls never reach Mooncake; after SIGCONT a trial call closes it and the
+    data written before is read back bit exact; close() of a client whose master is stopped returns
+    after the answer probe instead of blocking in Mooncake's close."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_stopped_master_scenario, args=(str(tmp_path), queue))
+    child.start()
+    try:
+        seen = queue.get(timeout=240)  # liveness guard: a hang anywhere ends the test here
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0, seen
+    assert seen["put"] == [True] * 3
+    first_ok, first_failed, first_error = seen["first"]  # type: ignore[misc]
+    assert first_ok == [False] * 3 and first_failed == 3 and "not answering" in (first_error or "")
+    assert seen["second"] == ([False] * 3, 3)
+    assert seen["state_after_two"] == "open" and seen["trips"] == 1
+    assert seen["refused"] == 10 and seen["codes_unchanged"], "no call reached the stopped master"
+    assert seen["recovered"] == "closed"
+    assert seen["read_back"] == [True] * 3 and seen["bit_exact"]
+    assert seen.get("closed") is True, "close blocked on the stopped master"

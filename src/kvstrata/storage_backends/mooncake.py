@@ -62,6 +62,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -167,8 +168,14 @@ def tcp_probe(address: str, timeout_s: float) -> str | None:
         return f"{address} did not accept a TCP connection within {timeout_s:g} s ({exc})"
 
 
-def answer_probe(address: str, timeout_s: float) -> str | None:
-    """``None`` when a process at ``address`` reads what it is sent within ``timeout_s``, else why.
+class Endpoint(StrEnum):
+    ANSWERS = "answers"
+    SILENT = "silent"  # accepts TCP, reads nothing: a stopped process, or a socket nobody serves
+    UNREACHABLE = "unreachable"  # refused, or no TCP connection within the deadline
+
+
+def check_endpoint(address: str, timeout_s: float) -> tuple[Endpoint, str]:
+    """Whether a process at ``address`` reads what it is sent within ``timeout_s``, and why not.
 
     Mooncake's RPC services answer a malformed request (64 zero bytes) at once, by closing the
     connection or with an error frame; a stopped process, or a socket nobody serves, lets it sit
@@ -177,25 +184,34 @@ def answer_probe(address: str, timeout_s: float) -> str | None:
     try:
         host, port = _split_address(address)
     except StorageError as exc:
-        return str(exc)
+        return Endpoint.UNREACHABLE, str(exc)
     deadline = time.monotonic() + timeout_s
     try:
         connection = socket.create_connection((host, port), timeout=timeout_s)
     except OSError as exc:
-        return f"{address} did not accept a TCP connection within {timeout_s:g} s ({exc})"
+        return (
+            Endpoint.UNREACHABLE,
+            f"{address} did not accept a TCP connection within {timeout_s:g} s ({exc})",
+        )
     with connection:
         try:
             connection.sendall(bytes(64))
             connection.settimeout(max(0.001, deadline - time.monotonic()))
             connection.recv(64)  # data or an orderly close: somebody read the request
         except TimeoutError:
-            return (
+            return Endpoint.SILENT, (
                 f"{address} accepts connections but did not answer within {timeout_s:g} s "
                 "(a stopped process, or not a Mooncake service?)"
             )
         except OSError:
             pass  # reset or broken pipe: the peer read the request and refused it
-    return None
+    return Endpoint.ANSWERS, f"{address} answers"
+
+
+def answer_probe(address: str, timeout_s: float) -> str | None:
+    """``None`` when the endpoint answers within ``timeout_s`` (:func:`check_endpoint`), else why not."""
+    state, reason = check_endpoint(address, timeout_s)
+    return None if state is Endpoint.ANSWERS else reason
 
 
 class _Ranges:
@@ -337,7 +353,7 @@ class MooncakeBackend(StorageBackend):
             raise
 
     def close(self) -> None:
-        """Close the store -- unless its endpoint does not answer (stopped master or client): then
+        """Close the store -- unless its endpoint is silent (a stopped master or client): then
         ``store.close()`` would hold the GIL for its RPC retries (observed ~15 s with a 1 s RPC
         deadline), so the store is deliberately leaked with a warning, its destructor included
         (one extra reference), and the process goes on; the master drops it once the process
@@ -345,10 +361,12 @@ class MooncakeBackend(StorageBackend):
         with self._state_lock:
             store, self._store = self._store, None
         if store is not None:
-            reason = self.probe()
-            if reason is not None:
+            role, address = self._endpoint
+            # A refused connection makes close fail fast; only a silent endpoint makes it block.
+            state, reason = check_endpoint(address, self.config.connect_timeout_s)
+            if state is Endpoint.SILENT:
                 ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
-                _log.warning("mooncake backend %r: not closed cleanly: %s", self.instance, reason)
+                _log.warning("mooncake backend %r: not closed cleanly: %s %s", self.instance, role, reason)
             else:
                 try:
                     store.close()
