@@ -19,7 +19,8 @@ def test_a_failing_backend_fails_operations_not_the_cache(stack: str, fail: str)
     host = PluginHost()
     host.storage_backends.register(FaultyBackend)
     overrides = [
-        f"tiers.storage={{broken: {{type: faults, fail: {fail}}}}}",
+        # the breaker off: this test watches every failing call reach the backend (see test_storage_breaker)
+        f"tiers.storage={{broken: {{type: faults, fail: {fail}, circuit_breaker: {{failures: 0}}}}}}",
         "policy.prefetch.threshold_tokens=64",
     ]
     with open_cache(stack, overrides=overrides, host=host) as cache:

@@ -6,9 +6,14 @@ the first region, then payload regions in host-pool memory.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstrata.core.breaker import BreakerState
 from kvstrata.core.buffers import region_tensor
 from kvstrata.plugins.errors import MissingDependencyError, StorageError
 from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend, StorageObject
@@ -25,8 +31,9 @@ from kvstrata.storage_backends.mooncake import (
     OBJECT_NOT_FOUND,
     MooncakeBackend,
     MooncakeConfig,
+    tcp_probe,
 )
-from kvstrata.testing.conformance import BackendConformance
+from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
 from kvstrata.testing.mooncake_servers import MooncakeMaster, MooncakeStandaloneClient, free_loopback_port
 
 pytestmark = pytest.mark.mooncake
@@ -417,3 +424,123 @@ class TestMooncakeStandaloneConformance(BackendConformance):
 def _opened(backend: MooncakeBackend) -> MooncakeBackend:
     backend.open()
     return backend
+
+
+# --- deadlines and the circuit breaker against an endpoint that does not answer (issue 15, defect 2) --
+
+
+def test_open_against_a_socket_that_is_not_a_master_gives_up_at_its_deadline() -> None:
+    """A port that accepts TCP but never answers: a TCP probe passes and setup (which holds the
+    GIL) would retry for minutes; open refuses within connect_timeout_s instead."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        assert tcp_probe(address, 1.0) is None, "the endpoint does accept TCP: only an answer tells"
+        config = MooncakeConfig(
+            master=address, segment_bytes=16 << 20, local_buffer_bytes=0, connect_timeout_s=1
+        )
+        backend = MooncakeBackend("mute", config)
+        outcome: list[BaseException] = []
+        opener = threading.Thread(target=lambda: _capture(backend.open, outcome), daemon=True)
+        opener.start()
+        opener.join(120)  # liveness guard only: without the answer probe setup blocks ~35 s
+        assert not opener.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], StorageError), outcome
+        assert "accepts connections but did not answer within 1 s" in str(outcome[0])
+        assert "setup" not in str(outcome[0]), "refused before setup was tried"
+        with pytest.raises(StorageError, match="not open"):
+            backend.exists(["k"])
+
+
+def _capture(call: Callable[[], object], errors: list[BaseException]) -> None:
+    try:
+        call()
+    except BaseException as exc:
+        errors.append(exc)
+
+
+def _stopped_master_scenario(log_dir: str, queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    """Child process (one Mooncake client in it: observed, a client opened after another one was
+    closed in the same process answered batch_is_exist with the master stopped). Reports what it
+    saw; the parent asserts."""
+    seen: dict[str, object] = {}
+    master = MooncakeMaster(log_dir=Path(log_dir), client_ttl_s=120).start()
+    pid = master.process.pid
+    assert pid is not None
+    stopped = False
+    try:
+        config = master.backend_config(
+            segment_bytes=16 << 20,
+            local_buffer_bytes=0,
+            rpc_timeout_s=1,
+            connect_timeout_s=1,
+            circuit_breaker={"failures": 2, "cooldown_s": 2},
+        )
+        backend = MooncakeBackend("stopped", config)
+        backend.open()
+        kit = BackendConformance()
+        specs = conformance_specs()
+        engine = kit.engine(backend, specs, model_name=f"breaker-{uuid.uuid4().hex[:8]}")
+        source, target = kit.pools(specs, 3, seed=41), kit.pools(specs, 3, seed=None)
+        hashes = page_hashes(3, seed=41)
+        seen["put"] = engine.put("state", hashes, source["state"].units(range(3))).ok
+        os.kill(pid, signal.SIGSTOP)
+        stopped = True
+        first = engine.exists("state", hashes)
+        second = engine.get("state", hashes, target["state"].units(range(3)))
+        seen["first"] = (first.ok, first.failed, first.error)
+        seen["second"] = (second.ok, second.failed)
+        seen["state_after_two"] = str(engine.breaker.state)
+        seen["trips"] = engine.metrics.breaker_trips
+        codes = dict(backend.code_counts)
+        refused = [engine.exists("state", hashes) for _ in range(10)]
+        seen["refused"] = sum("circuit breaker open" in (r.error or "") for r in refused)
+        seen["codes_unchanged"] = dict(backend.code_counts) == codes
+        os.kill(pid, signal.SIGCONT)
+        stopped = False
+        deadline = time.monotonic() + 90  # a trial goes through every 2 s
+        while engine.breaker.state is not BreakerState.CLOSED and time.monotonic() < deadline:
+            engine.exists("state", hashes)
+            time.sleep(0.2)
+        seen["recovered"] = str(engine.breaker.state)
+        seen["read_back"] = engine.get("state", hashes, target["state"].units(range(3))).ok
+        seen["bit_exact"] = all(
+            source["state"].unit_bytes(i) == target["state"].unit_bytes(i) for i in range(3)
+        )
+        os.kill(pid, signal.SIGSTOP)
+        stopped = True
+        backend.close()  # would hold the GIL ~15 s in Mooncake's close without the answer probe
+        seen["closed"] = True
+    finally:
+        if stopped:
+            os.kill(pid, signal.SIGCONT)
+        master.stop()
+        queue.put(seen)
+
+
+def test_stopped_master_opens_the_breaker_then_recovers(tmp_path: Path) -> None:
+    """SIGSTOP the real master (by PID): calls end at the RPC deadline, the breaker opens after two
+    of them and later calls never reach Mooncake; after SIGCONT a trial call closes it and the
+    data written before is read back bit exact; close() of a client whose master is stopped returns
+    after the answer probe instead of blocking in Mooncake's close."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_stopped_master_scenario, args=(str(tmp_path), queue))
+    child.start()
+    try:
+        seen = queue.get(timeout=240)  # liveness guard: a hang anywhere ends the test here
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0, seen
+    assert seen["put"] == [True] * 3
+    first_ok, first_failed, first_error = seen["first"]  # type: ignore[misc]
+    assert first_ok == [False] * 3 and first_failed == 3 and "not answering" in (first_error or "")
+    assert seen["second"] == ([False] * 3, 3)
+    assert seen["state_after_two"] == "open" and seen["trips"] == 1
+    assert seen["refused"] == 10 and seen["codes_unchanged"], "no call reached the stopped master"
+    assert seen["recovered"] == "closed"
+    assert seen["read_back"] == [True] * 3 and seen["bit_exact"]
+    assert seen.get("closed") is True, "close blocked on the stopped master"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import resource
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -55,7 +58,8 @@ class FaultyFileBackend(FileBackend):
 
 @pytest.fixture
 def faulty(tmp_path: Path) -> FaultyFileBackend:
-    backend = FaultyFileBackend("faulty", FileConfig(path=tmp_path))
+    # no circuit breaker: these tests count what every failing call does (the breaker has its own)
+    backend = FaultyFileBackend("faulty", FileConfig(path=tmp_path, circuit_breaker={"failures": 0}))
     backend.open()
     yield backend
     backend.close()
@@ -204,3 +208,120 @@ def test_batch_hooks_fire_and_observer_failures_are_contained(
         ("stored", "faulty", "index", 2, 2 * unit_bytes),
         ("failed", "get", "faulty", "ConnectionError"),
     ]
+
+
+# --- integrity bypass: a header downgraded to "no checksum" (issue 15, defect 3) ---------------------
+
+
+def test_header_downgrade_with_changed_payload_is_a_counted_miss(tmp_path: Path) -> None:
+    """Rewrite a stored header to declare no checksum, then change payload bytes: the reader's
+    policy is a checksum, so the object is refused and counted as corrupt, never served."""
+    backend = FileBackend("l3", FileConfig(path=tmp_path))
+    backend.open()
+    specs = conformance_specs()
+    engine = KIT.engine(backend, specs)
+    source, target = KIT.pools(specs, 3, seed=31), KIT.pools(specs, 3, seed=None)
+    hashes = page_hashes(3, seed=31)
+    assert all(engine.put("state", hashes, source["state"].units(range(3))).ok)
+    path = backend.path_for(engine.object_keys("state", hashes)[0][1])
+    raw = bytearray(path.read_bytes())
+    raw[6:8] = bytes(2)  # checksum kind: none
+    raw[40:48] = bytes(8)  # checksum value
+    raw[64 + 17] ^= 0x5A  # a payload byte
+    path.write_bytes(bytes(raw))
+    result = engine.get("state", hashes, target["state"].units(range(3)))
+    assert result.ok == [True, False, True]
+    assert engine.metrics.corrupt_detected == 1
+    assert engine.metrics.corrupt_reasons == {"checksum_missing": 1}
+    assert engine.metrics.foreign_objects == 0
+    KIT.assert_units_equal(source["state"], target["state"], [0, 2])
+    assert not path.exists(), "the forged object is removed like any damaged one"
+    backend.close()
+
+
+# --- layout change under the same model name (issue 15, defect 5) ------------------------------------
+
+
+def test_layout_change_heals_and_is_counted_apart_from_damage(tmp_path: Path) -> None:
+    backend = FileBackend("l3", FileConfig(path=tmp_path))
+    backend.open()
+    old_specs, new_specs = conformance_specs(), conformance_specs(dtype="bfloat16")
+    hashes = page_hashes(2, seed=32)
+    old_source = KIT.pools(old_specs, 2, seed=32)
+    assert all(
+        KIT.engine(backend, old_specs, model_name="same")
+        .put("index", hashes, old_source["index"].units(range(2)))
+        .ok
+    )
+    assert all(
+        KIT.engine(backend, old_specs, model_name="same")
+        .put("state", hashes, old_source["state"].units(range(2)))
+        .ok
+    )
+    engine = KIT.engine(backend, new_specs, model_name="same")  # the attn pool changed dtype
+    source, target = KIT.pools(new_specs, 2, seed=33), KIT.pools(new_specs, 2, seed=None)
+    old_attn = KIT.engine(backend, old_specs, model_name="same")
+    assert all(old_attn.put("attn", hashes, old_source["attn"].units(range(2))).ok)
+    assert all(engine.put("attn", hashes, source["attn"].units(range(2))).ok)  # skip_existing
+    assert engine.get("attn", hashes, target["attn"].units(range(2))).ok == [False, False]
+    metrics = engine.metrics
+    assert (metrics.foreign_objects, metrics.foreign_reasons) == (4, {"fingerprint_mismatch": 4})
+    assert metrics.foreign_removed == 4 and metrics.corrupt_detected == 0
+    assert engine.exists("attn", hashes).ok == [False, False], "the stale objects are gone"
+    assert all(engine.put("attn", hashes, source["attn"].units(range(2))).ok)
+    assert all(engine.get("attn", hashes, target["attn"].units(range(2))).ok)
+    KIT.assert_units_equal(source["attn"], target["attn"], range(2))
+    # the pools whose layout did not change keep their objects
+    other = KIT.pools(new_specs, 2, seed=None)
+    assert all(engine.get("index", hashes, other["index"].units(range(2))).ok)
+    KIT.assert_units_equal(old_source["index"], other["index"], range(2))
+    backend.close()
+
+
+# --- per-object put failures are failures (issue 15, defect 4) ---------------------------------------
+
+
+def _put_under_file_size_limit(path: str, queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    """Child process: RLIMIT_FSIZE caps every file at 300 bytes, a real filesystem refusal (EFBIG).
+    ``index`` objects are 256 bytes and fit; ``attn`` (320) and ``state`` (384) do not."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed by the signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (300, 300))
+    backend = FileBackend("l3", FileConfig(path=path))
+    backend.open()
+    specs = conformance_specs()
+    engine = KIT.engine(backend, specs)
+    source = KIT.pools(specs, 3, seed=34)
+    hashes = page_hashes(3, seed=34)
+    fits = engine.put("index", hashes, source["index"].units(range(3)))
+    group = engine.put_group({name: PoolBatch(hashes, source[name].units(range(3))) for name in specs})
+    queue.put(
+        {
+            "fits": (fits.ok, fits.failed, fits.error),
+            "group": {name: (r.ok, r.failed, r.error) for name, r in group.items()},
+            "put_failed": engine.metrics.put_failed,
+            "put_units": engine.metrics.put_units,
+        }
+    )
+    backend.close()
+
+
+def test_refused_writes_are_counted_failures(tmp_path: Path) -> None:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_put_under_file_size_limit, args=(str(tmp_path), queue))
+    child.start()
+    report = queue.get(timeout=120)
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    assert report["fits"] == ([True] * 3, 0, None)
+    index_ok, index_failed, _ = report["group"]["index"]
+    state_ok, state_failed, state_error = report["group"]["state"]
+    attn_ok, attn_failed, _ = report["group"]["attn"]
+    assert index_ok == [True] * 3 and index_failed == 0
+    assert state_ok == [False] * 3 and state_failed == 3
+    assert "3 of 3 units not stored" in state_error and "'l3'" in state_error
+    # the anchor is not attempted over pages whose component failed: not stored, not a failure
+    assert attn_ok == [False] * 3 and attn_failed == 0
+    assert report["put_failed"] == 3 and report["put_units"] == 9
+    leftovers = [p for p in tmp_path.rglob("*") if p.is_file() and ".tmp-" in p.name]
+    assert leftovers == [], "a refused write leaves no temp file"

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend, StorageObject
+from kvstrata.plugins.storage_backend import OBJECT_MAGIC, BufferRegion, StorageBackend, StorageObject
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 from kvstrata.testing.conformance import (
     BackendConformance,
@@ -160,18 +162,18 @@ def test_capacity_lru_eviction_tolerates_vanished_files(tmp_path: Path) -> None:
 
 def test_existing_key_not_rewritten_and_temp_files_ignored(tmp_path: Path) -> None:
     backend = open_file_backend(tmp_path)
-    first, other = bytearray(b"first"), bytearray(b"other")
+    first, other = bytearray(OBJECT_MAGIC + b"first"), bytearray(OBJECT_MAGIC + b"other")
     assert backend.put([_raw_object("same", first)]) == [True]
     assert backend.put([_raw_object("same", other)]) == [True]
-    out = bytearray(5)
-    assert backend.get([_raw_object("same", out)]) == [5]
-    assert out == b"first"
+    out = bytearray(9)
+    assert backend.get([_raw_object("same", out)]) == [9]
+    assert out == OBJECT_MAGIC + b"first"
     stray = backend.path_for("ghost").with_name(".ghost.tmp-1-deadbeef")
     stray.parent.mkdir(exist_ok=True)
     stray.write_bytes(b"partial")
     backend.close()
     reopened = open_file_backend(tmp_path)
-    assert reopened.used_bytes == 5  # the temp file is never adopted
+    assert reopened.used_bytes == 9  # the temp file is never adopted
     assert reopened.exists(["ghost", "same"]) == [False, True]
     scratch = bytearray(4)
     assert reopened.get([_raw_object("missing", scratch)]) == [-1]
@@ -193,3 +195,218 @@ def test_unsafe_and_long_keys_map_to_safe_names(tmp_path: Path) -> None:
 def test_config_rejects_unknown_fields(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="capacity"):
         FileConfig(path=tmp_path, capacity=10)  # type: ignore[call-arg]
+
+
+# --- the directory may hold other things: only provably own files are ever touched -------------
+
+
+def _user_files(root: Path, fanout: int) -> dict[Path, bytes]:
+    """Files a user keeps next to (and inside) the store: none of them may ever be touched."""
+    import hashlib
+
+    def fan_of(name: str) -> str:
+        return hashlib.blake2b(name.encode(), digest_size=16).hexdigest()[:fanout]
+
+    files = {
+        root / "notes.txt": b"my notes",
+        root / ".bashrc": b"alias ll='ls -l'",
+        root / "sub" / "deep" / "model.safetensors": b"weights" * 100,
+        root / "ab" / "photo.jpg": b"\xff\xd8" + bytes(500),  # a fan-like directory
+        # in the layout (the digest of its name picks its directory) but without the object magic
+        root / fan_of("report.pdf") / "report.pdf": b"%PDF" + bytes(700),
+        root / "0123456789abcdef0123456789abcdef"[:fanout] / "0123456789abcdef0123456789abcdef": bytes(900),
+        # starts with the magic but lies outside the layout (without fan-out, only the root is)
+        root / ("KVS1-lookalike.bin" if fanout else "sub/KVS1-lookalike.bin"): OBJECT_MAGIC + bytes(300),
+        # named like a temp file of the backend, but not in its layout
+        root / "sub" / ".x.tmp-1-deadbeef-0": b"temp-like",
+    }
+    for path, data in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        os.utime(path, (1_000_000, 1_000_000))  # old: first in line if they were adopted
+    return files
+
+
+@pytest.mark.parametrize("fanout", [2, 0])
+def test_capacity_eviction_never_touches_user_files(tmp_path: Path, fanout: int) -> None:
+    files = _user_files(tmp_path, fanout)
+    backend = open_file_backend(tmp_path, capacity_bytes=4000, fanout_chars=fanout)
+    assert backend.used_bytes == 0, "user files are not counted as the backend's objects"
+    blobs = {f"obj-{i}": bytearray(OBJECT_MAGIC + bytes([i]) * 996) for i in range(12)}
+    for key, data in blobs.items():
+        assert backend.put([_raw_object(key, data)]) == [True]
+    assert backend.used_bytes <= 4000
+    assert sum(backend.exists(list(blobs))) == 4  # its own objects were evicted, LRU first
+    backend.close()
+    reopened = open_file_backend(tmp_path, capacity_bytes=4000, fanout_chars=fanout, stale_temp_s=1)
+    assert reopened.used_bytes == 4000, "only the backend's own objects are adopted"
+    for key, data in list(blobs.items())[:6]:
+        assert reopened.put([_raw_object(f"again-{key}", data)]) == [True]
+    reopened.close()
+    for path, data in files.items():
+        assert path.read_bytes() == data, f"{path} was touched"
+
+
+def test_engine_objects_are_adopted_and_evicted_user_files_kept(tmp_path: Path) -> None:
+    """The engine's real objects (header magic) are adopted at open and evicted under pressure;
+    the user's file in the same directory is still there afterwards."""
+    files = _user_files(tmp_path, 2)
+    kit = BackendConformance()
+    specs = conformance_specs()
+    source = kit.pools(specs, 6, seed=21)
+    hashes = page_hashes(6, seed=21)
+    first = open_file_backend(tmp_path)
+    engine = kit.engine(first, specs)
+    assert all(engine.put("index", hashes, source["index"].units(range(6))).ok)
+    written = first.used_bytes
+    first.close()
+    for age, key in enumerate(engine.object_keys("index", hashes)[0]):  # page 0 the oldest
+        os.utime(first.path_for(key), (1_000_000 + age, 1_000_000 + age))  # timestamps can tie
+    second = open_file_backend(tmp_path, capacity_bytes=written)
+    assert second.used_bytes == written
+    more = page_hashes(3, seed=22)
+    assert all(kit.engine(second, specs).put("index", more, source["index"].units(range(3))).ok)
+    assert second.used_bytes == written
+    assert kit.engine(second, specs).exists("index", hashes).ok == [False] * 3 + [True] * 3
+    second.close()
+    for path, data in files.items():
+        assert path.read_bytes() == data, f"{path} was touched"
+
+
+def test_empty_path_is_refused(tmp_path: Path, kvstrata_host: object) -> None:
+    from pydantic import ValidationError
+
+    from kvstrata.core.config import load_config
+    from kvstrata.plugins import ConfigError
+
+    with pytest.raises(ValidationError, match="path"):
+        FileConfig(path="")
+    with pytest.raises(ValidationError, match="path"):
+        FileConfig(path="   ")
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "model: {name: demo, page_size: 64, pools: {kv: {type: kv, layers: 1, kv_heads: 1, head_dim: 8,"
+        " dtype: float16}}}\ntiers: {host: {capacity_tokens: 1000}, storage: {l3: {type: file, path: ''}}}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config([config], [], host=kvstrata_host, environ={})
+    assert "tiers.storage.l3.path" in {path for path, _ in info.value.errors}
+    assert "current directory" in str(info.value)
+
+
+# --- temp files of writers that died --------------------------------------------------------------
+
+
+def _temp_name(backend: FileBackend, key: str, pid: int = 4242, token: str = "0badc0de") -> Path:
+    """A temp file named exactly as a writer of this backend names them."""
+    final = backend.path_for(key)
+    return final.with_name(f".{final.name}.tmp-{pid}-{token}-7")
+
+
+def test_stale_temp_files_swept_at_open_live_ones_counted(tmp_path: Path) -> None:
+    first = open_file_backend(tmp_path, capacity_bytes=10_000)
+    stale, live = _temp_name(first, "dead-writer"), _temp_name(first, "live-writer")
+    first.close()
+    for path, size in ((stale, 3000), (live, 2500)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes(size))
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    user = tmp_path / ".notes.tmp-1-deadbeef-0"  # temp-like name, but not in the layout
+    user.write_bytes(b"keep")
+    os.utime(user, (1_000_000, 1_000_000))
+    backend = open_file_backend(tmp_path, capacity_bytes=10_000, stale_temp_s=600)
+    assert not stale.exists(), "a stale temp file of a dead writer is removed at open"
+    assert backend.stale_temps_removed == 1
+    assert live.exists() and backend.used_bytes == 2500, "a young temp file counts against capacity"
+    assert user.read_bytes() == b"keep"
+    # under pressure, the counted temp file still takes room: only 7500 bytes of objects fit
+    blobs = [bytearray(OBJECT_MAGIC + bytes(996)) for _ in range(10)]
+    for index, blob in enumerate(blobs):
+        assert backend.put([_raw_object(f"fill-{index}", blob)]) == [True]
+    assert backend.used_bytes <= 10_000
+    assert sum(backend.exists([f"fill-{i}" for i in range(10)])) == 7
+    # once its writer renamed it away, it stops counting
+    live.unlink()
+    assert backend.put([_raw_object("fill-10", blobs[0])]) == [True]
+    assert backend.used_bytes == 8 * 1000
+    backend.close()
+
+
+def _write_then_die(path: str, ready: str) -> None:
+    """Child process: a file-backend writer that stalls between writing its temp file and the rename
+    (FAULT INJECTION: os.replace blocks), so the parent can kill -9 it mid-put."""
+    import ctypes
+
+    import kvstrata.storage_backends.file as file_module
+
+    def stall(*_args: object) -> None:
+        Path(ready).write_text("temp written")
+        time.sleep(600)
+
+    file_module.os.replace = stall  # type: ignore[assignment]
+    backend = open_file_backend(Path(path))
+    data = bytearray(OBJECT_MAGIC + bytes(4092))
+    buffer = (ctypes.c_ubyte * len(data)).from_buffer(data)
+    backend.put([StorageObject("killed-mid-put", (BufferRegion(ctypes.addressof(buffer), len(data)),))])
+
+
+def test_kill_minus_9_writer_leaves_temp_that_is_counted_then_swept(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    store = tmp_path / "store"
+    context = multiprocessing.get_context("spawn")
+    child = context.Process(target=_write_then_die, args=(str(store), str(ready)))
+    child.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline and child.is_alive():
+            time.sleep(0.05)
+        assert ready.exists(), "the writer never reached its rename"
+        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    finally:
+        child.join(timeout=30)
+    assert child.exitcode == -signal.SIGKILL
+    temps = [p for p in store.rglob(".*") if p.is_file()]
+    assert len(temps) == 1 and temps[0].stat().st_size == 4096
+    fresh = open_file_backend(store, capacity_bytes=1 << 20)
+    assert fresh.used_bytes == 4096 and temps[0].exists(), "a young temp file is counted, not removed"
+    assert fresh.exists(["killed-mid-put"]) == [False], "a torn write is never visible"
+    fresh.close()
+    os.utime(temps[0], (time.time() - 3600, time.time() - 3600))
+    swept = open_file_backend(store, capacity_bytes=1 << 20, stale_temp_s=60)
+    assert not temps[0].exists() and swept.stale_temps_removed == 1 and swept.used_bytes == 0
+    swept.close()
+
+
+# --- fsync mode -------------------------------------------------------------------------------------
+
+
+def test_fsync_mode_syncs_the_directory_after_the_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OBSERVATION INJECTION: os.fsync is wrapped to record what each call synced (the real fsync
+    still runs), since a missing directory fsync only shows after a power loss."""
+    import stat as stat_module
+
+    real_fsync = os.fsync
+    synced: list[tuple[bool, int, bool]] = []  # (is a directory, inode, object visible at the call)
+    backend = open_file_backend(tmp_path, fsync=True)
+    final = backend.path_for("durable")
+
+    def record(fd: int) -> None:
+        info = os.fstat(fd)
+        synced.append((stat_module.S_ISDIR(info.st_mode), info.st_ino, final.exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    data = bytearray(OBJECT_MAGIC + b"payload")
+    assert backend.put([_raw_object("durable", data)]) == [True]
+    directory_inode = final.parent.stat().st_ino
+    root_inode = tmp_path.stat().st_ino
+    files = [entry for entry in synced if not entry[0]]
+    assert files and not files[0][2], "the object's bytes are synced before the rename"
+    assert (True, directory_inode, True) in synced, "its directory is synced after the rename"
+    assert (True, root_inode, False) in synced, "a new fan-out directory's entry is synced too"
+    synced.clear()
+    assert backend.put([_raw_object("durable-2", data)]) == [True]
+    assert sum(1 for entry in synced if entry[0]) >= 1
+    backend.close()

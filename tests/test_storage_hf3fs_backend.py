@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,3 +71,61 @@ def test_mock_slot_limit_and_lru_reuse(tmp_path: Path) -> None:
     assert out == blobs[2]
     backend.close()
     assert not backend.data_file.exists()
+
+
+def test_mock_never_returns_another_keys_bytes_under_concurrency(tmp_path: Path) -> None:
+    """Readers race writers that recycle slots (LRU reuse) and removers that free them: a get
+    that reports bytes must return the bytes of the key it asked for, never another key's."""
+    size = 64 << 10
+    backend = open_mock(tmp_path, file_bytes=size * 3, slot_bytes=size)
+    keys = [f"key-{i}" for i in range(8)]
+    blobs = {key: bytearray([index + 1]) * size for index, key in enumerate(keys)}
+    arrays = {key: (ctypes.c_ubyte * size).from_buffer(blob) for key, blob in blobs.items()}
+    objects = {key: StorageObject(key, (BufferRegion(ctypes.addressof(arrays[key]), size),)) for key in keys}
+    stop = threading.Event()
+    wrong: list[tuple[str, int]] = []
+    reads = [0]
+    errors: list[BaseException] = []
+
+    def writer(offset: int) -> None:
+        try:
+            index = offset
+            while not stop.is_set():
+                backend.put([objects[keys[index % len(keys)]]])
+                if index % 5 == 0:
+                    backend.remove([keys[(index + 3) % len(keys)]])
+                index += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    def reader(offset: int) -> None:
+        try:
+            out = bytearray(size)
+            target = (ctypes.c_ubyte * size).from_buffer(out)
+            region = BufferRegion(ctypes.addressof(target), size)
+            index = offset
+            while not stop.is_set():
+                key = keys[index % len(keys)]
+                index += 1
+                if backend.get([StorageObject(key, (region,))]) == [size]:
+                    reads[0] += 1
+                    expected = keys.index(key) + 1
+                    if out.count(expected) != size:
+                        wrong.append((key, next(b for b in out if b != expected)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
+    threads += [threading.Thread(target=reader, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 20
+    while reads[0] < 3000 and not wrong and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    backend.close()
+    assert not errors, errors
+    assert reads[0] > 0, "no read ever hit: the test proves nothing"
+    assert wrong == [], f"{len(wrong)} reads returned another key's bytes, e.g. {wrong[:3]}"

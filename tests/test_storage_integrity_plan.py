@@ -7,6 +7,7 @@ import pytest
 
 from kvstrata.core.config import ParallelConfig
 from kvstrata.core.integrity import (
+    DAMAGE,
     HEADER_BYTES,
     MARKER_SUFFIX,
     ObjectHeader,
@@ -57,7 +58,35 @@ def test_header_round_trip_and_every_rejection() -> None:
     assert verify(header, payload, fp, checksum="none") is Verdict.OK  # reader opted out
     unchecked, payload2, _ = make_object("none")
     payload2[0][0] ^= 1
-    assert verify(unchecked, payload2, fp) is Verdict.OK  # writer stored no checksum
+    assert verify(unchecked, payload2, fp, checksum="none") is Verdict.OK  # neither side checks
+    # a reader whose policy is a checksum never trusts an object that carries none
+    assert verify(unchecked, payload2, fp) is Verdict.CHECKSUM_MISSING
+
+
+def test_checksum_covers_the_header() -> None:
+    """Any header field rewritten after the fact fails the checksum (format version 2)."""
+    header, payload, fp = make_object()
+    for offset in (8, 24, 33, 50, 63):  # fingerprint, key digest, payload length, reserved bytes
+        forged = bytearray(header)
+        forged[offset] ^= 0x10
+        assert verify(bytes(forged), payload, fp) is not Verdict.OK, offset
+    reserved = bytearray(header)
+    reserved[60] ^= 1  # a field no check reads: only the checksum notices
+    assert verify(bytes(reserved), payload, fp) is Verdict.CHECKSUM_MISMATCH
+    flipped_fp = bytearray(header)
+    flipped_fp[9] ^= 1  # damage, not another layout: counted as corruption
+    assert verify(bytes(flipped_fp), payload, fp) is Verdict.CHECKSUM_MISMATCH
+
+
+def test_header_downgraded_to_no_checksum_is_refused() -> None:
+    """The attack of issue 15: declare "no checksum" in the header, then change payload bytes."""
+    header, payload, fp = make_object()
+    downgraded = bytearray(header)
+    downgraded[6:8] = (0).to_bytes(2, "little")  # checksum kind: none
+    downgraded[40:48] = bytes(8)
+    payload[0][3] ^= 0xFF
+    assert verify(bytes(downgraded), payload, fp) is Verdict.CHECKSUM_MISSING
+    assert Verdict.CHECKSUM_MISSING in DAMAGE
 
 
 def test_fingerprint_tracks_shape_dtype_suffix_not_pool_name() -> None:

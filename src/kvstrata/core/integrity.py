@@ -5,12 +5,17 @@ it as the object's FIRST region, so backends store opaque bytes. Header layout (
 
     0  magic        4s   b"KVS1"
     4  version      u16  FORMAT_VERSION
-    6  checksum     u16  0 = none, 1 = xxh3_64 of the payload
+    6  checksum     u16  0 = none, 1 = xxh3_64 of the header (this field zero) and the payload
     8  fingerprint  16s  layout fingerprint of (pool type, buffers, dtypes, shapes, page size, suffix)
     24 key digest   u64  xxh3_64 of the object's key: an object served under another key is rejected
     32 payload len  u64
     40 checksum     u64
     48 reserved     16s  zero
+
+The checksum covers the header too (format version 2): a rewritten header field -- a checksum
+kind downgraded to "none", a fingerprint, a length -- fails it like a flipped payload byte. A
+reader whose policy is ``xxh3`` refuses an object that declares no checksum (it cannot be checked,
+so it is not trusted); a reader with policy ``none`` checks everything but the checksum.
 
 The payload byte order is canonical -- for each buffer of the ObjectSpec in order, each layer in
 order, the unit's elements -- whatever the host layout, so the fingerprint leaves the host layout
@@ -30,16 +35,19 @@ from typing import Literal
 import xxhash
 
 from kvstrata.plugins.pool_type import PoolSpec
-from kvstrata.plugins.storage_backend import BufferRegion, region_view
+from kvstrata.plugins.storage_backend import OBJECT_MAGIC, BufferRegion, region_view
 
-MAGIC = b"KVS1"
+MAGIC = OBJECT_MAGIC
 #: Suffix of the header-only marker object a pool without buffers (a logical anchor) stores per
 #: unit: its existence is the commit marker that gates reading the other pools of the page.
 MARKER_SUFFIX = "marker"
-FORMAT_VERSION = 1
+#: 2: the checksum covers the header as well as the payload (version 1 objects are foreign).
+FORMAT_VERSION = 2
 HEADER_BYTES = 64
 _STRUCT = struct.Struct("<4sHH16sQQQ16s")
 assert _STRUCT.size == HEADER_BYTES
+_CHECKSUM_AT = 40  # offset of the checksum field, zero while the checksum is computed
+_CHECKSUM_FIELD = struct.Struct("<Q")
 _RESERVED = bytes(16)
 
 ChecksumPolicy = Literal["xxh3", "none"]
@@ -63,7 +71,25 @@ class Verdict(StrEnum):
     FINGERPRINT_MISMATCH = "fingerprint_mismatch"  # another pool type / layout / shape
     KEY_MISMATCH = "key_mismatch"  # object stored under a different key
     LENGTH_MISMATCH = "length_mismatch"  # truncated, or payload size differs from the spec
-    CHECKSUM_MISMATCH = "checksum_mismatch"
+    CHECKSUM_MISMATCH = "checksum_mismatch"  # header or payload bytes changed
+    CHECKSUM_MISSING = "checksum_missing"  # declares no checksum; the reader's policy demands one
+
+
+#: Verdicts that mean the bytes under our key are damaged (or cannot be trusted): counted as
+#: corruption, and removed so they are not read again.
+DAMAGE = frozenset(
+    {
+        Verdict.SHORT_READ,
+        Verdict.BAD_MAGIC,
+        Verdict.LENGTH_MISMATCH,
+        Verdict.CHECKSUM_MISMATCH,
+        Verdict.CHECKSUM_MISSING,
+    }
+)
+#: Verdicts that mean an intact object that is not what this reader stores under the key: another
+#: layout (a layout change under the same model name), another format version, another key's
+#: object. Counted apart from corruption, and removed too, so the key can be written again.
+FOREIGN = frozenset({Verdict.BAD_VERSION, Verdict.FINGERPRINT_MISMATCH, Verdict.KEY_MISMATCH})
 
 
 def stored_objects(spec: PoolSpec) -> tuple[tuple[str, int], ...]:
@@ -113,6 +139,17 @@ def payload_checksum(regions: Sequence[BufferRegion]) -> int:
     return hasher.intdigest()
 
 
+def object_checksum(header: bytes | bytearray | memoryview, payload: Sequence[BufferRegion]) -> int:
+    """xxh3_64 of the header (its checksum field read as zero) followed by the payload."""
+    hasher = xxhash.xxh3_64()
+    hasher.update(header[:_CHECKSUM_AT])
+    hasher.update(bytes(_CHECKSUM_FIELD.size))
+    hasher.update(header[_CHECKSUM_AT + _CHECKSUM_FIELD.size : HEADER_BYTES])
+    for region in payload:
+        hasher.update(region_view(region))
+    return hasher.intdigest()
+
+
 @dataclass(frozen=True, slots=True)
 class ObjectHeader:
     fingerprint: bytes
@@ -139,12 +176,13 @@ def build_header(
 ) -> bytes:
     """The header bytes for one object whose payload lies in ``payload``."""
     nbytes = sum(region.nbytes for region in payload)
-    if checksum == "xxh3":
-        kind, value = ChecksumKind.XXH3_64, payload_checksum(payload)
-    else:
-        kind, value = ChecksumKind.NONE, 0
+    kind = ChecksumKind.XXH3_64 if checksum == "xxh3" else ChecksumKind.NONE
     # Packed directly (not through ObjectHeader): this runs once per object on the put path.
-    return _STRUCT.pack(MAGIC, FORMAT_VERSION, kind, fingerprint, key_digest(key), nbytes, value, _RESERVED)
+    header = _STRUCT.pack(MAGIC, FORMAT_VERSION, kind, fingerprint, key_digest(key), nbytes, 0, _RESERVED)
+    if kind is ChecksumKind.NONE:
+        return header
+    value = _CHECKSUM_FIELD.pack(object_checksum(header, payload))
+    return header[:_CHECKSUM_AT] + value + header[_CHECKSUM_AT + _CHECKSUM_FIELD.size :]
 
 
 def verify_object(
@@ -158,8 +196,10 @@ def verify_object(
 ) -> Verdict:
     """Check an object read back into ``header`` + ``payload``; anything but OK is a miss.
 
-    The checksum is verified when the writer stored one and the reader's policy is ``xxh3``
-    (policy ``none`` trades detection of silent bit flips for read bandwidth).
+    With policy ``xxh3`` the object must carry a checksum, verified over its header and payload;
+    policy ``none`` trades detection of silent bit flips for read bandwidth (every other field is
+    still checked). When the whole object was read, the checksum is verified before the layout
+    fields, so a damaged header counts as damage rather than as another layout's object.
     """
     if bytes_read < HEADER_BYTES:
         return Verdict.SHORT_READ
@@ -169,13 +209,17 @@ def verify_object(
         return Verdict.BAD_MAGIC
     if version != FORMAT_VERSION or kind not in _CHECKSUM_KINDS:  # unknown kind: unknown format
         return Verdict.BAD_VERSION
+    verify_checksum = checksum == "xxh3"
+    if verify_checksum and kind != ChecksumKind.XXH3_64:
+        return Verdict.CHECKSUM_MISSING  # weaker than the reader's policy: never trusted
+    expected = sum(region.nbytes for region in payload)
+    complete = nbytes == expected and bytes_read == HEADER_BYTES + expected
+    if complete and verify_checksum and object_checksum(header, payload) != stored_checksum:
+        return Verdict.CHECKSUM_MISMATCH
     if stored_fingerprint != fingerprint:
         return Verdict.FINGERPRINT_MISMATCH
     if digest != key_digest(key):
         return Verdict.KEY_MISMATCH
-    expected = sum(region.nbytes for region in payload)
-    if nbytes != expected or bytes_read != HEADER_BYTES + expected:
+    if not complete:
         return Verdict.LENGTH_MISMATCH
-    if checksum == "xxh3" and kind == ChecksumKind.XXH3_64 and payload_checksum(payload) != stored_checksum:
-        return Verdict.CHECKSUM_MISMATCH
     return Verdict.OK

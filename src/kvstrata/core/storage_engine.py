@@ -17,7 +17,6 @@ marker object per unit; its units may be omitted (``PoolBatch(hashes)``) or be e
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -26,25 +25,53 @@ from typing import Any
 
 import numpy as np
 
+from kvstrata.core.breaker import BreakerState, CircuitBreaker
 from kvstrata.core.config import ParallelConfig
 from kvstrata.core.integrity import (
+    DAMAGE,
+    FOREIGN,
     HEADER_BYTES,
     ChecksumPolicy,
     Verdict,
     build_header,
     layout_fingerprint,
     stored_objects,
-    verify_object,
 )
 from kvstrata.core.io_plan import IOMode, IOPlan
 from kvstrata.core.keys import KeySchema
-from kvstrata.plugins.pool_type import PoolRole, PoolSpec
-from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend, StorageObject
+from kvstrata.core.storage_batch import (
+    BatchResult,
+    ObjectBatch,
+    PoolBatch,
+    UnitRegions,
+    build_objects,
+    checked_units,
+    get_group,
+    longest_present_prefix,
+    put_group,
+    read_order,
+    stage_in,
+    stage_out,
+    verify_batch,
+    write_order,
+)
+from kvstrata.plugins.pool_type import PoolSpec
+from kvstrata.plugins.storage_backend import BackendConfig, BreakerConfig, StorageBackend
+
+__all__ = [
+    "DAMAGE",
+    "FOREIGN",
+    "BatchResult",
+    "PoolBatch",
+    "StorageEngine",
+    "StorageMetrics",
+    "UnitRegions",
+    "longest_present_prefix",
+    "read_order",
+    "write_order",
+]
 
 log = logging.getLogger(__name__)
-
-#: Regions of one unit: one sequence of regions per object of the pool, in ObjectSpec order.
-UnitRegions = Sequence[Sequence[BufferRegion]]
 
 
 @dataclass
@@ -58,85 +85,19 @@ class StorageMetrics:
     get_units: int = 0
     get_hits: int = 0
     get_misses: int = 0
-    corrupt_detected: int = 0
+    corrupt_detected: int = 0  # damaged objects refused (integrity.DAMAGE verdicts)
     corrupt_reasons: dict[str, int] = field(default_factory=dict)
     corrupt_removed: int = 0  # damaged objects deleted so they are not read again
     corrupt_remove_failed: int = 0
+    foreign_objects: int = 0  # intact objects of another layout / format / key (integrity.FOREIGN)
+    foreign_reasons: dict[str, int] = field(default_factory=dict)
+    foreign_removed: int = 0  # deleted so the key can be written again in this reader's layout
+    foreign_remove_failed: int = 0
     backend_errors: int = 0
+    breaker_trips: int = 0  # times the circuit breaker opened
+    breaker_rejected: int = 0  # calls refused at once while it was open (failed, not attempted)
     bytes_written: int = 0
     bytes_read: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class BatchResult:
-    """Per-unit outcome of one batch; ``error`` is set when the whole operation failed."""
-
-    ok: list[bool]
-    error: str | None = None
-    skipped: bool = False  # nothing attempted (plan off / read-only): ``error`` says why
-
-    @property
-    def prefix(self) -> int:
-        return longest_present_prefix(self.ok)
-
-
-#: Verdicts that mean the stored bytes are damaged (not merely another writer's layout or format
-#: version, which a deployment sharing the store may still read): such objects are removed.
-DAMAGE = frozenset(
-    {Verdict.SHORT_READ, Verdict.BAD_MAGIC, Verdict.LENGTH_MISMATCH, Verdict.CHECKSUM_MISMATCH}
-)
-
-
-@dataclass(frozen=True, slots=True)
-class _Batch:
-    """The objects of one put/get, unit-major, with their payload regions and header rows."""
-
-    objects: list[StorageObject]
-    payloads: list[tuple[BufferRegion, ...]]
-    headers: np.ndarray  # (len(objects), HEADER_BYTES) uint8, the first region of each object
-    n_obj: int  # objects per unit
-
-    @property
-    def units(self) -> int:
-        return len(self.objects) // self.n_obj
-
-    def per_unit(self, flags: Sequence[Any]) -> list[bool]:
-        """A unit succeeds when every one of its objects does."""
-        n_obj = self.n_obj
-        if n_obj == 1:
-            return [bool(flag) for flag in flags]
-        return [all(flags[i : i + n_obj]) for i in range(0, len(flags), n_obj)]
-
-
-@dataclass(frozen=True, slots=True)
-class PoolBatch:
-    """One pool's share of a multi-pool operation on the same pages."""
-
-    page_hashes: Sequence[str]
-    units: Sequence[UnitRegions] = ()
-
-
-def longest_present_prefix(flags: Sequence[bool]) -> int:
-    """Length of the leading run of ``True``: how many pages from the start are usable."""
-    for index, flag in enumerate(flags):
-        if not flag:
-            return index
-    return len(flags)
-
-
-def write_order(specs: Sequence[PoolSpec]) -> list[PoolSpec]:
-    """Sidecars, then components, then the anchor LAST: the anchor object is the commit marker."""
-    rank = {PoolRole.SIDECAR: 0, PoolRole.COMPONENT: 1, PoolRole.ANCHOR: 2}
-    return sorted(specs, key=lambda spec: rank[spec.role])
-
-
-def read_order(specs: Sequence[PoolSpec]) -> list[PoolSpec]:
-    """Anchor first: no anchor, no point reading the rest."""
-    return list(reversed(write_order(specs)))
-
-
-def _address(array: np.ndarray) -> int:
-    return int(array.ctypes.data)
 
 
 class StorageEngine:
@@ -174,6 +135,9 @@ class StorageEngine:
         for name, spec in specs.items():
             self.add_pool(name, spec, plans[name])
         self._removable = backend.instance_capabilities().removable
+        config = getattr(backend, "config", None)
+        breaker = config.circuit_breaker if isinstance(config, BackendConfig) else BreakerConfig()
+        self.breaker = CircuitBreaker(breaker.failures, breaker.cooldown_s)
 
     def add_pool(self, name: str, spec: PoolSpec, plan: IOPlan) -> None:
         """Start serving one more pool (e.g. a draft pool added after start) with its own plan."""
@@ -219,6 +183,42 @@ class StorageEngine:
         )
         return message
 
+    def _call_backend(
+        self, operation: str, pool: str, items: Sequence[Any]
+    ) -> tuple[list[Any] | None, str | None]:
+        """Run ``backend.<operation>(items)``; a raise or a wrong-length answer fails the whole
+        call (``None`` and why), never the caller. While the circuit breaker is open the backend
+        is not called at all: the call fails at once."""
+        if not self.breaker.allow():
+            self._count(breaker_rejected=1)
+            return None, (
+                f"{operation} on backend {self.backend.instance!r} refused: circuit breaker open after "
+                f"repeated failures (a trial call goes through every {self.breaker.cooldown_s:g} s)"
+            )
+        try:
+            answer = list(getattr(self.backend, operation)(items))
+            if len(answer) != len(items):
+                raise RuntimeError(f"backend returned {len(answer)} results for {len(items)} items")
+        except Exception as exc:  # a backend failure fails this call only
+            self._breaker_outcome(ok=False)
+            return None, self._backend_failed(operation, pool, exc)
+        self._breaker_outcome(ok=True)
+        return answer, None
+
+    def _breaker_outcome(self, *, ok: bool) -> None:
+        changed = self.breaker.record(ok)
+        if changed is BreakerState.OPEN:
+            self._count(breaker_trips=1)
+            log.warning(
+                "backend %r failed %d calls in a row: circuit breaker open, calls fail at once for %g s "
+                "(L1/L2 keep serving)",
+                self.backend.instance,
+                self.breaker.failures,
+                self.breaker.cooldown_s,
+            )
+        elif changed is BreakerState.CLOSED:
+            log.warning("backend %r answered again: circuit breaker closed", self.backend.instance)
+
     # --- exists -------------------------------------------------------------------------------
 
     def exists(self, pool: str, page_hashes: Sequence[str]) -> BatchResult:
@@ -232,12 +232,9 @@ class StorageEngine:
         per_object = self.object_keys(pool, page_hashes)
         flat = [key for keys in per_object for key in keys]
         self._count(exists_calls=1)
-        try:
-            found = self.backend.exists(flat)
-            if len(found) != len(flat):
-                raise RuntimeError(f"backend returned {len(found)} results for {len(flat)} keys")
-        except Exception as exc:  # a backend failure fails this call only
-            return BatchResult([False] * count, self._backend_failed("exists", pool, exc))
+        found, error = self._call_backend("exists", pool, flat)
+        if found is None:
+            return BatchResult([False] * count, error, failed=count)
         ok = [all(found[j * count + i] for j in range(len(per_object))) for i in range(count)]
         return BatchResult(ok)
 
@@ -247,43 +244,12 @@ class StorageEngine:
 
     # --- put / get ----------------------------------------------------------------------------
 
-    def _checked_units(
-        self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions]
-    ) -> Sequence[UnitRegions]:
-        """Validate ``units`` against the pool's objects; returns them in canonical form.
-
-        A pool whose objects hold no payload (a bufferless pool: one header-only marker object
-        per unit) accepts ``units`` empty, or one entry per page of any regions totalling 0 bytes
-        (``[]``, ``[()]``...): there is nothing to read or write but the header.
-        """
-        sizes = self._payload_bytes[pool]
-        if not any(sizes):
-            if units and len(units) != len(page_hashes):
-                raise ValueError(f"pool {pool!r}: {len(units)} units of regions for {len(page_hashes)} pages")
-            stray = sum(region.nbytes for unit in units for regions in unit for region in regions)
-            if stray:
-                raise ValueError(f"pool {pool!r} stores no payload; its units' regions hold {stray} bytes")
-            return [[() for _ in sizes]] * len(page_hashes)
-        if len(units) != len(page_hashes):
-            raise ValueError(f"pool {pool!r}: {len(units)} units of regions for {len(page_hashes)} pages")
-        for index, unit in enumerate(units):
-            if len(unit) != len(sizes):
-                raise ValueError(f"pool {pool!r} unit {index}: {len(unit)} objects, spec has {len(sizes)}")
-            for obj_index, regions in enumerate(unit):
-                nbytes = sum(region.nbytes for region in regions)
-                if nbytes != sizes[obj_index]:
-                    raise ValueError(
-                        f"pool {pool!r} unit {index} object {obj_index}: regions hold {nbytes} bytes, "
-                        f"the spec says {sizes[obj_index]}"
-                    )
-        return units
-
     def _run(
         self,
         pool: str,
         page_hashes: Sequence[str],
         units: Sequence[UnitRegions],
-        transfer: Callable[[str, Sequence[UnitRegions], np.ndarray | None, _Batch], BatchResult],
+        transfer: Callable[[str, Sequence[UnitRegions], np.ndarray | None, ObjectBatch], BatchResult],
         *,
         writing: bool,
     ) -> BatchResult:
@@ -297,61 +263,28 @@ class StorageEngine:
         if writing and plan.read_only:
             self._count(put_skipped_read_only=count)
             return BatchResult([False] * count, plan.reason, skipped=True)
-        units = self._checked_units(pool, page_hashes, units)
+        units = checked_units(pool, page_hashes, units, self._payload_bytes[pool])
         if count == 0:
             return BatchResult([])
         staging: np.ndarray | None = None
         if plan.mode is IOMode.COPY:
             staging = np.empty(self._unit_bytes[pool] * count, dtype=np.uint8)
             if writing:
-                self._stage_out(staging, units)
-        return transfer(pool, units, staging, self._build_objects(pool, page_hashes, units, staging))
-
-    def _build_objects(
-        self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions], staging: np.ndarray | None
-    ) -> _Batch:
-        """One object per (unit, ObjectSpec), unit-major: a header region, then the payload regions
-        (the caller's, or consecutive slices of ``staging`` on the copy path)."""
-        sizes = self._payload_bytes[pool]
-        n_obj = len(sizes)
+                stage_out(staging, units)
         keys = self.object_keys(pool, page_hashes)
-        headers = np.zeros((len(page_hashes) * n_obj, HEADER_BYTES), dtype=np.uint8)
-        header_ptr = _address(headers)
-        cursor = _address(staging) if staging is not None else 0
-        objects: list[StorageObject] = []
-        payloads: list[tuple[BufferRegion, ...]] = []
-        for i, unit in enumerate(units):
-            for j, nbytes in enumerate(sizes):
-                if not nbytes:
-                    payload: tuple[BufferRegion, ...] = ()
-                elif staging is not None:
-                    payload = (BufferRegion(cursor, nbytes),)
-                    cursor += nbytes
-                else:
-                    payload = tuple(unit[j])
-                objects.append(StorageObject(keys[j][i], (BufferRegion(header_ptr, HEADER_BYTES), *payload)))
-                payloads.append(payload)
-                header_ptr += HEADER_BYTES
-        return _Batch(objects, payloads, headers, n_obj)
-
-    def _call_backend(
-        self, operation: str, pool: str, objects: Sequence[StorageObject]
-    ) -> tuple[list[Any] | None, str | None]:
-        """Run ``backend.put/get``; a raise or a wrong-length answer fails the whole call."""
-        try:
-            answer = list(getattr(self.backend, operation)(objects))
-            if len(answer) != len(objects):
-                raise RuntimeError(f"backend returned {len(answer)} results for {len(objects)} objects")
-        except Exception as exc:
-            return None, self._backend_failed(operation, pool, exc)
-        return answer, None
+        return transfer(pool, units, staging, build_objects(keys, self._payload_bytes[pool], units, staging))
 
     def put(self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions]) -> BatchResult:
-        """Store every unit (one object per ObjectSpec); a unit succeeds when all its objects do."""
+        """Store every unit (one object per ObjectSpec); a unit succeeds when all its objects do.
+
+        A unit the backend did not store (it raised, or refused an object: disk full, read-only
+        directory, capacity, a size limit) is a failure: counted in ``put_failed`` and in the
+        result's ``failed``, with ``error`` saying so.
+        """
         return self._run(pool, page_hashes, units, self._put_objects, writing=True)
 
     def _put_objects(
-        self, pool: str, _units: Sequence[UnitRegions], _staging: np.ndarray | None, batch: _Batch
+        self, pool: str, _units: Sequence[UnitRegions], _staging: np.ndarray | None, batch: ObjectBatch
     ) -> BatchResult:
         count = batch.units
         fingerprints = self._fingerprints[pool]
@@ -364,115 +297,90 @@ class StorageEngine:
         stored, error = self._call_backend("put", pool, batch.objects)
         if stored is None:
             self._count(put_units=count, put_failed=count)
-            return BatchResult([False] * count, error)
+            return BatchResult([False] * count, error, failed=count)
         ok = batch.per_unit(stored)
+        failed = ok.count(False)
         written = sum(obj.nbytes for obj, flag in zip(batch.objects, stored, strict=True) if flag)
-        self._count(put_units=count, put_failed=ok.count(False), bytes_written=written)
-        if any(ok):
+        self._count(put_units=count, put_failed=failed, bytes_written=written)
+        if failed:
+            error = (
+                f"put on backend {self.backend.instance!r} (pool {pool!r}): {failed} of {count} units "
+                "not stored (the backend refused objects: full, read-only, over a size limit?)"
+            )
+            log.debug(error)
+        if failed < count:
             self._emit(
                 "kvstrata_pages_stored",
                 instance=self.backend.instance,
                 pool=pool,
-                pages=ok.count(True),
+                pages=count - failed,
                 nbytes=written,
             )
-        return BatchResult(ok)
+        return BatchResult(ok, error, failed=failed)
 
     def get(self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions]) -> BatchResult:
         """Read every unit into its regions; a missing, short or failing object makes the unit a miss.
 
         On a zero-copy miss the destination regions may hold partial bytes: the caller must not
-        use a unit whose result is False. A damaged object (truncated, bit flip, not ours) is
-        removed when the backend can remove, so it is not read again and again.
+        use a unit whose result is False. An object that fails verification is removed when the
+        backend can remove -- a damaged one so it is not read again and again, a foreign one
+        (another layout under the same key) so the key can be written again in this layout.
         """
         return self._run(pool, page_hashes, units, self._get_objects, writing=False)
 
     def _get_objects(
-        self, pool: str, units: Sequence[UnitRegions], staging: np.ndarray | None, batch: _Batch
+        self, pool: str, units: Sequence[UnitRegions], staging: np.ndarray | None, batch: ObjectBatch
     ) -> BatchResult:
         count = batch.units
-        read, _error = self._call_backend("get", pool, batch.objects)
+        read, error = self._call_backend("get", pool, batch.objects)
         if read is None:
             self._count(get_units=count, get_misses=count)
-            return BatchResult([False] * count, _error)
-        good = [False] * len(batch.objects)
-        corrupt: dict[str, int] = {}
-        damaged: list[str] = []
-        fingerprints = self._fingerprints[pool]
-        for row, obj in enumerate(batch.objects):
-            if read[row] < 0:
-                continue  # a plain miss
-            verdict = verify_object(
-                batch.headers[row].data,
-                key=obj.key,
-                fingerprint=fingerprints[row % batch.n_obj],
-                payload=batch.payloads[row],
-                bytes_read=read[row],
-                checksum=self.checksum,
-            )
-            if verdict is Verdict.OK:
-                good[row] = True
-                continue
-            corrupt[verdict.value] = corrupt.get(verdict.value, 0) + 1
-            if verdict in DAMAGE:
-                damaged.append(obj.key)
+            return BatchResult([False] * count, error, failed=count)
+        good, rejected = verify_batch(batch, read, self._fingerprints[pool], self.checksum)
         ok = batch.per_unit(good)
         if staging is not None:
-            self._stage_in(staging, units, ok, self._unit_bytes[pool])
+            stage_in(staging, units, ok, self._unit_bytes[pool])
         hits = ok.count(True)
         nbytes = sum(read[row] for row in range(len(batch.objects)) if ok[row // batch.n_obj])
+        corrupt = {v.value: len(keys) for v, keys in rejected.items() if v not in FOREIGN}
+        foreign = {v.value: len(keys) for v, keys in rejected.items() if v in FOREIGN}
         with self._lock:
-            self.metrics.get_units += count
-            self.metrics.get_hits += hits
-            self.metrics.get_misses += count - hits
-            self.metrics.bytes_read += nbytes
-            self.metrics.corrupt_detected += sum(corrupt.values())
-            for reason, n in corrupt.items():
-                self.metrics.corrupt_reasons[reason] = self.metrics.corrupt_reasons.get(reason, 0) + n
+            metrics = self.metrics
+            metrics.get_units += count
+            metrics.get_hits += hits
+            metrics.get_misses += count - hits
+            metrics.bytes_read += nbytes
+            metrics.corrupt_detected += sum(corrupt.values())
+            metrics.foreign_objects += sum(foreign.values())
+            for reasons, found in ((metrics.corrupt_reasons, corrupt), (metrics.foreign_reasons, foreign)):
+                for reason, n in found.items():
+                    reasons[reason] = reasons.get(reason, 0) + n
         if corrupt:
-            log.warning("pool %r: rejected corrupt or foreign objects %s", pool, corrupt)
-        if damaged:
-            self._remove_damaged(pool, damaged)
+            log.warning("pool %r: rejected damaged objects %s", pool, corrupt)
+        if foreign:
+            log.info(
+                "pool %r: objects of another layout or format under our keys, replaced: %s", pool, foreign
+            )
+        if rejected:
+            self._remove_rejected(pool, rejected)
         return BatchResult(ok)
 
-    def _remove_damaged(self, pool: str, keys: Sequence[str]) -> None:
-        """Drop objects that failed verification as damaged, where the backend can remove."""
+    def _remove_rejected(self, pool: str, rejected: Mapping[Verdict, Sequence[str]]) -> None:
+        """Drop objects that failed verification, where the backend can remove (one call)."""
         if not self._removable:
             return
-        try:
-            removed = list(self.backend.remove(keys))
-            if len(removed) != len(keys):
-                raise RuntimeError(f"backend returned {len(removed)} results for {len(keys)} keys")
-        except Exception as exc:
-            self._backend_failed("remove", pool, exc)
-            self._count(corrupt_remove_failed=len(keys))
-            return
-        self._count(corrupt_removed=removed.count(True), corrupt_remove_failed=removed.count(False))
-
-    @staticmethod
-    def _stage_out(staging: np.ndarray, units: Sequence[UnitRegions]) -> None:
-        """Gather every unit's regions into the contiguous ``staging`` buffer (one memmove per region)."""
-        cursor = _address(staging)
-        for unit in units:
-            for regions in unit:
-                for region in regions:
-                    ctypes.memmove(cursor, region.ptr, region.nbytes)
-                    cursor += region.nbytes
-
-    @staticmethod
-    def _stage_in(
-        staging: np.ndarray, units: Sequence[UnitRegions], ok: Sequence[bool], unit_bytes: int
-    ) -> None:
-        """Scatter verified units (``unit_bytes`` each in ``staging``) into their destination regions."""
-        cursor = _address(staging)
-        for unit, hit in zip(units, ok, strict=True):
-            if hit:
-                position = cursor
-                for regions in unit:
-                    for region in regions:
-                        ctypes.memmove(region.ptr, position, region.nbytes)
-                        position += region.nbytes
-            cursor += unit_bytes
+        keys = [key for keys in rejected.values() for key in keys]
+        is_foreign = [verdict in FOREIGN for verdict, keys in rejected.items() for _ in keys]
+        removed, _error = self._call_backend("remove", pool, keys)
+        if removed is None:
+            removed = [False] * len(keys)
+        counts = dict.fromkeys(
+            ("corrupt_removed", "corrupt_remove_failed", "foreign_removed", "foreign_remove_failed"), 0
+        )
+        for gone, foreign in zip(removed, is_foreign, strict=True):
+            kind = "foreign" if foreign else "corrupt"
+            counts[f"{kind}_removed" if gone else f"{kind}_remove_failed"] += 1
+        self._count(**counts)
 
     # --- multi-pool ---------------------------------------------------------------------------
 
@@ -482,52 +390,9 @@ class StorageEngine:
         An anchor page is written only if every other pool of the group that has that page stored
         it, so a visible anchor object implies its sidecars and components are there.
         """
-        specs = write_order([self.specs[name] for name in batches])
-        results: dict[str, BatchResult] = {}
-        failed_pages: set[str] = set()
-        for spec in specs:
-            batch = batches[spec.name]
-            if spec.role is not PoolRole.ANCHOR:
-                result = self.put(spec.name, batch.page_hashes, batch.units)
-                results[spec.name] = result
-                if not result.skipped:
-                    failed_pages.update(
-                        h for h, ok in zip(batch.page_hashes, result.ok, strict=True) if not ok
-                    )
-                continue
-            keep = [i for i, page_hash in enumerate(batch.page_hashes) if page_hash not in failed_pages]
-            results[spec.name] = self._on_subset(self.put, spec.name, batch, keep)
-        return results
+        return put_group(self.specs, self.put, batches)
 
     def get_group(self, batches: Mapping[str, PoolBatch]) -> dict[str, BatchResult]:
         """Read several pools for the same pages, anchor FIRST; other pools only read the pages
         the anchor delivered (with no anchor in the group, every pool reads every page)."""
-        specs = read_order([self.specs[name] for name in batches])
-        results: dict[str, BatchResult] = {}
-        anchor_hits: set[str] | None = None
-        for spec in specs:
-            batch = batches[spec.name]
-            if spec.role is PoolRole.ANCHOR or anchor_hits is None:
-                result = self.get(spec.name, batch.page_hashes, batch.units)
-                results[spec.name] = result
-                if spec.role is PoolRole.ANCHOR:
-                    anchor_hits = {h for h, ok in zip(batch.page_hashes, result.ok, strict=True) if ok}
-                continue
-            keep = [i for i, page_hash in enumerate(batch.page_hashes) if page_hash in anchor_hits]
-            results[spec.name] = self._on_subset(self.get, spec.name, batch, keep)
-        return results
-
-    @staticmethod
-    def _on_subset(
-        operation: Callable[[str, Sequence[str], Sequence[UnitRegions]], BatchResult],
-        pool: str,
-        batch: PoolBatch,
-        keep: Sequence[int],
-    ) -> BatchResult:
-        """Run ``operation`` on the pages at ``keep`` only; the others report False."""
-        units = [batch.units[i] for i in keep] if batch.units else ()  # () for a bufferless pool
-        sub = operation(pool, [batch.page_hashes[i] for i in keep], units)
-        ok = [False] * len(batch.page_hashes)
-        for position, index in enumerate(keep):
-            ok[index] = sub.ok[position]
-        return BatchResult(ok, sub.error, sub.skipped)
+        return get_group(self.specs, self.get, batches)

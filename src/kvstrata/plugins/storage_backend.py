@@ -23,6 +23,11 @@ BACKEND_API_VERSION = 1
 #: Key in :attr:`BackendCapabilities.pools` meaning "any pool type".
 ANY_POOL = "*"
 
+#: The first bytes of every object the core stores (the magic of its integrity header). A backend
+#: whose namespace may hold other data (a directory a user points it at) checks them before it
+#: adopts or evicts anything, so it never touches what it cannot prove it wrote.
+OBJECT_MAGIC = b"KVS1"
+
 
 class PoolCapabilities(BaseModel):
     """What a backend can do for one pool type."""
@@ -58,12 +63,32 @@ class BackendCapabilities(BaseModel):
         return self.pools.get(pool_type, self.pools.get(ANY_POOL))
 
 
+class BreakerConfig(BaseModel):
+    """When the core stops calling a backend instance that keeps failing (see ``core.breaker``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    failures: int = Field(
+        default=3, ge=0, description="consecutive failed calls (raised / timed out) that open it; 0 = never"
+    )
+    cooldown_s: float = Field(
+        default=5.0, gt=0, description="seconds it stays open before one trial call is let through"
+    )
+
+
 class BackendConfig(BaseModel):
-    """Base of every backend's ``Config``; a plugin narrows ``type`` to ``Literal[name]``."""
+    """Base of every backend's ``Config``; a plugin narrows ``type`` to ``Literal[name]``.
+
+    Fields here apply to every backend instance and are read by the core, not the plugin.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     type: str
+    circuit_breaker: BreakerConfig = Field(
+        default_factory=BreakerConfig,
+        description="stop calling this instance after repeated failures, so L1/L2 keep full speed",
+    )
 
 
 @dataclass(frozen=True, slots=True)

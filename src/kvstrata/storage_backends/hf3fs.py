@@ -5,7 +5,9 @@ import AND ``extract_mount_point(path)`` must find a 3FS mount, else ``unavailab
 why and ``open`` raises :class:`PluginUnavailableError`), and the *mock* mode (``mock: true``),
 which keeps the backend's code path tested: one preallocated ordinary file cut into fixed-size
 slots, an in-memory key -> slot map (the role 3FS's metadata service plays), positioned vectored
-I/O (``os.pwritev`` / ``os.preadv``) per object, LRU slot reuse when full.
+I/O (``os.pwritev`` / ``os.preadv``) per object, LRU slot reuse when full. A slot being read is
+pinned: it is neither reused for another key nor freed until its readers are done, so a read can
+never return bytes another key wrote meanwhile.
 
 What is NOT implemented: the USRBIO data path (shared-memory iovecs, io rings) and the metadata
 server. Even with a mount present, ``open`` refuses with a message saying so.
@@ -26,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kvstrata.plugins.errors import PluginUnavailableError
 from kvstrata.plugins.storage_backend import (
@@ -51,6 +53,14 @@ class HF3FSConfig(BackendConfig):
     mock: bool = Field(default=False, description="use an ordinary preallocated file instead of USRBIO")
     file_bytes: int = Field(default=1 << 30, ge=4096, description="size of the preallocated data file")
     slot_bytes: int = Field(default=4 << 20, ge=128, description="fixed slot per object (max object size)")
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _path_not_empty(cls, value: object) -> object:
+        """An empty path would silently mean the current directory."""
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("must name a directory (an empty path would mean the current directory)")
+        return value
 
     @property
     def slots(self) -> int:
@@ -99,6 +109,8 @@ class HF3FSBackend(StorageBackend):
         self._lock = threading.Lock()
         self._slots: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (slot, length), LRU
         self._free: list[int] = []
+        self._pins: dict[int, int] = {}  # slot -> readers reading it now (outside the lock)
+        self._retired: set[int] = set()  # unmapped while pinned: freed by the last reader
         self._token = uuid.uuid4().hex[:12]
 
     @classmethod
@@ -125,6 +137,8 @@ class HF3FSBackend(StorageBackend):
         self._fd = fd
         self._free = list(range(self.config.slots - 1, -1, -1))
         self._slots.clear()
+        self._pins.clear()
+        self._retired.clear()
 
     def close(self) -> None:
         if self._fd is not None:
@@ -150,13 +164,33 @@ class HF3FSBackend(StorageBackend):
             return found
 
     def _allocate(self) -> int | None:
+        """A slot to write: a free one, else the least recently used one nobody is reading."""
         with self._lock:
             if self._free:
                 return self._free.pop()
-            if not self._slots:
+            victim = next((key for key, (slot, _) in self._slots.items() if slot not in self._pins), None)
+            if victim is None:
                 return None
-            _victim, (slot, _length) = self._slots.popitem(last=False)
+            slot, _length = self._slots.pop(victim)
             return slot
+
+    def _release_slot(self, slot: int) -> None:
+        """Give an unmapped slot back; if readers still hold it, the last one frees it. Lock held."""
+        if slot in self._pins:
+            self._retired.add(slot)
+        else:
+            self._free.append(slot)
+
+    def _unpin(self, slot: int) -> None:
+        with self._lock:
+            readers = self._pins[slot] - 1
+            if readers:
+                self._pins[slot] = readers
+                return
+            del self._pins[slot]
+            if slot in self._retired:
+                self._retired.discard(slot)
+                self._free.append(slot)
 
     def put(self, objects: Sequence[StorageObject]) -> list[bool]:
         fd = self._require_fd()
@@ -200,6 +234,7 @@ class HF3FSBackend(StorageBackend):
                 entry = self._slots.get(obj.key)
                 if entry is not None:
                     self._slots.move_to_end(obj.key)
+                    self._pins[entry[0]] = self._pins.get(entry[0], 0) + 1  # not reused while read
             if entry is None:
                 results.append(MISS)
                 continue
@@ -209,6 +244,8 @@ class HF3FSBackend(StorageBackend):
                 results.append(os.preadv(fd, views, slot * self.config.slot_bytes))
             except OSError as exc:
                 results.append(-(exc.errno or 1))
+            finally:
+                self._unpin(slot)
         return results
 
     def remove(self, keys: Sequence[str]) -> list[bool]:
@@ -217,7 +254,7 @@ class HF3FSBackend(StorageBackend):
             for key in keys:
                 entry = self._slots.pop(key, None)
                 if entry is not None:
-                    self._free.append(entry[0])
+                    self._release_slot(entry[0])
         return [True] * len(keys)
 
     # --- test hooks -----------------------------------------------------------------------------

@@ -20,9 +20,32 @@ transferred in several calls.
 
 Return codes (per key): ``0`` / byte count = success; ``-200`` = no space (not stored, not fatal:
 the master evicts asynchronously); ``-704`` = object not found (a miss); ``-9xx`` = RPC failure
-(master or client unreachable: Mooncake answers after ~4 s, it does not hang; after such a batch
-the backend TCP-probes the endpoint before each call and fails in milliseconds while it is down).
-Counts of every non-success code are kept in :attr:`MooncakeBackend.code_counts`.
+(master or client unreachable: a dead one answers after ~4 s; after such a batch the backend
+TCP-probes the endpoint before each call and fails in milliseconds while it is down). A batch in
+which every key failed with an RPC code raises :class:`StorageError`: an outage is a failed call
+(which the core's circuit breaker counts), never a cold cache. Counts of every non-success code
+are kept in :attr:`MooncakeBackend.code_counts`.
+
+Deadlines. An endpoint that accepts TCP but never answers (a SIGSTOPped master, a port that is
+not a Mooncake service) would block each RPC for Mooncake's default 30 s, and ``setup`` /
+``close`` -- which hold the GIL, so no thread can wait for them with a timeout -- for tens of
+seconds to minutes. Hence:
+
+* ``rpc_timeout_s`` / ``connect_timeout_s`` are exported as ``MC_RPC_TIMEOUT_MS`` /
+  ``MC_RPC_CONNECT_TIMEOUT_MS`` before ``setup`` (process-wide: Mooncake reads them from the
+  environment), so every data call to the master returns by itself within a few RPC deadlines. A
+  data call is never abandoned: a late one could still write into host memory the cache reused.
+* ``open`` and ``close`` first check that the endpoint *answers* (:func:`answer_probe`: a live
+  Mooncake service answers or closes a connection that sends it garbage at once) within
+  ``connect_timeout_s``; one that does not is refused at open, and at close its store is left
+  unclosed on purpose (closing it would block the caller; see :meth:`MooncakeBackend.close`).
+* After a batch in which every key failed with an RPC code, each call answer-probes first and fails
+  within ``connect_timeout_s`` while the endpoint does not answer; the core's circuit breaker then
+  stops calling the backend altogether.
+
+Not bounded: in standalone mode the dummy client's RPC to ``mooncake_client`` ignores
+``MC_RPC_TIMEOUT_MS`` (observed: 30 s for the first call after the client was SIGSTOPped); later
+calls fail within ``connect_timeout_s`` as above.
 """
 
 from __future__ import annotations
@@ -34,10 +57,12 @@ import ctypes
 import importlib
 import importlib.util
 import logging
+import os
 import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -90,7 +115,16 @@ class MooncakeConfig(BackendConfig):
     standalone: bool = Field(default=False, description="talk to a local mooncake_client (setup_dummy)")
     client: str = Field(default="127.0.0.1:50052", description="mooncake_client RPC host:port")
     connect_timeout_s: float = Field(
-        default=2.0, gt=0, description="TCP probe of master/client before setup (setup itself blocks ~90 s)"
+        default=2.0,
+        gt=0,
+        description="deadline of the probes before open, close and after an outage (the endpoint must "
+        "accept TCP and answer), and Mooncake's RPC connect deadline",
+    )
+    rpc_timeout_s: float | None = Field(
+        default=5.0,
+        gt=0,
+        description="deadline of each Mooncake RPC, bounding every batch (exported as MC_RPC_TIMEOUT_MS; "
+        "None keeps Mooncake's environment / 30 s default)",
     )
     staging_bytes: int = Field(
         default=4 << 20,
@@ -132,6 +166,52 @@ def tcp_probe(address: str, timeout_s: float) -> str | None:
             return None
     except OSError as exc:
         return f"{address} did not accept a TCP connection within {timeout_s:g} s ({exc})"
+
+
+class Endpoint(StrEnum):
+    ANSWERS = "answers"
+    SILENT = "silent"  # accepts TCP, reads nothing: a stopped process, or a socket nobody serves
+    UNREACHABLE = "unreachable"  # refused, or no TCP connection within the deadline
+
+
+def check_endpoint(address: str, timeout_s: float) -> tuple[Endpoint, str]:
+    """Whether a process at ``address`` reads what it is sent within ``timeout_s``, and why not.
+
+    Mooncake's RPC services answer a malformed request (64 zero bytes) at once, by closing the
+    connection or with an error frame; a stopped process, or a socket nobody serves, lets it sit
+    in the kernel's buffers. Accepting TCP alone proves neither: the kernel accepts for them.
+    """
+    try:
+        host, port = _split_address(address)
+    except StorageError as exc:
+        return Endpoint.UNREACHABLE, str(exc)
+    deadline = time.monotonic() + timeout_s
+    try:
+        connection = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as exc:
+        return (
+            Endpoint.UNREACHABLE,
+            f"{address} did not accept a TCP connection within {timeout_s:g} s ({exc})",
+        )
+    with connection:
+        try:
+            connection.sendall(bytes(64))
+            connection.settimeout(max(0.001, deadline - time.monotonic()))
+            connection.recv(64)  # data or an orderly close: somebody read the request
+        except TimeoutError:
+            return Endpoint.SILENT, (
+                f"{address} accepts connections but did not answer within {timeout_s:g} s "
+                "(a stopped process, or not a Mooncake service?)"
+            )
+        except OSError:
+            pass  # reset or broken pipe: the peer read the request and refused it
+    return Endpoint.ANSWERS, f"{address} answers"
+
+
+def answer_probe(address: str, timeout_s: float) -> str | None:
+    """``None`` when the endpoint answers within ``timeout_s`` (:func:`check_endpoint`), else why not."""
+    state, reason = check_endpoint(address, timeout_s)
+    return None if state is Endpoint.ANSWERS else reason
 
 
 class _Ranges:
@@ -229,7 +309,7 @@ class MooncakeBackend(StorageBackend):
 
     def probe(self) -> str | None:
         role, address = self._endpoint
-        reason = tcp_probe(address, self.config.connect_timeout_s)
+        reason = answer_probe(address, self.config.connect_timeout_s)
         return None if reason is None else f"{role} unreachable: {reason}"
 
     def open(self) -> None:
@@ -239,16 +319,18 @@ class MooncakeBackend(StorageBackend):
             raise MissingDependencyError(
                 "storage backend", self.name, STORE_MODULE, self.requires[STORE_MODULE]
             ) from exc
-        # setup() against a dead master retries for ~90 s; a TCP probe answers in milliseconds.
+        # setup() holds the GIL and, against a dead or mute endpoint, retries for minutes: probe first.
         reason = self.probe()
         if reason is not None:
             raise StorageError(f"mooncake backend {self.instance!r}: {reason}")
         cfg = self.config
+        self._export_deadlines()
         store = store_module.MooncakeDistributedStore()
         if cfg.standalone:
-            rc = store.setup_dummy(cfg.host_memory_limit_bytes or 0, cfg.local_buffer_bytes, cfg.client)
             what = f"setup_dummy to mooncake_client {cfg.client}"
+            rc = store.setup_dummy(cfg.host_memory_limit_bytes or 0, cfg.local_buffer_bytes, cfg.client)
         else:
+            what = f"setup against mooncake_master {cfg.master} (metadata {cfg.metadata_server})"
             rc = store.setup(
                 cfg.local_hostname,
                 cfg.metadata_server,
@@ -258,7 +340,6 @@ class MooncakeBackend(StorageBackend):
                 cfg.device_names,
                 cfg.master,
             )
-            what = f"setup against mooncake_master {cfg.master} (metadata {cfg.metadata_server})"
         if rc != 0:
             with contextlib.suppress(Exception):
                 store.close()
@@ -272,15 +353,33 @@ class MooncakeBackend(StorageBackend):
             raise
 
     def close(self) -> None:
+        """Close the store -- unless its endpoint is silent (a stopped master or client): then
+        ``store.close()`` would hold the GIL for its RPC retries (observed ~15 s with a 1 s RPC
+        deadline), so the store is deliberately leaked with a warning, its destructor included
+        (one extra reference), and the process goes on; the master drops it once the process
+        exits and its heartbeats stop."""
         with self._state_lock:
             store, self._store = self._store, None
         if store is not None:
-            try:
-                store.close()
-            except Exception as exc:  # closing must not fail the caller's shutdown
-                _log.warning("mooncake backend %r: close failed: %s", self.instance, exc)
+            role, address = self._endpoint
+            # A refused connection makes close fail fast; only a silent endpoint makes it block.
+            state, reason = check_endpoint(address, self.config.connect_timeout_s)
+            if state is Endpoint.SILENT:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
+                _log.warning("mooncake backend %r: not closed cleanly: %s %s", self.instance, role, reason)
+            else:
+                try:
+                    store.close()
+                except Exception as exc:  # closing must not fail the caller's shutdown
+                    _log.warning("mooncake backend %r: close failed: %s", self.instance, exc)
         self._staging = None
         self._staging_keepalive = None
+
+    def _export_deadlines(self) -> None:
+        """Mooncake reads its RPC deadlines from the environment when a client is set up."""
+        if self.config.rpc_timeout_s is not None:
+            os.environ["MC_RPC_TIMEOUT_MS"] = str(max(1, round(self.config.rpc_timeout_s * 1000)))
+            os.environ["MC_RPC_CONNECT_TIMEOUT_MS"] = str(max(1, round(self.config.connect_timeout_s * 1000)))
 
     @property
     def _needs_registered_memory(self) -> bool:
@@ -514,6 +613,13 @@ class MooncakeBackend(StorageBackend):
         except Exception as exc:  # a pybind error fails this operation, never the process
             raise StorageError(f"mooncake backend {self.instance!r}: {method} raised {exc!r}") from exc
         self._rpc_failing = bool(codes) and all(code <= RPC_FAIL for code in codes)
+        if self._rpc_failing:
+            self.code_counts.update(codes)
+            role, address = self._endpoint
+            raise StorageError(
+                f"mooncake backend {self.instance!r}: {method} failed for all {len(codes)} keys "
+                f"(code {codes[0]}): {role} {address} unreachable or not answering"
+            )
         return codes
 
     def _transfer(

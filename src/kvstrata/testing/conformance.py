@@ -323,7 +323,31 @@ class BackendConformance:
         # same keys, same byte count, another dtype: the layout fingerprint rejects it
         other_layout = self.engine(backend, conformance_specs(dtype="bfloat16"), model_name=model_a)
         assert other_layout.get("attn", hashes, target["attn"].units(range(2))).ok == [False, False]
-        assert other_layout.metrics.corrupt_reasons.get("fingerprint_mismatch", 0) >= 2
+        assert other_layout.metrics.foreign_reasons.get("fingerprint_mismatch", 0) >= 2
+        assert other_layout.metrics.corrupt_detected == 0, "another layout is not damage"
+
+    def test_layout_change_replaces_foreign_objects(self, backend: StorageBackend) -> None:
+        """After a layout change under the same model name, the old layout's objects under the new
+        reader's keys are removed (or overwritten), so the new layout gets storage hits again
+        instead of skip-existing keeping the stale objects forever."""
+        caps = backend.instance_capabilities()
+        if not caps.removable and caps.overwrite != "replace":
+            pytest.skip(f"backend {backend.name!r} can neither remove nor replace objects")
+        old_specs, new_specs = conformance_specs(), conformance_specs(dtype="bfloat16")
+        hashes = page_hashes(3, seed=15)
+        old, old_source = self.engine(backend, old_specs), self.pools(old_specs, 3, seed=15)
+        assert all(old.put("attn", hashes, old_source["attn"].units(range(3))).ok)
+        new = self.engine(backend, new_specs)
+        source, target = self.pools(new_specs, 3, seed=16), self.pools(new_specs, 3, seed=None)
+        assert new.put("attn", hashes, source["attn"].units(range(3))).ok == [True] * 3  # skipped or replaced
+        first = new.get("attn", hashes, target["attn"].units(range(3))).ok
+        if first != [True] * 3:  # skip_existing kept the old objects: the read must clear them
+            assert first == [False] * 3
+            assert new.metrics.foreign_objects == 6 and new.metrics.foreign_removed == 6
+            assert all(new.put("attn", hashes, source["attn"].units(range(3))).ok)
+            assert all(new.get("attn", hashes, target["attn"].units(range(3))).ok)
+        self.assert_units_equal(source["attn"], target["attn"], range(3))
+        assert new.metrics.corrupt_detected == 0 and new.metrics.corrupt_reasons == {}
 
     def test_concurrent_distinct_and_same_keys(self, backend: StorageBackend) -> None:
         specs = conformance_specs()
@@ -388,7 +412,8 @@ class BackendConformance:
         other = {"pages": specs["pages"].model_copy(update={"page_size": PAGE_SIZE * 2})}
         foreign = self.engine(backend, other)
         assert foreign.get("pages", hashes[:1], []).ok == [False]
-        assert foreign.metrics.corrupt_reasons == {"fingerprint_mismatch": 1}
+        assert foreign.metrics.foreign_reasons == {"fingerprint_mismatch": 1}
+        assert foreign.metrics.corrupt_detected == 0
         with pytest.raises(ValueError, match="stores no payload"):
             engine.put("pages", hashes[:1], source["index"].units([0]))
 

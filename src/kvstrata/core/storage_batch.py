@@ -1,0 +1,262 @@
+"""The batch shapes of the storage engine: what a caller passes in, what comes back, and how one
+batch of units becomes backend objects (header row + payload regions, or a staging copy).
+
+Kept apart from :mod:`kvstrata.core.storage_engine` (which re-exports every public name here) so
+the engine reads as the policy -- plans, verification, failure counting -- and this file as the
+mechanics of laying units out as objects.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstrata.core.integrity import HEADER_BYTES, ChecksumPolicy, Verdict, verify_object
+from kvstrata.plugins.pool_type import PoolRole, PoolSpec
+from kvstrata.plugins.storage_backend import BufferRegion, StorageObject
+
+#: Regions of one unit: one sequence of regions per object of the pool, in ObjectSpec order.
+UnitRegions = Sequence[Sequence[BufferRegion]]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    """Per-unit outcome of one batch.
+
+    ``error`` says why units failed at the backend -- the whole call (it raised, or answered
+    nonsense) or some of its objects (not stored: disk full, read-only directory, capacity, a
+    file-size limit) -- and ``failed`` counts those units, so a caller counts failures from the
+    result, never from ``ok`` alone (a get's ``False`` is usually a plain miss, not a failure).
+    """
+
+    ok: list[bool]
+    error: str | None = None
+    skipped: bool = False  # nothing attempted (plan off / read-only): ``error`` says why
+    failed: int = 0  # units the backend was asked for and failed (never a miss, never skipped)
+
+    @property
+    def prefix(self) -> int:
+        return longest_present_prefix(self.ok)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolBatch:
+    """One pool's share of a multi-pool operation on the same pages."""
+
+    page_hashes: Sequence[str]
+    units: Sequence[UnitRegions] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectBatch:
+    """The objects of one put/get, unit-major, with their payload regions and header rows."""
+
+    objects: list[StorageObject]
+    payloads: list[tuple[BufferRegion, ...]]
+    headers: np.ndarray  # (len(objects), HEADER_BYTES) uint8, the first region of each object
+    n_obj: int  # objects per unit
+
+    @property
+    def units(self) -> int:
+        return len(self.objects) // self.n_obj
+
+    def per_unit(self, flags: Sequence[Any]) -> list[bool]:
+        """A unit succeeds when every one of its objects does."""
+        n_obj = self.n_obj
+        if n_obj == 1:
+            return [bool(flag) for flag in flags]
+        return [all(flags[i : i + n_obj]) for i in range(0, len(flags), n_obj)]
+
+
+def longest_present_prefix(flags: Sequence[bool]) -> int:
+    """Length of the leading run of ``True``: how many pages from the start are usable."""
+    for index, flag in enumerate(flags):
+        if not flag:
+            return index
+    return len(flags)
+
+
+def write_order(specs: Sequence[PoolSpec]) -> list[PoolSpec]:
+    """Sidecars, then components, then the anchor LAST: the anchor object is the commit marker."""
+    rank = {PoolRole.SIDECAR: 0, PoolRole.COMPONENT: 1, PoolRole.ANCHOR: 2}
+    return sorted(specs, key=lambda spec: rank[spec.role])
+
+
+def read_order(specs: Sequence[PoolSpec]) -> list[PoolSpec]:
+    """Anchor first: no anchor, no point reading the rest."""
+    return list(reversed(write_order(specs)))
+
+
+def address(array: np.ndarray) -> int:
+    return int(array.ctypes.data)
+
+
+def checked_units(
+    pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions], sizes: Sequence[int]
+) -> Sequence[UnitRegions]:
+    """Validate ``units`` against the payload ``sizes`` of the pool's objects; returns them in
+    canonical form.
+
+    A pool whose objects hold no payload (a bufferless pool: one header-only marker object per
+    unit) accepts ``units`` empty, or one entry per page of any regions totalling 0 bytes (``[]``,
+    ``[()]``...): there is nothing to read or write but the header.
+    """
+    if not any(sizes):
+        if units and len(units) != len(page_hashes):
+            raise ValueError(f"pool {pool!r}: {len(units)} units of regions for {len(page_hashes)} pages")
+        stray = sum(region.nbytes for unit in units for regions in unit for region in regions)
+        if stray:
+            raise ValueError(f"pool {pool!r} stores no payload; its units' regions hold {stray} bytes")
+        return [[() for _ in sizes]] * len(page_hashes)
+    if len(units) != len(page_hashes):
+        raise ValueError(f"pool {pool!r}: {len(units)} units of regions for {len(page_hashes)} pages")
+    for index, unit in enumerate(units):
+        if len(unit) != len(sizes):
+            raise ValueError(f"pool {pool!r} unit {index}: {len(unit)} objects, spec has {len(sizes)}")
+        for obj_index, regions in enumerate(unit):
+            nbytes = sum(region.nbytes for region in regions)
+            if nbytes != sizes[obj_index]:
+                raise ValueError(
+                    f"pool {pool!r} unit {index} object {obj_index}: regions hold {nbytes} bytes, "
+                    f"the spec says {sizes[obj_index]}"
+                )
+    return units
+
+
+def build_objects(
+    keys: Sequence[Sequence[str]],
+    sizes: Sequence[int],
+    units: Sequence[UnitRegions],
+    staging: np.ndarray | None,
+) -> ObjectBatch:
+    """One object per (unit, ObjectSpec), unit-major: a header region, then the payload regions
+    (the caller's, or consecutive slices of ``staging`` on the copy path). ``keys`` are per object
+    spec (outer) per unit (inner)."""
+    n_obj = len(sizes)
+    headers = np.zeros((len(units) * n_obj, HEADER_BYTES), dtype=np.uint8)
+    header_ptr = address(headers)
+    cursor = address(staging) if staging is not None else 0
+    objects: list[StorageObject] = []
+    payloads: list[tuple[BufferRegion, ...]] = []
+    for i, unit in enumerate(units):
+        for j, nbytes in enumerate(sizes):
+            if not nbytes:
+                payload: tuple[BufferRegion, ...] = ()
+            elif staging is not None:
+                payload = (BufferRegion(cursor, nbytes),)
+                cursor += nbytes
+            else:
+                payload = tuple(unit[j])
+            objects.append(StorageObject(keys[j][i], (BufferRegion(header_ptr, HEADER_BYTES), *payload)))
+            payloads.append(payload)
+            header_ptr += HEADER_BYTES
+    return ObjectBatch(objects, payloads, headers, n_obj)
+
+
+def stage_out(staging: np.ndarray, units: Sequence[UnitRegions]) -> None:
+    """Gather every unit's regions into the contiguous ``staging`` buffer (one memmove per region)."""
+    cursor = address(staging)
+    for unit in units:
+        for regions in unit:
+            for region in regions:
+                ctypes.memmove(cursor, region.ptr, region.nbytes)
+                cursor += region.nbytes
+
+
+def stage_in(staging: np.ndarray, units: Sequence[UnitRegions], ok: Sequence[bool], unit_bytes: int) -> None:
+    """Scatter verified units (``unit_bytes`` each in ``staging``) into their destination regions."""
+    cursor = address(staging)
+    for unit, hit in zip(units, ok, strict=True):
+        if hit:
+            position = cursor
+            for regions in unit:
+                for region in regions:
+                    ctypes.memmove(region.ptr, position, region.nbytes)
+                    position += region.nbytes
+        cursor += unit_bytes
+
+
+def on_subset(
+    operation: Callable[[str, Sequence[str], Sequence[UnitRegions]], BatchResult],
+    pool: str,
+    batch: PoolBatch,
+    keep: Sequence[int],
+) -> BatchResult:
+    """Run ``operation`` on the pages at ``keep`` only; the others report False (not failed)."""
+    units = [batch.units[i] for i in keep] if batch.units else ()  # () for a bufferless pool
+    sub = operation(pool, [batch.page_hashes[i] for i in keep], units)
+    ok = [False] * len(batch.page_hashes)
+    for position, index in enumerate(keep):
+        ok[index] = sub.ok[position]
+    return BatchResult(ok, sub.error, sub.skipped, sub.failed)
+
+
+def verify_batch(
+    batch: ObjectBatch, read: Sequence[int], fingerprints: Sequence[bytes], checksum: ChecksumPolicy
+) -> tuple[list[bool], dict[Verdict, list[str]]]:
+    """Verify every object read back (``read``: bytes per object, negative = a plain miss):
+    per object whether it is good, and the keys of the rejected ones by verdict."""
+    good = [False] * len(batch.objects)
+    rejected: dict[Verdict, list[str]] = {}
+    for row, obj in enumerate(batch.objects):
+        if read[row] < 0:
+            continue  # a plain miss
+        verdict = verify_object(
+            batch.headers[row].data,
+            key=obj.key,
+            fingerprint=fingerprints[row % batch.n_obj],
+            payload=batch.payloads[row],
+            bytes_read=read[row],
+            checksum=checksum,
+        )
+        if verdict is Verdict.OK:
+            good[row] = True
+        else:
+            rejected.setdefault(verdict, []).append(obj.key)
+    return good, rejected
+
+
+Operation = Callable[[str, Sequence[str], Sequence[UnitRegions]], BatchResult]
+
+
+def put_group(
+    specs: Mapping[str, PoolSpec], put: Operation, batches: Mapping[str, PoolBatch]
+) -> dict[str, BatchResult]:
+    """``StorageEngine.put_group``: sidecars and components first, then the anchor over the pages
+    every other pool of the group stored."""
+    results: dict[str, BatchResult] = {}
+    failed_pages: set[str] = set()
+    for spec in write_order([specs[name] for name in batches]):
+        batch = batches[spec.name]
+        if spec.role is not PoolRole.ANCHOR:
+            result = put(spec.name, batch.page_hashes, batch.units)
+            results[spec.name] = result
+            if not result.skipped:
+                failed_pages.update(h for h, ok in zip(batch.page_hashes, result.ok, strict=True) if not ok)
+            continue
+        keep = [i for i, page_hash in enumerate(batch.page_hashes) if page_hash not in failed_pages]
+        results[spec.name] = on_subset(put, spec.name, batch, keep)
+    return results
+
+
+def get_group(
+    specs: Mapping[str, PoolSpec], get: Operation, batches: Mapping[str, PoolBatch]
+) -> dict[str, BatchResult]:
+    """``StorageEngine.get_group``: the anchor first, the other pools over the pages it delivered."""
+    results: dict[str, BatchResult] = {}
+    anchor_hits: set[str] | None = None
+    for spec in read_order([specs[name] for name in batches]):
+        batch = batches[spec.name]
+        if spec.role is PoolRole.ANCHOR or anchor_hits is None:
+            result = get(spec.name, batch.page_hashes, batch.units)
+            results[spec.name] = result
+            if spec.role is PoolRole.ANCHOR:
+                anchor_hits = {h for h, ok in zip(batch.page_hashes, result.ok, strict=True) if ok}
+            continue
+        keep = [i for i, page_hash in enumerate(batch.page_hashes) if page_hash in anchor_hits]
+        results[spec.name] = on_subset(get, spec.name, batch, keep)
+    return results

@@ -1,0 +1,119 @@
+"""The circuit breaker: a backend that keeps failing is no longer called, and the cache keeps
+serving from L1/L2 (issue 15, defect 2). The Mooncake half of the defect -- real deadlines against
+a stopped master -- is in test_mooncake_backend.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from controller_support import host_units_held_by_tree, host_units_in_use, open_cache, serve, tokens
+from kvstrata.core.breaker import BreakerState, CircuitBreaker
+from kvstrata.plugins import PluginHost
+from kvstrata.storage_backends.file import FileConfig
+from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
+from kvstrata.testing.faults import FaultsConfig, FaultyBackend
+
+KIT = BackendConformance()
+
+
+class FakeClock:
+    """A clock the test moves by hand: breaker transitions without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_after_consecutive_failures_and_lets_one_trial_through() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(failures=3, cooldown_s=10, clock=clock)
+    for _ in range(2):
+        assert breaker.allow()
+        assert breaker.record(ok=False) is None
+    assert breaker.allow() and breaker.record(ok=True) is None  # a success resets the count
+    for _ in range(2):
+        assert breaker.allow() and breaker.record(ok=False) is None
+    assert breaker.allow() and breaker.record(ok=False) is BreakerState.OPEN
+    assert breaker.state is BreakerState.OPEN and breaker.trips == 1
+    assert not breaker.allow()
+    clock.now += 9.9
+    assert not breaker.allow()
+    clock.now += 0.2
+    assert breaker.allow(), "after the cooldown one trial call goes through"
+    assert breaker.state is BreakerState.HALF_OPEN
+    assert not breaker.allow(), "only one trial at a time"
+    assert breaker.record(ok=False) is None  # the trial failed: open again, not a new trip
+    assert breaker.state is BreakerState.OPEN and breaker.trips == 1 and not breaker.allow()
+    clock.now += 10.1
+    assert breaker.allow() and breaker.record(ok=True) is BreakerState.CLOSED
+    assert breaker.state is BreakerState.CLOSED and breaker.allow()
+
+
+def test_breaker_with_zero_failures_never_opens() -> None:
+    breaker = CircuitBreaker(failures=0, cooldown_s=1, clock=FakeClock())
+    for _ in range(100):
+        assert breaker.allow()
+        breaker.record(ok=False)
+    assert breaker.state is BreakerState.CLOSED and breaker.trips == 0
+
+
+def test_engine_stops_calling_a_failing_backend(tmp_path: Path) -> None:
+    backend = FaultyBackend("broken", FaultsConfig(circuit_breaker={"failures": 2, "cooldown_s": 3600}))
+    specs = conformance_specs()
+    engine = KIT.engine(backend, specs)
+    source = KIT.pools(specs, 2, seed=51)
+    hashes = page_hashes(2, seed=51)
+    assert engine.exists("attn", hashes).failed == 2
+    assert engine.put("attn", hashes, source["attn"].units(range(2))).failed == 2
+    assert engine.breaker.state is BreakerState.OPEN and engine.metrics.breaker_trips == 1
+    calls = dict(backend.calls)
+    for _ in range(20):
+        result = engine.get("attn", hashes, source["attn"].units(range(2)))
+        assert result.ok == [False, False] and result.failed == 2
+        assert "circuit breaker open" in (result.error or "")
+        assert not engine.put("index", hashes, source["index"].units(range(2))).skipped
+    assert backend.calls == calls, "an open breaker never reaches the backend"
+    assert engine.metrics.breaker_rejected == 40
+    assert engine.metrics.backend_errors == 2, "refused calls are not reported as backend errors"
+
+
+def test_breaker_is_configured_per_backend_instance(tmp_path: Path) -> None:
+    assert FileConfig(path=tmp_path).circuit_breaker.failures == 3
+    with pytest.raises(ValueError, match=r"circuit_breaker\.cooldown"):
+        FileConfig(path=tmp_path, circuit_breaker={"cooldown": 1})
+    with pytest.raises(ValueError, match=r"circuit_breaker\.failures"):
+        FileConfig(path=tmp_path, circuit_breaker={"failures": -1})
+
+
+def test_cache_keeps_serving_from_l1_l2_while_the_breaker_is_open() -> None:
+    host = PluginHost()
+    host.storage_backends.register(FaultyBackend)
+    overrides = [
+        "tiers.storage={broken: {type: faults, fail: raise}}",
+        "tiers.storage.broken.circuit_breaker={failures: 2, cooldown_s: 3600}",
+        "policy.prefetch.threshold_tokens=64",
+    ]
+    with open_cache("kv", overrides=overrides, host=host) as cache:
+        backend = cache.backend
+        assert isinstance(backend, FaultyBackend) and cache.engine is not None
+        first = tokens(61, 4)
+        serve(cache, first)
+        for i in range(4):
+            serve(cache, tokens(62 + i, 4))
+        cache.flush()
+        assert cache.engine.breaker.state is BreakerState.OPEN
+        calls = dict(backend.calls)
+        failures = cache.metrics.snapshot()["failures"]
+        again, bad = serve(cache, first)
+        assert again.cached_pages == 4 and bad == 0, "L1/L2 keep serving"
+        for i in range(4):
+            serve(cache, tokens(70 + i, 4))
+        cache.flush()
+        assert backend.calls == calls, "the open breaker keeps every call off the backend"
+        assert cache.engine.metrics.breaker_rejected > 0
+        assert cache.metrics.snapshot()["failures"] > failures, "refused L3 work still counts as failed"
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache), "a staged host slot leaked"
