@@ -190,3 +190,35 @@ def test_an_l3_restore_makes_room_by_dropping_host_copies_of_device_pages(tmp_pa
         lease, bad = serve(cache, wanted)
         assert lease.cached_pages == 38 and lease.hit_pages["storage"] == 38 and bad == 0
         assert lease.skipped == {}
+
+
+def test_objects_of_another_layout_are_a_layout_mismatch_and_heal(tmp_path: Path) -> None:
+    """The same model name, another unit layout: the old objects are foreign (never data), the
+    miss says so, and the keys are written again in the new layout."""
+    whole = tokens(63, 6)
+    with open_cache("kv", tmp_path) as writer:
+        serve(writer, whole)
+        writer.flush()
+    head_major = [*WAIT, "model.pools.kv.unit_layout=head_major"]
+    with open_cache("kv", tmp_path, head_major) as cache:
+        lease, bad = serve(cache, whole)
+        assert lease.cached_pages == 0 and bad == 0
+        assert lease.skipped == {SkipReason.LAYOUT_MISMATCH: 6}
+        cache.flush()
+    with open_cache("kv", tmp_path, head_major) as again:
+        lease, bad = serve(again, whole)
+        assert lease.hit_pages["storage"] == 6 and bad == 0, "the keys healed in the new layout"
+
+
+def test_the_unit_layout_is_in_the_fingerprint_even_when_shapes_coincide() -> None:
+    from kvstrata.core.integrity import layout_fingerprint
+    from kvstrata.plugins.pool_type import ModelContext
+    from kvstrata.pool_types.kv import KVConfig, KVPoolType
+
+    def spec(layout: str):
+        config = KVConfig(layers=1, kv_heads=4, head_dim=8, unit_layout=layout)
+        return KVPoolType("kv", config, ModelContext(page_size=4, anchor="kv")).spec()
+
+    token, head = spec("token_major"), spec("head_major")
+    assert token.buffers[0].unit_shape == head.buffers[0].unit_shape  # (4, 4, 8) both ways
+    assert layout_fingerprint(token, "kv") != layout_fingerprint(head, "kv")

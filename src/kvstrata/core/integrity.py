@@ -34,7 +34,7 @@ from typing import Literal
 
 import xxhash
 
-from kvstrata.plugins.pool_type import PoolSpec
+from kvstrata.plugins.pool_type import BufferSpec, PoolSpec, UnitLayout
 from kvstrata.plugins.storage_backend import OBJECT_MAGIC, BufferRegion, region_view
 
 MAGIC = OBJECT_MAGIC
@@ -118,13 +118,20 @@ def layout_fingerprint(spec: PoolSpec, suffix: str) -> bytes:
         "page_size": spec.page_size,
         "granularity": str(spec.granularity),
         "suffix": suffix,
-        "buffers": [
-            [name, by_name[name].dtype, by_name[name].layers, list(by_name[name].unit_shape)]
-            for name in buffer_names
-        ],
+        "buffers": [_buffer_description(by_name[name]) for name in buffer_names],
     }
     text = json.dumps(description, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(text, digest_size=16, person=b"kvstrata-fp-v1").digest()
+
+
+def _buffer_description(buffer: BufferSpec) -> list[object]:
+    """What shapes a buffer's bytes. A head-major unit can have the token-major unit's shape
+    (``kv_heads == page_size``), so the unit layout is named, but only when it is not the
+    default: every fingerprint written before unit layouts existed stays the same."""
+    described: list[object] = [buffer.name, buffer.dtype, buffer.layers, list(buffer.unit_shape)]
+    if buffer.unit_layout is not None and buffer.unit_layout != UnitLayout.TOKEN_MAJOR:
+        described.append(str(buffer.unit_layout))
+    return described
 
 
 def key_digest(key: str) -> int:

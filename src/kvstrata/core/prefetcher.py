@@ -73,6 +73,7 @@ class PrefetchOp:
     pages: int = 0  # pages whose objects the worker read and verified, every pool included
     read_end: int = 0  # pages the worker tried to read (window/state objects sit at its end)
     blocking: bool = False  # admit waits for it whatever the end policy
+    foreign: int = 0  # objects the reads refused as another layout / format (not damage)
     #: prefix ends where every state pool has an object (from the existence query)
     checkpoints: list[int] = field(default_factory=list)
     #: anchor pages found but not usable, by reason (filled by the worker)
@@ -249,6 +250,7 @@ class Prefetcher:
         usable = end
         for name, result in results.items():
             count_failure(self.metrics, result)
+            op.foreign += result.foreign
             nbytes += sum(result.ok) * self.pools.pools[name].spec.bytes_per_unit
             tp = self.layout.owner(name)
             have = longest_present_prefix(result.ok)
@@ -282,7 +284,9 @@ class Prefetcher:
             target = 0
         if target < end and not self._can_truncate():
             target = 0
-        _lose(op, SkipReason.DAMAGED_OBJECT, end - target)
+        # objects of another layout under our keys are a layout change, not damage
+        reason = SkipReason.LAYOUT_MISMATCH if op.foreign else SkipReason.DAMAGED_OBJECT
+        _lose(op, reason, end - target)
         return target
 
     def _can_truncate(self) -> bool:

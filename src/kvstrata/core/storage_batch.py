@@ -37,6 +37,7 @@ class BatchResult:
     error: str | None = None
     skipped: bool = False  # nothing attempted (plan off / read-only): ``error`` says why
     failed: int = 0  # units the backend was asked for and failed (never a miss, never skipped)
+    foreign: int = 0  # objects refused as another layout / format / key (not damage)
 
     @property
     def prefix(self) -> int:
@@ -192,7 +193,7 @@ def on_subset(
     ok = [False] * len(batch.page_hashes)
     for position, index in enumerate(keep):
         ok[index] = sub.ok[position]
-    return BatchResult(ok, sub.error, sub.skipped, sub.failed)
+    return BatchResult(ok, sub.error, sub.skipped, sub.failed, sub.foreign)
 
 
 def verify_batch(

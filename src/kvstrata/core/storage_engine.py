@@ -363,7 +363,7 @@ class StorageEngine:
             )
         if rejected:
             self._remove_rejected(pool, rejected)
-        return BatchResult(ok)
+        return BatchResult(ok, foreign=sum(foreign.values()))
 
     def _remove_rejected(self, pool: str, rejected: Mapping[Verdict, Sequence[str]]) -> None:
         """Drop objects that failed verification, where the backend can remove (one call)."""

@@ -43,8 +43,13 @@ class PendingWrite:
 
 
 def count_failure(metrics: CacheMetrics, result: BatchResult) -> None:
-    """A storage call that was attempted and failed (a skipped one is a plan, not a failure)."""
-    if result.error is not None and not result.skipped:
+    """Units a storage call was asked for and failed (a whole failed call counts one when it
+    says no more; a skipped call is a plan, not a failure; a get's miss is not a failure)."""
+    if result.skipped:
+        return
+    if result.failed:
+        metrics.fail(result.failed)
+    elif result.error is not None:
         metrics.fail()
 
 
