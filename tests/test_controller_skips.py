@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from controller_support import EXAMPLES, host_units_in_use, open_cache, serve, tokens, verify
+from controller_support import EXAMPLES, fill, host_units_in_use, open_cache, serve, tokens, verify
 from kvstrata.core.controller import CacheController, PoolKind, SkipReason
 from kvstrata.core.tree import Tier
 from kvstrata.plugins import PluginHost
@@ -61,6 +61,14 @@ def test_a_damaged_middle_object_truncates_the_restore_at_the_last_verified_end(
             cold.release(lease)
 
 
+def _compute_device_only(cache: CacheController, request) -> None:
+    """Serve ``request`` computing every page (no L3 read): it lands on the device only."""
+    lease = cache.lookup(request, prefetch="off")
+    cache.admit(lease)
+    fill(cache, lease, cache.allocate(lease))
+    cache.insert(lease)
+
+
 def test_an_l3_refill_below_an_unbacked_device_page_backs_it_up_first(tmp_path: Path) -> None:
     whole = tokens(32, 8)
     with open_cache("kv", tmp_path) as writer:
@@ -68,7 +76,7 @@ def test_an_l3_refill_below_an_unbacked_device_page_backs_it_up_first(tmp_path: 
         writer.flush()
     selective = [*WAIT, "policy.write=write_through_selective", "policy.write_through_threshold=5"]
     with open_cache("kv", tmp_path, [*selective, "policy.prefetch.host_fraction_limit=1"]) as cache:
-        serve(cache, whole[: 3 * 64])  # device only: not hot enough for a backup
+        _compute_device_only(cache, whole[: 3 * 64])  # not hot enough for a backup
         assert cache.tree.units("kv", "host") == 0
         lease, bad = serve(cache, whole)
         assert bad == 0 and lease.cached_pages == 8 and lease.hit_pages["storage"] == 5
@@ -91,7 +99,7 @@ def test_an_l3_refill_below_a_device_page_that_cannot_be_backed_up_is_dropped(tm
         "tiers.host.capacity_tokens=320",
     ]
     with open_cache("kv", tmp_path, tight) as cache:
-        serve(cache, whole[: 3 * 64])
+        _compute_device_only(cache, whole[: 3 * 64])
         lease = cache.lookup(whole)
         cache.admit(lease)
         assert lease.cached_pages == 3 and lease.hit_pages["storage"] == 0
