@@ -32,3 +32,19 @@ def test_exporter_serves_http_on_loopback() -> None:
         serve(cache, tokens(61, 2))
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'kvstrata_lookup_tokens_total{cache="default"} 128.0' in body
+
+
+def test_exporter_reports_skips_and_storage_events(tmp_path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    with open_cache("kv", tmp_path) as cache:
+        registry = CollectorRegistry()
+        register(cache.metrics, registry, cache="l3")
+        serve(cache, tokens(61, 3))
+        cache.flush()
+        lease = cache.lookup(tokens(62, 2), prefetch="off")
+        cache.release(lease)
+        text = generate_latest(registry).decode()
+    assert 'kvstrata_skipped_pages_total{cache="l3",reason="disabled"} 2.0' in text
+    assert 'kvstrata_storage_events_total{cache="l3",event="put_units"} 3.0' in text
+    assert 'kvstrata_storage_events_total{cache="l3",event="breaker_trips"} 0.0' in text

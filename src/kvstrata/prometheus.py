@@ -83,6 +83,14 @@ class CacheCollector:
         yield counter(
             "kvstrata_corrupt_objects", "Objects the integrity check refused", snap["corrupt_detected"]
         )
+        storage = core.CounterMetricFamily(
+            "kvstrata_storage_events",
+            "Storage engine counters (foreign_objects, breaker_trips, put_failed, ...)",
+            labels=[*labels, "event"],
+        )
+        for event, value in snap["storage"].items():
+            storage.add_metric([self.cache, event], value)
+        yield storage
         latency = core.SummaryMetricFamily(
             "kvstrata_latency_seconds", "Latency of match / load-back / prefetch", labels=[*labels, "kind"]
         )

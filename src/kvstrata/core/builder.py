@@ -154,6 +154,9 @@ def _attach_storage(parts: CacheParts, backend: StorageBackend) -> None:
     )
     parts.backend, parts.engine = backend, engine
     parts.metrics.corrupt_detected_fn = lambda: engine.metrics.corrupt_detected
+    parts.metrics.storage_fn = lambda: {
+        name: value for name, value in vars(engine.metrics).items() if isinstance(value, int)
+    }
     parts.plugins.hook.kvstrata_backend_opened(
         instance=backend.instance, backend=backend, capabilities=backend.instance_capabilities()
     )

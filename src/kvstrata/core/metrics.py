@@ -71,8 +71,10 @@ class CacheMetrics:
     )
     #: samples ever recorded per kind (the deques keep only the newest LATENCY_SAMPLES)
     latency_count: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LATENCIES, 0))
-    #: set by the controller: objects the integrity check refused (read from the storage engine)
+    #: set by the builder: objects the integrity check refused (read from the storage engine)
     corrupt_detected_fn: Any = None
+    #: set by the builder: the storage engine's integer counters (foreign objects, breaker ...)
+    storage_fn: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def count(self, operation: str, n: int = 1) -> None:
@@ -126,6 +128,7 @@ class CacheMetrics:
                 "failures": self.failures,
                 "skipped_pages": {str(reason): n for reason, n in self.skipped_pages.items()},
                 "corrupt_detected": self.corrupt_detected,
+                "storage": dict(self.storage_fn()) if self.storage_fn is not None else {},
                 "latency_s": {kind: list(samples) for kind, samples in self.latency_s.items()},
                 "latency_count": dict(self.latency_count),
             }
