@@ -145,12 +145,41 @@ def _cross_copy(
 
 
 def _placed(
-    indices: torch.Tensor, device: torch.device, *, non_blocking: bool = False
+    indices: torch.Tensor,
+    device: torch.device,
+    *,
+    non_blocking: bool = False,
+    run: int | bool | None = False,
 ) -> tuple[torch.Tensor, int | None]:
     """``indices`` on ``device`` and their :func:`contiguous_run`, read on whichever copy is on the
-    CPU (CUDA indices are never inspected). ``non_blocking`` applies to CUDA targets only."""
+    CPU (CUDA indices are never inspected). ``non_blocking`` applies to CUDA targets only; ``run``
+    is the run already computed for CPU indices (``False``: compute it)."""
     placed = indices.to(device, non_blocking=non_blocking and device.type == "cuda")
+    if run is not False and indices.device.type == "cpu":
+        return placed, run  # type: ignore[return-value]
     return placed, contiguous_run(indices if indices.device.type == "cpu" else placed)
+
+
+#: up to this many CPU indices are checked in Python (one ``tolist``), cheaper than four reductions
+_SMALL_INDEX = 256
+
+
+def _checked_run(pool: PoolBuffers, indices: torch.Tensor) -> int | bool | None:
+    """Bounds-check CPU ``indices`` against ``pool`` and return their contiguous run start, in one
+    pass: a chunked request copies a few units per call, where per-call overhead dominates.
+    ``False`` for CUDA indices (never inspected: that would force a device sync)."""
+    if indices.device.type != "cpu":
+        return False
+    count = indices.numel()
+    if count == 0 or count > _SMALL_INDEX:
+        pool.check_indices(indices)
+        return contiguous_run(indices)
+    values = indices.tolist()
+    low, high = min(values), max(values)
+    if low < 0 or high >= pool.units:
+        pool.check_indices(indices)  # raises with the pool's message
+    start = values[0]
+    return start if high - low == count - 1 and values == list(range(start, start + count)) else None
 
 
 def _view_pairs(src: PoolBuffers, dst: PoolBuffers) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -197,17 +226,15 @@ def copy_units(
     handle = TransferHandle()
     if src_idx.numel() == 0 or src.logical:
         return handle
-    if src_idx.device.type == "cpu":
-        src.check_indices(src_idx)
-    if dst_idx.device.type == "cpu":
-        dst.check_indices(dst_idx)
+    src_run = _checked_run(src, src_idx)
+    dst_run = _checked_run(dst, dst_idx)
 
     # the memory's own devices (a pool's ``device`` may be a bare "cuda")
     src_device, dst_device = views[0][0].device, views[0][1].device
 
     if src.device == dst.device:
-        src_at, src_start = _placed(src_idx, src_device)
-        dst_at, dst_start = _placed(dst_idx, dst_device)
+        src_at, src_start = _placed(src_idx, src_device, run=src_run)
+        dst_at, dst_start = _placed(dst_idx, dst_device, run=dst_run)
         for src_view, dst_view in views:
             _local_copy(src_view, src_at, src_start, dst_view, dst_at, dst_start)
         if src.device.type != "cuda":

@@ -172,18 +172,23 @@ class Writer:
         nbytes = 0
         for name, tp in self.layout.tree_pools.items():
             p = self.tree.index[name]
-            pairs = [(n.device[p], a[name]) for n, a in zip(nodes, allocated, strict=True) if len(a[name])]
+            pairs = [
+                (n.device[p], a[name]) for n, a in zip(nodes, allocated, strict=True) if a[name].shape[0]
+            ]
             if not pairs:
                 continue
-            device = torch.cat([d for d, _ in pairs])  # type: ignore[misc]
-            host = torch.cat([h for _, h in pairs])
+            if len(pairs) == 1:  # the common case of a chunked request: no concatenation
+                device, host = pairs[0]
+            else:
+                device = torch.cat([d for d, _ in pairs])  # type: ignore[misc]
+                host = torch.cat([h for _, h in pairs])
             handles += self.pools.device_to_host(name, device, host)
-            nbytes += len(host) * unit_bytes(self.pools, tp)
+            nbytes += host.shape[0] * unit_bytes(self.pools, tp)
         for handle in handles:
             handle.wait()
         for node, got in zip(nodes, allocated, strict=True):
             for name in self.layout.tree_pools:  # anchor first: it marks the node backed up
-                if len(got[name]):
+                if got[name].shape[0]:
                     self.tree.set_host_value(node, name, got[name])
         self.metrics.count("backups", len(nodes))
         self.metrics.add_bytes("device_to_host", nbytes)
