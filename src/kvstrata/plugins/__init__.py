@@ -27,6 +27,7 @@ from kvstrata.plugins.pool_type import (
     Replication,
 )
 from kvstrata.plugins.storage_backend import (
+    CACHE_DIR_ENV,
     BackendCapabilities,
     BackendConfig,
     BufferRegion,
@@ -36,9 +37,11 @@ from kvstrata.plugins.storage_backend import (
     leading_regions,
     region_view,
     region_views,
+    user_cache_dir,
 )
 
 __all__ = [
+    "CACHE_DIR_ENV",
     "BackendCapabilities",
     "BackendConfig",
     "BufferRegion",
@@ -70,4 +73,5 @@ __all__ = [
     "leading_regions",
     "region_view",
     "region_views",
+    "user_cache_dir",
 ]
