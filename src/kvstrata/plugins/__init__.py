@@ -8,6 +8,7 @@ from kvstrata.plugins.errors import (
     PluginError,
     PluginLoadError,
     PluginUnavailableError,
+    StorageError,
     UnknownPluginError,
 )
 from kvstrata.plugins.host import PluginHost
@@ -68,6 +69,7 @@ __all__ = [
     "PoolType",
     "Replication",
     "StorageBackend",
+    "StorageError",
     "StorageObject",
     "UnknownPluginError",
     "leading_regions",
