@@ -107,8 +107,9 @@ def replay_example(config: Path, trace: Path, limit: int, tmp_path: Path) -> dic
     return {"proc": proc, "result": json.loads(out.read_text()) if out.is_file() else None}
 
 
-#: Requests replayed per bundled trace: the first that already share prefixes (the synthetic
-#: trace's first shared prefix comes after 40 requests).
+#: Requests replayed per bundled trace: the fewest after which every example hits (a Mamba stack
+#: needs a stored state where the shared prefix ends; the synthetic trace shares nothing before
+#: its 50th request).
 TRACE_LIMITS = {"conversation_trace.jsonl": 20, "synthetic_trace.jsonl": 60}
 
 
