@@ -4,24 +4,36 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Mooncake's CPU wheel links against the RDMA and NUMA user-space libraries even for TCP.
+# Mooncake's CPU wheel links against the RDMA and NUMA user-space libraries even for TCP; the
+# example plugin package (examples/plugins/kvstrata-valkey) is tested against a real server.
 missing=()
 for pkg in libibverbs1 librdmacm1 libnuma1; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
-if ((${#missing[@]})); then
+need_server=0
+command -v valkey-server >/dev/null 2>&1 || command -v redis-server >/dev/null 2>&1 || need_server=1
+if ((${#missing[@]} || need_server)); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo=sudo
   $sudo apt-get update -qq
+  if ((need_server)); then
+    # valkey-server from Debian 13 on; redis-server (same protocol) before that
+    if [ -n "$(apt-cache policy valkey-server 2>/dev/null | grep 'Candidate: [0-9]')" ]; then
+      missing+=(valkey-server)
+    else
+      missing+=(redis-server)
+    fi
+  fi
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 # torch is pinned: a loose requirement would pull several GB of CUDA wheels.
-python3 -m pip install -q --disable-pip-version-check 'torch==2.13.0' -e '.[dev,mooncake-cpu,plot,metrics]'
+python3 -m pip install -q --disable-pip-version-check 'torch==2.13.0' -e '.[dev,mooncake-cpu,plot,metrics]' \
+  -e examples/plugins/kvstrata-valkey
 # SGLang, for the L3 adapter tests against its own HiCache code: --no-deps, since its metadata pins a
 # CUDA torch; the one small package its mem_cache modules import (msgspec) comes with the dev extra.
 python3 -m pip install -q --disable-pip-version-check --no-deps 'sglang==0.5.23'
 export KVSTRATA_REQUIRE_SGLANG=1  # tests/test_adapter_sglang.py fails (not skips) without it
 
-python3 -m ruff check src tests benchmarks
+python3 -m ruff check src tests benchmarks examples
 python3 -m pytest "$@"

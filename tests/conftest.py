@@ -19,18 +19,31 @@ def make_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callab
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # isolate stevedore's disk cache
 
     def make(
-        dist: str, version: str, entry_points: dict[str, dict[str, str]], modules: dict[str, str]
+        dist: str,
+        version: str,
+        entry_points: dict[str, dict[str, str]],
+        modules: dict[str, str],
+        requires: tuple[str, ...] = (),
     ) -> Path:
         info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        requires_dist = "".join(f"Requires-Dist: {requirement}\n" for requirement in requires)
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n{requires_dist}"
+        )
         lines = []
         for group, eps in entry_points.items():
             lines.append(f"[{group}]")
             lines.extend(f"{name} = {target}" for name, target in eps.items())
         (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
-        for module, source in modules.items():
-            (root / f"{module}.py").write_text(textwrap.dedent(source))
+        for module, source in modules.items():  # "pkg.mod" becomes pkg/__init__.py + pkg/mod.py
+            *packages, leaf = module.split(".")
+            folder = root.joinpath(*packages)
+            for depth in range(1, len(packages) + 1):
+                package = root.joinpath(*packages[:depth])
+                package.mkdir(exist_ok=True)
+                (package / "__init__.py").touch()
+            (folder / f"{leaf}.py").write_text(textwrap.dedent(source))
         return root
 
     return make

@@ -17,7 +17,7 @@ from kvstrata.core.controller import CacheController, Lease, PoolKind
 from kvstrata.plugins import PluginHost
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = {path.stem: path for path in sorted((REPO / "examples" / "configs").glob("*.yaml"))}
+EXAMPLES = {path.stem: path for path in sorted((REPO / "tests" / "stacks").glob("*.yaml"))}
 
 
 def open_cache(

@@ -17,7 +17,7 @@ from kvstrata.plugins.pool_type import PoolRole
 from kvstrata.plugins.storage_backend import BufferRegion
 
 DEVICE = os.environ.get("KVSTRATA_TEST_DEVICE", "cpu")
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
+EXAMPLES = Path(__file__).resolve().parent / "stacks"
 BF16, FP32 = 2, 4
 
 # Bytes per page (token pools) or per slot (node-state pools), computed by hand from the YAML:

@@ -14,7 +14,7 @@ from kvstrata.plugins.host import PluginHost
 from kvstrata.replay.content import ContentIdentity, page_identities, verify_units
 from kvstrata.replay.driver import PoolContent, StackContent
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
+EXAMPLES = Path(__file__).resolve().parent / "stacks"
 STACKS = ["kv.yaml", "mla-nsa-draft.yaml", "hybrid-mamba.yaml", "swa-mamba.yaml", "logical-swa.yaml"]
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((REPO / "examples" / "configs").glob("*.yaml"))
+EXAMPLES = sorted((REPO / "tests" / "stacks").glob("*.yaml"))
 PAGES = 6
 
 # One module-level script shared by the writer (in-process) and the reader (subprocess).

@@ -5,20 +5,34 @@ Exit codes: 0 success, 2 invalid input (bad config, unknown plugin), 1 runtime f
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
+import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from kvstrata.core.config import anchor_instances, config_json_schema, load_config
+from kvstrata import __version__
+from kvstrata.core.config import (
+    ENV_NESTING,
+    ENV_PREFIX,
+    KvstrataConfig,
+    anchor_instances,
+    config_json_schema,
+    load_config,
+)
 from kvstrata.plugins.errors import ConfigError, KvstrataError, PluginError
 from kvstrata.plugins.host import PluginHost
-from kvstrata.plugins.registry import missing_requirements
+from kvstrata.plugins.registry import PluginEntry, missing_requirements
+from kvstrata.progress import progress
 
 EXIT_RUNTIME = 1
 EXIT_INVALID = 2
@@ -34,7 +48,7 @@ config_app = typer.Typer(help="Compose, validate and inspect configurations.", n
 app.add_typer(config_app, name="config")
 
 out = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 ConfigFiles = Annotated[
     list[Path], typer.Argument(help="YAML/TOML/JSON files, later ones override earlier ones")
@@ -45,43 +59,182 @@ SetOption = Annotated[
 ]
 
 
-def _fail(exc: BaseException, code: int) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+def _fail(exc: BaseException | str, code: int) -> typer.Exit:
+    """Print ``error: ...`` (the text escaped: ``kvstrata[mooncake]`` is not rich markup)."""
+    err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
+def _version(value: bool) -> None:
+    if value:
+        print(f"kvstrata {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit"),
+    ] = False,
+) -> None:
+    """Hierarchical state cache for hybrid LLM inference."""
+
+
+def _override_culprits(overrides: Sequence[str]) -> list[tuple[str, str]]:
+    """(dotted path, what the user wrote) of every ``--set`` and ``KVSTRATA_A__B`` override."""
+    culprits = []  # in precedence order: environment first, then --set, later ones win
+    for name in sorted(os.environ):
+        if name.startswith(ENV_PREFIX) and ENV_NESTING in name:
+            path = ".".join(part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTING))
+            culprits.append((path, f"environment {name}={os.environ[name]}"))
+    culprits += [(text.partition("=")[0].strip(), f"--set {text}") for text in overrides]
+    return culprits
+
+
+def blame_overrides(exc: ConfigError, overrides: Sequence[str]) -> ConfigError:
+    """The same errors, each blamed on the ``--set`` (or environment override) that set the bad
+    field instead of on the config files, which never contained that value."""
+    culprits = _override_culprits(overrides)
+    found = [
+        next(
+            (text for where, text in reversed(culprits) if path == where or path.startswith(where + ".")),
+            None,
+        )
+        for path, _ in exc.errors
+    ]
+    if found and all(found):  # every error comes from overrides: name them, not the files
+        return ConfigError(exc.errors, ", ".join(dict.fromkeys(c for c in found if c)))
+    errors = [
+        (path, f"{reason} (from {culprit})" if culprit else reason)
+        for (path, reason), culprit in zip(exc.errors, found, strict=True)
+    ]
+    return ConfigError(errors, exc.source)
+
+
+def load_cli_config(
+    files: Sequence[Path], overrides: Sequence[str], host: PluginHost, *, user_overrides: Sequence[str] = ()
+) -> KvstrataConfig:
+    """``load_config`` with errors of ``user_overrides`` blamed on them (exit 2 on any error)."""
+    try:
+        return load_config(files, overrides, host=host)
+    except ConfigError as exc:
+        raise _fail(blame_overrides(exc, user_overrides), EXIT_INVALID) from None
+    except PluginError as exc:
+        raise _fail(exc, EXIT_INVALID) from None
+
+
+def check_output_path(option: str, path: Path | None) -> None:
+    """Refuse an output file that cannot be written before a run, not after it (exit 2)."""
+    if path is None:
+        return
+    parent = path.parent
+    if path.is_dir():
+        problem = "is a directory; give a file name"
+    elif not parent.is_dir():
+        problem = f"its directory {parent} does not exist"
+    elif not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        problem = "is not writable (permission denied)"
+    else:
+        return
+    raise _fail(f"{option} {path}: {problem}", EXIT_INVALID)
+
+
+def describe_os_error(exc: OSError, config: KvstrataConfig | None = None) -> str:
+    """An OSError in words, with the config field it comes from when a storage path is involved."""
+    what = exc.strerror or str(exc)
+    filename = f" {exc.filename}" if exc.filename else ""
+    if config is not None and exc.filename:
+        for instance, backend in config.tiers.storage.items():
+            for field, value in backend.model_dump().items():
+                if isinstance(value, Path) and str(exc.filename).startswith(str(value)):
+                    return (
+                        f"cannot use tiers.storage.{instance}.{field} ({value}): {what}:{filename}; "
+                        f"point it at a directory you can write (--set tiers.storage.{instance}.{field}=DIR)"
+                    )
+    return f"{what}:{filename}"
+
+
+def install_hint(distribution: str | None, missing_module: str | None) -> str | None:
+    """What to run so a plugin that failed to import loads: its declared requirement for the
+    missing module when the distribution names one, else a reinstall (which brings its
+    dependencies back)."""
+    if not distribution or distribution == "unknown distribution":
+        return None
+    if missing_module:
+        top = missing_module.split(".")[0].lower().replace("_", "-")
+        try:
+            requirements = importlib.metadata.requires(distribution) or []
+        except importlib.metadata.PackageNotFoundError:
+            requirements = []
+        for requirement in requirements:
+            if ";" in requirement:
+                continue  # extras and markers: not what a plain install needs
+            name = re.split(r"[\s<>=!~\[(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+            if name == top:
+                return f"pip install '{requirement}'"
+    return f"pip install --force-reinstall '{distribution}'"
+
+
+def _row(entry: PluginEntry, kind: str, status: str, **fields: Any) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "kind": kind,
+        "name": entry.name,
+        "distribution": entry.provider,
+        "version": entry.version,
+        "source": entry.source,
+        "status": status,
+        "error": None,
+        "install": None,
+        "missing": [],
+        "capabilities": None,
+    }
+    row.update(fields)
+    return row
+
+
 def plugin_rows(host: PluginHost) -> list[dict[str, Any]]:
-    """Everything ``kvstrata plugins`` shows, gathered without instantiating any plugin."""
+    """Everything ``kvstrata plugins`` shows: each installed plugin with its status (available,
+    missing dependency, unavailable, load error, disabled), the reason and what to install."""
     rows: list[dict[str, Any]] = []
     for registry in (host.pool_types, host.storage_backends):
         for entry in registry.entries():
-            row: dict[str, Any] = {
-                "kind": registry.kind,
-                "name": entry.name,
-                "distribution": entry.provider,
-                "version": entry.version,
-                "source": entry.source,
-                "status": "available",
-                "error": None,
-                "missing": [],
-                "capabilities": None,
-            }
             error = registry.load_error(entry.name)
             if error is not None:
-                row.update(status="load error", error=str(error))
+                missing_module = getattr(error, "missing_module", None)
+                rows.append(
+                    _row(
+                        entry,
+                        registry.kind,
+                        "load error",
+                        error=str(error),
+                        install=install_hint(entry.provider, missing_module),
+                    )
+                )
+                continue
+            cls = registry.get(entry.name)
+            row = _row(entry, registry.kind, "available")
+            missing = missing_requirements(cls)
+            if missing:
+                row["missing"] = [{"module": m, "install": i} for m, i in missing]
+                row.update(status="missing dependency", install=missing[0][1])
             else:
-                cls = registry.get(entry.name)
-                missing = missing_requirements(cls)
-                if missing:
-                    row["missing"] = [{"module": m, "install": i} for m, i in missing]
-                    row["status"] = "missing dependency"
                 reason = getattr(cls, "unavailable_reason", lambda: None)()
-                if reason and not missing:
+                if reason:
                     row.update(status="unavailable", error=reason)
-                caps = getattr(cls, "capabilities", None)
-                if caps is not None:
-                    row["capabilities"] = caps.model_dump(mode="json")
+            caps = getattr(cls, "capabilities", None)
+            if caps is not None:
+                row["capabilities"] = caps.model_dump(mode="json")
             rows.append(row)
+        for entry in registry.blocked():
+            rows.append(
+                _row(
+                    entry,
+                    registry.kind,
+                    "disabled",
+                    error=f"named in KVSTRATA_DISABLED_PLUGINS; remove {entry.name!r} from it to load it",
+                )
+            )
     for failed in host.hook_plugin_errors:
         rows.append(
             {
@@ -92,6 +245,7 @@ def plugin_rows(host: PluginHost) -> list[dict[str, Any]]:
                 "source": "entry_point",
                 "status": "load error",
                 "error": failed.error,
+                "install": install_hint(failed.distribution, None),
                 "missing": [],
                 "capabilities": None,
             }
@@ -103,7 +257,8 @@ def plugin_rows(host: PluginHost) -> list[dict[str, Any]]:
 def plugins(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
-    """List installed pool types and storage backends, with their status and capabilities."""
+    """List installed pool types and storage backends: status, capabilities, and for a plugin that
+    cannot be used the reason and what to install."""
     host = PluginHost()
     rows = plugin_rows(host)
     if as_json:
@@ -116,23 +271,26 @@ def plugins(
         details = row["error"] or ""
         if row["missing"]:
             details = "; ".join(f"needs {m['module']}: {m['install']}" for m in row["missing"])
+        elif row["install"]:
+            details = f"{details}; fix: {row['install']}"
         elif row["capabilities"] and not row["error"]:
             caps = row["capabilities"]
             flags = [k for k, v in caps.items() if v is True]
             details = f"pools: {', '.join(caps['pools'])}; " + ", ".join(flags)
         dist = f"{row['distribution']} {row['version'] or ''}".strip()
-        style = {"available": "green", "missing dependency": "yellow"}.get(row["status"], "red")
-        table.add_row(row["kind"], row["name"], dist, f"[{style}]{row['status']}[/]", details)
+        style = {"available": "green", "missing dependency": "yellow", "disabled": "dim"}.get(
+            row["status"], "red"
+        )
+        table.add_row(row["kind"], row["name"], escape(dist), f"[{style}]{row['status']}[/]", escape(details))
     out.print(table)
+    if not host.autoload:
+        out.print("entry points not scanned: KVSTRATA_DISABLE_PLUGIN_AUTOLOAD is set", highlight=False)
 
 
 @config_app.command("validate")
 def config_validate(files: ConfigFiles, set_: SetOption = None) -> None:
     """Check that the composed configuration is valid; errors name the dotted field path."""
-    try:
-        config = load_config(files, set_ or [], host=PluginHost())
-    except (ConfigError, PluginError) as exc:
-        raise _fail(exc, EXIT_INVALID) from None
+    config = load_cli_config(files, set_ or [], PluginHost(), user_overrides=set_ or [])
     pools = ", ".join(f"{k} ({v.type})" for k, v in config.model.pools.items())
     storage = ", ".join(f"{k} ({v.type})" for k, v in config.tiers.storage.items()) or "none"
     out.print(f"[green]valid[/]: model {config.model.name!r}; pools: {pools}; storage: {storage}")
@@ -145,10 +303,7 @@ def config_show(
     as_json: Annotated[bool, typer.Option("--json", help="JSON instead of YAML")] = False,
 ) -> None:
     """Print the resolved configuration, defaults included."""
-    try:
-        config = load_config(files, set_ or [], host=PluginHost())
-    except (ConfigError, PluginError) as exc:
-        raise _fail(exc, EXIT_INVALID) from None
+    config = load_cli_config(files, set_ or [], PluginHost(), user_overrides=set_ or [])
     data = config.model_dump(mode="json")
     if as_json:
         print(json.dumps(data, indent=2))
@@ -179,7 +334,6 @@ def simulate(
 ) -> None:
     """Reference hit-rate simulation of a trace (LRU over blocks, token-weighted): the replay's baseline."""
     from pydantic import ValidationError
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvstrata.replay.simulate import SimulationConfig
     from kvstrata.replay.simulate import simulate as run_simulation
@@ -193,22 +347,13 @@ def simulate(
         reasons = "; ".join(
             f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors()
         )
-        raise _fail(ValueError(reasons), EXIT_INVALID) from None
+        raise _fail(reasons, EXIT_INVALID) from None
     try:
         requests = read_trace(trace, limit=limit, block_size=block_size)
     except TraceError as exc:
         raise _fail(exc, EXIT_INVALID) from None
-    with Progress(
-        TextColumn("simulating"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-        disable=as_json or not err.is_terminal,
-    ) as progress:
-        task = progress.add_task("simulate", total=len(requests))
-        result = run_simulation(requests, config, progress=lambda n: progress.update(task, completed=n))
+    with progress(err, "simulated", len(requests), quiet=as_json) as update:
+        result = run_simulation(requests, config, progress=lambda n: update(n, len(requests)))
     if as_json:
         print(result.model_dump_json(indent=2, exclude={"per_request_hits", "per_request_tokens"}))
         return
@@ -247,8 +392,8 @@ def doctor(files: ConfigFiles, set_: SetOption = None) -> None:
     from kvstrata.core.pool_group import host_memory_budget
 
     host = PluginHost()
+    config = load_cli_config(files, set_ or [], host, user_overrides=set_ or [])
     try:
-        config = load_config(files, set_ or [], host=host)
         specs = build_pool_specs(config, host)
     except (ConfigError, PluginError) as exc:
         raise _fail(exc, EXIT_INVALID) from None
@@ -313,37 +458,38 @@ def doctor(files: ConfigFiles, set_: SetOption = None) -> None:
     out.print("[green]ok[/]: every pool can be stored as configured")
 
 
-#: Stack the no-argument ``replay`` runs (found in the source checkout or the working directory).
-SAMPLE_CONFIG = Path("examples") / "configs" / "hybrid-mamba.yaml"
-#: What the no-argument run changes in SAMPLE_CONFIG so the bundled sample (300 requests, up to 120k
-#: tokens each) replays in seconds: fewer KV bytes per token, the trace's 512-token blocks as pages,
-#: tiers (and Mamba state slots) that hold whole requests and still spill to host and storage. The
-#: file backend's path becomes a fresh temporary directory.
-SAMPLE_OVERRIDES = (
-    "model.page_size=512",
-    "model.pools.kv.kv_heads=1",
-    "model.pools.kv.head_dim=8",
-    "model.pools.mamba.device_units=64",
-    "model.pools.mamba.host_units=512",
-    "tiers.device.capacity_tokens=131072",
-    "tiers.host.capacity_tokens=1048576",
-)
+#: Stack the no-argument ``replay`` runs: a copy of examples/configs/hybrid-mamba.yaml shipped
+#: inside the package (so a non-editable install has it); its L3 moves to a temporary directory.
+DEFAULT_CONFIG = "hybrid-mamba.yaml"
 
 
-def _sample_config() -> Path:
-    """hybrid-mamba.yaml from the working directory or the checkout this package runs from."""
-    candidates = [Path.cwd() / SAMPLE_CONFIG, Path(__file__).resolve().parents[2] / SAMPLE_CONFIG]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(
-        [
-            (
-                "",
-                f"no -c CONFIG given and {SAMPLE_CONFIG} not found in {', '.join(map(str, candidates))}",
+def default_config_path() -> Path:
+    """The packaged default stack (``kvstrata/replay/data/hybrid-mamba.yaml``)."""
+    from importlib import resources
+
+    return Path(str(resources.files("kvstrata.replay") / "data" / DEFAULT_CONFIG))
+
+
+def _human_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def describe_storage(config: KvstrataConfig) -> list[str]:
+    """One line per storage instance: where its objects live and how much it may keep."""
+    lines = []
+    for instance, backend in config.tiers.storage.items():
+        fields = backend.model_dump(mode="json")
+        where = next((str(fields[k]) for k in ("path", "url", "master") if fields.get(k)), "")
+        text = f"L3 {instance} ({backend.type})" + (f": {where}" if where else "")
+        if "capacity_bytes" in fields:
+            cap = fields["capacity_bytes"]
+            text += (
+                f", capped at {_human_bytes(cap)}"
+                if cap
+                else f", NO size cap (set tiers.storage.{instance}.capacity_bytes)"
             )
-        ]
-    )
+        lines.append(text)
+    return lines
 
 
 @app.command()
@@ -356,8 +502,8 @@ def replay(
         typer.Option(
             "--config",
             "-c",
-            help="config file(s), later override earlier (default: examples/configs/hybrid-mamba.yaml "
-            "scaled down, file L3 in a temporary directory)",
+            help="config file(s), later override earlier (default: the packaged copy of "
+            "examples/configs/hybrid-mamba.yaml, file L3 in a temporary directory)",
         ),
     ] = None,
     set_: SetOption = None,
@@ -376,35 +522,42 @@ def replay(
     ] = None,
 ) -> None:
     """Replay a request trace through the real tiers and backend, verifying every restored byte;
-    prints per-tier hit rates, bytes moved, throughput, latencies, failures and corruption."""
+    prints per-tier hit rates, bytes moved, throughput, latencies, failures and corruption.
+    Exits 1 when requests failed (the sentence names the setting to change)."""
     import importlib.util
     import shutil
     import tempfile
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from kvstrata.replay.driver import run_replay_detailed
-    from kvstrata.replay.report import PLOT_INSTALL, plot_hit_rates, render_summary
+    from kvstrata.replay.report import (
+        PLOT_INSTALL,
+        failed_requests_sentence,
+        plot_hit_rates,
+        render_summary,
+    )
     from kvstrata.replay.simulate import SimulationConfig, simulate
     from kvstrata.replay.trace import TraceError, read_trace
 
     if not 0.0 <= warmup_fraction < 1.0:
-        raise _fail(ValueError(f"--warmup-fraction must be in [0, 1), got {warmup_fraction}"), EXIT_INVALID)
+        raise _fail(f"--warmup-fraction must be in [0, 1), got {warmup_fraction}", EXIT_INVALID)
     if plot_out is not None and importlib.util.find_spec("matplotlib") is None:
-        raise _fail(ValueError(f"--plot needs matplotlib: run `{PLOT_INSTALL}`"), EXIT_INVALID)
+        raise _fail(f"--plot needs matplotlib: run `{PLOT_INSTALL}`", EXIT_INVALID)
+    check_output_path("--json", json_out)
+    check_output_path("--plot", plot_out)
     host = PluginHost()
     scratch: Path | None = None
     try:
         files = list(config_files or [])
-        overrides = list(set_ or [])
+        user_overrides = list(set_ or [])
+        overrides = list(user_overrides)
         if not files:
             scratch = Path(tempfile.mkdtemp(prefix="kvstrata-replay-l3-"))
-            files = [_sample_config()]
-            overrides = [*SAMPLE_OVERRIDES, f"tiers.storage.l3.path={scratch}", *overrides]
+            files = [default_config_path()]
+            overrides = [f"tiers.storage.l3.path={scratch}", *overrides]
+        config = load_cli_config(files, overrides, host, user_overrides=user_overrides)
         try:
-            config = load_config(files, overrides, host=host)
             requests = read_trace(trace, limit=limit)
-        except (ConfigError, PluginError, TraceError) as exc:
+        except TraceError as exc:
             raise _fail(exc, EXIT_INVALID) from None
         baseline = simulate(requests, SimulationConfig(warmup_fraction=warmup_fraction)).hit_rate
         storage = ", ".join(f"{k} ({v.type})" for k, v in config.tiers.storage.items()) or "none"
@@ -413,35 +566,58 @@ def replay(
             f"{', '.join(map(str, files))} (model {config.model.name!r}, page {config.model.page_size}, "
             f"storage: {storage})",
             highlight=False,
+            markup=False,
         )
-        with Progress(
-            TextColumn("replaying"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=err,
-            transient=True,
-            disable=not err.is_terminal,
-        ) as progress:
-            task = progress.add_task("replay", total=len(requests))
+        for line in describe_storage(config):
+            err.print(
+                line + (" (temporary, removed afterwards)" if scratch else ""), highlight=False, markup=False
+            )
+        longest = max((r.input_length for r in requests), default=0)
+        if longest > config.tiers.device.capacity_tokens:
+            err.print(
+                f"warning: tiers.device.capacity_tokens={config.tiers.device.capacity_tokens:,} is "
+                f"smaller than the longest request of the trace ({longest:,} tokens): requests "
+                "longer than the device tier will fail",
+                style="bold yellow",
+                highlight=False,
+                markup=False,
+            )
+        with progress(err, "replayed", len(requests)) as update:
             try:
                 result, details = run_replay_detailed(
                     config,
                     host,
                     requests,
                     warmup_fraction=warmup_fraction,
-                    progress=lambda done, _total: progress.update(task, completed=done),
+                    progress=update,
                     baseline_hit_rate=baseline,
                     baseline_label="reference simulator (unlimited LRU, blocks)",
                 )
-            except (KvstrataError, OSError, MemoryError, RuntimeError) as exc:
+            except OSError as exc:
+                raise _fail(describe_os_error(exc, config), EXIT_RUNTIME) from None
+            except ValueError as exc:  # a stack the controller refuses to build (e.g. L3 without L2)
+                raise _fail(exc, EXIT_INVALID) from None
+            except (KvstrataError, MemoryError, RuntimeError) as exc:
                 raise _fail(exc, EXIT_RUNTIME) from None
         render_summary(result, details, out)
         if json_out is not None:
-            json_out.write_text(result.to_json() + "\n")
+            try:
+                json_out.write_text(result.to_json() + "\n")
+            except OSError as exc:
+                raise _fail(
+                    f"cannot write --json {json_out}: {describe_os_error(exc)}", EXIT_RUNTIME
+                ) from None
         if plot_out is not None:
-            plot_hit_rates(details, plot_out, title=f"kvstrata replay: {trace or 'bundled sample trace'}")
-            err.print(f"plot written to {plot_out}", highlight=False)
+            try:
+                plot_hit_rates(details, plot_out, title=f"kvstrata replay: {trace or 'bundled sample trace'}")
+            except OSError as exc:
+                raise _fail(
+                    f"cannot write --plot {plot_out}: {describe_os_error(exc)}", EXIT_RUNTIME
+                ) from None
+            err.print(f"plot written to {plot_out}", highlight=False, markup=False)
+        if details.failed_requests:
+            sentence = failed_requests_sentence(result, details, config.tiers.device.capacity_tokens)
+            raise _fail(sentence, EXIT_RUNTIME)
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -8,6 +8,7 @@ from kvstrata.plugins.errors import (
     PluginError,
     PluginLoadError,
     PluginUnavailableError,
+    StorageError,
     UnknownPluginError,
 )
 from kvstrata.plugins.host import PluginHost
@@ -29,6 +30,7 @@ from kvstrata.plugins.pool_type import (
     UnitLayout,
 )
 from kvstrata.plugins.storage_backend import (
+    CACHE_DIR_ENV,
     BackendCapabilities,
     BackendConfig,
     BufferRegion,
@@ -38,9 +40,11 @@ from kvstrata.plugins.storage_backend import (
     leading_regions,
     region_view,
     region_views,
+    user_cache_dir,
 )
 
 __all__ = [
+    "CACHE_DIR_ENV",
     "BackendCapabilities",
     "BackendConfig",
     "BufferRegion",
@@ -68,10 +72,12 @@ __all__ = [
     "PoolType",
     "Replication",
     "StorageBackend",
+    "StorageError",
     "StorageObject",
     "UnitLayout",
     "UnknownPluginError",
     "leading_regions",
     "region_view",
     "region_views",
+    "user_cache_dir",
 ]

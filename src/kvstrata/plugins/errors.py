@@ -41,6 +41,8 @@ class PluginLoadError(PluginError):
             reason,
         )
         origin = f"{distribution} {version}" if distribution else "an unknown distribution"
+        #: the module whose absence made the import fail, when that was the cause
+        self.missing_module: str | None = None
         super().__init__(f"{kind} {name!r} from {origin} failed to load: {reason}")
 
 

@@ -87,6 +87,7 @@ class Registry(Generic[T]):
         self._entries: dict[str, list[PluginEntry]] = {}
         self._loaded: dict[str, type[T]] = {}
         self._errors: dict[str, PluginError] = {}
+        self._blocked: list[PluginEntry] = []
 
     # --- discovery ---------------------------------------------------------------------------
 
@@ -97,9 +98,8 @@ class Registry(Generic[T]):
         # invisible, so drop this group's cached copy before a fresh scan.
         ExtensionManager.ENTRY_POINT_CACHE.pop(self.group, None)
         seen: set[tuple[str, str, str]] = set()
+        self._blocked = []
         for ep in importlib.metadata.entry_points(group=self.group):
-            if ep.name in self._disabled:
-                continue
             dist = getattr(ep, "dist", None)
             provider = dist.name if dist is not None else "unknown distribution"
             version = dist.version if dist is not None else None
@@ -107,6 +107,9 @@ class Registry(Generic[T]):
                 continue
             seen.add((ep.name, provider, ep.value))
             entry = PluginEntry(self.kind, ep.name, "entry_point", provider, version, ep.value)
+            if ep.name in self._disabled:
+                self._blocked.append(entry)  # listed as disabled, never loaded
+                continue
             self._add(entry)
 
     def _add(self, entry: PluginEntry) -> None:
@@ -142,6 +145,10 @@ class Registry(Generic[T]):
 
     def entries(self) -> list[PluginEntry]:
         return [e for name in self.names() for e in self._entries[name]]
+
+    def blocked(self) -> list[PluginEntry]:
+        """Installed entry points skipped because their name is disabled (never imported)."""
+        return list(self._blocked)
 
     def entry(self, name: str) -> PluginEntry:
         found = self._entries.get(name)
@@ -191,7 +198,10 @@ class Registry(Generic[T]):
         if failure:
             exc = failure[0]
             reason = f"{type(exc).__name__}: {exc}"
-            raise PluginLoadError(self.kind, entry.name, entry.provider, entry.version, reason)
+            error = PluginLoadError(self.kind, entry.name, entry.provider, entry.version, reason)
+            if isinstance(exc, ModuleNotFoundError):
+                error.missing_module = exc.name
+            raise error
         return manager.driver
 
     def load_error(self, name: str) -> PluginError | None:

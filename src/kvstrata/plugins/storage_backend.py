@@ -10,12 +10,15 @@ know about pools, layouts or checksums.
 from __future__ import annotations
 
 import ctypes
+import os
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from pathlib import Path
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 #: Plugin API generation this core implements.
 BACKEND_API_VERSION = 1
@@ -76,9 +79,41 @@ class BreakerConfig(BaseModel):
     )
 
 
+#: Environment variable naming kvstrata's per-user cache directory; backend paths may use it
+#: (``$KVSTRATA_CACHE_DIR/l3``) even when it is not set.
+CACHE_DIR_ENV = "KVSTRATA_CACHE_DIR"
+
+
+def user_cache_dir() -> Path:
+    """kvstrata's per-user cache directory: ``$KVSTRATA_CACHE_DIR``, else the platform's user cache
+    directory (``~/.cache/kvstrata`` on Linux, via platformdirs). Per user, so two users of one
+    machine never share or delete each other's objects, and never a fixed path under /tmp."""
+    override = os.environ.get(CACHE_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    import platformdirs
+
+    return platformdirs.user_cache_path("kvstrata", appauthor=False)
+
+
+def expand_path(value: str) -> str:
+    """Expand environment variables and ``~`` in a path; ``$KVSTRATA_CACHE_DIR`` falls back to
+    :func:`user_cache_dir` when the variable is not set."""
+    for token in (f"${{{CACHE_DIR_ENV}}}", f"${CACHE_DIR_ENV}"):
+        if token in value:
+            value = value.replace(token, str(user_cache_dir()))
+    return os.path.expanduser(os.path.expandvars(value))
+
+
+def _is_path_field(annotation: Any) -> bool:
+    return annotation is Path or Path in typing.get_args(annotation)
+
+
 class BackendConfig(BaseModel):
     """Base of every backend's ``Config``; a plugin narrows ``type`` to ``Literal[name]``.
 
+    Every ``Path`` field of a backend config expands ``$VARIABLES`` and ``~`` (see :func:`expand_path`):
+    ``path: $KVSTRATA_CACHE_DIR/l3`` puts objects in the per-user cache directory.
     Fields here apply to every backend instance and are read by the core, not the plugin.
     """
 
@@ -89,6 +124,17 @@ class BackendConfig(BaseModel):
         default_factory=BreakerConfig,
         description="stop calling this instance after repeated failures, so L1/L2 keep full speed",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_paths(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        paths = {name for name, field in cls.model_fields.items() if _is_path_field(field.annotation)}
+        return {
+            key: expand_path(value) if key in paths and isinstance(value, str) else value
+            for key, value in data.items()
+        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,9 @@ from kvstrata.replay.trace import MOONCAKE_BLOCK_SIZE, TraceRequest
 #: Upper bound of the temporaries one fill/verify chunk builds (expected words + gathered words).
 _CHUNK_BYTES = 16 << 20
 
+#: Failure kind of a request whose pages did not fit on the device tier (it is not computed).
+FAILED_REQUEST = "request failed: device tier full"
+
 #: Requests whose token blocks are generated together (fewer, larger vectorised batches).
 _TOKENIZE_AHEAD = 32
 
@@ -205,6 +208,7 @@ def replay_with_cache(
     step = state_checkpoint_tokens or 0
     if step % page_size or not any(content.node_state.values()):
         step = 0
+    allocate_counted = 0  # failed allocations the controller counted itself (measured part)
     for index, request in enumerate(requests):
         if index % _TOKENIZE_AHEAD == 0:  # generate the next requests' blocks in one batch
             window = requests[index : index + _TOKENIZE_AHEAD]
@@ -215,20 +219,25 @@ def replay_with_cache(
         tokens = tokenizer.request_tokens(request)
         checkpoint = _checkpoint_tokens(request.input_length, page_size, step)
         if checkpoint:  # chunked prefill: the state at the last block boundary is stored too
-            hit_pages, served, full = _serve(cache, content, tokens[:checkpoint], verify)
-            _, served_rest, full_rest = _serve(cache, content, tokens, verify)
-            served, full = served + served_rest, full or full_rest
+            first = _serve(cache, content, tokens[:checkpoint], verify)
+            rest = _serve(cache, content, tokens, verify)
+            hit_pages, served = first.hit_pages, first.served + rest.served
+            full = first.full or rest.full
+            counted = first.counted_by_controller + rest.counted_by_controller
         else:
-            hit_pages, served, full = _serve(cache, content, tokens, verify)
+            outcome = _serve(cache, content, tokens, verify)
+            hit_pages, served, full = outcome.hit_pages, outcome.served, outcome.full
+            counted = outcome.counted_by_controller
         if served:  # counted in warm-up too: wrong bytes are never excused
             recorder.add_corrupt(served=served)
-        if full and recorder.measuring:  # the controller's own failures are counted as deltas
-            recorder.add_failure("allocate (device tier full)")
+        if recorder.measuring:
+            allocate_counted += counted
         recorder.record_request(
             request.input_length,
             device=hit_pages.get("device", 0) * page_size,
             host=hit_pages.get("host", 0) * page_size,
             storage=hit_pages.get("storage", 0) * page_size,
+            failed=FAILED_REQUEST if full else None,
         )
         if progress is not None and ((index + 1) % 16 == 0 or index + 1 == total):
             progress(index + 1, total)
@@ -240,8 +249,10 @@ def replay_with_cache(
     for kind, samples in metrics.get("latency_s", {}).items():
         for seconds in samples:
             recorder.add_latency(kind, seconds)
-    controller_failures = int(metrics.get("failures", 0))
-    if controller_failures:
+    # A failed allocation is the failed request counted above: the controller's own count of it
+    # (when it keeps one) is not a second failure.
+    controller_failures = int(metrics.get("failures", 0)) - allocate_counted
+    if controller_failures > 0:
         recorder.add_failure("controller", controller_failures)
     recorder.add_corrupt(detected=int(metrics.get("corrupt_detected", 0)))
     return recorder.finish(wall_s=wall, baseline_hit_rate=baseline_hit_rate, baseline_label=baseline_label)
@@ -255,13 +266,18 @@ def _checkpoint_tokens(input_length: int, page_size: int, step: int) -> int:
     return checkpoint if checkpoint > 0 and checkpoint // page_size < input_length // page_size else 0
 
 
-def _serve(
-    cache: CacheController, content: StackContent, tokens: torch.Tensor, verify: bool
-) -> tuple[dict[str, int], int, bool]:
-    """One engine step: lookup, admit, verify the cached prefix, allocate, fill, insert.
+@dataclass(frozen=True)
+class _Served:
+    """What one engine step reports back to the replay loop."""
 
-    Returns (hit pages per tier, units served with wrong bytes, whether the device tier was full).
-    """
+    hit_pages: dict[str, int]
+    served: int  # units restored with wrong bytes
+    full: bool = False  # the device tier could not hold the pages to compute: the request failed
+    counted_by_controller: int = 0  # 1 when the controller also counted that failed allocation
+
+
+def _serve(cache: CacheController, content: StackContent, tokens: torch.Tensor, verify: bool) -> _Served:
+    """One engine step: lookup, admit, verify the cached prefix, allocate, fill, insert."""
     lease = cache.lookup(tokens)
     try:
         cache.admit(lease)
@@ -274,10 +290,12 @@ def _serve(
                 units = lease.prefix_units(name)
                 ids = content.page_ids(name, identities, lease.prefix_first_page(name), cached)
                 served += int(pool_content.verify(units, ids).numel())
+        failures_before = cache.metrics.failures
         try:
             allocated = cache.allocate(lease)
         except CacheFullError:
-            return hit_pages, served, True
+            counted = int(cache.metrics.failures > failures_before)
+            return _Served(hit_pages, served, full=True, counted_by_controller=counted)
         for name, units in allocated.items():
             if name in content.pools and units.numel():
                 first = lease.allocated_first_page(name)
@@ -285,7 +303,7 @@ def _serve(
                 content.pools[name].fill(units, ids)
         cache.insert(lease)
         lease = None
-        return hit_pages, served, False
+        return _Served(hit_pages, served)
     finally:
         if lease is not None:  # allocation failed or an exception: unlock, free what was taken
             cache.release(lease)

@@ -16,6 +16,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvstrata.core.metrics import DIRECTIONS as _DIRECTIONS
@@ -98,6 +99,10 @@ class ReplayDetails(BaseModel):
     #: the reference simulator's total hit rate for the same trace, when computed
     baseline_hit_rate: float | None = None
     baseline_label: str | None = None
+    #: measured requests that could not be served (not computed, not in the throughput)
+    failed_requests: int = 0
+    #: input tokens of the longest failed request (what the tier would have to hold)
+    longest_failed_tokens: int = 0
 
 
 class ReplayRecorder:
@@ -114,6 +119,9 @@ class ReplayRecorder:
         self._bytes: Counter[str] = Counter()
         self._latency: dict[str, list[float]] = {}
         self._failures: Counter[str] = Counter()
+        self._failed_requests = 0
+        self._failed_tokens = 0
+        self._longest_failed = 0
         self.corrupt_pages_detected = 0
         self.corrupt_pages_served = 0
 
@@ -122,8 +130,11 @@ class ReplayRecorder:
         """False while warm-up requests are being recorded (they count towards nothing)."""
         return self._seen >= self.warmup_requests
 
-    def record_request(self, tokens: int, device: int = 0, host: int = 0, storage: int = 0) -> None:
-        """One request: its input tokens and how many leading tokens each tier served."""
+    def record_request(
+        self, tokens: int, device: int = 0, host: int = 0, storage: int = 0, failed: str | None = None
+    ) -> None:
+        """One request: its input tokens and how many leading tokens each tier served; ``failed``
+        names why it could not be served (it then counts as a failure, not as throughput)."""
         if min(tokens, device, host, storage) < 0 or device + host + storage > tokens:
             raise ValueError(
                 f"inconsistent hits for a request of {tokens} tokens: device={device}, host={host}, "
@@ -136,6 +147,11 @@ class ReplayRecorder:
         self._tokens.append(tokens)
         for tier, value in zip(TIERS, (device, host, storage), strict=True):
             self._hits[tier].append(value)
+        if failed is not None:
+            self._failures[failed] += 1
+            self._failed_requests += 1
+            self._failed_tokens += tokens
+            self._longest_failed = max(self._longest_failed, tokens)
 
     def add_bytes(self, direction: Direction, nbytes: int) -> None:
         if direction not in DIRECTIONS:
@@ -177,7 +193,8 @@ class ReplayRecorder:
             corrupt_pages_served=self.corrupt_pages_served,
             failures=sum(self._failures.values()),
             wall_s=wall,
-            tokens_per_s=tokens / wall if wall > 0 else 0.0,
+            # only served requests count: a failed request computed nothing
+            tokens_per_s=(tokens - self._failed_tokens) / wall if wall > 0 else 0.0,
         )
         details = ReplayDetails(
             warmup_requests=min(self.warmup_requests, self._seen),
@@ -187,6 +204,8 @@ class ReplayRecorder:
             timeline_hits={tier: list(hits) for tier, hits in self._hits.items()},
             baseline_hit_rate=baseline_hit_rate,
             baseline_label=baseline_label,
+            failed_requests=self._failed_requests,
+            longest_failed_tokens=self._longest_failed,
         )
         return result, details
 
@@ -259,13 +278,16 @@ def render_summary(
     totals = Table(title="run", title_justify="left", show_header=False)
     totals.add_column("what")
     totals.add_column("value", justify="right")
-    req_per_s = result.requests / result.wall_s if result.wall_s > 0 else 0.0
+    served_requests = result.requests - details.failed_requests
+    req_per_s = served_requests / result.wall_s if result.wall_s > 0 else 0.0
     totals.add_row("requests (measured)", f"{result.requests:,}")
     if details.warmup_requests:
         totals.add_row("warm-up requests", f"{details.warmup_requests:,}")
     totals.add_row("input tokens", f"{result.tokens:,}")
     totals.add_row("wall time", f"{result.wall_s:.2f} s")
-    totals.add_row("throughput", f"{req_per_s:,.1f} req/s, {result.tokens_per_s:,.0f} tokens/s")
+    totals.add_row(
+        "throughput (served requests)", f"{req_per_s:,.1f} req/s, {result.tokens_per_s:,.0f} tokens/s"
+    )
     fail_style = "red" if result.failures else "green"
     kinds = ", ".join(f"{k}: {v}" for k, v in sorted(details.failures_by_kind.items()))
     totals.add_row("failures", f"[{fail_style}]{result.failures}[/]" + (f" ({kinds})" if kinds else ""))
@@ -273,6 +295,20 @@ def render_summary(
     served_style = "red bold" if result.corrupt_pages_served else "green"
     totals.add_row("corrupt_pages_served", f"[{served_style}]{result.corrupt_pages_served}[/]")
     console.print(totals)
+    if details.failed_requests:
+        console.print(f"[bold red]{escape(failed_requests_sentence(result, details))}[/]")
+
+
+def failed_requests_sentence(
+    result: ReplayResult, details: ReplayDetails, capacity_tokens: int | None = None
+) -> str:
+    """One sentence: how many requests failed, why, and the setting that fixes it."""
+    held = f" ({capacity_tokens:,} tokens)" if capacity_tokens is not None else ""
+    return (
+        f"{details.failed_requests:,} of {result.requests:,} requests FAILED: the device tier{held} "
+        f"cannot hold a whole request (the longest failed one has {details.longest_failed_tokens:,} "
+        "tokens); raise tiers.device.capacity_tokens above that"
+    )
 
 
 class PlotUnavailableError(KvstrataError):

@@ -55,7 +55,7 @@ import collections
 import contextlib
 import ctypes
 import importlib
-import importlib.util
+import importlib.metadata
 import logging
 import os
 import socket
@@ -81,6 +81,21 @@ from kvstrata.plugins.storage_backend import (
 
 INSTALL = "pip install 'kvstrata[mooncake]'  (CPU-only machines: 'kvstrata[mooncake-cpu]')"
 STORE_MODULE = "mooncake.store"
+#: The distributions of the extras ``mooncake`` (CUDA) and ``mooncake-cpu``: both ship ``mooncake``.
+WHEELS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
+
+
+def _installed(*distributions: str) -> list[str]:
+    """Those of ``distributions`` that are installed."""
+    found = []
+    for name in distributions:
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found.append(name)
+    return found
+
 
 #: Mooncake ``ErrorCode`` values the backend reacts to (see mooncake-store ``types.h``).
 NO_AVAILABLE_HANDLE = -200  # segment full: the object was not stored
@@ -289,11 +304,27 @@ class MooncakeBackend(StorageBackend):
 
     @classmethod
     def unavailable_reason(cls, config: BackendConfig | None = None) -> str | None:
+        """Checked by loading the module for real: the CUDA wheel installs on a CPU machine and
+        only fails at import (libcuda), and the two wheels overwrite each other's files."""
+        both = _installed(*WHEELS)
+        if len(both) == len(WHEELS):
+            return (
+                f"both {' and '.join(both)} are installed; they write the same `mooncake` package, "
+                f"so the extras mooncake and mooncake-cpu exclude each other: run "
+                f"`pip uninstall -y {' '.join(WHEELS)}`, then install one of `{INSTALL}`"
+            )
         try:
-            found = importlib.util.find_spec(STORE_MODULE) is not None
-        except ImportError:
-            found = False
-        return None if found else f"module {STORE_MODULE!r} is not installed: run `{INSTALL}`"
+            importlib.import_module(STORE_MODULE)
+        except ModuleNotFoundError:
+            return f"module {STORE_MODULE!r} is not installed: run `{INSTALL}`"
+        except Exception as exc:  # the CUDA wheel without libcuda raises ImportError or OSError
+            wheel = f" (from {', '.join(both)})" if both else ""
+            return (
+                f"module {STORE_MODULE!r}{wheel} is installed but fails to load: "
+                f"{type(exc).__name__}: {exc}; on a machine without CUDA use "
+                f"`pip uninstall -y {WHEELS[0]} && pip install 'kvstrata[mooncake-cpu]'`"
+            )
+        return None
 
     def instance_capabilities(self) -> BackendCapabilities:
         """Standalone mode needs host pools from the backend's allocator (the client maps memfds)."""

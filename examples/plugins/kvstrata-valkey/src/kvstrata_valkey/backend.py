@@ -1,0 +1,205 @@
+"""``valkey``: one Valkey (or Redis) key per kvstrata object.
+
+kvstrata hands a backend objects made of a key and memory regions (the integrity header first,
+then the page's buffers). This backend joins the regions into one value on ``put`` and scatters
+the value back into the regions on ``get``; it never looks inside, so a damaged or foreign value
+is caught by kvstrata's header check and becomes a miss.
+
+* ``SET key value NX``: a key appears whole or not at all (atomic visibility), and an existing
+  key is never rewritten (equal keys carry equal bytes).
+* Every call is one pipeline round trip for the whole batch; per-key errors fail that key only.
+* The server evicts on its own (``maxmemory`` + an ``allkeys-*`` policy), so a put may fail per
+  key when it is full and an object may vanish later: both are misses, never wrong data.
+
+Imports only ``kvstrata.plugins`` (the plugin API) and, inside :meth:`ValkeyBackend.open`, the
+``valkey`` client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator
+
+from kvstrata.plugins import (
+    BackendCapabilities,
+    BackendConfig,
+    PoolCapabilities,
+    StorageBackend,
+    StorageError,
+    StorageObject,
+    region_views,
+)
+
+#: What ``get`` returns for a key that is not there (kvstrata reads any negative value as a miss).
+MISS = -1
+#: Valkey's and Redis's default ``proto-max-bulk-len``: the largest value one SET accepts.
+MAX_VALUE_BYTES = 512 * 1024 * 1024
+INSTALL = "pip install 'kvstrata-valkey'"
+
+
+class ValkeyConfig(BackendConfig):
+    """What a user writes under ``tiers.storage.<name>`` (unknown fields are refused)."""
+
+    type: Literal["valkey"] = "valkey"
+    url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="server as redis://[user:password@]host:port/db (rediss:// for TLS)",
+    )
+    key_prefix: str = Field(default="kvstrata:", description="prepended to every key")
+    socket_timeout_s: float = Field(default=5.0, gt=0, description="per call; a dead server fails fast")
+    max_connections: int = Field(default=8, ge=1, description="connection pool size")
+
+    @field_validator("url")
+    @classmethod
+    def _standard_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss"):
+            raise ValueError(f"expected redis://host:port/db or rediss://..., got scheme {parts.scheme!r}")
+        if not parts.hostname:
+            raise ValueError("the url names no host (redis://host:port/db)")
+        try:
+            parts.port  # noqa: B018 - raises ValueError on a port that is not a number
+        except ValueError as exc:
+            raise ValueError(f"bad port in {url!r}: {exc}") from None
+        db = parts.path.lstrip("/")
+        if db and not db.isdigit():
+            raise ValueError(f"the database after the port must be a number, got {db!r}")
+        return url
+
+
+class ValkeyBackend(StorageBackend):
+    """Valkey / Redis through the official ``valkey`` client."""
+
+    name = "valkey"
+    Config = ValkeyConfig
+    requires = {"valkey": INSTALL}  # checked by kvstrata before open(): a clear install hint
+    capabilities = BackendCapabilities(
+        pools={"*": PoolCapabilities(zero_copy=False)},  # values are bytes: kvstrata stages them
+        batch_exists=True,
+        multi_buffer_objects=True,
+        atomic_visibility=True,
+        overwrite="skip_existing",
+        persistent=False,  # depends on the server's RDB/AOF settings: promise nothing
+        shared_across_instances=True,
+        self_evicting=True,
+        removable=True,
+        max_object_bytes=MAX_VALUE_BYTES,
+    )
+
+    config: ValkeyConfig
+
+    def __init__(self, instance: str, config: BackendConfig) -> None:
+        super().__init__(instance, config)
+        self._client: Any = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        import valkey  # the heavy import happens here, not when kvstrata lists plugins
+
+        self._client = valkey.Valkey.from_url(
+            self.config.url,
+            socket_timeout=self.config.socket_timeout_s,
+            socket_connect_timeout=self.config.socket_timeout_s,
+            max_connections=self.config.max_connections,
+        )
+        reason = self.probe()
+        if reason is not None:
+            self.close()
+            raise StorageError(f"valkey backend {self.instance!r}: {reason}")
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def probe(self) -> str | None:
+        client = self._client
+        if client is None:
+            import valkey
+
+            client = valkey.Valkey.from_url(
+                self.config.url, socket_connect_timeout=self.config.socket_timeout_s
+            )
+        try:
+            client.ping()
+        except Exception as exc:  # any client error means "not reachable" for the doctor
+            return f"{self._where()} unreachable: {type(exc).__name__}: {exc}"
+        finally:
+            if client is not self._client:
+                client.close()
+        return None
+
+    def _where(self) -> str:
+        parts = urlsplit(self.config.url)
+        return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path or ''}"
+
+    def _key(self, key: str) -> str:
+        return self.config.key_prefix + key
+
+    def _pipeline(self) -> Any:
+        if self._client is None:
+            raise RuntimeError(f"valkey backend {self.instance!r} is not open")
+        return self._client.pipeline(transaction=False)
+
+    # -- the data path: one round trip per batch --------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        pipe = self._pipeline()
+        for key in keys:
+            pipe.exists(self._key(key))
+        return [result is True or result == 1 for result in pipe.execute(raise_on_error=False)]
+
+    def put(self, objects: Sequence[StorageObject]) -> list[bool]:
+        pipe = self._pipeline()
+        for obj in objects:
+            pipe.set(self._key(obj.key), b"".join(region_views(obj.regions)), nx=True)
+        # True: stored now; None: the key existed (NX), equal bytes by construction; an exception
+        # (out of memory, value too large): that key failed
+        return [not isinstance(result, Exception) for result in pipe.execute(raise_on_error=False)]
+
+    def get(self, objects: Sequence[StorageObject]) -> list[int]:
+        pipe = self._pipeline()
+        for obj in objects:
+            pipe.get(self._key(obj.key))
+        results = []
+        for obj, value in zip(objects, pipe.execute(raise_on_error=False), strict=True):
+            if value is None or isinstance(value, Exception):
+                results.append(MISS)
+                continue
+            data = memoryview(value)
+            done = 0
+            for view in region_views(obj.regions):  # scatter into the regions, in order
+                take = min(len(view), len(data) - done)
+                if take <= 0:
+                    break
+                view[:take] = data[done : done + take]
+                done += take
+            results.append(done)  # short when the value is: kvstrata's length check makes it a miss
+        return results
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        pipe = self._pipeline()
+        for key in keys:
+            pipe.delete(self._key(key))
+        return [not isinstance(result, Exception) for result in pipe.execute(raise_on_error=False)]
+
+    # -- for kvstrata's conformance kit: damage an object on demand -------------------------------
+
+    def corrupt_for_test(self, key: str, mode: Literal["flip", "truncate"], offset: int = -1) -> bool:
+        """Flip one byte or cut the value in half (tests only; never called by kvstrata itself)."""
+        if self._client is None:
+            return False
+        value = self._client.get(self._key(key))
+        if not value:
+            return False
+        data = bytearray(value)
+        if mode == "flip":
+            data[offset] ^= 0xFF
+        else:
+            data = data[: len(data) // 2]
+        self._client.set(self._key(key), bytes(data))
+        return True

@@ -1,0 +1,66 @@
+"""kvstrata's conformance kit against a real server, plus the config and availability checks a
+plugin should have. Needs ``valkey-server`` or ``redis-server`` on PATH."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from kvstrata_valkey import ValkeyBackend, ValkeyConfig
+from kvstrata_valkey.testing import ValkeyServer
+from pydantic import ValidationError
+
+from kvstrata.plugins import PluginHost, StorageBackend, StorageError
+from kvstrata.testing.conformance import BackendConformance
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyServer]:
+    with ValkeyServer(tmp_path_factory.mktemp("valkey")) as running:
+        yield running
+
+
+def opened(instance: str, url: str) -> ValkeyBackend:
+    backend = ValkeyBackend(instance, ValkeyConfig(url=url))
+    backend.open()
+    return backend
+
+
+class TestValkeyConformance(BackendConformance):
+    """Every check of the kit, through kvstrata's real storage engine, against the server."""
+
+    @pytest.fixture
+    def backend_factory(self, server: ValkeyServer) -> Callable[[str], StorageBackend]:
+        return lambda instance: opened(instance, server.url)
+
+
+def test_entry_point_makes_it_a_kvstrata_backend() -> None:
+    host = PluginHost(autoload=True, disabled=set())
+    entry = host.storage_backends.entry("valkey")
+    assert entry.provider == "kvstrata-valkey"
+    assert host.storage_backends.require("valkey") is ValkeyBackend
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"url": "http://127.0.0.1:6379/0"}, "scheme"),
+        ({"url": "redis://127.0.0.1:6379/x"}, "must be a number"),
+        ({"url": "redis://:6379/0"}, "no host"),
+        ({"host": "127.0.0.1"}, "Extra inputs are not permitted"),
+    ],
+)
+def test_config_refuses_bad_urls_and_unknown_fields(fields: dict[str, str], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        ValkeyConfig(**fields)
+
+
+def test_unreachable_server_fails_open_with_the_address(tmp_path: Path) -> None:
+    from kvstrata_valkey.testing import free_loopback_port
+
+    url = f"redis://127.0.0.1:{free_loopback_port()}/0"
+    backend = ValkeyBackend("l3", ValkeyConfig(url=url, socket_timeout_s=0.5))
+    assert "unreachable" in (backend.probe() or "")
+    with pytest.raises(StorageError, match="unreachable"):
+        backend.open()
