@@ -246,3 +246,12 @@ def test_state_slots_are_sized_for_the_engine_checkpoint_interval() -> None:
         assert default.pools.pool("mamba").device.units == 128 // 16
     with pytest.raises(ValueError, match="state_every_pages sizes node-state pools"):
         _open("hybrid-mamba", ["model.pools.kv.state_every_pages=4"])
+
+
+def test_a_request_shorter_than_a_page_has_no_pages_and_no_hashes() -> None:
+    with _open("kv", []) as cache:
+        lease = cache.lookup(tokens(64, 1)[:10])
+        assert lease.pages == 0 and lease.page_hashes == []
+        cache.admit(lease)
+        assert cache.allocate(lease)["kv"].numel() == 0
+        cache.insert(lease)

@@ -342,7 +342,7 @@ def test_plugins_lists_disabled_and_broken_plugins_with_reason_and_install_hint(
 def test_readme_first_screen_links_the_library_api() -> None:
     lines = (REPO / "README.md").read_text().splitlines()
     first_screen = "\n".join(lines[:25])
-    anchor = "#using-the-cache-from-a-scheduler"
+    anchor = "#library-api"
     assert f"]({anchor})" in first_screen
     headings = {line.lstrip("#").strip().lower().replace(" ", "-") for line in lines if line.startswith("#")}
     assert anchor[1:] in headings

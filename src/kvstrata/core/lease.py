@@ -74,16 +74,14 @@ class Lease:
     @property
     def page_hashes(self) -> list[str]:
         """Chained hashes (hex) of every whole page, computed once each, incrementally."""
-        have = 0 if self._hashes is None else len(self._hashes)
+        if self._hashes is None:
+            self._hashes = []
+        have = len(self._hashes)
         if have < len(self.keys):
             parent = self._hashes[-1] if self._hashes else self.namespace_root
             tokens = np.frombuffer(b"".join(self.keys[have:]), dtype=np.int64)
-            new = hash_pages(tokens, self.page_size, parent)
-            if self._hashes is None:
-                self._hashes = new
-            else:
-                self._hashes.extend(new)
-        return self._hashes  # type: ignore[return-value]
+            self._hashes.extend(hash_pages(tokens, self.page_size, parent))
+        return self._hashes
 
     @property
     def cached_tokens(self) -> int:
