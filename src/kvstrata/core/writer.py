@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,10 +36,21 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
+@dataclass(eq=False)
+class SharedLock:
+    """A host lock several queued writes rely on: a lock on a node covers its whole path, so the
+    writes of a chunked request (each below the previous) share one lock moved down the path
+    instead of each walking the path from the root. Unlocked when its last write is drained."""
+
+    handle: LockHandle
+    refs: int = 1
+
+
+@dataclass(eq=False)
 class PendingWrite:
     """One queued L2 -> L3 write; host locks keep its source slots alive until it is drained."""
 
-    locks: list[LockHandle]
+    locks: list[SharedLock]
     future: Future[dict[str, BatchResult]]
 
 
@@ -78,7 +90,7 @@ class Writer:
         self.metrics = metrics
         self.page_size = page_size
         self.namespace_root = namespace_root
-        self.pending: list[PendingWrite] = []
+        self.pending: deque[PendingWrite] = deque()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
         if policy.write == "write_back":
             units.before_device_eviction = self.back_up_for_eviction
@@ -244,21 +256,17 @@ class Writer:
                 batches[name] = pool_batch(self.pools, name, torch.cat(values), page_hashes)
         if not batches:
             return
-        locks = [self.tree.lock(n, Tier.HOST) for n in nodes]
+        locks = self._host_locks(nodes)
         self.pending.append(PendingWrite(locks, self._thread.submit(self.engine.put_group, batches)))
         self.metrics.count("storage_writes")
 
     def drain(self) -> None:
         """Commit finished writes: count bytes and failures, unlock their host sources."""
-        if not self.pending:
-            return
-        still = []
-        for write in self.pending:
-            if write.future.done():
-                self._finish(write)
-            else:
-                still.append(write)
-        self.pending = still
+        # one writer thread finishes writes in order: stop at the first still running, so a
+        # backlog of queued writes costs nothing per call (a chunked request queues one per chunk)
+        pending = self.pending
+        while pending and pending[0].future.done():
+            self._finish(pending.popleft())
 
     def _finish(self, write: PendingWrite) -> None:
         try:
@@ -272,8 +280,21 @@ class Writer:
             count_failure(self.metrics, result)
             nbytes += sum(result.ok) * self.pools.pools[name].spec.bytes_per_unit
         self.metrics.add_bytes("host_to_storage", nbytes)
-        for handle in write.locks:
-            self.tree.unlock(handle)
+        for shared in write.locks:
+            shared.refs -= 1
+            if shared.refs == 0:
+                self.tree.unlock(shared.handle)
+
+    def _host_locks(self, nodes: Sequence[TreeNode]) -> list[SharedLock]:
+        """Host locks keeping ``nodes``' units alive while they are written. A path just below
+        the last queued write's lock moves that lock down (O(new nodes)); otherwise each node
+        gets a lock of its own."""
+        last = self.pending[-1].locks[-1] if self.pending and self.pending[-1].locks else None
+        if last is not None and last.refs > 0 and _is_chain(nodes, last.handle.node):
+            last.handle = self.tree.move_lock(last.handle, nodes[-1])
+            last.refs += 1
+            return [last]
+        return [SharedLock(self.tree.lock(node, Tier.HOST)) for node in nodes]
 
     def wait(self, deadline: float | None) -> None:
         """Wait (up to ``deadline``, a ``time.monotonic`` value) for every queued write."""
@@ -286,6 +307,16 @@ class Writer:
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
+
+
+def _is_chain(nodes: Sequence[TreeNode], top: TreeNode) -> bool:
+    """Whether ``nodes`` are a path going straight down from ``top``'s child."""
+    parent = top
+    for node in nodes:
+        if node.parent is not parent:
+            return False
+        parent = node
+    return bool(nodes)
 
 
 def _path(tree: PrefixTree, node: TreeNode, since: TreeNode | None = None) -> list[TreeNode]:
