@@ -35,31 +35,31 @@ NaN payloads ...) round-trips bit-exactly.
 
 from __future__ import annotations
 
+__all__ = ["EngineTensor", "PoolBuffers", "engine_tensor_units", "torch_dtype"]
+
 import ctypes
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from kvstrata.core.engine_tensors import (
+    EngineTensor,
+    check_engine_tensors,
+    engine_tensor_units,
+    torch_dtype,
+)
+from kvstrata.core.unit_access import WORDS as _WORDS
+from kvstrata.core.unit_access import UnitAccess
 from kvstrata.plugins.pool_type import BufferSpec, Layout, PoolSpec
 from kvstrata.plugins.storage_backend import BufferRegion
 
 #: Buffer start alignment inside a pool's backing (bytes): enough for any dtype view and for DMA.
 ALIGNMENT = 256
 
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 #: Allocates ``nbytes`` of host memory and returns where it is (a backend's shared-memory pool).
 HostAllocatorFn = Callable[[int], BufferRegion]
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a spec dtype name (``bfloat16`` -> ``torch.bfloat16``)."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"torch has no dtype {name!r}")
-    return dtype
 
 
 def _align(value: int) -> int:
@@ -89,100 +89,7 @@ def buffer_order(spec: PoolSpec) -> list[BufferSpec]:
     return [by_name[name] for obj in spec.objects for name in obj.buffers]
 
 
-#: What an engine hands over for one buffer: one tensor, or one tensor per layer.
-EngineTensor = torch.Tensor | Sequence[torch.Tensor]
-
-
-def unit_index(units: torch.Tensor | Sequence[int] | int) -> torch.Tensor:
-    """Unit indices as a flat int64 tensor (kept on its device)."""
-    return torch.as_tensor(units, dtype=torch.int64).flatten()
-
-
-def engine_tensor_units(spec: PoolSpec, tensors: Mapping[str, EngineTensor], layout: Layout) -> int | None:
-    """The unit count the engine's tensors hold (read from the first buffer's unit dimension).
-
-    ``None`` when there is nothing to read it from; :meth:`PoolBuffers.from_tensors` checks that
-    every buffer agrees.
-    """
-    for buffer in spec.buffers:
-        value = tensors.get(buffer.name)
-        if isinstance(value, torch.Tensor):
-            unit_dim = 1 if Layout(layout) is Layout.LAYER_FIRST else 0
-            return int(value.shape[unit_dim]) if value.dim() > unit_dim else None
-        if isinstance(value, Sequence) and value and isinstance(value[0], torch.Tensor):
-            return int(value[0].shape[0]) if value[0].dim() else None
-    return None
-
-
-def _shape_text(dims: Sequence[tuple[str, int | None]]) -> str:
-    return "(" + ", ".join(name if size is None else f"{name}={size}" for name, size in dims) + ")"
-
-
-def _unit_contiguous(tensor: torch.Tensor, unit_shape: tuple[int, ...]) -> bool:
-    """True when the trailing ``unit_shape`` dimensions are laid out densely (C order)."""
-    expected = 1
-    for size, stride in zip(reversed(unit_shape), reversed(tensor.stride()[-len(unit_shape) :]), strict=True):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _check_engine_tensor(
-    where: str, buffer: BufferSpec, given: EngineTensor, units: int, layout: Layout
-) -> list[torch.Tensor]:
-    """Dtype, shape and unit contiguity of one buffer's engine tensor(s); returns the tensors."""
-    dtype = torch_dtype(buffer.dtype)
-    dims = list(buffer.unit_dims) or [f"d{i}" for i in range(len(buffer.unit_shape))]
-    unit = list(zip(dims, buffer.unit_shape, strict=True))
-    label = f"{where} buffer {buffer.name!r}"
-    if isinstance(given, torch.Tensor):
-        if layout is Layout.LAYER_FIRST:
-            expected = [("layers", buffer.layers), ("units", units), *unit]
-            form = "one layer_first tensor"
-        else:
-            expected = [("units", units), ("layers", buffer.layers), *unit]
-            form = "one page_first_direct tensor"
-        parts = [(label, given, expected, form)]
-    elif isinstance(given, Sequence) and not isinstance(given, (str, bytes)):
-        if layout is not Layout.LAYER_FIRST:
-            raise ValueError(
-                f"{label}: per-layer tensors are layer_first; expected one tensor for {layout.value}"
-            )
-        if len(given) != buffer.layers:
-            raise ValueError(f"{label}: expected {buffer.layers} per-layer tensors, got {len(given)}")
-        expected = [("units", units), *unit]
-        parts = [(f"{label} layer {i}", part, expected, "a per-layer tensor") for i, part in enumerate(given)]
-    else:
-        raise ValueError(
-            f"{label}: expected a torch.Tensor or a sequence of per-layer tensors, got {type(given).__name__}"
-        )
-    tensors = []
-    for what, tensor, expected_dims, form in parts:
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
-        shape = tuple(size for _, size in expected_dims)
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise ValueError(
-                f"{what}: expected {form} of {dtype} {_shape_text(expected_dims)}, "
-                f"got {tensor.dtype} {tuple(tensor.shape)}"
-            )
-        if not _unit_contiguous(tensor, buffer.unit_shape):
-            raise ValueError(
-                f"{what}: expected each unit {_shape_text(unit)} contiguous in memory (C order), got "
-                f"strides {tuple(tensor.stride())} for shape {tuple(tensor.shape)}; pass a contiguous "
-                "tensor or one whose unit dimensions are dense"
-            )
-        tensors.append(tensor)
-    return tensors
-
-
-def _same_device(given: torch.device, expected: torch.device) -> bool:
-    """``expected`` without an index (a bare ``cuda``) accepts any index of its type."""
-    return given.type == expected.type and (expected.index is None or given.index == expected.index)
-
-
-class PoolBuffers:
+class PoolBuffers(UnitAccess):
     """The memory of one pool on one tier: ``units`` pages or slots in ``layout``.
 
     A logical pool (no buffers) allocates nothing but still has ``units`` indices.
@@ -251,61 +158,13 @@ class PoolBuffers:
         tensors. A mismatch raises one ``ValueError`` naming the pool, the buffer, what was
         expected and what was given.
         """
+        units, whole, found, tier_device = check_engine_tensors(spec, tensors, units, Layout(layout), device)
         layout = Layout(layout)
-        where = f"pool {spec.name!r} ({spec.pool_type})"
-        if layout is Layout.PAGE_FIRST:
-            raise ValueError(
-                f"{where}: engine tensors are one per buffer; page_first interleaves the buffers "
-                "in one allocation. Use layer_first or page_first_direct"
-            )
-        if spec.buffers and layout not in spec.layouts:
-            raise ValueError(
-                f"{where} does not support layout {layout.value!r}; "
-                f"supported: {[lay.value for lay in spec.layouts]}"
-            )
-        names = [buffer.name for buffer in spec.buffers]
-        missing = [name for name in names if name not in tensors]
-        unknown = sorted(set(tensors) - set(names))
-        if missing or unknown:
-            raise ValueError(
-                f"{where}: engine tensors must cover exactly its buffers {names}; "
-                f"missing {missing}, unknown {unknown}"
-            )
-        if units is None:
-            units = engine_tensor_units(spec, tensors, layout) or 0
-        expected_device = None if device is None else torch.device(device)
-        found: dict[str, list[torch.Tensor]] = {}
-        whole: dict[str, torch.Tensor] = {}
-        first_device: torch.device | None = None
-        for buffer in spec.buffers:
-            given = tensors[buffer.name]
-            parts = _check_engine_tensor(where, buffer, given, units, layout)
-            for part in parts:
-                if part.device.type == "meta":
-                    raise ValueError(
-                        f"{where} buffer {buffer.name!r}: expected a tensor with memory "
-                        f"(on {expected_device or 'the device tier'}), got one on device 'meta'"
-                    )
-                if expected_device is not None and not _same_device(part.device, expected_device):
-                    raise ValueError(
-                        f"{where} buffer {buffer.name!r}: expected device {expected_device}, "
-                        f"got {part.device}"
-                    )
-                if first_device is not None and part.device != first_device:
-                    raise ValueError(
-                        f"{where} buffer {buffer.name!r}: expected every tensor on {first_device} "
-                        f"(the device of the first), got {part.device}"
-                    )
-                first_device = part.device
-            if isinstance(given, torch.Tensor):
-                whole[buffer.name] = given
-            else:
-                found[buffer.name] = parts
         tier = cls.__new__(cls)
         tier.spec = spec
         tier.units = units
         tier.layout = layout
-        tier.device = first_device or expected_device or torch.device("cpu")
+        tier.device = tier_device
         tier.owned = False
         tier.copy_views = {}
         tier._layer_tensors = found
@@ -321,48 +180,6 @@ class PoolBuffers:
         tier.tensors = whole
         tier._word_bytes = {buffer.name: tier._engine_word(buffer) for buffer in spec.buffers}
         return tier
-
-    def _engine_word(self, buffer: BufferSpec) -> int:
-        """Widest word every view of an engine buffer can be read in (alignment, strides)."""
-        for word in (8, 4, 2):
-            if buffer.bytes_per_unit_per_layer % word:
-                continue
-            try:
-                for layer in range(buffer.layers):
-                    self._engine_words(buffer.name, word, layer)
-            except RuntimeError:
-                continue
-            return word
-        try:
-            for layer in range(buffer.layers):
-                self._engine_words(buffer.name, 1, layer)
-        except RuntimeError as exc:
-            raise ValueError(
-                f"pool {self.spec.name!r} buffer {buffer.name!r}: expected a tensor kvstrata can view "
-                f"as bytes, got one it cannot ({exc})"
-            ) from exc
-        return 1
-
-    def _engine_words(self, name: str, word_bytes: int, layer: int | None) -> torch.Tensor:
-        """``(U, L, W)`` (or ``(U, W)`` for one layer) integer-word view of an engine buffer."""
-        buffer = self.spec.buffer(name)
-        elements = math.prod(buffer.unit_shape)
-        word = _WORDS[word_bytes]
-        if name in self._layer_tensors:
-            if layer is None:
-                raise ValueError(
-                    f"pool {self.spec.name!r} buffer {name!r} is held as per-layer tensors: "
-                    "address one layer (layer=)"
-                )
-            part = self._layer_tensors[name][layer]
-            return part.view(self.units, elements).view(torch.uint8).view(word)
-        typed = self.tensors[name]
-        if self.layout is Layout.LAYER_FIRST:
-            words = typed.view(buffer.layers, self.units, elements).view(torch.uint8).view(word)
-            words = words.transpose(0, 1)
-        else:
-            words = typed.view(self.units, buffer.layers, elements).view(torch.uint8).view(word)
-        return words if layer is None else words[:, layer]
 
     # --- allocation -------------------------------------------------------------------------
 
@@ -530,127 +347,6 @@ class PoolBuffers:
             raise KeyError(
                 f"pool {self.spec.name!r} has no buffer {name!r}; buffers: {list(self.placements)}"
             ) from None
-
-    def _check_layer(self, buffer: BufferSpec, layer: int) -> None:
-        if not isinstance(layer, int) or not 0 <= layer < buffer.layers:
-            raise IndexError(
-                f"pool {self.spec.name!r} buffer {buffer.name!r}: layer {layer!r} is not a pool layer "
-                f"index in [0, {buffer.layers}) (map a model layer id with PoolSpec.layer_index)"
-            )
-
-    # --- unit access for engines ---------------------------------------------------------------
-
-    def buffer_view(self, name: str, *, layer: int | None = None) -> torch.Tensor:
-        """Zero-copy typed view ``(U, L, *unit_shape)`` of one buffer, or ``(U, *unit_shape)`` of a layer.
-
-        For engines that compute in place (write a unit with ``view[u] = ...`` or
-        ``view.index_copy_``). Strided where the layout demands (``layer=None`` on a layer_first
-        tier); a page_first host tier has it only when the buffer is aligned for its dtype.
-        """
-        buffer = self._placement(name).spec
-        if layer is not None:
-            self._check_layer(buffer, layer)
-        if self.logical:
-            raise ValueError(f"pool {self.spec.name!r} holds no bytes (buffer {name!r}, {self.units} units)")
-        if name in self._layer_tensors:
-            if layer is None:
-                raise ValueError(
-                    f"pool {self.spec.name!r} buffer {name!r} is held as per-layer tensors: "
-                    "address one layer (layer=)"
-                )
-            return self._layer_tensors[name][layer]
-        typed = self.tensor(name)  # layer_first (L, U, ...), else (U, L, ...)
-        if self.layout is Layout.LAYER_FIRST:
-            return typed.transpose(0, 1) if layer is None else typed[layer]
-        return typed if layer is None else typed[:, layer]
-
-    def _access_index(self, units: torch.Tensor | Sequence[int] | int) -> torch.Tensor:
-        idx = unit_index(units)
-        self.check_indices(idx)
-        return idx.to(self.device)
-
-    def read_units(
-        self,
-        units: torch.Tensor | Sequence[int] | int,
-        *,
-        layer: int | None = None,
-        buffers: Sequence[str] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """A copy of ``units``: per buffer ``(n, L, *unit_shape)`` (``(n, *unit_shape)`` with ``layer``).
-
-        Tensors are new, contiguous, on this tier's device, in the buffer's dtype and declared
-        unit layout; ``layer`` is a pool layer index; ``buffers`` limits the read to some buffers.
-        """
-        idx = self._access_index(units)
-        names = list(self.placements) if buffers is None else list(buffers)
-        out: dict[str, torch.Tensor] = {}
-        for name in names:
-            buffer = self._placement(name).spec
-            if layer is not None:
-                self._check_layer(buffer, layer)
-            word = self.word_bytes(name)
-            if layer is None and self.split_layers(name):
-                words = torch.stack(
-                    [self.unit_view(name, word, layer=i).index_select(0, idx) for i in range(buffer.layers)],
-                    dim=1,
-                )
-            else:
-                words = self.unit_view(name, word, layer=layer).index_select(0, idx)
-            lead = (idx.numel(),) if layer is not None else (idx.numel(), buffer.layers)
-            typed = words.view(torch.uint8).view(torch_dtype(buffer.dtype))
-            out[name] = typed.view(*lead, *buffer.unit_shape)
-        return out
-
-    def write_units(
-        self,
-        units: torch.Tensor | Sequence[int] | int,
-        tensors: Mapping[str, torch.Tensor],
-        *,
-        layer: int | None = None,
-    ) -> None:
-        """Write ``tensors[buffer]`` (shaped as :meth:`read_units` returns them) into ``units``.
-
-        Any subset of the buffers; every tensor is checked (dtype, shape) before any byte is
-        written, and the units must be distinct. Tensors on another device are copied over.
-        """
-        idx = self._access_index(units)
-        if idx.numel() > 1 and torch.unique(idx).numel() != idx.numel():
-            raise ValueError(f"pool {self.spec.name!r}: write_units got repeated units {idx.tolist()}")
-        staged: list[tuple[str, int, torch.Tensor]] = []
-        for name, tensor in tensors.items():
-            buffer = self._placement(name).spec
-            if layer is not None:
-                self._check_layer(buffer, layer)
-            lead = (idx.numel(),) if layer is not None else (idx.numel(), buffer.layers)
-            expected = (*lead, *buffer.unit_shape)
-            dtype = torch_dtype(buffer.dtype)
-            if (
-                not isinstance(tensor, torch.Tensor)
-                or tensor.dtype != dtype
-                or tuple(tensor.shape) != expected
-            ):
-                given = (
-                    f"{tensor.dtype} {tuple(tensor.shape)}"
-                    if isinstance(tensor, torch.Tensor)
-                    else type(tensor).__name__
-                )
-                raise ValueError(
-                    f"pool {self.spec.name!r} buffer {name!r}: expected {dtype} {expected} "
-                    f"(units, {'' if layer is not None else 'layers, '}*unit_shape), got {given}"
-                )
-            word = self.word_bytes(name)
-            layer_bytes = buffer.bytes_per_unit_per_layer
-            rows = tensor.to(self.device).contiguous().view(*lead, layer_bytes // dtype.itemsize)
-            staged.append((name, word, rows.view(torch.uint8).view(_WORDS[word])))
-        if idx.numel() == 0:
-            return
-        for name, word, rows in staged:
-            buffer = self.placements[name].spec
-            if layer is None and self.split_layers(name):
-                for i in range(buffer.layers):
-                    self.unit_view(name, word, layer=i).index_copy_(0, idx, rows[:, i])
-            else:
-                self.unit_view(name, word, layer=layer).index_copy_(0, idx, rows)
 
     def check_indices(self, indices: torch.Tensor) -> None:
         """Raise when an index is outside this pool (a foreign or stale index)."""

@@ -108,6 +108,38 @@ class Pool:
         return 0 if self.host is None else self.host.nbytes
 
 
+def build_order(specs: Mapping[str, PoolSpec], existing: Sequence[str] = ()) -> list[str]:
+    """Index owners before the sidecars that borrow their indices."""
+    order: list[str] = []
+    placed = set(existing)
+    pending = dict(specs)
+    while pending:
+        ready = [n for n, s in pending.items() if s.index_source is None or s.index_source in placed]
+        if not ready:
+            raise ValueError(f"sidecar index_source cycle or unknown source among {sorted(pending)}")
+        for name in ready:
+            order.append(name)
+            placed.add(name)
+            del pending[name]
+    return order
+
+
+def describe_pool(pool: Pool) -> dict[str, Any]:
+    """What ``kvstrata doctor`` shows of one pool."""
+    return {
+        "pool": pool.instance,
+        "type": pool.spec.pool_type,
+        "role": pool.role.value,
+        "index_owner": pool.index_owner,
+        "bytes_per_unit": pool.spec.bytes_per_unit,
+        "device_units": pool.device.units,
+        "device_memory": "kvstrata" if pool.device.owned else "engine",
+        "host_units": 0 if pool.host is None else pool.host.units,
+        "host_layout": None if pool.host is None else pool.host.layout.value,
+        "host_bytes": pool.host_bytes,
+    }
+
+
 class PoolGroup:
     """All pools of one model stack on this rank (see the module docstring for sizing)."""
 
@@ -152,7 +184,7 @@ class PoolGroup:
 
         plugins_by_name = {name: self._instantiate(name, cfg) for name, cfg in config.model.pools.items()}
         specs = {name: plugin.spec() for name, plugin in plugins_by_name.items()}
-        order = self._build_order(specs)
+        order = build_order(specs)
         units = {}
         for name in order:
             units[name] = self._units(specs[name], plugins_by_name[name].config, units)
@@ -177,22 +209,6 @@ class PoolGroup:
             config = self.plugins.pool_types.get(type_name).Config.model_validate(dict(config))
         cls = self.plugins.pool_types.get(config.type)
         return cls(instance, config, self.context)
-
-    @staticmethod
-    def _build_order(specs: Mapping[str, PoolSpec], existing: Sequence[str] = ()) -> list[str]:
-        """Index owners before the sidecars that borrow their indices."""
-        order: list[str] = []
-        placed = set(existing)
-        pending = dict(specs)
-        while pending:
-            ready = [n for n, s in pending.items() if s.index_source is None or s.index_source in placed]
-            if not ready:
-                raise ValueError(f"sidecar index_source cycle or unknown source among {sorted(pending)}")
-            for name in ready:
-                order.append(name)
-                placed.add(name)
-                del pending[name]
-        return order
 
     def _units(
         self,
@@ -412,18 +428,4 @@ class PoolGroup:
 
     def describe(self) -> list[dict[str, Any]]:
         """One row per pool (for logs and ``kvstrata doctor``)."""
-        return [
-            {
-                "pool": pool.instance,
-                "type": pool.spec.pool_type,
-                "role": pool.role.value,
-                "index_owner": pool.index_owner,
-                "bytes_per_unit": pool.spec.bytes_per_unit,
-                "device_units": pool.device.units,
-                "device_memory": "kvstrata" if pool.device.owned else "engine",
-                "host_units": 0 if pool.host is None else pool.host.units,
-                "host_layout": None if pool.host is None else pool.host.layout.value,
-                "host_bytes": pool.host_bytes,
-            }
-            for pool in self.pools.values()
-        ]
+        return [describe_pool(pool) for pool in self.pools.values()]
