@@ -195,12 +195,36 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+#: families the adapter refuses, with the reason it names (for the clear-error tests and docs)
+UNMAPPED: dict[str, tuple[str, dict[str, Any]]] = {
+    "deepseek_v32": (  # DSA indexer keys in a DynamicIndexedLayer
+        "deepseek_v32",
+        {
+            **FAMILIES["deepseek_v3"][1],
+            "index_n_heads": 2,
+            "index_head_dim": 16,
+            "index_topk": 8,
+        },
+    ),
+    "minimax": (  # lightning attention in the family's own MiniMaxCache
+        "minimax",
+        {
+            "num_hidden_layers": 2,
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "layer_types": ["linear_attention", "full_attention"],
+        },
+    ),
+}
+
+
 def tiny_config(family: str, **fields: Any) -> Any:
     """The family's toy ``PretrainedConfig`` (``fields`` override or add config fields)."""
     from transformers import AutoConfig
 
     try:
-        model_type, extra = FAMILIES[family]
+        model_type, extra = FAMILIES[family] if family in FAMILIES else UNMAPPED[family]
     except KeyError:
         raise KeyError(f"no tiny config for {family!r}; families: {sorted(FAMILIES)}") from None
     return AutoConfig.for_model(model_type, **{**_COMMON, **extra, **fields})
