@@ -24,7 +24,7 @@ import torch
 PAGE = 16
 HEADER_BYTES = 64  # kvstrata's object header (docs/storage.md)
 PROMPT_PAGES = 12  # what the writer stores
-EXTRA_PAGES = 2  # the reader's prompt: the stored pages and two new ones
+EXTRA_TOKENS = 1  # the reader's prompt: the stored pages and one new token (the decode path)
 DECODE = 8
 FILLERS = 4
 
@@ -47,7 +47,7 @@ def prompt_a(family: str) -> torch.Tensor:
 
 
 def reader_prompt(family: str) -> torch.Tensor:
-    return torch.cat([prompt_a(family), tokens(2000 + len(family), EXTRA_PAGES * PAGE)])
+    return torch.cat([prompt_a(family), tokens(2000 + len(family), EXTRA_TOKENS)])
 
 
 def storage(l3: Path, *, small: bool = False) -> dict[str, Any]:

@@ -85,7 +85,7 @@ def test_every_family_maps_and_round_trips_in_process(family: str, dtype: torch.
     with HFStateCache(model, page_size=PAGE, state_slots=32) as cache:
         pools = cache.layout.pools
         assert {config["type"] for config in pools.values()} == EXPECTED_POOLS[family]
-        ids = hf.tokens(7, 6 * PAGE + 5)
+        ids = hf.tokens(7, 6 * PAGE + 1)  # the continuation starts with one token: the decode path
         past, cached = cache.restore(ids)
         assert cached == 0 and cache.last_restore.tokens == 0
         hf.run_pages(cache, past, ids, 0, commit_every=1)
