@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -99,12 +100,27 @@ def test_every_family_maps_and_round_trips_in_process(family: str, dtype: torch.
 
 @pytest.mark.parametrize(
     ("family", "names"),
-    [("deepseek_v32", "cache layer 0 is a DynamicIndexedLayer"), ("minimax", "MiniMaxCache")],
+    [
+        ("deepseek_v32", "cache layer 0 is a DynamicIndexedLayer"),
+        ("glm_moe_dsa", "cache layer 0 is a DynamicIndexedLayer"),
+        ("deepseek_v4", "cache layer 0 is a DeepseekV4HCACache"),
+        ("minimax", "keeps its state in a MiniMaxCache"),
+    ],
 )
 def test_a_model_the_adapter_cannot_map_fails_naming_the_layer_or_cache(family: str, names: str) -> None:
+    model = tiny_model(family)
+    assert sum(p.numel() for p in model.parameters()) <= 2_000_000
     with pytest.raises(UnsupportedModelError, match=names):
-        HFStateCache(tiny_model(family), page_size=PAGE)
-    assert set(UNMAPPED) == {"deepseek_v32", "minimax"}
+        HFStateCache(model, page_size=PAGE)
+    assert family in UNMAPPED
+
+
+def test_an_encoder_decoder_model_is_refused() -> None:
+    config = transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2
+    )
+    with pytest.raises(UnsupportedModelError, match="T5ForConditionalGeneration is an encoder-decoder"):
+        HFStateCache(transformers.T5ForConditionalGeneration(config).eval())
 
 
 def test_pools_follow_per_layer_shapes_and_model_layer_ids() -> None:
@@ -341,3 +357,38 @@ def test_prefill_restores_runs_page_aligned_chunks_and_commits() -> None:
         again = cache.prefill(ids, chunk_pages=2)
         assert again.cached_tokens == 4 * PAGE
         assert torch.equal(again.logits, first.logits)
+
+
+# --- the README example and the demo ------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_readme_hf_example_runs_as_printed(tmp_path: Path) -> None:
+    readme = (REPO / "README.md").read_text()
+    marker = "<!-- hf-example -->"
+    block = re.search(r"```python\n(.*?)```", readme[readme.index(marker) :], re.S)
+    assert block is not None
+    script = tmp_path / "example.py"
+    script.write_text(block.group(1))
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-2:] == ["96 {'device': 0, 'host': 0, 'storage': 6}", "True"], done.stdout
+
+
+def test_the_demo_reuses_the_shared_prefix_from_l3_in_its_second_process() -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "examples/hf_generate.py"), "--family", "lfm2", "--prefix-tokens", "256"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = done.stdout.strip().splitlines()
+    assert "reused 0 tokens" in first and "reused 256 tokens (from: storage 256)" in second, done.stdout
+    assert first.split("pid ")[1].split("]")[0] != second.split("pid ")[1].split("]")[0]
+    assert first.endswith("same as without kvstrata: True") and second.endswith(
+        "same as without kvstrata: True"
+    )

@@ -187,18 +187,24 @@ def cache_argument(model: torch.nn.Module) -> str:
 
 def probe_cache(model: torch.nn.Module) -> Cache:
     """The cache the model builds and fills on a two-token forward (no gradients, RNG untouched)."""
+    name = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model (EncoderDecoderCache): not mapped")
     device = next(model.parameters()).device
     ids = torch.zeros((1, PROBE_TOKENS), dtype=torch.long, device=device)
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            out = model(input_ids=ids, use_cache=True)
+    except Exception as exc:  # a model that cannot run on token ids alone
+        raise UnsupportedModelError(
+            f"{name}: a {PROBE_TOKENS}-token probe forward(input_ids, use_cache=True) failed: {exc}"
+        ) from exc
     for name in ("past_key_values", "cache_params"):
         cache = getattr(out, name, None)
         if cache is not None:
             return cache
-    raise UnsupportedModelError(
-        f"{type(model).__name__} returned no cache from forward(use_cache=True): nothing to store"
-    )
+    raise UnsupportedModelError(f"{name} returned no cache from forward(use_cache=True): nothing to store")
 
 
 def describe_model(model: torch.nn.Module) -> ModelLayout:

@@ -206,6 +206,33 @@ UNMAPPED: dict[str, tuple[str, dict[str, Any]]] = {
             "index_topk": 8,
         },
     ),
+    "glm_moe_dsa": (  # the same DSA indexer layer
+        "glm_moe_dsa",
+        {
+            **FAMILIES["deepseek_v3"][1],
+            "index_n_heads": 2,
+            "index_head_dim": 16,
+            "index_topk": 8,
+        },
+    ),
+    "deepseek_v4": (  # compressed attention in a DeepseekV4HCACache layer
+        "deepseek_v4",
+        {
+            "num_hidden_layers": 2,
+            "head_dim": 16,
+            "q_lora_rank": 32,
+            "o_lora_rank": 32,
+            "o_groups": 2,
+            "index_n_heads": 2,
+            "index_head_dim": 16,
+            "index_topk": 8,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "sliding_window": 8,
+            "num_nextn_predict_layers": 0,
+        },
+    ),
     "minimax": (  # lightning attention in the family's own MiniMaxCache
         "minimax",
         {
