@@ -301,7 +301,9 @@ def test_commit_checks_its_arguments_and_stores_only_what_the_cache_can_give() -
         with pytest.raises(ValueError, match="multiple of page_size 16"):
             cache.commit(ids, PAGE + 1, past)
         with pytest.raises(ValueError, match="holds 48 tokens; cannot commit 64"):
-            cache.commit(torch.cat([ids, ids[:PAGE]]), 4 * PAGE, past)
+            cache.commit(torch.cat([ids, ids[: 2 * PAGE]]), 4 * PAGE, past)
+        with pytest.raises(ValueError, match=r"not the tokens past_key_values holds .* position 17"):
+            cache.commit(torch.cat([ids[:17], ids[17:] + 1]), PAGE, past)
         with pytest.raises(ValueError, match="batch of 2"):
             cache.commit(torch.stack([ids, ids]), PAGE, past)
         with pytest.raises(TypeError, match="DynamicCache"):
@@ -316,6 +318,36 @@ def test_commit_checks_its_arguments_and_stores_only_what_the_cache_can_give() -
         hf.run_pages(cache, past, ids, 0)
         assert cache.commit(ids, PAGE, past) == PAGE
         assert cache.commit(ids, len(ids), past) == 3 * PAGE  # the end: its whole pages
+        longer = torch.cat([ids, hf.tokens(72, PAGE)])
+        assert cache.commit(longer, len(longer), past) == 3 * PAGE  # the end: what the cache holds
+        embedded = cache.new_cache()
+        with torch.no_grad():
+            cache.model(
+                inputs_embeds=cache.model.get_input_embeddings()(ids[None, :PAGE]), past_key_values=embedded
+            )
+        with pytest.raises(ValueError, match="inputs_embeds"):
+            cache.commit(ids, PAGE, embedded)
+
+
+def test_generate_runs_on_a_restored_cache_and_its_output_can_be_committed() -> None:
+    model = tiny_model("llama")
+    prompt = hf.tokens(73, 2 * PAGE + 3).unsqueeze(0)
+    settings = {"max_new_tokens": PAGE, "do_sample": False}
+    with torch.no_grad():
+        plain = model.generate(prompt, **settings)
+    with HFStateCache(model, page_size=PAGE) as cache:
+        past, _ = cache.restore(prompt)
+        with torch.no_grad():
+            first = model.generate(prompt, past_key_values=past, **settings)
+        assert torch.equal(first, plain)
+        held = first.shape[-1] - 1  # generate does not run its last token
+        assert cache.commit(first, first.shape[-1], past) == held // PAGE * PAGE
+        again, cached = cache.restore(first)
+        assert cached == held // PAGE * PAGE
+        with torch.no_grad():
+            more = model.generate(first, past_key_values=again, **settings)
+            want = model.generate(first, **settings)
+        assert torch.equal(more, want)
 
 
 def test_constructor_errors_and_namespaces() -> None:

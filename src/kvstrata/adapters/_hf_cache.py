@@ -8,9 +8,11 @@ Two facts of transformers' ``DynamicCache`` shape this module:
   same bytes whichever prefix later restores it. :class:`PageKeepingSlidingWindowLayer` therefore
   keeps every token from its last commit on, while returning to the model exactly the tensors
   the stock layer returns (same values, contiguous), so logits stay bit-identical.
-* A pure state model (Mamba2) has no layer that counts tokens. :class:`KvstrataDynamicCache`
-  carries ``kvstrata_tokens``, advanced by a forward pre-hook the adapter puts on the model, so
-  ``commit`` knows which position the states belong to.
+* A pure state model (Mamba2) has no layer that counts tokens, and no cache records which
+  tokens it holds. :class:`KvstrataDynamicCache` records the token ids the model ran through it
+  (a forward pre-hook the adapter puts on the model feeds :meth:`~KvstrataDynamicCache.saw`), so
+  ``commit`` knows which position the states belong to and refuses ``input_ids`` that are not
+  what the cache holds: a commit under the wrong tokens would be a wrong restore later.
 
 Restores copy out of kvstrata's units into tensors the cache owns (``update_conv_state`` and
 ``update_recurrent_state`` copy into fresh static buffers): the model mutates those in place and
@@ -99,7 +101,8 @@ class KvstrataDynamicCache(DynamicCache):
     def __init__(self, config: Any, layout: ModelLayout, owner: object) -> None:
         super().__init__(config=config)
         self.kvstrata_owner = owner
-        self.kvstrata_tokens = 0  # tokens the model has processed into this cache
+        self._kvstrata_ids: list[torch.Tensor] = []  # the token ids the model ran through it
+        self._kvstrata_unknown: str | None = None  # why they are not known (embeddings, batch)
         for pool in layout.attention:
             if pool.window is None:
                 continue
@@ -108,6 +111,36 @@ class KvstrataDynamicCache(DynamicCache):
                 if type(stock) is not DynamicSlidingWindowLayer:
                     raise TypeError(f"layer {layer_id}: expected a DynamicSlidingWindowLayer, got {stock!r}")
                 self.layers[layer_id] = PageKeepingSlidingWindowLayer(sliding_window=stock.sliding_window)
+
+    def saw(self, ids: torch.Tensor | None, embeds: torch.Tensor | None) -> None:
+        """Record one forward's input: token ids ``[1, T]``, or embeddings (tokens unknown)."""
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() == 2 and ids.shape[0] != 1:
+                self._kvstrata_unknown = f"a forward ran a batch of {ids.shape[0]}"
+            self._kvstrata_ids.append(ids.detach().reshape(-1).to("cpu", torch.int64))
+        elif isinstance(embeds, torch.Tensor):
+            self._kvstrata_unknown = "a forward ran on inputs_embeds (token ids unknown)"
+            self._kvstrata_ids.append(torch.full((embeds.shape[-2],), -1, dtype=torch.int64))
+
+    @property
+    def kvstrata_tokens(self) -> torch.Tensor:
+        """Every token id the cache holds, in order."""
+        if len(self._kvstrata_ids) > 1:
+            self._kvstrata_ids = [torch.cat(self._kvstrata_ids)]
+        return self._kvstrata_ids[0] if self._kvstrata_ids else torch.empty(0, dtype=torch.int64)
+
+    def held_tokens(self, input_ids: torch.Tensor) -> int:
+        """How many tokens the cache holds, after checking they are ``input_ids``' first ones."""
+        if self._kvstrata_unknown is not None:
+            raise ValueError(f"cannot commit this cache: {self._kvstrata_unknown}")
+        held = self.kvstrata_tokens
+        overlap = min(len(held), len(input_ids))
+        if not torch.equal(held[:overlap], input_ids[:overlap]):
+            raise ValueError(
+                "input_ids are not the tokens past_key_values holds (they differ at position "
+                f"{int((held[:overlap] != input_ids[:overlap]).nonzero()[0])})"
+            )
+        return len(held)
 
 
 # --- pages out of an HF cache -----------------------------------------------------------------

@@ -155,7 +155,7 @@ class HFStateCache:
         finally:
             self.cache.release(lease)
         tokens = pages * self.page_size
-        past.kvstrata_tokens = tokens
+        past.saw(ids[:tokens].unsqueeze(0), None)
         self.last_restore = RestoreInfo(
             tokens, dict(lease.hit_pages), dict(lease.skipped), time.perf_counter() - started
         )
@@ -163,10 +163,12 @@ class HFStateCache:
 
     def commit(self, input_ids: torch.Tensor | list[int], upto: int, past_key_values: Any) -> int:
         """Store what the model computed for ``input_ids[:upto]`` (``upto`` a multiple of the
-        page size, or ``len(input_ids)``: then its whole pages). ``past_key_values`` holds
-        the tokens the model processed (a prefix of ``input_ids``). Returns the tokens of this
-        prompt kvstrata holds afterwards: less than asked where a state pool has no state at
-        that page (the cache has moved past it) or a window layer no longer holds its pages."""
+        page size, or ``len(input_ids)``: then the whole pages the cache holds of it).
+        ``past_key_values`` holds the tokens the model processed, which must start with
+        ``input_ids`` (checked for a cache from :meth:`restore` / :meth:`new_cache`). Returns the
+        tokens of this prompt kvstrata holds afterwards: less than asked where a state pool has
+        no state at that page (the cache has moved past it) or a window layer no longer holds
+        its pages."""
         self._check_open()
         ids = _sequence(input_ids)
         if not 0 <= upto <= len(ids):
@@ -176,9 +178,11 @@ class HFStateCache:
                 f"upto {upto} must be a multiple of page_size {self.page_size} or len(input_ids) {len(ids)}"
             )
         self._check_cache(past_key_values)
-        processed = self._processed(past_key_values, len(ids))
+        processed = self._processed(past_key_values, ids)
         if upto > processed:
-            raise ValueError(f"past_key_values holds {processed} tokens; cannot commit {upto}")
+            if upto != len(ids):
+                raise ValueError(f"past_key_values holds {processed} tokens; cannot commit {upto}")
+            upto = processed  # "the end": what the cache holds of it (after generate, all but one)
         pages = upto // self.page_size
         if pages == 0:
             return 0
@@ -246,12 +250,7 @@ class HFStateCache:
         cache = kwargs.get("past_key_values", kwargs.get("cache_params"))
         if not isinstance(cache, KvstrataDynamicCache) or cache.kvstrata_owner is not self._owner:
             return
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        embeds = kwargs.get("inputs_embeds")
-        if isinstance(ids, torch.Tensor):
-            cache.kvstrata_tokens += ids.shape[-1]
-        elif isinstance(embeds, torch.Tensor):
-            cache.kvstrata_tokens += embeds.shape[-2]
+        cache.saw(kwargs.get("input_ids", args[0] if args else None), kwargs.get("inputs_embeds"))
 
     def _check_cache(self, past: Any) -> None:
         classes = tuple(type(layer) for layer in getattr(past, "layers", ()))
@@ -266,15 +265,22 @@ class HFStateCache:
                 f"expected this model's DynamicCache (from restore() or new_cache())"
             )
 
-    def _processed(self, past: Any, given: int) -> int:
-        """Tokens the cache has processed: attention layers count them; else the adapter did."""
+    def _processed(self, past: Any, ids: torch.Tensor) -> int:
+        """Tokens the cache holds. A cache from this adapter knows which (checked against
+        ``ids``); another cache is trusted to hold ``ids`` as far as its attention layers count."""
+        if isinstance(past, KvstrataDynamicCache) and past.kvstrata_owner is self._owner:
+            held = past.held_tokens(ids)
+            if self.layout.has_attention and held != past.get_seq_length():
+                raise ValueError(
+                    f"past_key_values holds {past.get_seq_length()} tokens but {held} went through "
+                    "this model's forward: was it run by another module?"
+                )
+            return held
         if self.layout.has_attention:
             return int(past.get_seq_length())
-        if isinstance(past, KvstrataDynamicCache) and past.kvstrata_owner is self._owner:
-            return past.kvstrata_tokens
         raise TypeError(
-            "a pure state model's cache does not count tokens: commit the cache restore() or "
-            "new_cache() returned (the adapter counts the tokens the model runs through it)"
+            "a pure state model's cache does not say which tokens it holds: commit the cache "
+            "restore() or new_cache() returned (the adapter records what the model runs through it)"
         )
 
     def _fill(self, past: KvstrataDynamicCache, lease: kvstrata.Lease, pages: int) -> None:
