@@ -128,6 +128,7 @@ def test_pools_follow_per_layer_shapes_and_model_layer_ids() -> None:
         pools = cache.layout.pools
         assert pools["swa_5"]["layer_ids"] == [0, 1] and pools["swa_5"]["window"] == 4  # < a page
         assert pools["kv"]["layer_ids"] == [2] and pools["kv"]["unit_layout"] == "head_major"
+        assert "swa_5: swa [0, 1]" in cache.layout.describe().splitlines()[1:][0]
     with HFStateCache(tiny_model("nemotron_h"), page_size=PAGE) as cache:  # mamba, attention, moe, mlp
         pools = cache.layout.pools
         assert pools["state"]["layer_ids"] == [0] and pools["kv"]["layer_ids"] == [1]
