@@ -28,12 +28,13 @@ if ((${#missing[@]} || need_server)); then
 fi
 
 # torch is pinned: a loose requirement would pull several GB of CUDA wheels.
-python3 -m pip install -q --disable-pip-version-check 'torch==2.13.0' -e '.[dev,mooncake-cpu,plot,metrics]' \
+python3 -m pip install -q --disable-pip-version-check 'torch==2.13.0' -e '.[dev,mooncake-cpu,plot,metrics,hf]' \
   -e examples/plugins/kvstrata-valkey
 # SGLang, for the L3 adapter tests against its own HiCache code: --no-deps, since its metadata pins a
 # CUDA torch; the one small package its mem_cache modules import (msgspec) comes with the dev extra.
 python3 -m pip install -q --disable-pip-version-check --no-deps 'sglang==0.5.23'
 export KVSTRATA_REQUIRE_SGLANG=1  # tests/test_adapter_sglang.py fails (not skips) without it
+export KVSTRATA_REQUIRE_HF=1  # tests/test_adapter_hf.py fails (not skips) without transformers
 
 python3 -m ruff check src tests benchmarks examples
 python3 -m pytest "$@"

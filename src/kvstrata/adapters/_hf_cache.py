@@ -1,0 +1,214 @@
+"""The Hugging Face cache objects the adapter hands out, and page-wise copies in and out of them.
+
+Two facts of transformers' ``DynamicCache`` shape this module:
+
+* A ``DynamicSlidingWindowLayer`` keeps only the last ``sliding_window - 1`` tokens, so the first
+  page of a window is partly gone by the time a chunk is committed (entirely, for a window
+  smaller than a page). kvstrata's window pools store whole pages, and a page must hold the
+  same bytes whichever prefix later restores it. :class:`PageKeepingSlidingWindowLayer` therefore
+  keeps every token from its last commit on, while returning to the model exactly the tensors
+  the stock layer returns (same values, contiguous), so logits stay bit-identical.
+* A pure state model (Mamba2) has no layer that counts tokens, and no cache records which
+  tokens it holds. :class:`KvstrataDynamicCache` records the token ids the model ran through it
+  (a forward pre-hook the adapter puts on the model feeds :meth:`~KvstrataDynamicCache.saw`), so
+  ``commit`` knows which position the states belong to and refuses ``input_ids`` that are not
+  what the cache holds: a commit under the wrong tokens would be a wrong restore later.
+
+Restores copy out of kvstrata's units into tensors the cache owns (``update_conv_state`` and
+``update_recurrent_state`` copy into fresh static buffers): the model mutates those in place and
+never the cached checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import (
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionLayer,
+)
+
+from kvstrata.adapters._hf_layout import ModelLayout, StateTensor
+
+
+class PageKeepingSlidingWindowLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer that also keeps the tokens after ``keep_from`` (whole pages to commit).
+
+    ``update`` returns what :class:`DynamicSlidingWindowLayer` returns; only what stays in
+    ``keys`` / ``values`` between forwards differs (a superset of the stock layer's tokens).
+    """
+
+    def __init__(self, sliding_window: int, **kwargs: Any) -> None:
+        super().__init__(sliding_window=sliding_window, **kwargs)
+        self.keep_from = 0  # absolute position of the first token worth keeping beyond the window
+
+    def _stock_kept(self, tokens: int) -> int:
+        """Tokens the stock layer keeps after seeing ``tokens`` (its ``[-(w - 1):]`` slice)."""
+        window = self.sliding_window - 1
+        return tokens if window <= 0 else min(tokens, window)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.record_past:
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        before = self.cumulative_length
+        self.cumulative_length += key_states.shape[-2]
+        full_keys = torch.cat([self.keys, key_states], dim=-2)
+        full_values = torch.cat([self.values, value_states], dim=-2)
+        keep = max(self.cumulative_length - self.keep_from, self._stock_kept(self.cumulative_length))
+        self.keys = full_keys[:, :, full_keys.shape[-2] - min(keep, full_keys.shape[-2]) :, :]
+        self.values = full_values[:, :, full_values.shape[-2] - min(keep, full_values.shape[-2]) :, :]
+        visible = self._stock_kept(before) + key_states.shape[-2]
+        if visible >= full_keys.shape[-2]:
+            return full_keys, full_values
+        return full_keys[:, :, -visible:, :].contiguous(), full_values[:, :, -visible:, :].contiguous()
+
+    def trim(self, keep_from: int) -> None:
+        """Forget kept tokens before ``keep_from`` (after a commit stored them)."""
+        self.keep_from = max(self.keep_from, keep_from)
+        if self.keys is None or not self.is_initialized:
+            return
+        keep = max(self.cumulative_length - self.keep_from, self._stock_kept(self.cumulative_length))
+        if keep < self.keys.shape[-2]:
+            self.keys = self.keys[:, :, -keep:, :] if keep else self.keys[:, :, :0, :]
+            self.values = self.values[:, :, -keep:, :] if keep else self.values[:, :, :0, :]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.trim(self.cumulative_length)  # back to the stock layer's tokens, then its own rules
+        super().crop(tokens_to_remove)
+        self.keep_from = min(self.keep_from, self.cumulative_length)
+
+    def reset(self) -> None:
+        super().reset()
+        self.keep_from = 0
+
+    def restore(self, keys: torch.Tensor, values: torch.Tensor, tokens: int) -> None:
+        """Hold ``keys`` / ``values`` ``[1, H, t, D]`` as the last tokens of a ``tokens``-long prefix."""
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+        self.cumulative_length = self.keep_from = tokens
+
+
+class KvstrataDynamicCache(DynamicCache):
+    """The model's own ``DynamicCache`` with page-keeping window layers and a token count."""
+
+    def __init__(self, config: Any, layout: ModelLayout, owner: object) -> None:
+        super().__init__(config=config)
+        self.kvstrata_owner = owner
+        self._kvstrata_ids: list[torch.Tensor] = []  # the token ids the model ran through it
+        self._kvstrata_unknown: str | None = None  # why they are not known (embeddings, batch)
+        for pool in layout.attention:
+            if pool.window is None:
+                continue
+            for layer_id in pool.layer_ids:
+                stock = self.layers[layer_id]
+                if type(stock) is not DynamicSlidingWindowLayer:
+                    raise TypeError(f"layer {layer_id}: expected a DynamicSlidingWindowLayer, got {stock!r}")
+                self.layers[layer_id] = PageKeepingSlidingWindowLayer(sliding_window=stock.sliding_window)
+
+    def saw(self, ids: torch.Tensor | None, embeds: torch.Tensor | None) -> None:
+        """Record one forward's input: token ids ``[1, T]``, or embeddings (tokens unknown)."""
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() == 2 and ids.shape[0] != 1:
+                self._kvstrata_unknown = f"a forward ran a batch of {ids.shape[0]}"
+            self._kvstrata_ids.append(ids.detach().reshape(-1).to("cpu", torch.int64))
+        elif isinstance(embeds, torch.Tensor):
+            self._kvstrata_unknown = "a forward ran on inputs_embeds (token ids unknown)"
+            self._kvstrata_ids.append(torch.full((embeds.shape[-2],), -1, dtype=torch.int64))
+
+    @property
+    def kvstrata_tokens(self) -> torch.Tensor:
+        """Every token id the cache holds, in order."""
+        if len(self._kvstrata_ids) > 1:
+            self._kvstrata_ids = [torch.cat(self._kvstrata_ids)]
+        return self._kvstrata_ids[0] if self._kvstrata_ids else torch.empty(0, dtype=torch.int64)
+
+    def held_tokens(self, input_ids: torch.Tensor) -> int:
+        """How many tokens the cache holds, after checking they are ``input_ids``' first ones."""
+        if self._kvstrata_unknown is not None:
+            raise ValueError(f"cannot commit this cache: {self._kvstrata_unknown}")
+        held = self.kvstrata_tokens
+        overlap = min(len(held), len(input_ids))
+        if not torch.equal(held[:overlap], input_ids[:overlap]):
+            raise ValueError(
+                "input_ids are not the tokens past_key_values holds (they differ at position "
+                f"{int((held[:overlap] != input_ids[:overlap]).nonzero()[0])})"
+            )
+        return len(held)
+
+
+# --- pages out of an HF cache -----------------------------------------------------------------
+
+
+def held_range(layer: DynamicLayer) -> tuple[int, int]:
+    """Absolute token positions ``[first, end)`` a (window) attention layer still holds."""
+    if not layer.is_initialized or layer.keys is None or layer.keys.dim() != 4:
+        return 0, 0
+    held = layer.keys.shape[-2]
+    end = layer.cumulative_length if isinstance(layer, DynamicSlidingWindowLayer) else held
+    return end - held, end
+
+
+def page_tensors(layer: DynamicLayer, first_page: int, end_page: int, page: int) -> dict[str, torch.Tensor]:
+    """K/V of pages ``[first_page, end_page)`` as head-major units ``(n, H, page, D)`` (views)."""
+    start, _ = held_range(layer)
+    lo, hi = first_page * page - start, end_page * page - start
+    out = {}
+    for name, tensor in (("k", layer.keys), ("v", layer.values)):
+        rows = tensor[0, :, lo:hi, :]
+        heads, _, dim = rows.shape
+        out[name] = rows.reshape(heads, end_page - first_page, page, dim).permute(1, 0, 2, 3)
+    return out
+
+
+def state_tensor(layer: LinearAttentionLayer, state: StateTensor) -> torch.Tensor:
+    """One state tensor of a linear-attention layer, without the batch dimension."""
+    values = layer.conv_states if state.source == "conv" else layer.recurrent_states
+    tensor = values[state.index]
+    if tensor is None or tuple(tensor.shape[1:]) != state.shape or tensor.shape[0] != 1:
+        shape = None if tensor is None else tuple(tensor.shape)
+        raise ValueError(
+            f"{state.source} state {state.index} has shape {shape}, expected (1, *{state.shape}) "
+            "(a batch of one, not recording past states)"
+        )
+    return tensor[0]
+
+
+# --- pages into an HF cache -------------------------------------------------------------------
+
+
+def joined(pages: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """Head-major units ``(n, H, page, D)`` as one ``[1, H, n * page, D]`` tensor (a copy)."""
+    count, heads, page, dim = pages.shape
+    rows = pages.to(device) if device is not None else pages
+    return rows.permute(1, 0, 2, 3).reshape(1, heads, count * page, dim).contiguous()
+
+
+def restore_full(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """A full-attention layer holding ``keys`` / ``values`` ``[1, H, T, D]`` (as a forward leaves it)."""
+    layer.update(keys, values)
+
+
+def restore_window(
+    layer: PageKeepingSlidingWindowLayer, keys: torch.Tensor, values: torch.Tensor, tokens: int
+) -> None:
+    """A window layer at ``tokens``: it holds the tail the stock layer would hold there."""
+    tail = layer._stock_kept(tokens)
+    layer.restore(keys[:, :, keys.shape[-2] - tail :, :], values[:, :, values.shape[-2] - tail :, :], tokens)
+
+
+def restore_states(layer: LinearAttentionLayer, states: dict[StateTensor, torch.Tensor]) -> None:
+    """Conv / recurrent states through the layer's own update calls (fresh buffers, prefill done)."""
+    for state, value in states.items():
+        batched = value.unsqueeze(0)
+        if state.source == "conv":
+            layer.update_conv_state(batched, state_idx=state.index, conv_kernel_size=state.shape[-1])
+        else:
+            layer.update_recurrent_state(batched, state_idx=state.index)
+        layer.has_previous_state[state.index] = True

@@ -1,0 +1,371 @@
+"""kvstrata under Hugging Face transformers: restore a prompt's longest cached prefix into a cache
+object the model continues from, and commit what the model computed.
+
+    cache = HFStateCache(model, {"tiers": {"storage": {"l3": {"type": "file", "path": "/tmp/l3"}}}},
+                         page_size=16)
+    past, cached = cache.restore(input_ids)          # a DynamicCache holding input_ids[:cached]
+    out = model(input_ids[:, cached:], past_key_values=past, use_cache=True)
+    cache.commit(input_ids, input_ids.shape[-1], past)
+    cache.close()                                     # flushes L3
+
+The pools come from the model (:mod:`kvstrata.adapters._hf_layout`: full and sliding-window K/V,
+conv / recurrent states, per-layer shapes and dtypes, model layer ids, a logical anchor when no
+layer has full attention); the config gives the page size, tiers, storage and policies. The
+namespace of every stored object is derived from the model's class, its config (all of it, with
+the transformers version and attention implementation) and a sample of its weights, so two
+models or configs never read each other's objects.
+
+State models (Mamba, GDN, short conv) hold one state per checkpoint: a prefix is restorable where
+a commit stored the state, i.e. where ``past_key_values`` stood exactly at a page boundary. Feed
+the model page-aligned chunks and commit after each (:meth:`HFStateCache.prefill` does).
+The adapter uses only kvstrata's public API (``kvstrata.open``, the lease calls, unit memory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+import kvstrata
+from kvstrata.adapters._hf_cache import (
+    KvstrataDynamicCache,
+    PageKeepingSlidingWindowLayer,
+    held_range,
+    joined,
+    page_tensors,
+    restore_full,
+    restore_states,
+    restore_window,
+    state_tensor,
+)
+from kvstrata.adapters._hf_layout import (
+    ModelLayout,
+    StateTensor,
+    UnsupportedModelError,
+    describe_model,
+)
+
+__all__ = ["HFStateCache", "PrefillResult", "RestoreInfo", "UnsupportedModelError", "model_namespace"]
+
+#: Keyword shortcuts of :class:`HFStateCache` (every other keyword is a ``a__b__c`` config path).
+SHORTCUTS = {"page_size": "model.page_size", "cache_salt": "model.cache_salt"}
+WEIGHT_SAMPLES = 64  # elements hashed per weight tensor for the namespace
+
+
+@dataclass
+class RestoreInfo:
+    """What the last :meth:`HFStateCache.restore` found: tokens, pages per tier, skips, time."""
+
+    tokens: int
+    pages: dict[str, int] = field(default_factory=dict)  # device / host / storage
+    skipped: dict[str, int] = field(default_factory=dict)  # pages held but unusable, by reason
+    seconds: float = 0.0
+
+
+@dataclass
+class PrefillResult:
+    """What :meth:`HFStateCache.prefill` leaves: the cache, the last logits, reused and stored tokens."""
+
+    past_key_values: KvstrataDynamicCache
+    logits: torch.Tensor  # the last forward's logits for its last position, [1, vocab]
+    cached_tokens: int  # restored from kvstrata
+    committed_tokens: int  # held by kvstrata for this prompt afterwards
+
+
+class HFStateCache:
+    """A kvstrata cache for one Hugging Face model (see the module docstring).
+
+    ``config``: a kvstrata config path (or list of paths) or mapping for the page size, tiers,
+    storage and policies; ``model.pools`` and ``model.name`` come from the model. Keywords:
+    ``page_size``, ``cache_salt``, ``name`` (a readable namespace prefix), ``state_slots``
+    (device slots of every state pool: one checkpoint each), and any config field as
+    ``tiers__host__capacity_tokens=0`` (``__`` for ``.``). Raises :class:`UnsupportedModelError`
+    naming the layer or cache type for a model it cannot map.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: str | Path | list[str | Path] | Mapping[str, Any] | None = None,
+        **overrides: Any,
+    ) -> None:
+        if isinstance(config, Mapping) and "pools" in (config.get("model") or {}):
+            raise ValueError("model.pools: HFStateCache derives the pools from the model; leave them out")
+        self.model = model
+        self.layout: ModelLayout = describe_model(model)
+        prefix = str(overrides.pop("name", f"hf-{self.layout.model_type}"))
+        self.namespace = model_namespace(model, self.layout, prefix)
+        settings: dict[str, Any] = {"model.name": self.namespace, "model.pools": self.layout.pools}
+        device = next(model.parameters()).device
+        if device.type != "cpu":
+            settings["tiers.device.device"] = str(device)
+        slots = overrides.pop("state_slots", None)
+        for key, value in overrides.items():
+            if key in SHORTCUTS:
+                settings[SHORTCUTS[key]] = value
+            elif "__" in key:
+                settings[key.replace("__", ".")] = value
+            else:
+                raise TypeError(
+                    f"HFStateCache got an unknown keyword {key!r}: use page_size, cache_salt, name, "
+                    "state_slots or a config path like tiers__host__capacity_tokens"
+                )
+        if slots is not None:
+            for pool in self.layout.states:
+                settings.setdefault(f"model.pools.{pool.name}.device_units", slots)
+        self.cache = kvstrata.open({} if config is None else config, overrides=settings)
+        self.page_size = self.cache.page_size
+        self.last_restore: RestoreInfo | None = None
+        self._owner = object()  # marks the caches this adapter hands out
+        self._hook = model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+
+    # --- caches ---------------------------------------------------------------------------------
+
+    def new_cache(self) -> KvstrataDynamicCache:
+        """An empty cache for this model (what :meth:`restore` returns on a miss)."""
+        return KvstrataDynamicCache(self.model.config, self.layout, self._owner)
+
+    def restore(self, input_ids: torch.Tensor | list[int]) -> tuple[KvstrataDynamicCache, int]:
+        """The longest page-aligned prefix of ``input_ids`` kvstrata can restore, as a cache
+        the model continues from, and its length in tokens. At most ``len - 1`` tokens come
+        back, so the model always has a token to compute the next logits from. L3 is read
+        synchronously; every restored tensor is a private copy (the model may mutate it)."""
+        self._check_open()
+        started = time.perf_counter()
+        ids = _sequence(input_ids)
+        past = self.new_cache()
+        limit = (max(0, len(ids) - 1) // self.page_size) * self.page_size
+        if limit == 0:
+            self.last_restore = RestoreInfo(0, seconds=time.perf_counter() - started)
+            return past, 0
+        lease = self.cache.lookup(ids[:limit], prefetch="wait")
+        try:
+            self.cache.admit(lease)
+            pages = lease.cached_pages
+            if pages:
+                self._fill(past, lease, pages)
+        finally:
+            self.cache.release(lease)
+        tokens = pages * self.page_size
+        past.saw(ids[:tokens].unsqueeze(0), None)
+        self.last_restore = RestoreInfo(
+            tokens, dict(lease.hit_pages), dict(lease.skipped), time.perf_counter() - started
+        )
+        return past, tokens
+
+    def commit(self, input_ids: torch.Tensor | list[int], upto: int, past_key_values: Any) -> int:
+        """Store what the model computed for ``input_ids[:upto]`` (``upto`` a multiple of the
+        page size, or ``len(input_ids)``: then the whole pages the cache holds of it).
+        ``past_key_values`` holds the tokens the model processed, which must start with
+        ``input_ids`` (checked for a cache from :meth:`restore` / :meth:`new_cache`). Returns the
+        tokens of this prompt kvstrata holds afterwards: less than asked where a state pool has
+        no state at that page (the cache has moved past it) or a window layer no longer holds
+        its pages."""
+        self._check_open()
+        ids = _sequence(input_ids)
+        if not 0 <= upto <= len(ids):
+            raise ValueError(f"upto {upto} is outside [0, {len(ids)}] (the length of input_ids)")
+        if upto % self.page_size and upto != len(ids):
+            raise ValueError(
+                f"upto {upto} must be a multiple of page_size {self.page_size} or len(input_ids) {len(ids)}"
+            )
+        self._check_cache(past_key_values)
+        processed = self._processed(past_key_values, ids)
+        if upto > processed:
+            if upto != len(ids):
+                raise ValueError(f"past_key_values holds {processed} tokens; cannot commit {upto}")
+            upto = processed  # "the end": what the cache holds of it (after generate, all but one)
+        pages = upto // self.page_size
+        if pages == 0:
+            return 0
+        lease = self.cache.lookup(ids[: pages * self.page_size], record=False, prefetch="off")
+        try:
+            self.cache.admit(lease)
+            have = lease.cached_pages
+            if have >= pages or (self.layout.states and processed != pages * self.page_size):
+                self.cache.release(lease)
+                return have * self.page_size
+            units = self.cache.allocate(lease)
+            if not self._write(past_key_values, lease, units, pages):
+                self.cache.release(lease)
+                return have * self.page_size
+            self.cache.insert(lease)
+        except BaseException:
+            self.cache.release(lease)
+            raise
+        for layer in past_key_values.layers:
+            if isinstance(layer, PageKeepingSlidingWindowLayer):
+                layer.trim(pages * self.page_size)
+        return pages * self.page_size
+
+    def prefill(self, input_ids: torch.Tensor | list[int], *, chunk_pages: int = 1) -> PrefillResult:
+        """Restore, run the model over the rest of ``input_ids`` in chunks of ``chunk_pages``
+        pages (the last chunk may be shorter), committing after each whole-page chunk."""
+        if chunk_pages < 1:
+            raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
+        ids = _sequence(input_ids)
+        past, cached = self.restore(ids)
+        device = next(self.model.parameters()).device
+        step, position, committed, logits = chunk_pages * self.page_size, cached, cached, None
+        with torch.no_grad():
+            while position < len(ids):
+                end = min(position + step, len(ids))
+                chunk = ids[position:end].to(device).unsqueeze(0)
+                out = self.model(input_ids=chunk, use_cache=True, **{self.layout.cache_argument: past})
+                logits, position = out.logits[:, -1].float(), end
+                if end % self.page_size == 0:
+                    committed = self.commit(ids, end, past)
+        assert logits is not None  # restore leaves at least one token to compute
+        return PrefillResult(past, logits, cached, committed)
+
+    def close(self) -> None:
+        """Flush L3 writes, release the cache and unhook the model."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.cache.close()
+
+    def __enter__(self) -> HFStateCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._hook is None:
+            raise RuntimeError("HFStateCache is closed")
+
+    def _count_tokens(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook: advance the token count of a cache this adapter handed out."""
+        cache = kwargs.get("past_key_values", kwargs.get("cache_params"))
+        if not isinstance(cache, KvstrataDynamicCache) or cache.kvstrata_owner is not self._owner:
+            return
+        cache.saw(kwargs.get("input_ids", args[0] if args else None), kwargs.get("inputs_embeds"))
+
+    def _check_cache(self, past: Any) -> None:
+        classes = tuple(type(layer) for layer in getattr(past, "layers", ()))
+        expected = list(self.layout.layer_classes)
+        if isinstance(past, KvstrataDynamicCache):
+            for pool in self.layout.attention:
+                for layer_id in pool.layer_ids if pool.window is not None else ():
+                    expected[layer_id] = PageKeepingSlidingWindowLayer
+        if not isinstance(past, transformers.DynamicCache) or classes != tuple(expected):
+            raise TypeError(
+                f"past_key_values is a {type(past).__name__} with layers {[c.__name__ for c in classes]}; "
+                f"expected this model's DynamicCache (from restore() or new_cache())"
+            )
+
+    def _processed(self, past: Any, ids: torch.Tensor) -> int:
+        """Tokens the cache holds. A cache from this adapter knows which (checked against
+        ``ids``); another cache is trusted to hold ``ids`` as far as its attention layers count."""
+        if isinstance(past, KvstrataDynamicCache) and past.kvstrata_owner is self._owner:
+            held = past.held_tokens(ids)
+            if self.layout.has_attention and held != past.get_seq_length():
+                raise ValueError(
+                    f"past_key_values holds {past.get_seq_length()} tokens but {held} went through "
+                    "this model's forward: was it run by another module?"
+                )
+            return held
+        if self.layout.has_attention:
+            return int(past.get_seq_length())
+        raise TypeError(
+            "a pure state model's cache does not say which tokens it holds: commit the cache "
+            "restore() or new_cache() returned (the adapter records what the model runs through it)"
+        )
+
+    def _fill(self, past: KvstrataDynamicCache, lease: kvstrata.Lease, pages: int) -> None:
+        """Copy the lease's prefix units into ``past``'s layers."""
+        tokens = pages * self.page_size
+        devices = self.layout.layer_devices
+        for pool in self.layout.attention:
+            data = self.cache.read_units(pool.name, lease.prefix_units(pool.name))
+            for index, layer_id in enumerate(pool.layer_ids):
+                keys = joined(data["k"][:, index], devices[layer_id])
+                values = joined(data["v"][:, index], devices[layer_id])
+                layer = past.layers[layer_id]
+                if pool.window is None:
+                    restore_full(layer, keys, values)
+                else:
+                    restore_window(layer, keys, values, tokens)
+        for state_pool in self.layout.states:
+            data = self.cache.read_units(state_pool.name, lease.prefix_units(state_pool.name))
+            for index, layer_id in enumerate(state_pool.layer_ids):
+                values: dict[StateTensor, torch.Tensor] = {
+                    t: data[t.name][0, index].to(devices[layer_id]) for t in state_pool.tensors
+                }
+                restore_states(past.layers[layer_id], values)
+
+    def _write(self, past: Any, lease: kvstrata.Lease, units: dict[str, torch.Tensor], pages: int) -> bool:
+        """Write the new pages' units from ``past``; False (nothing written) where ``past`` no
+        longer holds a page a window pool needs."""
+        page = self.page_size
+        plans: list[tuple[str, torch.Tensor, int, int]] = []
+        for pool in self.layout.attention:
+            got = units[pool.name]
+            if not len(got):
+                continue
+            first = lease.allocated_first_page(pool.name)
+            for layer_id in pool.layer_ids:
+                start, end = held_range(past.layers[layer_id])
+                if start > first * page or end < pages * page:
+                    return False
+            plans.append((pool.name, got, first, pages))
+        for name, got, first, end_page in plans:
+            pool = next(p for p in self.layout.attention if p.name == name)
+            for layer_id in pool.layer_ids:
+                tensors = page_tensors(past.layers[layer_id], first, end_page, page)
+                self.cache.write_units(name, got, tensors, layer=layer_id)
+        for state_pool in self.layout.states:
+            slot = units[state_pool.name]
+            if not len(slot):
+                continue
+            for layer_id in state_pool.layer_ids:
+                layer = past.layers[layer_id]
+                tensors = {t.name: state_tensor(layer, t).unsqueeze(0) for t in state_pool.tensors}
+                self.cache.write_units(state_pool.name, slot, tensors, layer=layer_id)
+        return True
+
+
+def model_namespace(model: torch.nn.Module, layout: ModelLayout, prefix: str) -> str:
+    """``{prefix}-{digest}``: the digest covers the model class, its whole config (with the
+    transformers version), the attention implementation, the derived pools and a strided
+    sample of every weight tensor, so neither another config nor other weights share objects."""
+    digest = hashlib.sha256()
+    config = model.config
+    facts = {
+        "class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "config": json.loads(config.to_json_string(use_diff=False)),
+        "attention": str(getattr(config, "_attn_implementation", None)),
+        "transformers": transformers.__version__,
+        "pools": layout.pools,
+    }
+    digest.update(json.dumps(facts, sort_keys=True, default=str).encode())
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // WEIGHT_SAMPLES)][:WEIGHT_SAMPLES].contiguous().cpu()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(sample.view(torch.uint8).numpy().tobytes())
+    safe = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in prefix)
+    return f"{safe}-{digest.hexdigest()[:20]}"
+
+
+def _sequence(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
+    """One sequence of token ids as a 1-D CPU int64 tensor (a batch must hold exactly one)."""
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(f"input_ids holds a batch of {ids.shape[0]}; HFStateCache serves one sequence")
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"input_ids must be [tokens] or [1, tokens], got shape {tuple(ids.shape)}")
+    return ids.to(device="cpu", dtype=torch.int64)
