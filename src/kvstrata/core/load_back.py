@@ -81,7 +81,13 @@ class LoadBack:
         """Allocate, copy and index every unit of ``plan``, or change nothing."""
         if plan.empty:
             return LoadBackResult(False)
-        got = self.units.alloc_protecting(plan.end, Tier.DEVICE, plan.units)  # the nodes stay
+        # making room on the device may back nodes up first (write-back), which evicts host
+        # pages: the host copies being loaded must stay, so their path is host-locked meanwhile
+        host_guard = self.tree.lock(plan.end, Tier.HOST)
+        try:
+            got = self.units.alloc_protecting(plan.end, Tier.DEVICE, plan.units)  # the nodes stay
+        finally:
+            self.tree.unlock(host_guard)
         if got is None:
             self.metrics.fail()
             return LoadBackResult(False, device_full=True)
