@@ -13,14 +13,15 @@ from collections.abc import Hashable
 
 
 class Ghosts:
-    """Oldest-first ghost keys with their page counts, at most ``limit`` pages in all."""
+    """Oldest-first ghost keys with their page counts (and a small tag a policy may keep with
+    each, e.g. a size class), at most ``limit`` pages in all."""
 
     __slots__ = ("_keys", "limit", "pages")
 
     def __init__(self, limit: int) -> None:
         self.limit = max(0, limit)
         self.pages = 0
-        self._keys: OrderedDict[Hashable, int] = OrderedDict()
+        self._keys: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._keys
@@ -28,22 +29,22 @@ class Ghosts:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def add(self, key: Hashable, pages: int) -> None:
+    def add(self, key: Hashable, pages: int, tag: int = 0) -> None:
         old = self._keys.pop(key, None)
         if old is not None:
-            self.pages -= old
-        self._keys[key] = pages
+            self.pages -= old[0]
+        self._keys[key] = (pages, tag)
         self.pages += pages
         self.trim(self.limit)
 
-    def take(self, key: Hashable) -> int | None:
-        """Forget ``key`` and return its pages (``None`` if it is no ghost)."""
-        pages = self._keys.pop(key, None)
-        if pages is not None:
-            self.pages -= pages
-        return pages
+    def take(self, key: Hashable) -> tuple[int, int] | None:
+        """Forget ``key`` and return its ``(pages, tag)`` (``None`` if it is no ghost)."""
+        entry = self._keys.pop(key, None)
+        if entry is not None:
+            self.pages -= entry[0]
+        return entry
 
     def trim(self, limit: int) -> None:
         """Drop the oldest ghosts until at most ``limit`` pages remain."""
         while self.pages > limit and self._keys:
-            self.pages -= self._keys.popitem(last=False)[1]
+            self.pages -= self._keys.popitem(last=False)[1][0]
