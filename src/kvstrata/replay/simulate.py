@@ -155,9 +155,25 @@ class HitRateSimulator:
         return len(self._seen)
 
     def lookup(self, request: TraceRequest) -> int:
-        """Hit tokens of ``request`` without changing the cache (no access, no split)."""
+        """Hit tokens of ``request`` without changing the cache (no access, no split, no stamp)."""
         keys = full_blocks(request, self.block_size)
-        return self.tree.match(keys, split=False, count_hit=False).device_pages * self.block_size
+        node, matched = self.tree.root, 0
+        while matched < len(keys):
+            child = node.children.get(keys[matched])
+            if child is None:
+                break
+            same = 0
+            while (
+                same < len(child.keys)
+                and matched + same < len(keys)
+                and child.keys[same] == keys[matched + same]
+            ):
+                same += 1
+            matched += same
+            if same < len(child.keys):
+                break
+            node = child
+        return matched * self.block_size
 
     def access(self, request: TraceRequest) -> int:
         """Serve one request: match (an access), make room, insert its missing full blocks.
