@@ -104,7 +104,7 @@ def test_cost_aware_evicts_short_state_heavy_leaves_first() -> None:
     tree, units = PrefixTree([kv_spec()]), Units()
     long = tree.insert(seq(2, 3, 4, 5), {"kv": units.take(4)}).node
     short = tree.insert(seq(1), {"kv": units.take(1)}).node  # the more recent one
-    heavy = policy("cost_aware", page_bytes=100, state_bytes=10_000)
+    heavy = policy({"type": "cost_aware", "alpha": 2}, page_bytes=100, state_bytes=10_000)
     light = policy({"type": "cost_aware", "attention_weight": 0}, page_bytes=100, state_bytes=0)
     # without state every page costs the same: recency decides, the older long leaf goes
     assert min(light.ranked([short, long]))[2] is long
