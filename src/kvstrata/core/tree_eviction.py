@@ -125,11 +125,11 @@ class TreeEvictor:
 
     # ------------------------------------------------------------------ events
     def accessed(self, path: Sequence[TreeNode]) -> None:
-        """One request's matched path (root first): every hearing order gets it deepest first."""
-        if path:
-            deepest_first = path[::-1]
-            for order in self._hearing.values():
-                order.accessed(deepest_first)
+        """One request's matched path (root first): every hearing order gets it deepest first
+        (an empty one too: a request that matched nothing still moves a policy's clock)."""
+        deepest_first = path[::-1]
+        for order in self._hearing.values():
+            order.accessed(deepest_first)
 
     def inserted(self, tier: Tier, node: TreeNode, new_pages: int) -> None:
         """An insert into ``tier`` ended at ``node`` and created its last ``new_pages`` pages."""
