@@ -25,8 +25,10 @@ def test_simulate_with_a_named_policy_and_options() -> None:
     assert data["eviction"] == "s3fifo" and data["hit_rate"] == expected.hit_rate
     mapped = runner.invoke(
         app,
-        ["simulate", "--limit", "100", "--capacity-tokens", "200000", "--json"]
-        + ["--eviction", "{type: s3fifo, small_fraction: 0.5}"],
+        [
+            *["simulate", "--limit", "100", "--capacity-tokens", "200000", "--json", "--eviction"],
+            "{type: s3fifo, small_fraction: 0.5}",
+        ],
     )
     assert mapped.exit_code == 0, mapped.output
     assert json.loads(mapped.stdout)["config"]["eviction"] == {"type": "s3fifo", "small_fraction": 0.5}
@@ -62,8 +64,14 @@ def test_sweep_plots_every_policy_against_capacity(tmp_path: Path) -> None:
     png = tmp_path / "sweep.png"
     out = runner.invoke(
         app,
-        ["simulate", "--limit", "150", "--sweep", str(png), "--policies", "lru,reuse,belady"]
-        + ["--capacities", "0.1,0.3,1", "--json"],
+        [
+            "simulate",
+            "--limit",
+            "150",
+            "--sweep",
+            str(png),
+            *["--policies", "lru,reuse,belady", "--capacities", "0.1,0.3,1", "--json"],
+        ],
     )
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
@@ -71,5 +79,6 @@ def test_sweep_plots_every_policy_against_capacity(tmp_path: Path) -> None:
     assert list(data["hit_rate"]) == ["lru", "reuse", "belady"]
     for rates in data["hit_rate"].values():
         assert rates == sorted(rates)  # more room never hurts on this sample
-    assert all(b >= max(r) for b, *r in zip(*(data["hit_rate"][p] for p in ("belady", "lru", "reuse"))))
+    belady, lru, reuse = (data["hit_rate"][p] for p in ("belady", "lru", "reuse"))
+    assert all(b >= max(x, y) for b, x, y in zip(belady, lru, reuse, strict=True))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -53,8 +53,8 @@ class ReuseConfig(EvictionPolicyConfig):
     type: Literal["reuse"] = "reuse"
     initial_probation: float = Field(0.1, gt=0, lt=1, description="probation share to start with")
     min_probation: float = Field(0.02, ge=0, lt=1, description="least probation share")
-    max_probation: float = Field(0.9, gt=0, le=1, description="largest probation share")
-    size_weight: float = Field(0.6, ge=0, description="weight of the learned reuse odds per size class")
+    max_probation: float = Field(0.5, gt=0, le=1, description="largest probation share")
+    size_weight: float = Field(0.3, ge=0, description="weight of the learned reuse odds per size class")
     prior: float = Field(4.0, gt=0, description="outcomes of the mean rate a size class starts with")
     decay: int = Field(4096, ge=16, description="outcomes between halvings of the learned counts")
 
