@@ -29,6 +29,7 @@ BENCHMARKS = {
     "engine": "engine.py",
     "replay": "replay.py",
     "simulate": "simulate.py",
+    "eviction": "eviction.py",
     "sglang_l3": "sglang_l3.py",
     "hf": "hf.py",
 }

@@ -1,8 +1,8 @@
 """kvstrata: a hierarchical (device / host / storage) state cache for hybrid LLM inference.
 
 The engine-facing API is :func:`kvstrata.open` and the :class:`CacheController` it returns (see
-the README "Library API"). Pool types and storage backends are plugins found through entry
-points; see ``kvstrata.plugins`` for the contracts and ``kvstrata.hookspecs`` for the hooks.
+the README "Library API"). Pool types, storage backends and eviction policies are plugins found
+through entry points; see ``kvstrata.plugins`` for the contracts and ``kvstrata.hookspecs`` for the hooks.
 Everything but ``hookimpl`` loads lazily, so a plugin importing ``kvstrata`` does not pay for
 torch.
 """
@@ -26,6 +26,7 @@ _LAZY = {
     "CacheFullError": "kvstrata.core.lease",
     "Lease": "kvstrata.core.lease",
     "PrefetchMode": "kvstrata.core.prefetcher",
+    "RetentionHint": "kvstrata.core.retention",
     "SkipReason": "kvstrata.core.metrics",
     "KvstrataConfig": "kvstrata.core.config",
     "ConfigError": "kvstrata.plugins.errors",
@@ -40,6 +41,7 @@ __all__ = [
     "Lease",
     "PluginHost",
     "PrefetchMode",
+    "RetentionHint",
     "SkipReason",
     "__version__",
     "hookimpl",
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
     from kvstrata.core.lease import CacheFullError, Lease
     from kvstrata.core.metrics import SkipReason
     from kvstrata.core.prefetcher import PrefetchMode
+    from kvstrata.core.retention import RetentionHint
     from kvstrata.plugins.errors import ConfigError
     from kvstrata.plugins.host import PluginHost
 

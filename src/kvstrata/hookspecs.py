@@ -38,6 +38,11 @@ def kvstrata_register_storage_backends(register: Callable[[type], None]) -> None
     """Call ``register(cls)`` for each :class:`~kvstrata.plugins.storage_backend.StorageBackend`."""
 
 
+@hookspec(historic=True)
+def kvstrata_register_eviction_policies(register: Callable[[type], None]) -> None:
+    """Call ``register(cls)`` for each :class:`~kvstrata.plugins.eviction_policy.EvictionPolicy`."""
+
+
 # --- lifecycle ----------------------------------------------------------------------------------
 
 

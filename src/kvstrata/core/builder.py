@@ -10,8 +10,9 @@ so following a config through start-up means reading this file top to bottom:
    components; :class:`~kvstrata.core.stack.StackLayout` records how each pool is treated;
 4. an I/O plan per (backend, pool) is made from capabilities x specs, zero-copy host memory is
    registered with the backend, and the storage engine is built over those plans;
-5. the controller's working parts are wired over those objects: unit allocation and eviction,
-   load-back, the writer and (with L3) the prefetcher.
+5. the controller's working parts are wired over those objects: the eviction policy of each tier
+   (``policy.eviction``) and the retention hints, unit allocation and eviction, load-back, the
+   writer and (with L3) the prefetcher.
 
 A pool added later (a draft pool) goes through :func:`plan_late_pool`, the same planning step.
 """
@@ -30,8 +31,10 @@ from kvstrata.core.io_plan import IOMode, IOPlan, plan_backend
 from kvstrata.core.keys import namespace_root
 from kvstrata.core.load_back import LoadBack
 from kvstrata.core.metrics import CacheMetrics
+from kvstrata.core.policies import install_policies
 from kvstrata.core.pool_group import Pool, PoolGroup
 from kvstrata.core.prefetcher import Prefetcher
+from kvstrata.core.retention import Retention
 from kvstrata.core.stack import StackLayout
 from kvstrata.core.storage_engine import StorageEngine
 from kvstrata.core.tier_units import TierUnits
@@ -60,6 +63,7 @@ class CacheParts:
     backend: StorageBackend | None = None
     engine: StorageEngine | None = None
     units: TierUnits = field(init=False)
+    retention: Retention = field(init=False)
     load_back: LoadBack = field(init=False)
     writer: Writer = field(init=False)
     prefetcher: Prefetcher | None = None
@@ -102,6 +106,11 @@ def _wire(parts: CacheParts) -> None:
         hook.kvstrata_eviction(tier=tier, pool=pool, units=units)
 
     common = (parts.pools, parts.tree, parts.layout)
+    install_policies(parts.plugins, policy.eviction, parts.pools, parts.tree)
+    device_pages = parts.pools.anchor.device_allocator.units
+    pinnable = int(policy.retention.max_pinned_fraction * device_pages)
+    parts.retention = Retention(parts.tree, pinnable, parts.metrics)
+    parts.tree.set_retention(parts.retention)
     parts.units = TierUnits(
         parts.pools, parts.tree, delete_unbacked=policy.write != "write_back", on_eviction=on_eviction
     )

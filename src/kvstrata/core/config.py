@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SerializeAsAny,
@@ -30,7 +31,9 @@ from pydantic import (
     model_validator,
 )
 
+from kvstrata.core.policy_config import AdmissionTiers, RetentionConfig
 from kvstrata.plugins.errors import ConfigError, PluginError
+from kvstrata.plugins.eviction_policy import EvictionPolicyConfig
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.pool_type import Layout, PoolConfig, PoolRole
 from kvstrata.plugins.storage_backend import BackendConfig
@@ -70,6 +73,12 @@ def _resolver(registry_attr: str, base: type[BaseModel]) -> Any:
 
 PluginPoolConfig = Annotated[SerializeAsAny[PoolConfig], _resolver("pool_types", PoolConfig)]
 PluginBackendConfig = Annotated[SerializeAsAny[BackendConfig], _resolver("storage_backends", BackendConfig)]
+#: ``policy.eviction``: a policy name, or a mapping with ``type`` and the policy's options
+PluginEvictionConfig = Annotated[
+    SerializeAsAny[EvictionPolicyConfig],
+    _resolver("eviction_policies", EvictionPolicyConfig),
+    BeforeValidator(lambda v: {"type": v} if isinstance(v, str) else v),
+]
 
 
 def anchor_instances(pools: Mapping[str, PoolConfig], host: PluginHost) -> list[str]:
@@ -149,6 +158,12 @@ class PolicyConfig(_Strict):
     )
     prefetch: PrefetchPolicyConfig = PrefetchPolicyConfig()
     checksum: Literal["xxh3", "none"] = "xxh3"
+    eviction: PluginEvictionConfig = Field(
+        default=EvictionPolicyConfig(type="lru"),
+        description="eviction policy of every tier: a name (`kvstrata plugins`) or {type, options}",
+    )
+    admission: AdmissionTiers = AdmissionTiers()
+    retention: RetentionConfig = RetentionConfig()
 
 
 class ParallelConfig(_Strict):
@@ -350,10 +365,17 @@ def config_json_schema(host: PluginHost) -> dict[str, Any]:
     tiers_schema = create_model(
         "TiersConfig", __base__=TiersConfig, storage=(union(host.storage_backends), {})
     )
+    policies = union(host.eviction_policies).__args__[1]  # the value type of the dict
+    policy_schema = create_model(
+        "PolicyConfig",
+        __base__=PolicyConfig,
+        eviction=(str | policies, "lru"),
+    )
     root = create_model(
         "KvstrataConfig",
         __base__=KvstrataConfig,
         model=(model_schema, ...),
         tiers=(tiers_schema, TiersConfig()),
+        policy=(policy_schema, PolicyConfig()),
     )
     return root.model_json_schema()

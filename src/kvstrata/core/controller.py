@@ -55,6 +55,7 @@ from kvstrata.core.lease import (
 from kvstrata.core.metrics import SkipReason
 from kvstrata.core.pool_group import Pool
 from kvstrata.core.prefetcher import Prefetcher, PrefetchMode
+from kvstrata.core.retention import RetentionApi, RetentionHint
 from kvstrata.core.stack import PoolKind, TreePool
 from kvstrata.core.tree import MatchResult, Tier, page_keys
 from kvstrata.core.unit_memory import UnitMemory
@@ -64,7 +65,7 @@ from kvstrata.plugins.pool_type import PoolRole
 __all__ = ["CacheController", "CacheFullError", "Lease", "PoolKind", "PrefetchMode", "SkipReason", "TreePool"]
 
 
-class CacheController(UnitMemory):
+class CacheController(UnitMemory, RetentionApi):
     """Device (L1), host (L2) and storage (L3) tiers of one model stack; see the module docstring."""
 
     def __init__(
@@ -112,6 +113,7 @@ class CacheController(UnitMemory):
         *,
         record: bool = True,
         prefetch: PrefetchMode | str = PrefetchMode.POLICY,
+        retention: RetentionHint | None = None,
     ) -> Lease:
         """Match ``tokens`` against the device and host tiers, lock the usable prefix, and start
         an L3 prefetch of the pages after it when the prefetch policy allows.
@@ -119,16 +121,16 @@ class CacheController(UnitMemory):
         ``record=False`` keeps the request out of the hit counters: for the later chunks of a
         chunked prefill, whose "hits" are the request's own earlier chunks. ``prefetch="wait"``
         skips the prefetch gates and makes ``admit`` wait for the whole read; ``"off"`` reads
-        nothing from L3."""
+        nothing from L3. ``retention``: priority / pin / TTL of the prefix once inserted."""
         self._check_open()
         self.poll()
         started = time.perf_counter()
         tokens = torch.as_tensor(tokens, dtype=torch.int64).flatten().cpu()
         keys = page_keys(tokens, self.page_size)
         tail = tokens[len(keys) * self.page_size :]
-        lease = Lease(keys, tail, self.namespace_root, self.page_size, record=record)
+        lease = Lease(keys, tail, self.namespace_root, self.page_size, record=record, retention=retention)
         lease._owner_of = self.layout.owner_of
-        match = self.tree.match(keys)
+        match = self.tree.match(keys, count_hit=record)  # one access per request, not per chunk
         lease.device_pages, lease.host_pages = match.device_pages, match.host_pages
         if match.device_pages:
             lease._device_lock = self.tree.lock(match.device_node, Tier.DEVICE)
@@ -136,8 +138,7 @@ class CacheController(UnitMemory):
             lease._host_lock = self.tree.lock(match.host_node, Tier.HOST)
         self._leases.add(id(lease))
         self.metrics.latency("match", time.perf_counter() - started)
-        if self.policy.write == "write_through_selective":
-            self.writer.on_lookup(match.device_path, lease.page_hashes)
+        self.writer.on_lookup(match, lease)
         if self.prefetcher is not None and lease.pages > lease.host_pages:
             lease._prefetch = self.prefetcher.start(
                 lease.host_pages, lease.page_hashes[lease.host_pages :], lease.skipped, PrefetchMode(prefetch)
@@ -257,6 +258,7 @@ class CacheController(UnitMemory):
                 else self.tree.move_lock(lock, result.node)
             )
             lease._node, lease.committed_pages, lease._allocated = result.node, end, rest
+            self._retain(lease)
             if self.policy.write == "write_through":
                 self.writer.on_insert(result.node, lease.page_hashes, since=above)
         if close:

@@ -17,6 +17,7 @@ from kvstrata.core.tree import LockHandle, MatchResult, PrefixTree, Tier, TreeNo
 
 if TYPE_CHECKING:
     from kvstrata.core.prefetcher import PrefetchOp
+    from kvstrata.core.retention import Pin, RetentionHint
 
 
 class CacheFullError(RuntimeError):
@@ -47,6 +48,8 @@ class Lease:
     skipped: dict[str, int] = field(default_factory=dict)
     admitted: bool = False
     closed: bool = False
+    retention: RetentionHint | None = None  # priority / pin / TTL of the prefix (lookup's hint)
+    pinned: bool = False  # the prefix holds a pin (cache.unpin releases it; may outlive the lease)
     _hashes: list[str] | None = None
     _prefix: dict[str, torch.Tensor] = field(default_factory=dict)  # tree pool -> device units
     _first: dict[str, int] = field(default_factory=dict)
@@ -56,6 +59,7 @@ class Lease:
     _node: TreeNode | None = None  # the tree node ending at committed_pages (None: the root)
     _prefetch: PrefetchOp | None = None
     _storage_pages: int = 0  # pages [host_pages, host_pages + this) came from L3
+    _pin: Pin | None = None
     #: units handed out but not yet inserted, per tree pool (window pools: the last pages only)
     _allocated: dict[str, torch.Tensor] | None = None
     _allocated_first: dict[str, int] = field(default_factory=dict)  # page of each pool's first new unit

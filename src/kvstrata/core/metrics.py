@@ -29,6 +29,12 @@ OPERATIONS = (
     "prefetches_dropped",
     "prefetches_revoked",
     "prefetches_skipped",
+    # pages offered to a tier by admission (policy.admission) and taken / refused, pins refused
+    "host_admitted",
+    "host_rejected",
+    "storage_admitted",
+    "storage_rejected",
+    "pins_refused",
 )
 LATENCIES = ("match", "load_back", "prefetch")
 

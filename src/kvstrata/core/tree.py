@@ -26,7 +26,8 @@ that keeps them in step, builds each part once and hands it that shared state; c
 - ``tree_match``: the walk, ``split`` and ``match`` with the per-tier fold of every hit rule.
 - ``tree_insert``: ``insert`` / ``insert_host``.
 - ``tree_locks``: lock counts and window locks.
-- ``tree_eviction``: ``evict_device`` / ``evict_host``, and the per-tier eviction order (LRU).
+- ``tree_eviction``: ``evict_device`` / ``evict_host``, the per-tier eviction order (LRU unless an
+  eviction policy is set with ``set_eviction_order``) and the events such a policy hears.
 - ``tree_check``: the structural invariants (``check``).
 """
 
@@ -39,7 +40,7 @@ from itertools import count
 import torch
 
 from kvstrata.core.tree_check import check_tree
-from kvstrata.core.tree_eviction import EvictionOrder, LruOrder, TreeEvictor
+from kvstrata.core.tree_eviction import EvictionOrder, LruOrder, RetentionLevels, TreeEvictor
 from kvstrata.core.tree_insert import TreeInserter
 from kvstrata.core.tree_locks import TreeLocks
 from kvstrata.core.tree_match import TreeMatcher
@@ -74,6 +75,7 @@ __all__ = [
     "PageKey",
     "PoolLayout",
     "PrefixTree",
+    "RetentionLevels",
     "SetValue",
     "Tier",
     "TreeError",
@@ -115,7 +117,8 @@ class PrefixTree:
             layout, self.root, ids, clock, self._set, self._matcher.walk, self._matcher.split
         )
         self._locks = TreeLocks(layout, self.root)
-        self._evictor = TreeEvictor(layout, self.root, self._lru, self._set)
+        self._evictor = TreeEvictor(layout, self.root, self._lru, self._set, split=self._matcher.split)
+        self._matcher.on_split = self._evictor.split
 
     # ------------------------------------------------------------------ helpers
     def keys_of(self, tokens: Sequence[int] | array | torch.Tensor) -> list[bytes]:
@@ -165,7 +168,10 @@ class PrefixTree:
         With ``split`` (default) a match ending inside a node splits it there, so the returned
         nodes end exactly at the matched length; without it the partial node is ignored.
         """
-        return self._matcher.match(keys, split, count_hit)
+        result = self._matcher.match(keys, split, count_hit)
+        if count_hit and self._evictor.hears:  # one access event per request, not per page
+            self._evictor.accessed(result.path)
+        return result
 
     def window_nodes(self, node: TreeNode, name: str) -> list[TreeNode]:
         """Nodes (bottom-up) covering the last window of a trailing_pages pool ending at ``node``."""
@@ -215,11 +221,17 @@ class PrefixTree:
         """
         if at is not None and at is not self.root:
             self._require_node(at)
-        return self._inserter.insert(keys, values, _DEVICE, at)
+        result = self._inserter.insert(keys, values, _DEVICE, at)
+        if self._evictor.hears:
+            self._evictor.inserted(_DEVICE, result.node, result.new_pages)
+        return result
 
     def insert_host(self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor]) -> InsertResult:
         """Insert a host-resident prefix (a committed prefetch): new nodes exist only on host."""
-        return self._inserter.insert(keys, values, _HOST)
+        result = self._inserter.insert(keys, values, _HOST)
+        if self._evictor.hears:
+            self._evictor.inserted(_HOST, result.node, result.new_pages)
+        return result
 
     # ------------------------------------------------------------------ tier values
     def set_device_value(self, node: TreeNode, name: str, value: torch.Tensor) -> None:
@@ -299,6 +311,18 @@ class PrefixTree:
         return self._locks.move(handle, node)
 
     # ------------------------------------------------------------------ eviction
+    def set_eviction_order(self, tier: Tier | str, order: EvictionOrder) -> None:
+        """Rank ``tier``'s candidates with ``order`` (an eviction policy); its declared
+        capabilities decide which events it hears and whether leaves may be trimmed."""
+        self._evictor.use(Tier(tier), order)
+
+    def eviction_order(self, tier: Tier | str) -> EvictionOrder:
+        return self._evictor.orders[Tier(tier)]
+
+    def set_retention(self, retention: RetentionLevels | None) -> None:
+        """Retention hints the evictor ranks above every order (see ``core.retention``)."""
+        self._evictor.retention = retention
+
     def evict_device(
         self,
         needs: Mapping[str, int],

@@ -1,21 +1,31 @@
 """Eviction: free a tier's units by demoting, deleting or tombstoning nodes, in a per-tier order.
 
 Apart from matching and insertion because it is the policy side of the tree: *which* nodes may
-leave a tier is fixed by the tree's invariants (closed device prefixes, locks, write-back keeping
-a node's only copy, a node with children in the tier stays), while *which of those leaves first*
-is an :class:`EvictionOrder`, one per tier. Today both tiers use :class:`LruOrder`; an eviction
+leave a tier is fixed by the tree's invariants (closed device prefixes, locks and pins, write-back
+keeping a node's only copy, a node with children in the tier stays), while *which of those leaves
+first* is an :class:`EvictionOrder`, one per tier: an eviction-policy plugin
+(:class:`~kvstrata.plugins.eviction_policy.EvictionPolicy`) or the built-in :class:`LruOrder`. A
 policy replaces the order without touching the rules.
 
 The candidates of a pool in a tier are the tree's membership set for it (the nodes holding that
-pool's units there); the evictor ranks the ones that may leave and takes the lowest first. The
-tree never frees memory: it reports what it dropped and the owner frees it.
+pool's units there); the evictor ranks the ones that may leave and takes the lowest first. What
+else an order declares (``capabilities``) the evictor honours here, off the per-page path:
+
+- ``events``: the order hears ``accessed`` (one call per matched request path), ``inserted``
+  (the nodes an insert created in its tier), ``split`` and ``removed`` (after each eviction);
+- ``chain_aware``: a chosen leaf longer than what is still needed is trimmed -- its tail pages
+  go, its head stays -- on stacks without node-state pools (a trimmed head has no state).
+
+Retention hints (:mod:`kvstrata.core.retention`) rank above the order: a node with a higher
+retention level leaves only after every node of a lower one. The tree never frees memory: it
+reports what it dropped and the owner frees it.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -30,6 +40,20 @@ from kvstrata.core.tree_node import (
     TreeError,
     TreeNode,
 )
+
+Split = Callable[[TreeNode, int], TreeNode]
+
+
+class RetentionLevels(Protocol):
+    """Retention hints as the evictor reads them (``kvstrata.core.retention.Retention``)."""
+
+    def levels(self) -> Callable[[TreeNode], int] | None:
+        """Each node's level for the eviction starting now, or None when no node has one."""
+        ...
+
+    def split(self, upper: TreeNode, lower: TreeNode) -> None: ...
+
+    def forget(self, node: TreeNode) -> None: ...
 
 
 class EvictionOrder(Protocol):
@@ -66,17 +90,68 @@ class TreeEvictor:
         membership: Membership,
         set_value: SetValue,
         orders: Mapping[Tier, EvictionOrder] | None = None,
+        split: Split | None = None,
     ) -> None:
         self.root = root
         self.pools = layout.pools
         self._pool = layout.pool
         self._members = membership
         self._set = set_value  # sets a node's value and its tier membership (PrefixTree._set)
-        self.orders: dict[Tier, EvictionOrder] = (
-            dict(orders) if orders is not None else {_DEVICE: LruOrder(), _HOST: LruOrder()}
-        )
+        self._split = split  # the matcher's split (trims a leaf for chain-aware orders)
+        self._can_trim = not layout.stateful and split is not None
+        self.orders: dict[Tier, EvictionOrder] = {_DEVICE: LruOrder(), _HOST: LruOrder()}
+        self._hearing: dict[Tier, Any] = {}  # tiers whose order hears events
+        self._trims: dict[Tier, bool] = {_DEVICE: False, _HOST: False}
+        #: whether any order hears events: the one check match and insert pay
+        self.hears = False
+        #: retention hints (priority, TTL), or None; pins are locks and need nothing here
+        self.retention: RetentionLevels | None = None
+        self._gone: list[TreeNode] | None = None  # nodes leaving the tier in this eviction
+        self._level: Callable[[TreeNode], int] | None = None  # retention levels of this eviction
         self._delete_unbacked = True  # see evict_device
+        for tier, order in (orders or {}).items():
+            self.use(tier, order)
 
+    def use(self, tier: Tier, order: EvictionOrder) -> None:
+        """Make ``order`` rank ``tier``'s candidates, honouring its declared capabilities."""
+        self.orders[tier] = order
+        caps = getattr(order, "capabilities", None)
+        self._trims[tier] = bool(getattr(caps, "chain_aware", False)) and self._can_trim
+        if getattr(caps, "events", False):
+            self._hearing[tier] = order
+        else:
+            self._hearing.pop(tier, None)
+        self.hears = bool(self._hearing)
+
+    # ------------------------------------------------------------------ events
+    def accessed(self, path: Sequence[TreeNode]) -> None:
+        """One request's matched path (root first): every hearing order gets it deepest first
+        (an empty one too: a request that matched nothing still moves a policy's clock)."""
+        deepest_first = path[::-1]
+        for order in self._hearing.values():
+            order.accessed(deepest_first)
+
+    def inserted(self, tier: Tier, node: TreeNode, new_pages: int) -> None:
+        """An insert into ``tier`` ended at ``node`` and created its last ``new_pages`` pages."""
+        order = self._hearing.get(tier)
+        if order is None or new_pages <= 0:
+            return
+        first = node.depth_end - new_pages
+        created = []
+        while node is not self.root and node.depth_end - len(node.keys) >= first:
+            created.append(node)
+            node = node.parent  # type: ignore[assignment]
+        created.reverse()
+        order.inserted(created)
+
+    def split(self, upper: TreeNode, lower: TreeNode) -> None:
+        """``upper`` was cut off the top of ``lower``: orders and hints carry their state over."""
+        for order in self._hearing.values():
+            order.split(upper, lower)
+        if self.retention is not None:
+            self.retention.split(upper, lower)
+
+    # ------------------------------------------------------------------ entry points
     def evict_device(
         self,
         needs: Mapping[str, int],
@@ -100,22 +175,41 @@ class TreeEvictor:
         self, tier: Tier, needs: Mapping[str, int], on_free: Callable[[str, torch.Tensor], None] | None
     ) -> EvictionResult:
         result = EvictionResult()
-        order = sorted((self._pool(name) for name in needs), key=lambda p: self.pools[p].eviction_priority)
-        for p in order:
-            want = needs[self.pools[p].name]
-            if want < 0:
-                raise TreeError(f"cannot evict a negative amount ({want}) of pool {self.pools[p].name!r}")
-            if result.units.get(self.pools[p].name, 0) >= want:
-                continue
-            if p == 0:
-                self._evict_anchor(tier, want, result)
-            else:
-                self._evict_component(tier, p, want, result)
+        hearing = self._hearing.get(tier)
+        self._gone = [] if hearing is not None else None
+        # fixed for the whole eviction: every rank of one heap must have the same shape
+        self._level = self.retention.levels() if self.retention is not None else None
+        try:
+            pools = sorted(
+                (self._pool(name) for name in needs), key=lambda p: self.pools[p].eviction_priority
+            )
+            for p in pools:
+                want = needs[self.pools[p].name]
+                if want < 0:
+                    raise TreeError(f"cannot evict a negative amount ({want}) of pool {self.pools[p].name!r}")
+                if result.units.get(self.pools[p].name, 0) >= want:
+                    continue
+                if p == 0:
+                    self._evict_anchor(tier, want, result)
+                else:
+                    self._evict_component(tier, p, want, result)
+        finally:
+            gone, self._gone = self._gone, None
+            if gone:
+                hearing.removed(gone)  # type: ignore[union-attr]
         if on_free is not None:
             for name, parts in result.freed.items():
                 for value in parts:
                     on_free(name, value)
         return result
+
+    def _ranked(self, tier: Tier, nodes: list[TreeNode]) -> list[tuple[Any, int, TreeNode]]:
+        """The tier order's entries; under retention hints keyed by ``(level, rank)``."""
+        entries = self.orders[tier].ranked(nodes)
+        level = self._level
+        if level is not None:
+            return [((level(n), rank), i, n) for rank, i, n in entries]
+        return entries
 
     # ------------------------------------------------------------------ rules
     def _has_tier_children(self, node: TreeNode, tier: Tier) -> bool:
@@ -150,11 +244,15 @@ class TreeEvictor:
             if value is not None:
                 result._add(self.pools[p].name, value)
                 self._set(node, _HOST, p, None)
+        if self._gone is not None:
+            self._gone.append(node)
 
     def _drop_node(self, node: TreeNode, tier: Tier, result: EvictionResult) -> TreeNode:
         """Evict a whole node from ``tier`` (demote or delete); returns its parent."""
         parent = node.parent
         assert parent is not None
+        if self._gone is not None:
+            self._gone.append(node)
         if tier is _DEVICE:
             for p, value in enumerate(node.device):
                 if value is not None:
@@ -170,23 +268,31 @@ class TreeEvictor:
         del parent.children[node.keys[0]]
         node.parent = None
         result.deleted += 1
+        if self.retention is not None:
+            self.retention.forget(node)
         return parent
 
     # ------------------------------------------------------------------ per pool kind
     def _evict_anchor(self, tier: Tier, want: int, result: EvictionResult) -> None:
         """Drop whole leaves of the tier, lowest rank first; a parent left without children in
-        the tier becomes a candidate in turn."""
+        the tier becomes a candidate in turn. A chain-aware order trims the last leaf it needs
+        to the pages still wanted."""
         name = self.pools[0].name
-        ranked = self.orders[tier].ranked
-        heap = ranked([n for n in self._members[tier][0] if self._node_evictable(n, tier)])
+        trims = self._trims[tier]
+        heap = self._ranked(tier, [n for n in self._members[tier][0] if self._node_evictable(n, tier)])
         heapq.heapify(heap)
         while heap and result.units.get(name, 0) < want:
             _, _, node = heapq.heappop(heap)
             if not self._node_evictable(node, tier):
                 continue
+            rest = want - result.units.get(name, 0)
+            if trims and len(node.keys) > rest:
+                self._split(node, len(node.keys) - rest)  # type: ignore[misc]  # node keeps the tail
+                self._drop_node(node, tier, result)
+                break
             parent = self._drop_node(node, tier, result)
             if self._node_evictable(parent, tier):
-                heapq.heappush(heap, ranked([parent])[0])
+                heapq.heappush(heap, self._ranked(tier, [parent])[0])
         if tier is _HOST and result.units.get(name, 0) < want:
             self._drop_copies(want, result)
 
@@ -194,8 +300,7 @@ class TreeEvictor:
         """Second host pass: host copies of pages that stay on the device go, deepest first in
         the order (their pages are still served from L1; the host tier needs the room)."""
         name = self.pools[0].name
-        ranked = self.orders[_HOST].ranked
-        heap = ranked([n for n in self._members[_HOST][0] if self._copy_droppable(n)])
+        heap = self._ranked(_HOST, [n for n in self._members[_HOST][0] if self._copy_droppable(n)])
         heapq.heapify(heap)
         while heap and result.units.get(name, 0) < want:
             _, _, node = heapq.heappop(heap)
@@ -204,7 +309,7 @@ class TreeEvictor:
             self._drop_copy(node, result)
             parent = node.parent
             if parent is not None and parent is not self.root and self._copy_droppable(parent):
-                heapq.heappush(heap, ranked([parent])[0])
+                heapq.heappush(heap, self._ranked(_HOST, [parent])[0])
 
     def _evict_component(self, tier: Tier, p: int, want: int, result: EvictionResult) -> None:
         """Drop one component's units, lowest rank first: a whole node where it may leave the
@@ -219,7 +324,7 @@ class TreeEvictor:
         else:
             # not locked, and not also on device (the device copy goes first)
             nodes = [n for n in members if not n.host_lock[p] and n.device[p] is None]
-        candidates = self.orders[tier].ranked(nodes)
+        candidates = self._ranked(tier, nodes)
         candidates.sort()
         for _, _, node in candidates:
             if result.units.get(name, 0) >= want:

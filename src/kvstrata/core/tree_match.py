@@ -11,7 +11,7 @@ use is a single attribute lookup. ``split`` lives here because a match is what s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import count
 
 from kvstrata.core.tree_node import (
@@ -49,6 +49,8 @@ class TreeMatcher:
         self._ids = ids  # node ids, shared with insertion
         self._clock = clock
         self._set = set_value  # sets a node's value and its tier membership (PrefixTree._set)
+        #: told of every split (upper, lower): eviction policies and hints carry state over
+        self.on_split: Callable[[TreeNode, TreeNode], None] | None = None
 
     # ------------------------------------------------------------------ split
     def split(self, node: TreeNode, at: int) -> TreeNode:
@@ -96,6 +98,8 @@ class TreeMatcher:
                 device_lock[p] = node.device_lock[p]
                 host_lock[p] = node.host_lock[p]
         upper.device_lock, upper.host_lock = tuple(device_lock), tuple(host_lock)
+        if self.on_split is not None:
+            self.on_split(upper, node)
         return upper
 
     # ------------------------------------------------------------------ match

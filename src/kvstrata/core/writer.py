@@ -6,9 +6,11 @@ backups form a contiguous prefix from the root (a node is backed up only after i
 host hit never depends on a page that exists only on the device.
 
 Every node that reaches the host tier is queued for L3 in ``put_group`` order (sidecars and
-components first, the anchor object last: the anchor commits a page). The write runs on one worker
-thread that only reads the host units it was handed; host locks keep those units alive, and the
-owner thread drains finished writes (unlock, count) in :meth:`Writer.drain`.
+components first, the anchor object last: the anchor commits a page). Admission filters
+(``policy.admission``, :mod:`kvstrata.core.admission`) may refuse a write-through backup or an L3
+write; a refused node is offered again when a request reuses it, and pages are counted either way.
+The write runs on one worker thread that only reads the host units it was handed; host locks
+keep those units alive, and the owner thread drains finished writes (unlock, count) in :meth:`Writer.drain`.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from kvstrata.core.admission import make_admission
 from kvstrata.core.config import PolicyConfig
 from kvstrata.core.keys import hash_pages
 from kvstrata.core.metrics import CacheMetrics
@@ -30,12 +34,17 @@ from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import PoolKind, StackLayout, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.tier_units import TierUnits
-from kvstrata.core.tree import LockHandle, PageKey, PrefixTree, Tier, TreeNode
+from kvstrata.core.tree import LockHandle, MatchResult, PageKey, PrefixTree, Tier, TreeNode
+
+if TYPE_CHECKING:
+    from kvstrata.core.lease import Lease
 
 log = logging.getLogger(__name__)
 
+#: refused nodes remembered for a second offer before the stale ones are swept out
+_REFUSED_SWEEP = 8192
 
-@dataclass(eq=False)
+
 @dataclass(eq=False)
 class SharedLock:
     """A host lock several queued writes rely on: a lock on a node covers its whole path, so the
@@ -91,6 +100,9 @@ class Writer:
         self.page_size = page_size
         self.namespace_root = namespace_root
         self.pending: deque[PendingWrite] = deque()
+        self.host_admission = make_admission(policy.admission.host)
+        self.storage_admission = make_admission(policy.admission.storage)
+        self._refused: dict[TreeNode, None] = {}  # on host, refused by the storage filter
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
         if policy.write == "write_back":
             units.before_device_eviction = self.back_up_for_eviction
@@ -101,18 +113,39 @@ class Writer:
         """Write-through: back up the path to a freshly inserted node (below ``since``, which a
         chunked request inserted, and backed up, before)."""
         if self.policy.write == "write_through":
-            self.back_up(_path(self.tree, node, since), hashes=hashes)
+            path = _path(self.tree, node, since)
+            self.host_admission.seen(path)
+            self.storage_admission.seen(path)
+            self.back_up(path, hashes=hashes, admit=True)
 
-    def on_lookup(self, device_path: Sequence[TreeNode], hashes: Sequence[str]) -> None:
-        """Selective write-through: back up the nodes that turned hot."""
-        if self.policy.write != "write_through_selective":
+    def on_lookup(self, match: MatchResult, lease: Lease) -> None:
+        """A request reused ``match``'s path: selective write-through backs up the nodes that
+        turned hot; admission filters hear of the reuse and take what passes now."""
+        host, storage = self.host_admission, self.storage_admission
+        if not (host.selective or storage.selective or self.policy.write == "write_through_selective"):
             return
-        hot = [n for n in device_path if n.hit_count >= self.policy.write_through_threshold]
-        self.back_up(hot, hashes=hashes)
+        host.seen(match.path)
+        storage.seen(match.path)
+        if self.policy.write == "write_through_selective":
+            hot = [n for n in match.device_path if n.hit_count >= self.policy.write_through_threshold]
+            self.back_up(hot, hashes=lease.page_hashes, admit=host.selective)
+        elif host.selective and self.policy.write == "write_through":
+            unbacked = [n for n in match.device_path if not self.tree.backed_up(n)]
+            self.back_up(unbacked, hashes=lease.page_hashes, admit=True)
+        if self._refused and self.engine is not None:
+            ready = [n for n in match.host_path if n in self._refused and storage.admit(n)]
+            for n in ready:
+                del self._refused[n]
+            ready = [n for n in ready if n.host[0] is not None]
+            if ready:
+                self._queue_write(ready, lease.page_hashes, admitted=True)
 
-    def back_up(self, nodes: Iterable[TreeNode], *, hashes: Sequence[str] | None = None) -> None:
-        """Copy device-only nodes to host, root first, stopping at the first that does not fit or
-        whose parent has no backup (backups stay a contiguous prefix); queue their L3 write."""
+    def back_up(
+        self, nodes: Iterable[TreeNode], *, hashes: Sequence[str] | None = None, admit: bool = False
+    ) -> None:
+        """Copy device-only nodes to host, root first, stopping at the first that does not fit,
+        whose parent has no backup (backups stay a contiguous prefix) or, with ``admit``, that the
+        host admission filter refuses; queue their L3 write."""
         if not self.pools.host_enabled:
             return
         todo: list[TreeNode] = []
@@ -130,6 +163,9 @@ class Writer:
                 and not (todo and todo[-1] is parent)  # its parent is being backed up right now
             ):
                 break
+            if admit and not self.host_admission.admit(node):
+                self.metrics.count("host_rejected", node.pages)
+                break
             needs = {}
             for name in self.layout.tree_pools:
                 value = node.device[self.tree.index[name]]
@@ -144,6 +180,8 @@ class Writer:
             allocated.append(got)
         if not todo:
             return
+        if admit:
+            self.metrics.count("host_admitted", sum(n.pages for n in todo))
         self._copy_down(todo, allocated)
         if self.engine is not None:
             self._queue_write(todo, hashes)
@@ -232,9 +270,31 @@ class Writer:
         tokens = np.frombuffer(b"".join(keys), dtype=np.int64)
         return hash_pages(tokens, self.page_size, self.namespace_root)[node.depth_start :]
 
-    def _queue_write(self, nodes: Sequence[TreeNode], hashes: Sequence[str] | None) -> None:
+    def _admit_writes(self, nodes: Sequence[TreeNode]) -> Sequence[TreeNode]:
+        """The nodes the storage filter takes now; the others wait for a reuse (``on_lookup``)."""
+        admission = self.storage_admission
+        if not admission.selective:
+            self.metrics.count("storage_admitted", sum(n.pages for n in nodes))
+            return nodes
+        verdicts = [admission.admit(n) for n in nodes]
+        taken = [n for n, ok in zip(nodes, verdicts, strict=True) if ok]
+        refused = [n for n, ok in zip(nodes, verdicts, strict=True) if not ok]
+        self.metrics.count("storage_admitted", sum(n.pages for n in taken))
+        self.metrics.count("storage_rejected", sum(n.pages for n in refused))
+        if len(self._refused) > _REFUSED_SWEEP:
+            self._refused = {n: None for n in self._refused if n.host[0] is not None and n.parent}
+        self._refused.update(dict.fromkeys(refused))
+        return taken
+
+    def _queue_write(
+        self, nodes: Sequence[TreeNode], hashes: Sequence[str] | None, *, admitted: bool = False
+    ) -> None:
         """L2 -> L3 for freshly backed-up nodes: batches built here, written on the worker."""
         assert self.engine is not None
+        if admitted:
+            self.metrics.count("storage_admitted", sum(n.pages for n in nodes))
+        else:
+            nodes = self._admit_writes(nodes)
         per_pool: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
         for node in nodes:
             if hashes is not None:

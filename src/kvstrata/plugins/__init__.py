@@ -1,4 +1,4 @@
-"""Plugin contracts (pool types, storage backends), registries and the ``PluginHost``."""
+"""Plugin contracts (pool types, storage backends, eviction policies), registries and the ``PluginHost``."""
 
 from kvstrata.plugins.errors import (
     ConfigError,
@@ -10,6 +10,15 @@ from kvstrata.plugins.errors import (
     PluginUnavailableError,
     StorageError,
     UnknownPluginError,
+)
+from kvstrata.plugins.eviction_policy import (
+    NEVER,
+    CacheEntry,
+    EvictionPolicy,
+    EvictionPolicyConfig,
+    FutureAccesses,
+    PolicyCapabilities,
+    PolicyContext,
 )
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.pool_type import (
@@ -45,11 +54,16 @@ from kvstrata.plugins.storage_backend import (
 
 __all__ = [
     "CACHE_DIR_ENV",
+    "NEVER",
     "BackendCapabilities",
     "BackendConfig",
     "BufferRegion",
     "BufferSpec",
+    "CacheEntry",
     "ConfigError",
+    "EvictionPolicy",
+    "EvictionPolicyConfig",
+    "FutureAccesses",
     "Granularity",
     "HitRule",
     "HitRuleKind",
@@ -65,6 +79,8 @@ __all__ = [
     "PluginHost",
     "PluginLoadError",
     "PluginUnavailableError",
+    "PolicyCapabilities",
+    "PolicyContext",
     "PoolCapabilities",
     "PoolConfig",
     "PoolRole",

@@ -16,6 +16,12 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvstrata import hookspecs
+from kvstrata.plugins.eviction_policy import (
+    EVICTION_API_VERSION,
+    EvictionPolicy,
+    EvictionPolicyConfig,
+    PolicyCapabilities,
+)
 from kvstrata.plugins.pool_type import POOL_API_VERSION, PoolConfig, PoolRole, PoolType
 from kvstrata.plugins.registry import Registry, check_name
 from kvstrata.plugins.storage_backend import (
@@ -27,6 +33,7 @@ from kvstrata.plugins.storage_backend import (
 
 POOL_TYPES_GROUP = "kvstrata.pool_types"
 STORAGE_BACKENDS_GROUP = "kvstrata.storage_backends"
+EVICTION_POLICIES_GROUP = "kvstrata.eviction_policies"
 HOOK_PLUGINS_GROUP = "kvstrata.plugins"
 
 
@@ -72,6 +79,21 @@ def _validate_backend(name: str, cls: type) -> None:
         raise ValueError(f"written for backend API {caps.api}, this kvstrata supports {BACKEND_API_VERSION}")
 
 
+def _validate_eviction_policy(name: str, cls: type) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
+        raise ValueError(f"{cls!r} is not a kvstrata EvictionPolicy subclass")
+    check_name("eviction policy", name, cls)
+    if not issubclass(cls.Config, EvictionPolicyConfig):
+        raise ValueError(f"{cls.__qualname__}.Config must subclass kvstrata EvictionPolicyConfig")
+    caps = getattr(cls, "capabilities", None)
+    if not isinstance(caps, PolicyCapabilities):
+        raise ValueError(f"{cls.__qualname__}.capabilities must be a PolicyCapabilities instance")
+    if cls.api_version != EVICTION_API_VERSION or caps.api != EVICTION_API_VERSION:
+        raise ValueError(
+            f"written for eviction-policy API {caps.api}, this kvstrata supports {EVICTION_API_VERSION}"
+        )
+
+
 @dataclass(frozen=True)
 class HookPluginError:
     """A ``kvstrata.plugins`` hook module that failed to load (reported, never fatal)."""
@@ -83,7 +105,7 @@ class HookPluginError:
 
 
 class PluginHost:
-    """Owns the pool-type and storage-backend registries and the pluggy manager."""
+    """Owns the pool-type, storage-backend and eviction-policy registries and the pluggy manager."""
 
     def __init__(
         self,
@@ -103,15 +125,22 @@ class PluginHost:
         self.storage_backends: Registry[StorageBackend] = Registry(
             "storage backend", STORAGE_BACKENDS_GROUP, _validate_backend, disabled=self.disabled
         )
+        self.eviction_policies: Registry[EvictionPolicy] = Registry(
+            "eviction policy", EVICTION_POLICIES_GROUP, _validate_eviction_policy, disabled=self.disabled
+        )
         self.hook_plugin_errors: list[HookPluginError] = []
         if self.autoload:
             self.pool_types.discover()
             self.storage_backends.discover()
+            self.eviction_policies.discover()
             self._load_hook_plugins()
         # Historic calls: every plugin registered now or later feeds the same registries.
         self.pm.hook.kvstrata_register_pool_types.call_historic(kwargs={"register": self.pool_types.register})
         self.pm.hook.kvstrata_register_storage_backends.call_historic(
             kwargs={"register": self.storage_backends.register}
+        )
+        self.pm.hook.kvstrata_register_eviction_policies.call_historic(
+            kwargs={"register": self.eviction_policies.register}
         )
         for plugin in plugins:
             self.register_plugin(plugin)

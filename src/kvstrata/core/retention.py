@@ -1,0 +1,210 @@
+"""Retention hints on a request: priority, pin and TTL, with a cap on pinned pages.
+
+An engine knows things no eviction policy can learn: a system prompt every request will use, an
+agent's scratch context that is dead after this call, a session that resumes in a minute. It says
+so per request (``cache.lookup(tokens, retention=RetentionHint(...))``); the hint covers the
+request's whole prefix once it is inserted:
+
+- ``priority``: a level above the eviction policy -- a node leaves a tier only after every node
+  of a lower level, whatever the policy ranks (negative: before ordinary pages);
+- ``ttl_s``: the priority (1 when none is given) lasts this long after the insert, then the pages
+  are ordinary again. Soft: reads alone never renew it, only another hinted request does;
+- ``pin``: the prefix stays on the device tier (a lock) until ``cache.unpin(lease)`` or its TTL.
+  Pinned pages are capped (``policy.retention.max_pinned_fraction`` of the device tier) so pins
+  can never starve the cache; a pin over the cap is refused and counted (``pins_refused``), the
+  lease says ``pinned=False`` and its priority / TTL still apply.
+
+The evictor reads the levels (``levels()``) only while some node carries one; expired pins are
+released when an eviction starts, the only moment they matter.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvstrata.core.metrics import CacheMetrics
+from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
+
+if TYPE_CHECKING:
+    from kvstrata.core.lease import Lease
+
+#: entries kept before expired levels are swept out
+_SWEEP_AT = 4096
+
+
+@dataclass(frozen=True)
+class RetentionHint:
+    """How long a request's prefix should stay; see the module docstring."""
+
+    priority: int = 0
+    pin: bool = False
+    ttl_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise TypeError(f"priority must be an int, got {self.priority!r}")
+        if self.ttl_s is not None and not (self.ttl_s > 0 and math.isfinite(self.ttl_s)):
+            raise ValueError(f"ttl_s must be a positive number of seconds, got {self.ttl_s!r}")
+
+    @property
+    def level(self) -> int:
+        """The retention level the prefix gets (a TTL alone protects at level 1)."""
+        return self.priority or (1 if self.ttl_s is not None else 0)
+
+
+@dataclass(eq=False)
+class Pin:
+    """A pinned prefix: its device lock and when the pin lapses (None: at ``unpin``)."""
+
+    lock: LockHandle
+    deadline: float | None
+
+
+class Retention:
+    """Levels per node and pins with their page count; owned by the controller's owner thread."""
+
+    def __init__(
+        self,
+        tree: PrefixTree,
+        max_pinned_pages: int,
+        metrics: CacheMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tree = tree
+        self.max_pinned_pages = max_pinned_pages
+        self.metrics = metrics
+        self.clock = clock
+        self._levels: dict[TreeNode, tuple[int, float | None]] = {}  # node -> (level, deadline)
+        self._pins: dict[int, Pin] = {}  # id(pin) -> pin, for TTL expiry
+        self._pin_counts: dict[TreeNode, int] = {}
+        self.pinned_pages = 0
+
+    # --- what the evictor reads ------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return bool(self._levels)
+
+    def levels(self) -> Callable[[TreeNode], int] | None:
+        """The level of each node at this moment, or None when no node has one; releases
+        pins whose TTL passed (an eviction is starting)."""
+        now = self.clock()
+        for pin in [p for p in self._pins.values() if p.deadline is not None and p.deadline <= now]:
+            self._release(pin)
+        if not self._levels:
+            return None
+        levels = self._levels
+
+        def level(node: TreeNode) -> int:
+            entry = levels.get(node)
+            if entry is None or (entry[1] is not None and entry[1] <= now):
+                return 0
+            return entry[0]
+
+        return level
+
+    def split(self, upper: TreeNode, lower: TreeNode) -> None:
+        entry = self._levels.get(lower)
+        if entry is not None:
+            self._levels[upper] = entry
+        count = self._pin_counts.get(lower)
+        if count:
+            self._pin_counts[upper] = count
+
+    def forget(self, node: TreeNode) -> None:
+        self._levels.pop(node, None)
+
+    # --- what a request asks for -------------------------------------------------------------
+
+    def apply(self, lease: Lease, hint: RetentionHint) -> None:
+        """Give the prefix ending at ``lease``'s node its level and (re)pin it."""
+        node = lease._node
+        if node is None:
+            return
+        now = self.clock()
+        deadline = None if hint.ttl_s is None else now + hint.ttl_s
+        if hint.level:
+            self._set_levels(node, hint.level, deadline, now)
+        if hint.pin:
+            old = lease._pin
+            if old is not None:
+                self._release(old)
+            lease._pin = self._take(node, deadline)
+            lease.pinned = lease._pin is not None
+            if lease._pin is None:
+                self.metrics.count("pins_refused")
+
+    def unpin(self, lease: Lease) -> None:
+        if lease._pin is not None:
+            self._release(lease._pin)
+            lease._pin, lease.pinned = None, False
+
+    def _set_levels(self, node: TreeNode, level: int, deadline: float | None, now: float) -> None:
+        levels = self._levels
+        if len(levels) > _SWEEP_AT:
+            for stale in [n for n, (_, d) in levels.items() if d is not None and d <= now]:
+                del levels[stale]
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.tree.root:
+            old = levels.get(cur)
+            if old is None or (old[1] is not None and old[1] <= now) or _stronger(level, deadline, *old):
+                levels[cur] = (level, deadline)
+            cur = cur.parent
+
+    def _take(self, node: TreeNode, deadline: float | None) -> Pin | None:
+        path = []
+        cur: TreeNode | None = node
+        while cur is not None and cur is not self.tree.root:
+            path.append(cur)
+            cur = cur.parent
+        new = sum(n.pages for n in path if not self._pin_counts.get(n))
+        if self.pinned_pages + new > self.max_pinned_pages:
+            return None
+        for n in path:
+            self._pin_counts[n] = self._pin_counts.get(n, 0) + 1
+        self.pinned_pages += new
+        pin = Pin(self.tree.lock(node, Tier.DEVICE), deadline)
+        self._pins[id(pin)] = pin
+        return pin
+
+    def _release(self, pin: Pin) -> None:
+        if self._pins.pop(id(pin), None) is None:
+            return  # expired and released before
+        self.tree.unlock(pin.lock)
+        cur: TreeNode | None = pin.lock.node
+        while cur is not None and cur is not self.tree.root:
+            count = self._pin_counts.get(cur, 0) - 1
+            if count <= 0:
+                self._pin_counts.pop(cur, None)
+                self.pinned_pages -= cur.pages
+            else:
+                self._pin_counts[cur] = count
+            cur = cur.parent
+
+
+def _stronger(level: int, deadline: float | None, old_level: int, old_deadline: float | None) -> bool:
+    """Whether a new (level, deadline) should replace a live one: a higher level, or the same
+    level for longer (a hinted request renews its TTL; reads never reach here)."""
+    if level != old_level:
+        return level > old_level
+    return old_deadline is not None and (deadline is None or deadline > old_deadline)
+
+
+class RetentionApi:
+    """The retention calls of :class:`~kvstrata.core.controller.CacheController` (a mixin, so the
+    controller stays a coordinator): apply a lease's hint after an insert, release a pin."""
+
+    parts: object
+
+    def _retain(self, lease: Lease) -> None:
+        if lease.retention is not None:
+            self.parts.retention.apply(lease, lease.retention)  # type: ignore[attr-defined]
+
+    def unpin(self, lease: Lease) -> None:
+        """Release the pin a lease's ``RetentionHint(pin=True)`` took (a no-op without one).
+        Works on closed leases: a pin outlives the request that set it."""
+        self.parts.retention.unpin(lease)  # type: ignore[attr-defined]

@@ -1,0 +1,43 @@
+"""``belady``: the offline optimum (Belady's MIN): evict what is used furthest in the future.
+
+Needs every future access, so only ``kvstrata simulate`` can run it (it hands the trace over
+through :meth:`bind_future`); it is the reference the online policies are measured against.
+Chain-aware: a leaf is ranked by the next use of its last page and the tree trims exactly the
+tail pages it needs, so heads used sooner stay.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kvstrata.plugins.eviction_policy import (
+    E,
+    EvictionPolicy,
+    EvictionPolicyConfig,
+    FutureAccesses,
+    PolicyCapabilities,
+    PolicyContext,
+)
+
+
+class BeladyConfig(EvictionPolicyConfig):
+    type: Literal["belady"] = "belady"
+
+
+class BeladyPolicy(EvictionPolicy):
+    name = "belady"
+    Config = BeladyConfig
+    capabilities = PolicyCapabilities(needs_future=True, chain_aware=True)
+
+    def __init__(self, config: EvictionPolicyConfig, context: PolicyContext) -> None:
+        super().__init__(config, context)
+        self.future: FutureAccesses | None = None
+
+    def bind_future(self, future: FutureAccesses) -> None:
+        self.future = future
+
+    def ranked(self, entries: list[E]) -> list[tuple[float, int, E]]:
+        if self.future is None:
+            raise RuntimeError("belady needs the future accesses: only `kvstrata simulate` can run it")
+        next_use = self.future.next_use
+        return [(-float(next_use(n.keys[-1])), n.id, n) for n in entries]

@@ -1,0 +1,150 @@
+"""``s3fifo``: S3-FIFO (Yang et al., SOSP'23) over prefix-tree nodes.
+
+Three FIFO queues: a small one (S, ``small_fraction`` of the tier) where new prefixes prove
+themselves, a main one (M) and a ghost queue (G, first page keys only). A prefix read while in S
+moves to M (at its first read: the tree tells the policy about reads as they happen); a leaf
+leaving S untouched goes to G, and a prefix that comes back while remembered there enters M
+directly. M is a CLOCK: a leaf with reads left is passed over (one read spent) instead of
+evicted. One-time prefixes thus leave quickly while reused ones stay.
+
+Which queue an eviction takes from is fixed for its length (ranks must compare); the CLOCK hand
+is moved after each eviction, over the queue up to the last leaf it took.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import Field
+
+from kvstrata.eviction_policies._ghosts import Ghosts
+from kvstrata.plugins.eviction_policy import (
+    E,
+    EvictionPolicy,
+    EvictionPolicyConfig,
+    PolicyCapabilities,
+    PolicyContext,
+)
+
+_LEVEL = float(1 << 50)  # a queue or pass level ranks after every sequence number below it
+_SMALL, _MAIN = 0, 1
+
+
+class S3FifoConfig(EvictionPolicyConfig):
+    type: Literal["s3fifo"] = "s3fifo"
+    small_fraction: float = Field(0.1, gt=0, lt=1, description="share of the tier for new prefixes")
+    max_reads: int = Field(3, ge=1, le=15, description="reads a main-queue prefix can bank")
+
+
+class S3FifoPolicy(EvictionPolicy):
+    name = "s3fifo"
+    Config = S3FifoConfig
+    capabilities = PolicyCapabilities(events=True, needs_frequency=True)
+
+    def __init__(self, config: EvictionPolicyConfig, context: PolicyContext) -> None:
+        super().__init__(config, context)
+        assert isinstance(config, S3FifoConfig)
+        self.capacity = max(1, context.capacity_pages)
+        self.small_limit = config.small_fraction * self.capacity
+        self.max_reads = config.max_reads
+        self._queue: dict[object, int] = {}
+        self._seq: dict[object, int] = {}
+        self._reads: dict[object, int] = {}
+        self._size: dict[object, int] = {}
+        self._main: OrderedDict[object, None] = OrderedDict()  # CLOCK order, oldest first
+        self.small_pages = 0
+        self.ghosts = Ghosts(self.capacity)
+        self._tick = 0
+
+    def _enter(self, node: E, queue: int) -> None:
+        self._tick += 1
+        self._queue[node] = queue
+        self._seq[node] = self._tick
+        self._reads[node] = 0
+        self._size[node] = node.pages
+        if queue == _SMALL:
+            self.small_pages += node.pages
+        else:
+            self._main[node] = None
+
+    def ranked(self, entries: list[E]) -> list[tuple[float, int, E]]:
+        small_first = self.small_pages >= self.small_limit or not self._main
+        out = []
+        for node in entries:
+            queue = self._queue.get(node)
+            if queue is None:  # entered the tier without an insert (load-back, backup): new
+                self._enter(node, _SMALL)
+                queue = _SMALL
+            if queue == _SMALL:
+                level = 0 if small_first else self.max_reads + 1
+            else:
+                level = self._reads[node] + (1 if small_first else 0)
+            out.append((level * _LEVEL + self._seq[node], node.id, node))
+        return out
+
+    def inserted(self, entries: Sequence[E]) -> None:
+        for node in entries:
+            if node not in self._queue:
+                remembered = self.ghosts.take(node.keys[0]) is not None
+                self._enter(node, _MAIN if remembered else _SMALL)
+
+    def accessed(self, entries: Sequence[E]) -> None:
+        for node in entries:
+            queue = self._queue.get(node)
+            if queue is None:
+                continue
+            if queue == _SMALL:  # proved itself: into the main queue
+                self.small_pages -= self._size[node]
+                self._queue[node] = _MAIN
+                self._tick += 1
+                self._seq[node] = self._tick
+                self._main[node] = None
+            else:
+                self._reads[node] = min(self._reads[node] + 1, self.max_reads)
+
+    def split(self, upper: E, lower: E) -> None:
+        queue = self._queue.get(lower)
+        if queue is None:
+            return
+        self._queue[upper] = queue
+        self._seq[upper] = self._seq[lower]
+        self._reads[upper] = self._reads[lower]
+        self._size[upper] = upper.pages
+        self._size[lower] = lower.pages
+        if queue == _MAIN:
+            self._main[upper] = None
+
+    def removed(self, entries: Sequence[E]) -> None:
+        taken = set()
+        for node in entries:
+            queue = self._queue.pop(node, None)
+            if queue is None:
+                continue
+            pages = self._size.pop(node)
+            if queue == _SMALL:
+                self.small_pages -= pages
+                self.ghosts.add(node.keys[0], pages)
+            else:
+                taken.add(node)
+        if taken:
+            self._sweep(taken)
+        for node in entries:
+            self._seq.pop(node, None)
+            self._reads.pop(node, None)
+
+    def _sweep(self, taken: set[object]) -> None:
+        """Move the CLOCK hand over the main queue until every evicted leaf is behind it: a leaf
+        with reads left spends one and goes to the back, as do leaves that could not leave."""
+        main, reads = self._main, self._reads
+        while taken and main:
+            node, _ = main.popitem(last=False)
+            if node in taken:
+                taken.discard(node)
+                continue
+            if reads[node] > 0:
+                reads[node] -= 1
+            self._tick += 1
+            self._seq[node] = self._tick
+            main[node] = None

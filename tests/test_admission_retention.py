@@ -1,0 +1,155 @@
+"""Admission per tier (counted, so an SSD write budget holds) and retention hints on a request
+(priority, pin with a cap, TTL that reads do not renew), through the controller's public calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from controller_support import fill, open_cache, serve, tokens, verify
+from kvstrata.core.controller import CacheController, Lease
+from kvstrata.core.retention import RetentionHint
+
+WAIT = ["policy.prefetch.policy=wait_complete", "policy.prefetch.host_fraction_limit=1"]
+#: 4 device pages, 16 host pages: every new 2-page request evicts on the device
+SMALL = ["tiers.device.capacity_tokens=256", "tiers.host.capacity_tokens=1024"]
+
+
+def ops(cache: CacheController) -> dict[str, int]:
+    return cache.metrics.snapshot()["operations"]
+
+
+def serve_hinted(cache: CacheController, request: torch.Tensor, hint: RetentionHint | None) -> Lease:
+    lease = cache.lookup(request, retention=hint)
+    cache.admit(lease)
+    assert verify(cache, lease) == 0
+    fill(cache, lease, cache.allocate(lease))
+    cache.insert(lease)
+    return lease
+
+
+def storage_pages(l3: Path, request: torch.Tensor) -> int:
+    """Pages of ``request`` a fresh cache finds in the L3 at ``l3``."""
+    with open_cache("kv", l3, WAIT) as cold:
+        lease = cold.lookup(request)
+        cold.admit(lease)
+        found = lease.hit_pages["storage"]
+        cold.release(lease)
+    return found
+
+
+def test_storage_admission_writes_a_prefix_only_once_it_was_reused(tmp_path: Path) -> None:
+    request = tokens(3, 4)
+    with open_cache("kv", tmp_path, ["policy.admission.storage={type: reuse, min_hits: 1}"]) as cache:
+        serve(cache, request)
+        cache.flush()
+        assert ops(cache)["storage_rejected"] == 4 and ops(cache)["storage_admitted"] == 0
+        assert storage_pages(tmp_path, request) == 0  # nothing reached the SSD
+        serve(cache, request)  # reused (from the device): now it is worth writing
+        cache.flush()
+        assert ops(cache)["storage_admitted"] == 4
+    assert storage_pages(tmp_path, request) == 4
+
+
+def test_tinylfu_admission_counts_sightings_across_requests(tmp_path: Path) -> None:
+    hot, cold = tokens(4, 2), tokens(5, 2)
+    overrides = ["policy.admission.storage={type: tinylfu, min_count: 3}"]
+    with open_cache("kv", tmp_path, overrides) as cache:
+        serve(cache, cold)  # seen once (its insert): refused
+        for _ in range(3):
+            serve(cache, hot)  # insert + two reuses: admitted on the second reuse
+        cache.flush()
+        assert ops(cache)["storage_admitted"] == 2 and ops(cache)["storage_rejected"] == 4
+    assert storage_pages(tmp_path, hot) == 2 and storage_pages(tmp_path, cold) == 0
+
+
+def test_host_admission_backs_up_only_reused_prefixes(tmp_path: Path) -> None:
+    request = tokens(6, 3)
+    overrides = ["tiers.storage={}", "policy.admission.host={type: reuse, min_hits: 1}"]
+    with open_cache("kv", overrides=overrides) as cache:
+        serve(cache, request)
+        assert cache.tree.units("kv", "host") == 0 and ops(cache)["host_rejected"] == 3
+        serve(cache, request)
+        assert cache.tree.units("kv", "host") == 3 and ops(cache)["host_admitted"] == 3
+
+
+def test_by_default_every_page_is_admitted_and_counted(tmp_path: Path) -> None:
+    with open_cache("kv", tmp_path) as cache:
+        serve(cache, tokens(7, 3))
+        cache.flush()
+        assert ops(cache)["storage_admitted"] == 3 and ops(cache)["storage_rejected"] == 0
+
+
+def _stream(cache: CacheController, first_seed: int, count: int) -> None:
+    for seed in range(first_seed, first_seed + count):
+        serve(cache, tokens(seed, 2))
+
+
+@pytest.mark.parametrize("hint", [None, RetentionHint(priority=2)])
+def test_a_prioritised_prefix_outlives_ordinary_traffic(hint: RetentionHint | None) -> None:
+    with open_cache("kv", overrides=["tiers.storage={}", *SMALL]) as cache:
+        system = tokens(1, 2)
+        serve_hinted(cache, system, hint)
+        _stream(cache, 100, 6)  # 12 pages through a 4-page device tier
+        lease = cache.lookup(system)
+        cache.admit(lease)
+        assert lease.hit_pages["device"] == (2 if hint else 0)
+        cache.release(lease)
+
+
+def test_a_ttl_decays_to_ordinary_and_reads_do_not_renew_it() -> None:
+    now = [0.0]
+    with open_cache(
+        "kv", overrides=["tiers.storage={}", "tiers.host.capacity_tokens=0", *SMALL[:1]]
+    ) as cache:
+        cache.parts.retention.clock = lambda: now[0]
+        session = tokens(1, 2)
+        serve_hinted(cache, session, RetentionHint(ttl_s=60))
+        _stream(cache, 100, 3)
+        now[0] = 30.0
+        assert serve(cache, session)[0].hit_pages["device"] == 2  # protected; this read renews nothing
+        now[0] = 61.0
+        _stream(cache, 200, 3)
+        assert serve(cache, session)[0].hit_pages["device"] == 0  # ordinary again: LRU took it
+
+
+def test_pins_hold_until_unpinned_and_are_capped() -> None:
+    overrides = [
+        "tiers.storage={}",
+        "tiers.host.capacity_tokens=0",
+        *SMALL[:1],
+        "policy.retention.max_pinned_fraction=0.5",
+    ]
+    with open_cache("kv", overrides=overrides) as cache:
+        pinned = serve_hinted(cache, tokens(1, 2), RetentionHint(pin=True))
+        assert pinned.pinned and cache.parts.retention.pinned_pages == 2
+        refused = serve_hinted(cache, tokens(2, 1), RetentionHint(pin=True))  # 3 > 0.5 x 4 pages
+        assert not refused.pinned and ops(cache)["pins_refused"] == 1
+        _stream(cache, 100, 4)
+        assert serve(cache, tokens(1, 2))[0].hit_pages["device"] == 2  # the pin held
+        cache.unpin(pinned)
+        assert not pinned.pinned and cache.parts.retention.pinned_pages == 0
+        _stream(cache, 200, 4)
+        assert serve(cache, tokens(1, 2))[0].hit_pages["device"] == 0
+
+
+def test_a_pin_with_a_ttl_lapses_on_its_own() -> None:
+    now = [0.0]
+    with open_cache(
+        "kv", overrides=["tiers.storage={}", "tiers.host.capacity_tokens=0", *SMALL[:1]]
+    ) as cache:
+        cache.parts.retention.clock = lambda: now[0]
+        serve_hinted(cache, tokens(1, 2), RetentionHint(pin=True, ttl_s=5))
+        now[0] = 6.0
+        _stream(cache, 100, 4)  # the first eviction after the TTL releases the pin
+        assert cache.parts.retention.pinned_pages == 0
+        assert serve(cache, tokens(1, 2))[0].hit_pages["device"] == 0
+
+
+def test_hints_are_checked() -> None:
+    with pytest.raises(ValueError, match="ttl_s"):
+        RetentionHint(ttl_s=0)
+    with pytest.raises(TypeError, match="priority"):
+        RetentionHint(priority=1.5)  # type: ignore[arg-type]

@@ -1,0 +1,229 @@
+"""What each built-in eviction policy does differently, on hand-made workloads through the real
+prefix tree (the simulator drives it with trace blocks as pages), and the events the tree sends."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from kvstrata.core.metrics import CacheMetrics
+from kvstrata.core.policies import make_policy, policy_config
+from kvstrata.core.retention import Retention, RetentionHint
+from kvstrata.core.tree import PrefixTree, Tier
+from kvstrata.plugins import EvictionPolicy, PluginHost, PolicyContext
+from kvstrata.replay.simulate import HitRateSimulator, SimulationConfig, simulate
+from kvstrata.replay.trace import TraceRequest, read_trace
+from tree_stacks import PAGE, Units, kv_spec, seq
+
+HOST = PluginHost()
+BLOCK = 10
+
+
+def policy(name: str | dict[str, Any], capacity: int = 8, **context: Any) -> EvictionPolicy:
+    ctx = PolicyContext(tier="device", capacity_pages=capacity, page_size=BLOCK, **context)
+    return make_policy(HOST, policy_config(HOST, name), ctx)
+
+
+def sim(name: str | dict[str, Any], capacity_blocks: int) -> HitRateSimulator:
+    return HitRateSimulator(BLOCK, capacity_blocks * BLOCK, policy(name, capacity_blocks))
+
+
+def chain(*ids: int) -> TraceRequest:
+    """A request of full blocks; ids name prefixes (as in the traces), so (1, 2) extends (1,)."""
+    return TraceRequest(0.0, BLOCK * len(ids), 1, ids)
+
+
+def cached(s: HitRateSimulator, *ids: int) -> int:
+    return s.lookup(chain(*ids)) // BLOCK
+
+
+def test_fifo_evicts_the_first_inserted_even_when_it_was_read_since() -> None:
+    for name, survivor in (("fifo", 20), ("lru", 10)):
+        s = sim(name, 2)
+        s.access(chain(10))
+        s.access(chain(20))
+        s.access(chain(10))  # read again: LRU keeps it, FIFO does not care
+        s.access(chain(30))
+        assert cached(s, survivor) == 1, name
+        assert cached(s, 30) == 1
+
+
+def test_lfu_keeps_the_most_reused_prefix() -> None:
+    s = sim("lfu", 2)
+    s.access(chain(10))
+    for _ in range(3):
+        s.access(chain(10))
+    s.access(chain(20))
+    s.access(chain(30))  # 20 (never reused) leaves, not the older but hot 10
+    assert cached(s, 10) == 1 and cached(s, 20) == 0
+
+
+def test_s3fifo_drops_one_time_prefixes_before_reused_ones_and_remembers_ghosts() -> None:
+    s = sim({"type": "s3fifo", "small_fraction": 0.25}, 4)
+    s.access(chain(10))
+    s.access(chain(10))  # reused: into the main queue
+    for i in (20, 30, 40, 50):  # one-time prefixes stream through the small queue
+        s.access(chain(i))
+    assert cached(s, 10) == 1  # LRU would have evicted it: it is the least recently used
+    lru = sim("lru", 4)
+    for request in (chain(10), chain(10), chain(20), chain(30), chain(40), chain(50)):
+        lru.access(request)
+    assert cached(lru, 10) == 0
+    s3 = s.tree.eviction_order(Tier.DEVICE)
+    assert 20 in s3.ghosts  # type: ignore[attr-defined]
+    s.access(chain(20))  # came back while remembered: straight into main
+    node = s.tree.root.children[20]
+    assert s3._queue[node] == 1  # type: ignore[attr-defined]
+
+
+def test_arc_grows_its_recency_target_when_a_recency_ghost_returns() -> None:
+    s = sim("arc", 4)
+    arc = s.tree.eviction_order(Tier.DEVICE)
+    for i in (10, 10, 20, 30, 40, 50):  # 10 reused (T2); the others seen once: T1 spills into B1
+        s.access(chain(i))
+    assert 20 in arc.b1 and arc.target == 0  # type: ignore[attr-defined]
+    assert cached(s, 10) == 1 and cached(s, 20) == 0
+    s.access(chain(20))  # a recency ghost came back: T1 deserved more room
+    assert arc.target > 0  # type: ignore[attr-defined]
+    assert arc._list[s.tree.root.children[20]] == 2  # type: ignore[attr-defined]
+
+
+def test_chain_trims_the_tail_of_a_leaf_lru_drops_it_whole() -> None:
+    for name, kept in (("chain", 3), ("lru", 0)):
+        s = sim(name, 6)
+        s.access(chain(1, 2, 3, 4))
+        s.access(chain(9, 8))
+        s.access(chain(7))  # one page short: chain evicts block 4 only, LRU the whole leaf
+        assert cached(s, 1, 2, 3, 4) == kept, name
+        assert cached(s, 9, 8) == 2 and cached(s, 7) == 1
+
+
+def test_cost_aware_evicts_short_state_heavy_leaves_first() -> None:
+    tree, units = PrefixTree([kv_spec()]), Units()
+    long = tree.insert(seq(2, 3, 4, 5), {"kv": units.take(4)}).node
+    short = tree.insert(seq(1), {"kv": units.take(1)}).node  # the more recent one
+    heavy = policy({"type": "cost_aware", "alpha": 2}, page_bytes=100, state_bytes=10_000)
+    light = policy({"type": "cost_aware", "attention_weight": 0}, page_bytes=100, state_bytes=0)
+    # without state every page costs the same: recency decides, the older long leaf goes
+    assert min(light.ranked([short, long]))[2] is long
+    # a state slot per leaf: the short leaf holds nearly as many bytes for a quarter of the work
+    assert heavy.efficiency(long) > 3 * heavy.efficiency(short)  # type: ignore[attr-defined]
+    assert min(heavy.ranked([short, long]))[2] is short
+
+
+def test_cost_aware_config_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="alpha"):
+        policy_config(HOST, {"type": "cost_aware", "alpha": -1})
+
+
+def test_reuse_sends_new_prefixes_through_probation() -> None:
+    s = sim({"type": "reuse", "initial_probation": 0.25, "min_probation": 0.25}, 4)
+    s.access(chain(10))
+    s.access(chain(10))  # reused: into main
+    for i in (20, 30, 40, 50):
+        s.access(chain(i))
+    assert cached(s, 10) == 1  # LRU order would have taken it (see the s3fifo test)
+    reuse = s.tree.eviction_order(Tier.DEVICE)
+    before = reuse.target  # type: ignore[attr-defined]
+    s.access(chain(20))  # left probation, came back: probation was too short
+    assert reuse.target > before  # type: ignore[attr-defined]
+    assert reuse.reused[1] >= 1  # type: ignore[attr-defined]  # size class of a 1-page prefix
+
+
+def test_reuse_config_rejects_an_inverted_range() -> None:
+    with pytest.raises(ValueError, match="min_probation"):
+        policy_config(HOST, {"type": "reuse", "min_probation": 0.5, "initial_probation": 0.1})
+
+
+def test_belady_is_the_best_on_the_bundled_sample() -> None:
+    trace = read_trace(limit=200)
+    rates = {
+        name: simulate(trace, SimulationConfig(capacity_tokens=200_000, eviction=name), host=HOST).hit_rate
+        for name in HOST.eviction_policies.names()
+    }
+    assert rates["belady"] == max(rates.values())
+    assert rates["belady"] > rates["lru"]
+
+
+def test_belady_cannot_run_without_the_future() -> None:
+    belady = policy("belady")
+    tree, units = PrefixTree([kv_spec()]), Units()
+    node = tree.insert(seq(1), {"kv": units.take(1)}).node
+    with pytest.raises(RuntimeError, match="simulate"):
+        belady.ranked([node])
+
+
+class Recorder(EvictionPolicy):
+    """Records the events the tree sends (a policy with ``events``), ranks like LRU."""
+
+    from kvstrata.eviction_policies.lru import LruConfig as Config
+
+    name = "lru"
+    capabilities = HOST.eviction_policies.get("fifo").capabilities  # events=True
+
+    def __init__(self) -> None:
+        super().__init__(self.Config(), PolicyContext(tier="device", capacity_pages=8, page_size=PAGE))
+        self.log: list[tuple[str, Any]] = []
+
+    def ranked(self, entries: list[Any]) -> list[tuple[float, int, Any]]:
+        return [(n.last_access, n.id, n) for n in entries]
+
+    def inserted(self, entries: Sequence[Any]) -> None:
+        self.log.append(("inserted", [n.pages for n in entries]))
+
+    def accessed(self, entries: Sequence[Any]) -> None:
+        self.log.append(("accessed", [n.depth_end for n in entries]))
+
+    def split(self, upper: Any, lower: Any) -> None:
+        self.log.append(("split", (upper.pages, lower.pages)))
+
+    def removed(self, entries: Sequence[Any]) -> None:
+        self.log.append(("removed", [n.pages for n in entries]))
+
+
+def test_the_tree_sends_one_access_per_request_and_the_other_events() -> None:
+    tree, units = PrefixTree([kv_spec()]), Units()
+    recorder = Recorder()
+    tree.set_eviction_order(Tier.DEVICE, recorder)
+    tree.insert(seq(1, 2, 3), {"kv": units.take(3)})
+    assert recorder.log == [("inserted", [3])]
+    recorder.log.clear()
+    tree.match(seq(1, 2, 3, 4, 5))  # one request: one event, whatever its length
+    tree.match(seq(1, 2, 3), count_hit=False)  # a re-match of the same request: no event
+    assert recorder.log == [("accessed", [3])]
+    recorder.log.clear()
+    tree.match(seq(1))  # ends inside the node: it splits first
+    assert recorder.log == [("split", (1, 2)), ("accessed", [1])]
+    recorder.log.clear()
+    result = tree.insert(seq(1, 7, 8), {"kv": units.take(2)}, at=None)
+    assert recorder.log == [("inserted", [2])] and result.new_pages == 2
+    recorder.log.clear()
+    tree.evict_device({"kv": 4})
+    assert [event for event, _ in recorder.log] == ["removed"]
+    assert sum(recorder.log[0][1]) >= 4
+
+
+def test_a_policy_without_events_hears_nothing() -> None:
+    tree = PrefixTree([kv_spec()])
+    tree.set_eviction_order(Tier.DEVICE, policy("lru"))
+    assert tree._evictor.hears is False  # match and insert pay one attribute check
+
+
+def test_retention_levels_rank_above_the_policy_and_ttl_decays() -> None:
+    clock = [0.0]
+    tree, units = PrefixTree([kv_spec()]), Units()
+    retention = Retention(tree, 0, CacheMetrics(), clock=lambda: clock[0])
+    tree.set_retention(retention)
+    a = tree.insert(seq(1), {"kv": units.take(1)}).node
+    b = tree.insert(seq(2), {"kv": units.take(1)}).node
+    c = tree.insert(seq(3), {"kv": units.take(1)}).node
+    retention._set_levels(a, RetentionHint(ttl_s=10).level, 10.0, 0.0)  # oldest, but protected
+    retention._set_levels(c, RetentionHint(priority=-1).level, None, 0.0)  # newest, but unwanted
+    assert tree.evict_device({"kv": 1}).deleted == 1 and c.parent is None
+    assert tree.evict_device({"kv": 1}).deleted == 1 and b.parent is None and a.parent is tree.root
+    tree.match(seq(1))  # a read does not renew the TTL
+    d = tree.insert(seq(4), {"kv": units.take(1)}).node
+    clock[0] = 11.0  # the TTL ran out: a is ordinary again, and older than d
+    assert tree.evict_device({"kv": 1}).deleted == 1 and a.parent is None and d.parent is tree.root

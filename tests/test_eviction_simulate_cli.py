@@ -1,0 +1,84 @@
+"""``kvstrata simulate --eviction / --sweep``: one policy, the offline optimum, a sweep plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvstrata.cli import app
+from kvstrata.replay.simulate import SimulationConfig, simulate
+from kvstrata.replay.trace import read_trace
+
+runner = CliRunner()
+
+
+def test_simulate_with_a_named_policy_and_options() -> None:
+    ok = runner.invoke(
+        app, ["simulate", "--limit", "100", "--capacity-tokens", "200000", "--eviction", "s3fifo", "--json"]
+    )
+    assert ok.exit_code == 0, ok.output
+    data = json.loads(ok.stdout)
+    expected = simulate(read_trace(limit=100), SimulationConfig(capacity_tokens=200_000, eviction="s3fifo"))
+    assert data["eviction"] == "s3fifo" and data["hit_rate"] == expected.hit_rate
+    mapped = runner.invoke(
+        app,
+        [
+            *["simulate", "--limit", "100", "--capacity-tokens", "200000", "--json", "--eviction"],
+            "{type: s3fifo, small_fraction: 0.5}",
+        ],
+    )
+    assert mapped.exit_code == 0, mapped.output
+    assert json.loads(mapped.stdout)["config"]["eviction"] == {"type": "s3fifo", "small_fraction": 0.5}
+
+
+def test_belady_is_the_offline_reference() -> None:
+    rates = {}
+    for name in ("lru", "belady"):
+        out = runner.invoke(app, ["simulate", "--capacity-tokens", "300000", "--eviction", name, "--json"])
+        assert out.exit_code == 0, out.output
+        rates[name] = json.loads(out.stdout)["hit_rate"]
+    assert rates["belady"] > rates["lru"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--eviction", "lur"], "installed: arc, belady"),
+        (["--eviction", "{type: arc, speed: 1}"], "--eviction.speed"),
+        (["--sweep", "x.png", "--capacities", "a,b"], "--capacities"),
+        (["--sweep", "x.png", "--policies", "lru,nope"], "unknown eviction policy 'nope'"),
+    ],
+)
+def test_bad_input_is_a_one_line_error(args: list[str], message: str, tmp_path: Path) -> None:
+    args = [str(tmp_path / a) if a.endswith(".png") else a for a in args]
+    out = runner.invoke(app, ["simulate", "--limit", "20", *args])
+    assert out.exit_code == 2 and message in out.output
+    assert "Traceback" not in out.output
+
+
+def test_sweep_plots_every_policy_against_capacity(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sweep.png"
+    out = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--limit",
+            "150",
+            "--sweep",
+            str(png),
+            *["--policies", "lru,reuse,belady", "--capacities", "0.1,0.3,1", "--json"],
+        ],
+    )
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["capacities_tokens"] == [100_000, 300_000, 1_000_000]
+    assert list(data["hit_rate"]) == ["lru", "reuse", "belady"]
+    for rates in data["hit_rate"].values():
+        assert rates == sorted(rates)  # more room never hurts on this sample
+    belady, lru, reuse = (data["hit_rate"][p] for p in ("belady", "lru", "reuse"))
+    assert all(b >= max(x, y) for b, x, y in zip(belady, lru, reuse, strict=True))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
