@@ -153,3 +153,16 @@ def test_hints_are_checked() -> None:
         RetentionHint(ttl_s=0)
     with pytest.raises(TypeError, match="priority"):
         RetentionHint(priority=1.5)  # type: ignore[arg-type]
+
+
+def test_a_refused_prefix_split_by_a_shorter_request_is_written_whole_once_reused(tmp_path: Path) -> None:
+    request = tokens(8, 4)
+    with open_cache("kv", tmp_path, ["policy.admission.storage={type: reuse, min_hits: 1}"]) as cache:
+        serve(cache, request)  # refused: one 4-page node
+        serve(cache, request[: 2 * 64])  # reuses its first half: the node splits, the head is reused
+        cache.flush()
+        assert ops(cache)["storage_admitted"] == 2  # the head, now reused, is written
+        serve(cache, request)  # the tail is reused too
+        cache.flush()
+        assert ops(cache)["storage_admitted"] == 4
+    assert storage_pages(tmp_path, request) == 4

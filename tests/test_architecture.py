@@ -1,8 +1,8 @@
 """Architecture rules a reader relies on, checked from the source so they cannot drift.
 
-Plugins (storage backends, pool types) use only the plugin API: a third-party package must be
-able to do everything a built-in one does (that the core never names a built-in plugin is
-checked in test_core_names_no_plugin.py).
+Plugins (storage backends, pool types, eviction policies) use only the plugin API: a third-party
+package must be able to do everything a built-in one does (that the core never names a built-in
+plugin is checked in test_core_names_no_plugin.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _imports(path: Path) -> set[str]:
 def test_plugins_import_nothing_from_the_core() -> None:
     offenders = {
         f"{path.relative_to(PACKAGE)} imports {module}"
-        for folder in ("storage_backends", "pool_types")
+        for folder in ("storage_backends", "pool_types", "eviction_policies")
         for path in (PACKAGE / folder).glob("*.py")
         for module in _imports(path)
         if module == "kvstrata.core" or module.startswith("kvstrata.core.")

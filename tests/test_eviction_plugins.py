@@ -138,7 +138,7 @@ def test_config_takes_a_name_or_a_mapping_and_lists_the_installed_on_a_typo() ->
     assert named.policy.eviction.type == "s3fifo" and named.policy.eviction.small_fraction == 0.1
     mapped = load_config(base, ["policy.eviction={type: s3fifo, small_fraction: 0.3}"], host=host, environ={})
     assert mapped.policy.eviction.small_fraction == 0.3
-    assert load_config(base, [], host=host, environ={}).policy.eviction.type == "lru"  # the default
+    assert load_config(base, [], host=host, environ={}).policy.eviction is None  # the tree's own LRU
     with pytest.raises(ConfigError) as info:
         load_config(base, ["policy.eviction=s3fifi"], host=host, environ={})
     assert "policy.eviction" in str(info.value) and "installed: arc, belady, chain" in str(info.value)

@@ -106,7 +106,8 @@ def _wire(parts: CacheParts) -> None:
         hook.kvstrata_eviction(tier=tier, pool=pool, units=units)
 
     common = (parts.pools, parts.tree, parts.layout)
-    install_policies(parts.plugins, policy.eviction, parts.pools, parts.tree)
+    if policy.eviction is not None:  # else the tree's own LRU order
+        install_policies(parts.plugins, policy.eviction, parts.pools, parts.tree)
     device_pages = parts.pools.anchor.device_allocator.units
     pinnable = int(policy.retention.max_pinned_fraction * device_pages)
     parts.retention = Retention(parts.tree, pinnable, parts.metrics)

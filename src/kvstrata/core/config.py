@@ -158,9 +158,10 @@ class PolicyConfig(_Strict):
     )
     prefetch: PrefetchPolicyConfig = PrefetchPolicyConfig()
     checksum: Literal["xxh3", "none"] = "xxh3"
-    eviction: PluginEvictionConfig = Field(
-        default=EvictionPolicyConfig(type="lru"),
-        description="eviction policy of every tier: a name (`kvstrata plugins`) or {type, options}",
+    eviction: PluginEvictionConfig | None = Field(
+        default=None,
+        description="eviction policy of every tier: a name (`kvstrata plugins`) or {type, options}; "
+        "null: least recently used, by the tree's own stamps (as the `lru` plugin ranks)",
     )
     admission: AdmissionTiers = AdmissionTiers()
     retention: RetentionConfig = RetentionConfig()
@@ -369,7 +370,7 @@ def config_json_schema(host: PluginHost) -> dict[str, Any]:
     policy_schema = create_model(
         "PolicyConfig",
         __base__=PolicyConfig,
-        eviction=(str | policies, "lru"),
+        eviction=(str | policies | None, None),
     )
     root = create_model(
         "KvstrataConfig",

@@ -1,8 +1,9 @@
 """Eviction policies for a cache's tiers: configs resolved through the plugin registry, one
 policy instance per tier, and the context each works in (capacity, bytes per page and state).
 
-``policy.eviction`` names a policy (``lru``) or is a mapping with ``type`` and its options; the
-same entry serves ``kvstrata simulate``, which builds its policy here too. A name no installed
+``policy.eviction`` names a policy or is a mapping with ``type`` and its options (unset, the
+tree keeps its own LRU order); the same entry serves ``kvstrata simulate``, which builds its
+policy here too. A name no installed
 plugin provides is an error listing the installed ones. The core reads a policy's declared
 capabilities, never its name: a ``needs_future`` policy (the offline optimum) cannot run in a
 live cache because nothing there knows the future.
@@ -18,10 +19,6 @@ from kvstrata.core.tree import PrefixTree, Tier
 from kvstrata.plugins import PluginHost
 from kvstrata.plugins.eviction_policy import EvictionPolicy, EvictionPolicyConfig, PolicyContext
 from kvstrata.plugins.pool_type import Granularity
-
-#: what ``policy.eviction`` defaults to
-DEFAULT_POLICY = "lru"
-
 
 PolicySetting = str | Mapping[str, Any] | EvictionPolicyConfig
 

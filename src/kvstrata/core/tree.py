@@ -319,6 +319,11 @@ class PrefixTree:
     def eviction_order(self, tier: Tier | str) -> EvictionOrder:
         return self._evictor.orders[Tier(tier)]
 
+    def on_split(self, listener: Callable[[TreeNode, TreeNode], None]) -> None:
+        """Call ``listener(upper, lower)`` whenever a node is cut in two (per-node state kept
+        outside the tree follows its node)."""
+        self._evictor.split_listeners.append(listener)
+
     def set_retention(self, retention: RetentionLevels | None) -> None:
         """Retention hints the evictor ranks above every order (see ``core.retention``)."""
         self._evictor.retention = retention

@@ -106,6 +106,8 @@ class TreeEvictor:
         self.hears = False
         #: retention hints (priority, TTL), or None; pins are locks and need nothing here
         self.retention: RetentionLevels | None = None
+        #: other owners of per-node state told of splits (the writer's refused L3 writes)
+        self.split_listeners: list[Callable[[TreeNode, TreeNode], None]] = []
         self._gone: list[TreeNode] | None = None  # nodes leaving the tier in this eviction
         self._level: Callable[[TreeNode], int] | None = None  # retention levels of this eviction
         self._delete_unbacked = True  # see evict_device
@@ -150,6 +152,8 @@ class TreeEvictor:
             order.split(upper, lower)
         if self.retention is not None:
             self.retention.split(upper, lower)
+        for listener in self.split_listeners:
+            listener(upper, lower)
 
     # ------------------------------------------------------------------ entry points
     def evict_device(

@@ -103,6 +103,8 @@ class Writer:
         self.host_admission = make_admission(policy.admission.host)
         self.storage_admission = make_admission(policy.admission.storage)
         self._refused: dict[TreeNode, None] = {}  # on host, refused by the storage filter
+        if self.storage_admission.selective:
+            tree.on_split(self._split)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
         if policy.write == "write_back":
             units.before_device_eviction = self.back_up_for_eviction
@@ -139,6 +141,10 @@ class Writer:
             ready = [n for n in ready if n.host[0] is not None]
             if ready:
                 self._queue_write(ready, lease.page_hashes, admitted=True)
+
+    def _split(self, upper: TreeNode, lower: TreeNode) -> None:
+        if lower in self._refused:  # both halves still wait for their L3 write
+            self._refused[upper] = None
 
     def back_up(
         self, nodes: Iterable[TreeNode], *, hashes: Sequence[str] | None = None, admit: bool = False

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvstrata.core.policies import DEFAULT_POLICY, make_policy, policy_config
+from kvstrata.core.policies import make_policy, policy_config
 from kvstrata.core.tree import PrefixTree, Tier
 from kvstrata.plugins import PluginHost
 from kvstrata.plugins.eviction_policy import NEVER, EvictionPolicy, PolicyContext
@@ -49,6 +49,8 @@ from kvstrata.replay.trace import MOONCAKE_BLOCK_SIZE, TraceRequest
 
 #: the one (byte-less) pool of the simulated tree: one unit per trace block
 BLOCKS = "blocks"
+#: the policy a simulation runs unless told otherwise
+DEFAULT_POLICY = "lru"
 
 
 class SimulationConfig(BaseModel):
