@@ -15,7 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.core.integrity import HEADER_BYTES, ChecksumPolicy, Verdict, verify_object
+from kvstrata.core.integrity import (
+    HEADER_BYTES,
+    VERDICTS,
+    ChecksumPolicy,
+    Verdict,
+    key_digests,
+    object_checksum,
+    verify_headers,
+)
 from kvstrata.plugins.pool_type import PoolRole, PoolSpec
 from kvstrata.plugins.storage_backend import BufferRegion, StorageObject
 
@@ -54,12 +62,16 @@ class PoolBatch:
 
 @dataclass(frozen=True, slots=True)
 class ObjectBatch:
-    """The objects of one put/get, unit-major, with their payload regions and header rows."""
+    """The objects of one put/get, unit-major, with their payload regions and header rows, and
+    per object (row) what its header must say: payload length, fingerprint, key digest."""
 
     objects: list[StorageObject]
     payloads: list[tuple[BufferRegion, ...]]
     headers: np.ndarray  # (len(objects), HEADER_BYTES) uint8, the first region of each object
     n_obj: int  # objects per unit
+    payload_nbytes: np.ndarray  # (len(objects),) int64
+    fingerprints: np.ndarray  # (len(objects), 2) uint64: integrity.fingerprint_words per row
+    digests: np.ndarray  # (len(objects),) uint64: integrity.key_digest per row
 
     @property
     def units(self) -> int:
@@ -133,10 +145,11 @@ def build_objects(
     sizes: Sequence[int],
     units: Sequence[UnitRegions],
     staging: np.ndarray | None,
+    fingerprints: np.ndarray,
 ) -> ObjectBatch:
     """One object per (unit, ObjectSpec), unit-major: a header region, then the payload regions
     (the caller's, or consecutive slices of ``staging`` on the copy path). ``keys`` are per object
-    spec (outer) per unit (inner)."""
+    spec (outer) per unit (inner); ``fingerprints``: one row of words per object spec."""
     n_obj = len(sizes)
     headers = np.zeros((len(units) * n_obj, HEADER_BYTES), dtype=np.uint8)
     header_ptr = address(headers)
@@ -155,7 +168,16 @@ def build_objects(
             objects.append(StorageObject(keys[j][i], (BufferRegion(header_ptr, HEADER_BYTES), *payload)))
             payloads.append(payload)
             header_ptr += HEADER_BYTES
-    return ObjectBatch(objects, payloads, headers, n_obj)
+    count = len(units)
+    return ObjectBatch(
+        objects,
+        payloads,
+        headers,
+        n_obj,
+        payload_nbytes=np.tile(np.asarray(sizes, dtype=np.int64), count),
+        fingerprints=np.tile(fingerprints, (count, 1)),
+        digests=key_digests([obj.key for obj in objects]),
+    )
 
 
 def stage_out(staging: np.ndarray, units: Sequence[UnitRegions]) -> None:
@@ -196,29 +218,63 @@ def on_subset(
     return BatchResult(ok, sub.error, sub.skipped, sub.failed, sub.foreign)
 
 
+class ReadChecks:
+    """The ``check`` the engine hands a backend's ``get``: the checksum of each object, computed by
+    the I/O thread that just read it.
+
+    Why there: the bytes are still in that core's cache, the objects of a batch hash in parallel
+    (xxhash releases the GIL for buffers this large), and the engine thread is left with one
+    vectorised pass over the headers (:func:`verify_batch`) instead of hashing object after object
+    once the whole batch has arrived. Rows a backend did not check are computed by that pass.
+    """
+
+    __slots__ = ("_full", "_headers", "_payloads", "computed", "have")
+
+    def __init__(self, batch: ObjectBatch) -> None:
+        rows = len(batch.objects)
+        self.computed = np.zeros(rows, dtype=np.uint64)
+        self.have = np.zeros(rows, dtype=bool)
+        self._full = (batch.payload_nbytes + HEADER_BYTES).tolist()
+        self._headers = batch.headers.reshape(-1).data
+        self._payloads = batch.payloads
+
+    def checksum(self, row: int) -> int:
+        start = row * HEADER_BYTES
+        return object_checksum(self._headers[start : start + HEADER_BYTES], self._payloads[row])
+
+    def __call__(self, row: int, nbytes: int) -> None:
+        """Called by an I/O thread once object ``row`` is read (``nbytes``; negative: not found).
+        Only a complete object has a checksum worth computing."""
+        if nbytes == self._full[row]:
+            self.computed[row] = self.checksum(row)
+            self.have[row] = True
+
+
 def verify_batch(
-    batch: ObjectBatch, read: Sequence[int], fingerprints: Sequence[bytes], checksum: ChecksumPolicy
+    batch: ObjectBatch, read: Sequence[int], checksum: ChecksumPolicy, checks: ReadChecks | None = None
 ) -> tuple[list[bool], dict[Verdict, list[str]]]:
     """Verify every object read back (``read``: bytes per object, negative = a plain miss):
     per object whether it is good, and the keys of the rejected ones by verdict."""
-    good = [False] * len(batch.objects)
+    rows = len(batch.objects)
+    if checks is None:
+        checks = ReadChecks(batch)  # nothing computed yet: verify_headers asks for what it needs
+    got = np.fromiter(read, dtype=np.int64, count=rows)
+    codes = verify_headers(
+        batch.headers,
+        got,
+        payload_nbytes=batch.payload_nbytes,
+        fingerprints=batch.fingerprints,
+        digests=batch.digests,
+        checksum=checksum,
+        computed=checks.computed,
+        have=checks.have,
+        compute=checks.checksum,
+    )
+    found = got >= 0
     rejected: dict[Verdict, list[str]] = {}
-    for row, obj in enumerate(batch.objects):
-        if read[row] < 0:
-            continue  # a plain miss
-        verdict = verify_object(
-            batch.headers[row].data,
-            key=obj.key,
-            fingerprint=fingerprints[row % batch.n_obj],
-            payload=batch.payloads[row],
-            bytes_read=read[row],
-            checksum=checksum,
-        )
-        if verdict is Verdict.OK:
-            good[row] = True
-        else:
-            rejected.setdefault(verdict, []).append(obj.key)
-    return good, rejected
+    for row in np.flatnonzero(found & (codes != 0)).tolist():
+        rejected.setdefault(VERDICTS[codes[row]], []).append(batch.objects[row].key)
+    return (found & (codes == 0)).tolist(), rejected
 
 
 Operation = Callable[[str, Sequence[str], Sequence[UnitRegions]], BatchResult]
