@@ -30,6 +30,7 @@ BENCHMARKS = {
     "replay": "replay.py",
     "simulate": "simulate.py",
     "sglang_l3": "sglang_l3.py",
+    "peers_storage": "peers/storage.py",
 }
 
 
