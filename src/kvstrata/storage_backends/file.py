@@ -19,10 +19,17 @@ can prove are its own -- a file in its layout (a fan-out sub-directory named by 
 file's name, or the root without fan-out) that starts with the object magic, or a temp file named
 as this backend names them. Everything else in the directory is never counted, evicted or removed.
 
-Capacity: ``capacity_bytes`` bounds what this process keeps; the LRU order lives in memory,
-seeded at open from the objects already there (oldest access/modification time first), updated on
-every hit, put and exists. Objects written by other processes after open are adopted when this
-process first touches them. Temp files of writers that died (kill -9, power loss) are removed at
+The index: every object this process knows (file name -> directory, size, when it was last seen
+on disk), in LRU order. It is built at open from the objects already there (oldest
+access/modification time first) and kept by put, get, eviction and remove, so ``exists`` answers
+objects seen within ``exists_recheck_s`` without a syscall -- the per-key ``stat`` (and the
+digest of the key to find its path) was most of what an existence query cost. A key the index
+does not hold is always checked on disk: the directory is shared, and an object another process
+wrote after open is found (and adopted), never hidden. An entry seen longer ago is checked on
+disk again, since another process's eviction may have removed it.
+
+Capacity: ``capacity_bytes`` bounds what this process keeps, evicting in the index's LRU order
+(updated on every hit, put and exists). Temp files of writers that died (kill -9, power loss) are removed at
 open once older than ``stale_temp_s``; younger ones (a writer may be alive) count against the
 capacity until they vanish or grow stale.
 """
