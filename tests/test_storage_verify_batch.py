@@ -13,17 +13,15 @@ import pytest
 
 from kvstrata.core.integrity import (
     HEADER_BYTES,
-    VERDICTS,
     Verdict,
     build_header,
     fill_headers,
     fingerprint_words,
     key_digests,
     layout_fingerprint,
-    object_checksum,
-    verify_headers,
     verify_object,
 )
+from kvstrata.core.storage_batch import ObjectBatch, ReadChecks, verify_batch
 from kvstrata.plugins.storage_backend import BufferRegion, ReadCheck, StorageObject
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
@@ -56,30 +54,22 @@ def test_fill_headers_writes_what_build_header_builds() -> None:
             assert headers[row].tobytes() == expected, (checksum, row)
 
 
-def _scalar(header: bytes, payload: np.ndarray, *, key: str, fp: bytes, read: int, checksum: str) -> Verdict:
-    return verify_object(
-        header,
-        key=key,
-        fingerprint=fp,
-        payload=regions(payload),
-        bytes_read=read,
-        checksum=checksum,  # type: ignore[arg-type]
-    )
-
-
-def test_vectorised_verdicts_equal_verify_object_on_every_kind_of_damage() -> None:
+def test_batch_verdicts_equal_verify_object_on_every_kind_of_damage() -> None:
     """Every header byte flipped, payload flips, short and long reads, other keys and layouts, an
-    object without a checksum, both reader policies: the batch pass and the per-object function
-    agree row by row (so the batch pass keeps verify_object's order of precedence too)."""
+    object without a checksum, both reader policies, checksums computed by "I/O threads" or not:
+    the batch pass and the per-object function agree on every row."""
     spec = conformance_specs()["state"]
     fp, other_fp = layout_fingerprint(spec, "state"), layout_fingerprint(conformance_specs()["index"], "idx")
     rng = random.Random(7)
-    rows: list[tuple[bytes, np.ndarray, str, bytes, int]] = []
+    payloads, headers, keys, expected_fps, reads = [], [], [], [], []
     for written_with in ("xxh3", "none"):
         for case in range(90):
+            row = len(payloads)
             payload = np.frombuffer(rng.randbytes(40), dtype=np.uint8).copy()
-            header = bytearray(build_header("key", fp, regions(payload), written_with))  # type: ignore[arg-type]
-            key, expected_fp, read = "key", fp, HEADER_BYTES + 40
+            key, writer_key, expected_fp, read = f"key-{row}", f"key-{row}", fp, HEADER_BYTES + 40
+            if case >= 78 and case < 82:
+                writer_key = f"another-key-{row}"
+            header = bytearray(build_header(writer_key, fp, regions(payload), written_with))  # type: ignore[arg-type]
             if case < HEADER_BYTES:
                 header[case] ^= 1 << rng.randrange(8)
             elif case < 70:
@@ -88,38 +78,52 @@ def test_vectorised_verdicts_equal_verify_object_on_every_kind_of_damage() -> No
                 read = rng.choice([-1, 0, 10, HEADER_BYTES - 1])
             elif case < 78:
                 read = HEADER_BYTES + rng.choice([0, 39, 41])
-            elif case < 82:
-                key = "another-key"
-            elif case < 86:
+            elif case >= 82 and case < 86:
                 expected_fp = other_fp
-            rows.append((bytes(header), payload, key, expected_fp, read))
-    for policy in ("xxh3", "none"):
-        headers = np.frombuffer(b"".join(r[0] for r in rows), dtype=np.uint8).reshape(len(rows), HEADER_BYTES)
-        computed = np.zeros(len(rows), dtype=np.uint64)
-        have = np.zeros(len(rows), dtype=bool)
-
-        def compute(row: int, headers: np.ndarray = headers) -> int:
-            return object_checksum(headers[row].tobytes(), regions(rows[row][1]))
-
-        codes = verify_headers(
-            headers.copy(),
-            np.array([r[4] for r in rows], dtype=np.int64),
-            payload_nbytes=np.full(len(rows), 40, dtype=np.int64),
-            fingerprints=fingerprint_words([r[3] for r in rows]),
-            digests=key_digests([r[2] for r in rows]),
-            checksum=policy,  # type: ignore[arg-type]
-            computed=computed,
-            have=have,
-            compute=compute,
-        )
-        verdicts = set()
-        for row, (header, payload, key, expected_fp, read) in enumerate(rows):
+            payloads.append(payload)
+            headers.append(bytes(header))
+            keys.append(key)
+            expected_fps.append(expected_fp)
+            reads.append(read)
+    table = np.frombuffer(b"".join(headers), dtype=np.uint8).reshape(len(headers), HEADER_BYTES).copy()
+    header_ptr = int(table.ctypes.data)
+    batch = ObjectBatch(
+        objects=[
+            StorageObject(key, (BufferRegion(header_ptr + i * HEADER_BYTES, HEADER_BYTES), *regions(p)))
+            for i, (key, p) in enumerate(zip(keys, payloads, strict=True))
+        ],
+        payloads=[regions(p) for p in payloads],
+        headers=table,
+        n_obj=1,
+        payload_nbytes=np.full(len(keys), 40, dtype=np.int64),
+        fingerprints=fingerprint_words(expected_fps),
+        digests=key_digests(keys),
+    )
+    seen = set()
+    for policy, in_threads in (("xxh3", True), ("xxh3", False), ("none", False)):
+        checks = ReadChecks(batch)
+        if in_threads:
+            for row, read in enumerate(reads):
+                if read >= 0:
+                    checks(row, read)
+        good, rejected = verify_batch(batch, reads, policy, checks if in_threads else None)  # type: ignore[arg-type]
+        verdict_of = {key: verdict for verdict, bad in rejected.items() for key in bad}
+        for row, read in enumerate(reads):
             if read < 0:
-                continue  # a plain miss: the caller never looks at its verdict
-            expected = _scalar(header, payload, key=key, fp=expected_fp, read=read, checksum=policy)
-            assert VERDICTS[codes[row]] is expected, (policy, row)
-            verdicts.add(expected)
-        assert len(verdicts) >= 7, verdicts  # the cases reach almost every verdict
+                assert not good[row] and keys[row] not in verdict_of  # a plain miss
+                continue
+            expected = verify_object(
+                headers[row],
+                key=keys[row],
+                fingerprint=expected_fps[row],
+                payload=regions(payloads[row]),
+                bytes_read=read,
+                checksum=policy,  # type: ignore[arg-type]
+            )
+            assert good[row] == (expected is Verdict.OK), (policy, row, expected)
+            assert verdict_of.get(keys[row], Verdict.OK) is expected, (policy, row)
+            seen.add(expected)
+    assert len(seen) >= 8, seen  # the cases reach (almost) every verdict
 
 
 class ObservedFileBackend(FileBackend):
