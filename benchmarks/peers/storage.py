@@ -20,7 +20,10 @@ order of the two sides alternates per operation and round; 1 warm-up round, then
 min-max over ``--rounds``. Ratios are kvstrata / HiCacheFile of the medians: GiB/s for put and get
 (bigger is better), microseconds per key for exists (smaller is better).
 
-Goals (issue 16): get >= 1.5x, put >= 2x, exists <= 1.0x of HiCacheFile's time per key.
+Goals (issue 16): get >= 1.5x, put >= 2x, exists <= 1.0x of HiCacheFile's time per key. The
+exists-cached row compares the same kvstrata query with HiCacheFile's strongest existence path, its
+optional in-memory metadata cache (``enable_metadata_cache``, off by default; a second instance
+over the same directory whose cache saw the keys on the first query of each round).
 
     PYTHONPATH=src python benchmarks/peers/storage.py [--quick] [--rounds N] [--json OUT]
 
@@ -55,6 +58,7 @@ WORKLOADS = (
     ("put", "GiB/s", 2.0, True),
     ("get", "GiB/s", 1.5, True),
     ("exists", "us/key", 1.0, False),
+    ("exists-cached", "us/key", 1.0, False),
 )
 
 
@@ -71,7 +75,7 @@ def page_keys(side: str, round_id: int, count: int) -> list[str]:
 class KvstrataWorker:
     """kvstrata's file backend through the storage engine, xxh3 checksums on."""
 
-    def __init__(self, directory: Path, pages: int, page_bytes: int, capacity: int) -> None:
+    def __init__(self, directory: Path, pages: int, page_bytes: int, capacity: int, io_threads: int) -> None:
         import torch
 
         from kvstrata.core.config import ParallelConfig
@@ -108,7 +112,10 @@ class KvstrataWorker:
             ),
             objects=(ObjectSpec(suffix="kv", buffers=("kv",)),),
         )
-        self.backend = FileBackend("l3", FileConfig(path=directory, capacity_bytes=capacity or None))
+        config = FileConfig(path=directory, capacity_bytes=capacity or None)
+        if io_threads:
+            config = config.model_copy(update={"io_threads": io_threads})
+        self.backend = FileBackend("l3", config)
         self.backend.open()
         parallel = ParallelConfig()
         plans = plan_backend("l3", self.backend.instance_capabilities(), [spec], parallel=parallel)
@@ -135,6 +142,9 @@ class KvstrataWorker:
     def exists(self, keys: list[str]) -> int:
         return self.engine.exists("kv", keys).prefix
 
+    def exists_cached(self, keys: list[str]) -> int:
+        return self.exists(keys)  # kvstrata's index is always on
+
     def close(self) -> None:
         self.backend.close()
 
@@ -142,7 +152,7 @@ class KvstrataWorker:
 class HiCacheFileWorker:
     """SGLang's ``HiCacheFile``, default configuration, driven with its batch calls."""
 
-    def __init__(self, directory: Path, pages: int, page_bytes: int, capacity: int) -> None:
+    def __init__(self, directory: Path, pages: int, page_bytes: int, capacity: int, io_threads: int) -> None:
         import torch
 
         from kvstrata.testing.sglang_cpu import load_sglang_mem_cache, storage_config
@@ -152,6 +162,10 @@ class HiCacheFileWorker:
         if capacity:
             extra["max_size"] = capacity  # its LRU evictor, default eviction_ratio
         self.storage = module.HiCacheFile(storage_config(extra_config=extra))
+        # Its strongest existence path: the optional in-memory metadata cache (off by default),
+        # as a second instance over the same directory, used for the exists-cached workload only.
+        cached = {**extra, "enable_metadata_cache": True}
+        self.cached = module.HiCacheFile(storage_config(extra_config=cached))
         self.source = torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8)
         self.target = torch.zeros_like(self.source)
         # bf16 page views, as SGLang's page_first host pool hands out pages
@@ -166,6 +180,9 @@ class HiCacheFileWorker:
 
     def exists(self, keys: list[str]) -> int:
         return int(self.storage.batch_exists(keys))
+
+    def exists_cached(self, keys: list[str]) -> int:
+        return int(self.cached.batch_exists(keys))
 
     def close(self) -> None:
         pass
@@ -192,7 +209,7 @@ def worker_main(args: argparse.Namespace) -> None:
     worker_class = KvstrataWorker if args.worker == "kvstrata" else HiCacheFileWorker
     out: TextIO = sys.stdout
     try:
-        worker = worker_class(Path(args.dir), args.pages, page_bytes, capacity_bytes(args))
+        worker = worker_class(Path(args.dir), args.pages, page_bytes, capacity_bytes(args), args.io_threads)
     except (ImportError, SGLangUnavailable) as exc:
         out.write(json.dumps({"error": f"{args.worker}: {exc} (see benchmarks/peers/setup.sh)"}) + "\n")
         out.flush()
@@ -213,8 +230,9 @@ def worker_main(args: argparse.Namespace) -> None:
             wall, cpu, got = timed(lambda keys=keys: worker.get(keys))
             equal = bool((worker.target == worker.source).all())
             answer = {"wall": wall, "cpu": cpu, "ok": got == args.pages and equal, "detail": f"{got} pages"}
-        elif op == "exists":
-            runs = [timed(lambda keys=keys: worker.exists(keys)) for _ in range(args.exists_repeats)]
+        elif op in ("exists", "exists-cached"):
+            query = worker.exists if op == "exists" else worker.exists_cached
+            runs = [timed(lambda keys=keys, query=query: query(keys)) for _ in range(args.exists_repeats)]
             found = {run[2] for run in runs}
             answer = {
                 "wall": statistics.median(run[0] for run in runs),
@@ -254,6 +272,8 @@ class Side:
             str(args.exists_repeats),
             "--capacity-batches",
             str(args.capacity_batches),
+            "--io-threads",
+            str(args.io_threads),
         ]
         self.name = name
         self.proc = subprocess.Popen(
@@ -304,6 +324,9 @@ def main() -> None:
     parser.add_argument("--page-kib", type=int, default=256)
     parser.add_argument("--exists-repeats", type=int, default=11)
     parser.add_argument(
+        "--io-threads", type=int, default=0, help="kvstrata file backend io_threads (0: its default, 4)"
+    )
+    parser.add_argument(
         "--capacity-batches",
         type=float,
         default=3,
@@ -341,7 +364,7 @@ def main() -> None:
     batch_bytes = args.pages * (args.page_kib << 10)
 
     def figures_of(side: str, op: str, clock: dict[tuple[str, str], list[float]]) -> list[float]:
-        if op == "exists":
+        if op.startswith("exists"):
             return [t / args.pages * 1e6 for t in clock[(side, op)]]
         return [batch_bytes / t / GIB for t in clock[(side, op)]]
 
@@ -356,18 +379,21 @@ def main() -> None:
         ours, theirs = figures_of("kvstrata", op, times), figures_of("HiCacheFile", op, times)
         ratio = statistics.median(ours) / statistics.median(theirs)
         met = ratio >= goal if at_least else ratio <= goal
-        name = {
-            "put": "put (kvstrata: xxh3 header)",
-            "get": "get (kvstrata: xxh3 verified)",
-            "exists": "exists, all present (lower=better)",
+        name, metric, peer = {
+            "put": ("put (kvstrata: xxh3 header)", "put, xxh3 header", "HiCacheFile"),
+            "get": ("get (kvstrata: xxh3 verified)", "get, xxh3 verified", "HiCacheFile"),
+            "exists": ("exists, all present (lower=better)", "exists per key, all present", "HiCacheFile"),
+            "exists-cached": (
+                "  vs HiCacheFile metadata cache on",
+                "exists per key, all present, peer with its metadata cache",
+                "HiCacheFile, enable_metadata_cache",
+            ),
         }[op]
         bound = f"{'>=' if at_least else '<='} {goal:g} ({'met' if met else 'NOT met'})"
         print(f"{name:<34} {spread(ours):>26} {spread(theirs):>29} {ratio:>6.2f}  {bound}  [{unit}]")
-        metric = f"{name}, {args.pages} x {args.page_kib} KiB"
+        metric = f"L3 file {metric} ({args.pages} x {args.page_kib} KiB pages)"
         figures.append(
-            Figure.against(
-                metric, statistics.median(ours), unit, statistics.median(theirs), "SGLang HiCacheFile"
-            )
+            Figure.against(metric, statistics.median(ours), unit, statistics.median(theirs), f"SGLang {peer}")
         )
         cpu_ours, cpu_theirs = figures_of("kvstrata", op, cpu), figures_of("HiCacheFile", op, cpu)
         cpu_ratio = statistics.median(cpu_ours) / statistics.median(cpu_theirs)
