@@ -32,6 +32,7 @@ BENCHMARKS = {
     "eviction": "eviction.py",
     "sglang_l3": "sglang_l3.py",
     "hf": "hf.py",
+    "peers_storage": "peers/storage.py",
 }
 
 

@@ -17,6 +17,7 @@ marker object per unit; its units may be omitted (``PoolBatch(hashes)``) or be e
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -30,10 +31,10 @@ from kvstrata.core.config import ParallelConfig
 from kvstrata.core.integrity import (
     DAMAGE,
     FOREIGN,
-    HEADER_BYTES,
     ChecksumPolicy,
     Verdict,
-    build_header,
+    fill_headers,
+    fingerprint_words,
     layout_fingerprint,
     stored_objects,
 )
@@ -43,6 +44,7 @@ from kvstrata.core.storage_batch import (
     BatchResult,
     ObjectBatch,
     PoolBatch,
+    ReadChecks,
     UnitRegions,
     build_objects,
     checked_units,
@@ -99,6 +101,20 @@ class StorageMetrics:
     bytes_written: int = 0
     bytes_read: int = 0
 
+    def record_get(
+        self, units: int, hits: int, nbytes: int, corrupt: Mapping[str, int], foreign: Mapping[str, int]
+    ) -> None:
+        """Count one get batch (the caller holds the engine's lock)."""
+        self.get_units += units
+        self.get_hits += hits
+        self.get_misses += units - hits
+        self.bytes_read += nbytes
+        self.corrupt_detected += sum(corrupt.values())
+        self.foreign_objects += sum(foreign.values())
+        for reasons, found in ((self.corrupt_reasons, corrupt), (self.foreign_reasons, foreign)):
+            for reason, n in found.items():
+                reasons[reason] = reasons.get(reason, 0) + n
+
 
 class StorageEngine:
     """Batch I/O of one stack's pools on one backend instance, driven only by plans and specs."""
@@ -131,10 +147,11 @@ class StorageEngine:
         self._suffixes: dict[str, list[str]] = {}
         self._payload_bytes: dict[str, list[int]] = {}
         self._unit_bytes: dict[str, int] = {}
-        self._fingerprints: dict[str, list[bytes]] = {}
+        self._fingerprints: dict[str, np.ndarray] = {}
         for name, spec in specs.items():
             self.add_pool(name, spec, plans[name])
         self._removable = backend.instance_capabilities().removable
+        self._backend_checks_reads = _accepts_read_checks(backend)
         config = getattr(backend, "config", None)
         breaker = config.circuit_breaker if isinstance(config, BackendConfig) else BreakerConfig()
         self.breaker = CircuitBreaker(breaker.failures, breaker.cooldown_s)
@@ -151,7 +168,9 @@ class StorageEngine:
         self._suffixes[name] = [suffix for suffix, _ in objects]
         self._payload_bytes[name] = [nbytes for _, nbytes in objects]
         self._unit_bytes[name] = sum(self._payload_bytes[name])
-        self._fingerprints[name] = [layout_fingerprint(spec, suffix) for suffix, _ in objects]
+        self._fingerprints[name] = fingerprint_words(
+            [layout_fingerprint(spec, suffix) for suffix, _ in objects]
+        )
 
     # --- keys ---------------------------------------------------------------------------------
 
@@ -184,7 +203,7 @@ class StorageEngine:
         return message
 
     def _call_backend(
-        self, operation: str, pool: str, items: Sequence[Any]
+        self, operation: str, pool: str, items: Sequence[Any], **options: Any
     ) -> tuple[list[Any] | None, str | None]:
         """Run ``backend.<operation>(items)``; a raise or a wrong-length answer fails the whole
         call (``None`` and why), never the caller. While the circuit breaker is open the backend
@@ -196,7 +215,7 @@ class StorageEngine:
                 f"repeated failures (a trial call goes through every {self.breaker.cooldown_s:g} s)"
             )
         try:
-            answer = list(getattr(self.backend, operation)(items))
+            answer = list(getattr(self.backend, operation)(items, **options))
             if len(answer) != len(items):
                 raise RuntimeError(f"backend returned {len(answer)} results for {len(items)} items")
         except Exception as exc:  # a backend failure fails this call only
@@ -235,8 +254,10 @@ class StorageEngine:
         found, error = self._call_backend("exists", pool, flat)
         if found is None:
             return BatchResult([False] * count, error, failed=count)
-        ok = [all(found[j * count + i] for j in range(len(per_object))) for i in range(count)]
-        return BatchResult(ok)
+        if len(per_object) == 1:
+            return BatchResult([bool(flag) for flag in found])
+        per_key = [found[j * count : (j + 1) * count] for j in range(len(per_object))]
+        return BatchResult([all(flags) for flags in zip(*per_key, strict=True)])
 
     def exists_prefix(self, pool: str, page_hashes: Sequence[str]) -> int:
         """How many leading pages of ``page_hashes`` the backend holds for ``pool``."""
@@ -272,7 +293,8 @@ class StorageEngine:
             if writing:
                 stage_out(staging, units)
         keys = self.object_keys(pool, page_hashes)
-        return transfer(pool, units, staging, build_objects(keys, self._payload_bytes[pool], units, staging))
+        batch = build_objects(keys, self._payload_bytes[pool], units, staging, self._fingerprints[pool])
+        return transfer(pool, units, staging, batch)
 
     def put(self, pool: str, page_hashes: Sequence[str], units: Sequence[UnitRegions]) -> BatchResult:
         """Store every unit (one object per ObjectSpec); a unit succeeds when all its objects do.
@@ -287,13 +309,14 @@ class StorageEngine:
         self, pool: str, _units: Sequence[UnitRegions], _staging: np.ndarray | None, batch: ObjectBatch
     ) -> BatchResult:
         count = batch.units
-        fingerprints = self._fingerprints[pool]
-        header_bytes = batch.headers.reshape(-1).data
-        for row, (obj, payload) in enumerate(zip(batch.objects, batch.payloads, strict=True)):
-            start = row * HEADER_BYTES
-            header_bytes[start : start + HEADER_BYTES] = build_header(
-                obj.key, fingerprints[row % batch.n_obj], payload, self.checksum
-            )
+        fill_headers(
+            batch.headers,
+            digests=batch.digests,
+            fingerprints=batch.fingerprints,
+            payload_nbytes=batch.payload_nbytes,
+            payloads=batch.payloads,
+            checksum=self.checksum,
+        )
         stored, error = self._call_backend("put", pool, batch.objects)
         if stored is None:
             self._count(put_units=count, put_failed=count)
@@ -332,29 +355,21 @@ class StorageEngine:
         self, pool: str, units: Sequence[UnitRegions], staging: np.ndarray | None, batch: ObjectBatch
     ) -> BatchResult:
         count = batch.units
-        read, error = self._call_backend("get", pool, batch.objects)
+        checks = ReadChecks(batch) if self.checksum == "xxh3" else None
+        options = {"check": checks} if checks is not None and self._backend_checks_reads else {}
+        read, error = self._call_backend("get", pool, batch.objects, **options)
         if read is None:
             self._count(get_units=count, get_misses=count)
             return BatchResult([False] * count, error, failed=count)
-        good, rejected = verify_batch(batch, read, self._fingerprints[pool], self.checksum)
+        good, rejected = verify_batch(batch, read, self.checksum, checks)
         ok = batch.per_unit(good)
         if staging is not None:
             stage_in(staging, units, ok, self._unit_bytes[pool])
-        hits = ok.count(True)
         nbytes = sum(read[row] for row in range(len(batch.objects)) if ok[row // batch.n_obj])
         corrupt = {v.value: len(keys) for v, keys in rejected.items() if v not in FOREIGN}
         foreign = {v.value: len(keys) for v, keys in rejected.items() if v in FOREIGN}
         with self._lock:
-            metrics = self.metrics
-            metrics.get_units += count
-            metrics.get_hits += hits
-            metrics.get_misses += count - hits
-            metrics.bytes_read += nbytes
-            metrics.corrupt_detected += sum(corrupt.values())
-            metrics.foreign_objects += sum(foreign.values())
-            for reasons, found in ((metrics.corrupt_reasons, corrupt), (metrics.foreign_reasons, foreign)):
-                for reason, n in found.items():
-                    reasons[reason] = reasons.get(reason, 0) + n
+            self.metrics.record_get(count, ok.count(True), nbytes, corrupt, foreign)
         if corrupt:
             log.warning("pool %r: rejected damaged objects %s", pool, corrupt)
         if foreign:
@@ -396,3 +411,16 @@ class StorageEngine:
         """Read several pools for the same pages, anchor FIRST; other pools only read the pages
         the anchor delivered (with no anchor in the group, every pool reads every page)."""
         return get_group(self.specs, self.get, batches)
+
+
+def _accepts_read_checks(backend: StorageBackend) -> bool:
+    """Whether ``backend.get`` takes the optional ``check`` argument (see ``StorageBackend.get``).
+
+    Read from the signature, as pluggy reads a hook implementation's arguments: a backend written
+    before the argument existed, or a subclass overriding ``get`` without it, simply gets its
+    objects verified on the engine thread.
+    """
+    try:
+        return "check" in inspect.signature(backend.get).parameters
+    except (TypeError, ValueError):  # no introspectable signature
+        return False

@@ -201,6 +201,13 @@ def leading_regions(regions: Sequence[BufferRegion], nbytes: int) -> tuple[Buffe
     return tuple(out)
 
 
+#: ``check(row, nbytes)``: what the core may hand ``StorageBackend.get`` to run on each object found,
+#: in the thread that read it, right after reading it (``row``: the object's position in the batch,
+#: ``nbytes``: the bytes read). The core verifies checksums there -- in parallel, on bytes still in
+#: the CPU cache -- rather than one object after another once the batch returned.
+ReadCheck = Callable[[int, int], None]
+
+
 class StorageBackend(ABC):
     """Base class of storage-backend plugins. Subclasses set ``name``, ``Config``, ``capabilities``.
 
@@ -262,7 +269,13 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def get(self, objects: Sequence[StorageObject]) -> list[int]:
-        """Read each object into its regions; per key the bytes read, or a negative code on a miss."""
+        """Read each object into its regions; per key the bytes read, or a negative code on a miss.
+
+        Optional extension: a backend whose ``get`` also takes ``check: ReadCheck | None = None``
+        (the core reads the signature) is handed one and calls ``check(row, nbytes)`` for every
+        object it found, in the thread that read it, before returning. A backend whose ``get``
+        takes only ``objects`` never gets one; the core then checks what it read on its own thread.
+        """
 
     def remove(self, keys: Sequence[str]) -> list[bool]:
         """Delete objects; per key True when it is gone (removed now, or absent already).

@@ -19,10 +19,17 @@ can prove are its own -- a file in its layout (a fan-out sub-directory named by 
 file's name, or the root without fan-out) that starts with the object magic, or a temp file named
 as this backend names them. Everything else in the directory is never counted, evicted or removed.
 
-Capacity: ``capacity_bytes`` bounds what this process keeps; the LRU order lives in memory,
-seeded at open from the objects already there (oldest access/modification time first), updated on
-every hit, put and exists. Objects written by other processes after open are adopted when this
-process first touches them. Temp files of writers that died (kill -9, power loss) are removed at
+The index: every object this process knows (file name -> directory, size, when it was last seen
+on disk), in LRU order. It is built at open from the objects already there (oldest
+access/modification time first) and kept by put, get, eviction and remove, so ``exists`` answers
+objects seen within ``exists_recheck_s`` without a syscall -- the per-key ``stat`` (and the
+digest of the key to find its path) was most of what an existence query cost. A key the index
+does not hold is always checked on disk: the directory is shared, and an object another process
+wrote after open is found (and adopted), never hidden. An entry seen longer ago is checked on
+disk again, since another process's eviction may have removed it.
+
+Capacity: ``capacity_bytes`` bounds what this process keeps, evicting in the index's LRU order
+(updated on every hit, put and exists). Temp files of writers that died (kill -9, power loss) are removed at
 open once older than ``stale_temp_s``; younger ones (a writer may be alive) count against the
 capacity until they vanish or grow stale.
 """
@@ -35,6 +42,7 @@ import itertools
 import logging
 import os
 import re
+import sys
 import threading
 import time
 import uuid
@@ -52,6 +60,7 @@ from kvstrata.plugins.storage_backend import (
     BackendCapabilities,
     BackendConfig,
     PoolCapabilities,
+    ReadCheck,
     StorageBackend,
     StorageObject,
     region_views,
@@ -90,6 +99,15 @@ class FileConfig(BackendConfig):
         gt=0,
         description="age after which a temp file of a dead writer is removed at open (younger: counted)",
     )
+    exists_recheck_s: float = Field(
+        default=5.0,
+        ge=0,
+        description=(
+            "exists answers from memory for objects this process saw on disk within this many seconds; "
+            "older ones (another process may have removed them) and unknown keys are checked on disk "
+            "(0: every key on disk)"
+        ),
+    )
 
     @field_validator("path", mode="before")
     @classmethod
@@ -98,10 +116,6 @@ class FileConfig(BackendConfig):
         if isinstance(value, str) and not value.strip():
             raise ValueError("must name a directory (an empty path would mean the current directory)")
         return value
-
-
-def _apply(fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
-    return [fn(item) for item in items]
 
 
 def _advance(pending: list[memoryview], done: int) -> list[memoryview]:
@@ -167,6 +181,18 @@ def _read_all(fd: int, views: list[memoryview]) -> int:
     return total
 
 
+class _Entry:
+    """What the index knows of one object: its directory, its size, and when (monotonic clock)
+    this process last saw it on disk (opened, wrote, stat-ed, or found at open)."""
+
+    __slots__ = ("directory", "seen", "size")
+
+    def __init__(self, directory: str, size: int, seen: float) -> None:
+        self.directory = directory
+        self.size = size
+        self.seen = seen
+
+
 class FileBackend(StorageBackend):
     name = "file"
     Config = FileConfig
@@ -189,7 +215,9 @@ class FileBackend(StorageBackend):
         self.root = Path(self.config.path)
         # Paths are plain strings on the data path: pathlib costs more than the syscalls it wraps.
         self._root = os.fspath(self.root)
-        self._lru: OrderedDict[str, int] = OrderedDict()
+        #: The index: object file name (the key, or its digest) -> entry, least recently used first.
+        #: ``exists`` answers from it without a syscall; it is also the LRU of the capacity.
+        self._index: OrderedDict[str, _Entry] = OrderedDict()
         self._temps: dict[str, int] = {}  # other writers' live temp files: path -> bytes counted
         self._used = 0
         self._lock = threading.Lock()
@@ -251,16 +279,17 @@ class FileBackend(StorageBackend):
         return hashlib.blake2b(name.encode(), digest_size=16).hexdigest()[:width] == fan
 
     def _adopt_existing(self) -> None:
-        """Seed the LRU with this backend's objects already there (restart, or written by other
+        """Build the index from this backend's objects already there (restart, or written by other
         processes), oldest first; remove abandoned temp files and count live ones. A file outside
         the layout, or without the object magic, is not ours: it is never counted nor touched."""
         now = time.time()
-        found: list[tuple[float, str, int]] = []
+        found: list[tuple[float, str, str, int]] = []
         for directory, fan in self._layout_dirs():
             try:
                 entries = list(os.scandir(directory))
             except FileNotFoundError:
                 continue
+            directory = sys.intern(directory)  # one string per directory, shared by its entries
             for entry in entries:
                 try:
                     if not entry.is_file(follow_symlinks=False):
@@ -268,18 +297,18 @@ class FileBackend(StorageBackend):
                     info = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                path = f"{directory}/{entry.name}"
                 temp = _TMP_NAME.match(entry.name)
                 if temp is not None:
                     if self._in_layout(fan, temp["name"]):
-                        self._temp_found(path, info.st_size, now - info.st_mtime)
-                elif self._in_layout(fan, entry.name) and _has_magic(path):
-                    found.append((max(info.st_atime, info.st_mtime), path, info.st_size))
+                        self._temp_found(f"{directory}/{entry.name}", info.st_size, now - info.st_mtime)
+                elif self._in_layout(fan, entry.name) and _has_magic(f"{directory}/{entry.name}"):
+                    found.append((max(info.st_atime, info.st_mtime), entry.name, directory, info.st_size))
         found.sort(key=lambda item: item[0])
+        seen = time.monotonic()
         with self._lock:
-            for _time, path, size in found:
-                if path not in self._lru:
-                    self._lru[path] = size
+            for _time, name, directory, size in found:
+                if name not in self._index:
+                    self._index[name] = _Entry(directory, size, seen)
                     self._used += size
 
     def _temp_found(self, path: str, size: int, age_s: float) -> None:
@@ -319,40 +348,57 @@ class FileBackend(StorageBackend):
             if age_s is not None:
                 self._temp_found(path, size, age_s)
 
-    # --- paths and LRU ------------------------------------------------------------------------
+    # --- paths and the index ------------------------------------------------------------------
 
-    def _path(self, key: str) -> str:
+    def _locate(self, key: str) -> tuple[str, str]:
+        """``(directory, file name)`` of ``key``: the name is the key itself when it is a safe file
+        name, else its digest; the directory is picked by the digest (fan-out)."""
         digest = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
         name = key if _SAFE_NAME.match(key) and not key.startswith(".") else digest
         fan = digest[: self.config.fanout_chars]
-        return f"{self._root}/{fan}/{name}" if fan else f"{self._root}/{name}"
+        return (sys.intern(f"{self._root}/{fan}") if fan else self._root), name
+
+    def _lookup(self, key: str) -> tuple[str, str, _Entry | None]:
+        """``(directory, name, index entry or None)``; a key the index holds costs no hashing."""
+        entry = self._index.get(key)
+        if entry is not None:
+            return entry.directory, key, entry
+        directory, name = self._locate(key)
+        return directory, name, (self._index.get(name) if name != key else None)
+
+    def _path(self, key: str) -> str:
+        directory, name = self._locate(key)
+        return f"{directory}/{name}"
 
     def path_for(self, key: str) -> Path:
         """Where ``key`` lives (also used by tests to corrupt objects on purpose)."""
         return Path(self._path(key))
 
-    def _touch(self, path: str) -> bool:
-        """Mark a known object used; ``False`` when this process does not know ``path`` yet."""
+    def _seen(self, names: Sequence[str]) -> None:
+        """Objects just proven on disk (read, written, stat-ed): most recently used, seen now."""
+        now = time.monotonic()
+        index = self._index
         with self._lock:
-            if path in self._lru:
-                self._lru.move_to_end(path)
-                return True
-        return False
+            for name in names:
+                entry = index.get(name)
+                if entry is not None:
+                    entry.seen = now
+                    index.move_to_end(name)
 
-    def _adopt(self, path: str, size: int, fd: int | None = None) -> None:
-        """Count an object another process wrote at a key's path, once its magic proves it ours."""
-        if not _has_magic(path, fd):
+    def _adopt(self, directory: str, name: str, size: int, fd: int | None = None) -> None:
+        """Index an object another process wrote at a key's path, once its magic proves it ours."""
+        if not _has_magic(f"{directory}/{name}", fd):
             return
         with self._lock:
-            if path not in self._lru:
-                self._lru[path] = size
+            if name not in self._index:
+                self._index[name] = _Entry(directory, size, time.monotonic())
                 self._used += size
 
-    def _forget(self, path: str) -> None:
+    def _forget(self, name: str) -> None:
         with self._lock:
-            size = self._lru.pop(path, None)
-            if size is not None:
-                self._used -= size
+            entry = self._index.pop(name, None)
+            if entry is not None:
+                self._used -= entry.size
 
     def _reserve(self, nbytes: int) -> bool:
         """Evict least recently used objects until ``nbytes`` more fit under the capacity."""
@@ -367,10 +413,10 @@ class FileBackend(StorageBackend):
             self._settle_temps()
         victims: list[str] = []
         with self._lock:
-            while self._used + nbytes > capacity and self._lru:
-                path, size = self._lru.popitem(last=False)
-                self._used -= size
-                victims.append(path)
+            while self._used + nbytes > capacity and self._index:
+                name, entry = self._index.popitem(last=False)
+                self._used -= entry.size
+                victims.append(f"{entry.directory}/{name}")
             self._used += nbytes  # reserved; corrected by _release on failure
         for path in victims:
             with contextlib.suppress(FileNotFoundError):  # another process may have removed it
@@ -388,35 +434,69 @@ class FileBackend(StorageBackend):
 
     # --- I/O ----------------------------------------------------------------------------------
 
-    def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
-        """``fn`` over ``items`` on the I/O threads, one contiguous chunk per thread: a future per
-        item would cost more than reading a page from the page cache."""
+    def _map_rows(self, fn: Callable[[int, int], list[_R]], count: int) -> list[_R]:
+        """``fn(start, stop)`` over ``range(count)`` on the I/O threads, one contiguous chunk per
+        thread (the calling thread works the first): a future per item would cost more than
+        reading a page from the page cache."""
         if self._pool is None:
             raise RuntimeError(f"file backend {self.instance!r} is not open")
-        chunks = min(self.config.io_threads, len(items) // _MIN_CHUNK)
+        chunks = min(self.config.io_threads, count // _MIN_CHUNK)
         if chunks <= 1:
-            return [fn(item) for item in items]
-        bounds = [len(items) * index // chunks for index in range(chunks + 1)]
-        parts = [items[bounds[i] : bounds[i + 1]] for i in range(chunks)]
-        futures = [self._pool.submit(_apply, fn, part) for part in parts[1:]]
-        results = _apply(fn, parts[0])  # this thread works too instead of waiting idle
+            return fn(0, count)
+        bounds = [count * index // chunks for index in range(chunks + 1)]
+        futures = [self._pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, chunks)]
+        results = fn(bounds[0], bounds[1])  # this thread works too instead of waiting idle
         for future in futures:
             results.extend(future.result())
         return results
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        def one(key: str) -> bool:
-            path = self._path(key)
-            try:
-                size = os.stat(path).st_size
-            except FileNotFoundError:
-                self._forget(path)
-                return False
-            if not self._touch(path):
-                self._adopt(path, size)
-            return True
+    def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+        return self._map_rows(lambda start, stop: [fn(item) for item in items[start:stop]], len(items))
 
-        return self._map(one, keys)
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """From the index, without a syscall, for objects this process saw on disk within
+        ``exists_recheck_s``; every other key (unknown here: possibly written by another process,
+        or seen too long ago: possibly removed by one) is checked on disk."""
+        cutoff = time.monotonic() - self.config.exists_recheck_s
+        found = [False] * len(keys)
+        unknown: list[int] = []
+        index = self._index
+        with self._lock:
+            for position, key in enumerate(keys):
+                entry = index.get(key)
+                if entry is not None and entry.seen > cutoff:
+                    index.move_to_end(key)
+                    found[position] = True
+                else:
+                    unknown.append(position)
+        if unknown:
+            on_disk = self._map(
+                lambda key: self._exists_by_name(key, cutoff), [keys[position] for position in unknown]
+            )
+            for position, present in zip(unknown, on_disk, strict=True):
+                found[position] = present
+        return found
+
+    def _exists_by_name(self, key: str, cutoff: float) -> bool:
+        """A key the index does not hold under its own name: stored under its digest (an unsafe
+        key; still no syscall when the index holds that), else checked on disk."""
+        directory, name, entry = self._lookup(key)
+        if entry is not None and entry.seen > cutoff:
+            with self._lock:
+                if name in self._index:
+                    self._index.move_to_end(name)  # used now; not proven on disk now
+            return True
+        try:
+            size = os.stat(f"{directory}/{name}").st_size
+        except FileNotFoundError:
+            if entry is not None:
+                self._forget(name)  # removed by another process
+            return False
+        if entry is None:
+            self._adopt(directory, name, size)
+        else:
+            self._seen((name,))
+        return True
 
     def put(self, objects: Sequence[StorageObject]) -> list[bool]:
         stored = self._map(self._put_one, objects)
@@ -427,7 +507,7 @@ class FileBackend(StorageBackend):
     def _sync_directories(self, objects: Sequence[StorageObject], stored: list[bool]) -> None:
         """fsync mode: a rename is durable only once its directory is. One fsync per directory
         per batch; an object whose directory cannot be synced reports not stored."""
-        directories = [self._path(obj.key).rpartition("/")[0] for obj in objects]
+        directories = [self._lookup(obj.key)[0] for obj in objects]
         failed = {d for d in set(directories) if not _fsync_directory(d)}
         if failed:
             for index, directory in enumerate(directories):
@@ -435,19 +515,24 @@ class FileBackend(StorageBackend):
                     stored[index] = False
 
     def _put_one(self, obj: StorageObject) -> bool:
-        path = self._path(obj.key)
+        # Always stat, even for a key the index holds: a put that answers True must leave the
+        # object on disk, and another process may have removed it since this one saw it.
+        directory, name, entry = self._lookup(obj.key)
+        path = f"{directory}/{name}"
         try:
             size = os.stat(path).st_size
         except FileNotFoundError:
-            pass
+            if entry is not None:
+                self._forget(name)
         else:
-            if not self._touch(path):
-                self._adopt(path, size)
+            if entry is None:
+                self._adopt(directory, name, size)
+            else:
+                self._seen((name,))
             return True  # skip_existing: equal keys carry equal bytes
         nbytes = obj.nbytes
         if not self._reserve(nbytes):
             return False
-        directory, _, name = path.rpartition("/")
         tmp = f"{directory}/.{name}{self._tmp_prefix}{next(self._tmp_serial)}"
         try:
             try:
@@ -470,28 +555,49 @@ class FileBackend(StorageBackend):
                 os.unlink(tmp)
             return False
         with self._lock:
-            if path in self._lru:  # adopted meanwhile: do not count twice
+            known = self._index.get(name)
+            if known is not None:  # adopted meanwhile: do not count twice
                 self._used -= nbytes
+                known.seen = time.monotonic()
             else:
-                self._lru[path] = nbytes
+                self._index[name] = _Entry(directory, nbytes, time.monotonic())
         return True
 
-    def get(self, objects: Sequence[StorageObject]) -> list[int]:
-        return self._map(self._get_one, objects)
+    def get(self, objects: Sequence[StorageObject], check: ReadCheck | None = None) -> list[int]:
+        """Read each object into its regions; ``check(row, nbytes)`` (see the plugin API) runs in
+        the I/O thread that read object ``row``, right after it was read."""
+        return self._map_rows(lambda start, stop: self._get_rows(objects, start, stop, check), len(objects))
 
-    def _get_one(self, obj: StorageObject) -> int:
-        path = self._path(obj.key)
+    def _get_rows(
+        self, objects: Sequence[StorageObject], start: int, stop: int, check: ReadCheck | None
+    ) -> list[int]:
+        results: list[int] = []
+        known: list[str] = []
+        for row in range(start, stop):
+            got = self._get_one(objects[row], known)
+            if check is not None and got >= 0:
+                check(row, got)
+            results.append(got)
+        if known:
+            self._seen(known)  # one lock for the chunk, not one per object
+        return results
+
+    def _get_one(self, obj: StorageObject, known: list[str]) -> int:
+        directory, name, entry = self._lookup(obj.key)
         try:
-            fd = os.open(path, _READ_FLAGS)
+            fd = os.open(f"{directory}/{name}", _READ_FLAGS)
         except FileNotFoundError:
-            self._forget(path)
+            if entry is not None:
+                self._forget(name)
             return MISS
         except OSError as exc:
             return -(exc.errno or 1)
         try:
             got = _read_all(fd, region_views(obj.regions))
-            if not self._touch(path):  # written by another process after open: adopt, real size
-                self._adopt(path, os.fstat(fd).st_size, fd)
+            if entry is None:  # written by another process after open: adopt, real size
+                self._adopt(directory, name, os.fstat(fd).st_size, fd)
+            else:
+                known.append(name)
         except OSError as exc:
             return -(exc.errno or 1)
         finally:
@@ -503,10 +609,10 @@ class FileBackend(StorageBackend):
         return self._map(self._remove_one, keys)
 
     def _remove_one(self, key: str) -> bool:
-        path = self._path(key)
-        self._forget(path)
+        directory, name, _entry = self._lookup(key)
+        self._forget(name)
         try:
-            os.unlink(path)
+            os.unlink(f"{directory}/{name}")
         except FileNotFoundError:
             return True
         except OSError:

@@ -1,0 +1,175 @@
+"""The file backend's in-memory index: what ``exists`` answers without a syscall, and why it stays
+right -- rebuilt at open, kept by put / evict / remove, and never hiding what another process wrote.
+
+OBSERVATION INJECTION where a test counts syscalls: ``os.stat`` inside the backend module is
+wrapped (the real call still runs), since "answered from memory" is otherwise invisible.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+import kvstrata.storage_backends.file as file_module
+from kvstrata.plugins.storage_backend import OBJECT_MAGIC, BufferRegion, StorageObject
+from kvstrata.storage_backends.file import FileBackend, FileConfig
+from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
+
+
+def open_backend(path: Path, **config: object) -> FileBackend:
+    backend = FileBackend("l3", FileConfig(path=path, **config))
+    backend.open()
+    return backend
+
+
+class Blobs:
+    """Objects over bytearrays that start with the object magic (the backend adopts only those)."""
+
+    def __init__(self) -> None:
+        self._keep: list[object] = []
+
+    def obj(self, key: str, data: bytes) -> StorageObject:
+        buffer = bytearray(OBJECT_MAGIC + data)
+        view = (ctypes.c_ubyte * len(buffer)).from_buffer(buffer)
+        self._keep += [buffer, view]
+        return StorageObject(key, (BufferRegion(ctypes.addressof(view), len(buffer)),))
+
+
+@pytest.fixture
+def stat_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Paths the backend stat-ed (the real os.stat still runs)."""
+    calls: list[str] = []
+    real_stat = os.stat
+
+    def counting_stat(path: str, *args: object, **kwargs: object) -> os.stat_result:
+        calls.append(os.fspath(path))
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(file_module.os, "stat", counting_stat)
+    return calls
+
+
+def test_exists_answers_known_objects_from_memory(tmp_path: Path, stat_calls: list[str]) -> None:
+    backend = open_backend(tmp_path)
+    blobs = Blobs()
+    assert backend.put([blobs.obj(f"obj-{i}", bytes([i]) * 100) for i in range(20)]) == [True] * 20
+    stat_calls.clear()
+    assert backend.exists([f"obj-{i}" for i in range(20)]) == [True] * 20
+    assert stat_calls == [], "objects this process wrote are answered without a syscall"
+    assert backend.exists(["obj-3", "never-written"]) == [True, False]
+    assert stat_calls == [str(backend.path_for("never-written"))], "an unknown key is checked on disk"
+    backend.close()
+
+
+def test_index_is_rebuilt_at_open(tmp_path: Path, stat_calls: list[str]) -> None:
+    first = open_backend(tmp_path)
+    blobs = Blobs()
+    keys = [f"persisted-{i}" for i in range(12)] + ["../unsafe key"]  # the last one: a digest name
+    assert first.put([blobs.obj(key, b"x" * 50) for key in keys]) == [True] * len(keys)
+    first.close()
+    second = open_backend(tmp_path)
+    stat_calls.clear()
+    assert second.exists(keys) == [True] * len(keys)
+    assert stat_calls == [], "the objects found at open are answered from the rebuilt index"
+    assert second.used_bytes == len(keys) * (len(OBJECT_MAGIC) + 50)
+    second.close()
+
+
+def test_remove_and_eviction_keep_the_index_right(tmp_path: Path) -> None:
+    backend = open_backend(tmp_path, capacity_bytes=3 * 104)
+    blobs = Blobs()
+    assert backend.put([blobs.obj(f"obj-{i}", bytes(100)) for i in range(3)]) == [True] * 3
+    assert backend.remove(["obj-1"]) == [True]
+    assert backend.exists(["obj-0", "obj-1", "obj-2"]) == [True, False, True]
+    assert backend.put([blobs.obj("obj-3", bytes(100)), blobs.obj("obj-4", bytes(100))]) == [True, True]
+    # obj-0 was the least recently used: evicted to make room, and no longer reported
+    assert backend.exists([f"obj-{i}" for i in range(5)]) == [False, False, True, True, True]
+    assert not backend.path_for("obj-0").exists()
+    assert backend.used_bytes == 3 * 104
+    backend.close()
+
+
+def _write_in_child(path: str, keys: list[str]) -> None:
+    """Runs in a spawned process: another instance writing into the same directory."""
+    backend = open_backend(Path(path))
+    blobs = Blobs()
+    assert backend.put([blobs.obj(key, b"from the other process") for key in keys]) == [True] * len(keys)
+    backend.close()
+
+
+def _remove_in_child(path: str, keys: list[str]) -> None:
+    backend = open_backend(Path(path))
+    assert backend.remove(keys) == [True] * len(keys)
+    backend.close()
+
+
+def _in_child(target: object, *args: object) -> None:
+    context = multiprocessing.get_context("spawn")
+    child = context.Process(target=target, args=args)
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0
+
+
+def test_objects_another_process_writes_after_open_are_seen(tmp_path: Path) -> None:
+    """The backend is shared across instances: a key missing from this process's index is
+    checked on disk, so what another process wrote is never hidden."""
+    backend = open_backend(tmp_path)
+    keys = [f"theirs-{i}" for i in range(20)]
+    assert backend.exists(keys) == [False] * 20
+    _in_child(_write_in_child, str(tmp_path), keys)
+    assert backend.exists(keys) == [True] * 20
+    out = bytearray(len(OBJECT_MAGIC) + 22)
+    view = (ctypes.c_ubyte * len(out)).from_buffer(out)
+    assert backend.get([StorageObject(keys[0], (BufferRegion(ctypes.addressof(view), len(out)),))]) == [
+        len(out)
+    ]
+    assert bytes(out) == OBJECT_MAGIC + b"from the other process"
+    assert backend.used_bytes == 20 * len(out), "adopted into this process's accounting"
+    backend.close()
+
+
+def test_objects_another_process_removed_are_rechecked(tmp_path: Path) -> None:
+    """A positive answer from memory is trusted for ``exists_recheck_s`` at most; a get or put of
+    an object that vanished meanwhile corrects the index at once."""
+    blobs = Blobs()
+    strict = open_backend(tmp_path / "strict", exists_recheck_s=0)
+    lenient = open_backend(tmp_path / "lenient", exists_recheck_s=0.2)
+    for backend in (strict, lenient):
+        assert backend.put([blobs.obj(f"k-{i}", b"data") for i in range(3)]) == [True] * 3
+        _in_child(_remove_in_child, str(backend.root), ["k-0", "k-1", "k-2"])
+    assert strict.exists(["k-0", "k-1"]) == [False, False], "recheck 0: every key on disk"
+    time.sleep(0.25)  # past the recheck window (no timing is asserted)
+    assert lenient.exists(["k-0"]) == [False], "seen too long ago: checked on disk again"
+    # a get that misses forgets the object: exists no longer answers it from memory
+    scratch = bytearray(8)
+    view = (ctypes.c_ubyte * 8).from_buffer(scratch)
+    assert lenient.get([StorageObject("k-1", (BufferRegion(ctypes.addressof(view), 8),))]) == [-1]
+    assert lenient.exists(["k-1"]) == [False]
+    # a put of a key the index held but another process removed writes it again
+    assert lenient.put([blobs.obj("k-2", b"data")]) == [True]
+    assert lenient.path_for("k-2").exists()
+    assert lenient.used_bytes == len(OBJECT_MAGIC) + 4
+    for backend in (strict, lenient):
+        backend.close()
+
+
+def test_engine_exists_and_get_agree_with_the_index_after_corruption_removal(tmp_path: Path) -> None:
+    """A damaged object the engine removes is gone from the index too."""
+    kit = BackendConformance()
+    backend = open_backend(tmp_path)
+    specs = conformance_specs()
+    engine = kit.engine(backend, specs)
+    source, target = kit.pools(specs, 3, seed=31), kit.pools(specs, 3, seed=None)
+    hashes = page_hashes(3, seed=31)
+    assert all(engine.put("index", hashes, source["index"].units(range(3))).ok)
+    assert backend.corrupt_for_test(engine.object_keys("index", hashes)[0][1], "flip")
+    assert engine.get("index", hashes, target["index"].units(range(3))).ok == [True, False, True]
+    assert engine.metrics.corrupt_removed == 1
+    assert engine.exists("index", hashes).ok == [True, False, True]
+    backend.close()

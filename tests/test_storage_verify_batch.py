@@ -1,0 +1,183 @@
+"""Batch verification: the vectorised header checks give verify_object's verdicts, checksums are
+computed in the backend's I/O threads, and a bad object is still a counted miss either way."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstrata.core.integrity import (
+    HEADER_BYTES,
+    Verdict,
+    build_header,
+    fill_headers,
+    fingerprint_words,
+    key_digests,
+    layout_fingerprint,
+    verify_object,
+)
+from kvstrata.core.storage_batch import ObjectBatch, ReadChecks, verify_batch
+from kvstrata.plugins.storage_backend import BufferRegion, ReadCheck, StorageObject
+from kvstrata.storage_backends.file import FileBackend, FileConfig
+from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
+
+KIT = BackendConformance()
+
+
+def regions(*arrays: np.ndarray) -> tuple[BufferRegion, ...]:
+    return tuple(BufferRegion(int(a.ctypes.data), a.nbytes) for a in arrays)
+
+
+def test_fill_headers_writes_what_build_header_builds() -> None:
+    spec = conformance_specs()["attn"]
+    fps = [layout_fingerprint(spec, "k"), layout_fingerprint(spec, "v")]
+    rng = np.random.default_rng(0)
+    payloads = [rng.integers(0, 256, size=n, dtype=np.uint8) for n in (64, 64, 64, 64, 0, 64)]
+    keys = [f"key-{i}" for i in range(len(payloads))]
+    for checksum in ("xxh3", "none"):
+        headers = np.zeros((len(payloads), HEADER_BYTES), dtype=np.uint8)
+        fill_headers(
+            headers,
+            digests=key_digests(keys),
+            fingerprints=np.tile(fingerprint_words(fps), (3, 1)),
+            payload_nbytes=np.array([p.nbytes for p in payloads], dtype=np.int64),
+            payloads=[regions(p) for p in payloads],
+            checksum=checksum,  # type: ignore[arg-type]
+        )
+        for row, payload in enumerate(payloads):
+            expected = build_header(keys[row], fps[row % 2], regions(payload), checksum)  # type: ignore[arg-type]
+            assert headers[row].tobytes() == expected, (checksum, row)
+
+
+def test_batch_verdicts_equal_verify_object_on_every_kind_of_damage() -> None:
+    """Every header byte flipped, payload flips, short and long reads, other keys and layouts, an
+    object without a checksum, both reader policies, checksums computed by "I/O threads" or not:
+    the batch pass and the per-object function agree on every row."""
+    spec = conformance_specs()["state"]
+    fp, other_fp = layout_fingerprint(spec, "state"), layout_fingerprint(conformance_specs()["index"], "idx")
+    rng = random.Random(7)
+    payloads, headers, keys, expected_fps, reads = [], [], [], [], []
+    for written_with in ("xxh3", "none"):
+        for case in range(90):
+            row = len(payloads)
+            payload = np.frombuffer(rng.randbytes(40), dtype=np.uint8).copy()
+            key, writer_key, expected_fp, read = f"key-{row}", f"key-{row}", fp, HEADER_BYTES + 40
+            if case >= 78 and case < 82:
+                writer_key = f"another-key-{row}"
+            header = bytearray(build_header(writer_key, fp, regions(payload), written_with))  # type: ignore[arg-type]
+            if case < HEADER_BYTES:
+                header[case] ^= 1 << rng.randrange(8)
+            elif case < 70:
+                payload[rng.randrange(40)] ^= 0x20
+            elif case < 74:
+                read = rng.choice([-1, 0, 10, HEADER_BYTES - 1])
+            elif case < 78:
+                read = HEADER_BYTES + rng.choice([0, 39, 41])
+            elif case >= 82 and case < 86:
+                expected_fp = other_fp
+            payloads.append(payload)
+            headers.append(bytes(header))
+            keys.append(key)
+            expected_fps.append(expected_fp)
+            reads.append(read)
+    table = np.frombuffer(b"".join(headers), dtype=np.uint8).reshape(len(headers), HEADER_BYTES).copy()
+    header_ptr = int(table.ctypes.data)
+    batch = ObjectBatch(
+        objects=[
+            StorageObject(key, (BufferRegion(header_ptr + i * HEADER_BYTES, HEADER_BYTES), *regions(p)))
+            for i, (key, p) in enumerate(zip(keys, payloads, strict=True))
+        ],
+        payloads=[regions(p) for p in payloads],
+        headers=table,
+        n_obj=1,
+        payload_nbytes=np.full(len(keys), 40, dtype=np.int64),
+        fingerprints=fingerprint_words(expected_fps),
+        digests=key_digests(keys),
+    )
+    seen = set()
+    for policy, in_threads in (("xxh3", True), ("xxh3", False), ("none", False)):
+        checks = ReadChecks(batch)
+        if in_threads:
+            for row, read in enumerate(reads):
+                if read >= 0:
+                    checks(row, read)
+        good, rejected = verify_batch(batch, reads, policy, checks if in_threads else None)  # type: ignore[arg-type]
+        verdict_of = {key: verdict for verdict, bad in rejected.items() for key in bad}
+        for row, read in enumerate(reads):
+            if read < 0:
+                assert not good[row] and keys[row] not in verdict_of  # a plain miss
+                continue
+            expected = verify_object(
+                headers[row],
+                key=keys[row],
+                fingerprint=expected_fps[row],
+                payload=regions(payloads[row]),
+                bytes_read=read,
+                checksum=policy,  # type: ignore[arg-type]
+            )
+            assert good[row] == (expected is Verdict.OK), (policy, row, expected)
+            assert verdict_of.get(keys[row], Verdict.OK) is expected, (policy, row)
+            seen.add(expected)
+    assert len(seen) >= 8, seen  # the cases reach (almost) every verdict
+
+
+class ObservedFileBackend(FileBackend):
+    """OBSERVATION INJECTION: a real file backend whose ``check`` calls are recorded (thread and
+    row) before the engine's check runs."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.check_threads: set[int] = set()
+        self.checked_rows: list[int] = []
+
+    def get(self, objects: Sequence[StorageObject], check: ReadCheck | None = None) -> list[int]:
+        assert check is not None, "the engine hands a check to a backend whose get takes one"
+        lock = threading.Lock()
+
+        def observed(row: int, nbytes: int) -> None:
+            with lock:
+                self.check_threads.add(threading.get_ident())
+                self.checked_rows.append(row)
+            check(row, nbytes)
+
+        return super().get(objects, observed)
+
+
+class PlainGetFileBackend(FileBackend):
+    """A subclass whose ``get`` takes no ``check`` (as a backend written before it existed)."""
+
+    def get(self, objects: Sequence[StorageObject]) -> list[int]:  # type: ignore[override]
+        return super().get(objects)
+
+
+@pytest.mark.parametrize("backend_class", [ObservedFileBackend, PlainGetFileBackend])
+def test_a_bad_object_is_a_counted_miss_wherever_it_is_verified(
+    tmp_path: Path, backend_class: type[FileBackend]
+) -> None:
+    backend = backend_class("l3", FileConfig(path=tmp_path, io_threads=4))
+    backend.open()
+    specs = conformance_specs()
+    engine = KIT.engine(backend, specs)
+    units = 40  # 80 objects: the batch is split over the I/O threads
+    source, target = KIT.pools(specs, units, seed=41), KIT.pools(specs, units, seed=None)
+    hashes = page_hashes(units, seed=41)
+    assert all(engine.put("attn", hashes, source["attn"].units(range(units))).ok)
+    keys = engine.object_keys("attn", hashes)
+    assert backend.corrupt_for_test(keys[1][7], "flip")  # object "v" of unit 7: a payload byte
+    assert backend.corrupt_for_test(keys[0][30], "flip", offset=20)  # a header byte of unit 30
+    result = engine.get("attn", hashes, target["attn"].units(range(units)))
+    assert result.ok == [i not in (7, 30) for i in range(units)]
+    assert engine.metrics.corrupt_detected == 2
+    assert engine.metrics.corrupt_reasons == {"checksum_mismatch": 2}
+    assert engine.metrics.corrupt_removed == 2
+    KIT.assert_units_equal(source["attn"], target["attn"], [i for i in range(units) if i not in (7, 30)])
+    if isinstance(backend, ObservedFileBackend):
+        assert sorted(backend.checked_rows) == list(range(2 * units)), "every object found is checked"
+        assert threading.get_ident() in backend.check_threads, "the calling thread reads a chunk too"
+        assert len(backend.check_threads) > 1, "the other chunks are checked by the I/O threads"
+    backend.close()
