@@ -22,6 +22,7 @@ from rich.table import Table
 
 from kvstrata import __version__
 from kvstrata.core.config import (
+    DEFAULT_MAX_REQUEST_TOKENS,
     ENV_NESTING,
     ENV_PREFIX,
     KvstrataConfig,
@@ -330,6 +331,10 @@ def simulate(
         float, typer.Option("--warmup-fraction", help="leading share of requests that only warm the cache")
     ] = 0.0,
     limit: Annotated[int | None, typer.Option("--limit", help="read only the first N requests")] = None,
+    max_request_tokens: Annotated[
+        int,
+        typer.Option("--max-request-tokens", min=1, help="refuse a trace holding a longer request"),
+    ] = DEFAULT_MAX_REQUEST_TOKENS,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Reference hit-rate simulation of a trace (LRU over blocks, token-weighted): the replay's baseline."""
@@ -349,7 +354,9 @@ def simulate(
         )
         raise _fail(reasons, EXIT_INVALID) from None
     try:
-        requests = read_trace(trace, limit=limit, block_size=block_size)
+        requests = read_trace(
+            trace, limit=limit, block_size=block_size, max_request_tokens=max_request_tokens
+        )
     except TraceError as exc:
         raise _fail(exc, EXIT_INVALID) from None
     with progress(err, "simulated", len(requests), quiet=as_json) as update:
@@ -556,7 +563,7 @@ def replay(
             overrides = [f"tiers.storage.l3.path={scratch}", *overrides]
         config = load_cli_config(files, overrides, host, user_overrides=user_overrides)
         try:
-            requests = read_trace(trace, limit=limit)
+            requests = read_trace(trace, limit=limit, max_request_tokens=config.model.max_request_tokens)
         except TraceError as exc:
             raise _fail(exc, EXIT_INVALID) from None
         baseline = simulate(requests, SimulationConfig(warmup_fraction=warmup_fraction)).hit_rate

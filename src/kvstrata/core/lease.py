@@ -83,7 +83,9 @@ class Lease:
                 self._hashes = new
             else:
                 self._hashes.extend(new)
-        return self._hashes  # type: ignore[return-value]
+        if self._hashes is None:  # no whole page yet (a request shorter than a page)
+            self._hashes = []
+        return self._hashes
 
     @property
     def cached_tokens(self) -> int:
