@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -164,3 +167,59 @@ def run_main(argv: Sequence[str | Path], capsys: Any, monkeypatch: Any) -> tuple
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+class FollowedRun:
+    """A CLI run in the background whose stderr is read as it comes (progress every 0.2 s), so a
+    test can act at a point of the run -- stop a master after N requests -- by PID."""
+
+    def __init__(self, *args: str | Path, cwd: Path, env: dict[str, str] | None = None) -> None:
+        self.proc = popen_cli(*args, cwd=cwd, env={"KVSTRATA_PROGRESS_S": "0.2", **(env or {})})
+        self.lines: list[str] = []
+        self.out: list[str] = []
+        assert self.proc.stderr is not None and self.proc.stdout is not None
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.proc.stderr, self.lines), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream: Any, into: list[str]) -> None:
+        for line in stream:
+            into.append(line.rstrip("\n"))
+
+    def replayed(self) -> int:
+        """Requests replayed so far, from the newest progress line (0 before the first)."""
+        for line in reversed(self.lines):
+            found = _PROGRESS.match(line)
+            if found:
+                return int(found.group(1).replace(",", ""))
+        return 0
+
+    def wait_until(self, predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{what}: not within {timeout_s} s; stderr so far:\n" + "\n".join(self.lines)
+                )
+            if self.proc.poll() is not None and not predicate():
+                raise AssertionError(f"{what}: the run ended first; stderr:\n" + "\n".join(self.lines))
+            time.sleep(0.05)
+
+    def finish(self, timeout_s: float = CLI_DEADLINE_S) -> tuple[int, str, str]:
+        """(exit code, stdout, stderr); a run past ``timeout_s`` is killed and fails the test."""
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"hung past {timeout_s} s:\n" + "\n".join(self.lines)) from None
+        for reader in self._readers:
+            reader.join(timeout=10)
+        return self.proc.returncode, "\n".join(self.out), "\n".join(self.lines)
+
+
+_PROGRESS = re.compile(r"^replayed ([\d,]+)/")
