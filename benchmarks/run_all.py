@@ -30,6 +30,7 @@ BENCHMARKS = {
     "replay": "replay.py",
     "simulate": "simulate.py",
     "sglang_l3": "sglang_l3.py",
+    "faults": "faults.py",
 }
 
 
