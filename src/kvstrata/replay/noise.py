@@ -159,7 +159,7 @@ def native_line_limiter(interval_s: float | None = None, burst: int = DEFAULT_BU
     repeated glog lines (other lines pass unchanged); ``sys.stderr`` keeps the original stream.
     The child prints its summary when the block ends (or when this process dies)."""
     interval = interval_from_env() if interval_s is None else interval_s
-    if interval <= 0:
+    if interval <= 0 or not _stderr_is_fd_2():  # e.g. a test runner capturing sys.stderr itself
         yield
         return
     sys.stderr.flush()
@@ -191,6 +191,13 @@ def native_line_limiter(interval_s: float | None = None, burst: int = DEFAULT_BU
             child.kill()
             child.wait()
         os.close(original)
+
+
+def _stderr_is_fd_2() -> bool:
+    try:
+        return sys.stderr.fileno() == 2
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return False
 
 
 def pump(source: BinaryIO, sink: BinaryIO, limiter: RepeatLimiter) -> None:
