@@ -53,7 +53,7 @@ from kvstrata.replay.trace import TraceRequest, read_trace
 from kvstrata.testing.mooncake_servers import MooncakeMaster
 
 QUICK_REQUESTS = 500
-DEFAULT_REQUESTS = 3000
+DEFAULT_REQUESTS = 2000
 PAGE = 512
 ACCEPTANCE = 0.8
 #: Requests replayed on one side of a pair before the other side's turn.
@@ -174,14 +174,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write results in the benchmarks/README.md format")
     parser.add_argument("--quick", action="store_true", help=f"first {QUICK_REQUESTS} requests, 2 pairs")
     parser.add_argument("--limit", type=int, help=f"first N requests (default {DEFAULT_REQUESTS})")
-    parser.add_argument("--pairs", type=int, help="pairs per fault (default 4, quick 2)")
+    parser.add_argument("--pairs", type=int, help="pairs per fault (default 3, quick 2)")
     parser.add_argument("--pair", choices=FAULTS, help=argparse.SUPPRESS)  # internal: one child
     args = parser.parse_args()
     limit = args.limit or (QUICK_REQUESTS if args.quick else DEFAULT_REQUESTS)
     if args.pair:
         print(json.dumps(one_pair(args.pair, limit)))
         return
-    pairs = args.pairs or (2 if args.quick else 4)
+    pairs = args.pairs or (2 if args.quick else 3)
 
     print(f"conversation trace, first {limit:,} requests; {pairs} pairs per fault (fault vs no L3)")
     figures, served, ratios = [], 0, {}
