@@ -185,3 +185,11 @@ def test_wrong_bytes_on_the_device_are_counted_as_served_corruption(tmp_path: Pa
     assert dirty.hit_rate.device > 0.9  # the same requests again: almost all on the device
     hit_pages = sum(details.timeline_hits["device"]) // 64
     assert dirty.corrupt_pages_served == hit_pages
+
+
+def test_a_request_shorter_than_a_page_is_served_not_a_crash(tmp_path: Path) -> None:
+    """No whole page: nothing to match or insert (its page hashes are an empty list, not None)."""
+    stack = tiny_stack(tmp_path, page_size=512, device={"capacity_tokens": 4096}, host={"capacity_tokens": 0})
+    requests = [TraceRequest(0.0, 10, 1, (5,)), TraceRequest(1.0, 600, 1, (5, 6))]
+    result = run_replay(config(stack), PluginHost(), requests)
+    assert result.requests == 2 and result.failures == 0 and result.corrupt_pages_served == 0

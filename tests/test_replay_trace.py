@@ -82,3 +82,78 @@ def test_missing_and_empty_files(tmp_path: Path) -> None:
 def test_streaming_stops_at_limit_before_bad_line(tmp_path: Path) -> None:
     path = write(tmp_path, [json.dumps(GOOD), "garbage"])
     assert len(list(iter_trace(path, limit=1))) == 1
+
+
+# --- hostile traces (issue 15, defect 7): refused with file and line, nothing slurped -----------
+
+
+def write_bytes(tmp_path: Path, data: bytes) -> Path:
+    path = tmp_path / "hostile.jsonl"
+    path.write_bytes(data)
+    return path
+
+
+def test_non_utf8_line_is_named_with_its_byte(tmp_path: Path) -> None:
+    path = write_bytes(tmp_path, json.dumps(GOOD).encode() + b'\n{"timestamp": 1,\xff\xfe}\n')
+    with pytest.raises(TraceError) as info:
+        read_trace(path)
+    assert info.value.line == 2
+    assert "not UTF-8 text (byte 0xff at column 17)" in str(info.value)
+
+
+def test_deeply_nested_json_is_a_trace_error_not_a_recursion_error(tmp_path: Path) -> None:
+    path = write(tmp_path, [json.dumps(GOOD), "[" * 50_000 + "]" * 50_000])
+    with pytest.raises(TraceError, match=r":2: JSON nested too deeply"):
+        read_trace(path)
+
+
+def test_hash_ids_beyond_64_bits_are_refused_not_truncated(tmp_path: Path) -> None:
+    """2^64 + 5 used to become 5 (the token generator keeps 64 bits), aliasing another block."""
+    top = (1 << 64) - 1
+    assert read_trace(write(tmp_path, [json.dumps({**GOOD, "hash_ids": [top, 5]})]))[0].hash_ids == (top, 5)
+    path = write(tmp_path, [json.dumps({**GOOD, "hash_ids": [(1 << 64) + 5, 5]})])
+    with pytest.raises(
+        TraceError, match=r":1: hash_ids must be below 2\^64 \(unsigned 64-bit\), found 18446744073709551621"
+    ):
+        read_trace(path)
+    huge = write(
+        tmp_path,
+        ['{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1, %s]}' % ("9" * 3000)],
+    )
+    with pytest.raises(TraceError, match=r"below 2\^64.*\(3000 characters\)"):
+        read_trace(huge)
+
+
+def test_request_longer_than_the_bound_is_refused_at_read(tmp_path: Path) -> None:
+    path = write(tmp_path, [json.dumps({**GOOD, "input_length": 4096, "hash_ids": list(range(8))})])
+    assert read_trace(path, max_request_tokens=4096)[0].input_length == 4096
+    with pytest.raises(TraceError, match=r"input_length 4,096 is above the longest request allowed \(4,095"):
+        read_trace(path, max_request_tokens=4095)
+
+
+def test_a_request_of_ten_million_hash_ids_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    """A 10^7-id line (5*10^9 tokens, ~41 GB of token ids in a replay) stops at the line length a
+    request within the bound can need: at most that many bytes are read."""
+    ids = ", ".join(["123456789"] * 10_000_000)
+    line = f'{{"timestamp": 0, "input_length": 5120000000, "output_length": 1, "hash_ids": [{ids}]}}\n'
+    path = write_bytes(tmp_path, line.encode())
+    with pytest.raises(
+        TraceError,
+        match=r":1: line longer than 114,688 bytes, more than a request of at most 1,048,576 tokens",
+    ):
+        read_trace(path)
+
+
+def test_endless_file_without_newlines_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="line longer than"):
+        read_trace("/dev/zero")
+
+
+def test_a_directory_is_not_a_trace(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="is a directory"):
+        read_trace(tmp_path)
+
+
+def test_limit_never_reads_past_the_last_line_wanted(tmp_path: Path) -> None:
+    path = write_bytes(tmp_path, json.dumps(GOOD).encode() + b"\n\xff\xff\xff\n")
+    assert len(read_trace(path, limit=1)) == 1

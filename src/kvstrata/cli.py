@@ -1,6 +1,13 @@
 """The ``kvstrata`` command line (typer + rich).
 
-Exit codes: 0 success, 2 invalid input (bad config, unknown plugin), 1 runtime failure.
+Exit codes (every command):
+
+- 0: success;
+- 1: runtime failure: requests or operations failed (``replay --tolerate-failures`` accepts
+  failed ones), a backend or the machine cannot do what the config asks;
+- 2: invalid input: a bad config (including one start-up would refuse), trace, option or output
+  path, or an unknown plugin; always checked before any work starts, one ``error:`` line;
+- 3: ``replay`` served corrupt data (``corrupt_pages_served`` > 0); never tolerated.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from rich.table import Table
 
 from kvstrata import __version__
 from kvstrata.core.config import (
+    DEFAULT_MAX_REQUEST_TOKENS,
     ENV_NESTING,
     ENV_PREFIX,
     KvstrataConfig,
@@ -36,6 +44,7 @@ from kvstrata.progress import progress
 
 EXIT_RUNTIME = 1
 EXIT_INVALID = 2
+EXIT_CORRUPT = 3
 
 app = typer.Typer(
     name="kvstrata",
@@ -124,6 +133,17 @@ def load_cli_config(
         raise _fail(exc, EXIT_INVALID) from None
 
 
+def check_stack(config: KvstrataConfig, host: PluginHost, *, machine: bool) -> None:
+    """Refuse (exit 2) a config that start-up would refuse, with start-up's own message, before
+    anything is opened or allocated (``machine``: also check this machine has the device)."""
+    from kvstrata.core.builder import check_startup
+
+    try:
+        check_startup(config, host, machine=machine)
+    except (ValueError, KvstrataError) as exc:
+        raise _fail(exc, EXIT_INVALID) from None
+
+
 def check_output_path(option: str, path: Path | None) -> None:
     """Refuse an output file that cannot be written before a run, not after it (exit 2)."""
     if path is None:
@@ -136,8 +156,38 @@ def check_output_path(option: str, path: Path | None) -> None:
     elif not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         problem = "is not writable (permission denied)"
     else:
-        return
+        problem = _open_problem(path)
+        if problem is None:
+            return
     raise _fail(f"{option} {path}: {problem}", EXIT_INVALID)
+
+
+def _open_problem(path: Path) -> str | None:
+    """Open ``path`` for appending as the run will write it (root passes every permission test,
+    a read-only file system does not); a file this test created is removed again."""
+    existed = path.exists()
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+    except OSError as exc:
+        return f"cannot be written: {exc.strerror or exc}"
+    if not existed:
+        path.unlink(missing_ok=True)
+    return None
+
+
+def check_plot_format(path: Path | None) -> None:
+    """The plot's format comes from its suffix: refuse one matplotlib cannot write (exit 2)."""
+    if path is None or not path.suffix:
+        return
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise _fail(
+            f"--plot {path}: matplotlib cannot write {path.suffix!r} files; use one of "
+            f"{', '.join('.' + f for f in sorted(formats))}",
+            EXIT_INVALID,
+        )
 
 
 def describe_os_error(exc: OSError, config: KvstrataConfig | None = None) -> str:
@@ -290,8 +340,12 @@ def plugins(
 
 @config_app.command("validate")
 def config_validate(files: ConfigFiles, set_: SetOption = None) -> None:
-    """Check that the composed configuration is valid; errors name the dotted field path."""
-    config = load_cli_config(files, set_ or [], PluginHost(), user_overrides=set_ or [])
+    """Check that the composed configuration is valid and that start-up would accept it (one
+    storage instance, a host tier under L3, device units for every pool ...); errors name the
+    setting. Machine-specific checks (device present, memory, backend reachable) are `doctor`'s."""
+    host = PluginHost()
+    config = load_cli_config(files, set_ or [], host, user_overrides=set_ or [])
+    check_stack(config, host, machine=False)
     pools = ", ".join(f"{k} ({v.type})" for k, v in config.model.pools.items())
     storage = ", ".join(f"{k} ({v.type})" for k, v in config.tiers.storage.items()) or "none"
     out.print(f"[green]valid[/]: model {config.model.name!r}; pools: {pools}; storage: {storage}")
@@ -364,6 +418,10 @@ def simulate(
         str | None,
         typer.Option("--capacities", help="--sweep: comma-separated capacities in million tokens"),
     ] = None,
+    max_request_tokens: Annotated[
+        int,
+        typer.Option("--max-request-tokens", min=1, help="refuse a trace holding a longer request"),
+    ] = DEFAULT_MAX_REQUEST_TOKENS,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Hit-rate simulation of a trace through the cache's prefix tree and an eviction policy
@@ -382,7 +440,9 @@ def simulate(
             eviction=_eviction_setting(eviction),
         )
         _check_eviction(host, config.eviction)
-        requests = read_trace(trace, limit=limit, block_size=block_size)
+        requests = read_trace(
+            trace, limit=limit, block_size=block_size, max_request_tokens=max_request_tokens
+        )
     except ValidationError as exc:
         reasons = "; ".join(
             f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors()
@@ -499,12 +559,14 @@ def build_pool_specs(config: Any, host: PluginHost) -> dict[str, Any]:
 @app.command()
 def doctor(files: ConfigFiles, set_: SetOption = None) -> None:
     """Check a configuration against this machine: I/O plan per (backend, pool), host memory
-    budget, backend reachability. Exits 1 when something cannot work as configured."""
+    budget, backend reachability. Exits 2 for a config start-up refuses, 1 when something on this
+    machine cannot work as configured."""
     from kvstrata.core.io_plan import IOMode, plan_backend
     from kvstrata.core.pool_group import host_memory_budget
 
     host = PluginHost()
     config = load_cli_config(files, set_ or [], host, user_overrides=set_ or [])
+    check_stack(config, host, machine=True)
     try:
         specs = build_pool_specs(config, host)
     except (ConfigError, PluginError) as exc:
@@ -632,18 +694,25 @@ def replay(
     plot_out: Annotated[
         Path | None, typer.Option("--plot", help="draw hit rate per tier over the trace to this PNG")
     ] = None,
+    tolerate_failures: Annotated[
+        bool,
+        typer.Option(
+            "--tolerate-failures",
+            help="exit 0 although requests or operations failed (an L3 outage you expect); "
+            "served corruption still exits 3",
+        ),
+    ] = False,
 ) -> None:
     """Replay a request trace through the real tiers and backend, verifying every restored byte;
     prints per-tier hit rates, bytes moved, throughput, latencies, failures and corruption.
-    Exits 1 when requests failed (the sentence names the setting to change)."""
+    Exits 1 when requests or operations failed (a summary names them) unless --tolerate-failures,
+    3 when corrupt pages were served, 2 on bad input (checked before the run)."""
     import importlib.util
     import shutil
     import tempfile
 
-    from kvstrata.replay.driver import run_replay_detailed
     from kvstrata.replay.report import (
         PLOT_INSTALL,
-        failed_requests_sentence,
         plot_hit_rates,
         render_summary,
     )
@@ -656,6 +725,7 @@ def replay(
         raise _fail(f"--plot needs matplotlib: run `{PLOT_INSTALL}`", EXIT_INVALID)
     check_output_path("--json", json_out)
     check_output_path("--plot", plot_out)
+    check_plot_format(plot_out)
     host = PluginHost()
     scratch: Path | None = None
     try:
@@ -667,8 +737,9 @@ def replay(
             files = [default_config_path()]
             overrides = [f"tiers.storage.l3.path={scratch}", *overrides]
         config = load_cli_config(files, overrides, host, user_overrides=user_overrides)
+        check_stack(config, host, machine=True)
         try:
-            requests = read_trace(trace, limit=limit)
+            requests = read_trace(trace, limit=limit, max_request_tokens=config.model.max_request_tokens)
         except TraceError as exc:
             raise _fail(exc, EXIT_INVALID) from None
         baseline = simulate(requests, SimulationConfig(warmup_fraction=warmup_fraction)).hit_rate
@@ -694,23 +765,14 @@ def replay(
                 highlight=False,
                 markup=False,
             )
-        with progress(err, "replayed", len(requests)) as update:
-            try:
-                result, details = run_replay_detailed(
-                    config,
-                    host,
-                    requests,
-                    warmup_fraction=warmup_fraction,
-                    progress=update,
-                    baseline_hit_rate=baseline,
-                    baseline_label="reference simulator (unlimited LRU, blocks)",
-                )
-            except OSError as exc:
-                raise _fail(describe_os_error(exc, config), EXIT_RUNTIME) from None
-            except ValueError as exc:  # a stack the controller refuses to build (e.g. L3 without L2)
-                raise _fail(exc, EXIT_INVALID) from None
-            except (KvstrataError, MemoryError, RuntimeError) as exc:
-                raise _fail(exc, EXIT_RUNTIME) from None
+        result, details = _run_quietly(
+            config,
+            host,
+            requests,
+            warmup_fraction=warmup_fraction,
+            baseline_hit_rate=baseline,
+            baseline_label="reference simulator (unlimited LRU, blocks)",
+        )
         render_summary(result, details, out)
         if json_out is not None:
             try:
@@ -727,12 +789,61 @@ def replay(
                     f"cannot write --plot {plot_out}: {describe_os_error(exc)}", EXIT_RUNTIME
                 ) from None
             err.print(f"plot written to {plot_out}", highlight=False, markup=False)
-        if details.failed_requests:
-            sentence = failed_requests_sentence(result, details, config.tiers.device.capacity_tokens)
-            raise _fail(sentence, EXIT_RUNTIME)
+        _finish_replay(result, details, config, tolerate_failures)
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_quietly(config: KvstrataConfig, host: PluginHost, requests: Any, **options: Any) -> tuple[Any, Any]:
+    """The replay itself, with repeated warnings (Python's and native libraries') collapsed into
+    counts per interval, and a summary of what was held back; errors mapped to exit codes."""
+    from kvstrata.replay.driver import run_replay_detailed
+    from kvstrata.replay.noise import native_line_limiter, repeated_warnings_limited
+
+    with native_line_limiter(), repeated_warnings_limited(sys.stderr) as limiter:
+        try:
+            with progress(err, "replayed", len(requests)) as update:
+                return run_replay_detailed(config, host, requests, progress=update, **options)
+        except OSError as exc:
+            raise _fail(describe_os_error(exc, config), EXIT_RUNTIME) from None
+        except ValueError as exc:  # a stack the controller refuses to build (e.g. L3 without L2)
+            raise _fail(exc, EXIT_INVALID) from None
+        except (KvstrataError, MemoryError, RuntimeError) as exc:
+            raise _fail(exc, EXIT_RUNTIME) from None
+        finally:
+            for line in limiter.summary():
+                err.print(f"warnings: {line}", highlight=False, markup=False)
+
+
+def _finish_replay(result: Any, details: Any, config: KvstrataConfig, tolerate_failures: bool) -> None:
+    """The replay's verdict in loud lines and its exit code: corruption first (3, never
+    tolerated), then failed requests and operations (1 unless tolerated)."""
+    from kvstrata.replay.report import (
+        corruption_sentence,
+        failed_operations_sentence,
+        failed_requests_sentence,
+    )
+
+    failures = []
+    if details.failed_requests:
+        failures.append(failed_requests_sentence(result, details, config.tiers.device.capacity_tokens))
+    operations = failed_operations_sentence(result, details)
+    if operations:
+        failures.append(operations)
+    corrupt = corruption_sentence(result)
+    if tolerate_failures:
+        for sentence in failures:
+            err.print(f"[bold yellow]tolerated (--tolerate-failures):[/] {escape(sentence)}", highlight=False)
+    elif failures and not corrupt:
+        for sentence in failures[:-1]:
+            err.print(f"[bold red]error:[/] {escape(sentence)}", highlight=False)
+        raise _fail(failures[-1] + "; pass --tolerate-failures to accept failures", EXIT_RUNTIME)
+    else:
+        for sentence in failures:
+            err.print(f"[bold red]error:[/] {escape(sentence)}", highlight=False)
+    if corrupt:
+        raise _fail(corrupt, EXIT_CORRUPT)
 
 
 def main() -> None:

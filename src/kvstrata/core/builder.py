@@ -15,6 +15,11 @@ so following a config through start-up means reading this file top to bottom:
    writer and (with L3) the prefetcher.
 
 A pool added later (a draft pool) goes through :func:`plan_late_pool`, the same planning step.
+
+:func:`check_startup` runs the checks of steps 2-3 that a config can fail (one storage instance,
+a host tier under L3, a usable device, pool sizing, no pool without device units) without opening
+or allocating anything: ``kvstrata config validate``, ``doctor`` and ``replay`` call it first, so
+each refuses exactly what start-up would refuse, with the same message.
 """
 
 from __future__ import annotations
@@ -50,6 +55,76 @@ log = logging.getLogger(__name__)
 DeviceTensors = Mapping[str, Mapping[str, torch.Tensor | Sequence[torch.Tensor]]]
 
 
+class StartupError(ValueError):
+    """A config start-up cannot build; the message names the setting to change."""
+
+
+def check_startup(config: KvstrataConfig, plugins: PluginHost, *, machine: bool = True) -> None:
+    """Raise :class:`StartupError` (or the pool group's own ``ValueError``) for a config that
+    :func:`build_cache` would refuse, without opening a backend or allocating memory.
+    ``machine``: also check that this machine has the configured device (not for a config
+    written for another machine)."""
+    _check_storage(config)
+    _check_device(config, machine=machine)
+    sizing = _SizingOnly(config, plugins)
+    _check_device_units(config, {name: units for name, (_, units) in sizing.sized.items()})
+
+
+class _SizingOnly(PoolGroup):
+    """The pool group's own start-up: plugins, specs, order and sizing with every check they
+    make; the memory check and the allocation are skipped (``sized``: pool -> (spec, units))."""
+
+    def _check_memory(self, requested: int, what: str) -> None:
+        pass
+
+    def _add(self, name: str, plugin: Any, spec: PoolSpec, units: tuple[int, int]) -> Any:
+        self.__dict__.setdefault("sized", {})[name] = (spec, units)
+
+
+def _check_storage(config: KvstrataConfig) -> None:
+    storage = config.tiers.storage
+    if len(storage) > 1:
+        raise StartupError(
+            f"tiers.storage: one storage instance per cache is supported, got {sorted(storage)}"
+        )
+    if storage and config.tiers.host.capacity_tokens <= 0:
+        raise StartupError(
+            "tiers.storage needs a host tier (L3 reads and writes go through L2): "
+            "set tiers.host.capacity_tokens > 0"
+        )
+
+
+def _check_device(config: KvstrataConfig, *, machine: bool) -> None:
+    name = config.tiers.device.device
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise StartupError(f"tiers.device.device {name!r} is not a torch device: {exc}") from None
+    if machine and device.type != "meta":
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as exc:  # torch asserts when not built for CUDA
+            raise StartupError(
+                f"tiers.device.device {name!r} cannot be used on this machine: {exc}"
+            ) from None
+
+
+def _check_device_units(config: KvstrataConfig, units: Mapping[str, tuple[int, int]]) -> None:
+    """A pool with no device unit cannot serve a single page (L1 is where the model reads)."""
+    for name, (device_units, _) in units.items():
+        if device_units > 0:
+            continue
+        pool = config.model.pools[name]
+        if pool.device_units == 0:
+            raise StartupError(
+                f"model.pools.{name}.device_units is 0: the pool would hold nothing on the device"
+            )
+        raise StartupError(
+            f"tiers.device.capacity_tokens is {config.tiers.device.capacity_tokens}: pool {name!r} would get "
+            "no device units; set it to at least one page"
+        )
+
+
 @dataclass
 class CacheParts:
     """Everything start-up builds; the controller coordinates these objects."""
@@ -83,9 +158,11 @@ def build_cache(
     """Open the backend and build every part; on any failure the opened backend is closed.
     ``device_tensors``: an engine's own device memory per pool and buffer, used as L1."""
     plugins.hook.kvstrata_configure.call_historic(kwargs={"config": config})
+    _check_device(config, machine=True)
     backend, host_allocator = _open_backend(config, plugins)
     try:
         pools = PoolGroup(config, plugins, host_allocator=host_allocator, device_tensors=device_tensors)
+        _check_device_units(config, {name: (pool.device.units, 0) for name, pool in pools.pools.items()})
         tree = PrefixTree(pool.spec for pool in pools.pools.values())
         parts = CacheParts(config, plugins, pools, tree, StackLayout.of(pools, tree), CacheMetrics())
         if backend is not None:
@@ -135,13 +212,7 @@ def _open_backend(config: KvstrataConfig, plugins: PluginHost) -> tuple[StorageB
     storage = config.tiers.storage
     if not storage:
         return None, None
-    if len(storage) > 1:
-        raise ValueError(f"tiers.storage: one storage instance per cache is supported, got {sorted(storage)}")
-    if config.tiers.host.capacity_tokens <= 0:
-        raise ValueError(
-            "tiers.storage needs a host tier (L3 reads and writes go through L2): "
-            "set tiers.host.capacity_tokens > 0"
-        )
+    _check_storage(config)
     ((instance, backend_config),) = storage.items()
     backend = plugins.storage_backends.require(backend_config.type)(instance, backend_config)
     backend.open()

@@ -41,6 +41,10 @@ from kvstrata.plugins.storage_backend import BackendConfig
 ENV_PREFIX = "KVSTRATA_"
 ENV_NESTING = "__"
 
+#: Default bound on one request's tokens (``model.max_request_tokens``): 1 Mi tokens, five times
+#: the longest request of the published Mooncake traces.
+DEFAULT_MAX_REQUEST_TOKENS = 1 << 20
+
 
 def _host(info: ValidationInfo) -> PluginHost:
     context = info.context or {}
@@ -101,6 +105,12 @@ class ModelConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9._/-]+$", description="namespace of every stored object")
     page_size: int = Field(default=64, ge=1, description="tokens per page")
     cache_salt: str = Field(default="", description="tenant / salt: separates otherwise equal prefixes")
+    max_request_tokens: int = Field(
+        default=DEFAULT_MAX_REQUEST_TOKENS,
+        ge=1,
+        description="longest request accepted; a trace holding a longer one is refused when it is "
+        "read, before any memory is sized for it",
+    )
     pools: dict[str, PluginPoolConfig] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -255,6 +255,7 @@ def replay_with_cache(
     if controller_failures > 0:
         recorder.add_failure("controller", controller_failures)
     recorder.add_corrupt(detected=int(metrics.get("corrupt_detected", 0)))
+    recorder.set_storage({k: int(v) for k, v in metrics.get("storage", {}).items() if isinstance(v, int)})
     return recorder.finish(wall_s=wall, baseline_hit_rate=baseline_hit_rate, baseline_label=baseline_label)
 
 

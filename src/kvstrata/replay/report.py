@@ -103,6 +103,8 @@ class ReplayDetails(BaseModel):
     failed_requests: int = 0
     #: input tokens of the longest failed request (what the tier would have to hold)
     longest_failed_tokens: int = 0
+    #: the storage engine's counters over the measured part (put_failed, breaker_rejected ...)
+    storage: dict[str, int] = Field(default_factory=dict)
 
 
 class ReplayRecorder:
@@ -124,6 +126,7 @@ class ReplayRecorder:
         self._longest_failed = 0
         self.corrupt_pages_detected = 0
         self.corrupt_pages_served = 0
+        self._storage: dict[str, int] = {}
 
     @property
     def measuring(self) -> bool:
@@ -163,6 +166,9 @@ class ReplayRecorder:
 
     def add_failure(self, kind: str, count: int = 1) -> None:
         self._failures[kind] += count
+
+    def set_storage(self, counters: dict[str, int]) -> None:
+        self._storage = dict(counters)
 
     def add_corrupt(self, detected: int = 0, served: int = 0) -> None:
         self.corrupt_pages_detected += detected
@@ -206,6 +212,7 @@ class ReplayRecorder:
             baseline_label=baseline_label,
             failed_requests=self._failed_requests,
             longest_failed_tokens=self._longest_failed,
+            storage=self._storage,
         )
         return result, details
 
@@ -308,6 +315,42 @@ def failed_requests_sentence(
         f"{details.failed_requests:,} of {result.requests:,} requests FAILED: the device tier{held} "
         f"cannot hold a whole request (the longest failed one has {details.longest_failed_tokens:,} "
         "tokens); raise tiers.device.capacity_tokens above that"
+    )
+
+
+#: Storage counters the failure summary names (when not zero), in this order.
+_STORAGE_FAILURE_COUNTERS = ("put_failed", "backend_errors", "breaker_trips", "breaker_rejected")
+
+
+def corruption_sentence(result: ReplayResult) -> str | None:
+    """The loud line of a run that handed wrong bytes to the engine (None when it did not)."""
+    if not result.corrupt_pages_served:
+        return None
+    return (
+        f"CORRUPT DATA SERVED: {result.corrupt_pages_served:,} restored pages had wrong bytes "
+        "(corrupt_pages_served); an engine would have computed with them. This is never tolerated: "
+        "keep the L3 directory and the command line for a bug report"
+    )
+
+
+def failed_operations_sentence(result: ReplayResult, details: ReplayDetails) -> str | None:
+    """One sentence on the failed operations other than failed requests (None when none): how
+    many, of which kind, and the storage counters behind them."""
+    operations = result.failures - details.failed_requests
+    if operations <= 0:
+        return None
+    kinds = ", ".join(
+        f"{kind}: {n:,}"
+        for kind, n in sorted(details.failures_by_kind.items())
+        if not kind.startswith("request")
+    )
+    storage = ", ".join(
+        f"{name} {details.storage[name]:,}" for name in _STORAGE_FAILURE_COUNTERS if details.storage.get(name)
+    )
+    return (
+        f"{operations:,} operations FAILED ({kinds}"
+        + (f"; storage: {storage}" if storage else "")
+        + "): the cache kept serving from the tiers that worked, but did not do all it was asked"
     )
 
 
