@@ -117,3 +117,63 @@ def test_cache_keeps_serving_from_l1_l2_while_the_breaker_is_open() -> None:
         assert cache.engine.metrics.breaker_rejected > 0
         assert cache.metrics.snapshot()["failures"] > failures, "refused L3 work still counts as failed"
         assert host_units_in_use(cache) == host_units_held_by_tree(cache), "a staged host slot leaked"
+
+
+def test_open_breaker_refuses_before_staging_or_checksumming(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the breaker is open, put/get/exists answer before any per-byte work: a write-through
+    cache with a dead L3 must not pay staging copies and checksums for writes that cannot happen
+    (benchmarks/faults.py measures the throughput this buys)."""
+    import kvstrata.core.storage_engine as storage_engine
+
+    backend = FaultyBackend("broken", FaultsConfig(circuit_breaker={"failures": 1, "cooldown_s": 3600}))
+    specs = conformance_specs()
+    engine = KIT.engine(backend, specs)
+    source = KIT.pools(specs, 2, seed=52)
+    hashes = page_hashes(2, seed=52)
+    assert engine.put("attn", hashes, source["attn"].units(range(2))).failed == 2
+    assert engine.breaker.state is BreakerState.OPEN
+
+    def per_byte_work(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("objects built while the breaker is open")
+
+    monkeypatch.setattr(storage_engine, "build_objects", per_byte_work)
+    monkeypatch.setattr(engine, "object_keys", per_byte_work)
+    before = engine.metrics.breaker_rejected
+    put = engine.put("attn", hashes, source["attn"].units(range(2)))
+    get = engine.get("attn", hashes, source["attn"].units(range(2)))
+    found = engine.exists("attn", hashes)
+    for result in (put, get, found):
+        assert result.ok == [False, False] and result.failed == 2
+        assert "circuit breaker open" in (result.error or "")
+    assert engine.metrics.breaker_rejected == before + 3
+    assert engine.metrics.put_failed >= 4 and engine.metrics.get_misses == 2
+    assert engine.breaker.state is BreakerState.OPEN, "refusing() never claims the trial call"
+
+
+def test_open_breaker_keeps_prefetches_and_writes_off_the_worker_threads() -> None:
+    """With L3's breaker open, a lookup does not start a prefetch (its pages are counted as
+    ``storage_down``) and write-through queues no L3 write (counted as failed, no host lock held);
+    after the cooldown the next call is the breaker's trial again."""
+    host = PluginHost()
+    host.storage_backends.register(FaultyBackend)
+    overrides = [
+        "tiers.storage={broken: {type: faults, fail: raise}}",
+        "tiers.storage.broken.circuit_breaker={failures: 1, cooldown_s: 3600}",
+        "policy.prefetch.threshold_tokens=64",
+    ]
+    with open_cache("kv", overrides=overrides, host=host) as cache:
+        assert cache.engine is not None
+        serve(cache, tokens(81, 4))
+        cache.flush()
+        assert cache.engine.breaker.state is BreakerState.OPEN
+        started = cache.metrics.snapshot()["operations"].get("prefetches_started", 0)
+        failures = cache.metrics.snapshot()["failures"]
+        lease = cache.lookup(tokens(82, 4))
+        assert lease._prefetch is None and lease.skipped.get("storage_down") == 4
+        cache.release(lease)
+        serve(cache, tokens(83, 4))
+        assert not cache.writer.pending, "no L3 write queued while the breaker is open"
+        snapshot = cache.metrics.snapshot()
+        assert snapshot["operations"].get("prefetches_started", 0) == started
+        assert snapshot["failures"] > failures, "the refused write still counts as failed"
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)

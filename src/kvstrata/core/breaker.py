@@ -56,6 +56,14 @@ class CircuitBreaker:
             self._trial = True  # half-open: this call is the trial
             return True
 
+    def refusing(self) -> bool:
+        """Whether ``allow`` would refuse now, without claiming the trial call: lets a caller skip
+        the work it does before a call (staging copies, checksums) that would be refused anyway."""
+        with self._lock:
+            if self._open_until is None:
+                return False
+            return self._trial or self._clock() < self._open_until
+
     def record(self, ok: bool) -> BreakerState | None:
         """The outcome of an allowed call; returns the new state when this call changed it."""
         with self._lock:

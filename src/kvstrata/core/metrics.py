@@ -51,6 +51,7 @@ class SkipReason(StrEnum):
     HOST_FRACTION = "host_fraction"  # the read alone exceeds host_fraction_limit of the host tier
     RATE_LIMIT = "rate_limit"  # reads in flight plus this one exceed host_fraction_limit
     DISABLED = "disabled"  # the caller asked for no prefetch
+    STORAGE_DOWN = "storage_down"  # L3's circuit breaker is open: not asked (it refuses every call)
     TIMEOUT = "timeout"  # the read had not finished at admit (timeout / best_effort policies)
     HOST_FULL = "host_full"  # no room in the host tier even after eviction
     DAMAGED_OBJECT = "damaged_object"  # an object failed verification or could not be read

@@ -152,6 +152,8 @@ class Prefetcher:
         reason = None
         if mode is PrefetchMode.OFF:
             reason = SkipReason.DISABLED
+        elif self.engine.breaker.refusing():  # no worker hop for a read that would be refused
+            reason = SkipReason.STORAGE_DOWN
         elif mode is PrefetchMode.POLICY:
             budget = self._budget()
             if count * self.page_size < max(self.policy.threshold_tokens, self.page_size):

@@ -209,11 +209,7 @@ class StorageEngine:
         call (``None`` and why), never the caller. While the circuit breaker is open the backend
         is not called at all: the call fails at once."""
         if not self.breaker.allow():
-            self._count(breaker_rejected=1)
-            return None, (
-                f"{operation} on backend {self.backend.instance!r} refused: circuit breaker open after "
-                f"repeated failures (a trial call goes through every {self.breaker.cooldown_s:g} s)"
-            )
+            return None, self._refused(operation)
         try:
             answer = list(getattr(self.backend, operation)(items, **options))
             if len(answer) != len(items):
@@ -223,6 +219,27 @@ class StorageEngine:
             return None, self._backend_failed(operation, pool, exc)
         self._breaker_outcome(ok=True)
         return answer, None
+
+    def refused(self, operation: str, count: int) -> BatchResult:
+        """The answer to an ``exists`` / ``put`` / ``get`` of ``count`` units that the open breaker
+        refuses before any work (``breaker.refusing()``), counted as the refused call would be:
+        callers that prepare a call (the writer's batches) skip that work too."""
+        error = self._refused(operation)
+        if operation == "put":
+            self._count(put_units=count, put_failed=count)
+        elif operation == "get":
+            self._count(get_units=count, get_misses=count)
+        else:
+            self._count(exists_calls=1)
+        return BatchResult([False] * count, error, failed=count)
+
+    def _refused(self, operation: str) -> str:
+        """Count a call the open breaker refused, and say why."""
+        self._count(breaker_rejected=1)
+        return (
+            f"{operation} on backend {self.backend.instance!r} refused: circuit breaker open after "
+            f"repeated failures (a trial call goes through every {self.breaker.cooldown_s:g} s)"
+        )
 
     def _breaker_outcome(self, *, ok: bool) -> None:
         changed = self.breaker.record(ok)
@@ -248,6 +265,8 @@ class StorageEngine:
             return BatchResult([False] * count, plan.reason, skipped=True)
         if count == 0:
             return BatchResult([])
+        if self.breaker.refusing():  # before building keys: an outage costs the caller nothing
+            return self.refused("exists", count)
         per_object = self.object_keys(pool, page_hashes)
         flat = [key for keys in per_object for key in keys]
         self._count(exists_calls=1)
@@ -287,6 +306,10 @@ class StorageEngine:
         units = checked_units(pool, page_hashes, units, self._payload_bytes[pool])
         if count == 0:
             return BatchResult([])
+        if self.breaker.refusing():
+            # Refused before staging copies and checksums: while L3 is down, a write-through
+            # cache's puts and a lookup's reads cost the request path nothing (issue 15).
+            return self.refused("put" if writing else "get", count)
         staging: np.ndarray | None = None
         if plan.mode is IOMode.COPY:
             staging = np.empty(self._unit_bytes[pool] * count, dtype=np.uint8)

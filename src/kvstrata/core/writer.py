@@ -316,6 +316,13 @@ class Writer:
                     entry = per_pool.setdefault(follower, ([], []))
                     entry[0].extend(page_hashes)
                     entry[1].append(value)
+        if self.engine.breaker.refusing():
+            # L3 is down: count the refused write without the batch copies, host locks and
+            # worker hop it would cost (a dead L3 must not slow L1/L2; benchmarks/faults.py)
+            for name, (page_hashes, _values) in per_pool.items():
+                if self.engine.plans[name].writes:
+                    count_failure(self.metrics, self.engine.refused("put", len(page_hashes)))
+            return
         batches: dict[str, PoolBatch] = {}
         for name, (page_hashes, values) in per_pool.items():
             if self.engine.plans[name].writes:
