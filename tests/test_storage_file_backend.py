@@ -410,3 +410,41 @@ def test_fsync_mode_syncs_the_directory_after_the_rename(
     assert backend.put([_raw_object("durable-2", data)]) == [True]
     assert sum(1 for entry in synced if entry[0]) >= 1
     backend.close()
+
+
+def test_leading_exists_stops_at_the_first_missing_key(tmp_path: Path) -> None:
+    """``exists(keys, leading=True)`` answers the leading run exactly and checks nothing after the
+    first missing key (a prefix query: SGLang's batch_exists); without it every key is answered.
+    Through the engine, ``exists_prefix`` of a multi-object pool asks unit by unit."""
+    kit = BackendConformance()
+    writer = open_file_backend(tmp_path)
+    specs = conformance_specs()
+    source = kit.pools(specs, 4, seed=61)
+    hashes = page_hashes(4, seed=61)
+    engine = kit.engine(writer, specs, model_name="leading")
+    stored = [0, 1, 3]  # page 2 missing: a hole before a stored page
+    for name in specs:
+        assert all(engine.put(name, [hashes[i] for i in stored], source[name].units(stored)).ok)
+    writer.close()
+    reader = open_file_backend(tmp_path)
+    stats: list[str] = []
+    real_stat = os.stat
+
+    def counting_stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        stats.append(str(path))
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    engine = kit.engine(reader, specs, model_name="leading")
+    keys = [key for keys in zip(*engine.object_keys("attn", hashes), strict=True) for key in keys]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "stat", counting_stat)
+        assert reader.exists(keys, leading=True) == [True] * 4 + [False] * 4  # k and v per page
+        leading_stats = len(stats)
+    # present keys answer from the index built at open; the first missing key is the one stat
+    assert leading_stats == 1, "nothing is checked after the first missing key"
+    assert reader.exists(keys) == [True] * 4 + [False] * 2 + [True] * 2
+    for name in specs:
+        assert engine.exists_prefix(name, hashes) == 2
+        assert engine.exists(name, hashes).ok == [True, True, False, True]
+        assert engine.exists_prefix(name, hashes[3:]) == 1
+    reader.close()

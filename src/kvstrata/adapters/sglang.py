@@ -467,7 +467,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         done, chunk = 0, 1
         while done < len(keys):
             batch = [page_hash(key) for key in keys[done : done + chunk]]
-            found = self.engine.exists(pool.name, batch).prefix
+            found = self.engine.exists_prefix(pool.name, batch)
             done += found
             if found < len(batch):
                 break

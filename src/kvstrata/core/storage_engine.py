@@ -151,7 +151,8 @@ class StorageEngine:
         for name, spec in specs.items():
             self.add_pool(name, spec, plans[name])
         self._removable = backend.instance_capabilities().removable
-        self._backend_checks_reads = _accepts_read_checks(backend)
+        self._backend_checks_reads = _takes_argument(backend.get, "check")
+        self._backend_stops_early = _takes_argument(backend.exists, "leading")
         config = getattr(backend, "config", None)
         breaker = config.circuit_breaker if isinstance(config, BackendConfig) else BreakerConfig()
         self.breaker = CircuitBreaker(breaker.failures, breaker.cooldown_s)
@@ -257,8 +258,12 @@ class StorageEngine:
 
     # --- exists -------------------------------------------------------------------------------
 
-    def exists(self, pool: str, page_hashes: Sequence[str]) -> BatchResult:
-        """A unit exists when every one of its objects does."""
+    def exists(self, pool: str, page_hashes: Sequence[str], *, leading: bool = False) -> BatchResult:
+        """A unit exists when every one of its objects does.
+
+        ``leading=True``: only the leading run of present units is asked for (its ``prefix``);
+        a backend that supports it (``exists`` taking ``leading``) stops at the first missing
+        object, so later units may read False although stored."""
         plan = self.plans[pool]
         count = len(page_hashes)
         if not plan.enabled:
@@ -268,8 +273,16 @@ class StorageEngine:
         if self.breaker.refusing():  # before building keys: an outage costs the caller nothing
             return self.refused("exists", count)
         per_object = self.object_keys(pool, page_hashes)
-        flat = [key for keys in per_object for key in keys]
         self._count(exists_calls=1)
+        if leading and self._backend_stops_early:
+            # unit-major, so the backend's first missing object ends the leading run of units
+            flat = [key for keys in zip(*per_object, strict=True) for key in keys]
+            found, error = self._call_backend("exists", pool, flat, leading=True)
+            if found is None:
+                return BatchResult([False] * count, error, failed=count)
+            n_obj = len(per_object)
+            return BatchResult([all(found[i * n_obj : (i + 1) * n_obj]) for i in range(count)])
+        flat = [key for keys in per_object for key in keys]
         found, error = self._call_backend("exists", pool, flat)
         if found is None:
             return BatchResult([False] * count, error, failed=count)
@@ -280,7 +293,7 @@ class StorageEngine:
 
     def exists_prefix(self, pool: str, page_hashes: Sequence[str]) -> int:
         """How many leading pages of ``page_hashes`` the backend holds for ``pool``."""
-        return self.exists(pool, page_hashes).prefix
+        return self.exists(pool, page_hashes, leading=True).prefix
 
     # --- put / get ----------------------------------------------------------------------------
 
@@ -436,14 +449,15 @@ class StorageEngine:
         return get_group(self.specs, self.get, batches)
 
 
-def _accepts_read_checks(backend: StorageBackend) -> bool:
-    """Whether ``backend.get`` takes the optional ``check`` argument (see ``StorageBackend.get``).
+def _takes_argument(method: Callable[..., Any], name: str) -> bool:
+    """Whether a backend method takes an optional argument (``get``'s ``check``, ``exists``'s
+    ``leading``; see ``StorageBackend``).
 
     Read from the signature, as pluggy reads a hook implementation's arguments: a backend written
-    before the argument existed, or a subclass overriding ``get`` without it, simply gets its
-    objects verified on the engine thread.
+    before the argument existed, or a subclass overriding the method without it, simply never
+    gets it (its objects are verified on the engine thread; its exists answers every key).
     """
     try:
-        return "check" in inspect.signature(backend.get).parameters
+        return name in inspect.signature(method).parameters
     except (TypeError, ValueError):  # no introspectable signature
         return False

@@ -261,7 +261,13 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Per-key presence."""
+        """Per-key presence.
+
+        Optional extension: a backend whose ``exists`` also takes ``leading: bool = False`` (the
+        core reads the signature) is asked with ``leading=True`` when only the leading run of
+        present keys matters (SGLang's ``batch_exists``, ``exists_prefix``): it may answer False
+        for every key after the first missing one without checking them.
+        """
 
     @abstractmethod
     def put(self, objects: Sequence[StorageObject]) -> list[bool]:
