@@ -89,15 +89,21 @@ def test_breaker_is_configured_per_backend_instance(tmp_path: Path) -> None:
         FileConfig(path=tmp_path, circuit_breaker={"failures": -1})
 
 
-def test_cache_keeps_serving_from_l1_l2_while_the_breaker_is_open() -> None:
+def broken_l3_cache(failures: int):  # type: ignore[no-untyped-def]
+    """A kv cache over a fault-injection backend raising on every call (labelled fake), whose
+    breaker opens after ``failures`` calls and stays open for the test."""
     host = PluginHost()
     host.storage_backends.register(FaultyBackend)
     overrides = [
         "tiers.storage={broken: {type: faults, fail: raise}}",
-        "tiers.storage.broken.circuit_breaker={failures: 2, cooldown_s: 3600}",
+        f"tiers.storage.broken.circuit_breaker={{failures: {failures}, cooldown_s: 3600}}",
         "policy.prefetch.threshold_tokens=64",
     ]
-    with open_cache("kv", overrides=overrides, host=host) as cache:
+    return open_cache("kv", overrides=overrides, host=host)
+
+
+def test_cache_keeps_serving_from_l1_l2_while_the_breaker_is_open() -> None:
+    with broken_l3_cache(failures=2) as cache:
         backend = cache.backend
         assert isinstance(backend, FaultyBackend) and cache.engine is not None
         first = tokens(61, 4)
@@ -152,16 +158,8 @@ def test_open_breaker_refuses_before_staging_or_checksumming(monkeypatch: pytest
 
 def test_open_breaker_keeps_prefetches_and_writes_off_the_worker_threads() -> None:
     """With L3's breaker open, a lookup does not start a prefetch (its pages are counted as
-    ``storage_down``) and write-through queues no L3 write (counted as failed, no host lock held);
-    after the cooldown the next call is the breaker's trial again."""
-    host = PluginHost()
-    host.storage_backends.register(FaultyBackend)
-    overrides = [
-        "tiers.storage={broken: {type: faults, fail: raise}}",
-        "tiers.storage.broken.circuit_breaker={failures: 1, cooldown_s: 3600}",
-        "policy.prefetch.threshold_tokens=64",
-    ]
-    with open_cache("kv", overrides=overrides, host=host) as cache:
+    ``storage_down``) and write-through queues no L3 write (counted as failed, no host lock held)."""
+    with broken_l3_cache(failures=1) as cache:
         assert cache.engine is not None
         serve(cache, tokens(81, 4))
         cache.flush()
