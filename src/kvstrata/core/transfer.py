@@ -17,6 +17,7 @@ import torch
 
 from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.integrity import MARKER_SUFFIX
+from kvstrata.core.row_copy import copy_rows
 from kvstrata.plugins.pool_type import Layout, ObjectSpec
 from kvstrata.plugins.storage_backend import BufferRegion
 
@@ -101,7 +102,16 @@ def _local_copy(
     """Same-device copy of ``(U, L, W)`` views: one op when both keep a unit's layers together,
     else one op per layer (rows of one layer are contiguous; a loop over layers, never pages).
 
-    The indices are on the views' device; ``*_start`` are their :func:`contiguous_run`."""
+    The indices are on the views' device; ``*_start`` are their :func:`contiguous_run`. On the
+    CPU a scatter (also scattered -> scattered) is one pass of block ``memmove`` s
+    (:mod:`~kvstrata.core.row_copy`); a gather into a run stays ``index_select``, as fast as a
+    plain copy there."""
+    if dst_start is None:
+        count = src_idx.numel()
+        src_rows = src_idx if src_start is None else src_start
+        dst_rows = dst_idx if dst_start is None else dst_start
+        if copy_rows(src_view, src_rows, dst_view, dst_rows, count):
+            return
     src_merged, dst_merged = _merge_layers(src_view), _merge_layers(dst_view)
     if src_merged is not None and dst_merged is not None:
         _copy_rows(src_merged, src_idx, src_start, dst_merged, dst_idx, dst_start)
@@ -367,6 +377,8 @@ def write_objects(
         raise ValueError(f"staging has {staging.shape[0]} rows for {idx.numel()} units")
     for name, column in _object_columns(pool, suffix, staging):
         rows = column.to(pool.device)
+        if not pool.split_layers(name) and copy_rows(rows, 0, pool.unit_view(name), idx, idx.numel()):
+            continue  # one pass of block memmoves (torch's index_copy_ is slow on the CPU)
         if pool.split_layers(name):
             for layer in range(rows.shape[1]):
                 pool.unit_view(name, layer=layer).index_copy_(0, idx, rows[:, layer])
