@@ -33,6 +33,8 @@ BENCHMARKS = {
     "sglang_l3": "sglang_l3.py",
     "hf": "hf.py",
     "peers_storage": "peers/storage.py",
+    "peers_copies": "peers/copies.py",
+    "peers_lmcache": "peers/lmcache.py",
 }
 
 
