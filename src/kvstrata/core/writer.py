@@ -274,27 +274,6 @@ class Writer:
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
 
-    def _node_hashes(self, node: TreeNode, known: dict[TreeNode, list[str]]) -> list[str]:
-        """Page hashes of ``node``'s pages, rebuilt from the keys of its path (token pages) when
-        no request's hashes came with it (write-back eviction). ``known`` holds the nodes of this
-        batch already hashed: the chain continues from the nearest of them instead of the root,
-        so a batch of nested nodes hashes each page once."""
-        path = _path(self.tree, node)
-        start, parent = 0, self.namespace_root
-        for index in range(len(path) - 2, -1, -1):
-            if path[index] in known and known[path[index]]:
-                start, parent = index + 1, known[path[index]][-1]
-                break
-        tail = path[start:]
-        keys = [k for n in tail for k in n.keys]
-        tokens = np.frombuffer(b"".join(keys), dtype=np.int64)
-        hashes = hash_pages(tokens, self.page_size, parent)
-        offset = 0
-        for n in tail:  # every node of the walk is hashed now: remember each
-            known[n] = hashes[offset : offset + n.pages]
-            offset += n.pages
-        return known[node]
-
     def _admit_writes(self, nodes: Sequence[TreeNode]) -> Sequence[TreeNode]:
         """The nodes the storage filter takes now; the others wait for a reuse (``on_lookup``)."""
         admission = self.storage_admission
@@ -328,7 +307,9 @@ class Writer:
             if request_hashes is not None:
                 node_hashes = list(request_hashes[node.depth_start : node.depth_end])
             else:
-                node_hashes = self._node_hashes(node, known)
+                node_hashes = node_hashes_from_path(
+                    self.tree, node, self.page_size, self.namespace_root, known
+                )
             for name, tp in self.layout.tree_pools.items():
                 value = node.host[self.tree.index[name]]
                 if value is None:
@@ -416,3 +397,27 @@ def _path(tree: PrefixTree, node: TreeNode, since: TreeNode | None = None) -> li
         cur = cur.parent
     path.reverse()
     return path
+
+
+def node_hashes_from_path(
+    tree: PrefixTree, node: TreeNode, page_size: int, namespace_root: str, known: dict[TreeNode, list[str]]
+) -> list[str]:
+    """Page hashes of ``node``'s pages, rebuilt from the keys of its path (token pages) when no
+    request's hashes came with it (write-back eviction). ``known`` holds the nodes of this batch
+    already hashed: the chain continues from the nearest of them instead of the root, so a batch
+    of nested nodes hashes each page once."""
+    path = _path(tree, node)
+    start, parent = 0, namespace_root
+    for index in range(len(path) - 2, -1, -1):
+        if known.get(path[index]):
+            start, parent = index + 1, known[path[index]][-1]
+            break
+    tail = path[start:]
+    keys = [k for n in tail for k in n.keys]
+    tokens = np.frombuffer(b"".join(keys), dtype=np.int64)
+    hashes = hash_pages(tokens, page_size, parent)
+    offset = 0
+    for n in tail:  # every node of the walk is hashed now: remember each
+        known[n] = hashes[offset : offset + n.pages]
+        offset += n.pages
+    return known[node]
