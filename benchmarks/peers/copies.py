@@ -225,16 +225,16 @@ def spread(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="CI-sized: 4 layers, 16 pages, 3 rounds")
+    parser.add_argument("--quick", action="store_true", help="CI-sized: 4 layers, 3 rounds")
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds (default 11, quick 3)")
     parser.add_argument("--layers", type=int, default=None, help="model layers (default 8, quick 4)")
-    parser.add_argument("--pages", type=int, default=None, help="pages per call (default 32, quick 16)")
+    parser.add_argument("--pages", type=int, default=None, help="pages per call (default 32)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", choices=("kvstrata", "SGLang"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.rounds = args.rounds or (3 if args.quick else 11)
     args.layers = args.layers or (4 if args.quick else 8)
-    args.pages = args.pages or (16 if args.quick else 32)
+    args.pages = args.pages or 32  # 32-64 MiB per call: beyond the caches, like a real batch
     if args.worker:
         worker_main(args)
         return
