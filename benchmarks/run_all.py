@@ -34,6 +34,8 @@ BENCHMARKS = {
     "hf": "hf.py",
     "peers_storage": "peers/storage.py",
     "faults": "faults.py",
+    "peers_copies": "peers/copies.py",
+    "peers_lmcache": "peers/lmcache.py",
 }
 
 

@@ -304,3 +304,62 @@ def test_a_prefetch_into_a_full_host_tier_makes_room_at_admit(tmp_path: Path) ->
         lease, bad = serve(cache, first)
         assert lease.hit_pages["storage"] == 4 and bad == 0
         assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+
+
+def count_page_hashing(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Pages hashed for leases (a counting wrapper around the real hash_pages)."""
+    import kvstrata.core.lease as lease_module
+
+    hashed: list[int] = []
+    real = lease_module.hash_pages
+
+    def counting(*args: object, **kwargs: object) -> list[str]:
+        result = real(*args, **kwargs)  # type: ignore[arg-type]
+        hashed.append(len(result))
+        return result
+
+    monkeypatch.setattr(lease_module, "hash_pages", counting)
+    return hashed
+
+
+def serve_in_chunks(cache: CacheController, request: torch.Tensor, chunk_pages: int) -> None:
+    """A chunked prefill through the engine API, never asking for page hashes itself."""
+    page = cache.page_size
+    lease = cache.lookup(request[: chunk_pages * page])
+    for start in range(chunk_pages, len(request) // page + chunk_pages, chunk_pages):
+        cache.allocate(lease)
+        last = start >= len(request) // page
+        cache.insert(lease, close=last)
+        if not last:
+            lease.extend(request[start * page : (start + chunk_pages) * page])
+
+
+def test_page_hashes_are_computed_once_per_lease_and_never_without_l3(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hashed = count_page_hashing(monkeypatch)
+    request = tokens(21, 12)
+    with open_cache("kv", None) as cache:
+        serve_in_chunks(cache, request, 4)
+        serve_in_chunks(cache, torch.cat([request, tokens(22, 4)]), 4)
+    assert sum(hashed) == 0  # no L3: nothing needs a page hash
+    with open_cache("kv", tmp_path) as cache:
+        serve_in_chunks(cache, request, 4)
+        cache.flush()
+        assert cache.metrics.snapshot()["bytes"]["host_to_storage"] > 0
+    assert sum(hashed) == 12  # each page of the lease once, over three chunked inserts
+
+
+def test_write_back_eviction_of_nested_nodes_stores_the_right_hashes(tmp_path: Path) -> None:
+    """Write-back hashes evicted nodes from their path; nested nodes of one batch continue the
+    chain from each other. A fresh process must restore the whole prefix from L3."""
+    longer = tokens(23, 8)
+    with open_cache("kv", tmp_path, ["policy.write=write_back"]) as cache:
+        serve(cache, longer[: 4 * cache.page_size])
+        serve(cache, longer)  # a child node below the first request's
+        serve(cache, tokens(24, cache.pools.device_pages))  # evicts both, backed up in one batch
+        cache.flush()
+        assert cache.metrics.snapshot()["bytes"]["host_to_storage"] > 0
+    report = fresh_process("kv", tmp_path, 23, 8)
+    assert report["bad"] == 0 and report["corrupt"] == 0
+    assert report["hits"]["storage"] == 8

@@ -186,3 +186,25 @@ def test_copy_rejects_bad_input() -> None:
         copy_units(device, [0], other, [0])
     with pytest.raises(ValueError, match="does not support layout"):
         PoolBuffers(make_spec("mamba", "bfloat16"), 2, layout=Layout.PAGE_FIRST_DIRECT)
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_write_objects_page_by_page_equals_one_batch_and_refuses_foreign_units(layout: Layout) -> None:
+    """The host fast path (cached block table, one memmove per block) against the batch call;
+    a unit outside the pool raises and writes nothing."""
+    spec = make_spec("kv", "bfloat16")
+    obj = spec.objects[0]
+    staging = torch.randint(0, 256, (3, spec.object_bytes(obj.suffix)), dtype=torch.uint8)
+    batch, single = PoolBuffers(spec, 6, layout=layout), PoolBuffers(spec, 6, layout=layout)
+    idx = torch.tensor([5, 0, 3])
+    write_objects(batch, obj.suffix, idx, staging)
+    for row, unit in enumerate(idx.tolist()):
+        write_objects(single, obj.suffix, [unit], staging[row : row + 1])
+    assert torch.equal(read_objects(single, obj.suffix, idx), staging)
+    assert_same_units(batch, idx, single, idx)
+    assert batch.backing is not None and single.backing is not None
+    assert torch.equal(batch.backing, single.backing)  # nothing written outside the units
+    before = single.backing.clone()
+    with pytest.raises(IndexError, match="outside"):
+        write_objects(single, obj.suffix, [1, 6, 2], staging)
+    assert torch.equal(single.backing, before)

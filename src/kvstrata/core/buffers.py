@@ -120,6 +120,8 @@ class PoolBuffers(UnitAccess):
         self.owned = True  # kvstrata allocated this memory (False: the engine's tensors)
         #: view pairs of copies to other tiers, by id(other tier) (see transfer._view_pairs)
         self.copy_views: dict[int, tuple[PoolBuffers, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        #: per object suffix: its contiguous blocks in a unit (see transfer.object_blocks)
+        self.object_blocks: dict[str, list[tuple[int, int, int, int]]] = {}
         self._layer_tensors: dict[str, list[torch.Tensor]] = {}  # engine buffers given per layer
         self.placements: dict[str, _Placement] = {}
         self.unit_bytes = spec.bytes_per_unit
@@ -167,6 +169,7 @@ class PoolBuffers(UnitAccess):
         tier.device = tier_device
         tier.owned = False
         tier.copy_views = {}
+        tier.object_blocks = {}
         tier._layer_tensors = found
         tier.placements = {b.name: _Placement(b, 0, b.bytes_per_unit * units) for b in spec.buffers}
         tier.unit_bytes = spec.bytes_per_unit

@@ -187,7 +187,7 @@ class CacheController(UnitMemory, RetentionApi):
         if (
             pages > 0
             and op.start > 0
-            and not self.writer.back_up_prefix(lease.keys[: op.start], lease.page_hashes)
+            and not self.writer.back_up_prefix(lease.keys[: op.start], lease.hashes_source)
         ):
             # host-only pages below a device-only page would break "backups form a contiguous
             # prefix from the root" and pin that page on the device: drop the refill
@@ -260,7 +260,7 @@ class CacheController(UnitMemory, RetentionApi):
             lease._node, lease.committed_pages, lease._allocated = result.node, end, rest
             self._retain(lease)
             if self.policy.write == "write_through":
-                self.writer.on_insert(result.node, lease.page_hashes, since=above)
+                self.writer.on_insert(result.node, lease.hashes_source, since=above)
         if close:
             if lease._allocated is not None:
                 self.units.free(Tier.DEVICE, lease._allocated)

@@ -87,6 +87,11 @@ class Lease:
             self._hashes.extend(hash_pages(tokens, self.page_size, parent))
         return self._hashes
 
+    def hashes_source(self) -> list[str]:
+        """:attr:`page_hashes` as a call: the writer asks for them only when it queues an L3
+        write, so a cache without L3 never hashes a page."""
+        return self.page_hashes
+
     @property
     def cached_tokens(self) -> int:
         return self.cached_pages * self.page_size

@@ -10,6 +10,7 @@ held as an engine's per-layer tensors (:meth:`PoolBuffers.from_tensors`) is copi
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ import torch
 
 from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.integrity import MARKER_SUFFIX
+from kvstrata.core.row_copy import copy_rows
 from kvstrata.plugins.pool_type import Layout, ObjectSpec
 from kvstrata.plugins.storage_backend import BufferRegion
 
@@ -101,7 +103,16 @@ def _local_copy(
     """Same-device copy of ``(U, L, W)`` views: one op when both keep a unit's layers together,
     else one op per layer (rows of one layer are contiguous; a loop over layers, never pages).
 
-    The indices are on the views' device; ``*_start`` are their :func:`contiguous_run`."""
+    The indices are on the views' device; ``*_start`` are their :func:`contiguous_run`. On the
+    CPU a scatter (also scattered -> scattered) is one pass of block ``memmove`` s
+    (:mod:`~kvstrata.core.row_copy`); a gather into a run stays ``index_select``, as fast as a
+    plain copy there."""
+    if dst_start is None:
+        count = src_idx.numel()
+        src_rows = src_idx if src_start is None else src_start
+        dst_rows = dst_idx if dst_start is None else dst_start
+        if copy_rows(src_view, src_rows, dst_view, dst_rows, count):
+            return
     src_merged, dst_merged = _merge_layers(src_view), _merge_layers(dst_view)
     if src_merged is not None and dst_merged is not None:
         _copy_rows(src_merged, src_idx, src_start, dst_merged, dst_idx, dst_start)
@@ -357,16 +368,86 @@ def read_objects(
     return out
 
 
+def object_blocks(pool: PoolBuffers, suffix: str) -> list[tuple[int, int, int, int]]:
+    """The contiguous blocks of one object in a unit of a host pool kvstrata allocated, in
+    object byte order: ``(address in unit 0, bytes between units, bytes, offset in the object)``.
+
+    Computed once per (pool, object): the layout is fixed for the pool's life. One block per
+    object in page_first, one per buffer in page_first_direct, one per buffer and layer in
+    layer_first (what :func:`object_regions` yields per unit)."""
+    cached = pool.object_blocks.get(suffix)
+    if cached is not None:
+        return cached
+    obj = _object(pool, suffix)
+    base = pool.data_ptr
+    blocks: list[tuple[int, int, int, int]] = []
+    if pool.layout is Layout.PAGE_FIRST:
+        nbytes = pool.spec.object_bytes(suffix)
+        if nbytes:
+            blocks.append((base + pool.object_offsets[suffix], pool.unit_bytes, nbytes, 0))
+    else:
+        offset = 0
+        for name in obj.buffers:
+            place = pool.placements[name]
+            buffer = place.spec
+            if pool.layout is Layout.LAYER_FIRST:
+                layer_bytes = buffer.bytes_per_unit_per_layer
+                for layer in range(buffer.layers):
+                    start = base + place.offset + layer * pool.units * layer_bytes
+                    blocks.append((start, layer_bytes, layer_bytes, offset))
+                    offset += layer_bytes
+            else:
+                blocks.append((base + place.offset, buffer.bytes_per_unit, buffer.bytes_per_unit, offset))
+                offset += buffer.bytes_per_unit
+    pool.object_blocks[suffix] = blocks
+    return blocks
+
+
+def _write_objects_direct(pool: PoolBuffers, suffix: str, indices: list[int], staging: torch.Tensor) -> None:
+    """:func:`write_objects` for a host pool kvstrata allocated and a contiguous CPU staging:
+    one ``memmove`` per contiguous block (see :mod:`~kvstrata.core.row_copy` for why not torch).
+    The block table is cached, so a one-page call -- SGLang's storage backends set pages one
+    by one -- costs a few microseconds besides the copy."""
+    blocks = object_blocks(pool, suffix)
+    row_bytes = staging.shape[1]
+    source = staging.data_ptr()
+    memmove = ctypes.memmove
+    for unit in indices:
+        for start, stride, nbytes, offset in blocks:
+            memmove(start + unit * stride, source + offset, nbytes)
+        source += row_bytes
+
+
 def write_objects(
     pool: PoolBuffers, suffix: str, indices: torch.Tensor | Sequence[int], staging: torch.Tensor
 ) -> None:
     """Copy path: write ``(n, object_bytes)`` staging rows into the units ``indices``."""
+    if (
+        pool.owned
+        and pool.backing is not None
+        and pool.device.type == "cpu"
+        and staging.device.type == "cpu"
+        and staging.dtype == torch.uint8
+        and staging.dim() == 2
+        and staging.is_contiguous()
+        and staging.shape[1] == pool.spec.object_bytes(suffix)
+        and staging.untyped_storage().data_ptr() != pool.backing.untyped_storage().data_ptr()
+    ):
+        units = as_index(indices).tolist()
+        if len(units) != staging.shape[0]:
+            raise ValueError(f"staging has {staging.shape[0]} rows for {len(units)} units")
+        if units and (min(units) < 0 or max(units) >= pool.units):
+            pool.check_indices(as_index(units))  # raises with the pool's message
+        _write_objects_direct(pool, suffix, units, staging)
+        return
     idx = as_index(indices).to(pool.device)
     pool.check_indices(idx)
     if staging.shape[0] != idx.numel():
         raise ValueError(f"staging has {staging.shape[0]} rows for {idx.numel()} units")
     for name, column in _object_columns(pool, suffix, staging):
         rows = column.to(pool.device)
+        if not pool.split_layers(name) and copy_rows(rows, 0, pool.unit_view(name), idx, idx.numel()):
+            continue  # one pass of block memmoves (torch's index_copy_ is slow on the CPU)
         if pool.split_layers(name):
             for layer in range(rows.shape[1]):
                 pool.unit_view(name, layer=layer).index_copy_(0, idx, rows[:, layer])

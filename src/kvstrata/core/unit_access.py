@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstrata.core.engine_tensors import torch_dtype
+from kvstrata.core.row_copy import copy_rows
 from kvstrata.plugins.pool_type import BufferSpec, Layout, PoolSpec
 
 if TYPE_CHECKING:
@@ -175,6 +176,9 @@ class UnitAccess:
             return
         for name, word, rows in staged:
             buffer = self.placements[name].spec
+            whole = layer is not None or not self.split_layers(name)
+            if whole and copy_rows(rows, 0, self.unit_view(name, word, layer=layer), idx, idx.numel()):
+                continue  # one pass of block memmoves on the CPU (index_copy_ is slow there)
             if layer is None and self.split_layers(name):
                 for i in range(buffer.layers):
                     self.unit_view(name, word, layer=i).index_copy_(0, idx, rows[:, i])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,6 +38,9 @@ from kvstrata.core.tree import LockHandle, MatchResult, PageKey, PrefixTree, Tie
 
 if TYPE_CHECKING:
     from kvstrata.core.lease import Lease
+
+#: A request's page hashes, computed on demand: only an L3 write needs them.
+PageHashes = Callable[[], Sequence[str]]
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +114,10 @@ class Writer:
 
     # --- L1 -> L2 -----------------------------------------------------------------------------
 
-    def on_insert(self, node: TreeNode, hashes: Sequence[str], since: TreeNode | None = None) -> None:
+    def on_insert(self, node: TreeNode, hashes: PageHashes, since: TreeNode | None = None) -> None:
         """Write-through: back up the path to a freshly inserted node (below ``since``, which a
-        chunked request inserted, and backed up, before)."""
+        chunked request inserted, and backed up, before). ``hashes`` gives the request's page
+        hashes; it is called only when an L3 write is queued (no L3, no hashing)."""
         if self.policy.write == "write_through":
             path = _path(self.tree, node, since)
             self.host_admission.seen(path)
@@ -130,24 +134,24 @@ class Writer:
         storage.seen(match.path)
         if self.policy.write == "write_through_selective":
             hot = [n for n in match.device_path if n.hit_count >= self.policy.write_through_threshold]
-            self.back_up(hot, hashes=lease.page_hashes, admit=host.selective)
+            self.back_up(hot, hashes=lease.hashes_source, admit=host.selective)
         elif host.selective and self.policy.write == "write_through":
             unbacked = [n for n in match.device_path if not self.tree.backed_up(n)]
-            self.back_up(unbacked, hashes=lease.page_hashes, admit=True)
+            self.back_up(unbacked, hashes=lease.hashes_source, admit=True)
         if self._refused and self.engine is not None:
             ready = [n for n in match.host_path if n in self._refused and storage.admit(n)]
             for n in ready:
                 del self._refused[n]
             ready = [n for n in ready if n.host[0] is not None]
             if ready:
-                self._queue_write(ready, lease.page_hashes, admitted=True)
+                self._queue_write(ready, lease.hashes_source, admitted=True)
 
     def _split(self, upper: TreeNode, lower: TreeNode) -> None:
         if lower in self._refused:  # both halves still wait for their L3 write
             self._refused[upper] = None
 
     def back_up(
-        self, nodes: Iterable[TreeNode], *, hashes: Sequence[str] | None = None, admit: bool = False
+        self, nodes: Iterable[TreeNode], *, hashes: PageHashes | None = None, admit: bool = False
     ) -> None:
         """Copy device-only nodes to host, root first, stopping at the first that does not fit,
         whose parent has no backup (backups stay a contiguous prefix) or, with ``admit``, that the
@@ -212,7 +216,7 @@ class Writer:
                 return got
         return None
 
-    def back_up_prefix(self, keys: Sequence[PageKey], hashes: Sequence[str]) -> bool:
+    def back_up_prefix(self, keys: Sequence[PageKey], hashes: PageHashes) -> bool:
         """Whether every page of ``keys`` has a host copy, backing device-only ones up first
         (an L3 refill below a page without one would break the contiguous-backup rule)."""
         match = self.tree.match(keys, count_hit=False)
@@ -270,12 +274,6 @@ class Writer:
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
 
-    def _node_hashes(self, node: TreeNode) -> list[str]:
-        """Page hashes of ``node``'s pages, rebuilt from the keys of its path (token pages)."""
-        keys = [k for n in _path(self.tree, node) for k in n.keys]
-        tokens = np.frombuffer(b"".join(keys), dtype=np.int64)
-        return hash_pages(tokens, self.page_size, self.namespace_root)[node.depth_start :]
-
     def _admit_writes(self, nodes: Sequence[TreeNode]) -> Sequence[TreeNode]:
         """The nodes the storage filter takes now; the others wait for a reuse (``on_lookup``)."""
         admission = self.storage_admission
@@ -293,20 +291,25 @@ class Writer:
         return taken
 
     def _queue_write(
-        self, nodes: Sequence[TreeNode], hashes: Sequence[str] | None, *, admitted: bool = False
+        self, nodes: Sequence[TreeNode], hashes: PageHashes | None, *, admitted: bool = False
     ) -> None:
-        """L2 -> L3 for freshly backed-up nodes: batches built here, written on the worker."""
+        """L2 -> L3 for freshly backed-up nodes: batches built here, written on the worker.
+        ``hashes()`` -- the request's page hashes -- is the one place a request's pages are hashed."""
         assert self.engine is not None
         if admitted:
             self.metrics.count("storage_admitted", sum(n.pages for n in nodes))
         else:
             nodes = self._admit_writes(nodes)
         per_pool: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
+        request_hashes = hashes() if hashes is not None and nodes else None
+        known: dict[TreeNode, list[str]] = {}
         for node in nodes:
-            if hashes is not None:
-                node_hashes = list(hashes[node.depth_start : node.depth_end])
+            if request_hashes is not None:
+                node_hashes = list(request_hashes[node.depth_start : node.depth_end])
             else:
-                node_hashes = self._node_hashes(node)
+                node_hashes = node_hashes_from_path(
+                    self.tree, node, self.page_size, self.namespace_root, known
+                )
             for name, tp in self.layout.tree_pools.items():
                 value = node.host[self.tree.index[name]]
                 if value is None:
@@ -401,3 +404,27 @@ def _path(tree: PrefixTree, node: TreeNode, since: TreeNode | None = None) -> li
         cur = cur.parent
     path.reverse()
     return path
+
+
+def node_hashes_from_path(
+    tree: PrefixTree, node: TreeNode, page_size: int, namespace_root: str, known: dict[TreeNode, list[str]]
+) -> list[str]:
+    """Page hashes of ``node``'s pages, rebuilt from the keys of its path (token pages) when no
+    request's hashes came with it (write-back eviction). ``known`` holds the nodes of this batch
+    already hashed: the chain continues from the nearest of them instead of the root, so a batch
+    of nested nodes hashes each page once."""
+    path = _path(tree, node)
+    start, parent = 0, namespace_root
+    for index in range(len(path) - 2, -1, -1):
+        if known.get(path[index]):
+            start, parent = index + 1, known[path[index]][-1]
+            break
+    tail = path[start:]
+    keys = [k for n in tail for k in n.keys]
+    tokens = np.frombuffer(b"".join(keys), dtype=np.int64)
+    hashes = hash_pages(tokens, page_size, parent)
+    offset = 0
+    for n in tail:  # every node of the walk is hashed now: remember each
+        known[n] = hashes[offset : offset + n.pages]
+        offset += n.pages
+    return known[node]
