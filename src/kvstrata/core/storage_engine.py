@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.core.breaker import BreakerState, CircuitBreaker
+from kvstrata.core.backend_calls import BackendCalls
+from kvstrata.core.breaker import CircuitBreaker
 from kvstrata.core.config import ParallelConfig
 from kvstrata.core.integrity import (
     DAMAGE,
@@ -116,7 +117,7 @@ class StorageMetrics:
                 reasons[reason] = reasons.get(reason, 0) + n
 
 
-class StorageEngine:
+class StorageEngine(BackendCalls):
     """Batch I/O of one stack's pools on one backend instance, driven only by plans and specs."""
 
     def __init__(
@@ -179,82 +180,6 @@ class StorageEngine:
         """Keys per object spec (outer) per unit (inner) of ``pool``."""
         schema = self.schemas[pool]
         return [schema.keys(page_hashes, suffix) for suffix in self._suffixes[pool]]
-
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self.metrics, name, getattr(self.metrics, name) + delta)
-
-    def _emit(self, name: str, **kwargs: Any) -> None:
-        """Call a per-batch hook; an observer's failure must never fail the operation."""
-        if self._hook is None:
-            return
-        try:
-            getattr(self._hook, name)(**kwargs)
-        except Exception:
-            log.exception("hook %s raised; ignored", name)
-
-    def _backend_failed(self, operation: str, pool: str, exc: BaseException) -> str:
-        self._count(backend_errors=1)
-        message = f"{operation} on backend {self.backend.instance!r} (pool {pool!r}) failed: {exc!r}"
-        log.warning(message)
-        self._emit(
-            "kvstrata_operation_failed", operation=operation, instance=self.backend.instance, error=exc
-        )
-        return message
-
-    def _call_backend(
-        self, operation: str, pool: str, items: Sequence[Any], **options: Any
-    ) -> tuple[list[Any] | None, str | None]:
-        """Run ``backend.<operation>(items)``; a raise or a wrong-length answer fails the whole
-        call (``None`` and why), never the caller. While the circuit breaker is open the backend
-        is not called at all: the call fails at once."""
-        if not self.breaker.allow():
-            return None, self._refused(operation)
-        try:
-            answer = list(getattr(self.backend, operation)(items, **options))
-            if len(answer) != len(items):
-                raise RuntimeError(f"backend returned {len(answer)} results for {len(items)} items")
-        except Exception as exc:  # a backend failure fails this call only
-            self._breaker_outcome(ok=False)
-            return None, self._backend_failed(operation, pool, exc)
-        self._breaker_outcome(ok=True)
-        return answer, None
-
-    def refused(self, operation: str, count: int) -> BatchResult:
-        """The answer to an ``exists`` / ``put`` / ``get`` of ``count`` units that the open breaker
-        refuses before any work (``breaker.refusing()``), counted as the refused call would be:
-        callers that prepare a call (the writer's batches) skip that work too."""
-        error = self._refused(operation)
-        if operation == "put":
-            self._count(put_units=count, put_failed=count)
-        elif operation == "get":
-            self._count(get_units=count, get_misses=count)
-        else:
-            self._count(exists_calls=1)
-        return BatchResult([False] * count, error, failed=count)
-
-    def _refused(self, operation: str) -> str:
-        """Count a call the open breaker refused, and say why."""
-        self._count(breaker_rejected=1)
-        return (
-            f"{operation} on backend {self.backend.instance!r} refused: circuit breaker open after "
-            f"repeated failures (a trial call goes through every {self.breaker.cooldown_s:g} s)"
-        )
-
-    def _breaker_outcome(self, *, ok: bool) -> None:
-        changed = self.breaker.record(ok)
-        if changed is BreakerState.OPEN:
-            self._count(breaker_trips=1)
-            log.warning(
-                "backend %r failed %d calls in a row: circuit breaker open, calls fail at once for %g s "
-                "(L1/L2 keep serving)",
-                self.backend.instance,
-                self.breaker.failures,
-                self.breaker.cooldown_s,
-            )
-        elif changed is BreakerState.CLOSED:
-            log.warning("backend %r answered again: circuit breaker closed", self.backend.instance)
 
     # --- exists -------------------------------------------------------------------------------
 

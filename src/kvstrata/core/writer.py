@@ -300,25 +300,8 @@ class Writer:
             self.metrics.count("storage_admitted", sum(n.pages for n in nodes))
         else:
             nodes = self._admit_writes(nodes)
-        per_pool: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
         request_hashes = hashes() if hashes is not None and nodes else None
-        known: dict[TreeNode, list[str]] = {}
-        for node in nodes:
-            if request_hashes is not None:
-                node_hashes = list(request_hashes[node.depth_start : node.depth_end])
-            else:
-                node_hashes = node_hashes_from_path(
-                    self.tree, node, self.page_size, self.namespace_root, known
-                )
-            for name, tp in self.layout.tree_pools.items():
-                value = node.host[self.tree.index[name]]
-                if value is None:
-                    continue
-                page_hashes = node_hashes[-1:] if tp.kind is PoolKind.STATE else node_hashes
-                for follower in tp.followers:
-                    entry = per_pool.setdefault(follower, ([], []))
-                    entry[0].extend(page_hashes)
-                    entry[1].append(value)
+        per_pool = _host_values_per_pool(self, nodes, request_hashes)
         if self.engine.breaker.refusing():
             # L3 is down: count the refused write without the batch copies, host locks and
             # worker hop it would cost (a dead L3 must not slow L1/L2; benchmarks/faults.py)
@@ -383,6 +366,31 @@ class Writer:
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
+
+
+def _host_values_per_pool(
+    writer: Writer, nodes: Sequence[TreeNode], request_hashes: Sequence[str] | None
+) -> dict[str, tuple[list[str], list[torch.Tensor]]]:
+    """Per pool to write: the page hashes and host unit indices of ``nodes`` (a state pool one
+    slot per node, under its last page; a sidecar follows the pool owning its units)."""
+    per_pool: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
+    known: dict[TreeNode, list[str]] = {}
+    tree = writer.tree
+    for node in nodes:
+        if request_hashes is not None:
+            node_hashes = list(request_hashes[node.depth_start : node.depth_end])
+        else:
+            node_hashes = node_hashes_from_path(tree, node, writer.page_size, writer.namespace_root, known)
+        for name, tp in writer.layout.tree_pools.items():
+            value = node.host[tree.index[name]]
+            if value is None:
+                continue
+            page_hashes = node_hashes[-1:] if tp.kind is PoolKind.STATE else node_hashes
+            for follower in tp.followers:
+                entry = per_pool.setdefault(follower, ([], []))
+                entry[0].extend(page_hashes)
+                entry[1].append(value)
+    return per_pool
 
 
 def _is_chain(nodes: Sequence[TreeNode], top: TreeNode) -> bool:
