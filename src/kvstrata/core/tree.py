@@ -53,6 +53,7 @@ from kvstrata.core.tree_node import (
     LockHandle,
     MatchResult,
     Membership,
+    PagedKeys,
     PageKey,
     PoolLayout,
     SetValue,
@@ -60,6 +61,7 @@ from kvstrata.core.tree_node import (
     TreeError,
     TreeNode,
     page_keys,
+    paged_keys_type,
 )
 from kvstrata.plugins.pool_type import PoolSpec
 
@@ -73,6 +75,7 @@ __all__ = [
     "MatchResult",
     "Membership",
     "PageKey",
+    "PagedKeys",
     "PoolLayout",
     "PrefixTree",
     "RetentionLevels",
@@ -81,6 +84,7 @@ __all__ = [
     "TreeError",
     "TreeNode",
     "page_keys",
+    "paged_keys_type",
 ]
 
 
@@ -121,7 +125,7 @@ class PrefixTree:
         self._matcher.on_split = self._evictor.split
 
     # ------------------------------------------------------------------ helpers
-    def keys_of(self, tokens: Sequence[int] | array | torch.Tensor) -> list[bytes]:
+    def keys_of(self, tokens: Sequence[int] | array | torch.Tensor) -> PagedKeys:
         return page_keys(tokens, self.page_size)
 
     def holding(self, name: str, tier: Tier | str) -> list[TreeNode]:
@@ -143,9 +147,13 @@ class PrefixTree:
 
     def _set(self, node: TreeNode, tier: Tier, p: int, value: torch.Tensor | None) -> None:
         if tier is _DEVICE:
+            if p == 0 and (node.device[0] is None) is not (value is None):
+                node.parent.device_children += 1 if value is not None else -1  # type: ignore[union-attr]
             node.device[p] = value
             lru = self._device_lru[p]
         else:
+            if p == 0 and (node.host[0] is None) is not (value is None):
+                node.parent.host_children += 1 if value is not None else -1  # type: ignore[union-attr]
             node.host[p] = value
             lru = self._host_lru[p]
         if value is None:

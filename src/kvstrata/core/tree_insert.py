@@ -18,6 +18,7 @@ from kvstrata.core.tree_node import (
     _DEVICE,
     AccessClock,
     InsertResult,
+    PagedKeys,
     PageKey,
     PoolLayout,
     SetValue,
@@ -139,7 +140,7 @@ class TreeInserter:
             cuts = sorted({i, n} | {start[p] for p in paged if i < start[p] < n}) if suffix else (i, n)
             for s, e in pairwise(cuts):
                 parent = node
-                rest = keys[s:e] if isinstance(keys, list) else list(keys[s:e])
+                rest = keys[s:e] if isinstance(keys, list | PagedKeys) else list(keys[s:e])
                 node = TreeNode(next(self._ids), parent, rest, npools, self._has_windows, self._unlocked)
                 parent.children[rest[0]] = node
                 for p in paged:

@@ -19,6 +19,7 @@ from kvstrata.core.tree_node import (
     _HOST,
     AccessClock,
     MatchResult,
+    PagedKeys,
     PageKey,
     PoolLayout,
     SetValue,
@@ -70,6 +71,13 @@ class TreeMatcher:
         parent.children[upper.keys[0]] = upper
         upper.children[node.keys[0]] = node
         node.parent = upper
+        # ``node`` leaves ``parent`` for ``upper``; setting upper's anchor below counts it back
+        if node.device[0] is not None:
+            parent.device_children -= 1
+            upper.device_children = 1
+        if node.host[0] is not None:
+            parent.host_children -= 1
+            upper.host_children = 1
         upper.hit_count = node.hit_count
         upper.last_access = node.last_access
         device_lock, host_lock = list(upper.device_lock), list(upper.host_lock)
@@ -110,20 +118,46 @@ class TreeMatcher:
         where the match ends inside it when ``split``, else leaving it out). ``start``: walk
         below this node, ``keys`` being the pages after it (the root by default)."""
         node, i, n, path = start or self.root, 0, len(keys), []
+        # Keys from ``page_keys`` (one ``PagedKeys``): an edge built from the same kind compares
+        # with one ``startswith`` at the byte offset (a memcmp, no slice), and where the edge
+        # differs a binary search of such compares finds the page: no Python step per page.
+        paged = type(keys) if isinstance(keys, PagedKeys) else None
+        step = keys.step if paged is not None else 0
         while i < n:
             child = node.children.get(keys[i])
             if child is None:
                 break
             ck = child.keys
             width = len(ck)
-            if keys[i : i + width] == ck:
-                path.append(child)
-                node = child
-                i += width
-                continue
-            m, lim = 1, min(width, n - i)
-            while m < lim and ck[m] == keys[i + m]:
-                m += 1
+            lim = min(width, n - i)
+            if type(ck) is paged:
+                if width <= n - i:
+                    if keys.startswith(ck, i * step):
+                        path.append(child)
+                        node = child
+                        i += width
+                        continue
+                    hi = width  # the whole edge does not match
+                else:
+                    hi = lim + 1  # the keys end inside the edge: all of them may match
+                # the first page matched (the child's key): the equal run is in [lo, hi)
+                view, lo = memoryview(ck), 1
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if keys.startswith(view[: mid * step], i * step):
+                        lo = mid
+                    else:
+                        hi = mid
+                m = lo
+            else:
+                if keys[i : i + width] == ck:
+                    path.append(child)
+                    node = child
+                    i += width
+                    continue
+                m = 1
+                while m < lim and ck[m] == keys[i + m]:
+                    m += 1
             if split:
                 path.append(self.split(child, m))
                 i += m

@@ -9,6 +9,7 @@ back. ``kvstrata.core.tree`` re-exports every name.
 
 from __future__ import annotations
 
+import functools
 import struct
 from array import array
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -37,14 +38,85 @@ class TreeError(ValueError):
     """Bad input to a tree operation (unknown pool, wrong value length, broken invariant)."""
 
 
-def page_keys(tokens: Sequence[int] | array | torch.Tensor, page_size: int) -> list[bytes]:
-    """Whole-page keys of ``tokens``: each page's token ids as int64 bytes.
+class PagedKeys(bytes):
+    """The whole-page keys of one token sequence, held as one ``bytes`` of int64 token ids.
 
-    A trailing partial page is dropped (it cannot be cached). Bytes keys are exact (no hash
-    collisions), hash once (the hash is cached on the object), compare with one memcmp and are
-    invisible to the garbage collector, which matters for a tree of millions of pages. Token
-    arrays (``array('q')``, as SGLang holds them, or tensors) convert with one memcpy; lists pay
-    one C-level pack.
+    A sequence of page keys (``len`` counts pages, ``keys[i]`` is page ``i``'s key: its tokens'
+    int64 bytes, ``keys[a:b]`` is a ``PagedKeys`` of those pages) that costs one object, not one
+    per page: at page size 1 a per-page ``bytes`` made key building 75% of an insert and its
+    objects most of the tree's memory. A tree edge built from it is a slice of it (one memcpy),
+    and the walk compares an edge with ``bytes.startswith`` at an offset: one memcmp, no copy, no
+    Python step per page or token. Equal to any sequence with the same page keys (a list of
+    ``bytes`` from an older caller compares equal). One subclass per page size holds the stride
+    (:func:`paged_keys_type`).
+    """
+
+    __slots__ = ()
+    #: bytes per page (8 x page size); set on each page size's subclass
+    step: int = 8
+
+    def __len__(self) -> int:
+        return bytes.__len__(self) // self.step
+
+    def __getitem__(self, index):  # type: ignore[override]  # pages, not bytes
+        step = self.step
+        if isinstance(index, slice):
+            start, stop, stride = index.indices(bytes.__len__(self) // step)
+            if stride != 1:
+                return [self[i] for i in range(start, stop, stride)]
+            return type(self)(bytes.__getitem__(self, slice(start * step, max(start, stop) * step)))
+        if index < 0:
+            index += bytes.__len__(self) // step
+        if not 0 <= index < bytes.__len__(self) // step:
+            raise IndexError("page index out of range")
+        at = index * step
+        return bytes.__getitem__(self, slice(at, at + step))
+
+    def __iter__(self):  # type: ignore[override]
+        step = self.step
+        view = bytes(self)
+        return (view[i : i + step] for i in range(0, len(view), step))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PagedKeys):
+            return self.step == other.step and bytes.__eq__(self, other)
+        if isinstance(other, list | tuple):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return False
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = bytes.__hash__
+
+    def __add__(self, other: object) -> PagedKeys:  # type: ignore[override]
+        if isinstance(other, PagedKeys) and other.step == self.step:
+            return type(self)(bytes(self) + bytes(other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"PagedKeys({len(self)} pages of {self.step // 8} tokens)"
+
+    def tokens(self) -> bytes:
+        """The token ids of every page, as plain int64 ``bytes``."""
+        return bytes(self)
+
+
+@functools.cache
+def paged_keys_type(page_size: int) -> type[PagedKeys]:
+    """The ``PagedKeys`` subclass of one page size (the stride lives on the class, since a
+    ``bytes`` subclass cannot carry instance attributes). Cached: one immutable type per size."""
+    if page_size < 1:
+        raise TreeError(f"page_size must be >= 1, got {page_size}")
+    return type(f"PagedKeys{page_size}", (PagedKeys,), {"__slots__": (), "step": page_size * 8})
+
+
+def page_keys(tokens: Sequence[int] | array | torch.Tensor, page_size: int) -> PagedKeys:
+    """Whole-page keys of ``tokens``: each page's token ids as int64 bytes, as one ``PagedKeys``.
+
+    A trailing partial page is dropped (it cannot be cached). Page keys are exact (no hash
+    collisions) and compare with one memcmp. Token arrays (``array('q')``, as SGLang holds them,
+    or tensors) convert with one memcpy; lists pay one C-level pack.
     """
     if isinstance(tokens, array) and tokens.typecode == "q":
         flat = tokens.tobytes()
@@ -54,7 +126,7 @@ def page_keys(tokens: Sequence[int] | array | torch.Tensor, page_size: int) -> l
         flat = struct.pack(f"{len(tokens)}q", *tokens)
     step = page_size * 8
     end = len(flat) - len(flat) % step
-    return [flat[i : i + step] for i in range(0, end, step)]
+    return paged_keys_type(page_size)(flat[:end] if end != len(flat) else flat)
 
 
 class TreeNode:
@@ -64,10 +136,12 @@ class TreeNode:
         "children",
         "depth_end",
         "device",
+        "device_children",
         "device_lock",
         "device_windows",
         "hit_count",
         "host",
+        "host_children",
         "host_lock",
         "host_windows",
         "id",
@@ -103,6 +177,11 @@ class TreeNode:
         self.host_windows: dict[int, list[int]] = {} if windows else None  # type: ignore[assignment]
         self.hit_count = 0
         self.last_access = 0
+        # Children holding the anchor in each tier, kept by the tree's setter and split: eviction
+        # asks "does this node still have children in the tier?" on every demotion, and a scan of
+        # the siblings there made emptying a wide tier quadratic.
+        self.device_children = 0
+        self.host_children = 0
 
     @property
     def pages(self) -> int:
