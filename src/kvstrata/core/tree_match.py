@@ -117,52 +117,75 @@ class TreeMatcher:
         """The nodes ``keys`` run through and how many pages matched (splitting the last one
         where the match ends inside it when ``split``, else leaving it out). ``start``: walk
         below this node, ``keys`` being the pages after it (the root by default)."""
+        if isinstance(keys, PagedKeys):
+            return self._walk_paged(keys, split, start)
         node, i, n, path = start or self.root, 0, len(keys), []
-        # Keys from ``page_keys`` (one ``PagedKeys``): an edge built from the same kind compares
-        # with one ``startswith`` at the byte offset (a memcmp, no slice), and where the edge
-        # differs a binary search of such compares finds the page: no Python step per page.
-        paged = type(keys) if isinstance(keys, PagedKeys) else None
-        step = keys.step if paged is not None else 0
         while i < n:
             child = node.children.get(keys[i])
             if child is None:
                 break
             ck = child.keys
             width = len(ck)
-            lim = min(width, n - i)
-            if type(ck) is paged:
-                if width <= n - i:
-                    if keys.startswith(ck, i * step):
-                        path.append(child)
-                        node = child
-                        i += width
-                        continue
-                    hi = width  # the whole edge does not match
-                else:
-                    hi = lim + 1  # the keys end inside the edge: all of them may match
-                # the first page matched (the child's key): the equal run is in [lo, hi)
-                view, lo = memoryview(ck), 1
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    if keys.startswith(view[: mid * step], i * step):
-                        lo = mid
-                    else:
-                        hi = mid
-                m = lo
-            else:
-                if keys[i : i + width] == ck:
-                    path.append(child)
-                    node = child
-                    i += width
-                    continue
-                m = 1
-                while m < lim and ck[m] == keys[i + m]:
-                    m += 1
+            if keys[i : i + width] == ck:
+                path.append(child)
+                node = child
+                i += width
+                continue
+            m, lim = 1, min(width, n - i)
+            while m < lim and ck[m] == keys[i + m]:
+                m += 1
             if split:
                 path.append(self.split(child, m))
                 i += m
             break
         return path, i
+
+    def _walk_paged(self, keys: PagedKeys, split: bool, start: TreeNode | None) -> tuple[list[TreeNode], int]:
+        """``walk`` for keys from ``page_keys``: over the plain bytes of the tokens, in byte
+        offsets. An edge of the same kind compares with one ``startswith`` at the offset (a
+        memcmp, no slice); where it differs, a binary search of such compares finds the page.
+        No Python step per page or token, and no Python-level ``PagedKeys`` method call."""
+        step = keys.step
+        raw = bytes(keys)  # slicing plain bytes is C-level (``PagedKeys.__getitem__`` is not)
+        total = len(raw)
+        paged = type(keys)
+        node, at, path = start or self.root, 0, []
+        while at < total:
+            child = node.children.get(raw[at : at + step])
+            if child is None:
+                break
+            ck = child.keys
+            pages = child.depth_end - node.depth_end
+            fit = (total - at) // step
+            if type(ck) is paged:
+                if raw.startswith(ck, at):
+                    path.append(child)
+                    node = child
+                    at += pages * step
+                    continue
+                # the first page matched (the child's key): the equal run is in [lo, hi)
+                view, lo, hi = memoryview(ck), 1, (pages if pages <= fit else fit + 1)
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if raw.startswith(view[: mid * step], at):
+                        lo = mid
+                    else:
+                        hi = mid
+                m = lo
+            else:  # an edge inserted from a list of page keys: page by page
+                m, lim = 1, min(pages, fit)
+                while m < lim and ck[m] == raw[at + m * step : at + (m + 1) * step]:
+                    m += 1
+                if m == pages:
+                    path.append(child)
+                    node = child
+                    at += pages * step
+                    continue
+            if split:
+                path.append(self.split(child, m))
+                at += m * step
+            break
+        return path, at // step
 
     def match(self, keys: Sequence[PageKey], split: bool, count_hit: bool) -> MatchResult:
         """See ``PrefixTree.match``."""
