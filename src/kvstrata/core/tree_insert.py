@@ -142,7 +142,7 @@ class TreeInserter:
                 parent = node
                 rest = keys[s:e] if isinstance(keys, list | PagedKeys) else list(keys[s:e])
                 node = TreeNode(next(self._ids), parent, rest, npools, self._has_windows, self._unlocked)
-                parent.children[rest[0]] = node
+                parent.add_child(rest[0], node)
                 for p in paged:
                     first = start[p]
                     if first <= s:

@@ -68,8 +68,8 @@ class TreeMatcher:
             next(self._ids), parent, node.keys[:at], self._npools, self._has_windows, self._unlocked
         )
         node.keys = node.keys[at:]
-        parent.children[upper.keys[0]] = upper
-        upper.children[node.keys[0]] = node
+        parent.children[upper.keys[0]] = upper  # replaces ``node`` under the same first key
+        upper.children = {node.keys[0]: node}
         node.parent = upper
         # ``node`` leaves ``parent`` for ``upper``; setting upper's anchor below counts it back
         if node.device[0] is not None:

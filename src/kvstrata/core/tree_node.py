@@ -12,9 +12,10 @@ from __future__ import annotations
 import functools
 import struct
 from array import array
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 
 import torch
 
@@ -129,6 +130,10 @@ def page_keys(tokens: Sequence[int] | array | torch.Tensor, page_size: int) -> P
     return paged_keys_type(page_size)(flat[:end] if end != len(flat) else flat)
 
 
+#: the children of every leaf: empty and read-only (a write to it is a bug, and fails loudly)
+NO_CHILDREN: Mapping[PageKey, TreeNode] = MappingProxyType({})
+
+
 class TreeNode:
     """One edge of whole pages plus per-pool data; index ``p`` follows ``PrefixTree.pools``."""
 
@@ -162,7 +167,10 @@ class TreeNode:
         self.id = node_id
         self.parent = parent
         self.keys = keys
-        self.children: dict[PageKey, TreeNode] = {}
+        # a leaf shares one immutable empty mapping (half the nodes of a tree are leaves: a dict
+        # each was 64 bytes and one more object for every garbage-collector pass); the tree's
+        # parts give a node its own dict when its first child arrives (``add_child``)
+        self.children: dict[PageKey, TreeNode] = NO_CHILDREN  # type: ignore[assignment]
         self.depth_end = (parent.depth_end if parent is not None else 0) + len(keys)
         self.device: list[torch.Tensor | None] = [None] * npools
         self.host: list[torch.Tensor | None] = [None] * npools
@@ -182,6 +190,14 @@ class TreeNode:
         # the siblings there made emptying a wide tier quadratic.
         self.device_children = 0
         self.host_children = 0
+
+    def add_child(self, key: PageKey, child: TreeNode) -> None:
+        """Link ``child`` under ``key`` (its first page key), giving a leaf its own dict."""
+        children = self.children
+        if children is NO_CHILDREN:
+            self.children = {key: child}
+        else:
+            children[key] = child
 
     @property
     def pages(self) -> int:
