@@ -33,6 +33,7 @@ BENCHMARKS = {
     "sglang_l3": "sglang_l3.py",
     "hf": "hf.py",
     "peers_storage": "peers/storage.py",
+    "peers_tree": "peers/tree.py",
 }
 
 

@@ -518,7 +518,11 @@ def spread(values: list[float], scale: float = 1.0) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="CI-sized: 1k and 10k sequences, 3 rounds")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="CI-sized: 1k and 10k sequences, 3 rounds, memory and demote once",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 5, quick 3)")
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="sequence counts")
     parser.add_argument("--pages", type=int, nargs="+", default=[64, 1], help="page sizes")
@@ -561,7 +565,7 @@ def main() -> None:
             raise SystemExit(f"sides disagree on device hit tokens for {key}: {sorted(found)}")
     memory: dict[str, list[float]] = {}
     demote: dict[int, list[float]] = {}
-    for r in range(min(rounds, 3)):
+    for r in range(1 if args.quick else min(rounds, 3)):
         for name in SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]:
             memory.setdefault(name, []).append(once(name, pythons[name], "memory", 1, memory_seqs)["rss"])
         for n in (demote_seqs, demote_seqs * 10):
