@@ -32,9 +32,10 @@ Two more rows, each measured in a fresh process per round:
 
 * ``memory``: RSS growth from an empty tree to one holding the page-1 sequences (value tensors
   created per sequence and handed to the tree, so both sides count what they keep);
-* ``demote``: kvstrata alone -- every node backed up on host, then the whole device tier evicted
-  (each leaf demoted to host-only, its parent a candidate in turn); cost per sequence at
-  10x the sequences over the cost at 1x (goal: linear, <= 1.5).
+* ``demote``: kvstrata alone, page size 64, every sequence one shared system prompt and a unique
+  tail (a wide node: every tail is a child of it) -- every node backed up on host, then the whole
+  device tier evicted (each leaf demoted to host-only, its parent a candidate in turn); cost per
+  sequence at 10x the sequences over the cost at 1x (goal: linear, <= 1.5).
 
 Goals (issue 16): page 64, 10k sequences: each time <= 0.8 of the best peer; page 1: <= 1.0;
 memory <= 1.0; demote growth <= 1.5.
@@ -77,16 +78,18 @@ def seq_tokens(page: int) -> int:
     return 1024 if page > 1 else 256
 
 
-def workload(sequences: int, tokens: int, seed: int = SEED) -> list[array]:
+def workload(
+    sequences: int, tokens: int, seed: int = SEED, systems_count: int = 40, with_document: float = 0.6
+) -> list[array]:
     """The sequences as ``array('q')`` (what SGLang's ``RadixKey`` holds); numpy draws them fast."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     system_len, doc_len = tokens // 4, tokens * 3 // 8
-    systems = rng.integers(0, 32000, (40, system_len), dtype=np.int64)
+    systems = rng.integers(0, 32000, (systems_count, system_len), dtype=np.int64)
     documents = rng.integers(0, 32000, (400, doc_len), dtype=np.int64)
-    which_system = rng.integers(0, 40, sequences)
-    has_doc = rng.random(sequences) < 0.6
+    which_system = rng.integers(0, systems_count, sequences)
+    has_doc = rng.random(sequences) < with_document
     which_doc = rng.integers(0, 400, sequences)
     tails = rng.integers(0, 32000, (sequences, tokens), dtype=np.int64)
     out = []
@@ -440,7 +443,8 @@ def worker_main(args: argparse.Namespace) -> None:
         op, page, n = command[0], int(command[1]), int(command[2])
         tokens = seq_tokens(page)
         if op == "demote":
-            answer = demote_workload(workload(n, tokens), page)
+            # one system prompt, no documents: every sequence's tail is a child of one node
+            answer = demote_workload(workload(n, tokens, systems_count=1, with_document=0.0), page)
         else:
             if page not in sides:
                 sides[page] = SIDE_CLASSES[args.worker](page)
