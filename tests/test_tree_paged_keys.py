@@ -9,6 +9,7 @@ match lengths and the same node boundaries either way, at page sizes 1 and 3.
 
 from __future__ import annotations
 
+import pickle
 import random
 from array import array
 
@@ -39,6 +40,8 @@ def test_paged_keys_is_a_sequence_of_page_keys() -> None:
     assert keys != page_keys(array("q", range(9)), 1)  # same bytes, other page size
     assert keys[:2] + keys[2:] == keys
     assert "3 pages of 3 tokens" in repr(keys)
+    copy = pickle.loads(pickle.dumps(keys))
+    assert copy == keys and type(copy) is type(keys)
 
 
 def test_page_keys_from_lists_arrays_and_tensors_agree() -> None:

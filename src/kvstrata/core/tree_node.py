@@ -102,6 +102,10 @@ class PagedKeys(bytes):
         """The token ids of every page, as plain int64 ``bytes``."""
         return bytes(self)
 
+    def __reduce__(self) -> tuple[Callable[[int, bytes], PagedKeys], tuple[int, bytes]]:
+        # the per-page-size subclass is made at run time: pickle by page size, not by class name
+        return _rebuild_paged_keys, (self.step // 8, bytes(self))
+
 
 @functools.cache
 def paged_keys_type(page_size: int) -> type[PagedKeys]:
@@ -110,6 +114,10 @@ def paged_keys_type(page_size: int) -> type[PagedKeys]:
     if page_size < 1:
         raise TreeError(f"page_size must be >= 1, got {page_size}")
     return type(f"PagedKeys{page_size}", (PagedKeys,), {"__slots__": (), "step": page_size * 8})
+
+
+def _rebuild_paged_keys(page_size: int, data: bytes) -> PagedKeys:
+    return paged_keys_type(page_size)(data)
 
 
 def page_keys(tokens: Sequence[int] | array | torch.Tensor, page_size: int) -> PagedKeys:
