@@ -147,14 +147,20 @@ class PrefixTree:
 
     def _set(self, node: TreeNode, tier: Tier, p: int, value: torch.Tensor | None) -> None:
         if tier is _DEVICE:
-            if p == 0 and (node.device[0] is None) is not (value is None):
+            vals = node.device
+            if p == 0 and (vals[0] is None) is not (value is None):
                 node.parent.device_children += 1 if value is not None else -1  # type: ignore[union-attr]
-            node.device[p] = value
+            if type(vals) is tuple:  # the node's first value in this tier (see TreeNode)
+                node.device = vals = list(vals)
+            vals[p] = value
             lru = self._device_lru[p]
         else:
-            if p == 0 and (node.host[0] is None) is not (value is None):
+            vals = node.host
+            if p == 0 and (vals[0] is None) is not (value is None):
                 node.parent.host_children += 1 if value is not None else -1  # type: ignore[union-attr]
-            node.host[p] = value
+            if type(vals) is tuple:
+                node.host = vals = list(vals)
+            vals[p] = value
             lru = self._host_lru[p]
         if value is None:
             lru.pop(node, None)

@@ -16,7 +16,7 @@ def check_tree(layout: PoolLayout, root: TreeNode, membership: Membership) -> No
     seen: set[TreeNode] = set()
     stack = [root]
     assert root.parent is None and not root.keys
-    assert all(v is None for v in root.device + root.host)
+    assert all(v is None for v in [*root.device, *root.host])
     while stack:
         node = stack.pop()
         assert node not in seen, f"{node!r} reachable twice"
