@@ -101,6 +101,7 @@ class PrefixTree:
         self.layout = layout
         self.pools: tuple[PoolSpec, ...] = layout.pools
         self.page_size: int = layout.page_size
+        self._keys_type = paged_keys_type(self.page_size)
         self.index: dict[str, int] = layout.index
         self._state = layout.state
         self._window = layout.window
@@ -126,6 +127,9 @@ class PrefixTree:
 
     # ------------------------------------------------------------------ helpers
     def keys_of(self, tokens: Sequence[int] | array | torch.Tensor) -> PagedKeys:
+        """``page_keys`` at this tree's page size (an ``array('q')`` goes straight through)."""
+        if type(tokens) is array and tokens.typecode == "q" and len(tokens) % self.page_size == 0:
+            return self._keys_type(tokens.tobytes())
         return page_keys(tokens, self.page_size)
 
     def holding(self, name: str, tier: Tier | str) -> list[TreeNode]:

@@ -115,10 +115,10 @@ class TreeInserter:
                         path.insert(j, self._split(node, cut - node.depth_start + base))
                         break
         # adopt into existing nodes: revive host-only nodes / tombstones, the rest is duplicate
+        e = 0  # the path runs contiguously below ``top``: each node starts where the last ended
         for node in path:
             vals = node.device if dev else node.host
-            e = node.depth_end - base
-            s = e - len(node.keys)
+            s, e = e, node.depth_end - base
             for p in paged:  # the anchor (p == 0) is adopted first, so components may follow
                 first = start[p]
                 if e <= first:

@@ -189,7 +189,9 @@ class TreeMatcher:
 
     def match(self, keys: Sequence[PageKey], split: bool, count_hit: bool) -> MatchResult:
         """See ``PrefixTree.match``."""
-        path, _ = self.walk(keys, split)
+        path = (
+            self._walk_paged(keys, split, None) if isinstance(keys, PagedKeys) else self.walk(keys, split)
+        )[0]
         clock = self._clock
         tick = clock.tick  # deepest first, so an ancestor is never older
         if count_hit:
