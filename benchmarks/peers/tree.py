@@ -1,6 +1,6 @@
 """Prefix tree: kvstrata's ``PrefixTree`` vs SGLang 0.5.23's radix trees, each side in its own process.
 
-Sides (the strongest peer of each row is the one the ratio is taken against):
+Sides (the ratio of each row is taken against the faster SGLang cache of that row):
 
 * **kvstrata**: ``PrefixTree`` with one KV anchor pool; keys from ``PrefixTree.keys_of`` (inside
   the timing: building keys is part of the work, as building a ``RadixKey`` is for SGLang), match
@@ -8,15 +8,16 @@ Sides (the strongest peer of each row is the one the ratio is taken against):
 * **RadixCache**: SGLang's pure-Python tree (``create_simulated``), loaded by ``benchmarks/tree.py``'s
   loader (``sglang/__init__`` not executed, GPU-only modules stubbed); ``match_prefix`` plus
   ``path_device_indices``, ``insert``.
-* **UnifiedRadixCache (Rust core)**: the compiled tree core behind SGLang's ``UnifiedRadixCache``
-  (``rust_tree_core`` ``RustUnifiedTreeCoreBinding``), driven through its binding directly: the
-  same calls its Python adapter makes, minus the adapter's Python (so the strongest form of it):
-  ``match_prefix`` plus ``collect_full_device_indices``, ``insert``.
+* **UnifiedRadixCache**: the class SGLang serves with, full-KV component, its **Rust tree core**
+  (``tree_core_backend="rust"``); ``match_prefix`` plus ``path_device_indices``, ``insert``.
+* **Rust core binding**: ``RustUnifiedTreeCoreBinding`` (``rust_tree_core``) driven directly with
+  the calls UnifiedRadixCache's adapter makes, minus its Python: a floor, reported as its own
+  column; the goals are ratios to the faster of RadixCache and UnifiedRadixCache.
 
 Workloads (the same tokens for every side, from one seed): sequences made of a system prompt
 (1/4 of the tokens, 40 of them), in 60% of them a shared document (3/8, 400 of them) and a unique
-tail; 1024 tokens per sequence at page size 64, 256 at page size 1 (a page-1 tree holds a node
-path per token: 100k sequences of 1024 tokens would not fit this machine's time budget). Per
+tail; 1024 tokens per sequence at page size 64, 256 at page size 1 (100k sequences of 1024
+tokens at page size 1, on four sides and five rounds, would not fit this machine's time budget). Per
 (page size, sequences) the worker times, in one process, on fresh trees:
 
 * ``insert``: every sequence into an empty tree;
@@ -26,7 +27,7 @@ path per token: 100k sequences of 1024 tokens would not fit this machine's time 
 Each side is a long-lived worker subprocess (its own interpreter, GIL and allocator); the driver
 interleaves sides per round (order rotating) and prints medians with min-max of each side's
 thread CPU time (the machine is shared: the wall clock also counts other processes' time), and
-the ratio kvstrata / best peer.
+the ratio kvstrata / the faster SGLang cache.
 
 Two more rows, each measured in a fresh process per round:
 
