@@ -76,7 +76,7 @@ class PagedKeys(bytes):
     def __iter__(self):  # type: ignore[override]
         step = self.step
         view = bytes(self)
-        return (view[i : i + step] for i in range(0, len(view), step))
+        return iter([view[i : i + step] for i in range(0, len(view), step)])
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PagedKeys):
