@@ -36,6 +36,7 @@ BENCHMARKS = {
     "faults": "faults.py",
     "peers_copies": "peers/copies.py",
     "peers_lmcache": "peers/lmcache.py",
+    "peers_tree": "peers/tree.py",
 }
 
 

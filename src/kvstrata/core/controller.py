@@ -126,7 +126,8 @@ class CacheController(UnitMemory, RetentionApi):
         self.poll()
         started = time.perf_counter()
         tokens = torch.as_tensor(tokens, dtype=torch.int64).flatten().cpu()
-        keys = page_keys(tokens, self.page_size)
+        # the lease grows its keys page by page (chunked prefill, decode): a list of page keys
+        keys = list(page_keys(tokens, self.page_size))
         tail = tokens[len(keys) * self.page_size :]
         lease = Lease(keys, tail, self.namespace_root, self.page_size, record=record, retention=retention)
         lease._owner_of = self.layout.owner_of

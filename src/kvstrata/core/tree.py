@@ -53,6 +53,7 @@ from kvstrata.core.tree_node import (
     LockHandle,
     MatchResult,
     Membership,
+    PagedKeys,
     PageKey,
     PoolLayout,
     SetValue,
@@ -60,6 +61,7 @@ from kvstrata.core.tree_node import (
     TreeError,
     TreeNode,
     page_keys,
+    paged_keys_type,
 )
 from kvstrata.plugins.pool_type import PoolSpec
 
@@ -73,6 +75,7 @@ __all__ = [
     "MatchResult",
     "Membership",
     "PageKey",
+    "PagedKeys",
     "PoolLayout",
     "PrefixTree",
     "RetentionLevels",
@@ -81,6 +84,7 @@ __all__ = [
     "TreeError",
     "TreeNode",
     "page_keys",
+    "paged_keys_type",
 ]
 
 
@@ -97,6 +101,7 @@ class PrefixTree:
         self.layout = layout
         self.pools: tuple[PoolSpec, ...] = layout.pools
         self.page_size: int = layout.page_size
+        self._keys_type = paged_keys_type(self.page_size)
         self.index: dict[str, int] = layout.index
         self._state = layout.state
         self._window = layout.window
@@ -121,7 +126,10 @@ class PrefixTree:
         self._matcher.on_split = self._evictor.split
 
     # ------------------------------------------------------------------ helpers
-    def keys_of(self, tokens: Sequence[int] | array | torch.Tensor) -> list[bytes]:
+    def keys_of(self, tokens: Sequence[int] | array | torch.Tensor) -> PagedKeys:
+        """``page_keys`` at this tree's page size (an ``array('q')`` goes straight through)."""
+        if type(tokens) is array and tokens.typecode == "q" and len(tokens) % self.page_size == 0:
+            return self._keys_type(tokens.tobytes())
         return page_keys(tokens, self.page_size)
 
     def holding(self, name: str, tier: Tier | str) -> list[TreeNode]:
@@ -143,10 +151,20 @@ class PrefixTree:
 
     def _set(self, node: TreeNode, tier: Tier, p: int, value: torch.Tensor | None) -> None:
         if tier is _DEVICE:
-            node.device[p] = value
+            vals = node.device
+            if p == 0 and (vals[0] is None) is not (value is None):
+                node.parent.device_children += 1 if value is not None else -1  # type: ignore[union-attr]
+            if type(vals) is tuple:  # the node's first value in this tier (see TreeNode)
+                node.device = vals = list(vals)
+            vals[p] = value
             lru = self._device_lru[p]
         else:
-            node.host[p] = value
+            vals = node.host
+            if p == 0 and (vals[0] is None) is not (value is None):
+                node.parent.host_children += 1 if value is not None else -1  # type: ignore[union-attr]
+            if type(vals) is tuple:
+                node.host = vals = list(vals)
+            vals[p] = value
             lru = self._host_lru[p]
         if value is None:
             lru.pop(node, None)

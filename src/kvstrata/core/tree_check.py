@@ -16,7 +16,7 @@ def check_tree(layout: PoolLayout, root: TreeNode, membership: Membership) -> No
     seen: set[TreeNode] = set()
     stack = [root]
     assert root.parent is None and not root.keys
-    assert all(v is None for v in root.device + root.host)
+    assert all(v is None for v in [*root.device, *root.host])
     while stack:
         node = stack.pop()
         assert node not in seen, f"{node!r} reachable twice"
@@ -26,6 +26,13 @@ def check_tree(layout: PoolLayout, root: TreeNode, membership: Membership) -> No
             assert child.keys and child.keys[0] == key, f"{child!r} keyed wrongly"
             assert child.depth_end == node.depth_end + len(child.keys), f"{child!r} depth wrong"
             stack.append(child)
+        children = node.children.values()
+        assert node.device_children == sum(c.device[0] is not None for c in children), (
+            f"{node!r} device child count"
+        )
+        assert node.host_children == sum(c.host[0] is not None for c in children), (
+            f"{node!r} host child count"
+        )
         if node is root:
             continue
         anchor_dev, anchor_host = node.device[0] is not None, node.host[0] is not None

@@ -218,7 +218,7 @@ class TreeEvictor:
     # ------------------------------------------------------------------ rules
     def _has_tier_children(self, node: TreeNode, tier: Tier) -> bool:
         if tier is _DEVICE:
-            return any(c.device[0] is not None for c in node.children.values())
+            return node.device_children > 0  # counted by the tree: O(1), not a sibling scan
         return bool(node.children)
 
     def _node_evictable(self, node: TreeNode, tier: Tier) -> bool:
@@ -239,7 +239,7 @@ class TreeEvictor:
             node.device[0] is not None
             and node.host[0] is not None
             and not any(node.host_lock)
-            and not any(c.host[0] is not None for c in node.children.values())
+            and not node.host_children
         )
 
     def _drop_copy(self, node: TreeNode, result: EvictionResult) -> None:

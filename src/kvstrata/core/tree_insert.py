@@ -18,6 +18,7 @@ from kvstrata.core.tree_node import (
     _DEVICE,
     AccessClock,
     InsertResult,
+    PagedKeys,
     PageKey,
     PoolLayout,
     SetValue,
@@ -114,10 +115,10 @@ class TreeInserter:
                         path.insert(j, self._split(node, cut - node.depth_start + base))
                         break
         # adopt into existing nodes: revive host-only nodes / tombstones, the rest is duplicate
+        e = 0  # the path runs contiguously below ``top``: each node starts where the last ended
         for node in path:
             vals = node.device if dev else node.host
-            e = node.depth_end - base
-            s = e - len(node.keys)
+            s, e = e, node.depth_end - base
             for p in paged:  # the anchor (p == 0) is adopted first, so components may follow
                 first = start[p]
                 if e <= first:
@@ -139,9 +140,9 @@ class TreeInserter:
             cuts = sorted({i, n} | {start[p] for p in paged if i < start[p] < n}) if suffix else (i, n)
             for s, e in pairwise(cuts):
                 parent = node
-                rest = keys[s:e] if isinstance(keys, list) else list(keys[s:e])
+                rest = keys[s:e] if isinstance(keys, list | PagedKeys) else list(keys[s:e])
                 node = TreeNode(next(self._ids), parent, rest, npools, self._has_windows, self._unlocked)
-                parent.children[rest[0]] = node
+                parent.add_child(rest[0], node)
                 for p in paged:
                     first = start[p]
                     if first <= s:

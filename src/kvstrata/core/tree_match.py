@@ -19,6 +19,7 @@ from kvstrata.core.tree_node import (
     _HOST,
     AccessClock,
     MatchResult,
+    PagedKeys,
     PageKey,
     PoolLayout,
     SetValue,
@@ -67,9 +68,16 @@ class TreeMatcher:
             next(self._ids), parent, node.keys[:at], self._npools, self._has_windows, self._unlocked
         )
         node.keys = node.keys[at:]
-        parent.children[upper.keys[0]] = upper
-        upper.children[node.keys[0]] = node
+        parent.children[upper.keys[0]] = upper  # replaces ``node`` under the same first key
+        upper.children = {node.keys[0]: node}
         node.parent = upper
+        # ``node`` leaves ``parent`` for ``upper``; setting upper's anchor below counts it back
+        if node.device[0] is not None:
+            parent.device_children -= 1
+            upper.device_children = 1
+        if node.host[0] is not None:
+            parent.host_children -= 1
+            upper.host_children = 1
         upper.hit_count = node.hit_count
         upper.last_access = node.last_access
         device_lock, host_lock = list(upper.device_lock), list(upper.host_lock)
@@ -109,6 +117,8 @@ class TreeMatcher:
         """The nodes ``keys`` run through and how many pages matched (splitting the last one
         where the match ends inside it when ``split``, else leaving it out). ``start``: walk
         below this node, ``keys`` being the pages after it (the root by default)."""
+        if isinstance(keys, PagedKeys):
+            return self._walk_paged(keys, split, start)
         node, i, n, path = start or self.root, 0, len(keys), []
         while i < n:
             child = node.children.get(keys[i])
@@ -130,9 +140,58 @@ class TreeMatcher:
             break
         return path, i
 
+    def _walk_paged(self, keys: PagedKeys, split: bool, start: TreeNode | None) -> tuple[list[TreeNode], int]:
+        """``walk`` for keys from ``page_keys``: over the plain bytes of the tokens, in byte
+        offsets. An edge of the same kind compares with one ``startswith`` at the offset (a
+        memcmp, no slice); where it differs, a binary search of such compares finds the page.
+        No Python step per page or token, and no Python-level ``PagedKeys`` method call."""
+        step = keys.step
+        raw = bytes(keys)  # slicing plain bytes is C-level (``PagedKeys.__getitem__`` is not)
+        total = len(raw)
+        paged = type(keys)
+        node, at, path = start or self.root, 0, []
+        while at < total:
+            child = node.children.get(raw[at : at + step])
+            if child is None:
+                break
+            ck = child.keys
+            pages = child.depth_end - node.depth_end
+            fit = (total - at) // step
+            if type(ck) is paged:
+                if raw.startswith(ck, at):
+                    path.append(child)
+                    node = child
+                    at += pages * step
+                    continue
+                # the first page matched (the child's key): the equal run is in [lo, hi)
+                view, lo, hi = memoryview(ck), 1, (pages if pages <= fit else fit + 1)
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if raw.startswith(view[: mid * step], at):
+                        lo = mid
+                    else:
+                        hi = mid
+                m = lo
+            else:  # an edge inserted from a list of page keys: page by page
+                m, lim = 1, min(pages, fit)
+                while m < lim and ck[m] == raw[at + m * step : at + (m + 1) * step]:
+                    m += 1
+                if m == pages:
+                    path.append(child)
+                    node = child
+                    at += pages * step
+                    continue
+            if split:
+                path.append(self.split(child, m))
+                at += m * step
+            break
+        return path, at // step
+
     def match(self, keys: Sequence[PageKey], split: bool, count_hit: bool) -> MatchResult:
         """See ``PrefixTree.match``."""
-        path, _ = self.walk(keys, split)
+        path = (
+            self._walk_paged(keys, split, None) if isinstance(keys, PagedKeys) else self.walk(keys, split)
+        )[0]
         clock = self._clock
         tick = clock.tick  # deepest first, so an ancestor is never older
         if count_hit:

@@ -9,11 +9,13 @@ back. ``kvstrata.core.tree`` re-exports every name.
 
 from __future__ import annotations
 
+import functools
 import struct
 from array import array
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 
 import torch
 
@@ -37,14 +39,93 @@ class TreeError(ValueError):
     """Bad input to a tree operation (unknown pool, wrong value length, broken invariant)."""
 
 
-def page_keys(tokens: Sequence[int] | array | torch.Tensor, page_size: int) -> list[bytes]:
-    """Whole-page keys of ``tokens``: each page's token ids as int64 bytes.
+class PagedKeys(bytes):
+    """The whole-page keys of one token sequence, held as one ``bytes`` of int64 token ids.
 
-    A trailing partial page is dropped (it cannot be cached). Bytes keys are exact (no hash
-    collisions), hash once (the hash is cached on the object), compare with one memcmp and are
-    invisible to the garbage collector, which matters for a tree of millions of pages. Token
-    arrays (``array('q')``, as SGLang holds them, or tensors) convert with one memcpy; lists pay
-    one C-level pack.
+    A sequence of page keys (``len`` counts pages, ``keys[i]`` is page ``i``'s key: its tokens'
+    int64 bytes, ``keys[a:b]`` is a ``PagedKeys`` of those pages) that costs one object, not one
+    per page: at page size 1 a per-page ``bytes`` made key building 75% of an insert and its
+    objects most of the tree's memory. A tree edge built from it is a slice of it (one memcpy),
+    and the walk compares an edge with ``bytes.startswith`` at an offset: one memcmp, no copy, no
+    Python step per page or token. Equal to any sequence with the same page keys (a list of
+    ``bytes`` from an older caller compares equal). One subclass per page size holds the stride
+    (:func:`paged_keys_type`).
+    """
+
+    __slots__ = ()
+    #: bytes per page (8 x page size); set on each page size's subclass
+    step: int = 8
+
+    def __len__(self) -> int:
+        return bytes.__len__(self) // self.step
+
+    def __getitem__(self, index):  # type: ignore[override]  # pages, not bytes
+        step = self.step
+        if isinstance(index, slice):
+            start, stop, stride = index.indices(bytes.__len__(self) // step)
+            if stride != 1:
+                return [self[i] for i in range(start, stop, stride)]
+            return type(self)(bytes.__getitem__(self, slice(start * step, max(start, stop) * step)))
+        if index < 0:
+            index += bytes.__len__(self) // step
+        if not 0 <= index < bytes.__len__(self) // step:
+            raise IndexError("page index out of range")
+        at = index * step
+        return bytes.__getitem__(self, slice(at, at + step))
+
+    def __iter__(self):  # type: ignore[override]
+        step = self.step
+        view = bytes(self)
+        return iter([view[i : i + step] for i in range(0, len(view), step)])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PagedKeys):
+            return self.step == other.step and bytes.__eq__(self, other)
+        if isinstance(other, list | tuple):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return False
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = bytes.__hash__
+
+    def __add__(self, other: object) -> PagedKeys:  # type: ignore[override]
+        if isinstance(other, PagedKeys) and other.step == self.step:
+            return type(self)(bytes(self) + bytes(other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"PagedKeys({len(self)} pages of {self.step // 8} tokens)"
+
+    def tokens(self) -> bytes:
+        """The token ids of every page, as plain int64 ``bytes``."""
+        return bytes(self)
+
+    def __reduce__(self) -> tuple[Callable[[int, bytes], PagedKeys], tuple[int, bytes]]:
+        # the per-page-size subclass is made at run time: pickle by page size, not by class name
+        return _rebuild_paged_keys, (self.step // 8, bytes(self))
+
+
+@functools.cache
+def paged_keys_type(page_size: int) -> type[PagedKeys]:
+    """The ``PagedKeys`` subclass of one page size (the stride lives on the class, since a
+    ``bytes`` subclass cannot carry instance attributes). Cached: one immutable type per size."""
+    if page_size < 1:
+        raise TreeError(f"page_size must be >= 1, got {page_size}")
+    return type(f"PagedKeys{page_size}", (PagedKeys,), {"__slots__": (), "step": page_size * 8})
+
+
+def _rebuild_paged_keys(page_size: int, data: bytes) -> PagedKeys:
+    return paged_keys_type(page_size)(data)
+
+
+def page_keys(tokens: Sequence[int] | array | torch.Tensor, page_size: int) -> PagedKeys:
+    """Whole-page keys of ``tokens``: each page's token ids as int64 bytes, as one ``PagedKeys``.
+
+    A trailing partial page is dropped (it cannot be cached). Page keys are exact (no hash
+    collisions) and compare with one memcmp. Token arrays (``array('q')``, as SGLang holds them,
+    or tensors) convert with one memcpy; lists pay one C-level pack.
     """
     if isinstance(tokens, array) and tokens.typecode == "q":
         flat = tokens.tobytes()
@@ -54,7 +135,11 @@ def page_keys(tokens: Sequence[int] | array | torch.Tensor, page_size: int) -> l
         flat = struct.pack(f"{len(tokens)}q", *tokens)
     step = page_size * 8
     end = len(flat) - len(flat) % step
-    return [flat[i : i + step] for i in range(0, end, step)]
+    return paged_keys_type(page_size)(flat[:end] if end != len(flat) else flat)
+
+
+#: the children of every leaf: empty and read-only (a write to it is a bug, and fails loudly)
+NO_CHILDREN: Mapping[PageKey, TreeNode] = MappingProxyType({})
 
 
 class TreeNode:
@@ -64,10 +149,12 @@ class TreeNode:
         "children",
         "depth_end",
         "device",
+        "device_children",
         "device_lock",
         "device_windows",
         "hit_count",
         "host",
+        "host_children",
         "host_lock",
         "host_windows",
         "id",
@@ -88,10 +175,17 @@ class TreeNode:
         self.id = node_id
         self.parent = parent
         self.keys = keys
-        self.children: dict[PageKey, TreeNode] = {}
+        # a leaf shares one immutable empty mapping (half the nodes of a tree are leaves: a dict
+        # each was 64 bytes and one more object for every garbage-collector pass); the tree's
+        # parts give a node its own dict when its first child arrives (``add_child``)
+        self.children: dict[PageKey, TreeNode] = NO_CHILDREN  # type: ignore[assignment]
         self.depth_end = (parent.depth_end if parent is not None else 0) + len(keys)
-        self.device: list[torch.Tensor | None] = [None] * npools
-        self.host: list[torch.Tensor | None] = [None] * npools
+        # Per-pool values: an all-None tuple until the tree's setter first stores one (then a
+        # list). A node never backed up to host (or host-only) then holds no list for that tier:
+        # one object less for every garbage-collector pass, which at 100k sequences was half of
+        # an insert's time. Only ``PrefixTree._set`` writes them (and ``split``, on lists).
+        self.device: list[torch.Tensor | None] = (None,) * npools  # type: ignore[assignment]
+        self.host: list[torch.Tensor | None] = (None,) * npools  # type: ignore[assignment]
         # Lock counts per pool: immutable tuples, replaced on every (rare) lock change, so an
         # unlocked node shares the tree's zero tuple instead of owning two GC-tracked lists.
         zeros = unlocked if unlocked is not None else (0,) * npools
@@ -103,6 +197,19 @@ class TreeNode:
         self.host_windows: dict[int, list[int]] = {} if windows else None  # type: ignore[assignment]
         self.hit_count = 0
         self.last_access = 0
+        # Children holding the anchor in each tier, kept by the tree's setter and split: eviction
+        # asks "does this node still have children in the tier?" on every demotion, and a scan of
+        # the siblings there made emptying a wide tier quadratic.
+        self.device_children = 0
+        self.host_children = 0
+
+    def add_child(self, key: PageKey, child: TreeNode) -> None:
+        """Link ``child`` under ``key`` (its first page key), giving a leaf its own dict."""
+        children = self.children
+        if children is NO_CHILDREN:
+            self.children = {key: child}
+        else:
+            children[key] = child
 
     @property
     def pages(self) -> int:
