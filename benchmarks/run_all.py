@@ -30,6 +30,7 @@ BENCHMARKS = {
     "replay": "replay.py",
     "simulate": "simulate.py",
     "eviction": "eviction.py",
+    "eviction_oracles": "eviction_oracles.py",
     "sglang_l3": "sglang_l3.py",
     "hf": "hf.py",
     "peers_storage": "peers/storage.py",

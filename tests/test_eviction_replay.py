@@ -19,7 +19,7 @@ REQUESTS = 800
 CAPACITY = 1_000_000  # tokens: the prefix's working set is several times larger
 
 
-def kv_stack(tmp_path: Path, policy: str) -> Path:
+def kv_stack(tmp_path: Path, policy: str | dict[str, object]) -> Path:
     """A KV-only stack (64 bytes per token), one device tier of CAPACITY tokens, 512-token pages."""
     data = {
         "model": {
@@ -30,7 +30,7 @@ def kv_stack(tmp_path: Path, policy: str) -> Path:
         "tiers": {"device": {"capacity_tokens": CAPACITY}, "host": {"capacity_tokens": 0}},
         "policy": {"eviction": policy},
     }
-    path = tmp_path / f"{policy}.yaml"
+    path = tmp_path / f"{policy if isinstance(policy, str) else policy['type']}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -39,13 +39,17 @@ def test_replay_hit_rate_equals_the_simulators_with_the_same_policy(tmp_path: Pa
     requests = read_trace(full_trace("conversation_trace.jsonl"), limit=REQUESTS)
     host = PluginHost()
     replayed = {}
-    for policy in ("lru", "s3fifo", "reuse"):
+    # learned: a horizon short enough that its model is fitted within the prefix (800 requests)
+    learned = {"type": "learned", "min_horizon": 200}
+    for policy in ("lru", "s3fifo", "reuse", learned):
+        name = policy if isinstance(policy, str) else policy["type"]
         config = load_config([kv_stack(tmp_path, policy)], [], host=host, environ={})
         result = run_replay(config, host, requests)
         simulated = simulate(requests, SimulationConfig(capacity_tokens=CAPACITY, eviction=policy), host=host)
         assert simulated.evicted_blocks > 0  # the capacity binds
         assert result.corrupt_pages_served == 0 and result.failures == 0
-        assert result.hit_rate.total == pytest.approx(simulated.hit_rate, abs=0.01), policy
-        replayed[policy] = result.hit_rate.total
+        assert result.hit_rate.total == pytest.approx(simulated.hit_rate, abs=0.01), name
+        replayed[name] = result.hit_rate.total
     # the policy really decides: on this prefix the policies differ by more than the tolerance
     assert replayed["reuse"] > replayed["lru"] + 0.01
+    assert replayed["learned"] > replayed["lru"] + 0.01
