@@ -373,7 +373,7 @@ def config_schema() -> None:
 
 
 #: policies ``simulate --sweep`` compares when ``--policies`` is not given (those installed)
-SWEEP_POLICIES = ("fifo", "lru", "arc", "s3fifo", "reuse", "belady")
+SWEEP_POLICIES = ("fifo", "lru", "arc", "s3fifo", "reuse", "learned", "belady")
 #: capacities of ``simulate --sweep`` in million tokens
 SWEEP_CAPACITIES_M = (0.5, 1, 2, 3, 4, 6, 8, 12)
 
