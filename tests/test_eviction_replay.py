@@ -19,6 +19,10 @@ REQUESTS = 800
 CAPACITY = 1_000_000  # tokens: the prefix's working set is several times larger
 
 
+def policy_name(policy: str | dict[str, object]) -> str:
+    return policy if isinstance(policy, str) else str(policy["type"])
+
+
 def kv_stack(tmp_path: Path, policy: str | dict[str, object]) -> Path:
     """A KV-only stack (64 bytes per token), one device tier of CAPACITY tokens, 512-token pages."""
     data = {
@@ -30,7 +34,7 @@ def kv_stack(tmp_path: Path, policy: str | dict[str, object]) -> Path:
         "tiers": {"device": {"capacity_tokens": CAPACITY}, "host": {"capacity_tokens": 0}},
         "policy": {"eviction": policy},
     }
-    path = tmp_path / f"{policy if isinstance(policy, str) else policy['type']}.yaml"
+    path = tmp_path / f"{policy_name(policy)}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -42,7 +46,7 @@ def test_replay_hit_rate_equals_the_simulators_with_the_same_policy(tmp_path: Pa
     # learned: a horizon short enough that its model is fitted within the prefix (800 requests)
     learned = {"type": "learned", "min_horizon": 200}
     for policy in ("lru", "s3fifo", "reuse", learned):
-        name = policy if isinstance(policy, str) else policy["type"]
+        name = policy_name(policy)
         config = load_config([kv_stack(tmp_path, policy)], [], host=host, environ={})
         result = run_replay(config, host, requests)
         simulated = simulate(requests, SimulationConfig(capacity_tokens=CAPACITY, eviction=policy), host=host)

@@ -89,8 +89,7 @@ class ReuseModel:
     """Logistic regression of "this prefix is continued within the horizon", refitted online."""
 
     def __init__(self, dims: int, window: int, refit_every: int, l2: float) -> None:
-        self.weights = torch.zeros(dims, dtype=torch.float64)
-        self.version = 0  # bumped by every refit: cached scores are stale
+        self.version = 0  # refits so far
         self._x = torch.zeros(window, dims, dtype=torch.float64)
         self._y = torch.zeros(window, dtype=torch.float64)
         self._next = 0  # ring-buffer slot of the next outcome
@@ -98,7 +97,7 @@ class ReuseModel:
         self._since = 0
         self._refit_every = refit_every
         self._l2 = l2
-        self._w = [0.0] * dims  # the weights as Python floats: scoring without torch overhead
+        self._w = [0.0] * dims  # Python floats: scoring a handful of features needs no torch
 
     def log_odds(self, x: Features) -> float:
         return sum(w * v for w, v in zip(self._w, x, strict=True))
@@ -120,7 +119,7 @@ class ReuseModel:
         positives = float(y.sum())
         if positives < _MIN_OUTCOMES or self._count - positives < _MIN_OUTCOMES:
             return
-        w = self.weights
+        w = torch.tensor(self._w, dtype=torch.float64)
         eye = torch.eye(len(w), dtype=torch.float64) * self._l2
         for _ in range(steps):
             p = torch.sigmoid(x @ w)
@@ -128,7 +127,6 @@ class ReuseModel:
             hessian = (x * (p * (1 - p)).unsqueeze(1)).T @ x + eye
             step = torch.linalg.solve(hessian, gradient)
             w = w - step * min(1.0, _MAX_STEP / max(float(step.norm()), 1e-12))
-        self.weights = w
         self._w = w.tolist()
         self.version += 1
 
@@ -155,8 +153,6 @@ class LearnedPolicy(EvictionPolicy):
         self.history_limit = int(config.history_factor * capacity)
         self.pending: dict[Hashable, Features] = {}  # last page of an insert -> its features
         self.deadlines: deque[tuple[int, Hashable, Features]] = deque()
-        self._scores: dict[Features, float] = {}  # log-odds per feature vector, this model version
-        self._scored_version = -1
 
     # --- scales -------------------------------------------------------------------------------
 
@@ -169,10 +165,7 @@ class LearnedPolicy(EvictionPolicy):
     # --- ranking ------------------------------------------------------------------------------
 
     def ranked(self, entries: list[E]) -> list[tuple[float, int, E]]:
-        model = self.model
-        if self._scored_version != model.version:
-            self._scores.clear()
-            self._scored_version = model.version
+        log_odds = self.model.log_odds
         shift = self.shift()
         floor = self.mean_log_odds + self.settings.reread_bonus
         out = []
@@ -184,9 +177,7 @@ class LearnedPolicy(EvictionPolicy):
             if x is None:
                 out.append((float(stamp), node.id, node))
                 continue
-            score = self._scores.get(x)
-            if score is None:
-                score = self._scores[x] = model.log_odds(x)
+            score = log_odds(x)  # always the current fit
             if node in self.reread and score < floor:
                 score = floor
             out.append((stamp + shift * score, node.id, node))
