@@ -31,6 +31,7 @@ BENCHMARKS = {
     "simulate": "simulate.py",
     "eviction": "eviction.py",
     "eviction_oracles": "eviction_oracles.py",
+    "eviction_ceiling": "eviction_ceiling.py",
     "sglang_l3": "sglang_l3.py",
     "hf": "hf.py",
     "peers_storage": "peers/storage.py",
