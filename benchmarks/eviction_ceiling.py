@@ -29,13 +29,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from _eviction import FixedInsertScore, hit_rate
 from _results import Figure, write_results
 from _traces import find_trace
 
 from kvstrata.eviction_policies.learned import LearnedConfig, LearnedPolicy
-from kvstrata.plugins import EvictionPolicy, PolicyContext
+from kvstrata.plugins import PolicyContext
 from kvstrata.plugins.eviction_policy import E
-from kvstrata.replay.simulate import HitRateSimulator, TraceFuture, full_blocks
+from kvstrata.replay.simulate import TraceFuture, full_blocks
 from kvstrata.replay.trace import TraceRequest, read_trace
 
 TRACES = ("conversation", "synthetic")
@@ -96,59 +97,26 @@ def cross_fitted_log_odds(rows: list[list[float]], labels: list[int]) -> tuple[l
     return log_odds.tolist(), float(roc_auc_score(y, p))
 
 
-class OfflinePrediction(LearnedPolicy):
+class OfflinePrediction(FixedInsertScore):
     """``learned`` whose insert scores come from an offline model (benchmark only)."""
 
     def __init__(
         self, context: PolicyContext, future: TraceFuture, log_odds: list[float], shift: float | None
-    ):
-        super().__init__(LearnedConfig(), context)
-        self.future, self.per_request, self.fixed_shift = future, log_odds, shift
-        self.score: dict[E, float] = {}
-        self.mean = 0.0
+    ) -> None:
+        super().__init__(context, future)
+        self.per_request, self.fixed_shift = log_odds, shift
+        self.mean = 0.0  # running mean of the scores, as learned keeps for its re-read floor
 
     def shift(self) -> float:
         return super().shift() if self.fixed_shift is None else self.fixed_shift
 
-    def inserted(self, entries: Sequence[E]) -> None:
-        super().inserted(entries)
+    def insert_score(self, entries: Sequence[E]) -> float:
         score = self.per_request[self.future.now]
         self.mean += 0.01 * (score - self.mean)
-        for node in entries:
-            self.score[node] = score
+        return score
 
-    def split(self, upper: E, lower: E) -> None:
-        super().split(upper, lower)
-        if lower in self.score:
-            self.score[upper] = self.score[lower]
-
-    def removed(self, entries: Sequence[E]) -> None:
-        super().removed(entries)
-        for node in entries:
-            self.score.pop(node, None)
-
-    def ranked(self, entries: list[E]) -> list[tuple[float, int, E]]:
-        shift, floor = self.shift(), self.mean + self.settings.reread_bonus
-        out = []
-        for node in entries:
-            stamp = self.stamp.setdefault(node, self.requests)
-            score = self.score.get(node, 0.0)
-            if node in self.reread:
-                score = max(score, floor)
-            out.append((stamp + shift * score, node.id, node))
-        return out
-
-
-def hit_rate(
-    trace: list[TraceRequest], capacity: int, policy: EvictionPolicy | None, future: TraceFuture
-) -> float:
-    sim = HitRateSimulator(capacity_tokens=capacity, policy=policy)
-    hits = tokens = 0
-    for index, request in enumerate(trace):
-        future.now = index
-        hits += sim.access(request)
-        tokens += request.input_length
-    return hits / tokens
+    def reread_floor(self) -> float | None:
+        return self.mean + self.settings.reread_bonus
 
 
 def main() -> None:

@@ -21,78 +21,52 @@ import argparse
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 
+from _eviction import FixedInsertScore, hit_rate
 from _results import Figure, write_results
 from _traces import find_trace
 
 from kvstrata.eviction_policies.learned import LearnedConfig, LearnedPolicy
-from kvstrata.plugins import EvictionPolicy, PolicyContext
+from kvstrata.plugins import PolicyContext
 from kvstrata.plugins.eviction_policy import E
-from kvstrata.replay.simulate import HitRateSimulator, TraceFuture
-from kvstrata.replay.trace import TraceRequest, read_trace
+from kvstrata.replay.simulate import TraceFuture
+from kvstrata.replay.trace import read_trace
 
 TRACES = ("conversation", "synthetic")
 SURE = 3.0  # log-odds of a certain outcome (the model's own rarely pass 2)
 
 
-class _Oracle(LearnedPolicy):
-    """``learned`` with the future at hand (benchmark only: a live cache has none)."""
+def truth(future: TraceFuture, key: Hashable, within: int) -> float:
+    """The oracle's log-odds: does a request hold ``key`` within ``within`` requests from now?"""
+    return SURE if future.next_use(key) - future.now <= within else -SURE
+
+
+class RereadOracle(LearnedPolicy):
+    """Re-read prefixes score the truth; new inserts keep the online model's prediction."""
 
     def __init__(self, context: PolicyContext, future: TraceFuture, horizon: int) -> None:
         super().__init__(LearnedConfig(), context)
         self.future, self.within = future, horizon
 
-    def _truth(self, key: Hashable) -> float:
-        soon = self.future.next_use(key) - self.future.now <= self.within
-        return SURE if soon else -SURE
-
-
-class RereadOracle(_Oracle):
     def ranked(self, entries: list[E]) -> list[tuple[float, int, E]]:
         shift = self.shift()
         out = []
         for rank, node_id, node in super().ranked(entries):
             if node in self.reread:
-                rank = self.stamp[node] + shift * self._truth(node.keys[-1])
+                rank = self.stamp[node] + shift * truth(self.future, node.keys[-1], self.within)
             out.append((rank, node_id, node))
         return out
 
 
-class InsertOracle(_Oracle):
+class InsertOracle(FixedInsertScore):
+    """Every insert scores the truth, fixed when it enters."""
+
     def __init__(self, context: PolicyContext, future: TraceFuture, horizon: int) -> None:
-        super().__init__(context, future, horizon)
-        self.truth: dict[E, float] = {}
+        super().__init__(context, future)
+        self.within = horizon
 
-    def inserted(self, entries: Sequence[E]) -> None:
-        super().inserted(entries)
-        score = self._truth(entries[0].keys[0])  # its first new page: read again at all?
-        for node in entries:
-            self.truth[node] = score
-
-    def split(self, upper: E, lower: E) -> None:
-        super().split(upper, lower)
-        if lower in self.truth:
-            self.truth[upper] = self.truth[lower]
-
-    def removed(self, entries: Sequence[E]) -> None:
-        super().removed(entries)
-        for node in entries:
-            self.truth.pop(node, None)
-
-    def ranked(self, entries: list[E]) -> list[tuple[float, int, E]]:
-        shift = self.shift()
-        return [(self.stamp.get(n, self.requests) + shift * self.truth.get(n, 0.0), n.id, n) for n in entries]
-
-
-def hit_rate(
-    trace: list[TraceRequest], capacity: int, policy: EvictionPolicy | None, future: TraceFuture
-) -> float:
-    sim = HitRateSimulator(capacity_tokens=capacity, policy=policy)
-    hits = tokens = 0
-    for index, request in enumerate(trace):
-        future.now = index
-        hits += sim.access(request)
-        tokens += request.input_length
-    return hits / tokens
+    def insert_score(self, entries: Sequence[E]) -> float:
+        # its first new page: is any of it read again?
+        return truth(self.future, entries[0].keys[0], self.within)
 
 
 def main() -> None:
