@@ -54,7 +54,9 @@ READER = [
 ]
 
 
-def _commit_page_by_page(cache: CacheController, request: torch.Tensor, after_page: Callable[[int], None]) -> None:
+def _commit_page_by_page(
+    cache: CacheController, request: torch.Tensor, after_page: Callable[[int], None]
+) -> None:
     for k in range(1, len(request) // PAGE + 1):
         lease = cache.lookup(request[: k * PAGE], record=False, prefetch="off")
         cache.admit(lease)
