@@ -15,7 +15,6 @@ keep those units alive, and the owner thread drains finished writes (unlock, cou
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections import deque
@@ -35,7 +34,8 @@ from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import PoolKind, StackLayout, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.tier_units import TierUnits
-from kvstrata.core.tree import LockHandle, MatchResult, PageKey, PrefixTree, Tier, TreeNode
+from kvstrata.core.tree import MatchResult, PageKey, PrefixTree, Tier, TreeNode
+from kvstrata.core.write_back import SharedLock, eviction_backups, host_locks
 
 if TYPE_CHECKING:
     from kvstrata.core.lease import Lease
@@ -47,18 +47,6 @@ log = logging.getLogger(__name__)
 
 #: refused nodes remembered for a second offer before the stale ones are swept out
 _REFUSED_SWEEP = 8192
-
-
-@dataclass(eq=False)
-class SharedLock:
-    """A host lock several queued writes rely on. A lock's paged pools cover the node's whole
-    path, so the writes of a chunked request (each below the previous) share one lock moved down
-    the path instead of each walking the path from the root. Its state and window pools cover
-    only the node it sits on (and that node's last window), so every write also keeps node-local
-    locks of its own (:meth:`Writer._host_locks`). Unlocked when its last write is drained."""
-
-    handle: LockHandle
-    refs: int = 1
 
 
 @dataclass(eq=False)
@@ -257,63 +245,9 @@ class Writer:
         self.metrics.add_bytes("device_to_host", nbytes)
 
     def back_up_for_eviction(self, shortfall: Mapping[str, int]) -> None:
-        """Write-back: back up least recently used device nodes before evicting them.
-
-        Only what the eviction can then drop is worth a backup. The anchor leaves the device
-        from leaves, so its candidates are unbacked, unlocked nodes whose unbacked device
-        children are all taken already (a leaf first, then its parent); a component (state,
-        window) is tombstoned on inner nodes too, so any unbacked node whose component is not
-        locked will do, the path of a running request included. Picking by stamp alone chose
-        inner nodes above unbacked leaves and nodes whose units were locked, freed nothing, and
-        raised ``CacheFullError`` on a tier of evictable pages (issue 29)."""
-        anchor = self.layout.anchor
-        chosen: dict[TreeNode, None] = {}
-        if shortfall.get(anchor, 0):
-            chosen.update(dict.fromkeys(self._evictable_leaves(shortfall[anchor])))
-        for name, want in shortfall.items():
-            if name == anchor or want <= 0:
-                continue
-            p = self.tree.index[name]
-            have = sum(len(n.device[p]) for n in chosen if n.device[p] is not None)
-            candidates = [
-                n
-                for n in self.tree.holding(name, Tier.DEVICE)
-                if n not in chosen and not self.tree.backed_up(n) and not n.device_lock[p]
-            ]
-            candidates.sort(key=lambda n: (n.last_access, n.id))
-            for node in candidates:
-                if have >= want:
-                    break
-                chosen[node] = None
-                have += len(node.device[p])  # type: ignore[arg-type]
-        self.back_up(sorted(chosen, key=lambda n: n.depth_end))
-
-    def _evictable_leaves(self, want: int) -> list[TreeNode]:
-        """Unbacked device nodes to back up so that ``want`` pages can leave the device.
-
-        Walks the device part of the tree from its leaves up, least recently used first, as
-        eviction will: a node is reached once every device child below it can leave; a
-        backed-up node can leave as it is, an unbacked one once backed up, a locked one never
-        (nor can its ancestors)."""
-        backed_up = self.tree.backed_up
-        nodes = self.tree.holding(self.layout.anchor, Tier.DEVICE)
-        below = {n: n.device_children for n in nodes}
-        ready = [(n.last_access, n.id, n) for n, count in below.items() if count == 0]
-        heapq.heapify(ready)
-        chosen, pages = [], 0
-        while ready and pages < want:
-            *_, node = heapq.heappop(ready)
-            if any(node.device_lock):
-                continue
-            if not backed_up(node):
-                chosen.append(node)
-            pages += node.pages
-            parent = node.parent
-            if parent in below:
-                below[parent] -= 1
-                if below[parent] == 0:
-                    heapq.heappush(ready, (parent.last_access, parent.id, parent))
-        return chosen
+        """Write-back: back up the device nodes the eviction then drops (see
+        :func:`kvstrata.core.write_back.eviction_backups`)."""
+        self.back_up(eviction_backups(self.tree, self.layout, shortfall))
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
 
@@ -388,29 +322,8 @@ class Writer:
                 self.tree.unlock(shared.handle)
 
     def _host_locks(self, nodes: Sequence[TreeNode]) -> list[SharedLock]:
-        """Host locks keeping ``nodes``' units alive while they are written; the last one is
-        the write's path lock. A path just below the last queued write's path lock moves that
-        lock down (O(new nodes)); otherwise each node gets a lock of its own.
-
-        A moved lock keeps the path's paged units but leaves the state units of the node it
-        came from and that node's window (a state lock covers its own node only), which the
-        earlier write still reads on the writer thread. So with state or window pools, a node
-        whose path lock may move holds a node-local lock too, released with its write. Without
-        it host eviction freed a queued checkpoint's slot, the next backup reused it, and L3
-        stored another page's state under this page's key (issue 29)."""
-        tree = self.tree
         last = self.pending[-1].locks[-1] if self.pending and self.pending[-1].locks else None
-        chained = last is not None and last.refs > 0 and _is_chain(nodes, last.handle.node)
-        local: list[SharedLock] = []
-        if any(tp.kind is not PoolKind.PAGES for tp in self.layout.tree_pools.values()):
-            local = [SharedLock(tree.lock_local(n, Tier.HOST)) for n in (nodes if chained else nodes[-1:])]
-        if chained:
-            assert last is not None
-            last.handle = tree.move_lock(last.handle, nodes[-1])
-            last.refs += 1
-            return [*local, last]
-        own = [SharedLock(tree.lock(node, Tier.HOST)) for node in nodes]
-        return [*own[:-1], *local, own[-1]]
+        return host_locks(self.tree, self.layout, last, nodes)
 
     def wait(self, deadline: float | None) -> None:
         """Wait (up to ``deadline``, a ``time.monotonic`` value) for every queued write."""
@@ -448,16 +361,6 @@ def _host_values_per_pool(
                 entry[0].extend(page_hashes)
                 entry[1].append(value)
     return per_pool
-
-
-def _is_chain(nodes: Sequence[TreeNode], top: TreeNode) -> bool:
-    """Whether ``nodes`` are a path going straight down from ``top``'s child."""
-    parent = top
-    for node in nodes:
-        if node.parent is not parent:
-            return False
-        parent = node
-    return bool(nodes)
 
 
 def _path(tree: PrefixTree, node: TreeNode, since: TreeNode | None = None) -> list[TreeNode]:
