@@ -24,6 +24,8 @@ _LAZY = {
     "load": "kvstrata.api",
     "CacheController": "kvstrata.core.controller",
     "CacheFullError": "kvstrata.core.lease",
+    "ConcurrentUseError": "kvstrata.core.boundary",
+    "OpenLeasesWarning": "kvstrata.core.boundary",
     "Lease": "kvstrata.core.lease",
     "PrefetchMode": "kvstrata.core.prefetcher",
     "RetentionHint": "kvstrata.core.retention",
@@ -36,9 +38,11 @@ _LAZY = {
 __all__ = [
     "CacheController",
     "CacheFullError",
+    "ConcurrentUseError",
     "ConfigError",
     "KvstrataConfig",
     "Lease",
+    "OpenLeasesWarning",
     "PluginHost",
     "PrefetchMode",
     "RetentionHint",
@@ -51,6 +55,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from kvstrata.api import load, open
+    from kvstrata.core.boundary import ConcurrentUseError, OpenLeasesWarning
     from kvstrata.core.config import KvstrataConfig
     from kvstrata.core.controller import CacheController
     from kvstrata.core.lease import CacheFullError, Lease

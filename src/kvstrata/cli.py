@@ -360,10 +360,28 @@ def config_show(
     """Print the resolved configuration, defaults included."""
     config = load_cli_config(files, set_ or [], PluginHost(), user_overrides=set_ or [])
     data = config.model_dump(mode="json")
+    for line in capacity_rounding(config):
+        err.print(f"note: {line}", markup=False, highlight=False)
     if as_json:
         print(json.dumps(data, indent=2))
     else:
         print(yaml.safe_dump(data, sort_keys=False), end="")
+
+
+def capacity_rounding(config: KvstrataConfig) -> list[str]:
+    """What each tier really holds when its ``capacity_tokens`` is not a whole number of pages
+    (capacities round up to whole pages)."""
+    page = config.model.page_size
+    lines = []
+    for tier in ("device", "host"):
+        tokens = getattr(config.tiers, tier).capacity_tokens
+        if tokens % page:
+            pages = -(-tokens // page)
+            lines.append(
+                f"tiers.{tier}.capacity_tokens {tokens:,} is rounded up to whole pages: "
+                f"{pages:,} pages of {page} = {pages * page:,} tokens"
+            )
+    return lines
 
 
 @config_app.command("schema")

@@ -28,6 +28,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     WrapValidator,
+    field_validator,
     model_validator,
 )
 
@@ -95,8 +96,23 @@ def anchor_instances(pools: Mapping[str, PoolConfig], host: PluginHost) -> list[
     ]
 
 
+#: annotations of number fields: ``true`` is not a number (pydantic would read it as 1)
+_NUMBERS = (int, float, int | None, float | None)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if (
+            isinstance(value, bool)
+            and info.field_name is not None
+            and cls.model_fields[info.field_name].annotation in _NUMBERS
+        ):
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
 
 
 class ModelConfig(_Strict):
@@ -128,12 +144,16 @@ class ModelConfig(_Strict):
 
 
 class DeviceTierConfig(_Strict):
-    capacity_tokens: int = Field(default=65536, ge=0)
+    capacity_tokens: int = Field(
+        default=65536, ge=0, description="rounded up to whole pages (`kvstrata config show` says so)"
+    )
     device: str = Field(default="cpu", description="torch device of L1 pools: cpu, cuda, cuda:1 ...")
 
 
 class HostTierConfig(_Strict):
-    capacity_tokens: int = Field(default=262144, ge=0, description="0 disables the host tier")
+    capacity_tokens: int = Field(
+        default=262144, ge=0, description="0 disables the host tier; rounded up to whole pages"
+    )
     layout: Layout = Layout.PAGE_FIRST
     pin_memory: bool | None = Field(default=None, description="default: pin when L1 is on CUDA")
     reserve_bytes: int = Field(default=0, ge=0, description="host memory left for everything else")

@@ -35,12 +35,14 @@ after the load-back), so every rank serves the same prefix.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from kvstrata.core.boundary import ClosingApi, caller_origin, exclusive, token_ids
 from kvstrata.core.builder import CacheParts, DeviceTensors, build_cache, plan_late_pool
 from kvstrata.core.collective import Collective, LocalCollective, RankAgreement
 from kvstrata.core.config import KvstrataConfig, PoolConfig
@@ -49,6 +51,7 @@ from kvstrata.core.lease import (
     Lease,
     add_allocation,
     allocation_needs,
+    require_lease,
     settle,
     take_for_insert,
 )
@@ -65,7 +68,7 @@ from kvstrata.plugins.pool_type import PoolRole
 __all__ = ["CacheController", "CacheFullError", "Lease", "PoolKind", "PrefetchMode", "SkipReason", "TreePool"]
 
 
-class CacheController(UnitMemory, RetentionApi):
+class CacheController(UnitMemory, RetentionApi, ClosingApi):
     """Device (L1), host (L2) and storage (L3) tiers of one model stack; see the module docstring."""
 
     def __init__(
@@ -78,7 +81,8 @@ class CacheController(UnitMemory, RetentionApi):
     ) -> None:
         self.config, self.plugins, self.policy = config, plugins, config.policy
         self.ranks = RankAgreement(collective or LocalCollective())
-        self._closed, self._leases = False, set[int]()
+        self._closed, self._leases = False, dict[int, Lease]()  # open leases, oldest first
+        self._guard, self._inside = threading.RLock(), ""  # one thread at a time (boundary.exclusive)
         self.parts: CacheParts = build_cache(config, plugins, device_tensors=device_tensors)
         parts = self.parts
         self.page_size, self.namespace_root = parts.page_size, parts.namespace_root
@@ -107,6 +111,7 @@ class CacheController(UnitMemory, RetentionApi):
 
     # --- lookup ---------------------------------------------------------------------------------
 
+    @exclusive
     def lookup(
         self,
         tokens: Sequence[int] | torch.Tensor,
@@ -123,31 +128,37 @@ class CacheController(UnitMemory, RetentionApi):
         skips the prefetch gates and makes ``admit`` wait for the whole read; ``"off"`` reads
         nothing from L3. ``retention``: priority / pin / TTL of the prefix once inserted."""
         self._check_open()
+        tokens = token_ids(tokens)  # before anything is matched or locked
+        mode = PrefetchMode(prefetch)
         self.poll()
         started = time.perf_counter()
-        tokens = torch.as_tensor(tokens, dtype=torch.int64).flatten().cpu()
         # the lease grows its keys page by page (chunked prefill, decode): a list of page keys
         keys = list(page_keys(tokens, self.page_size))
         tail = tokens[len(keys) * self.page_size :]
         lease = Lease(keys, tail, self.namespace_root, self.page_size, record=record, retention=retention)
-        lease._owner_of = self.layout.owner_of
+        lease._owner_of, lease._issuer, lease._origin = self.layout.owner_of, self, caller_origin(3)
         match = self.tree.match(keys, count_hit=record)  # one access per request, not per chunk
         lease.device_pages, lease.host_pages = match.device_pages, match.host_pages
-        if match.device_pages:
-            lease._device_lock = self.tree.lock(match.device_node, Tier.DEVICE)
-        if match.host_pages > match.device_pages:
-            lease._host_lock = self.tree.lock(match.host_node, Tier.HOST)
-        self._leases.add(id(lease))
-        self.metrics.latency("match", time.perf_counter() - started)
-        self.writer.on_lookup(match, lease)
-        if self.prefetcher is not None and lease.pages > lease.host_pages:
-            lease._prefetch = self.prefetcher.start(
-                lease.host_pages, lease.page_hashes[lease.host_pages :], lease.skipped, PrefetchMode(prefetch)
-            )
+        self._leases[id(lease)] = lease
+        try:
+            if match.device_pages:
+                lease._device_lock = self.tree.lock(match.device_node, Tier.DEVICE)
+            if match.host_pages > match.device_pages:
+                lease._host_lock = self.tree.lock(match.host_node, Tier.HOST)
+            self.metrics.latency("match", time.perf_counter() - started)
+            self.writer.on_lookup(match, lease)
+            if self.prefetcher is not None and lease.pages > lease.host_pages:
+                lease._prefetch = self.prefetcher.start(
+                    lease.host_pages, lease.page_hashes[lease.host_pages :], lease.skipped, mode
+                )
+        except BaseException:
+            self.release(lease)  # a failed lookup holds nothing
+            raise
         return lease
 
     # --- admit (prefetch end + commit, load-back) -----------------------------------------------
 
+    @exclusive
     def admit(self, lease: Lease) -> Lease:
         """End the prefetch per policy, commit what every rank read, load host pages back to the
         device (all pools or none), and settle ``lease.cached_pages`` and its prefix units."""
@@ -207,6 +218,7 @@ class CacheController(UnitMemory, RetentionApi):
 
     # --- allocate / insert / release ----------------------------------------------------------
 
+    @exclusive
     def allocate(
         self, lease: Lease, *, end_page: int | None = None, partial_page: bool = False
     ) -> dict[str, torch.Tensor]:
@@ -235,6 +247,7 @@ class CacheController(UnitMemory, RetentionApi):
         self.units.free(Tier.DEVICE, add_allocation(self.layout, lease, got, end))
         return {name: got[owner] for name, owner in self.layout.owner_of.items()}
 
+    @exclusive
     def insert(self, lease: Lease, *, close: bool = True) -> None:
         """Index the pages the engine computed (through the last whole page), back them up per
         write policy and queue their L3 write; then close the lease, or with ``close=False``
@@ -268,8 +281,10 @@ class CacheController(UnitMemory, RetentionApi):
                 lease._allocated = None
             self._close_lease(lease)
 
+    @exclusive
     def release(self, lease: Lease) -> None:
         """Abort a request: free its unused units, end its prefetch, unlock its prefix."""
+        require_lease(lease, self)
         if lease.closed:
             return
         if lease._allocated is not None:
@@ -289,10 +304,11 @@ class CacheController(UnitMemory, RetentionApi):
     def _close_lease(self, lease: Lease) -> None:
         self._unlock(lease)
         lease.closed = True
-        self._leases.discard(id(lease))
+        self._leases.pop(id(lease), None)
 
     def _check_lease(self, lease: Lease) -> None:
         self._check_open()
+        require_lease(lease, self)
         if lease.closed:
             raise RuntimeError("lease is closed (inserted or released)")
 
@@ -302,6 +318,7 @@ class CacheController(UnitMemory, RetentionApi):
 
     # --- owner-thread commit points -----------------------------------------------------------
 
+    @exclusive
     def poll(self) -> None:
         """Drain finished storage work: unlock written nodes, count failures, free revoked
         prefetch slots. Called at the start of every public call; cheap when nothing finished."""
@@ -309,6 +326,7 @@ class CacheController(UnitMemory, RetentionApi):
         if self.prefetcher is not None:
             self.prefetcher.drain()
 
+    @exclusive
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every queued L3 write and revoked prefetch, then commit their results."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -319,6 +337,7 @@ class CacheController(UnitMemory, RetentionApi):
 
     # --- late pools -----------------------------------------------------------------------------
 
+    @exclusive
     def add_pool(self, name: str, config: PoolConfig | Mapping[str, Any]) -> Pool:
         """Add a sidecar pool at runtime (e.g. a speculative draft pool) with its own I/O plan.
 
@@ -339,26 +358,3 @@ class CacheController(UnitMemory, RetentionApi):
         self.layout.refresh(self.pools, self.tree)
         plan_late_pool(self.parts, pool)
         return pool
-
-    # --- shutdown -------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        try:
-            self.flush()
-        finally:
-            self._closed = True
-            self.writer.shutdown()
-            if self.prefetcher is not None:
-                self.prefetcher.shutdown()
-            backend = self.parts.backend
-            if backend is not None:
-                self.plugins.hook.kvstrata_backend_closing(instance=backend.instance, backend=backend)
-                backend.close()
-
-    def __enter__(self) -> CacheController:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

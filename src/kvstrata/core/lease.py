@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvstrata.core.boundary import token_ids
 from kvstrata.core.keys import hash_pages
 from kvstrata.core.stack import NO_UNITS, PoolKind, StackLayout
 from kvstrata.core.tree import LockHandle, MatchResult, PrefixTree, Tier, TreeNode, page_keys
@@ -63,6 +64,9 @@ class Lease:
     #: units handed out but not yet inserted, per tree pool (window pools: the last pages only)
     _allocated: dict[str, torch.Tensor] | None = None
     _allocated_first: dict[str, int] = field(default_factory=dict)  # page of each pool's first new unit
+    #: the cache whose lookup made it: no other cache honours it
+    _issuer: object = field(default=None, repr=False)
+    _origin: tuple[str, int, str] = ("?", 0, "?")  # (file, line, function) that called lookup
 
     @property
     def pages(self) -> int:
@@ -99,9 +103,8 @@ class Lease:
     def extend(self, tokens: Sequence[int] | torch.Tensor) -> int:
         """Append tokens (the next prefill chunk, or decoded tokens); returns the whole pages
         this completed. Units for them come from the next ``allocate``."""
-        if self.closed:
-            raise RuntimeError("lease is closed (inserted or released)")
-        new = torch.as_tensor(tokens, dtype=torch.int64).flatten().cpu()
+        self._require_open()
+        new = token_ids(tokens)
         joined = torch.cat([self._tail, new]) if len(self._tail) else new
         keys = page_keys(joined, self.page_size)
         self.keys.extend(keys)
@@ -109,13 +112,16 @@ class Lease:
         return len(keys)
 
     def prefix_units(self, pool: str) -> torch.Tensor:
-        """Device units holding the cached prefix of ``pool`` (see ``prefix_first_page``)."""
+        """Device units holding the cached prefix of ``pool`` (see ``prefix_first_page``); only
+        while the lease holds them (not after ``insert`` closed it or ``release``)."""
+        self._require_open()
         self._require_admitted()
         return self._prefix[self._owner(pool)]
 
     def prefix_first_page(self, pool: str) -> int:
         """The page ``prefix_units(pool)[0]`` holds (0 for all-pages pools; for a node-state pool
         the slot holds the state after page ``cached_pages - 1``)."""
+        self._require_open()
         self._require_admitted()
         return self._first[self._owner(pool)]
 
@@ -131,9 +137,25 @@ class Lease:
         except KeyError:
             raise KeyError(f"no pool {pool!r}; pools: {sorted(self._owner_of)}") from None
 
+    def _require_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("lease is closed (inserted or released): its units are no longer held")
+
     def _require_admitted(self) -> None:
         if not self.admitted:
             raise RuntimeError("call cache.admit(lease) before reading its prefix")
+
+
+def require_lease(lease: Lease, cache: object) -> None:
+    """Refuse anything but a lease ``cache`` issued: another cache's units are not this one's
+    (indexing them would hand them out twice and serve the other model's bytes)."""
+    if not isinstance(lease, Lease):
+        raise TypeError(f"expected a Lease from this cache's lookup, got {type(lease).__name__}")
+    if lease._issuer is not cache:
+        raise ValueError(
+            "this lease was issued by another cache (namespace root "
+            f"{lease.namespace_root[:12]}...): a lease is valid only on the cache whose lookup made it"
+        )
 
 
 def settle(lease: Lease, tree: PrefixTree, layout: StackLayout, match: MatchResult) -> None:

@@ -24,6 +24,7 @@ OPERATIONS = (
     "backups_skipped",  # backups not made: the host tier stayed full (not failures)
     "load_backs",
     "storage_writes",
+    "storage_writes_abandoned",  # still unfinished when close()'s deadline passed: cancelled
     "prefetches_started",
     "prefetches_committed",
     "prefetches_dropped",

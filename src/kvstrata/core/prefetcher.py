@@ -401,5 +401,5 @@ class Prefetcher:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             op.done.wait(remaining)
 
-    def shutdown(self) -> None:
-        self._thread.shutdown(wait=True, cancel_futures=True)
+    def shutdown(self, wait: bool = True) -> None:
+        self._thread.shutdown(wait=wait, cancel_futures=True)

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvstrata.core.boundary import exclusive
+from kvstrata.core.lease import require_lease
 from kvstrata.core.metrics import CacheMetrics
 from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
 
@@ -204,7 +206,9 @@ class RetentionApi:
         if lease.retention is not None:
             self.parts.retention.apply(lease, lease.retention)  # type: ignore[attr-defined]
 
+    @exclusive
     def unpin(self, lease: Lease) -> None:
         """Release the pin a lease's ``RetentionHint(pin=True)`` took (a no-op without one).
         Works on closed leases: a pin outlives the request that set it."""
+        require_lease(lease, self)
         self.parts.retention.unpin(lease)  # type: ignore[attr-defined]

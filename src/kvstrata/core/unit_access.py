@@ -11,6 +11,7 @@ its user-facing access each read on one screen.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,8 +29,22 @@ WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def unit_index(units: torch.Tensor | Sequence[int] | int) -> torch.Tensor:
-    """Unit indices as a flat int64 tensor (kept on its device)."""
-    return torch.as_tensor(units, dtype=torch.int64).flatten()
+    """Unit indices as a flat int64 tensor (kept on its device); a float or bool index is
+    refused, never truncated to another unit."""
+    if isinstance(units, torch.Tensor):
+        idx = units
+    elif isinstance(units, numbers.Integral) and not isinstance(units, bool):
+        return torch.tensor([int(units)], dtype=torch.int64)
+    else:
+        try:
+            idx = torch.as_tensor(units) if len(units) else torch.empty(0, dtype=torch.int64)  # type: ignore[arg-type]
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise TypeError(
+                f"units: expected unit indices (ints or an integer tensor), got {units!r}"
+            ) from None
+    if idx.dtype is torch.bool or idx.is_floating_point() or idx.is_complex():
+        raise TypeError(f"units: unit indices must be integers, got a {idx.dtype} {tuple(idx.shape)} index")
+    return idx.to(torch.int64).flatten()
 
 
 class UnitAccess:

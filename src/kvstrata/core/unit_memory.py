@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from kvstrata.core.boundary import exclusive
 from kvstrata.core.buffers import PoolBuffers
-from kvstrata.core.lease import Lease
+from kvstrata.core.lease import Lease, require_lease
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import PoolKind, StackLayout
 from kvstrata.core.transfer import copy_units
@@ -30,10 +31,12 @@ class UnitMemory:
     tree: PrefixTree
     layout: StackLayout
 
+    @exclusive
     def fork_state(self, lease: Lease) -> dict[str, torch.Tensor]:
         """Copy the state at the lease's committed end into its newly allocated state slot, for
         every state pool (and its sidecars), and return those working units: engines update
         states in place, and the cached checkpoint must stay as it was."""
+        require_lease(lease, self)
         if lease.closed:
             raise RuntimeError("lease is closed (inserted or released)")
         out: dict[str, torch.Tensor] = {}

@@ -347,8 +347,9 @@ class Writer:
             except TimeoutError:
                 return
 
-    def shutdown(self) -> None:
-        self._thread.shutdown(wait=True)
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the writer thread; ``wait=False`` cancels queued writes and returns at once."""
+        self._thread.shutdown(wait=wait, cancel_futures=not wait)
 
 
 def _host_values_per_pool(

@@ -34,6 +34,9 @@ class FaultsConfig(BackendConfig):
     )
     operations: list[Literal["exists", "put", "get"]] = Field(default=["exists", "put", "get"])
     delay_s: float = Field(default=0.0, ge=0, description="sleep this long in every call (a slow store)")
+    stall: list[Literal["exists", "put", "get"]] = Field(
+        default=[], description="block these calls until the test calls `unstall()` (a stuck store)"
+    )
 
 
 class InjectedFault(RuntimeError):
@@ -53,10 +56,21 @@ class FaultyBackend(StorageBackend):
         super().__init__(instance, config)
         self.calls = {"exists": 0, "put": 0, "get": 0}
         self._lock = threading.Lock()
+        self._gate = threading.Event()  # stalled calls wait for it
+        self.closed = threading.Event()
+
+    def unstall(self) -> None:
+        """Let every stalled call (and every later one) go on."""
+        self._gate.set()
+
+    def close(self) -> None:
+        self.closed.set()
 
     def _fails(self, operation: str) -> bool:
         with self._lock:
             self.calls[operation] += 1
+        if operation in self.config.stall:
+            self._gate.wait()
         if self.config.delay_s:
             time.sleep(self.config.delay_s)
         if operation not in self.config.operations:
