@@ -20,8 +20,9 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def make_model(kind: str, path: str, seed: int) -> None:
-    """A tiny bf16 model with seeded weights, written as a Hugging Face checkpoint."""
+def make_model(kind: str, path: str, seed: int, overrides: dict[str, Any] | None = None) -> None:
+    """A tiny bf16 model with seeded weights, written as a Hugging Face checkpoint
+    (``overrides``: config fields, e.g. a larger model for the benchmark)."""
     import torch
 
     torch.manual_seed(seed)
@@ -39,6 +40,8 @@ def make_model(kind: str, path: str, seed: int) -> None:
             max_position_embeddings=8192,
             initializer_range=0.06,
         )
+        for key, value in (overrides or {}).items():
+            setattr(config, key, value)
         model = LlamaForCausalLM(config)
     elif kind == "qwen3_5":
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -78,10 +81,56 @@ def _counters(llm: Any) -> dict[str, float]:
     return out
 
 
+def _spy(llm: Any) -> dict[str, Any]:
+    """Record what the connector hands vLLM (events, stats) by wrapping the two calls on the
+    engine's own connector objects (the engine runs in this process); behaviour is unchanged."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    seen: dict[str, Any] = {"events": [], "stats": {}}
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    connectors = [scheduler] + ([get_kv_transfer_group()] if has_kv_transfer_group() else [])
+    seen["roles"] = [type(c).__name__ for c in connectors]
+
+    def take_events(original: Any) -> Any:
+        def call() -> Any:
+            events = list(original() or [])
+            for event in events:
+                seen["events"].append(
+                    {"type": type(event).__name__, "medium": event.medium, "blocks": len(event.block_hashes)}
+                )
+            return events
+
+        return call
+
+    def stats(original: Any) -> Any:
+        def call() -> Any:
+            out = original()
+            for key, value in (out.data if out is not None else {}).items():
+                seen["stats"][key] = seen["stats"].get(key, 0) + value
+            return out
+
+        return call
+
+    scheduler.take_events = take_events(scheduler.take_events)
+    for connector in connectors:
+        connector.get_kv_connector_stats = stats(connector.get_kv_connector_stats)
+    return seen
+
+
+def _damage(root: str) -> int:
+    """Flip one payload byte (past the header) of every stored object under ``root``."""
+    files = [p for p in Path(root).rglob("*") if p.is_file() and not p.name.startswith(".")]
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[len(data) - 7] ^= 0x5A
+        path.write_bytes(bytes(data))
+    return len(files)
+
+
 def run(job: dict[str, Any]) -> dict[str, Any]:
     for spec in job.get("make", []):
         if not (Path(spec["path"]) / "config.json").exists():
-            make_model(spec["kind"], spec["path"], spec["seed"])
+            make_model(spec["kind"], spec["path"], spec["seed"], spec.get("config"))
     if not job.get("model"):
         return {"steps": []}
     from vllm import LLM, SamplingParams
@@ -109,12 +158,15 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     llm = LLM(**kwargs)
     result: dict[str, Any] = {"init_s": time.perf_counter() - started, "steps": []}
+    seen = _spy(llm) if job.get("connector") is not None and job.get("spy") else None
     for step in job["steps"]:
         before = _counters(llm)
         started = time.perf_counter()
+        tokens: list[list[int]] = []
         if step["op"] == "reset":
             llm.reset_prefix_cache()
-            tokens: list[list[int]] = []
+        elif step["op"] == "damage":
+            result["damaged_objects"] = _damage(step["path"])
         elif step["op"] == "generate":
             params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
             prompts = [{"prompt_token_ids": ids} for ids in step["prompts"]]
@@ -134,6 +186,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 "local_hits": delta.get("vllm:prefix_cache_hits", 0.0),
             }
         )
+    if seen is not None:
+        result["connector"] = seen
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
     result["block_size"] = block_size
     return result

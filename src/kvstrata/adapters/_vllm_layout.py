@@ -30,7 +30,6 @@ from typing import Any
 import xxhash
 
 from kvstrata.core.integrity import layout_fingerprint, stored_objects
-from kvstrata.core.keys import hash_pages, namespace_root
 from kvstrata.plugins import (
     BufferSpec,
     Granularity,
@@ -205,10 +204,12 @@ def build_layout(
     groups = describe_groups(kv_cache_config)
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    digest = weights if weights is not None else weights_digest(str(model_config.model))
+    model_path = str(model_config.model)
+    digest = weights if weights is not None else weights_digest(model_path)
     facts = {
         "engine": "vllm",
-        "model": model_name or str(model_config.served_model_name or model_config.model),
+        # a local directory is named by its weights digest, not its path: two hosts share entries
+        "model": model_name or (Path(model_path).name if digest is not None else model_path),
         "revision": str(getattr(model_config, "revision", None)),
         "weights": digest,
         "dtype": str(model_config.dtype),
@@ -221,17 +222,3 @@ def build_layout(
         "dcp_size": int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
     }
     return StoreLayout(tuple(groups), groups[0].block_size, facts)
-
-
-def namespace(facts: dict[str, Any]) -> str:
-    """``vllm-{model}-{digest of every fact}``: the same in every process, another for any change."""
-    text = json.dumps(facts, sort_keys=True, separators=(",", ":"), default=str)
-    digest = hashlib.blake2b(text.encode(), digest_size=12, person=b"kvstrata-vllm-1").hexdigest()
-    readable = "".join(c if c.isalnum() or c in "-_" else "-" for c in Path(str(facts["model"])).name)
-    return f"vllm-{readable.strip('-')[:40] or 'model'}-{digest}"
-
-
-def block_hashes(namespace_name: str, cache_salt: str, tokens: Sequence[int], block_size: int) -> list[str]:
-    """Chained hashes of every full block of ``tokens``, rooted in the namespace and the
-    request's ``cache_salt`` (tenants salted differently never share a key)."""
-    return hash_pages(list(tokens), block_size, namespace_root(namespace_name, cache_salt))

@@ -15,8 +15,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstrata.adapters._shared import EngineIdentity
 from kvstrata.adapters._vllm_layout import STATE, StoreLayout
-from kvstrata.core.keys import hash_pages, namespace_root
+from kvstrata.core.keys import hash_pages
 from kvstrata.core.storage_engine import StorageEngine
 
 log = logging.getLogger(__name__)
@@ -57,14 +58,19 @@ class _Request:
 class SchedulerSide:
     """Lookup and planning state of the scheduler role (one per engine)."""
 
-    def __init__(self, engine: StorageEngine, layout: StoreLayout, namespace_name: str) -> None:
+    def __init__(self, engine: StorageEngine, layout: StoreLayout, identity: EngineIdentity) -> None:
         self.engine = engine
         self.layout = layout
-        self.namespace = namespace_name
+        self.identity = identity
         self.block_size = layout.block_size
         self.requests: dict[str, _Request] = {}
         self.kv_cache_manager: Any = None
-        self.stats = {"lookups": 0, "hit_blocks": 0, "loads_planned": 0, "save_blocks_planned": 0}
+        self.stats = {"lookups": 0, "offered_blocks": 0, "loads_planned": 0, "save_blocks_planned": 0}
+        #: for KV events: (hashes, parent hash, tokens) of blocks planned to be stored, and hashes of
+        #: blocks found unusable; drained by the connector's ``take_events``
+        self.stored_log: list[tuple[list[str], str | None, list[int]]] = []
+        self.removed_log: list[list[str]] = []
+        self._loading: dict[str, list[str]] = {}  # req id -> anchor hashes of its load in flight
 
     # --- keys ---------------------------------------------------------------------------------
 
@@ -72,7 +78,7 @@ class SchedulerSide:
         state = self.requests.get(request.request_id)
         if state is None:
             salt = getattr(request, "cache_salt", None) or ""
-            state = _Request(request, namespace_root(self.namespace, salt))
+            state = _Request(request, self.identity.chain_root(salt))
             self.requests[request.request_id] = state
         return state
 
@@ -104,7 +110,7 @@ class SchedulerSide:
         state.stored_blocks = max(state.stored_blocks, blocks)
         if blocks <= local:
             return 0, False
-        self.stats["hit_blocks"] += blocks - local
+        self.stats["offered_blocks"] += blocks - local
         return blocks * self.block_size - num_computed_tokens, True
 
     def _usable_blocks(self, hashes: list[str]) -> int:
@@ -163,6 +169,7 @@ class SchedulerSide:
             transfers = self._load_transfers(req_id, state, first, end)
             if transfers is not None:
                 plan.loads[req_id] = transfers
+                self._loading[req_id] = transfers[0].hashes
                 self.stats["loads_planned"] += 1
         saves: dict[int, GroupTransfer] = {}
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -225,10 +232,13 @@ class SchedulerSide:
                     target.block_ids.append(row[i])
         state.stored_blocks = end
         self.stats["save_blocks_planned"] += end - first
+        tokens = state.request.all_token_ids[first * bs : end * bs]
+        self.stored_log.append((hashes[first:end], hashes[first - 1] if first else None, list(tokens)))
 
     def loads_failed(self, req_ids: set[str]) -> None:
         """The workers could not load these requests (damaged, foreign or missing objects)."""
         for req_id in req_ids:
+            self.removed_log.append(self._loading.pop(req_id, []))
             state = self.requests.get(req_id)
             if state is not None:
                 state.load_failed = True
@@ -236,5 +246,10 @@ class SchedulerSide:
                 state.hit_blocks = 0
         self.stats["load_failures"] = self.stats.get("load_failures", 0) + len(req_ids)
 
+    def loads_done(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self._loading.pop(req_id, None)
+
     def finished(self, request: Any) -> None:
         self.requests.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)

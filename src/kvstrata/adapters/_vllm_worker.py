@@ -139,11 +139,12 @@ class WorkerSide:
         for req_id, transfers in plan.loads.items():
             ok = True
             try:
-                for transfer in transfers:  # anchor first
+                for transfer in transfers:  # anchor first; on a failure every group is still
+                    # read, so each damaged object is found (and removed) now, not on a later try
                     if not transfer.hashes or not self._get(transfer):
                         ok = False
-                        break
-                    self.stats["loaded_blocks"] += len(transfer.hashes)
+                    else:
+                        self.stats["loaded_blocks"] += len(transfer.hashes)
             except Exception:  # a failing backend fails this load, never the engine
                 log.exception("kvstrata: loading %s failed; vLLM recomputes it", req_id)
                 ok = False

@@ -38,8 +38,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvstrata.adapters._vllm_layout import StoreLayout, build_layout, namespace
+from kvstrata.adapters._shared import EngineIdentity, EngineStorage
+from kvstrata.adapters._vllm_layout import StoreLayout, build_layout
 from kvstrata.adapters._vllm_scheduler import SchedulerSide, StepPlan
+from kvstrata.adapters._vllm_telemetry import CounterDelta, EventLog, KvstrataConnectorStats
 from kvstrata.adapters._vllm_worker import WorkerSide
 from kvstrata.core.config import (
     ParallelConfig,
@@ -49,9 +51,7 @@ from kvstrata.core.config import (
     parse_override,
     set_path,
 )
-from kvstrata.core.io_plan import plan_pool
-from kvstrata.core.storage_engine import StorageEngine
-from kvstrata.plugins import ConfigError, PluginHost, StorageBackend
+from kvstrata.plugins import ConfigError, PluginHost
 
 if TYPE_CHECKING:
     import torch
@@ -134,44 +134,40 @@ class KvstrataConnectorMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
 
 
-class _Storage:
-    """The backend and storage engine one connector role uses, with a pool per KV cache group."""
+def identity_of(layout: StoreLayout, parallel: ParallelConfig) -> EngineIdentity:
+    """The engine identity of the shared adapter layer: its namespace covers every fact of
+    ``layout.facts`` (model, weights, dtypes, groups, block size, parallel sizes); the TP rank
+    goes to each key's shard component."""
+    facts = dict(layout.facts)
+    return EngineIdentity(
+        engine="vllm",
+        model=str(facts.pop("model")),
+        weights=facts.pop("weights"),
+        dtypes=(str(facts.pop("dtype")), str(facts.pop("cache_dtype"))),
+        layout=facts,
+        page_size=layout.block_size,
+        parallel=parallel,
+        cache_salt="",  # per request: the chain root carries each request's cache_salt
+    )
 
-    def __init__(
-        self, settings: VllmConnectorConfig, layout: StoreLayout, name: str, parallel: ParallelConfig
-    ) -> None:
-        self.plugins = PluginHost()
-        ((instance, backend_config),) = settings.tiers.storage.items()
-        backend_cls = self.plugins.storage_backends.require(backend_config.type)
-        self.backend: StorageBackend = backend_cls(instance, backend_config)
-        self.backend.open()
-        try:
-            capabilities = self.backend.instance_capabilities()
-            self.engine = StorageEngine(
-                self.backend,
-                {},
-                {},
-                model_name=name,
-                parallel=parallel,
-                checksum=settings.policy.checksum,
-                hook=self.plugins.hook,
-            )
-            for group in layout.groups:
-                plan = plan_pool(instance, capabilities, group.spec, parallel=parallel)
-                if not plan.enabled:
-                    raise ValueError(
-                        f"storage {instance!r} cannot store vLLM group {group.group_id}: {plan.reason}"
-                    )
-                self.engine.add_pool(group.pool, group.spec, plan)
-        except BaseException:
-            self.backend.close()
-            raise
 
-    def close(self) -> None:
-        try:
-            self.backend.close()
-        finally:
-            self.plugins.close()
+def open_storage(
+    identity: EngineIdentity, layout: StoreLayout, settings: VllmConnectorConfig
+) -> EngineStorage:
+    """The configured backend with one pool per KV cache group (every group must be storable)."""
+    ((instance, backend_config),) = settings.tiers.storage.items()
+    storage = EngineStorage(identity, instance, backend_config, checksum=settings.policy.checksum)
+    try:
+        for group in layout.groups:
+            plan = storage.add_pool(group.pool, group.spec)
+            if not plan.enabled:
+                raise ValueError(
+                    f"storage {instance!r} cannot store vLLM group {group.group_id}: {plan.reason}"
+                )
+    except BaseException:
+        storage.close()
+        raise
+    return storage
 
 
 class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
@@ -194,16 +190,18 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
         self.layout = build_layout(
             vllm_config, kv_cache_config, model_name=settings.model.name, weights=settings.model.weights
         )
-        self.namespace = namespace(self.layout.facts)
         parallel_config = vllm_config.parallel_config
         rank = int(getattr(parallel_config, "rank", 0) or 0) if role == KVConnectorRole.WORKER else 0
         tp = int(parallel_config.tensor_parallel_size)
-        parallel = ParallelConfig(tp_rank=rank % tp, tp_size=tp)
-        self._storage = _Storage(settings, self.layout, self.namespace, parallel)
+        self.identity = identity_of(self.layout, ParallelConfig(tp_rank=rank % tp, tp_size=tp))
+        self.namespace = self.identity.namespace
+        self._storage = open_storage(self.identity, self.layout, settings)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._counters = CounterDelta()
+        self._events = EventLog(self.layout.block_size)
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._storage.engine, self.layout, self.namespace)
+            self._scheduler = SchedulerSide(self._storage.engine, self.layout, self.identity)
         else:
             self._worker = WorkerSide(self._storage.engine, self.layout)
         log.info(
@@ -241,8 +239,34 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
         return KvstrataConnectorMetadata(self._scheduler.build_plan(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        if self._scheduler is not None and connector_output.failed_recving:
-            self._scheduler.loads_failed(set(connector_output.failed_recving))
+        if self._scheduler is None:
+            return
+        failed = set(connector_output.failed_recving or ())
+        if failed:
+            self._scheduler.loads_failed(failed)
+        self._scheduler.loads_done(set(connector_output.finished_recving or ()) - failed)
+
+    def take_events(self) -> list[Any]:
+        """``BlockStored`` / ``BlockRemoved`` with medium ``STORAGE`` (kvstrata's L3)."""
+        if self._scheduler is None:
+            return []
+        for hashes, parent, tokens in self._scheduler.stored_log:
+            self._events.stored(hashes, parent, tokens)
+        for hashes in self._scheduler.removed_log:
+            self._events.removed(hashes)
+        self._scheduler.stored_log.clear()
+        self._scheduler.removed_log.clear()
+        return self._events.take()
+
+    def get_kv_connector_stats(self) -> KvstrataConnectorStats | None:
+        side = self._scheduler if self._scheduler is not None else self._worker
+        if side is None:
+            return None
+        return self._counters.take(side.stats, self._storage.metrics)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvstrataConnectorStats | None:
+        return KvstrataConnectorStats(data=dict(data)) if data is not None else KvstrataConnectorStats()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:
