@@ -29,6 +29,8 @@ from typing import Any
 
 import xxhash
 
+from kvstrata.adapters._shared import EngineIdentity
+from kvstrata.core.config import ParallelConfig
 from kvstrata.core.integrity import layout_fingerprint, stored_objects
 from kvstrata.plugins import (
     BufferSpec,
@@ -222,3 +224,20 @@ def build_layout(
         "dcp_size": int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
     }
     return StoreLayout(tuple(groups), groups[0].block_size, facts)
+
+
+def identity_of(layout: StoreLayout, parallel: ParallelConfig) -> EngineIdentity:
+    """The engine identity of the shared adapter layer: its namespace covers every fact of
+    ``layout.facts`` (model, weights, dtypes, groups, block size, parallel sizes); the TP rank
+    goes to each key's shard component."""
+    facts = dict(layout.facts)
+    return EngineIdentity(
+        engine="vllm",
+        model=str(facts.pop("model")),
+        weights=facts.pop("weights"),
+        dtypes=(str(facts.pop("dtype")), str(facts.pop("cache_dtype"))),
+        layout=facts,
+        page_size=layout.block_size,
+        parallel=parallel,
+        cache_salt="",  # per request: the chain root carries each request's cache_salt
+    )

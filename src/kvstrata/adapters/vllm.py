@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstrata.adapters._shared import EngineIdentity, EngineStorage
-from kvstrata.adapters._vllm_layout import StoreLayout, build_layout
+from kvstrata.adapters._vllm_layout import StoreLayout, build_layout, identity_of
 from kvstrata.adapters._vllm_scheduler import SchedulerSide, StepPlan
 from kvstrata.adapters._vllm_telemetry import CounterDelta, EventLog, KvstrataConnectorStats
 from kvstrata.adapters._vllm_worker import WorkerSide
@@ -132,23 +132,6 @@ class KvstrataConnectorMetadata(KVConnectorMetadata):
     """The scheduler's plan for one step (loads per request, saves per group)."""
 
     plan: StepPlan = field(default_factory=StepPlan)
-
-
-def identity_of(layout: StoreLayout, parallel: ParallelConfig) -> EngineIdentity:
-    """The engine identity of the shared adapter layer: its namespace covers every fact of
-    ``layout.facts`` (model, weights, dtypes, groups, block size, parallel sizes); the TP rank
-    goes to each key's shard component."""
-    facts = dict(layout.facts)
-    return EngineIdentity(
-        engine="vllm",
-        model=str(facts.pop("model")),
-        weights=facts.pop("weights"),
-        dtypes=(str(facts.pop("dtype")), str(facts.pop("cache_dtype"))),
-        layout=facts,
-        page_size=layout.block_size,
-        parallel=parallel,
-        cache_salt="",  # per request: the chain root carries each request's cache_salt
-    )
 
 
 def open_storage(
