@@ -161,7 +161,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     seen = _spy(llm) if job.get("connector") is not None and job.get("spy") else None
     for step in job["steps"]:
         before = _counters(llm)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         tokens: list[list[int]] = []
         if step["op"] == "reset":
             llm.reset_prefix_cache()
@@ -174,13 +174,14 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             tokens = [list(out.outputs[0].token_ids) for out in outputs]
         else:
             raise ValueError(f"unknown step {step['op']!r}")
-        seconds = time.perf_counter() - started
+        seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
         after = _counters(llm)
         delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
         result["steps"].append(
             {
                 "tokens": tokens,
                 "seconds": seconds,
+                "cpu_seconds": cpu_seconds,  # every thread of this process (engine in-process)
                 "external_hits": delta.get("vllm:external_prefix_cache_hits", 0.0),
                 "external_queries": delta.get("vllm:external_prefix_cache_queries", 0.0),
                 "local_hits": delta.get("vllm:prefix_cache_hits", 0.0),
