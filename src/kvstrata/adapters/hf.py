@@ -52,8 +52,9 @@ from kvstrata.adapters._hf_layout import (
     UnsupportedModelError,
     describe_model,
 )
+from kvstrata.adapters._shared import EngineIdentity, open_cache
 
-__all__ = ["HFStateCache", "PrefillResult", "RestoreInfo", "UnsupportedModelError", "model_namespace"]
+__all__ = ["HFStateCache", "PrefillResult", "RestoreInfo", "UnsupportedModelError", "model_identity"]
 
 #: Keyword shortcuts of :class:`HFStateCache` (every other keyword is a ``a__b__c`` config path).
 SHORTCUTS = {"page_size": "model.page_size", "cache_salt": "model.cache_salt"}
@@ -102,8 +103,7 @@ class HFStateCache:
         self.model = model
         self.layout: ModelLayout = describe_model(model)
         prefix = str(overrides.pop("name", f"hf-{self.layout.model_type}"))
-        self.namespace = model_namespace(model, self.layout, prefix)
-        settings: dict[str, Any] = {"model.name": self.namespace, "model.pools": self.layout.pools}
+        settings: dict[str, Any] = {}
         device = next(model.parameters()).device
         if device.type != "cpu":
             settings["tiers.device.device"] = str(device)
@@ -118,10 +118,13 @@ class HFStateCache:
                     f"HFStateCache got an unknown keyword {key!r}: use page_size, cache_salt, name, "
                     "state_slots or a config path like tiers__host__capacity_tokens"
                 )
+        pools = dict(self.layout.pools)
         if slots is not None:
             for pool in self.layout.states:
                 settings.setdefault(f"model.pools.{pool.name}.device_units", slots)
-        self.cache = kvstrata.open({} if config is None else config, overrides=settings)
+        identity = model_identity(model, self.layout, prefix)
+        self.cache, self.identity = open_cache(identity, config, pools=pools, overrides=settings)
+        self.namespace = self.identity.namespace
         self.page_size = self.cache.page_size
         self.last_restore: RestoreInfo | None = None
         self._owner = object()  # marks the caches this adapter hands out
@@ -336,27 +339,32 @@ class HFStateCache:
         return True
 
 
-def model_namespace(model: torch.nn.Module, layout: ModelLayout, prefix: str) -> str:
-    """``{prefix}-{digest}``: the digest covers the model class, its whole config (with the
-    transformers version), the attention implementation, the derived pools and a strided
-    sample of every weight tensor, so neither another config nor other weights share objects."""
-    digest = hashlib.sha256()
+def model_identity(model: torch.nn.Module, layout: ModelLayout, name: str) -> EngineIdentity:
+    """What the namespace of ``model``'s objects covers: the model class, its whole config (with
+    the transformers version), the attention implementation, the derived pools (dtypes, shapes,
+    layer ids) and a strided sample of every weight tensor; ``name`` is the readable part."""
     config = model.config
-    facts = {
+    layout_facts = {
         "class": f"{type(model).__module__}.{type(model).__qualname__}",
         "config": json.loads(config.to_json_string(use_diff=False)),
         "attention": str(getattr(config, "_attn_implementation", None)),
         "transformers": transformers.__version__,
         "pools": layout.pools,
     }
-    digest.update(json.dumps(facts, sort_keys=True, default=str).encode())
-    for name, tensor in model.state_dict().items():
+    digest = hashlib.sha256()
+    for key, tensor in model.state_dict().items():
         flat = tensor.detach().reshape(-1)
         sample = flat[:: max(1, flat.numel() // WEIGHT_SAMPLES)][:WEIGHT_SAMPLES].contiguous().cpu()
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(f"{key}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
         digest.update(sample.view(torch.uint8).numpy().tobytes())
-    safe = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in prefix)
-    return f"{safe}-{digest.hexdigest()[:20]}"
+    dtypes = sorted({str(tensor.dtype) for tensor in model.state_dict().values()})
+    return EngineIdentity(
+        engine="hf",
+        model=name,
+        weights=digest.hexdigest(),
+        dtypes=tuple(dtypes),
+        layout=json.loads(json.dumps(layout_facts, sort_keys=True, default=str)),
+    )
 
 
 def _sequence(input_ids: torch.Tensor | list[int]) -> torch.Tensor:

@@ -53,9 +53,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvstrata.adapters._sglang_pages import PageFormat, Transfer, describe_host_pool
+from kvstrata.adapters._shared import EngineIdentity, EngineStorage
 from kvstrata.core.config import ParallelConfig, PluginBackendConfig, dotted, load_file
-from kvstrata.core.io_plan import IOMode, plan_pool
-from kvstrata.core.storage_engine import StorageEngine, StorageMetrics, longest_present_prefix
+from kvstrata.core.storage_engine import StorageMetrics, longest_present_prefix
 from kvstrata.plugins import ConfigError, PluginHost, StorageBackend
 
 log = logging.getLogger(__name__)
@@ -245,34 +245,25 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             cp_rank=storage_config.attn_cp_rank,
             cp_size=storage_config.attn_cp_size,
         )
-        ((instance, backend_config),) = self.settings.tiers.storage.items()
-        backend_cls = self.plugins.storage_backends.require(backend_config.type)
-        self.backend: StorageBackend = backend_cls(instance, backend_config)
-        self.backend.open()
-        try:
-            self.capabilities = self.backend.instance_capabilities()
-            self.engine = StorageEngine(
-                self.backend,
-                {},
-                {},
-                model_name=model_name,
-                cache_salt=self.settings.model.cache_salt,
-                parallel=self.parallel,
-                checksum=self.settings.policy.checksum,
-                hook=self.plugins.hook,
-            )
-        except BaseException:
-            self.backend.close()
-            raise
-        self.plugins.hook.kvstrata_backend_opened(
-            instance=instance, backend=self.backend, capabilities=self.capabilities
+        self.identity = EngineIdentity(
+            engine="sglang",
+            model=model_name,
+            parallel=self.parallel,
+            cache_salt=self.settings.model.cache_salt,
         )
+        ((instance, backend_config),) = self.settings.tiers.storage.items()
+        self.storage = EngineStorage(
+            self.identity,
+            instance,
+            backend_config,
+            checksum=self.settings.policy.checksum,
+            plugins=self.plugins,
+        )
+        self.backend: StorageBackend = self.storage.backend
+        self.engine = self.storage.engine
         self._pools: dict[str, PageFormat] = {}
-        self._registered_memory: set[int] = set()
-        self._keep_registered: list[Any] = []
         self._lock = threading.Lock()
         self._stats = _Stats()
-        self._closed = False
 
     # --- registration --------------------------------------------------------------------------
 
@@ -295,21 +286,9 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                 return known
             replicated = self.storage_config.is_mla_model and sglang_name not in TP_SHARDED_SIDE_POOLS
             page_format = describe_host_pool(pool, sglang_name, self.plugins, replicated=replicated)
-            if page_format.name not in self.engine.specs:
-                plan = plan_pool(
-                    self.backend.instance, self.capabilities, page_format.spec, parallel=self.parallel
-                )
-                self.engine.add_pool(page_format.name, page_format.spec, plan)
-            plan = self.engine.plans[page_format.name]
-            region = page_format.host_region()
-            if (
-                plan.mode is IOMode.ZERO_COPY
-                and region is not None
-                and region.ptr not in self._registered_memory
-            ):
-                self.backend.register_host_memory(region)
-                self._registered_memory.add(region.ptr)
-                self._keep_registered.append(pool)  # registered memory must outlive the backend
+            plan = self.storage.add_pool(
+                page_format.name, page_format.spec, host_region=page_format.host_region(), owner=pool
+            )
             self._pools[sglang_name] = page_format
         log.info(
             "kvstrata L3: SGLang pool %r -> %s; plan %s (%s)",
@@ -591,14 +570,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         return metrics
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.plugins.hook.kvstrata_backend_closing(instance=self.backend.instance, backend=self.backend)
-        finally:
-            self.backend.close()
-            self.plugins.close()
+        self.storage.close()
 
 
 def _trailing_prefixes(present: Sequence[bool], window: int) -> set[int]:

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from kvstrata.core.config import KvstrataConfig
+from kvstrata.core.config import KvstrataConfig, ParallelConfig
+from kvstrata.core.integrity import ChecksumPolicy
 from kvstrata.core.io_plan import IOMode, IOPlan, plan_backend
 from kvstrata.core.keys import namespace_root
 from kvstrata.core.load_back import LoadBack
@@ -219,33 +220,66 @@ def _open_backend(config: KvstrataConfig, plugins: PluginHost) -> tuple[StorageB
         return None, None
     _check_storage(config)
     ((instance, backend_config),) = storage.items()
-    backend = plugins.storage_backends.require(backend_config.type)(instance, backend_config)
-    backend.open()
+    backend = open_storage_backend(plugins, instance, backend_config)
     caps = backend.instance_capabilities()
     return backend, (backend.allocate_host_memory if caps.host_allocator else None)
+
+
+def open_storage_backend(plugins: PluginHost, instance: str, backend_config: Any) -> StorageBackend:
+    """The configured backend plugin, opened (shared with the adapters that drive L3 directly)."""
+    backend = plugins.storage_backends.require(backend_config.type)(instance, backend_config)
+    backend.open()
+    return backend
+
+
+def new_storage_engine(
+    backend: StorageBackend,
+    specs: Mapping[str, PoolSpec],
+    plans: Mapping[str, IOPlan],
+    *,
+    model_name: str,
+    cache_salt: str,
+    parallel: ParallelConfig,
+    checksum: ChecksumPolicy,
+    plugins: PluginHost,
+) -> StorageEngine:
+    """The storage engine over an opened backend (keys namespaced by ``model_name`` and
+    ``cache_salt``); announces the backend to the plugins."""
+    engine = StorageEngine(
+        backend,
+        specs,
+        plans,
+        model_name=model_name,
+        cache_salt=cache_salt,
+        parallel=parallel,
+        checksum=checksum,
+        hook=plugins.hook,
+    )
+    plugins.hook.kvstrata_backend_opened(
+        instance=backend.instance, backend=backend, capabilities=backend.instance_capabilities()
+    )
+    return engine
 
 
 def _attach_storage(parts: CacheParts, backend: StorageBackend) -> None:
     config = parts.config
     specs = {name: pool.spec for name, pool in parts.pools.pools.items()}
-    engine = StorageEngine(
+    plans = _plan(parts.pools, backend, config, specs.values())
+    engine = new_storage_engine(
         backend,
         specs,
-        _plan(parts.pools, backend, config, specs.values()),
+        plans,
         model_name=config.model.name,
         cache_salt=config.model.cache_salt,
         parallel=config.parallel,
         checksum=config.policy.checksum,
-        hook=parts.plugins.hook,
+        plugins=parts.plugins,
     )
     parts.backend, parts.engine = backend, engine
     parts.metrics.corrupt_detected_fn = lambda: engine.metrics.corrupt_detected
     parts.metrics.storage_fn = lambda: {
         name: value for name, value in vars(engine.metrics).items() if isinstance(value, int)
     }
-    parts.plugins.hook.kvstrata_backend_opened(
-        instance=backend.instance, backend=backend, capabilities=backend.instance_capabilities()
-    )
 
 
 def plan_late_pool(parts: CacheParts, pool: Pool) -> None:

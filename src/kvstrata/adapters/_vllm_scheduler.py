@@ -1,0 +1,255 @@
+"""The scheduler role of kvstrata's vLLM connector: lookups against L3 and the per-step plan.
+
+Runs in vLLM's engine-core process. It never moves bytes: it asks the storage backend which
+blocks exist (``exists``, side-effect free), and tells the workers, once per step, which blocks
+to load into which block ids and which blocks the step completes (to save). Loads are
+asynchronous in vLLM's sense (``(tokens, True)``): the request waits until the worker reports the
+load, so vLLM's Mamba align-mode precopy (checkpoint ``n-1`` into the running slot) runs on
+restored data, and a failed load is a request-level failure vLLM recomputes (block-level load
+errors are not supported by vLLM for models with several KV cache groups).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstrata.adapters._shared import EngineIdentity
+from kvstrata.adapters._vllm_layout import STATE, StoreLayout
+from kvstrata.core.keys import hash_pages
+from kvstrata.core.storage_engine import StorageEngine
+
+log = logging.getLogger(__name__)
+
+#: Second chunk of a prefix existence query (after one probe block); each further chunk doubles.
+FIRST_EXISTS_CHUNK = 16
+
+
+@dataclass
+class GroupTransfer:
+    """Blocks of one group to move: object ``hashes[i]`` <-> vLLM block ``block_ids[i]``."""
+
+    group_id: int
+    hashes: list[str]
+    block_ids: list[int]
+
+
+@dataclass
+class StepPlan:
+    """What the workers do in one step (sent inside the connector metadata)."""
+
+    loads: dict[str, list[GroupTransfer]] = field(default_factory=dict)  # req id -> transfers
+    saves: list[GroupTransfer] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    request: Any
+    root: str  # chain root: namespace + cache salt
+    hashes: list[str] = field(default_factory=list)
+    stored_blocks: int = 0  # blocks known stored (found by the lookup, loaded, or saved)
+    hit_blocks: int = 0  # last lookup's answer
+    lookup_from: int = 0  # blocks vLLM had locally at the last lookup
+    pending_load: tuple[int, int] | None = None  # (first block, end block) to load
+    load_failed: bool = False  # a load of this request failed: it recomputes, never asks again
+
+
+class SchedulerSide:
+    """Lookup and planning state of the scheduler role (one per engine)."""
+
+    def __init__(self, engine: StorageEngine, layout: StoreLayout, identity: EngineIdentity) -> None:
+        self.engine = engine
+        self.layout = layout
+        self.identity = identity
+        self.block_size = layout.block_size
+        self.requests: dict[str, _Request] = {}
+        self.kv_cache_manager: Any = None
+        self.stats = {"lookups": 0, "offered_blocks": 0, "loads_planned": 0, "save_blocks_planned": 0}
+        #: for KV events: (hashes, parent hash, tokens) of blocks planned to be stored, and hashes of
+        #: blocks found unusable; drained by the connector's ``take_events``
+        self.stored_log: list[tuple[list[str], str | None, list[int]]] = []
+        self.removed_log: list[list[str]] = []
+        self._loading: dict[str, list[str]] = {}  # req id -> anchor hashes of its load in flight
+
+    # --- keys ---------------------------------------------------------------------------------
+
+    def _state(self, request: Any) -> _Request:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            salt = getattr(request, "cache_salt", None) or ""
+            state = _Request(request, self.identity.chain_root(salt))
+            self.requests[request.request_id] = state
+        return state
+
+    def _hashes(self, state: _Request, blocks: int) -> list[str]:
+        """Chain hashes of the first ``blocks`` blocks of the request's tokens (extended lazily)."""
+        have = len(state.hashes)
+        if blocks > have:
+            tokens = state.request.all_token_ids[have * self.block_size : blocks * self.block_size]
+            parent = state.hashes[-1] if have else state.root
+            state.hashes.extend(hash_pages(list(tokens), self.block_size, parent))
+        return state.hashes[:blocks]
+
+    # --- lookup -------------------------------------------------------------------------------
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """``get_num_new_matched_tokens``: tokens loadable beyond vLLM's local hit, async."""
+        state = self._state(request)
+        self.stats["lookups"] += 1
+        if state.load_failed:  # the backend's existence answers may lag its removal of bad objects
+            return 0, False
+        # at least one token is always computed (vLLM samples from it)
+        most = (request.num_tokens - 1) // self.block_size
+        local = num_computed_tokens // self.block_size
+        if most <= local:
+            return 0, False
+        hashes = self._hashes(state, most)
+        blocks = self._usable_blocks(hashes)
+        state.hit_blocks, state.lookup_from = blocks, local
+        state.stored_blocks = max(state.stored_blocks, blocks)
+        if blocks <= local:
+            return 0, False
+        self.stats["offered_blocks"] += blocks - local
+        return blocks * self.block_size - num_computed_tokens, True
+
+    def _usable_blocks(self, hashes: list[str]) -> int:
+        """Longest prefix every group can restore (anchor prefix, then each group's rule)."""
+        anchor = self.layout.anchor
+        count = self._leading(anchor.pool, hashes) if anchor.kind != STATE else len(hashes)
+        if count == 0:
+            return 0
+        present: dict[int, list[bool]] = {}
+        for group in self.layout.groups[1:]:
+            result = self.engine.exists(group.pool, hashes[:count])
+            present[group.group_id] = list(result.ok) if result.error is None else [False] * count
+        for n in range(count, 0, -1):
+            if all(all(present[g.group_id][i] for i in g.needed_blocks(n)) for g in self.layout.groups[1:]):
+                return n
+        return 0
+
+    def _leading(self, pool: str, hashes: list[str]) -> int:
+        """Leading run of stored blocks, asked in chunks of 1, 16, 32 ...: a miss costs one query."""
+        done, chunk = 0, 1
+        while done < len(hashes):
+            batch = hashes[done : done + chunk]
+            found = self.engine.exists_prefix(pool, batch)
+            done += found
+            if found < len(batch):
+                break
+            chunk = FIRST_EXISTS_CHUNK if chunk == 1 else chunk * 2
+        return done
+
+    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        """``update_state_after_alloc``: vLLM accepted ``num_external_tokens`` from us."""
+        state = self.requests.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            return
+        first = state.lookup_from
+        end = first + num_external_tokens // self.block_size
+        if end > state.hit_blocks or num_external_tokens % self.block_size:
+            log.warning(
+                "kvstrata: vLLM accepted %d external tokens for %s, beyond the %d blocks found; not loading",
+                num_external_tokens,
+                request.request_id,
+                state.hit_blocks,
+            )
+            return
+        state.pending_load = (first, end)
+
+    # --- the step plan ------------------------------------------------------------------------
+
+    def build_plan(self, scheduler_output: Any) -> StepPlan:
+        plan = StepPlan()
+        for req_id, state in self.requests.items():
+            if state.pending_load is None:
+                continue
+            first, end = state.pending_load
+            state.pending_load = None
+            transfers = self._load_transfers(req_id, state, first, end)
+            if transfers is not None:
+                plan.loads[req_id] = transfers
+                self._loading[req_id] = transfers[0].hashes
+                self.stats["loads_planned"] += 1
+        saves: dict[int, GroupTransfer] = {}
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self.requests.get(req_id)
+            if state is None or scheduled <= 0:
+                continue
+            self._plan_saves(req_id, state, state.request.num_computed_tokens, scheduled, saves)
+        plan.saves = list(saves.values())
+        return plan
+
+    def _block_ids(self, req_id: str) -> tuple[list[int], ...] | None:
+        if self.kv_cache_manager is None:
+            return None
+        try:
+            return self.kv_cache_manager.get_block_ids(req_id)
+        except (KeyError, AssertionError):
+            return None
+
+    def _load_transfers(
+        self, req_id: str, state: _Request, first: int, end: int
+    ) -> list[GroupTransfer] | None:
+        ids = self._block_ids(req_id)
+        hashes = self._hashes(state, end)
+        transfers = []
+        # anchor first: a reader reads the commit marker before the components
+        for group in self.layout.groups:
+            wanted = [i for i in group.needed_blocks(end) if i >= first or group.kind == STATE]
+            blocks = [ids[group.group_id][i] for i in wanted] if ids is not None else []
+            if ids is None or any(i >= len(ids[group.group_id]) for i in wanted) or 0 in blocks:
+                # no block to load into (null block): the worker reports the load failed
+                return [GroupTransfer(group.group_id, [], [])]
+            transfers.append(GroupTransfer(group.group_id, [hashes[i] for i in wanted], blocks))
+        return transfers
+
+    def _plan_saves(
+        self, req_id: str, state: _Request, computed: int, scheduled: int, saves: dict[int, GroupTransfer]
+    ) -> None:
+        """Blocks this step completes; a Mamba state only where the step ends on a block boundary
+        (align mode writes the checkpoint there, in this step: it is saved before vLLM reuses it)."""
+        bs = self.block_size
+        end_tokens = min(computed + scheduled, len(state.request.all_token_ids))
+        end = end_tokens // bs
+        first = max(computed // bs, state.stored_blocks)
+        if end <= first:
+            return
+        ids = self._block_ids(req_id)
+        if ids is None:
+            return
+        hashes = self._hashes(state, end)
+        boundary = end_tokens % bs == 0
+        for group in self.layout.groups:
+            row = ids[group.group_id]
+            wanted = [end - 1] if group.kind == STATE else list(range(first, end))
+            if group.kind == STATE and not boundary:
+                continue
+            target = saves.setdefault(group.group_id, GroupTransfer(group.group_id, [], []))
+            for i in wanted:
+                if i < len(row) and row[i] != 0:
+                    target.hashes.append(hashes[i])
+                    target.block_ids.append(row[i])
+        state.stored_blocks = end
+        self.stats["save_blocks_planned"] += end - first
+        tokens = state.request.all_token_ids[first * bs : end * bs]
+        self.stored_log.append((hashes[first:end], hashes[first - 1] if first else None, list(tokens)))
+
+    def loads_failed(self, req_ids: set[str]) -> None:
+        """The workers could not load these requests (damaged, foreign or missing objects)."""
+        for req_id in req_ids:
+            self.removed_log.append(self._loading.pop(req_id, []))
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.load_failed = True
+                state.stored_blocks = 0
+                state.hit_blocks = 0
+        self.stats["load_failures"] = self.stats.get("load_failures", 0) + len(req_ids)
+
+    def loads_done(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self._loading.pop(req_id, None)
+
+    def finished(self, request: Any) -> None:
+        self.requests.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)

@@ -1,0 +1,299 @@
+"""kvstrata as vLLM's KV connector: every KV cache group (full attention, sliding window,
+Mamba/GDN state) stored in kvstrata's storage tier, shared across processes and restarts.
+
+Load it without patching vLLM (the README has a complete ``vllm serve`` line)::
+
+    kv_transfer_config={"kv_connector": "KvstrataConnector",
+                        "kv_connector_module_path": "kvstrata.adapters.vllm",
+                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                        "kv_connector_extra_config": {"config": {"tiers": {"storage": {
+                            "l3": {"type": "file", "path": "/mnt/kv"}}}}}}
+
+``kv_connector_extra_config``: ``config`` (a kvstrata config path or mapping, validated by
+:class:`VllmConnectorConfig`: the storage instance, checksum policy, optional model name and
+vouched weights digest) and ``overrides`` (``{"a.b": value}`` or ``["a.b=value"]``). The pools
+(one per prefix-cacheable KV cache group), page size (vLLM's block size), dtypes and layouts
+come from vLLM (:mod:`kvstrata.adapters._vllm_layout`).
+
+Keys are chained hashes of token ids (vLLM's block hashes are salted per process) rooted in a
+namespace of model, weights digest, dtype, KV cache groups, block size and parallel sizes, and
+in the request's ``cache_salt``. A damaged, foreign or missing object fails the request's load,
+which vLLM recomputes (set ``kv_load_failure_policy: recompute``); never wrong tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from kvstrata.adapters._shared import EngineIdentity, EngineStorage
+from kvstrata.adapters._vllm_layout import StoreLayout, build_layout, identity_of
+from kvstrata.adapters._vllm_scheduler import SchedulerSide, StepPlan
+from kvstrata.adapters._vllm_telemetry import CounterDelta, EventLog, KvstrataConnectorStats
+from kvstrata.adapters._vllm_worker import WorkerSide
+from kvstrata.core.config import (
+    ParallelConfig,
+    PluginBackendConfig,
+    dotted,
+    load_file,
+    parse_override,
+    set_path,
+)
+from kvstrata.plugins import ConfigError, PluginHost
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+CONFIG_KEY = "config"
+OVERRIDES_KEY = "overrides"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class VllmModelSettings(_Strict):
+    name: str | None = Field(default=None, min_length=1, description="readable model id (default: vLLM's)")
+    weights: str | None = Field(
+        default=None,
+        min_length=1,
+        description="a weights digest you vouch for (default: xxh3 of every weight file of a local model)",
+    )
+
+
+class VllmTiersSettings(_Strict):
+    storage: dict[str, PluginBackendConfig] = Field(
+        min_length=1, max_length=1, description="one storage instance: instance name -> backend config"
+    )
+
+
+class VllmPolicySettings(_Strict):
+    checksum: Literal["xxh3", "none"] = "xxh3"
+
+
+class VllmConnectorConfig(_Strict):
+    """``kv_connector_extra_config.config``: the kvstrata config keys the connector reads."""
+
+    model: VllmModelSettings = VllmModelSettings()
+    tiers: VllmTiersSettings
+    policy: VllmPolicySettings = VllmPolicySettings()
+
+
+def load_connector_config(extra: Mapping[str, Any] | None, plugins: PluginHost) -> VllmConnectorConfig:
+    """Validate ``config`` + ``overrides`` of vLLM's extra config; errors name the dotted path."""
+    extra = dict(extra or {})
+    value = extra.get(CONFIG_KEY)
+    source = None
+    if isinstance(value, (str, Path)):
+        source = str(value)
+        data: dict[str, Any] = load_file(value)
+    elif isinstance(value, Mapping):
+        data = _plain(value)
+    else:
+        raise ConfigError(
+            [(CONFIG_KEY, "give a kvstrata config path or mapping in kv_connector_extra_config")]
+        )
+    overrides = extra.get(OVERRIDES_KEY) or {}
+    if isinstance(overrides, Mapping):
+        pairs = [(key.split("."), item) for key, item in overrides.items()]
+    elif isinstance(overrides, Sequence) and not isinstance(overrides, str):
+        pairs = [parse_override(text) for text in overrides]
+    else:
+        raise ConfigError([(OVERRIDES_KEY, "give a {'a.b': value} mapping or a list of 'a.b=value' strings")])
+    for path, item in pairs:
+        set_path(data, list(path), item)
+    try:
+        return VllmConnectorConfig.model_validate(data, context={"plugins": plugins})
+    except ValidationError as exc:
+        errors = [(f"{CONFIG_KEY}.{dotted(err['loc'])}", err["msg"]) for err in exc.errors()]
+        raise ConfigError(errors, source) from None
+
+
+def _plain(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: _plain(item) if isinstance(item, Mapping) else item for key, item in dict(data).items()}
+
+
+@dataclass
+class KvstrataConnectorMetadata(KVConnectorMetadata):
+    """The scheduler's plan for one step (loads per request, saves per group)."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+def open_storage(
+    identity: EngineIdentity, layout: StoreLayout, settings: VllmConnectorConfig
+) -> EngineStorage:
+    """The configured backend with one pool per KV cache group (every group must be storable)."""
+    ((instance, backend_config),) = settings.tiers.storage.items()
+    storage = EngineStorage(identity, instance, backend_config, checksum=settings.policy.checksum)
+    try:
+        for group in layout.groups:
+            plan = storage.add_pool(group.pool, group.spec)
+            if not plan.enabled:
+                raise ValueError(
+                    f"storage {instance!r} cannot store vLLM group {group.group_id}: {plan.reason}"
+                )
+    except BaseException:
+        storage.close()
+        raise
+    return storage
+
+
+class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector over kvstrata's storage tier (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        plugins = PluginHost()
+        try:
+            settings = load_connector_config(transfer.kv_connector_extra_config, plugins)
+        finally:
+            plugins.close()
+        if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning(
+                "kvstrata: kv_load_failure_policy is %r: a damaged or missing object fails the request "
+                "instead of being recomputed; set it to 'recompute'",
+                transfer.kv_load_failure_policy,
+            )
+        self.layout = build_layout(
+            vllm_config, kv_cache_config, model_name=settings.model.name, weights=settings.model.weights
+        )
+        parallel_config = vllm_config.parallel_config
+        rank = int(getattr(parallel_config, "rank", 0) or 0) if role == KVConnectorRole.WORKER else 0
+        tp = int(parallel_config.tensor_parallel_size)
+        self.identity = identity_of(self.layout, ParallelConfig(tp_rank=rank % tp, tp_size=tp))
+        self.namespace = self.identity.namespace
+        self._storage = open_storage(self.identity, self.layout, settings)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._counters = CounterDelta()
+        self._events = EventLog(self.layout.block_size)
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self._storage.engine, self.layout, self.identity)
+        else:
+            self._worker = WorkerSide(self._storage.engine, self.layout)
+        log.info(
+            "kvstrata connector (%s): namespace %s, groups %s",
+            role.name,
+            self.namespace,
+            [(g.group_id, g.kind, len(g.layer_names)) for g in self.layout.groups],
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a later miss
+
+    # --- scheduler side -------------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        try:
+            return self._scheduler.matched_tokens(request, num_computed_tokens)
+        except Exception:  # a failing backend is a miss, never a failed engine
+            log.exception("kvstrata: lookup of %s failed; a miss", request.request_id)
+            return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return KvstrataConnectorMetadata(self._scheduler.build_plan(scheduler_output))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is None:
+            return
+        failed = set(connector_output.failed_recving or ())
+        if failed:
+            self._scheduler.loads_failed(failed)
+        self._scheduler.loads_done(set(connector_output.finished_recving or ()) - failed)
+
+    def take_events(self) -> list[Any]:
+        """``BlockStored`` / ``BlockRemoved`` with medium ``STORAGE`` (kvstrata's L3)."""
+        if self._scheduler is None:
+            return []
+        for hashes, parent, tokens in self._scheduler.stored_log:
+            self._events.stored(hashes, parent, tokens)
+        for hashes in self._scheduler.removed_log:
+            self._events.removed(hashes)
+        self._scheduler.stored_log.clear()
+        self._scheduler.removed_log.clear()
+        return self._events.take()
+
+    def get_kv_connector_stats(self) -> KvstrataConnectorStats | None:
+        side = self._scheduler if self._scheduler is not None else self._worker
+        if side is None:
+            return None
+        return self._counters.take(side.stats, self._storage.metrics)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvstrataConnectorStats | None:
+        return KvstrataConnectorStats(data=dict(data)) if data is not None else KvstrataConnectorStats()
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.finished(request)
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])
+
+    # --- worker side ----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, KvstrataConnectorMetadata) and meta.plan.loads:
+            self._worker.load(meta.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # whole steps are saved in wait_for_save (never called for Mamba layers anyway)
+
+    def wait_for_save(self) -> None:
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KvstrataConnectorMetadata) and meta.plan.saves:
+            self._worker.save(meta.plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self._worker.take_finished()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def shutdown(self) -> None:
+        self._storage.close()

