@@ -34,6 +34,7 @@ BENCHMARKS = {
     "eviction_ceiling": "eviction_ceiling.py",
     "sglang_l3": "sglang_l3.py",
     "hf": "hf.py",
+    "weights_digest": "weights_digest.py",
     "peers_storage": "peers/storage.py",
     "faults": "faults.py",
     "peers_copies": "peers/copies.py",

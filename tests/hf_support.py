@@ -16,11 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvstrata.core.keys import KEY_VERSION
 
 PAGE = 16
 HEADER_BYTES = 64  # kvstrata's object header (docs/storage.md)
@@ -155,13 +158,14 @@ def page_hashes(cache: Any, ids: torch.Tensor) -> list[str]:
 
 def object_file(l3: Path, namespace: str, pool: str, page_hash: str) -> Path | None:
     """The stored object of ``pool`` for page ``page_hash`` (file names are kvstrata keys)."""
-    found = [p for p in stored_objects(l3, namespace) if page_hash in p.name and f"-{pool}." in p.name]
+    component = re.compile(rf"\.[A-Za-z0-9_]+-{re.escape(pool)}-[0-9a-f]{{10}}\.")  # pool type-pool-layout
+    found = [p for p in stored_objects(l3, namespace) if page_hash in p.name and component.search(p.name)]
     return found[0] if found else None
 
 
 def stored_objects(l3: Path, namespace: str) -> list[Path]:
-    """Every object file of one namespace (keys start with ``k1-{namespace}``)."""
-    return sorted(p for p in l3.glob("*/*") if p.name.startswith(f"k1-{namespace[:48]}"))
+    """Every object file of one namespace (keys start with ``{KEY_VERSION}-{namespace}``)."""
+    return sorted(p for p in l3.glob("*/*") if p.name.startswith(f"{KEY_VERSION}-{namespace[:48]}"))
 
 
 def verified_offset(rng: Any, size: int) -> int:

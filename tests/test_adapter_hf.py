@@ -425,3 +425,89 @@ def test_the_demo_reuses_the_shared_prefix_from_l3_in_its_second_process() -> No
     assert first.endswith("same as without kvstrata: True") and second.endswith(
         "same as without kvstrata: True"
     )
+
+
+# --- the key is complete by construction (issue 25 items 2, 3 and 12) -------------------------------
+
+
+def _one_row_changed(model: Any) -> Any:
+    """A copy with one embedding row changed (a retrained token)."""
+    import copy
+
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.get_input_embeddings().weight[7] += 1e-3
+    return other
+
+
+def _one_element_changed(model: Any) -> Any:
+    """A copy with one element of the last layer's last weight changed (a partial fine-tune)."""
+    import copy
+
+    other = copy.deepcopy(model)
+    tensor = list(other.parameters())[-1]
+    with torch.no_grad():
+        tensor.view(-1)[-1] += 1e-3
+    return other
+
+
+#: One field changed at a time: (model maker, keywords) and whether the reader must hit.
+HF_FIELDS: dict[str, tuple[Any, dict[str, Any], bool]] = {
+    "one embedding row": (_one_row_changed, {}, False),
+    "one element of the last weight": (_one_element_changed, {}, False),
+    "dtype": (lambda m: tiny_model("llama", torch.bfloat16), {}, False),
+    "config (layers)": (lambda m: tiny_model("llama", num_hidden_layers=3), {}, False),
+    "layout (kv heads)": (lambda m: tiny_model("llama", num_key_value_heads=1), {}, False),
+    "page size": (lambda m: m, {"page_size": PAGE // 2}, False),
+    "tenant salt": (lambda m: m, {"cache_salt": "tenant-b"}, False),
+    "weights digest given by the caller": (lambda m: m, {"weights_digest": "release-2"}, False),
+    "a restart (a new cache over the same model)": (lambda m: m, {}, True),
+    "an equal copy of the model": (lambda m: tiny_model("llama"), {}, True),
+}
+
+
+@pytest.mark.parametrize("field", list(HF_FIELDS))
+def test_each_identity_field_alone_decides_whether_objects_are_shared(tmp_path: Path, field: str) -> None:
+    """Issue 25 items 2 and 12: a llama stores 4 pages; a cache differing in ``field`` only
+    restores none of them where that changes the bytes, all of them where it must not. (A new
+    process: test_a_new_process_restores_from_l3_and_continues_bit_identically.)"""
+    make, keywords, shared = HF_FIELDS[field]
+    base = tiny_model("llama")
+    ids = hf.tokens(81, 4 * PAGE + 1)
+    with hf.open_cache(base, tmp_path) as cache:
+        hf.run_pages(cache, cache.restore(ids)[0], ids, 0, commit_every=1)
+    other = make(base)
+    settings = {"page_size": PAGE, "state_slots": 96, **keywords}
+    with HFStateCache(other, hf.storage(tmp_path), **settings) as reader:
+        want = hf.reference(reader, ids)
+        cached, continued = hf.continue_from_restore(reader, ids)
+        assert cached == (4 * PAGE if shared else 0), field
+        assert hf.matches(want, cached, continued)  # what came back is what the model computes
+
+
+def test_an_explicit_weights_digest_replaces_hashing_and_is_the_callers_word(tmp_path: Path) -> None:
+    """The documented limit: with ``weights_digest=`` the adapter hashes nothing and trusts it."""
+    ids = hf.tokens(82, 2 * PAGE + 1)
+    first = tiny_model("llama")
+    with HFStateCache(first, hf.storage(tmp_path), page_size=PAGE, weights_digest="v1") as cache:
+        assert cache.identity.weights == "v1"
+        hf.run_pages(cache, cache.restore(ids)[0], ids, 0, commit_every=1)
+    retrained = _one_row_changed(first)
+    with HFStateCache(retrained, hf.storage(tmp_path), page_size=PAGE, weights_digest="v1") as cache:
+        assert cache.restore(ids)[1] == 2 * PAGE  # the caller vouched: same digest, same namespace
+    with pytest.raises(ValueError, match="weights_digest"):
+        HFStateCache(first, page_size=PAGE, weights_digest="")
+
+
+def test_commit_refuses_a_cache_another_hfstatecache_handed_out(tmp_path: Path) -> None:
+    """Issue 25 item 3: B committed A's cache (it knew the owner and still trusted it)."""
+    model = tiny_model("llama")
+    ids = hf.tokens(83, 2 * PAGE + 1)
+    with hf.open_cache(model, tmp_path / "a") as a, hf.open_cache(model, tmp_path / "b") as b:
+        past = a.new_cache()
+        hf.run_pages(a, past, ids[: 2 * PAGE], 0)
+        with pytest.raises(ValueError, match="another HFStateCache"):
+            b.commit(ids, 2 * PAGE, past)
+        assert b.restore(ids)[1] == 0  # nothing stored
+        assert a.commit(ids, 2 * PAGE, past) == 2 * PAGE  # its owner still commits it
+        assert a.restore(ids)[1] == 2 * PAGE

@@ -486,3 +486,82 @@ def test_the_readme_launch_flags_parse_with_sglang_and_load_the_adapter(tmp_path
         assert storage.batch_exists(keys) == 2
     finally:
         storage.close()
+
+
+# --- the key is complete by construction (issue 25 items 7 and 12) ----------------------------------
+
+#: One field of the writer's identity changed at a time, and whether the reader must hit.
+IDENTITY_FIELDS: dict[str, tuple[dict[str, Any], bool]] = {
+    "served model name": ({"model_name": "other-model"}, False),
+    "weights digest": ({"model": {"weights_digest": "finetune-2"}}, False),
+    "tenant salt": ({"model": {"cache_salt": "tenant-b"}}, False),
+    "kv dtype": ({"pool": {"dtype": torch.float16}}, False),
+    "head count": ({"pool": {"heads": 2}}, False),
+    "page size": ({"pool": {"page_size": 8}}, False),
+    "layers": ({"pool": {"layers": 3}}, False),
+    "tp size": ({"tp_rank": 0, "tp_size": 2}, False),
+    "host layout (exact conversion)": ({"pool": {"layout": "layer_first"}}, True),
+    "a restart (a new adapter)": ({}, True),
+}
+
+
+@pytest.mark.parametrize("field", list(IDENTITY_FIELDS))
+def test_each_identity_field_alone_decides_whether_pages_are_shared(l3: dict[str, Any], field: str) -> None:
+    """Written by demo-model, bf16, 4 heads, page 16, TP 1, page_first; read by a server that
+    differs in ``field`` only: 0 pages where that changes the bytes, every page where it must not."""
+    change, shared = IDENTITY_FIELDS[field]
+    keys = support.page_keys(3, seed=12)
+    pool = support.new_mha_pool("page_first")
+    storage = support.open_adapter(l3, pool, model_name="demo-model")
+    indices = support.fill_mha(pool, [0, 1, 2], 12, [0, 1, 2])
+    assert storage.batch_set_v1(keys, indices) == [True] * 3
+    storage.close()
+
+    shape = {"layers": support.MHA["layers"], "heads": support.MHA["heads"], "head_dim": 64}
+    shape |= {"page_size": PAGE, "host_pages": support.HOST_PAGES, "layout": "page_first"}
+    shape |= change.get("pool", {})
+    config = {**l3, "model": change["model"]} if "model" in change else l3
+    ranks = {k: v for k, v in change.items() if k in ("tp_rank", "tp_size", "model_name")}
+    reader = support.open_adapter(config, support.mha_host_pool(**shape), **ranks)
+    try:
+        target = reader.mem_pool_host
+        target.kv_buffer.fill_(1)
+        found = reader.batch_exists(keys)
+        got = reader.batch_get_v1(keys, torch.arange(3 * shape["page_size"]))
+        if shared:
+            assert (found, got) == (3, [True] * 3)
+            assert all(support.mha_holds(target, p, 12, p) for p in range(3))
+        else:
+            assert (found, got) == (0, [False] * 3)
+            assert bool((target.kv_buffer == 1).all())  # nothing foreign landed
+    finally:
+        reader.close()
+
+
+def test_tp_rank_alone_separates_sharded_pages_and_replicated_ones_are_shared(l3: dict[str, Any]) -> None:
+    keys = support.page_keys(2, seed=13)
+    pool = support.new_mha_pool("page_first")
+    rank0 = support.open_adapter(l3, pool, tp_rank=0, tp_size=2)
+    assert rank0.batch_set_v1(keys, support.fill_mha(pool, [0, 1], 13, [0, 1])) == [True, True]
+    rank0.close()
+    rank1 = support.open_adapter(l3, support.new_mha_pool("page_first"), tp_rank=1, tp_size=2)
+    assert rank1.batch_exists(keys) == 0  # another rank's heads
+    rank1.close()
+    # MLA pages are identical on every rank: written once, read by all
+    # (test_replicated_mla_pages_are_written_by_tp_rank_zero_only)
+
+
+def test_a_key_equal_to_the_digest_another_key_maps_to_reads_nothing(writer: tuple[Any, Any]) -> None:
+    """Issue 25 item 7: a key that is not a plain hex digest was stored under its BLAKE2b digest,
+    so a second key spelling that digest literally read the first key's page."""
+    import hashlib
+
+    storage, pool = writer
+    odd = "page/with:odd chars"
+    alias = hashlib.blake2b(odd.encode(), digest_size=16).hexdigest()  # the old mapping of ``odd``
+    assert storage.batch_set_v1([odd], support.fill_mha(pool, [0], 14, [0])) == [True]
+    assert storage.batch_exists([odd]) == 1
+    assert storage.batch_exists([alias]) == 0
+    assert storage.batch_get_v1([alias], support.slots_of(1, PAGE)) == [False]
+    for text in ("_" + alias[1:], alias + "_", "a_b", "a-b", "é", "\ud800", "x" * 129):
+        assert storage.batch_exists([text]) == 0, text

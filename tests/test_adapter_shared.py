@@ -94,6 +94,11 @@ def test_weights_digest_reads_every_byte_name_dtype_and_shape() -> None:
     assert weights_digest({**tensors, "b": tensors["b"].view(torch.float16)}.items()) != base
     strided = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()  # not contiguous
     assert weights_digest([("s", strided)]) == weights_digest([("s", strided.contiguous())])
+    tied = torch.arange(12, dtype=torch.float32)
+    before = weights_digest([("embed", tied), ("lm_head", tied)])  # read once, named twice
+    assert before != weights_digest([("embed", tied), ("lm_head", tied[:6])])
+    tied[3] += 1
+    assert weights_digest([("embed", tied), ("lm_head", tied)]) != before
     with pytest.raises(ValueError, match="meta device"):
         weights_digest([("m", torch.empty(2, device="meta"))])
 

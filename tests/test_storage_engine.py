@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import resource
+import shutil
 import signal
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,7 +95,7 @@ def test_anchor_written_last_and_only_over_complete_pages(faulty: FaultyFileBack
     hashes = page_hashes(3, seed=2)
     faulty.fail_keys = {engine.object_keys("index", hashes)[0][1]}  # sidecar of page 1 fails
     results = engine.put_group({name: PoolBatch(hashes, source[name].units(range(3))) for name in specs})
-    order = [log[0].split(".")[1] for log in faulty.put_log]
+    order = [log[0].split(".")[1].rsplit("-", 1)[0] for log in faulty.put_log]  # less the layout tag
     assert order == ["conf_idx-index", "conf_state-state", "conf_kv-attn"]
     assert results["index"].ok == [True, False, True]
     assert results["attn"].ok == [True, False, True]
@@ -239,42 +240,65 @@ def test_header_downgrade_with_changed_payload_is_a_counted_miss(tmp_path: Path)
     backend.close()
 
 
-# --- layout change under the same model name (issue 15, defect 5) ------------------------------------
+# --- layout change under the same model name (issue 15, defect 5; issue 25 item 12) -----------------
 
 
-def test_layout_change_heals_and_is_counted_apart_from_damage(tmp_path: Path) -> None:
+def test_a_layout_change_gets_its_own_keys_and_leaves_the_other_layouts_objects_alone(tmp_path: Path) -> None:
+    """The layout is in every key: an fp32 and a bf16 deployment of one model share an L3
+    without reading (or removing) each other's objects. Before, they shared keys; each read
+    the other's objects as foreign and removed them."""
     backend = FileBackend("l3", FileConfig(path=tmp_path))
     backend.open()
     old_specs, new_specs = conformance_specs(), conformance_specs(dtype="bfloat16")
     hashes = page_hashes(2, seed=32)
     old_source = KIT.pools(old_specs, 2, seed=32)
-    assert all(
-        KIT.engine(backend, old_specs, model_name="same")
-        .put("index", hashes, old_source["index"].units(range(2)))
-        .ok
-    )
-    assert all(
-        KIT.engine(backend, old_specs, model_name="same")
-        .put("state", hashes, old_source["state"].units(range(2)))
-        .ok
-    )
-    engine = KIT.engine(backend, new_specs, model_name="same")  # the attn pool changed dtype
-    source, target = KIT.pools(new_specs, 2, seed=33), KIT.pools(new_specs, 2, seed=None)
     old_attn = KIT.engine(backend, old_specs, model_name="same")
     assert all(old_attn.put("attn", hashes, old_source["attn"].units(range(2))).ok)
-    assert all(engine.put("attn", hashes, source["attn"].units(range(2))).ok)  # skip_existing
+    engine = KIT.engine(backend, new_specs, model_name="same")  # the attn pool changed dtype
+    assert engine.object_keys("attn", hashes) != old_attn.object_keys("attn", hashes)
+    assert engine.object_keys("index", hashes) == old_attn.object_keys("index", hashes)  # unchanged pool
+    source, target = KIT.pools(new_specs, 2, seed=33), KIT.pools(new_specs, 2, seed=None)
+    assert engine.exists("attn", hashes).ok == [False, False]
     assert engine.get("attn", hashes, target["attn"].units(range(2))).ok == [False, False]
-    metrics = engine.metrics
-    assert (metrics.foreign_objects, metrics.foreign_reasons) == (4, {"fingerprint_mismatch": 4})
-    assert metrics.foreign_removed == 4 and metrics.corrupt_detected == 0
-    assert engine.exists("attn", hashes).ok == [False, False], "the stale objects are gone"
     assert all(engine.put("attn", hashes, source["attn"].units(range(2))).ok)
     assert all(engine.get("attn", hashes, target["attn"].units(range(2))).ok)
     KIT.assert_units_equal(source["attn"], target["attn"], range(2))
-    # the pools whose layout did not change keep their objects
-    other = KIT.pools(new_specs, 2, seed=None)
-    assert all(engine.get("index", hashes, other["index"].units(range(2))).ok)
-    KIT.assert_units_equal(old_source["index"], other["index"], range(2))
+    assert engine.metrics.foreign_objects == 0 and engine.metrics.corrupt_detected == 0
+    old_target = KIT.pools(old_specs, 2, seed=None)
+    assert all(old_attn.get("attn", hashes, old_target["attn"].units(range(2))).ok)
+    KIT.assert_units_equal(old_source["attn"], old_target["attn"], range(2))
+    backend.close()
+
+
+def test_an_object_of_another_layout_under_this_key_is_foreign_and_removed(tmp_path: Path) -> None:
+    """What still reaches the header check (a copied or crafted object): counted apart from
+    damage, and removed so the page can be stored again."""
+    backend = FileBackend("l3", FileConfig(path=tmp_path))
+    backend.open()
+    old_specs, new_specs = conformance_specs(), conformance_specs(dtype="bfloat16")
+    hashes = page_hashes(2, seed=34)
+    old_attn = KIT.engine(backend, old_specs, model_name="same")
+    assert all(old_attn.put("attn", hashes, KIT.pools(old_specs, 2, seed=34)["attn"].units(range(2))).ok)
+    engine = KIT.engine(backend, new_specs, model_name="same")
+    for old_keys, new_keys in zip(
+        old_attn.object_keys("attn", hashes), engine.object_keys("attn", hashes), strict=True
+    ):
+        for old_key, new_key in zip(old_keys, new_keys, strict=True):
+            backend.path_for(new_key).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(backend.path_for(old_key), backend.path_for(new_key))
+    target = KIT.pools(new_specs, 2, seed=None)
+    assert engine.get("attn", hashes, target["attn"].units(range(2))).ok == [False, False]
+    metrics = engine.metrics
+    assert metrics.foreign_objects == 4 and set(metrics.foreign_reasons) <= {
+        "fingerprint_mismatch",
+        "key_mismatch",
+    }
+    assert metrics.foreign_removed == 4 and metrics.corrupt_detected == 0
+    assert engine.exists("attn", hashes).ok == [False, False], "the foreign objects are gone"
+    source = KIT.pools(new_specs, 2, seed=35)
+    assert all(engine.put("attn", hashes, source["attn"].units(range(2))).ok)
+    assert all(engine.get("attn", hashes, target["attn"].units(range(2))).ok)
+    KIT.assert_units_equal(source["attn"], target["attn"], range(2))
     backend.close()
 
 

@@ -148,15 +148,22 @@ def _json_default(value: Any) -> Any:
 
 def weights_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """xxh3-128 (hex) of every weight: each tensor's name, dtype, shape and *all* its bytes, in
-    the given order (``model.state_dict().items()``). Streams in chunks of
+    the given order (``model.state_dict().items()``; a tensor tied to an earlier one is hashed as
+    that tie, not read twice). Streams in chunks of
     :data:`WEIGHT_CHUNK_BYTES`, so a device tensor never needs a second full copy on the host.
     Not a defence against a party crafting a collision (xxh3 is not cryptographic): it tells
     checkpoints apart, which is what a namespace needs from it."""
     hasher = xxhash.xxh3_128()
+    seen: dict[tuple[Any, ...], str] = {}  # tied weights (lm_head = embeddings) are hashed once
     for name, tensor in tensors:
         if tensor.device.type == "meta":
             raise ValueError(f"weight {name!r} is on the meta device: load the weights before hashing them")
         hasher.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        view = (str(tensor.device), tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if tensor.numel() and view in seen:
+            hasher.update(f"tied\0{seen[view]}\0".encode())
+            continue
+        seen[view] = name
         flat = tensor.detach().reshape(-1)
         if not flat.is_contiguous():
             flat = flat.contiguous()

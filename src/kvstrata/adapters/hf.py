@@ -23,7 +23,6 @@ The adapter uses only kvstrata's public API (``kvstrata.open``, the lease calls,
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Mapping
@@ -52,13 +51,12 @@ from kvstrata.adapters._hf_layout import (
     UnsupportedModelError,
     describe_model,
 )
-from kvstrata.adapters._shared import EngineIdentity, open_cache
+from kvstrata.adapters._shared import EngineIdentity, open_cache, weights_digest
 
 __all__ = ["HFStateCache", "PrefillResult", "RestoreInfo", "UnsupportedModelError", "model_identity"]
 
 #: Keyword shortcuts of :class:`HFStateCache` (every other keyword is a ``a__b__c`` config path).
 SHORTCUTS = {"page_size": "model.page_size", "cache_salt": "model.cache_salt"}
-WEIGHT_SAMPLES = 64  # elements hashed per weight tensor for the namespace
 
 
 @dataclass
@@ -108,6 +106,9 @@ class HFStateCache:
         if device.type != "cpu":
             settings["tiers.device.device"] = str(device)
         slots = overrides.pop("state_slots", None)
+        weights = overrides.pop("weights_digest", None)
+        if weights is not None and (not isinstance(weights, str) or not weights):
+            raise ValueError(f"weights_digest must be a non-empty string, got {weights!r}")
         for key, value in overrides.items():
             if key in SHORTCUTS:
                 settings[SHORTCUTS[key]] = value
@@ -116,13 +117,13 @@ class HFStateCache:
             else:
                 raise TypeError(
                     f"HFStateCache got an unknown keyword {key!r}: use page_size, cache_salt, name, "
-                    "state_slots or a config path like tiers__host__capacity_tokens"
+                    "state_slots, weights_digest or a config path like tiers__host__capacity_tokens"
                 )
         pools = dict(self.layout.pools)
         if slots is not None:
             for pool in self.layout.states:
                 settings.setdefault(f"model.pools.{pool.name}.device_units", slots)
-        identity = model_identity(model, self.layout, prefix)
+        identity = model_identity(model, self.layout, prefix, weights)
         self.cache, self.identity = open_cache(identity, config, pools=pools, overrides=settings)
         self.namespace = self.identity.namespace
         self.page_size = self.cache.page_size
@@ -256,6 +257,11 @@ class HFStateCache:
         cache.saw(kwargs.get("input_ids", args[0] if args else None), kwargs.get("inputs_embeds"))
 
     def _check_cache(self, past: Any) -> None:
+        if isinstance(past, KvstrataDynamicCache) and past.kvstrata_owner is not self._owner:
+            raise ValueError(
+                "past_key_values was handed out by another HFStateCache (its restore() or new_cache()): "
+                "commit it through that one; this cache never saw the tokens it holds"
+            )
         classes = tuple(type(layer) for layer in getattr(past, "layers", ()))
         expected = list(self.layout.layer_classes)
         if isinstance(past, KvstrataDynamicCache):
@@ -339,10 +345,13 @@ class HFStateCache:
         return True
 
 
-def model_identity(model: torch.nn.Module, layout: ModelLayout, name: str) -> EngineIdentity:
+def model_identity(
+    model: torch.nn.Module, layout: ModelLayout, name: str, weights: str | None = None
+) -> EngineIdentity:
     """What the namespace of ``model``'s objects covers: the model class, its whole config (with
     the transformers version), the attention implementation, the derived pools (dtypes, shapes,
-    layer ids) and a strided sample of every weight tensor; ``name`` is the readable part."""
+    layer ids) and every byte of every weight (:func:`weights_digest`, or ``weights``: a digest
+    the caller vouches for); ``name`` is the readable part."""
     config = model.config
     layout_facts = {
         "class": f"{type(model).__module__}.{type(model).__qualname__}",
@@ -351,18 +360,12 @@ def model_identity(model: torch.nn.Module, layout: ModelLayout, name: str) -> En
         "transformers": transformers.__version__,
         "pools": layout.pools,
     }
-    digest = hashlib.sha256()
-    for key, tensor in model.state_dict().items():
-        flat = tensor.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // WEIGHT_SAMPLES)][:WEIGHT_SAMPLES].contiguous().cpu()
-        digest.update(f"{key}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        digest.update(sample.view(torch.uint8).numpy().tobytes())
-    dtypes = sorted({str(tensor.dtype) for tensor in model.state_dict().values()})
+    state = model.state_dict()
     return EngineIdentity(
         engine="hf",
         model=name,
-        weights=digest.hexdigest(),
-        dtypes=tuple(dtypes),
+        weights=weights if weights is not None else "xxh3-" + weights_digest(state.items()),
+        dtypes=tuple(sorted({str(tensor.dtype) for tensor in state.values()})),
         layout=json.loads(json.dumps(layout_facts, sort_keys=True, default=str)),
     )
 

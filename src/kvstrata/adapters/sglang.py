@@ -12,14 +12,19 @@ SGLang's ``StorageBackendFactory`` imports this module, checks that the class su
 (a YAML/TOML/JSON path or an inline mapping, validated by :class:`SGLangL3Config`) names the
 storage backend -- any kvstrata backend plugin, reached through ``PluginHost().storage_backends``
 and planned from its declared capabilities like kvstrata's own cache does (``StorageEngine`` over
-``plan_pool``) -- plus the namespace and checksum policy. The model layout comes from SGLang's
-host pools as they register (see :mod:`kvstrata.adapters._sglang_pages`).
+``plan_pool``, through :class:`kvstrata.adapters._shared.EngineStorage`) -- plus the namespace
+and checksum policy. The model layout comes from SGLang's host pools as they register (see
+:mod:`kvstrata.adapters._sglang_pages`).
 
-Keys: SGLang's page hashes become the page-hash component of kvstrata keys
-``{model+salt namespace}.{pool type}-{pool}-{layout digest}.{tp/pp/cp shard}.{page}.{object}``,
-so servers with another model, salt, dtype, head count, page size or TP size never read each
-other's pages. Every object carries kvstrata's integrity header; a corrupt, truncated or foreign
-object is a miss (counted in :attr:`KvstrataHiCacheStorage.metrics`), never data.
+Keys: SGLang's page keys become the page-hash component of kvstrata keys
+(:func:`~kvstrata.adapters._shared.page_key`: hex digests as they are, any other string hashed
+into a form no plain key can take)
+``{namespace + salt}.{pool type}-{pool}-{layout digest}.{tp/pp/cp shard}.{page}.{object}``; the
+namespace is the :class:`~kvstrata.adapters._shared.EngineIdentity` of (served model name,
+``model.weights_digest``), so servers with another model, weights digest, salt, dtype, head
+count, layer count, page size, TP size or TP rank (sharded pools) never read each other's pages.
+Every object carries kvstrata's integrity header; a corrupt, truncated or foreign object is a
+miss (counted in :attr:`KvstrataHiCacheStorage.metrics`), never data.
 
 Interfaces, all implemented: generic ``get``/``set``/``batch_get``/``batch_set``/``exists``/
 ``batch_exists`` (SGLang's default path), zero-copy ``batch_get_v1``/``batch_set_v1`` (chosen by
@@ -32,9 +37,7 @@ keys already keep other deployments' pages apart).
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -53,7 +56,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvstrata.adapters._sglang_pages import PageFormat, Transfer, describe_host_pool
-from kvstrata.adapters._shared import EngineIdentity, EngineStorage
+from kvstrata.adapters._shared import EngineIdentity, EngineStorage, page_key
 from kvstrata.core.config import ParallelConfig, PluginBackendConfig, dotted, load_file
 from kvstrata.core.storage_engine import StorageMetrics, longest_present_prefix
 from kvstrata.plugins import ConfigError, PluginHost, StorageBackend
@@ -71,8 +74,6 @@ TP_SHARDED_SIDE_POOLS = frozenset({"mamba"})
 #: Second chunk of an existence query (after one probe page); each further chunk doubles.
 FIRST_EXISTS_CHUNK = 16
 
-_SAFE_HASH = re.compile(r"[A-Za-z0-9_-]{1,128}")
-
 
 # --- settings -------------------------------------------------------------------------------------
 
@@ -88,6 +89,12 @@ class SGLangModelSettings(_Strict):
         description="namespace of the stored pages; default: SGLang's served model name",
     )
     cache_salt: str = Field(default="", description="tenant / salt: separates otherwise equal prefixes")
+    weights_digest: str | None = Field(
+        default=None,
+        min_length=1,
+        description="identifies the exact weights (a digest or revision); set it when the served "
+        "name stays while the weights change -- the adapter cannot read SGLang's weights",
+    )
 
 
 class SGLangTiersSettings(_Strict):
@@ -142,13 +149,6 @@ def load_l3_config(value: Any, plugins: PluginHost) -> SGLangL3Config:
 
 def _prefixed(path: str) -> str:
     return f"{CONFIG_KEY}.{path}" if path else CONFIG_KEY
-
-
-def page_hash(key: str) -> str:
-    """SGLang's page key as a kvstrata page-hash component (hex SHA-256 passes as it is)."""
-    if _SAFE_HASH.fullmatch(key):
-        return key
-    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
 
 class _Stats:
@@ -248,6 +248,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         self.identity = EngineIdentity(
             engine="sglang",
             model=model_name,
+            weights=self.settings.model.weights_digest,
             parallel=self.parallel,
             cache_salt=self.settings.model.cache_salt,
         )
@@ -323,7 +324,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         """Store the pages of ``keys`` not stored yet; ``make(positions)`` gives their Transfer."""
         if not keys:
             return []
-        hashes = [page_hash(key) for key in keys]
+        hashes = [page_key(key) for key in keys]
         start = time.perf_counter()
         # dedup first (SGLang backs up every page reaching the host tier): no gather, no checksum
         # for pages already stored
@@ -354,7 +355,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         except (ValueError, RuntimeError) as exc:
             log.warning("kvstrata L3: cannot read %d pages of %r: %s", len(keys), pool.name, exc)
             return [False] * len(keys)
-        result = self.engine.get(pool.name, [page_hash(key) for key in keys], transfer.units)
+        result = self.engine.get(pool.name, [page_key(key) for key in keys], transfer.units)
         ok = list(result.ok)
         try:
             transfer.finish(ok)
@@ -445,7 +446,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         not one per page of the query."""
         done, chunk = 0, 1
         while done < len(keys):
-            batch = [page_hash(key) for key in keys[done : done + chunk]]
+            batch = [page_key(key) for key in keys[done : done + chunk]]
             found = self.engine.exists_prefix(pool.name, batch)
             done += found
             if found < len(batch):
@@ -465,7 +466,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         """Longest usable prefix: the KV prefix, cut by each pool's hit policy (SGLang's semantics:
         ``all_pages`` needs every page, ``trailing_pages`` the last ``len(keys)`` pages of a prefix)."""
         kv_pages = self._leading_pages(self._anchor(), keys)
-        hashes = [page_hash(key) for key in keys[:kv_pages]]
+        hashes = [page_key(key) for key in keys[:kv_pages]]
         hit_count: dict[Any, int] = {KV_POOL: kv_pages} if kv_pages else {}
         restorable = set(range(1, kv_pages + 1))
         for transfer in pool_transfers or []:

@@ -13,7 +13,11 @@ Page hash chain
 
 Physical keys
     Built only by :class:`KeySchema` (one per pool and process) as
-    ``{namespace}.{pool_type}-{pool}.{shard}.{page_hash}.{suffix}``; every component uses only
+    ``{namespace}.{pool_type}-{pool}-{layout}.{shard}.{page_hash}.{suffix}``, ``layout`` a short
+    digest of the pool's layout fingerprints (dtype, shapes, layers, page size: everything that
+    shapes an object's bytes), so deployments of one model with another dtype or shape never
+    share a key -- with the fingerprint in the header alone they read each other's objects as
+    foreign and removed them, each destroying the other's cache; every component uses only
     ``[A-Za-z0-9_-]`` and components are ``.``-separated, so keys are safe as file names and as
     Mooncake keys. ``shard`` is ``tp{r}of{n}-pp{r}of{n}-cp{r}of{n}`` for sharded pools and
     ``rep-pp{r}of{n}-cp{r}of{n}`` for TP-replicated ones: a replicated pool is identical across
@@ -34,15 +38,17 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvstrata.core.config import ParallelConfig
+from kvstrata.core.integrity import layout_fingerprint, stored_objects
 from kvstrata.plugins.pool_type import PoolSpec, Replication
 
 #: Bytes of one page hash (hex strings are twice as long).
 PAGE_HASH_BYTES = 16
 #: Version tag of the key layout: bump when the schema or the chain changes (old entries miss).
-KEY_VERSION = "k1"
+KEY_VERSION = "k2"
 
 _NAMESPACE_PERSON = b"kvstrata-ns-v1"
 _PAGE_PERSON = b"kvstrata-pg-v1"
+_LAYOUT_PERSON = b"kvstrata-lt-v1"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 _MAX_TOKEN = 2**32 - 1
 
@@ -103,6 +109,14 @@ def namespace_tag(model_name: str, cache_salt: str = "") -> str:
     return f"{KEY_VERSION}-{safe_component(model_name)[:48]}-{namespace_root(model_name, cache_salt)[:12]}"
 
 
+def layout_tag(spec: PoolSpec) -> str:
+    """10 hex digits over the layout fingerprint of every object a unit of ``spec`` stores."""
+    digest = hashlib.blake2b(digest_size=5, person=_LAYOUT_PERSON)
+    for suffix, _ in stored_objects(spec):
+        digest.update(layout_fingerprint(spec, suffix))
+    return digest.hexdigest()
+
+
 def is_writer(spec: PoolSpec, parallel: ParallelConfig) -> bool:
     """Whether this rank writes the pool: every rank for sharded pools, TP rank 0 for replicated."""
     return spec.replication is Replication.SHARDED or parallel.tp_rank == 0
@@ -132,7 +146,7 @@ class KeySchema(BaseModel):
     ) -> KeySchema:
         return cls(
             namespace=namespace_tag(model_name, cache_salt),
-            pool=f"{safe_component(spec.pool_type)}-{safe_component(spec.name)}",
+            pool=f"{safe_component(spec.pool_type)}-{safe_component(spec.name)}-{layout_tag(spec)}",
             shard=shard_tag(spec, parallel),
             writer=is_writer(spec, parallel),
         )

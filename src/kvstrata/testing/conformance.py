@@ -309,6 +309,21 @@ class BackendConformance:
         assert engine.metrics.corrupt_detected == 1
         assert sum(engine.metrics.corrupt_reasons.values()) == 1
 
+    def _forge(
+        self,
+        backend: StorageBackend,
+        specs: dict[str, PoolSpec],
+        victim: StorageEngine,
+        pool: str,
+        hashes: list[str],
+        source: dict[str, HostPoolForTests],
+        model_name: str | None = None,
+    ) -> None:
+        """Store ``source``'s units of ``pool`` (laid out by ``specs``) under ``victim``'s keys."""
+        forger = self.engine(backend, specs, model_name=model_name)
+        forger.schemas[pool] = victim.schemas[pool]
+        assert all(forger.put(pool, hashes, source[pool].units(range(len(hashes)))).ok)
+
     def test_namespace_and_layout_isolation(self, backend: StorageBackend) -> None:
         specs = conformance_specs()
         model_a = f"{self.model_name}-a"
@@ -320,24 +335,27 @@ class BackendConformance:
         target = self.pools(specs, 2, seed=None)
         assert other_model.exists("attn", hashes).ok == [False, False]
         assert other_model.get("attn", hashes, target["attn"].units(range(2))).ok == [False, False]
-        # same keys, same byte count, another dtype: the layout fingerprint rejects it
+        # another dtype: another key (the layout is part of it) ...
         other_layout = self.engine(backend, conformance_specs(dtype="bfloat16"), model_name=model_a)
+        assert other_layout.exists("attn", hashes).ok == [False, False]
+        # ... and an object of another layout under its key (copied, crafted) fails the header
+        self._forge(backend, specs, other_layout, "attn", hashes, source, model_name=model_a)
         assert other_layout.get("attn", hashes, target["attn"].units(range(2))).ok == [False, False]
         assert other_layout.metrics.foreign_reasons.get("fingerprint_mismatch", 0) >= 2
         assert other_layout.metrics.corrupt_detected == 0, "another layout is not damage"
 
     def test_layout_change_replaces_foreign_objects(self, backend: StorageBackend) -> None:
-        """After a layout change under the same model name, the old layout's objects under the new
-        reader's keys are removed (or overwritten), so the new layout gets storage hits again
-        instead of skip-existing keeping the stale objects forever."""
+        """Objects of another layout under a reader's keys (keys hold the layout, so these are
+        copied or crafted ones) are removed (or overwritten), so the reader gets storage hits
+        again instead of skip-existing keeping the foreign objects forever."""
         caps = backend.instance_capabilities()
         if not caps.removable and caps.overwrite != "replace":
             pytest.skip(f"backend {backend.name!r} can neither remove nor replace objects")
         old_specs, new_specs = conformance_specs(), conformance_specs(dtype="bfloat16")
         hashes = page_hashes(3, seed=15)
-        old, old_source = self.engine(backend, old_specs), self.pools(old_specs, 3, seed=15)
-        assert all(old.put("attn", hashes, old_source["attn"].units(range(3))).ok)
+        old_source = self.pools(old_specs, 3, seed=15)
         new = self.engine(backend, new_specs)
+        self._forge(backend, old_specs, new, "attn", hashes, old_source)
         source, target = self.pools(new_specs, 3, seed=16), self.pools(new_specs, 3, seed=None)
         assert new.put("attn", hashes, source["attn"].units(range(3))).ok == [True] * 3  # skipped or replaced
         first = new.get("attn", hashes, target["attn"].units(range(3))).ok
@@ -411,6 +429,8 @@ class BackendConformance:
         # a marker of another layout under the same key is foreign: a miss, never a commit
         other = {"pages": specs["pages"].model_copy(update={"page_size": PAGE_SIZE * 2})}
         foreign = self.engine(backend, other)
+        assert foreign.exists("pages", hashes[:1]).ok == [False]  # the layout is in the key
+        foreign.schemas["pages"] = engine.schemas["pages"]  # ... unless copied under this key
         assert foreign.get("pages", hashes[:1], []).ok == [False]
         assert foreign.metrics.foreign_reasons == {"fingerprint_mismatch": 1}
         assert foreign.metrics.corrupt_detected == 0
