@@ -27,6 +27,7 @@ BENCHMARKS = {
     "storage": "storage.py",
     "tree": "tree.py",
     "engine": "engine.py",
+    "boundary": "boundary.py",
     "replay": "replay.py",
     "simulate": "simulate.py",
     "eviction": "eviction.py",
