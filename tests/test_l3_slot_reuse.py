@@ -230,8 +230,8 @@ def test_unit_digests_name_the_stage_where_bytes_changed_and_keep_them_out_of_l3
         cache.close()
     results = _restores("hybrid-mamba", l3, prompt)
     assert all(bad == 0 for _, _, bad in results), results
-    assert results[2][1] < 3  # page 3's state never reached L3: its restore stops earlier
-    assert results[4][1] == 5
+    assert results[2][1] < 3, results  # page 3's state never reached L3: its restore stops earlier
+    assert results[4][1] == 5, results
 
 
 def test_unit_digests_catch_device_bytes_changed_before_the_backup(tmp_path: Path) -> None:
