@@ -161,8 +161,13 @@ BAD_TOKENS: dict[str, tuple[Callable[[torch.Tensor], Any], type[Exception], str]
 }
 
 
-@pytest.mark.parametrize("entry", ["lookup", "extend", "extend_after_checkpoint"])
-@pytest.mark.parametrize("with_l3", [True, False], ids=["l3", "no_l3"])
+#: (entry, with L3): a lookup hashes (and used to lock first) only with L3; extend hashes lazily
+ENTRIES = [("lookup", True), ("lookup", False), ("extend", True), ("extend_after_checkpoint", True)]
+
+
+@pytest.mark.parametrize(
+    ("entry", "with_l3"), ENTRIES, ids=["lookup-l3", "lookup-no_l3", "extend", "checkpoint"]
+)
 @pytest.mark.parametrize("case", sorted(BAD_TOKENS))
 def test_bad_token_ids_are_refused_and_hold_nothing(
     case: str, with_l3: bool, entry: str, tmp_path: Path
