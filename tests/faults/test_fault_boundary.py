@@ -258,10 +258,13 @@ def test_close_under_load_returns_counts_and_closes_after(load: str) -> None:
         with pytest.warns(kvstrata.OpenLeasesWarning, match=r"1 open lease\(s\)"):
             close_within(cache, 0.3)
         ops = cache.metrics.snapshot()["operations"]
-        finished = backend.calls["put"] - (1 if load == "stuck_put" else 0)
-        assert ops["storage_writes_abandoned"] + finished >= queued, (ops, backend.calls)
-        if load != "slow_puts":
-            assert ops["storage_writes_abandoned"] == queued - finished, "every unfinished write counted"
+        # one writer thread: every write that never reached put is abandoned, and at most the
+        # one inside put at the deadline besides (one put per write: a kv-only stack)
+        never_started = queued - backend.calls["put"]
+        abandoned = ops["storage_writes_abandoned"]
+        assert never_started <= abandoned <= never_started + 1, (ops, backend.calls)
+        if load == "stuck_put":
+            assert abandoned == queued, "the stuck write and every queued one counted"
         with pytest.raises(RuntimeError, match="cache is closed"):
             cache.lookup(tokens(321, 1))
         assert reading.pages == 3 and not reading.closed
