@@ -161,8 +161,13 @@ BAD_TOKENS: dict[str, tuple[Callable[[torch.Tensor], Any], type[Exception], str]
 }
 
 
-@pytest.mark.parametrize("entry", ["lookup", "extend", "extend_after_checkpoint"])
-@pytest.mark.parametrize("with_l3", [True, False], ids=["l3", "no_l3"])
+#: (entry, with L3): a lookup hashes (and used to lock first) only with L3; extend hashes lazily
+ENTRIES = [("lookup", True), ("lookup", False), ("extend", True), ("extend_after_checkpoint", True)]
+
+
+@pytest.mark.parametrize(
+    ("entry", "with_l3"), ENTRIES, ids=["lookup-l3", "lookup-no_l3", "extend", "checkpoint"]
+)
 @pytest.mark.parametrize("case", sorted(BAD_TOKENS))
 def test_bad_token_ids_are_refused_and_hold_nothing(
     case: str, with_l3: bool, entry: str, tmp_path: Path
@@ -253,10 +258,13 @@ def test_close_under_load_returns_counts_and_closes_after(load: str) -> None:
         with pytest.warns(kvstrata.OpenLeasesWarning, match=r"1 open lease\(s\)"):
             close_within(cache, 0.3)
         ops = cache.metrics.snapshot()["operations"]
-        finished = backend.calls["put"] - (1 if load == "stuck_put" else 0)
-        assert ops["storage_writes_abandoned"] + finished >= queued, (ops, backend.calls)
-        if load != "slow_puts":
-            assert ops["storage_writes_abandoned"] == queued - finished, "every unfinished write counted"
+        # one writer thread: every write that never reached put is abandoned, and at most the
+        # one inside put at the deadline besides (one put per write: a kv-only stack)
+        never_started = queued - backend.calls["put"]
+        abandoned = ops["storage_writes_abandoned"]
+        assert never_started <= abandoned <= never_started + 1, (ops, backend.calls)
+        if load == "stuck_put":
+            assert abandoned == queued, "the stuck write and every queued one counted"
         with pytest.raises(RuntimeError, match="cache is closed"):
             cache.lookup(tokens(321, 1))
         assert reading.pages == 3 and not reading.closed

@@ -62,7 +62,7 @@ def token_ids(tokens: Any, what: str = "tokens") -> torch.Tensor:
     ):
         return torch.tensor(tokens, dtype=torch.int64)
     if isinstance(tokens, torch.Tensor):
-        ids = tokens.detach()
+        ids = tokens  # an integer tensor never requires grad
     elif isinstance(tokens, np.ndarray | array):
         ids = _from_numpy(np.asarray(tokens), what)
     elif isinstance(tokens, str | bytes | bytearray | Mapping) or not isinstance(tokens, Sequence | range):
