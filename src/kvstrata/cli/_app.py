@@ -1,0 +1,59 @@
+"""The typer application, its consoles, exit codes and the one ``error:`` line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from kvstrata import __version__
+
+EXIT_RUNTIME = 1
+EXIT_INVALID = 2
+EXIT_CORRUPT = 3
+
+app = typer.Typer(
+    name="kvstrata",
+    help="Hierarchical state cache for hybrid LLM inference.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Compose, validate and inspect configurations.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+out = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+ConfigFiles = Annotated[
+    list[Path], typer.Argument(help="YAML/TOML/JSON files, later ones override earlier ones")
+]
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="override a field: dotted.path=value (value parsed as YAML)"),
+]
+
+
+def _fail(exc: BaseException | str, code: int) -> typer.Exit:
+    """Print ``error: ...`` (the text escaped: ``kvstrata[mooncake]`` is not rich markup)."""
+    err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"kvstrata {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit"),
+    ] = False,
+) -> None:
+    """Hierarchical state cache for hybrid LLM inference."""
