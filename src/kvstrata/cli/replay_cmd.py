@@ -26,6 +26,7 @@ from kvstrata.cli._checks import (
     describe_os_error,
     load_cli_config,
 )
+from kvstrata.cli.interrupt import sigint_handled
 from kvstrata.core.config import (
     KvstrataConfig,
 )
@@ -129,71 +130,79 @@ def replay(
     check_plot_format(plot_out)
     host = PluginHost()
     scratch: Path | None = None
-    try:
-        files = list(config_files or [])
-        user_overrides = list(set_ or [])
-        overrides = list(user_overrides)
-        if not files:
-            scratch = Path(tempfile.mkdtemp(prefix="kvstrata-replay-l3-"))
-            files = [default_config_path()]
-            overrides = [f"tiers.storage.l3.path={scratch}", *overrides]
-        config = load_cli_config(files, overrides, host, user_overrides=user_overrides)
-        check_stack(config, host, machine=True)
+    with sigint_handled() as interrupt:
         try:
-            requests = read_trace(trace, limit=limit, max_request_tokens=config.model.max_request_tokens)
-        except TraceError as exc:
-            raise _fail(exc, EXIT_INVALID) from None
-        baseline = simulate(requests, SimulationConfig(warmup_fraction=warmup_fraction)).hit_rate
-        storage = ", ".join(f"{k} ({v.type})" for k, v in config.tiers.storage.items()) or "none"
-        err.print(
-            f"replaying {len(requests):,} requests of {trace or 'the bundled sample trace'} on "
-            f"{', '.join(map(str, files))} (model {config.model.name!r}, page {config.model.page_size}, "
-            f"storage: {storage})",
-            highlight=False,
-            markup=False,
-        )
-        for line in describe_storage(config):
+            files = list(config_files or [])
+            user_overrides = list(set_ or [])
+            overrides = list(user_overrides)
+            if not files:
+                scratch = Path(tempfile.mkdtemp(prefix="kvstrata-replay-l3-"))
+                files = [default_config_path()]
+                overrides = [f"tiers.storage.l3.path={scratch}", *overrides]
+            config = load_cli_config(files, overrides, host, user_overrides=user_overrides)
+            check_stack(config, host, machine=True)
+            try:
+                requests = read_trace(trace, limit=limit, max_request_tokens=config.model.max_request_tokens)
+            except TraceError as exc:
+                raise _fail(exc, EXIT_INVALID) from None
+            baseline = simulate(requests, SimulationConfig(warmup_fraction=warmup_fraction)).hit_rate
+            storage = ", ".join(f"{k} ({v.type})" for k, v in config.tiers.storage.items()) or "none"
             err.print(
-                line + (" (temporary, removed afterwards)" if scratch else ""), highlight=False, markup=False
-            )
-        longest = max((r.input_length for r in requests), default=0)
-        if longest > config.tiers.device.capacity_tokens:
-            err.print(
-                f"warning: tiers.device.capacity_tokens={config.tiers.device.capacity_tokens:,} is "
-                f"smaller than the longest request of the trace ({longest:,} tokens): requests "
-                "longer than the device tier will fail",
-                style="bold yellow",
+                f"replaying {len(requests):,} requests of {trace or 'the bundled sample trace'} on "
+                f"{', '.join(map(str, files))} (model {config.model.name!r}, page {config.model.page_size}, "
+                f"storage: {storage})",
                 highlight=False,
                 markup=False,
             )
-        result, details = _run_quietly(
-            config,
-            host,
-            requests,
-            warmup_fraction=warmup_fraction,
-            baseline_hit_rate=baseline,
-            baseline_label="reference simulator (unlimited LRU, blocks)",
-        )
-        render_summary(result, details, out)
-        if json_out is not None:
-            try:
-                json_out.write_text(result.to_json() + "\n")
-            except OSError as exc:
-                raise _fail(
-                    f"cannot write --json {json_out}: {describe_os_error(exc)}", EXIT_RUNTIME
-                ) from None
-        if plot_out is not None:
-            try:
-                plot_hit_rates(details, plot_out, title=f"kvstrata replay: {trace or 'bundled sample trace'}")
-            except OSError as exc:
-                raise _fail(
-                    f"cannot write --plot {plot_out}: {describe_os_error(exc)}", EXIT_RUNTIME
-                ) from None
-            err.print(f"plot written to {plot_out}", highlight=False, markup=False)
-        _finish_replay(result, details, config, tolerate_failures)
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+            for line in describe_storage(config):
+                err.print(
+                    line + (" (temporary, removed afterwards)" if scratch else ""),
+                    highlight=False,
+                    markup=False,
+                )
+            longest = max((r.input_length for r in requests), default=0)
+            if longest > config.tiers.device.capacity_tokens:
+                err.print(
+                    f"warning: tiers.device.capacity_tokens={config.tiers.device.capacity_tokens:,} is "
+                    f"smaller than the longest request of the trace ({longest:,} tokens): requests "
+                    "longer than the device tier will fail",
+                    style="bold yellow",
+                    highlight=False,
+                    markup=False,
+                )
+            result, details = _run_quietly(
+                config,
+                host,
+                requests,
+                warmup_fraction=warmup_fraction,
+                baseline_hit_rate=baseline,
+                baseline_label="reference simulator (unlimited LRU, blocks)",
+                stop=interrupt,
+            )
+            if details.interrupted_after is not None:
+                _interrupted(result, details, len(requests))
+            render_summary(result, details, out)
+            if json_out is not None:
+                try:
+                    json_out.write_text(result.to_json() + "\n")
+                except OSError as exc:
+                    raise _fail(
+                        f"cannot write --json {json_out}: {describe_os_error(exc)}", EXIT_RUNTIME
+                    ) from None
+            if plot_out is not None:
+                try:
+                    plot_hit_rates(
+                        details, plot_out, title=f"kvstrata replay: {trace or 'bundled sample trace'}"
+                    )
+                except OSError as exc:
+                    raise _fail(
+                        f"cannot write --plot {plot_out}: {describe_os_error(exc)}", EXIT_RUNTIME
+                    ) from None
+                err.print(f"plot written to {plot_out}", highlight=False, markup=False)
+            _finish_replay(result, details, config, tolerate_failures)
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _run_quietly(config: KvstrataConfig, host: PluginHost, requests: Any, **options: Any) -> tuple[Any, Any]:
@@ -204,6 +213,7 @@ def _run_quietly(config: KvstrataConfig, host: PluginHost, requests: Any, **opti
 
     with native_line_limiter(), repeated_warnings_limited(sys.stderr) as limiter:
         try:
+            options["stop"].running = True  # from here on a Ctrl-C stops between requests
             with progress(err, "replayed", len(requests)) as update:
                 return run_replay_detailed(config, host, requests, progress=update, **options)
         except OSError as exc:
@@ -215,6 +225,23 @@ def _run_quietly(config: KvstrataConfig, host: PluginHost, requests: Any, **opti
         finally:
             for line in limiter.summary():
                 err.print(f"warnings: {line}", highlight=False, markup=False)
+
+
+def _interrupted(result: Any, details: Any, total: int) -> None:
+    """The one line a Ctrl-C leaves (exit 130); served corruption still exits 3."""
+    from kvstrata.cli.interrupt import EXIT_INTERRUPTED
+    from kvstrata.replay.report import corruption_sentence
+
+    err.print(
+        f"interrupted after {details.interrupted_after:,} of {total:,} requests; "
+        f"L3 writes flushed: {details.writes_flushed_on_stop:,} batches in flight, abandoned: 0",
+        highlight=False,
+        markup=False,
+    )
+    corrupt = corruption_sentence(result)
+    if corrupt:
+        raise _fail(corrupt, EXIT_CORRUPT)
+    raise typer.Exit(EXIT_INTERRUPTED)
 
 
 def _finish_replay(result: Any, details: Any, config: KvstrataConfig, tolerate_failures: bool) -> None:

@@ -48,6 +48,17 @@ _TOKENIZE_AHEAD = 32
 ProgressFn = Callable[[int, int], None]
 
 
+class StopRequest:
+    """A stop asked for from outside the loop (a signal handler sets :attr:`requested`): the
+    replay ends between two requests, never inside one, then flushes its L3 writes, so the tree
+    and the L3 stay consistent. While the replay runs, :attr:`pending_writes` counts the L3 write
+    batches still in flight (what exiting at once would abandon)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.pending_writes: Callable[[], int] = lambda: 0
+
+
 @dataclass
 class _BufferContent:
     """Expected-content generator for one buffer of one pool on the device tier."""
@@ -179,6 +190,7 @@ def replay_with_cache(
     baseline_hit_rate: float | None = None,
     baseline_label: str | None = None,
     state_checkpoint_tokens: int | None = MOONCAKE_BLOCK_SIZE,
+    stop: StopRequest | None = None,
 ) -> tuple[ReplayResult, ReplayDetails]:
     """Replay ``requests`` through an open controller; returns the result and the details.
 
@@ -193,6 +205,10 @@ def replay_with_cache(
     The first ``int(len(requests) * warmup_fraction)`` requests only warm the cache: hits, bytes,
     failures and latencies are counted from the first measured request on (controller metrics as
     deltas). Everything still in flight is flushed before the clock stops.
+
+    ``stop``: checked before each request; once requested, the replay ends there and the
+    details say after how many requests (``interrupted_after``) and how many L3 write batches
+    were still in flight and got flushed (``writes_flushed_on_stop``).
     """
     if not 0.0 <= warmup_fraction < 1.0:
         raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction}")
@@ -209,7 +225,13 @@ def replay_with_cache(
     if step % page_size or not any(content.node_state.values()):
         step = 0
     allocate_counted = 0  # failed allocations the controller counted itself (measured part)
+    if stop is not None:
+        stop.pending_writes = lambda: len(cache.writer.pending)
+    stopped_at: int | None = None
     for index, request in enumerate(requests):
+        if stop is not None and stop.requested:
+            stopped_at = index
+            break
         if index % _TOKENIZE_AHEAD == 0:  # generate the next requests' blocks in one batch
             window = requests[index : index + _TOKENIZE_AHEAD]
             tokenizer.blocks(list(dict.fromkeys(h for r in window for h in r.hash_ids)))
@@ -241,6 +263,7 @@ def replay_with_cache(
         )
         if progress is not None and ((index + 1) % 16 == 0 or index + 1 == total):
             progress(index + 1, total)
+    in_flight = len(cache.writer.pending)
     cache.flush()
     wall = time.perf_counter() - started
     metrics = _snapshot_delta(cache.metrics.snapshot(), before)
@@ -256,7 +279,13 @@ def replay_with_cache(
         recorder.add_failure("controller", controller_failures)
     recorder.add_corrupt(detected=int(metrics.get("corrupt_detected", 0)))
     recorder.set_storage({k: int(v) for k, v in metrics.get("storage", {}).items() if isinstance(v, int)})
-    return recorder.finish(wall_s=wall, baseline_hit_rate=baseline_hit_rate, baseline_label=baseline_label)
+    result, details = recorder.finish(
+        wall_s=wall, baseline_hit_rate=baseline_hit_rate, baseline_label=baseline_label
+    )
+    if stopped_at is not None:
+        details.interrupted_after = stopped_at
+        details.writes_flushed_on_stop = in_flight
+    return result, details
 
 
 def _checkpoint_tokens(input_length: int, page_size: int, step: int) -> int:
@@ -329,6 +358,7 @@ def run_replay(
 __all__ = [
     "PoolContent",
     "StackContent",
+    "StopRequest",
     "replay_with_cache",
     "run_replay",
     "run_replay_detailed",

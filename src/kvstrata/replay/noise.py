@@ -219,4 +219,8 @@ def pump(source: BinaryIO, sink: BinaryIO, limiter: RepeatLimiter) -> None:
 
 
 if __name__ == "__main__":  # the child of native_line_limiter
+    import signal
+
+    # A Ctrl-C reaches the whole process group: the child ends at EOF, when its parent is done
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     pump(sys.stdin.buffer, sys.stdout.buffer, RepeatLimiter(float(sys.argv[1]), int(sys.argv[2])))

@@ -105,6 +105,10 @@ class ReplayDetails(BaseModel):
     longest_failed_tokens: int = 0
     #: the storage engine's counters over the measured part (put_failed, breaker_rejected ...)
     storage: dict[str, int] = Field(default_factory=dict)
+    #: requests replayed before a stop was requested (None: the replay ran to the end)
+    interrupted_after: int | None = None
+    #: L3 write batches in flight when the replay stopped, flushed before it returned
+    writes_flushed_on_stop: int = 0
 
 
 class ReplayRecorder:
