@@ -17,16 +17,18 @@ import sys
 from kvstrata.cli import config_cmd, doctor_cmd, plugins_cmd, replay_cmd, simulate_cmd  # noqa: F401 (registers)
 from kvstrata.cli._app import EXIT_CORRUPT, EXIT_INVALID, EXIT_RUNTIME, _fail, app, err, out
 from kvstrata.cli._checks import (
+    DEFAULT_CONFIG,
     blame_overrides,
     check_output_path,
     check_plot_format,
     check_stack,
+    default_config_path,
     describe_os_error,
     load_cli_config,
 )
 from kvstrata.cli.doctor_cmd import build_pool_specs
 from kvstrata.cli.plugins_cmd import install_hint, plugin_rows
-from kvstrata.cli.replay_cmd import DEFAULT_CONFIG, default_config_path, describe_storage
+from kvstrata.cli.replay_cmd import describe_storage
 from kvstrata.plugins.errors import ConfigError, KvstrataError, PluginError
 
 __all__ = [

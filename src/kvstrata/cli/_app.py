@@ -29,7 +29,21 @@ out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
 ConfigFiles = Annotated[
-    list[Path], typer.Argument(help="YAML/TOML/JSON files, later ones override earlier ones")
+    list[Path] | None,
+    typer.Argument(
+        help="config files (YAML/TOML/JSON), later ones override earlier ones; the same as -c",
+        show_default=False,
+    ),
+]
+ConfigOption = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="a config file (YAML/TOML/JSON); repeat it for several, later ones override earlier ones "
+        "(default: the packaged copy of examples/configs/hybrid-mamba.yaml)",
+        show_default=False,
+    ),
 ]
 SetOption = Annotated[
     list[str] | None,

@@ -9,6 +9,7 @@ from pathlib import Path
 from kvstrata.cli._app import (
     EXIT_INVALID,
     _fail,
+    err,
 )
 from kvstrata.core.config import (
     ENV_NESTING,
@@ -18,6 +19,7 @@ from kvstrata.core.config import (
 )
 from kvstrata.plugins.errors import ConfigError, KvstrataError, PluginError
 from kvstrata.plugins.host import PluginHost
+from kvstrata.plugins.storage_backend import BackendConfig
 
 
 def _override_culprits(overrides: Sequence[str]) -> list[tuple[str, str]]:
@@ -133,3 +135,67 @@ def describe_os_error(exc: OSError, config: KvstrataConfig | None = None) -> str
                         f"point it at a directory you can write (--set tiers.storage.{instance}.{field}=DIR)"
                     )
     return f"{what}:{filename}"
+
+
+def backend_problem(instance: str, backend_config: BackendConfig, host: PluginHost) -> str | None:
+    """What ``doctor`` checks per storage instance, also run by ``replay`` before its first
+    request: the backend can work on this machine, and its probe (a directory written to, free
+    space, a server answering) passes. ``None`` when it can be used."""
+    try:
+        cls = host.storage_backends.require(backend_config.type)
+    except PluginError as exc:
+        return str(exc)
+    reason = cls.unavailable_reason(backend_config)
+    if reason is None:
+        try:
+            reason = cls(instance, backend_config).probe()
+        except Exception as exc:  # a probe must not crash the command
+            reason = f"probe failed: {exc!r}"
+    return reason
+
+
+def check_backends(config: KvstrataConfig, host: PluginHost) -> None:
+    """Refuse (exit 2) a run whose storage backend cannot be used, with the cause and the
+    setting to change, before anything is written: otherwise every L3 write fails, one by one."""
+    for instance, backend_config in config.tiers.storage.items():
+        reason = backend_problem(instance, backend_config, host)
+        if reason is None:
+            continue
+        fields = backend_config.model_dump()
+        named = [f for f, v in fields.items() if isinstance(v, Path) and str(v) in reason]
+        hint = (
+            f"; point tiers.storage.{instance}.{named[0]} at a directory you can write "
+            f"(--set tiers.storage.{instance}.{named[0]}=DIR)"
+            if named
+            else "; `kvstrata doctor` checks it, `--set 'tiers.storage={}'` runs without an L3"
+        )
+        raise _fail(
+            f"tiers.storage.{instance} ({backend_config.type}) cannot be used: {reason}{hint}", EXIT_INVALID
+        )
+
+
+#: Stack the no-argument ``replay`` runs: a copy of examples/configs/hybrid-mamba.yaml shipped
+#: inside the package (so a non-editable install has it); its L3 moves to a temporary directory.
+DEFAULT_CONFIG = "hybrid-mamba.yaml"
+
+
+def default_config_path() -> Path:
+    """The packaged default stack (``kvstrata/replay/data/hybrid-mamba.yaml``)."""
+    from importlib import resources
+
+    return Path(str(resources.files("kvstrata.replay") / "data" / DEFAULT_CONFIG))
+
+
+def config_paths(files: Sequence[Path] | None, option: Sequence[Path] | None) -> list[Path]:
+    """The config files of a command: positional ones (where the command takes them) then
+    ``-c/--config`` ones; none given: the packaged default stack, said on stderr."""
+    paths = [*(files or []), *(option or [])]
+    if paths:
+        return paths
+    err.print(
+        "no config given (-c FILE): using the packaged default stack, a copy of "
+        "examples/configs/hybrid-mamba.yaml",
+        highlight=False,
+        markup=False,
+    )
+    return [default_config_path()]

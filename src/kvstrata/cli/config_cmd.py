@@ -10,11 +10,12 @@ import yaml
 
 from kvstrata.cli._app import (
     ConfigFiles,
+    ConfigOption,
     SetOption,
     config_app,
     out,
 )
-from kvstrata.cli._checks import check_stack, load_cli_config
+from kvstrata.cli._checks import check_stack, config_paths, load_cli_config
 from kvstrata.core.config import (
     config_json_schema,
 )
@@ -22,12 +23,15 @@ from kvstrata.plugins.host import PluginHost
 
 
 @config_app.command("validate")
-def config_validate(files: ConfigFiles, set_: SetOption = None) -> None:
+def config_validate(
+    files: ConfigFiles = None, config_option: ConfigOption = None, set_: SetOption = None
+) -> None:
     """Check that the composed configuration is valid and that start-up would accept it (one
     storage instance, a host tier under L3, device units for every pool ...); errors name the
     setting. Machine-specific checks (device present, memory, backend reachable) are `doctor`'s."""
     host = PluginHost()
-    config = load_cli_config(files, set_ or [], host, user_overrides=set_ or [])
+    paths = config_paths(files, config_option)
+    config = load_cli_config(paths, set_ or [], host, user_overrides=set_ or [])
     check_stack(config, host, machine=False)
     pools = ", ".join(f"{k} ({v.type})" for k, v in config.model.pools.items())
     storage = ", ".join(f"{k} ({v.type})" for k, v in config.tiers.storage.items()) or "none"
@@ -36,12 +40,14 @@ def config_validate(files: ConfigFiles, set_: SetOption = None) -> None:
 
 @config_app.command("show")
 def config_show(
-    files: ConfigFiles,
+    files: ConfigFiles = None,
+    config_option: ConfigOption = None,
     set_: SetOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON instead of YAML")] = False,
 ) -> None:
     """Print the resolved configuration, defaults included."""
-    config = load_cli_config(files, set_ or [], PluginHost(), user_overrides=set_ or [])
+    paths = config_paths(files, config_option)
+    config = load_cli_config(paths, set_ or [], PluginHost(), user_overrides=set_ or [])
     data = config.model_dump(mode="json")
     if as_json:
         print(json.dumps(data, indent=2))

@@ -11,13 +11,14 @@ from kvstrata.cli._app import (
     EXIT_INVALID,
     EXIT_RUNTIME,
     ConfigFiles,
+    ConfigOption,
     SetOption,
     _fail,
     app,
     err,
     out,
 )
-from kvstrata.cli._checks import check_stack, load_cli_config
+from kvstrata.cli._checks import backend_problem, check_stack, config_paths, load_cli_config
 from kvstrata.core.config import (
     anchor_instances,
 )
@@ -38,7 +39,7 @@ def build_pool_specs(config: Any, host: PluginHost) -> dict[str, Any]:
 
 
 @app.command()
-def doctor(files: ConfigFiles, set_: SetOption = None) -> None:
+def doctor(files: ConfigFiles = None, config_option: ConfigOption = None, set_: SetOption = None) -> None:
     """Check a configuration against this machine: I/O plan per (backend, pool), host memory
     budget, backend reachability. Exits 2 for a config start-up refuses, 1 when something on this
     machine cannot work as configured."""
@@ -46,7 +47,8 @@ def doctor(files: ConfigFiles, set_: SetOption = None) -> None:
     from kvstrata.core.pool_group import host_memory_budget
 
     host = PluginHost()
-    config = load_cli_config(files, set_ or [], host, user_overrides=set_ or [])
+    paths = config_paths(files, config_option)
+    config = load_cli_config(paths, set_ or [], host, user_overrides=set_ or [])
     check_stack(config, host, machine=True)
     try:
         specs = build_pool_specs(config, host)
@@ -76,12 +78,7 @@ def doctor(files: ConfigFiles, set_: SetOption = None) -> None:
             plan_table.add_row(instance, name, plan.pool_type, f"[{style}]{plan.mode}[/]", sizes, plan.reason)
             if plan.mode is IOMode.OFF:
                 problems.append(f"pool {name!r} cannot be stored on backend {instance!r}: {plan.reason}")
-        reason = cls.unavailable_reason(backend_config)
-        if reason is None:
-            try:
-                reason = backend.probe()
-            except Exception as exc:  # a probe must not crash the doctor
-                reason = f"probe failed: {exc!r}"
+        reason = backend_problem(instance, backend_config, host)
         if reason is None:
             reach_table.add_row(instance, backend_config.type, "[green]reachable[/]", "")
         else:

@@ -20,9 +20,11 @@ from kvstrata.cli._app import (
     out,
 )
 from kvstrata.cli._checks import (
+    check_backends,
     check_output_path,
     check_plot_format,
     check_stack,
+    default_config_path,
     describe_os_error,
     load_cli_config,
 )
@@ -33,17 +35,6 @@ from kvstrata.core.config import (
 from kvstrata.plugins.errors import KvstrataError
 from kvstrata.plugins.host import PluginHost
 from kvstrata.progress import progress
-
-#: Stack the no-argument ``replay`` runs: a copy of examples/configs/hybrid-mamba.yaml shipped
-#: inside the package (so a non-editable install has it); its L3 moves to a temporary directory.
-DEFAULT_CONFIG = "hybrid-mamba.yaml"
-
-
-def default_config_path() -> Path:
-    """The packaged default stack (``kvstrata/replay/data/hybrid-mamba.yaml``)."""
-    from importlib import resources
-
-    return Path(str(resources.files("kvstrata.replay") / "data" / DEFAULT_CONFIG))
 
 
 def _human_bytes(n: int) -> str:
@@ -78,8 +69,9 @@ def replay(
         typer.Option(
             "--config",
             "-c",
-            help="config file(s), later override earlier (default: the packaged copy of "
-            "examples/configs/hybrid-mamba.yaml, file L3 in a temporary directory)",
+            help="a config file; repeat it for several, later ones override earlier ones (default: the "
+            "packaged copy of examples/configs/hybrid-mamba.yaml, file L3 in a temporary directory)",
+            show_default=False,
         ),
     ] = None,
     set_: SetOption = None,
@@ -141,6 +133,7 @@ def replay(
                 overrides = [f"tiers.storage.l3.path={scratch}", *overrides]
             config = load_cli_config(files, overrides, host, user_overrides=user_overrides)
             check_stack(config, host, machine=True)
+            check_backends(config, host)
             try:
                 requests = read_trace(trace, limit=limit, max_request_tokens=config.model.max_request_tokens)
             except TraceError as exc:

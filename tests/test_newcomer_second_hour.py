@@ -1,0 +1,108 @@
+"""A newcomer's second hour (issue 27), through the installed ``kvstrata`` console script in fresh
+processes: start-up refuses an unusable L3 with doctor's own checks, one ``-c/--config``
+convention, plugin errors with the right fix, nothing cut at 80 columns in a pipe."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples" / "configs"
+DEMO = EXAMPLES / "demo.yaml"
+
+
+def kvstrata(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, site: Path | None = None, timeout: int = 240
+) -> subprocess.CompletedProcess[str]:
+    """The ``kvstrata`` console script (``python -m kvstrata`` where none is on PATH), output piped:
+    what a CI log or ``| tee`` sees. ``site``: fake distributions put first on the path."""
+    script = shutil.which("kvstrata")
+    argv = [script] if script else [sys.executable, "-m", "kvstrata"]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVSTRATA_") and k != "COLUMNS"}
+    paths = [str(site)] if site else []
+    full_env = {
+        **base,
+        "KVSTRATA_CACHE_DIR": str(cwd / "user-cache"),
+        "XDG_CACHE_HOME": str(cwd / "xdg"),
+        "PYTHONPATH": os.pathsep.join([*paths, str(REPO / "src")]),
+        **(env or {}),
+    }
+    return subprocess.run(
+        [*argv, *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout, check=False
+    )
+
+
+# --- 2: start-up runs doctor's backend checks ---------------------------------------------------
+
+
+def test_an_unwritable_l3_is_refused_before_the_first_request(tmp_path: Path) -> None:
+    """/sys/fs passes the permission bits for root but refuses every new file: the probe writes."""
+    args = ["-c", str(DEMO), "--set", "tiers.storage.l3.path=/sys/fs"]
+    doctor = kvstrata("doctor", *args, cwd=tmp_path)
+    assert doctor.returncode == 1 and "not writable" in doctor.stderr, doctor.stderr
+    proc = kvstrata("replay", "--limit", "3", *args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "tiers.storage.l3 (file) cannot be used: directory /sys/fs is not writable" in proc.stderr
+    assert "--set tiers.storage.l3.path=DIR" in proc.stderr
+    assert "replaying" not in proc.stderr and proc.stdout == ""  # nothing ran
+
+
+def test_an_unreachable_server_is_refused_before_the_first_request(tmp_path: Path) -> None:
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    l3 = f"tiers.storage.l3={{type: mooncake, master: '127.0.0.1:{port}', metadata_server: 'P2PHANDSHAKE'}}"
+    proc = kvstrata("replay", "--limit", "3", "-c", str(DEMO), "--set", l3, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "tiers.storage.l3 (mooncake) cannot be used" in proc.stderr and "unreachable" in proc.stderr
+
+
+def test_too_little_free_space_is_a_probe_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: the file system reports 1 MiB free (a full disk cannot be made here)."""
+    from kvstrata.storage_backends import file as file_backend
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(file_backend.shutil, "disk_usage", lambda _p: usage._replace(free=1 << 20))
+    backend = file_backend.FileBackend("l3", file_backend.FileConfig(path=tmp_path / "l3"))
+    reason = backend.probe()
+    assert reason is not None and "1.0 MiB free" in reason, reason
+
+
+# --- 6: one config convention for every subcommand ----------------------------------------------
+
+
+CONFIG_FORMS = [
+    (command, form)
+    for command in (["doctor"], ["config", "validate"], ["config", "show"], ["replay"])
+    for form in ("-c", "--config", "positional")
+    if not (form == "positional" and command == ["replay"])  # replay's positional is the trace
+]
+
+
+@pytest.mark.parametrize(("command", "form"), CONFIG_FORMS)
+def test_every_subcommand_takes_its_config_alike(
+    command: list[str], form: str, tmp_path: Path
+) -> None:
+    config = [str(DEMO)] if form == "positional" else [form, str(DEMO)]
+    extra = ["--set", f"tiers.storage.l3.path={tmp_path / 'l3'}"]
+    if command == ["replay"]:
+        extra += ["--limit", "2"]
+    proc = kvstrata(*command, *config, *extra, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "no config given" not in proc.stderr  # the file given was used, not the default
+    assert "storage: l3 (file)" in proc.stdout + proc.stderr or "l3" in proc.stdout
+
+
+@pytest.mark.parametrize("command", [["doctor"], ["config", "validate"]])
+def test_no_config_means_the_packaged_default_and_says_so(command: list[str], tmp_path: Path) -> None:
+    proc = kvstrata(*command, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "no config given (-c FILE): using the packaged default stack" in proc.stderr
+    assert "Usage:" not in proc.stderr
