@@ -87,9 +87,7 @@ CONFIG_FORMS = [
 
 
 @pytest.mark.parametrize(("command", "form"), CONFIG_FORMS)
-def test_every_subcommand_takes_its_config_alike(
-    command: list[str], form: str, tmp_path: Path
-) -> None:
+def test_every_subcommand_takes_its_config_alike(command: list[str], form: str, tmp_path: Path) -> None:
     config = [str(DEMO)] if form == "positional" else [form, str(DEMO)]
     extra = ["--set", f"tiers.storage.l3.path={tmp_path / 'l3'}"]
     if command == ["replay"]:
