@@ -87,7 +87,7 @@ class HFStateCache:
     storage and policies; ``model.pools`` and ``model.name`` come from the model. Keywords:
     ``page_size``, ``cache_salt``, ``name`` (a readable namespace prefix), ``state_slots``
     (device slots of every state pool: one checkpoint each), and any config field as
-    ``tiers__host__capacity_tokens=0`` (``__`` for ``.``). Raises :class:`UnsupportedModelError`
+    ``tiers__device__capacity_tokens=65536`` (``__`` for ``.``). Raises :class:`UnsupportedModelError`
     naming the layer or cache type for a model it cannot map.
     """
 

@@ -133,7 +133,9 @@ class DeviceTierConfig(_Strict):
 
 
 class HostTierConfig(_Strict):
-    capacity_tokens: int = Field(default=262144, ge=0, description="0 disables the host tier")
+    capacity_tokens: int = Field(
+        default=262144, ge=0, description="0 disables the host tier (only without L3: L3 I/O goes through L2)"
+    )
     layout: Layout = Layout.PAGE_FIRST
     pin_memory: bool | None = Field(default=None, description="default: pin when L1 is on CUDA")
     reserve_bytes: int = Field(default=0, ge=0, description="host memory left for everything else")
