@@ -4,6 +4,7 @@ convention, plugin errors with the right fix, nothing cut at 80 columns in a pip
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -104,3 +105,59 @@ def test_no_config_means_the_packaged_default_and_says_so(command: list[str], tm
     assert proc.returncode == 0, proc.stderr
     assert "no config given (-c FILE): using the packaged default stack" in proc.stderr
     assert "Usage:" not in proc.stderr
+
+
+# --- 7: plugin errors suggest the right fix -----------------------------------------------------
+
+SECOND_FILE = """
+from typing import Literal
+from kvstrata.storage_backends.file import FileBackend, FileConfig
+
+class OtherFileConfig(FileConfig):
+    type: Literal["file"] = "file"
+
+class OtherFileBackend(FileBackend):
+    name = "file"
+    Config = OtherFileConfig
+"""
+
+
+def test_a_disabled_plugin_is_reported_as_disabled_not_unknown(tmp_path: Path) -> None:
+    env = {"KVSTRATA_DISABLED_PLUGINS": "file"}
+    proc = kvstrata("config", "validate", "-c", str(DEMO), cwd=tmp_path, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        "storage backend 'file'" in proc.stderr and "is disabled by KVSTRATA_DISABLED_PLUGINS" in proc.stderr
+    )
+    assert "remove 'file' from that variable" in proc.stderr
+    assert "pip install kvstrata-file" not in proc.stderr and "unknown" not in proc.stderr
+
+
+def test_a_collision_names_a_fix_that_keeps_one_of_the_two(make_distribution, tmp_path: Path) -> None:
+    site = make_distribution(
+        "kvstrata-otherfile",
+        "0.3",
+        {"kvstrata.storage_backends": {"file": "kvstrata_otherfile:OtherFileBackend"}},
+        {"kvstrata_otherfile": SECOND_FILE},
+    )
+    args = ["config", "validate", "-c", str(DEMO)]
+    clash = kvstrata(*args, cwd=tmp_path, site=site)
+    assert clash.returncode == 2, clash.stderr
+    assert "is provided by both" in clash.stderr
+    assert "KVSTRATA_DISABLED_PLUGINS=kvstrata-otherfile:file" in clash.stderr, clash.stderr
+    # the fix it names works: the built-in stays, the other distribution's entry is blocked
+    fixed = kvstrata(
+        *args, cwd=tmp_path, site=site, env={"KVSTRATA_DISABLED_PLUGINS": "kvstrata-otherfile:file"}
+    )
+    assert fixed.returncode == 0, fixed.stderr
+    listing = kvstrata(
+        "plugins",
+        "--json",
+        cwd=tmp_path,
+        site=site,
+        env={"KVSTRATA_DISABLED_PLUGINS": "kvstrata_otherfile:file"},
+    )
+    rows = [r for r in json.loads(listing.stdout) if r["name"] == "file"]
+    status = {r["distribution"]: r["status"] for r in rows}
+    assert status == {"kvstrata": "available", "kvstrata-otherfile": "disabled"}, rows
+    assert "remove 'kvstrata_otherfile:file'" in next(r["error"] for r in rows if r["status"] == "disabled")

@@ -16,7 +16,7 @@ from kvstrata.cli._app import (
     out,
 )
 from kvstrata.plugins.host import PluginHost
-from kvstrata.plugins.registry import PluginEntry, missing_requirements
+from kvstrata.plugins.registry import PluginEntry, disabled_item, missing_requirements
 
 
 def install_hint(distribution: str | None, missing_module: str | None) -> str | None:
@@ -91,12 +91,13 @@ def plugin_rows(host: PluginHost) -> list[dict[str, Any]]:
                 row["capabilities"] = caps.model_dump(mode="json")
             rows.append(row)
         for entry in registry.blocked():
+            item = disabled_item(host.disabled, entry.name, entry.provider) or entry.name
             rows.append(
                 _row(
                     entry,
                     registry.kind,
                     "disabled",
-                    error=f"named in KVSTRATA_DISABLED_PLUGINS; remove {entry.name!r} from it to load it",
+                    error=f"disabled by KVSTRATA_DISABLED_PLUGINS; remove {item!r} from it to load it",
                 )
             )
     for failed in host.hook_plugin_errors:
