@@ -161,3 +161,51 @@ def test_a_collision_names_a_fix_that_keeps_one_of_the_two(make_distribution, tm
     status = {r["distribution"]: r["status"] for r in rows}
     assert status == {"kvstrata": "available", "kvstrata-otherfile": "disabled"}, rows
     assert "remove 'kvstrata_otherfile:file'" in next(r["error"] for r in rows if r["status"] == "disabled")
+
+
+# --- 8: nothing the user must act on is cut at 80 columns ---------------------------------------
+
+
+def test_plugins_in_a_pipe_prints_every_reason_and_fix_whole(make_distribution, tmp_path: Path) -> None:
+    long_fix = (
+        "pip install 'kvstrata-needy[fast]' --extra-index-url https://packages.example.org/simple/needy"
+    )
+    site = make_distribution(
+        "kvstrata-needy",
+        "1.0",
+        {"kvstrata.storage_backends": {"needy": "kvstrata_needy:NeedyBackend"}},
+        {"kvstrata_needy": NEEDY.replace("INSTALL", long_fix)},
+    )
+    proc = kvstrata("plugins", cwd=tmp_path, site=site)  # no COLUMNS, not a terminal: like CI
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    needy = [line for line in lines if " needy " in line]
+    assert needy == [
+        f"storage backend needy (kvstrata-needy 1.0): missing dependency: needs zz_missing_mod: {long_fix}"
+    ]
+    assert any("set mock: true to use the file-backed mock" in line for line in lines)  # hf3fs's reason
+    assert not any("…" in line for line in lines)
+
+
+NEEDY = """
+from typing import Literal
+from kvstrata.plugins import BackendCapabilities, BackendConfig, PoolCapabilities, StorageBackend
+
+class NeedyConfig(BackendConfig):
+    type: Literal["needy"] = "needy"
+
+class NeedyBackend(StorageBackend):
+    name = "needy"
+    Config = NeedyConfig
+    capabilities = BackendCapabilities(pools={"*": PoolCapabilities()})
+    requires = {"zz_missing_mod": "INSTALL"}
+
+    def exists(self, keys):
+        return [False] * len(keys)
+
+    def put(self, objects):
+        return [False] * len(objects)
+
+    def get(self, objects):
+        return [-1] * len(objects)
+"""

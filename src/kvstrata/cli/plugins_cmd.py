@@ -118,6 +118,21 @@ def plugin_rows(host: PluginHost) -> list[dict[str, Any]]:
     return rows
 
 
+def _details(row: dict[str, Any]) -> str:
+    """The reason and the fix of a plugin that cannot be used, else its capabilities."""
+    details = row["error"] or ""
+    if row["missing"]:
+        return "; ".join(f"needs {m['module']}: {m['install']}" for m in row["missing"])
+    if row["install"]:
+        return f"{details}; fix: {row['install']}"
+    if row["capabilities"] and not row["error"]:
+        caps = row["capabilities"]
+        flags = [k for k, v in caps.items() if v is True]
+        pools = f"pools: {', '.join(caps['pools'])}; " if "pools" in caps else ""
+        return pools + ", ".join(flags)
+    return details
+
+
 @app.command()
 def plugins(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
@@ -129,25 +144,26 @@ def plugins(
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    table = Table(title="kvstrata plugins")
-    for column in ("kind", "name", "distribution", "status", "details"):
-        table.add_column(column)
-    for row in rows:
-        details = row["error"] or ""
-        if row["missing"]:
-            details = "; ".join(f"needs {m['module']}: {m['install']}" for m in row["missing"])
-        elif row["install"]:
-            details = f"{details}; fix: {row['install']}"
-        elif row["capabilities"] and not row["error"]:
-            caps = row["capabilities"]
-            flags = [k for k, v in caps.items() if v is True]
-            pools = f"pools: {', '.join(caps['pools'])}; " if "pools" in caps else ""
-            details = pools + ", ".join(flags)
-        dist = f"{row['distribution']} {row['version'] or ''}".strip()
-        style = {"available": "green", "missing dependency": "yellow", "disabled": "dim"}.get(
-            row["status"], "red"
-        )
-        table.add_row(row["kind"], row["name"], escape(dist), f"[{style}]{row['status']}[/]", escape(details))
-    out.print(table)
+    lines = [(row, _details(row)) for row in rows]
+    if not out.is_terminal:  # a pipe or a CI log: one full line per plugin, never cut to a width
+        for row, details in lines:
+            dist = f"{row['distribution']} {row['version'] or ''}".strip()
+            print(
+                f"{row['kind']} {row['name']} ({dist}): {row['status']}" + (f": {details}" if details else "")
+            )
+    else:
+        table = Table(title="kvstrata plugins")
+        for column in ("kind", "name", "distribution", "status"):
+            table.add_column(column)
+        table.add_column("details", overflow="fold")  # folded, never an ellipsis
+        for row, details in lines:
+            dist = f"{row['distribution']} {row['version'] or ''}".strip()
+            style = {"available": "green", "missing dependency": "yellow", "disabled": "dim"}.get(
+                row["status"], "red"
+            )
+            table.add_row(
+                row["kind"], row["name"], escape(dist), f"[{style}]{row['status']}[/]", escape(details)
+            )
+        out.print(table)
     if not host.autoload:
         out.print("entry points not scanned: KVSTRATA_DISABLE_PLUGIN_AUTOLOAD is set", highlight=False)
