@@ -209,3 +209,34 @@ class NeedyBackend(StorageBackend):
     def get(self, objects):
         return [-1] * len(objects)
 """
+
+
+# --- 9: results that depend on an earlier run say so; --fresh ------------------------------------
+
+
+def objects_in(directory: Path) -> int:
+    return sum(1 for p in directory.rglob("*") if p.is_file())
+
+
+def test_a_second_run_says_what_came_from_the_first_and_fresh_ignores_it(tmp_path: Path) -> None:
+    args = ["replay", "-c", str(EXAMPLES / "kv.yaml"), "--limit", "12"]
+    first = kvstrata(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "from an earlier run" not in first.stdout
+    l3 = tmp_path / "user-cache" / "l3" / "kv"  # the example's own directory
+    stored = objects_in(l3)
+    assert stored > 0
+    second = kvstrata(*args, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    row = next(line for line in second.stdout.splitlines() if "of which from an earlier run" in line)
+    tokens = int(row.split("│")[-2].strip().replace(",", ""))
+    assert tokens > 0
+    assert (
+        f"{tokens:,} tokens came from L3 objects an earlier run (or another process) wrote" in second.stdout
+    )
+    assert "--fresh replays against an empty L3" in second.stdout
+    fresh = kvstrata(*args, "--fresh", cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr
+    assert "from an earlier run" not in fresh.stdout
+    assert "(empty, temporary, removed afterwards)" in fresh.stderr
+    assert objects_in(l3) == stored  # the per-user L3 was neither read into nor written

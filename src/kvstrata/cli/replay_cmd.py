@@ -88,6 +88,14 @@ def replay(
     plot_out: Annotated[
         Path | None, typer.Option("--plot", help="draw hit rate per tier over the trace to this PNG")
     ] = None,
+    fresh: Annotated[
+        bool,
+        typer.Option(
+            "--fresh",
+            help="replay against an empty L3 (a temporary directory for path-based backends, a "
+            "namespace of its own for the others), so nothing an earlier run wrote is served",
+        ),
+    ] = False,
     tolerate_failures: Annotated[
         bool,
         typer.Option(
@@ -132,6 +140,10 @@ def replay(
                 files = [default_config_path()]
                 overrides = [f"tiers.storage.l3.path={scratch}", *overrides]
             config = load_cli_config(files, overrides, host, user_overrides=user_overrides)
+            if fresh and config.tiers.storage:
+                scratch = scratch or Path(tempfile.mkdtemp(prefix="kvstrata-replay-l3-"))
+                overrides += fresh_overrides(config, scratch)
+                config = load_cli_config(files, overrides, host, user_overrides=user_overrides)
             check_stack(config, host, machine=True)
             check_backends(config, host)
             try:
@@ -149,7 +161,7 @@ def replay(
             )
             for line in describe_storage(config):
                 err.print(
-                    line + (" (temporary, removed afterwards)" if scratch else ""),
+                    line + (" (empty, temporary, removed afterwards)" if scratch else ""),
                     highlight=False,
                     markup=False,
                 )
@@ -196,6 +208,22 @@ def replay(
         finally:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
+
+
+def fresh_overrides(config: KvstrataConfig, scratch: Path) -> list[str]:
+    """``--fresh``: each storage instance with a path gets a directory under ``scratch``; with
+    any other backend, the model's namespace gets a suffix no earlier run used."""
+    import uuid
+
+    overrides = []
+    for instance, backend in config.tiers.storage.items():
+        fields = backend.model_dump()
+        paths = [name for name, value in fields.items() if isinstance(value, Path)]
+        if paths:
+            overrides += [f"tiers.storage.{instance}.{name}={scratch / instance}" for name in paths]
+        else:
+            overrides.append(f"model.name={config.model.name}-fresh-{uuid.uuid4().hex[:12]}")
+    return overrides
 
 
 def _run_quietly(config: KvstrataConfig, host: PluginHost, requests: Any, **options: Any) -> tuple[Any, Any]:

@@ -228,6 +228,8 @@ def replay_with_cache(
     if stop is not None:
         stop.pending_writes = lambda: len(cache.writer.pending)
     stopped_at: int | None = None
+    written: set[str] = set()  # page keys this run inserted: a storage hit on another is older
+    from_earlier = 0  # measured storage-hit pages whose objects an earlier run (or process) wrote
     for index, request in enumerate(requests):
         if stop is not None and stop.requested:
             stopped_at = index
@@ -246,14 +248,20 @@ def replay_with_cache(
             hit_pages, served = first.hit_pages, first.served + rest.served
             full = first.full or rest.full
             counted = first.counted_by_controller + rest.counted_by_controller
+            older = sum(key not in written for key in first.storage_keys)
+            written.update(first.inserted_keys)
+            written.update(rest.inserted_keys)
         else:
             outcome = _serve(cache, content, tokens, verify)
             hit_pages, served, full = outcome.hit_pages, outcome.served, outcome.full
             counted = outcome.counted_by_controller
+            older = sum(key not in written for key in outcome.storage_keys)
+            written.update(outcome.inserted_keys)
         if served:  # counted in warm-up too: wrong bytes are never excused
             recorder.add_corrupt(served=served)
         if recorder.measuring:
             allocate_counted += counted
+            from_earlier += older
         recorder.record_request(
             request.input_length,
             device=hit_pages.get("device", 0) * page_size,
@@ -282,6 +290,7 @@ def replay_with_cache(
     result, details = recorder.finish(
         wall_s=wall, baseline_hit_rate=baseline_hit_rate, baseline_label=baseline_label
     )
+    details.storage_from_earlier_tokens = from_earlier * page_size
     if stopped_at is not None:
         details.interrupted_after = stopped_at
         details.writes_flushed_on_stop = in_flight
@@ -304,6 +313,8 @@ class _Served:
     served: int  # units restored with wrong bytes
     full: bool = False  # the device tier could not hold the pages to compute: the request failed
     counted_by_controller: int = 0  # 1 when the controller also counted that failed allocation
+    storage_keys: Sequence[str] = ()  # page keys of the pages served from L3
+    inserted_keys: Sequence[str] = ()  # page keys of the pages this step inserted
 
 
 def _serve(cache: CacheController, content: StackContent, tokens: torch.Tensor, verify: bool) -> _Served:
@@ -313,6 +324,9 @@ def _serve(cache: CacheController, content: StackContent, tokens: torch.Tensor, 
         cache.admit(lease)
         cached, pages = lease.cached_pages, lease.pages
         hit_pages = dict(lease.hit_pages)
+        above = hit_pages.get("device", 0) + hit_pages.get("host", 0)
+        from_storage = hit_pages.get("storage", 0)
+        storage_keys = lease.page_hashes[above : above + from_storage] if from_storage else ()
         identities = page_identities(lease.page_hashes, device=cache.pools.device)
         served = 0
         if verify and cached:
@@ -325,15 +339,18 @@ def _serve(cache: CacheController, content: StackContent, tokens: torch.Tensor, 
             allocated = cache.allocate(lease)
         except CacheFullError:
             counted = int(cache.metrics.failures > failures_before)
-            return _Served(hit_pages, served, full=True, counted_by_controller=counted)
+            return _Served(
+                hit_pages, served, full=True, counted_by_controller=counted, storage_keys=storage_keys
+            )
         for name, units in allocated.items():
             if name in content.pools and units.numel():
                 first = lease.allocated_first_page(name)
                 ids = content.page_ids(name, identities, first, pages)
                 content.pools[name].fill(units, ids)
+        inserted = lease.page_hashes[:pages]
         cache.insert(lease)
         lease = None
-        return _Served(hit_pages, served)
+        return _Served(hit_pages, served, storage_keys=storage_keys, inserted_keys=inserted)
     finally:
         if lease is not None:  # allocation failed or an exception: unlock, free what was taken
             cache.release(lease)
