@@ -41,8 +41,9 @@ def _human_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def describe_storage(config: KvstrataConfig) -> list[str]:
-    """One line per storage instance: where its objects live and how much it may keep."""
+def describe_storage(config: KvstrataConfig, host: PluginHost | None = None) -> list[str]:
+    """One line per storage instance: where its objects live, how much it may keep and (from
+    the backend's own ``where()``, when ``host`` is given) how long they last."""
     lines = []
     for instance, backend in config.tiers.storage.items():
         fields = backend.model_dump(mode="json")
@@ -55,7 +56,13 @@ def describe_storage(config: KvstrataConfig) -> list[str]:
                 if cap
                 else f", NO size cap (set tiers.storage.{instance}.capacity_bytes)"
             )
-        lines.append(text)
+        told = None
+        if host is not None:
+            try:
+                told = host.storage_backends.require(backend.type)(instance, backend).where()
+            except (KvstrataError, ValueError):
+                told = None  # start-up reports an unusable backend itself
+        lines.append(text + (f"; {told}" if told else ""))
     return lines
 
 
@@ -159,7 +166,7 @@ def replay(
                 highlight=False,
                 markup=False,
             )
-            for line in describe_storage(config):
+            for line in describe_storage(config, host):
                 err.print(
                     line + (" (empty, temporary, removed afterwards)" if scratch else ""),
                     highlight=False,

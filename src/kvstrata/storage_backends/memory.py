@@ -69,6 +69,9 @@ class MemoryBackend(StorageBackend):
         self._bytes = 0
         self._lock = threading.Lock()
 
+    def where(self) -> str | None:
+        return "in this process's memory: objects go when it exits"
+
     @property
     def stored_bytes(self) -> int:
         return self._bytes
