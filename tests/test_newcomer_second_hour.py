@@ -240,3 +240,35 @@ def test_a_second_run_says_what_came_from_the_first_and_fresh_ignores_it(tmp_pat
     assert "from an earlier run" not in fresh.stdout
     assert "(empty, temporary, removed afterwards)" in fresh.stderr
     assert objects_in(l3) == stored  # the per-user L3 was neither read into nor written
+
+
+# --- 10: minor items ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tail", ['{"timestamp": 1, "input_le', '{"timestamp": 1, "input_length": 51', "{"])
+def test_a_truncated_trace_line_is_called_truncated(tail: str, tmp_path: Path) -> None:
+    good = '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}\n'
+    trace = tmp_path / "cut.jsonl"
+    trace.write_text(good + tail)
+    proc = kvstrata("simulate", str(trace), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert f"{trace}:2: truncated: the line ends (after {len(tail)} character" in proc.stderr, proc.stderr
+    assert "column 1" not in proc.stderr
+
+
+def test_help_text_is_never_wrapped_mid_sentence(tmp_path: Path) -> None:
+    """Docstrings are reflowed: on a wide terminal a command's description is one line."""
+    proc = kvstrata("--help", cwd=tmp_path, env={"COLUMNS": "300"})
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "List installed pool types, storage backends and eviction policies: status, capabilities, and for "
+        "a plugin that cannot be used the reason and what to install."
+    ) in proc.stdout
+    replay = kvstrata("replay", "--help", cwd=tmp_path, env={"COLUMNS": "300"})
+    assert "verifying every restored byte; prints per-tier hit rates, bytes moved" in replay.stdout
+
+
+def test_the_summary_says_which_part_its_wall_time_measures(tmp_path: Path) -> None:
+    proc = kvstrata("replay", "--limit", "3", cwd=tmp_path, env={"COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    assert "wall time (measured requests; start-up, warm-up excluded)" in proc.stdout

@@ -21,8 +21,11 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # docstrings reflow as paragraphs, never wrapped mid-sentence
 )
-config_app = typer.Typer(help="Compose, validate and inspect configurations.", no_args_is_help=True)
+config_app = typer.Typer(
+    help="Compose, validate and inspect configurations.", no_args_is_help=True, rich_markup_mode="markdown"
+)
 app.add_typer(config_app, name="config")
 
 out = Console()

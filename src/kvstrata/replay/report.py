@@ -311,7 +311,7 @@ def render_summary(
     if details.warmup_requests:
         totals.add_row("warm-up requests", f"{details.warmup_requests:,}")
     totals.add_row("input tokens", f"{result.tokens:,}")
-    totals.add_row("wall time", f"{result.wall_s:.2f} s")
+    totals.add_row("wall time (measured requests; start-up, warm-up excluded)", f"{result.wall_s:.2f} s")
     totals.add_row(
         "throughput (served requests)", f"{req_per_s:,.1f} req/s, {result.tokens_per_s:,.0f} tokens/s"
     )
