@@ -5,11 +5,15 @@ kit's capability mixins; and each kit catches the plugin that breaks its rule.""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Literal
 
 import pytest
 
 from kvstrata.plugins import EvictionPolicy, EvictionPolicyConfig, PluginHost, PolicyCapabilities
+from kvstrata.plugins.storage_backend import StorageBackend
+from kvstrata.storage_backends.memory import MemoryBackend, MemoryConfig
+from kvstrata.testing.conformance import CoreConformance, IntegrityConformance, RemovalConformance
 from kvstrata.testing.policy_kit import EvictionPolicyConformance, run_workload
 
 
@@ -61,3 +65,42 @@ def test_the_policy_kit_catches_a_non_deterministic_policy(kvstrata_host: Plugin
     ops = [([1, i % 3, i % 2, i], False, False) for i in range(12)]
     runs = {tuple(map(tuple, run_workload(kvstrata_host, "coin", ops))) for _ in range(6)}
     assert len(runs) > 1, "random ranks must show up as different evictions of one workload"
+
+
+# --- backend kit: capability mixins and the "absent key removed" rule ------------------------------
+
+
+class KeepForeverBackend(MemoryBackend):
+    """A backend that cannot remove objects (e.g. an append-only store): declares removable=False."""
+
+    name = "keepforever"
+    capabilities = MemoryBackend.capabilities.model_copy(update={"removable": False})
+
+    def remove(self, keys):  # type: ignore[no-untyped-def]
+        raise NotImplementedError("append-only")
+
+
+class TestANonRemovableBackendOptsOut(CoreConformance, IntegrityConformance):
+    """Composes the mixins it supports: every test here runs, none is skipped."""
+
+    @pytest.fixture
+    def backend_factory(self) -> Callable[[str], StorageBackend]:
+        return lambda instance="conformance": KeepForeverBackend(instance, MemoryConfig())
+
+
+def test_non_removable_composition_has_no_removal_tests() -> None:
+    names = {n for n in dir(TestANonRemovableBackendOptsOut) if n.startswith("test_")}
+    assert "test_round_trip_multi_region" in names and "test_integrity_rejection" in names
+    assert not {n for n in names if "remov" in n}
+
+
+class FalseForAbsent(MemoryBackend):
+    """Breaks the contract on purpose: False for a key that was never stored."""
+
+    def remove(self, keys):  # type: ignore[no-untyped-def]
+        return [False] * len(keys)
+
+
+def test_the_kit_names_the_absent_key_rule() -> None:
+    with pytest.raises(AssertionError, match="the contract is True for an absent key"):
+        RemovalConformance().test_removing_an_absent_key_returns_true(FalseForAbsent("l3", MemoryConfig()))
