@@ -15,6 +15,7 @@ from kvstrata.plugins.storage_backend import StorageBackend
 from kvstrata.storage_backends.memory import MemoryBackend, MemoryConfig
 from kvstrata.testing.conformance import CoreConformance, IntegrityConformance, RemovalConformance
 from kvstrata.testing.policy_kit import EvictionPolicyConformance, run_workload
+from kvstrata.testing.pool_kit import PoolTypeConformance
 
 
 class TestLruThroughTheKit(EvictionPolicyConformance):
@@ -104,3 +105,28 @@ class FalseForAbsent(MemoryBackend):
 def test_the_kit_names_the_absent_key_rule() -> None:
     with pytest.raises(AssertionError, match="the contract is True for an absent key"):
         RemovalConformance().test_removing_an_absent_key_returns_true(FalseForAbsent("l3", MemoryConfig()))
+
+
+# --- pool-type kit on the built-in kinds ------------------------------------------------------------
+
+
+class TestKvAnchorThroughThePoolKit(PoolTypeConformance):
+    pool_config = {"type": "kv", "layers": 2, "kv_heads": 2, "head_dim": 8, "unit_layout": "head_major"}
+
+
+class TestConvStateThroughThePoolKit(PoolTypeConformance):
+    """A small per-request state (a conv state) is a mamba pool with named states."""
+
+    pool_config = {"type": "mamba", "layers": 2, "states": {"conv": {"shape": [4, 3]}}}
+
+
+class TestWindowThroughThePoolKit(PoolTypeConformance):
+    pool_config = {"type": "swa", "layers": 1, "kv_heads": 1, "head_dim": 8, "window": 32}
+
+
+class TestSidecarThroughThePoolKit(PoolTypeConformance):
+    pool_config = {"type": "nsa", "layers": 1, "key_dtype": "bfloat16", "index_head_dim": 16}
+
+
+class TestLogicalThroughThePoolKit(PoolTypeConformance):
+    pool_config = {"type": "logical"}
