@@ -170,3 +170,23 @@ def test_a_second_ctrl_c_exits_at_once_naming_the_abandoned_writes(make_distribu
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
     abandoned = re.search(r"interrupted again: exiting at once; L3 write batches abandoned: (\d+)", text)
     assert abandoned is not None, text
+
+
+def test_ctrl_c_in_another_command_is_one_line_and_130(tmp_path: Path) -> None:
+    """``simulate`` of a long trace: nothing to flush, so it stops at once, without a traceback
+    or click's "Aborted!" and exit 1."""
+    trace = tmp_path / "long.jsonl"
+    with trace.open("w") as out:
+        for i in range(60_000):
+            ids = list(range(i % 97, i % 97 + 20))
+            out.write(
+                json.dumps({"timestamp": i, "input_length": 10240, "output_length": 1, "hash_ids": ids})
+                + "\n"
+            )
+    term = Terminal([*console_script(), "simulate", str(trace)], environment(tmp_path), tmp_path)
+    assert term.read_until(r"simulated", 240), term.text
+    term.ctrl_c()
+    code = term.wait(60)
+    assert code == 130, term.text
+    assert "Traceback" not in term.text and "Aborted" not in term.text, term.text
+    assert "interrupted" in term.text

@@ -12,7 +12,9 @@ Exit codes (every command):
 
 from __future__ import annotations
 
+import signal
 import sys
+from contextlib import suppress
 
 from kvstrata.cli import config_cmd, doctor_cmd, plugins_cmd, replay_cmd, simulate_cmd  # noqa: F401 (registers)
 from kvstrata.cli._app import EXIT_CORRUPT, EXIT_INVALID, EXIT_RUNTIME, _fail, app, err, out
@@ -27,6 +29,7 @@ from kvstrata.cli._checks import (
     load_cli_config,
 )
 from kvstrata.cli.doctor_cmd import build_pool_specs
+from kvstrata.cli.interrupt import exit_on_interrupt
 from kvstrata.cli.plugins_cmd import install_hint, plugin_rows
 from kvstrata.cli.replay_cmd import describe_storage
 from kvstrata.plugins.errors import ConfigError, KvstrataError, PluginError
@@ -55,7 +58,19 @@ __all__ = [
 
 
 def main() -> None:
-    """Console-script entry point: maps kvstrata errors to exit codes instead of tracebacks."""
+    """Console-script entry point: maps kvstrata errors to exit codes instead of tracebacks, and
+    a Ctrl-C to one line and exit 130 (``replay`` installs its own, gentler handler)."""
+    previous = None
+    with suppress(ValueError):  # ValueError: not the main thread (an embedding application)
+        previous = signal.signal(signal.SIGINT, exit_on_interrupt)
+    try:
+        _run()
+    finally:
+        if previous is not None:  # main() called in-process (tests) leaves the handler as it was
+            signal.signal(signal.SIGINT, previous)
+
+
+def _run() -> None:
     try:
         app()
     except (ConfigError, PluginError) as exc:

@@ -19,8 +19,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from types import FrameType
 
-import typer
-
 from kvstrata.replay.driver import StopRequest
 
 #: The exit status of a process ended by SIGINT, as shells report it (128 + 2).
@@ -37,7 +35,7 @@ class ReplayInterrupt(StopRequest):
     def handle(self, _signum: int, _frame: FrameType | None) -> None:
         if not self.running:
             _say("interrupted before the replay started; nothing was written")
-            raise typer.Exit(EXIT_INTERRUPTED)
+            raise SystemExit(EXIT_INTERRUPTED)  # not an Exception: no handler on the way swallows it
         if self.requested:  # the second Ctrl-C: leave now
             _say(
                 f"interrupted again: exiting at once; L3 write batches abandoned: {self.pending_writes()} "
@@ -46,6 +44,12 @@ class ReplayInterrupt(StopRequest):
             os._exit(EXIT_INTERRUPTED)
         self.requested = True
         _say("interrupt: finishing the current request and flushing L3 writes (Ctrl-C again exits at once)")
+
+
+def exit_on_interrupt(_signum: int, _frame: FrameType | None) -> None:
+    """Every command but ``replay``: nothing to finish or flush, so one line and exit 130."""
+    _say("interrupted")
+    raise SystemExit(EXIT_INTERRUPTED)
 
 
 def _say(line: str) -> None:
