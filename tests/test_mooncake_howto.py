@@ -4,6 +4,7 @@ start-up that its objects go with the process."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -64,3 +65,6 @@ def test_embedded_mode_says_its_objects_go_with_the_process(
     assert proc.returncode == 0, proc.stderr
     assert "embedded mode, the objects go when this process exits" in proc.stderr
     assert "standalone: true" in proc.stderr  # how to keep them
+    # Mooncake's set-up chatter (glog INFO, ~15 lines) is counted, not shown; warnings still are
+    assert not re.search(r"(?m)^I\d{4} ", proc.stderr), proc.stderr
+    assert "info lines not shown (KVSTRATA_NATIVE_INFO=1 shows them)" in proc.stderr
