@@ -93,3 +93,13 @@ def test_readme_command_runs_as_printed(command: str, tmp_path) -> None:
         ["bash", "-c", command], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
     )
     assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+
+
+def test_the_readme_names_only_traces_a_clone_has() -> None:
+    """Issue 27: the README pointed at data/traces/, which a clone lacks. It names the bundled
+    sample (which exists) and says where the full traces come from."""
+    readme = (REPO / "README.md").read_text()
+    assert "data/traces/" not in readme.replace("shared/data/traces", "")
+    assert "src/kvstrata/replay/data/sample_trace.jsonl" in readme
+    assert (REPO / "src/kvstrata/replay/data/sample_trace.jsonl").is_file()
+    assert "KVSTRATA_TRACE_DIR" in readme and "FAST25-release/traces/" in readme
