@@ -41,4 +41,9 @@ export KVSTRATA_REQUIRE_SGLANG=1  # tests/test_adapter_sglang.py fails (not skip
 export KVSTRATA_REQUIRE_HF=1  # tests/test_adapter_hf.py fails (not skips) without transformers
 
 python3 -m ruff check src tests benchmarks examples
+# The API reference of kvstrata, kvstrata.plugins and kvstrata.testing from the docstrings:
+# a docstring Sphinx cannot read is an error here, not a broken page later.
+api_out="$(mktemp -d)"
+python3 -m sphinx -W --keep-going -q -b html docs/api "$api_out"
+rm -rf "$api_out"
 python3 -m pytest "$@"

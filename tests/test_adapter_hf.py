@@ -421,6 +421,8 @@ def test_the_demo_reuses_the_shared_prefix_from_l3_in_its_second_process() -> No
     assert done.returncode == 0, done.stderr[-3000:]
     first, second = done.stdout.strip().splitlines()
     assert "reused 0 tokens" in first and "reused 256 tokens (from: storage 256)" in second, done.stdout
+    assert "ms saved" not in first and "nothing reused" in first  # issue 27: no "saved" for 0 tokens
+    assert "ms saved" in second
     assert first.split("pid ")[1].split("]")[0] != second.split("pid ")[1].split("]")[0]
     assert first.endswith("same as without kvstrata: True") and second.endswith(
         "same as without kvstrata: True"

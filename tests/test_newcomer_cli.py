@@ -251,7 +251,7 @@ def test_unusable_storage_path_names_the_setting_not_an_errno(tmp_path: Path) ->
         f"tiers.storage.l3.path={tmp_path / 'a-file' / 'l3'}",
         cwd=tmp_path,
     )
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # refused at start-up (issue 27), not after every write failed
     assert "tiers.storage.l3.path" in proc.stderr and "Not a directory" in proc.stderr
     assert "[Errno" not in proc.stderr and "Traceback" not in proc.stderr
 
@@ -282,7 +282,7 @@ def test_examples_use_the_per_user_cache_dir_with_a_cap() -> None:
         text = config.read_text()
         assert "/tmp" not in text, config.name
         for instance, backend in yaml.safe_load(text)["tiers"]["storage"].items():
-            assert str(backend["path"]).startswith("$KVSTRATA_CACHE_DIR/"), (config.name, instance)
+            assert str(backend["path"]) == f"$KVSTRATA_CACHE_DIR/l3/{config.stem}", (config.name, instance)
             assert backend["capacity_bytes"] > 0, (config.name, instance)
 
 
@@ -291,7 +291,7 @@ def test_replay_prints_where_the_per_user_cache_is_and_writes_there(tmp_path: Pa
     env = {"XDG_CACHE_HOME": str(xdg), "KVSTRATA_CACHE_DIR": ""}  # unset: the platform's directory
     proc = run_cli("replay", "--limit", "5", "-c", str(EXAMPLES / "kv.yaml"), cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
-    l3 = xdg / "kvstrata" / "l3"
+    l3 = xdg / "kvstrata" / "l3" / "kv"  # each example its own directory (issue 27)
     assert f"L3 l3 (file): {l3}, capped at 4.00 GiB" in proc.stderr
     assert any(p.is_file() for p in l3.rglob("*")), "objects are written to the per-user directory"
 

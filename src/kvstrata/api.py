@@ -71,7 +71,7 @@ def open(
     device_tensors: DeviceTensors | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> CacheController:
-    """A ready cache: ``kvstrata.open("stack.yaml", overrides={"tiers.host.capacity_tokens": 0})``.
+    """A ready cache: ``kvstrata.open("stack.yaml", overrides={"tiers.device.capacity_tokens": 65536})``.
 
     ``plugins``: a :class:`~kvstrata.plugins.PluginHost` with in-process registrations (default: the
     installed plugins); ``collective``: how ranks agree on reuse (default: one rank);

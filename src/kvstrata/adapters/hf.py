@@ -86,7 +86,7 @@ class HFStateCache:
     storage and policies; ``model.pools`` and ``model.name`` come from the model. Keywords:
     ``page_size``, ``cache_salt``, ``name`` (a readable namespace prefix), ``state_slots``
     (device slots of every state pool: one checkpoint each), and any config field as
-    ``tiers__host__capacity_tokens=0`` (``__`` for ``.``). Raises :class:`UnsupportedModelError`
+    ``tiers__device__capacity_tokens=65536`` (``__`` for ``.``). Raises :class:`UnsupportedModelError`
     naming the layer or cache type for a model it cannot map.
     """
 
@@ -379,4 +379,6 @@ def _sequence(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
         ids = ids[0]
     if ids.dim() != 1:
         raise ValueError(f"input_ids must be [tokens] or [1, tokens], got shape {tuple(ids.shape)}")
-    return ids.to(device="cpu", dtype=torch.int64)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got a {ids.dtype} tensor")
+    return ids.to(device="cpu", dtype=torch.int64)  # the cache checks the id range

@@ -152,7 +152,10 @@ class DeviceTierConfig(_Strict):
 
 class HostTierConfig(_Strict):
     capacity_tokens: int = Field(
-        default=262144, ge=0, description="0 disables the host tier; rounded up to whole pages"
+        default=262144,
+        ge=0,
+        description="0 disables the host tier (only without L3: L3 I/O goes through L2); "
+        "rounded up to whole pages",
     )
     layout: Layout = Layout.PAGE_FIRST
     pin_memory: bool | None = Field(default=None, description="default: pin when L1 is on CUDA")

@@ -98,6 +98,13 @@ class Lease:
 
     @property
     def cached_tokens(self) -> int:
+        """Tokens of the cached prefix the engine may skip: settled by ``admit`` (L3 prefetch and
+        load-back add pages after ``lookup``), so reading it earlier is an error, never a 0."""
+        if not self.admitted:
+            raise RuntimeError(
+                "lease.cached_tokens is settled by cache.admit(lease) (L3 and load-back may add pages); "
+                "before it, lease.device_pages / lease.host_pages say what lookup matched"
+            )
         return self.cached_pages * self.page_size
 
     def extend(self, tokens: Sequence[int] | torch.Tensor) -> int:

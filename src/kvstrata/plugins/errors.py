@@ -49,11 +49,32 @@ class PluginLoadError(PluginError):
 class PluginCollisionError(PluginError):
     """Two plugins claim the same name: refuse rather than let install order decide."""
 
-    def __init__(self, kind: str, name: str, first: str, second: str) -> None:
+    def __init__(
+        self, kind: str, name: str, first: str, second: str, distributions: tuple[str, str] | None = None
+    ) -> None:
         self.kind, self.name, self.first, self.second = kind, name, first, second
+        if distributions is None:  # one of them registered in-process: only the other can be blocked
+            fix = f"uninstall one, or block the installed one with KVSTRATA_DISABLED_PLUGINS={name}"
+        else:  # block one distribution's entry only (``name`` alone would block both)
+            one, other = distributions
+            fix = (
+                f"uninstall one, or keep one by blocking the other's entry: "
+                f"KVSTRATA_DISABLED_PLUGINS={other}:{name} (keeps {one}'s) or "
+                f"KVSTRATA_DISABLED_PLUGINS={one}:{name} (keeps {other}'s)"
+            )
+        super().__init__(f"{kind} name {name!r} is provided by both {first} and {second}; {fix}")
+
+
+class PluginDisabledError(PluginError):
+    """A config names a plugin that is installed but blocked by ``KVSTRATA_DISABLED_PLUGINS``."""
+
+    def __init__(self, kind: str, name: str, origins: list[str], items: list[str]) -> None:
+        self.kind, self.name = kind, name
+        where = f" (installed from {', '.join(origins)})" if origins else ""
+        listed = " and ".join(repr(item) for item in items)
         super().__init__(
-            f"{kind} name {name!r} is provided by both {first} and {second}; uninstall one, or "
-            f"block one with KVSTRATA_DISABLED_PLUGINS={name}"
+            f"{kind} {name!r}{where} is disabled by KVSTRATA_DISABLED_PLUGINS; remove {listed} "
+            "from that variable to use it"
         )
 
 

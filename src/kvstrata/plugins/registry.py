@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
-from stevedore import DriverManager
 from stevedore.extension import ExtensionManager
 
 from kvstrata.plugins.errors import (
     MissingDependencyError,
     PluginCollisionError,
+    PluginDisabledError,
     PluginError,
     PluginLoadError,
     UnknownPluginError,
@@ -29,6 +29,27 @@ from kvstrata.plugins.errors import (
 T = TypeVar("T")
 
 NAME_PATTERN = re.compile(r"^[a-z0-9_]+$")
+
+#: The environment variable whose items block plugins: ``name`` (every distribution's entry of
+#: that name) or ``distribution:name`` (one distribution's entry only, e.g. after a collision).
+DISABLED_ENV = "KVSTRATA_DISABLED_PLUGINS"
+
+
+def normalize_distribution(name: str) -> str:
+    """Distribution names compare as pip compares them: case and ``-``/``_``/``.`` runs alike."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def disabled_item(disabled: Iterable[str], name: str, provider: str) -> str | None:
+    """The item of ``KVSTRATA_DISABLED_PLUGINS`` that blocks ``name`` from ``provider``, if any."""
+    dist = normalize_distribution(provider)
+    for item in disabled:
+        if item == name:
+            return item
+        owner, sep, plugin = item.rpartition(":")
+        if sep and plugin == name and normalize_distribution(owner) == dist:
+            return item
+    return None
 
 
 @dataclass(frozen=True)
@@ -107,7 +128,7 @@ class Registry(Generic[T]):
                 continue
             seen.add((ep.name, provider, ep.value))
             entry = PluginEntry(self.kind, ep.name, "entry_point", provider, version, ep.value)
-            if ep.name in self._disabled:
+            if disabled_item(self._disabled, ep.name, provider) is not None:
                 self._blocked.append(entry)  # listed as disabled, never loaded
                 continue
             self._add(entry)
@@ -153,9 +174,15 @@ class Registry(Generic[T]):
     def entry(self, name: str) -> PluginEntry:
         found = self._entries.get(name)
         if not found:
+            blocked = [e for e in self._blocked if e.name == name]
+            if blocked or name in self._disabled:
+                items = [disabled_item(self._disabled, name, e.provider) or name for e in blocked] or [name]
+                raise PluginDisabledError(self.kind, name, [e.origin for e in blocked], sorted(set(items)))
             raise UnknownPluginError(self.kind, name, self.names())
         if len(found) > 1:
-            raise PluginCollisionError(self.kind, name, found[0].origin, found[1].origin)
+            raise PluginCollisionError(
+                self.kind, name, found[0].origin, found[1].origin, (found[0].provider, found[1].provider)
+            )
         return found[0]
 
     def get(self, name: str) -> type[T]:
@@ -179,30 +206,29 @@ class Registry(Generic[T]):
         return cls
 
     def _load(self, entry: PluginEntry) -> type[T]:
-        failure: list[BaseException] = []
-
-        def on_failure(_manager: object, _ep: object, exc: BaseException) -> None:
-            failure.append(exc)
-
+        """Import exactly this entry (its distribution's target): loading by name alone would
+        find every distribution's entry of that name, including one the user blocked."""
         try:
-            manager = DriverManager(
-                namespace=self.group,
-                name=entry.name,
-                invoke_on_load=False,
-                on_load_failure_callback=on_failure,
-                on_missing_entrypoints_callback=lambda names: None,
-            )
-        except Exception as exc:  # stevedore reports "no driver" after a failed import
-            if not failure:
-                failure.append(exc)
-        if failure:
-            exc = failure[0]
+            cls = self._entry_point(entry).load()
+        except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
             error = PluginLoadError(self.kind, entry.name, entry.provider, entry.version, reason)
             if isinstance(exc, ModuleNotFoundError):
                 error.missing_module = exc.name
-            raise error
-        return manager.driver
+            raise error from exc
+        return cls
+
+    def _entry_point(self, entry: PluginEntry) -> importlib.metadata.EntryPoint:
+        for ep in importlib.metadata.entry_points(group=self.group, name=entry.name):
+            dist = getattr(ep, "dist", None)
+            if (
+                ep.value == entry.target
+                and (dist.name if dist is not None else "unknown distribution") == entry.provider
+            ):
+                return ep
+        raise LookupError(
+            f"entry point {entry.name} = {entry.target} of {entry.origin} is no longer installed"
+        )
 
     def load_error(self, name: str) -> PluginError | None:
         """The error ``get(name)`` raises, or ``None``: for listings that must not stop."""

@@ -252,6 +252,11 @@ class StorageBackend(ABC):
         """Quick reachability check for ``kvstrata doctor``: ``None`` if reachable, else why not."""
         return None
 
+    def where(self) -> str | None:
+        """Where this instance keeps its objects and how long they last, in words (``kvstrata
+        replay`` prints it at start-up); ``None`` lets the caller describe it from the config."""
+        return None
+
     def register_host_memory(self, region: BufferRegion) -> None:  # noqa: B027
         """Make a host buffer usable for zero-copy I/O (called again for pools added later)."""
 

@@ -48,6 +48,17 @@ _TOKENIZE_AHEAD = 32
 ProgressFn = Callable[[int, int], None]
 
 
+class StopRequest:
+    """A stop asked for from outside the loop (a signal handler sets :attr:`requested`): the
+    replay ends between two requests, never inside one, then flushes its L3 writes, so the tree
+    and the L3 stay consistent. While the replay runs, :attr:`pending_writes` counts the L3 write
+    batches still in flight (what exiting at once would abandon)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.pending_writes: Callable[[], int] = lambda: 0
+
+
 @dataclass
 class _BufferContent:
     """Expected-content generator for one buffer of one pool on the device tier."""
@@ -180,6 +191,7 @@ def replay_with_cache(
     baseline_label: str | None = None,
     state_checkpoint_tokens: int | None = MOONCAKE_BLOCK_SIZE,
     chunk_pages: int | None = None,
+    stop: StopRequest | None = None,
 ) -> tuple[ReplayResult, ReplayDetails]:
     """Replay ``requests`` through an open controller; returns the result and the details.
 
@@ -199,6 +211,10 @@ def replay_with_cache(
     The first ``int(len(requests) * warmup_fraction)`` requests only warm the cache: hits, bytes,
     failures and latencies are counted from the first measured request on (controller metrics as
     deltas). Everything still in flight is flushed before the clock stops.
+
+    ``stop``: checked before each request; once requested, the replay ends there and the
+    details say after how many requests (``interrupted_after``) and how many L3 write batches
+    were still in flight and got flushed (``writes_flushed_on_stop``).
     """
     if not 0.0 <= warmup_fraction < 1.0:
         raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction}")
@@ -217,7 +233,15 @@ def replay_with_cache(
     if step % page_size or not any(content.node_state.values()):
         step = 0
     allocate_counted = 0  # failed allocations the controller counted itself (measured part)
+    if stop is not None:
+        stop.pending_writes = lambda: len(cache.writer.pending)
+    stopped_at: int | None = None
+    written: set[str] = set()  # page keys this run inserted: a storage hit on another is older
+    from_earlier = 0  # measured storage-hit pages whose objects an earlier run (or process) wrote
     for index, request in enumerate(requests):
+        if stop is not None and stop.requested:
+            stopped_at = index
+            break
         if index % _TOKENIZE_AHEAD == 0:  # generate the next requests' blocks in one batch
             window = requests[index : index + _TOKENIZE_AHEAD]
             tokenizer.blocks(list(dict.fromkeys(h for r in window for h in r.hash_ids)))
@@ -238,14 +262,20 @@ def replay_with_cache(
             hit_pages, served = first.hit_pages, first.served + rest.served
             full = first.full or rest.full
             counted = first.counted_by_controller + rest.counted_by_controller
+            older = sum(key not in written for key in first.storage_keys)
+            written.update(first.inserted_keys)
+            written.update(rest.inserted_keys)
         else:
             outcome = _serve(cache, content, tokens, verify)
             hit_pages, served, full = outcome.hit_pages, outcome.served, outcome.full
             counted = outcome.counted_by_controller
+            older = sum(key not in written for key in outcome.storage_keys)
+            written.update(outcome.inserted_keys)
         if served:  # counted in warm-up too: wrong bytes are never excused
             recorder.add_corrupt(served=served)
         if recorder.measuring:
             allocate_counted += counted
+            from_earlier += older
         recorder.record_request(
             request.input_length,
             device=hit_pages.get("device", 0) * page_size,
@@ -255,6 +285,7 @@ def replay_with_cache(
         )
         if progress is not None and ((index + 1) % 16 == 0 or index + 1 == total):
             progress(index + 1, total)
+    in_flight = len(cache.writer.pending)
     cache.flush()
     wall = time.perf_counter() - started
     metrics = _snapshot_delta(cache.metrics.snapshot(), before)
@@ -270,7 +301,14 @@ def replay_with_cache(
         recorder.add_failure("controller", controller_failures)
     recorder.add_corrupt(detected=int(metrics.get("corrupt_detected", 0)))
     recorder.set_storage({k: int(v) for k, v in metrics.get("storage", {}).items() if isinstance(v, int)})
-    return recorder.finish(wall_s=wall, baseline_hit_rate=baseline_hit_rate, baseline_label=baseline_label)
+    result, details = recorder.finish(
+        wall_s=wall, baseline_hit_rate=baseline_hit_rate, baseline_label=baseline_label
+    )
+    details.storage_from_earlier_tokens = from_earlier * page_size
+    if stopped_at is not None:
+        details.interrupted_after = stopped_at
+        details.writes_flushed_on_stop = in_flight
+    return result, details
 
 
 def _checkpoint_tokens(input_length: int, page_size: int, step: int) -> int:
@@ -289,6 +327,8 @@ class _Served:
     served: int  # units restored with wrong bytes
     full: bool = False  # the device tier could not hold the pages to compute: the request failed
     counted_by_controller: int = 0  # 1 when the controller also counted that failed allocation
+    storage_keys: Sequence[str] = ()  # page keys of the pages served from L3
+    inserted_keys: Sequence[str] = ()  # page keys of the pages this step inserted
 
 
 def _serve(cache: CacheController, content: StackContent, tokens: torch.Tensor, verify: bool) -> _Served:
@@ -298,6 +338,9 @@ def _serve(cache: CacheController, content: StackContent, tokens: torch.Tensor, 
         cache.admit(lease)
         cached, pages = lease.cached_pages, lease.pages
         hit_pages = dict(lease.hit_pages)
+        above = hit_pages.get("device", 0) + hit_pages.get("host", 0)
+        from_storage = hit_pages.get("storage", 0)
+        storage_keys = lease.page_hashes[above : above + from_storage] if from_storage else ()
         identities = page_identities(lease.page_hashes, device=cache.pools.device)
         served = 0
         if verify and cached:
@@ -310,15 +353,18 @@ def _serve(cache: CacheController, content: StackContent, tokens: torch.Tensor, 
             allocated = cache.allocate(lease)
         except CacheFullError:
             counted = int(cache.metrics.failures > failures_before)
-            return _Served(hit_pages, served, full=True, counted_by_controller=counted)
+            return _Served(
+                hit_pages, served, full=True, counted_by_controller=counted, storage_keys=storage_keys
+            )
         for name, units in allocated.items():
             if name in content.pools and units.numel():
                 first = lease.allocated_first_page(name)
                 ids = content.page_ids(name, identities, first, pages)
                 content.pools[name].fill(units, ids)
+        inserted = lease.page_hashes[:pages]
         cache.insert(lease)
         lease = None
-        return _Served(hit_pages, served)
+        return _Served(hit_pages, served, storage_keys=storage_keys, inserted_keys=inserted)
     finally:
         if lease is not None:  # allocation failed or an exception: unlock, free what was taken
             cache.release(lease)
@@ -343,6 +389,7 @@ def run_replay(
 __all__ = [
     "PoolContent",
     "StackContent",
+    "StopRequest",
     "replay_with_cache",
     "run_replay",
     "run_replay_detailed",

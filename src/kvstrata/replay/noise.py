@@ -42,6 +42,10 @@ SUMMARY_PLACES = 5
 
 #: A glog line: severity letter, date, time, thread id, ``file:line]``.
 _GLOG = re.compile(rb"^([IWEF])\d{4} [\d:.]+\s+\d+ ([^\]\s]+)\]")
+#: What glog prints once before its INFO lines when the library did not initialise it.
+_GLOG_PREAMBLE = b"WARNING: Logging before InitGoogleLogging() is written to STDERR"
+#: Environment switch: ``1`` shows native INFO lines (Mooncake's set-up chatter, ~15 per run).
+NATIVE_INFO_ENV = "KVSTRATA_NATIVE_INFO"
 
 
 def interval_from_env(default: float = DEFAULT_INTERVAL_S) -> float:
@@ -164,8 +168,9 @@ def native_line_limiter(interval_s: float | None = None, burst: int = DEFAULT_BU
         return
     sys.stderr.flush()
     original = os.dup(2)
+    info = "info" if os.environ.get(NATIVE_INFO_ENV, "") not in ("", "0") else "noinfo"
     child = subprocess.Popen(
-        [sys.executable, "-I", "-S", os.path.abspath(__file__), str(interval), str(burst)],
+        [sys.executable, "-I", "-S", os.path.abspath(__file__), str(interval), str(burst), info],
         stdin=subprocess.PIPE,
         stdout=original,
         stderr=original,
@@ -200,10 +205,18 @@ def _stderr_is_fd_2() -> bool:
         return False
 
 
-def pump(source: BinaryIO, sink: BinaryIO, limiter: RepeatLimiter) -> None:
-    """Copy lines from ``source`` to ``sink``, collapsing repeated glog lines; summary at EOF."""
+def pump(source: BinaryIO, sink: BinaryIO, limiter: RepeatLimiter, show_info: bool = True) -> None:
+    """Copy lines from ``source`` to ``sink``, collapsing repeated glog lines; summary at EOF.
+    ``show_info=False`` holds back glog INFO lines (counted in the summary): warnings and errors
+    are what a user acts on."""
+    hidden = 0
     for line in iter(source.readline, b""):
         match = _GLOG.match(line)
+        if not show_info and (
+            line.startswith(_GLOG_PREAMBLE) or (match is not None and match.group(1) == b"I")
+        ):
+            hidden += 1
+            continue
         if match is None:  # not a native log line: ours or unknown, passed unchanged
             sink.write(line)
             sink.flush()
@@ -215,8 +228,15 @@ def pump(source: BinaryIO, sink: BinaryIO, limiter: RepeatLimiter) -> None:
             sink.flush()
     for text in limiter.summary():
         sink.write(f"native log: {text}\n".encode())
+    if hidden:
+        sink.write(f"native log: {hidden:,} info lines not shown ({NATIVE_INFO_ENV}=1 shows them)\n".encode())
     sink.flush()
 
 
 if __name__ == "__main__":  # the child of native_line_limiter
-    pump(sys.stdin.buffer, sys.stdout.buffer, RepeatLimiter(float(sys.argv[1]), int(sys.argv[2])))
+    import signal
+
+    # A Ctrl-C reaches the whole process group: the child ends at EOF, when its parent is done
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    show = len(sys.argv) < 4 or sys.argv[3] == "info"
+    pump(sys.stdin.buffer, sys.stdout.buffer, RepeatLimiter(float(sys.argv[1]), int(sys.argv[2])), show)

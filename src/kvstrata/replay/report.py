@@ -105,6 +105,13 @@ class ReplayDetails(BaseModel):
     longest_failed_tokens: int = 0
     #: the storage engine's counters over the measured part (put_failed, breaker_rejected ...)
     storage: dict[str, int] = Field(default_factory=dict)
+    #: measured storage-hit tokens whose objects this run did not write: an earlier run (or
+    #: another process) left them, so the storage hit rate depends on what it left
+    storage_from_earlier_tokens: int = 0
+    #: requests replayed before a stop was requested (None: the replay ran to the end)
+    interrupted_after: int | None = None
+    #: L3 write batches in flight when the replay stopped, flushed before it returned
+    writes_flushed_on_stop: int = 0
 
 
 class ReplayRecorder:
@@ -248,10 +255,23 @@ def render_summary(
         hits.add_row(
             tier, f"[{style}]{rate:.2%}[/]" if style else f"{rate:.2%}", f"{round(rate * result.tokens):,}"
         )
+        if tier == "storage" and details.storage_from_earlier_tokens:
+            earlier = details.storage_from_earlier_tokens
+            share = earlier / result.tokens if result.tokens else 0.0
+            hits.add_row("  of which from an earlier run", f"{share:.2%}", f"{earlier:,}")
     if details.baseline_hit_rate is not None:
         label = details.baseline_label or "reference simulator"
         hits.add_row(f"[dim]{label}[/]", f"[dim]{details.baseline_hit_rate:.2%}[/]", "")
     console.print(hits)
+    if details.storage_from_earlier_tokens:
+        console.print(
+            f"{details.storage_from_earlier_tokens:,} tokens came from L3 objects an earlier run (or "
+            "another process) wrote, so this run's hit rate depends on what it left; the reference "
+            "simulator sees this trace alone. --fresh replays against an empty L3.",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
 
     moved = Table(title="bytes moved", title_justify="left")
     moved.add_column("direction")
@@ -291,7 +311,7 @@ def render_summary(
     if details.warmup_requests:
         totals.add_row("warm-up requests", f"{details.warmup_requests:,}")
     totals.add_row("input tokens", f"{result.tokens:,}")
-    totals.add_row("wall time", f"{result.wall_s:.2f} s")
+    totals.add_row("wall time (measured requests; start-up, warm-up excluded)", f"{result.wall_s:.2f} s")
     totals.add_row(
         "throughput (served requests)", f"{req_per_s:,.1f} req/s, {result.tokens_per_s:,.0f} tokens/s"
     )

@@ -84,6 +84,18 @@ def _show(value: object) -> str:
     return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
 
 
+def _json_problem(line: str, exc: json.JSONDecodeError) -> str:
+    """Why a line is not JSON, in words: a line cut short (a copy or a writer that stopped) is
+    said to be truncated, with its length, instead of a column that points at its start."""
+    text = line.rstrip("\r\n")
+    if "\x00" in text:
+        return f"holds NUL bytes at column {text.index(chr(0)) + 1} (a partly written file?)"
+    if exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated"):
+        chars = f"{len(text)} character" + ("" if len(text) == 1 else "s")
+        return f"truncated: the line ends (after {chars}) before its JSON object does"
+    return f"not valid JSON: {exc.msg} at column {exc.colno}"
+
+
 def parse_request(
     line: str, block_size: int = MOONCAKE_BLOCK_SIZE, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
 ) -> TraceRequest:
@@ -91,7 +103,7 @@ def parse_request(
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        raise ValueError(_json_problem(line, exc)) from None
     except RecursionError:
         raise ValueError("JSON nested too deeply (a request is one flat object)") from None
     if not isinstance(obj, dict):

@@ -42,6 +42,7 @@ import itertools
 import logging
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -72,6 +73,9 @@ _TMP_MARK = ".tmp-"
 _TMP_NAME = re.compile(r"^\.(?P<name>[A-Za-z0-9_.-]{1,200})\.tmp-\d+-[0-9a-f]{8}-\d+$")
 _DIGEST_NAME = re.compile(r"^[0-9a-f]{32}$")
 _HEX = frozenset("0123456789abcdef")
+#: Less free space than this on the directory's file system: the backend reports itself unusable.
+MIN_FREE_BYTES = 64 << 20
+
 #: Most platforms cap one readv/writev at 1024 iovecs (IOV_MAX).
 _IOV_MAX = 1024
 MISS = -1
@@ -248,6 +252,21 @@ class FileBackend(StorageBackend):
             return f"cannot create {self.root}: {exc.strerror or exc}"
         if not os.access(self.root, os.W_OK | os.X_OK):
             return f"directory {self.root} is not writable"
+        # Permission bits do not tell (root passes them; a read-only mount does not): write one
+        # temp file, named as this backend names its own, and remove it again.
+        probe = f"{self.root}/{self._tmp_prefix}probe"
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError as exc:
+            return f"directory {self.root} is not writable: {exc.strerror or exc}"
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+        free = shutil.disk_usage(self.root).free
+        if free < MIN_FREE_BYTES:
+            return (
+                f"only {free / 2**20:.1f} MiB free on the file system of {self.root} "
+                f"(at least {MIN_FREE_BYTES // 2**20} MiB needed to store anything)"
+            )
         return None
 
     def _layout_dirs(self) -> list[tuple[str, str]]:

@@ -338,6 +338,25 @@ class MooncakeBackend(StorageBackend):
             return "mooncake_client", self.config.client
         return "mooncake_master", self.config.master
 
+    def where(self) -> str | None:
+        cfg = self.config
+        if cfg.standalone:
+            return (
+                f"in the segment of the standalone mooncake_client {cfg.client} (master {cfg.master}): "
+                "objects outlive this process, for as long as that client runs"
+            )
+        if cfg.segment_bytes == 0:
+            return (
+                f"this process contributes no memory: objects land in the segments of the other "
+                f"clients of mooncake_master {cfg.master} and last as long as those clients run"
+            )
+        return (
+            f"in this process's own segment ({cfg.segment_bytes / 2**30:g} GiB), registered with "
+            f"mooncake_master {cfg.master}: embedded mode, the objects go when this process exits; "
+            "to keep them across runs, start a mooncake_client and set standalone: true and client "
+            "(docs/storage.md, 'Mooncake as L3')"
+        )
+
     def probe(self) -> str | None:
         role, address = self._endpoint
         reason = answer_probe(address, self.config.connect_timeout_s)

@@ -18,204 +18,52 @@ three-pool stack (an anchor with two objects per page gathered from per-layer re
 and a component). Integrity tests need the backend to damage an object on demand: implement
 ``corrupt_for_test(key, mode, offset=-1) -> bool`` (mode ``"flip"`` or ``"truncate"``) on the
 backend, or override :meth:`BackendConformance.corrupt` in the test class.
+
+Capability mixins: :class:`BackendConformance` is :class:`CoreConformance` (every backend) +
+:class:`IntegrityConformance` (damaged objects refused) + :class:`RemovalConformance` (``remove``,
+for ``capabilities.removable``: an absent key returns True). A backend that cannot remove objects
+composes ``class TestMine(CoreConformance, IntegrityConformance)``: it opts out, nothing skipped.
 """
 
 from __future__ import annotations
 
 import threading
-import uuid
-from collections.abc import Callable, Iterator, Sequence
-from typing import Literal
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from kvstrata.core.config import ParallelConfig
-from kvstrata.core.io_plan import IOMode, plan_backend
-from kvstrata.core.keys import hash_pages, namespace_root
-from kvstrata.core.storage_engine import PoolBatch, StorageEngine
-from kvstrata.plugins.pool_type import (
-    BufferSpec,
-    Granularity,
-    HitRule,
-    HitRuleKind,
-    ObjectSpec,
-    PartialHit,
-    PoolRole,
-    PoolSpec,
-    Replication,
-)
+from kvstrata.core.io_plan import IOMode
+from kvstrata.core.storage_engine import PoolBatch
+from kvstrata.plugins.pool_type import BufferSpec
 from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend, StorageObject
+from kvstrata.testing._backend_kit import (
+    PAGE_SIZE,
+    BackendKit,
+    HostPoolForTests,
+    conformance_specs,
+    marker_specs,
+    page_hashes,
+)
+from kvstrata.testing.conformance_optional import IntegrityConformance, RemovalConformance
 
-PAGE_SIZE = 4
-
-
-def conformance_specs(dtype: str = "float16") -> dict[str, PoolSpec]:
-    """A small hybrid stack: anchor (2 objects, 2 buffers x 2 layers), sidecar, component."""
-
-    def spec(name: str, pool_type: str, role: PoolRole, buffers: tuple[BufferSpec, ...],
-             objects: tuple[ObjectSpec, ...], **extra: object) -> PoolSpec:  # fmt: skip
-        return PoolSpec(
-            name=name,
-            pool_type=pool_type,
-            role=role,
-            granularity=Granularity.TOKEN_PAGES,
-            hit_rule=HitRule(kind=HitRuleKind.ALL_PAGES),
-            partial_hit=PartialHit.CLAMP,
-            replication=Replication.SHARDED,
-            page_size=PAGE_SIZE,
-            buffers=buffers,
-            objects=objects,
-            **extra,
-        )
-
-    return {
-        "attn": spec(
-            "attn",
-            "conf_kv",
-            PoolRole.ANCHOR,
-            (
-                BufferSpec(name="k", dtype=dtype, layers=2, unit_shape=(PAGE_SIZE, 2, 8)),
-                BufferSpec(name="v", dtype=dtype, layers=2, unit_shape=(PAGE_SIZE, 2, 8)),
-            ),
-            (ObjectSpec(suffix="k", buffers=("k",)), ObjectSpec(suffix="v", buffers=("v",))),
-        ),
-        "index": spec(
-            "index",
-            "conf_idx",
-            PoolRole.SIDECAR,
-            (BufferSpec(name="keys", dtype="uint8", layers=3, unit_shape=(PAGE_SIZE, 16)),),
-            (ObjectSpec(suffix="idx", buffers=("keys",)),),
-            index_source="attn",
-        ),
-        "state": spec(
-            "state",
-            "conf_state",
-            PoolRole.COMPONENT,
-            (
-                BufferSpec(name="conv", dtype="float32", layers=2, unit_shape=(3, 8)),
-                BufferSpec(name="ssm", dtype="float32", layers=2, unit_shape=(4, 4)),
-            ),
-            (ObjectSpec(suffix="state", buffers=("conv", "ssm")),),
-        ),
-    }
+__all__ = [
+    "PAGE_SIZE",
+    "BackendConformance",
+    "BackendKit",
+    "CoreConformance",
+    "HostPoolForTests",
+    "IntegrityConformance",
+    "RemovalConformance",
+    "conformance_specs",
+    "marker_specs",
+    "page_hashes",
+]
 
 
-def marker_specs() -> dict[str, PoolSpec]:
-    """A bufferless anchor (stored as one header-only marker object per page) and a sidecar."""
-    base = conformance_specs()
-    pages = base["attn"].model_copy(
-        update={
-            "name": "pages",
-            "pool_type": "conf_logical",
-            "buffers": (),
-            "objects": (),
-            "replication": Replication.REPLICATED,
-        }
-    )
-    return {"pages": pages, "index": base["index"].model_copy(update={"index_source": "pages"})}
-
-
-class HostPoolForTests:
-    """A layer-first host pool made of plain uint8 tensors: one object = one region per layer."""
-
-    def __init__(self, spec: PoolSpec, units: int, seed: int | None = None) -> None:
-        self.spec = spec
-        self.tensors = {
-            b.name: torch.zeros((b.layers, units, b.bytes_per_unit_per_layer), dtype=torch.uint8)
-            for b in spec.buffers
-        }
-        if seed is not None:
-            generator = torch.Generator().manual_seed(seed)
-            for tensor in self.tensors.values():
-                tensor.copy_(torch.randint(0, 256, tensor.shape, dtype=torch.uint8, generator=generator))
-
-    def unit_regions(self, unit: int) -> list[list[BufferRegion]]:
-        regions: list[list[BufferRegion]] = []
-        for obj in self.spec.objects:
-            per_obj = []
-            for name in obj.buffers:
-                tensor = self.tensors[name]
-                for layer in range(tensor.shape[0]):
-                    row = tensor[layer, unit]
-                    per_obj.append(BufferRegion(row.data_ptr(), row.numel()))
-            regions.append(per_obj)
-        return regions
-
-    def units(self, indices: Sequence[int]) -> list[list[list[BufferRegion]]]:
-        return [self.unit_regions(i) for i in indices]
-
-    def unit_bytes(self, unit: int) -> bytes:
-        return b"".join(t[:, unit].contiguous().numpy().tobytes() for t in self.tensors.values())
-
-
-def page_hashes(count: int, model: str = "conformance", seed: int = 0) -> list[str]:
-    tokens = torch.arange(seed * 1000, seed * 1000 + count * PAGE_SIZE, dtype=torch.int64)
-    return hash_pages(tokens, PAGE_SIZE, namespace_root(model))
-
-
-class BackendConformance:
-    """Behaviour every storage backend must show; subclass and provide ``backend_factory``."""
-
-    model_name = "conformance-model"
-
-    @pytest.fixture(autouse=True)
-    def _fresh_namespace(self) -> None:
-        """A model name (key namespace) of its own per test: a shared backend (one Mooncake
-        cluster for the whole session, several conformance classes) still holds what earlier
-        tests wrote, and "nothing stored yet" assertions must not see it."""
-        self.model_name = f"conformance-{uuid.uuid4().hex[:12]}"
-
-    @pytest.fixture
-    def backend_factory(self) -> Callable[[str], StorageBackend]:
-        raise NotImplementedError("a conformance test class must override the backend_factory fixture")
-
-    @pytest.fixture
-    def backend(self, backend_factory: Callable[[str], StorageBackend]) -> Iterator[StorageBackend]:
-        instance = backend_factory("conformance")
-        yield instance
-        instance.close()
-
-    # --- helpers ----------------------------------------------------------------------------------
-
-    def engine(
-        self,
-        backend: StorageBackend,
-        specs: dict[str, PoolSpec] | None = None,
-        model_name: str | None = None,
-        checksum: Literal["xxh3", "none"] = "xxh3",
-    ) -> StorageEngine:
-        specs = specs or conformance_specs()
-        parallel = ParallelConfig()
-        caps = backend.instance_capabilities()
-        plans = plan_backend(backend.instance, caps, specs.values(), parallel=parallel)
-        return StorageEngine(
-            backend,
-            specs,
-            plans,
-            model_name=model_name or self.model_name,
-            parallel=parallel,
-            checksum=checksum,
-        )
-
-    def corrupt(self, backend: StorageBackend, key: str, mode: Literal["flip", "truncate"]) -> bool:
-        hook = getattr(backend, "corrupt_for_test", None)
-        if hook is None:
-            pytest.skip(f"backend {backend.name!r} offers no corrupt_for_test hook")
-        return bool(hook(key, mode))
-
-    @staticmethod
-    def pools(specs: dict[str, PoolSpec], units: int, seed: int | None) -> dict[str, HostPoolForTests]:
-        return {
-            name: HostPoolForTests(spec, units, None if seed is None else seed + i)
-            for i, (name, spec) in enumerate(specs.items())
-        }
-
-    def assert_units_equal(self, a: HostPoolForTests, b: HostPoolForTests, units: Sequence[int]) -> None:
-        for unit in units:
-            assert a.unit_bytes(unit) == b.unit_bytes(unit), f"pool {a.spec.name!r} unit {unit} differs"
-
-    # --- tests --------------------------------------------------------------------------------------
+class CoreConformance(BackendKit):
+    """What every backend must do: round trips, per-key batches, existence, zero-copy honesty,
+    namespace isolation, concurrency, marker objects, a second instance."""
 
     def test_round_trip_multi_region(self, backend: StorageBackend) -> None:
         specs = conformance_specs()
@@ -295,35 +143,6 @@ class BackendConformance:
             for i in range(4):
                 assert torch.equal(out[i, 8 * i : 8 * i + 40], data[i, 8 * i : 8 * i + 40])
 
-    @pytest.mark.parametrize("mode", ["flip", "truncate"])
-    def test_integrity_rejection(self, backend: StorageBackend, mode: Literal["flip", "truncate"]) -> None:
-        specs = conformance_specs()
-        engine = self.engine(backend, specs)
-        source, target = self.pools(specs, 3, seed=4), self.pools(specs, 3, seed=None)
-        hashes = page_hashes(3, seed=4)
-        assert all(engine.put("state", hashes, source["state"].units(range(3))).ok)
-        key = engine.object_keys("state", hashes[1:2])[0][0]
-        assert self.corrupt(backend, key, mode)
-        result = engine.get("state", hashes, target["state"].units(range(3)))
-        assert result.ok == [True, False, True]
-        assert engine.metrics.corrupt_detected == 1
-        assert sum(engine.metrics.corrupt_reasons.values()) == 1
-
-    def _forge(
-        self,
-        backend: StorageBackend,
-        specs: dict[str, PoolSpec],
-        victim: StorageEngine,
-        pool: str,
-        hashes: list[str],
-        source: dict[str, HostPoolForTests],
-        model_name: str | None = None,
-    ) -> None:
-        """Store ``source``'s units of ``pool`` (laid out by ``specs``) under ``victim``'s keys."""
-        forger = self.engine(backend, specs, model_name=model_name)
-        forger.schemas[pool] = victim.schemas[pool]
-        assert all(forger.put(pool, hashes, source[pool].units(range(len(hashes)))).ok)
-
     def test_namespace_and_layout_isolation(self, backend: StorageBackend) -> None:
         specs = conformance_specs()
         model_a = f"{self.model_name}-a"
@@ -343,29 +162,6 @@ class BackendConformance:
         assert other_layout.get("attn", hashes, target["attn"].units(range(2))).ok == [False, False]
         assert other_layout.metrics.foreign_reasons.get("fingerprint_mismatch", 0) >= 2
         assert other_layout.metrics.corrupt_detected == 0, "another layout is not damage"
-
-    def test_layout_change_replaces_foreign_objects(self, backend: StorageBackend) -> None:
-        """Objects of another layout under a reader's keys (keys hold the layout, so these are
-        copied or crafted ones) are removed (or overwritten), so the reader gets storage hits
-        again instead of skip-existing keeping the foreign objects forever."""
-        caps = backend.instance_capabilities()
-        if not caps.removable and caps.overwrite != "replace":
-            pytest.skip(f"backend {backend.name!r} can neither remove nor replace objects")
-        old_specs, new_specs = conformance_specs(), conformance_specs(dtype="bfloat16")
-        hashes = page_hashes(3, seed=15)
-        old_source = self.pools(old_specs, 3, seed=15)
-        new = self.engine(backend, new_specs)
-        self._forge(backend, old_specs, new, "attn", hashes, old_source)
-        source, target = self.pools(new_specs, 3, seed=16), self.pools(new_specs, 3, seed=None)
-        assert new.put("attn", hashes, source["attn"].units(range(3))).ok == [True] * 3  # skipped or replaced
-        first = new.get("attn", hashes, target["attn"].units(range(3))).ok
-        if first != [True] * 3:  # skip_existing kept the old objects: the read must clear them
-            assert first == [False] * 3
-            assert new.metrics.foreign_objects == 6 and new.metrics.foreign_removed == 6
-            assert all(new.put("attn", hashes, source["attn"].units(range(3))).ok)
-            assert all(new.get("attn", hashes, target["attn"].units(range(3))).ok)
-        self.assert_units_equal(source["attn"], target["attn"], range(3))
-        assert new.metrics.corrupt_detected == 0 and new.metrics.corrupt_reasons == {}
 
     def test_concurrent_distinct_and_same_keys(self, backend: StorageBackend) -> None:
         specs = conformance_specs()
@@ -437,27 +233,6 @@ class BackendConformance:
         with pytest.raises(ValueError, match="stores no payload"):
             engine.put("pages", hashes[:1], source["index"].units([0]))
 
-    def test_remove_and_damaged_objects_are_removed(self, backend: StorageBackend) -> None:
-        if not backend.instance_capabilities().removable:
-            pytest.skip(f"backend {backend.name!r} declares removable=False (remove() is optional)")
-        specs = conformance_specs()
-        engine = self.engine(backend, specs)
-        source = self.pools(specs, 3, seed=12)
-        hashes = page_hashes(3, seed=12)
-        assert all(engine.put("state", hashes, source["state"].units(range(3))).ok)
-        keys = engine.object_keys("state", hashes)[0]
-        assert backend.remove([keys[0], "conformance-never-stored"]) == [True, True]
-        assert backend.exists(keys) == [False, True, True]
-        assert self.corrupt(backend, keys[1], "flip")
-        target = self.pools(specs, 3, seed=None)
-        assert engine.get("state", hashes, target["state"].units(range(3))).ok == [False, False, True]
-        assert engine.metrics.corrupt_detected == 1 and engine.metrics.corrupt_removed == 1
-        assert backend.exists(keys) == [False, False, True], "the damaged object must be gone"
-        # so a writer can store the page again, and it reads back bit exact
-        assert all(engine.put("state", hashes[:2], source["state"].units(range(2))).ok)
-        assert all(engine.get("state", hashes, target["state"].units(range(3))).ok)
-        self.assert_units_equal(source["state"], target["state"], range(3))
-
     def test_second_instance(self, backend_factory: Callable[[str], StorageBackend]) -> None:
         """Shared backends: a second instance reads what the first wrote, bit exact. Private ones:
         two instances work side by side without disturbing each other."""
@@ -487,3 +262,22 @@ class BackendConformance:
                 second.close()
         finally:
             first.close()
+
+
+class BackendConformance(CoreConformance, IntegrityConformance, RemovalConformance):
+    """Every check of the kit. A backend without a capability composes the mixins it supports
+    instead, e.g. ``class TestMine(CoreConformance, IntegrityConformance)`` for one that cannot
+    remove objects (no skips, no overrides)."""
+
+    def test_remove_and_damaged_objects_are_removed(self, backend: StorageBackend) -> None:
+        if not backend.instance_capabilities().removable:
+            pytest.skip(
+                f"backend {backend.name!r} declares removable=False: compose CoreConformance and "
+                "IntegrityConformance instead of BackendConformance"
+            )
+        super().test_remove_and_damaged_objects_are_removed(backend)
+
+    def test_removing_an_absent_key_returns_true(self, backend: StorageBackend) -> None:
+        if not backend.instance_capabilities().removable:
+            pytest.skip(f"backend {backend.name!r} declares removable=False (remove() is optional)")
+        super().test_removing_an_absent_key_returns_true(backend)

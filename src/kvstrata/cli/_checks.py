@@ -1,0 +1,201 @@
+"""Loading a config from the command line and the checks every command makes before any work."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvstrata.cli._app import (
+    EXIT_INVALID,
+    _fail,
+    err,
+)
+from kvstrata.core.config import (
+    ENV_NESTING,
+    ENV_PREFIX,
+    KvstrataConfig,
+    load_config,
+)
+from kvstrata.plugins.errors import ConfigError, KvstrataError, PluginError
+from kvstrata.plugins.host import PluginHost
+from kvstrata.plugins.storage_backend import BackendConfig
+
+
+def _override_culprits(overrides: Sequence[str]) -> list[tuple[str, str]]:
+    """(dotted path, what the user wrote) of every ``--set`` and ``KVSTRATA_A__B`` override."""
+    culprits = []  # in precedence order: environment first, then --set, later ones win
+    for name in sorted(os.environ):
+        if name.startswith(ENV_PREFIX) and ENV_NESTING in name:
+            path = ".".join(part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTING))
+            culprits.append((path, f"environment {name}={os.environ[name]}"))
+    culprits += [(text.partition("=")[0].strip(), f"--set {text}") for text in overrides]
+    return culprits
+
+
+def blame_overrides(exc: ConfigError, overrides: Sequence[str]) -> ConfigError:
+    """The same errors, each blamed on the ``--set`` (or environment override) that set the bad
+    field instead of on the config files, which never contained that value."""
+    culprits = _override_culprits(overrides)
+    found = [
+        next(
+            (text for where, text in reversed(culprits) if path == where or path.startswith(where + ".")),
+            None,
+        )
+        for path, _ in exc.errors
+    ]
+    if found and all(found):  # every error comes from overrides: name them, not the files
+        return ConfigError(exc.errors, ", ".join(dict.fromkeys(c for c in found if c)))
+    errors = [
+        (path, f"{reason} (from {culprit})" if culprit else reason)
+        for (path, reason), culprit in zip(exc.errors, found, strict=True)
+    ]
+    return ConfigError(errors, exc.source)
+
+
+def load_cli_config(
+    files: Sequence[Path], overrides: Sequence[str], host: PluginHost, *, user_overrides: Sequence[str] = ()
+) -> KvstrataConfig:
+    """``load_config`` with errors of ``user_overrides`` blamed on them (exit 2 on any error)."""
+    try:
+        return load_config(files, overrides, host=host)
+    except ConfigError as exc:
+        raise _fail(blame_overrides(exc, user_overrides), EXIT_INVALID) from None
+    except PluginError as exc:
+        raise _fail(exc, EXIT_INVALID) from None
+
+
+def check_stack(config: KvstrataConfig, host: PluginHost, *, machine: bool) -> None:
+    """Refuse (exit 2) a config that start-up would refuse, with start-up's own message, before
+    anything is opened or allocated (``machine``: also check this machine has the device)."""
+    from kvstrata.core.builder import check_startup
+
+    try:
+        check_startup(config, host, machine=machine)
+    except (ValueError, KvstrataError) as exc:
+        raise _fail(exc, EXIT_INVALID) from None
+
+
+def check_output_path(option: str, path: Path | None) -> None:
+    """Refuse an output file that cannot be written before a run, not after it (exit 2)."""
+    if path is None:
+        return
+    parent = path.parent
+    if path.is_dir():
+        problem = "is a directory; give a file name"
+    elif not parent.is_dir():
+        problem = f"its directory {parent} does not exist"
+    elif not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        problem = "is not writable (permission denied)"
+    else:
+        problem = _open_problem(path)
+        if problem is None:
+            return
+    raise _fail(f"{option} {path}: {problem}", EXIT_INVALID)
+
+
+def _open_problem(path: Path) -> str | None:
+    """Open ``path`` for appending as the run will write it (root passes every permission test,
+    a read-only file system does not); a file this test created is removed again."""
+    existed = path.exists()
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+    except OSError as exc:
+        return f"cannot be written: {exc.strerror or exc}"
+    if not existed:
+        path.unlink(missing_ok=True)
+    return None
+
+
+def check_plot_format(path: Path | None) -> None:
+    """The plot's format comes from its suffix: refuse one matplotlib cannot write (exit 2)."""
+    if path is None or not path.suffix:
+        return
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise _fail(
+            f"--plot {path}: matplotlib cannot write {path.suffix!r} files; use one of "
+            f"{', '.join('.' + f for f in sorted(formats))}",
+            EXIT_INVALID,
+        )
+
+
+def describe_os_error(exc: OSError, config: KvstrataConfig | None = None) -> str:
+    """An OSError in words, with the config field it comes from when a storage path is involved."""
+    what = exc.strerror or str(exc)
+    filename = f" {exc.filename}" if exc.filename else ""
+    if config is not None and exc.filename:
+        for instance, backend in config.tiers.storage.items():
+            for field, value in backend.model_dump().items():
+                if isinstance(value, Path) and str(exc.filename).startswith(str(value)):
+                    return (
+                        f"cannot use tiers.storage.{instance}.{field} ({value}): {what}:{filename}; "
+                        f"point it at a directory you can write (--set tiers.storage.{instance}.{field}=DIR)"
+                    )
+    return f"{what}:{filename}"
+
+
+def backend_problem(instance: str, backend_config: BackendConfig, host: PluginHost) -> str | None:
+    """What ``doctor`` checks per storage instance, also run by ``replay`` before its first
+    request: the backend can work on this machine, and its probe (a directory written to, free
+    space, a server answering) passes. ``None`` when it can be used."""
+    try:
+        cls = host.storage_backends.require(backend_config.type)
+    except PluginError as exc:
+        return str(exc)
+    reason = cls.unavailable_reason(backend_config)
+    if reason is None:
+        try:
+            reason = cls(instance, backend_config).probe()
+        except Exception as exc:  # a probe must not crash the command
+            reason = f"probe failed: {exc!r}"
+    return reason
+
+
+def check_backends(config: KvstrataConfig, host: PluginHost) -> None:
+    """Refuse (exit 2) a run whose storage backend cannot be used, with the cause and the
+    setting to change, before anything is written: otherwise every L3 write fails, one by one."""
+    for instance, backend_config in config.tiers.storage.items():
+        reason = backend_problem(instance, backend_config, host)
+        if reason is None:
+            continue
+        fields = backend_config.model_dump()
+        named = [f for f, v in fields.items() if isinstance(v, Path) and str(v) in reason]
+        hint = (
+            f"; point tiers.storage.{instance}.{named[0]} at a directory you can write "
+            f"(--set tiers.storage.{instance}.{named[0]}=DIR)"
+            if named
+            else "; `kvstrata doctor` checks it, `--set 'tiers.storage={}'` runs without an L3"
+        )
+        raise _fail(
+            f"tiers.storage.{instance} ({backend_config.type}) cannot be used: {reason}{hint}", EXIT_INVALID
+        )
+
+
+#: Stack the no-argument ``replay`` runs: a copy of examples/configs/hybrid-mamba.yaml shipped
+#: inside the package (so a non-editable install has it); its L3 moves to a temporary directory.
+DEFAULT_CONFIG = "hybrid-mamba.yaml"
+
+
+def default_config_path() -> Path:
+    """The packaged default stack (``kvstrata/replay/data/hybrid-mamba.yaml``)."""
+    from importlib import resources
+
+    return Path(str(resources.files("kvstrata.replay") / "data" / DEFAULT_CONFIG))
+
+
+def config_paths(files: Sequence[Path] | None, option: Sequence[Path] | None) -> list[Path]:
+    """The config files of a command: positional ones (where the command takes them) then
+    ``-c/--config`` ones; none given: the packaged default stack, said on stderr."""
+    paths = [*(files or []), *(option or [])]
+    if paths:
+        return paths
+    err.print(
+        "no config given (-c FILE): using the packaged default stack, a copy of "
+        "examples/configs/hybrid-mamba.yaml",
+        highlight=False,
+        markup=False,
+    )
+    return [default_config_path()]

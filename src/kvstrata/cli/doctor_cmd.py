@@ -1,0 +1,110 @@
+"""``kvstrata doctor``: a configuration against this machine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from kvstrata.cli._app import (
+    EXIT_INVALID,
+    EXIT_RUNTIME,
+    ConfigFiles,
+    ConfigOption,
+    SetOption,
+    _fail,
+    app,
+    err,
+    out,
+)
+from kvstrata.cli._checks import backend_problem, check_stack, config_paths, load_cli_config
+from kvstrata.core.config import (
+    anchor_instances,
+)
+from kvstrata.plugins.errors import ConfigError, PluginError
+from kvstrata.plugins.host import PluginHost
+
+
+def build_pool_specs(config: Any, host: PluginHost) -> dict[str, Any]:
+    """PoolSpecs of the configured stack (instantiates the selected pool types only)."""
+    from kvstrata.plugins.pool_type import ModelContext
+
+    anchor = anchor_instances(config.model.pools, host)[0]  # validation guarantees exactly one
+    context = ModelContext(page_size=config.model.page_size, anchor=anchor)
+    return {
+        name: host.pool_types.require(pool.type)(name, pool, context).spec()
+        for name, pool in config.model.pools.items()
+    }
+
+
+@app.command()
+def doctor(files: ConfigFiles = None, config_option: ConfigOption = None, set_: SetOption = None) -> None:
+    """Check a configuration against this machine: I/O plan per (backend, pool), host memory
+    budget, backend reachability. Exits 2 for a config start-up refuses, 1 when something on this
+    machine cannot work as configured."""
+    from kvstrata.core.io_plan import IOMode, plan_backend
+    from kvstrata.core.pool_group import host_memory_budget
+
+    host = PluginHost()
+    paths = config_paths(files, config_option)
+    config = load_cli_config(paths, set_ or [], host, user_overrides=set_ or [])
+    check_stack(config, host, machine=True)
+    try:
+        specs = build_pool_specs(config, host)
+    except (ConfigError, PluginError) as exc:
+        raise _fail(exc, EXIT_INVALID) from None
+    problems: list[str] = []
+
+    plan_table = Table(title="I/O plan per (backend, pool)")
+    for column in ("backend", "pool", "type", "mode", "object bytes", "reason"):
+        plan_table.add_column(column)
+    reach_table = Table(title="backends")
+    for column in ("backend", "type", "status", "details"):
+        reach_table.add_column(column)
+    for instance, backend_config in config.tiers.storage.items():
+        try:
+            cls = host.storage_backends.require(backend_config.type)
+        except PluginError as exc:
+            reach_table.add_row(instance, backend_config.type, "[red]missing[/]", str(exc))
+            problems.append(f"backend {instance!r}: {exc}")
+            continue
+        backend = cls(instance, backend_config)
+        caps = backend.instance_capabilities()
+        plans = plan_backend(instance, caps, specs.values(), parallel=config.parallel)
+        for name, plan in plans.items():
+            style = {IOMode.ZERO_COPY: "green", IOMode.COPY: "yellow"}.get(plan.mode, "red")
+            sizes = ", ".join(f"{k}={v}" for k, v in plan.object_bytes.items())
+            plan_table.add_row(instance, name, plan.pool_type, f"[{style}]{plan.mode}[/]", sizes, plan.reason)
+            if plan.mode is IOMode.OFF:
+                problems.append(f"pool {name!r} cannot be stored on backend {instance!r}: {plan.reason}")
+        reason = backend_problem(instance, backend_config, host)
+        if reason is None:
+            reach_table.add_row(instance, backend_config.type, "[green]reachable[/]", "")
+        else:
+            reach_table.add_row(instance, backend_config.type, "[red]unavailable[/]", reason)
+            problems.append(f"backend {instance!r} ({backend_config.type}): {reason}")
+    if config.tiers.storage:
+        out.print(plan_table)
+        out.print(reach_table)
+    else:
+        out.print("no storage tier configured (tiers.storage is empty)")
+
+    # Host budget: every pool holds capacity_tokens / page_size units in the host tier.
+    host_tier = config.tiers.host
+    units = host_tier.capacity_tokens // config.model.page_size
+    required = sum(spec.bytes_per_unit * units for spec in specs.values())
+    available = host_memory_budget(host_tier)
+    verdict = "[green]fits[/]" if required <= available else "[red]does not fit[/]"
+    out.print(
+        f"host budget: {units} units per pool need {required / 2**30:.3f} GiB per rank; "
+        f"available {available / 2**30:.3f} GiB per rank "
+        f"(available memory - reserve_bytes, / ranks_per_host {host_tier.ranks_per_host}): {verdict}"
+    )
+    if required > available:
+        problems.append(f"host tier needs {required} bytes per rank, {available} available")
+    if problems:
+        for problem in problems:
+            err.print(f"[bold red]problem:[/] {problem}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_RUNTIME)
+    out.print("[green]ok[/]: every pool can be stored as configured")

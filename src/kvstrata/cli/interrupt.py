@@ -1,0 +1,79 @@
+"""Ctrl-C during ``kvstrata replay``: one line saying what was kept, exit 130, never a traceback.
+
+A ``KeyboardInterrupt`` raised wherever the main thread happens to be (a logging filter, a torch
+call, the middle of an insert) prints a traceback and leaves the run's state unknown. Instead a
+SIGINT handler only sets a flag while the replay runs: the driver stops between two requests,
+flushes its L3 writes and returns, and the command prints one line and exits 130. A second
+Ctrl-C exits at once, saying how many L3 write batches it abandons (objects are written to a
+temporary name and renamed, so an abandoned write leaves no half object behind). Before the
+replay starts (config, trace, reference simulation) nothing has been written: a Ctrl-C there
+exits 130 at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from types import FrameType
+
+from kvstrata.replay.driver import StopRequest
+
+#: The exit status of a process ended by SIGINT, as shells report it (128 + 2).
+EXIT_INTERRUPTED = 130
+
+
+class ReplayInterrupt(StopRequest):
+    """The replay's stop flag, set by the SIGINT handler (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = False  # True once the cache is open and requests are being replayed
+
+    def handle(self, _signum: int, _frame: FrameType | None) -> None:
+        if not self.running:
+            _say("interrupted before the replay started; nothing was written")
+            raise SystemExit(EXIT_INTERRUPTED)  # not an Exception: no handler on the way swallows it
+        if self.requested:  # the second Ctrl-C: leave now
+            _say(
+                f"interrupted again: exiting at once; L3 write batches abandoned: {self.pending_writes()} "
+                "(an unfinished object is never visible: it is a miss, not data)"
+            )
+            os._exit(EXIT_INTERRUPTED)
+        self.requested = True
+        _say("interrupt: finishing the current request and flushing L3 writes (Ctrl-C again exits at once)")
+
+
+def exit_on_interrupt(_signum: int, _frame: FrameType | None) -> None:
+    """Every command but ``replay``: nothing to finish or flush, so one line and exit 130."""
+    _say("interrupted")
+    raise SystemExit(EXIT_INTERRUPTED)
+
+
+def _say(line: str) -> None:
+    """One line straight to the error stream's file descriptor: the handler may have interrupted
+    a write on that very stream, and a buffered write from here would be a reentrant call."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        fd = 2
+    with suppress(OSError):
+        os.write(fd, f"\n{line}\n".encode())
+
+
+@contextmanager
+def sigint_handled() -> Iterator[ReplayInterrupt]:
+    """Install the replay's SIGINT handler for the block (main thread only; elsewhere, e.g. a
+    test calling the app from a worker thread, the default behaviour stays)."""
+    interrupt = ReplayInterrupt()
+    try:
+        previous = signal.signal(signal.SIGINT, interrupt.handle)
+    except ValueError:  # not the main thread
+        yield interrupt
+        return
+    try:
+        yield interrupt
+    finally:
+        signal.signal(signal.SIGINT, previous)

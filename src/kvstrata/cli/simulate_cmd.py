@@ -1,0 +1,196 @@
+"""``kvstrata simulate``: the reference hit-rate simulation and policy sweeps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.table import Table
+
+from kvstrata.cli._app import (
+    EXIT_INVALID,
+    _fail,
+    app,
+    err,
+    out,
+)
+from kvstrata.core.config import (
+    DEFAULT_MAX_REQUEST_TOKENS,
+)
+from kvstrata.plugins.errors import PluginError
+from kvstrata.plugins.host import PluginHost
+from kvstrata.progress import progress
+
+#: policies ``simulate --sweep`` compares when ``--policies`` is not given (those installed)
+SWEEP_POLICIES = ("fifo", "lru", "arc", "s3fifo", "reuse", "learned", "belady")
+#: capacities of ``simulate --sweep`` in million tokens
+SWEEP_CAPACITIES_M = (0.5, 1, 2, 3, 4, 6, 8, 12)
+
+
+def _eviction_setting(text: str) -> str | dict[str, Any]:
+    """``--eviction``: a policy name, or a YAML mapping with ``type`` and options."""
+    value = yaml.safe_load(text) if text.lstrip().startswith("{") else text
+    if not isinstance(value, str | dict):
+        raise ValueError(f"--eviction: expected a policy name or a mapping, got {text!r}")
+    return value
+
+
+@app.command()
+def simulate(
+    trace: Annotated[
+        Path | None, typer.Argument(help="Mooncake-format JSONL trace (default: the bundled sample)")
+    ] = None,
+    capacity_tokens: Annotated[
+        int | None, typer.Option("--capacity-tokens", help="cache size in tokens (default: unlimited)")
+    ] = None,
+    eviction: Annotated[
+        str,
+        typer.Option(
+            "--eviction",
+            help="eviction policy: a name (`kvstrata plugins`; `belady` is the offline optimum) or a "
+            "YAML mapping such as '{type: s3fifo, small_fraction: 0.2}'",
+        ),
+    ] = "lru",
+    block_size: Annotated[int, typer.Option("--block-size", help="tokens per trace hash block")] = 512,
+    warmup_fraction: Annotated[
+        float, typer.Option("--warmup-fraction", help="leading share of requests that only warm the cache")
+    ] = 0.0,
+    limit: Annotated[int | None, typer.Option("--limit", help="read only the first N requests")] = None,
+    sweep_out: Annotated[
+        Path | None,
+        typer.Option("--sweep", help="plot hit rate against capacity for several policies into this PNG"),
+    ] = None,
+    policies: Annotated[
+        str | None, typer.Option("--policies", help="--sweep: comma-separated policies (default: a set)")
+    ] = None,
+    capacities: Annotated[
+        str | None,
+        typer.Option("--capacities", help="--sweep: comma-separated capacities in million tokens"),
+    ] = None,
+    max_request_tokens: Annotated[
+        int,
+        typer.Option("--max-request-tokens", min=1, help="refuse a trace holding a longer request"),
+    ] = DEFAULT_MAX_REQUEST_TOKENS,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Hit-rate simulation of a trace through the cache's prefix tree and an eviction policy
+    (full blocks, token-weighted): the replay's reference and the bench for policies."""
+    from pydantic import ValidationError
+
+    from kvstrata.replay.simulate import SimulationConfig
+    from kvstrata.replay.trace import TraceError, read_trace
+
+    host = PluginHost()
+    try:
+        config = SimulationConfig(
+            block_size=block_size,
+            capacity_tokens=capacity_tokens,
+            warmup_fraction=warmup_fraction,
+            eviction=_eviction_setting(eviction),
+        )
+        _check_eviction(host, config.eviction)
+        requests = read_trace(
+            trace, limit=limit, block_size=block_size, max_request_tokens=max_request_tokens
+        )
+    except ValidationError as exc:
+        reasons = "; ".join(
+            f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors()
+        )
+        raise _fail(ValueError(reasons), EXIT_INVALID) from None
+    except (TraceError, PluginError, ValueError) as exc:
+        raise _fail(exc, EXIT_INVALID) from None
+    if sweep_out is not None:
+        _simulate_sweep(requests, host, sweep_out, policies, capacities, block_size, trace, as_json)
+        return
+    _simulate_one(requests, host, config, trace, as_json)
+
+
+def _check_eviction(host: PluginHost, setting: str | dict[str, Any]) -> None:
+    """Validate ``--eviction`` now: an unknown name lists the installed policies, a bad option
+    is named as ``--eviction.<option>``."""
+    from pydantic import ValidationError
+
+    from kvstrata.core.policies import policy_config
+
+    try:
+        policy_config(host, setting)
+    except ValidationError as exc:
+        reasons = "; ".join(f"--eviction.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ValueError(reasons) from None
+
+
+def _simulate_one(
+    requests: list[Any], host: PluginHost, config: Any, trace: Path | None, as_json: bool
+) -> None:
+    from kvstrata.replay.simulate import simulate as run_simulation
+
+    with progress(err, "simulated", len(requests), quiet=as_json) as update:
+        result = run_simulation(requests, config, progress=lambda n: update(n, len(requests)), host=host)
+    if as_json:
+        print(result.model_dump_json(indent=2, exclude={"per_request_hits", "per_request_tokens"}))
+        return
+    capacity = f"{config.capacity_tokens:,} tokens" if config.capacity_tokens is not None else "unlimited"
+    table = Table(title=f"simulate {trace or 'bundled sample trace'}", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("cache", capacity)
+    table.add_row("eviction policy", result.eviction)
+    table.add_row("block size", f"{config.block_size}")
+    table.add_row("requests", f"{result.requests:,}")
+    table.add_row("warm-up requests", f"{result.warmup_requests:,}")
+    table.add_row("measured input tokens", f"{result.tokens:,}")
+    table.add_row("hit tokens (full blocks)", f"{result.hit_tokens:,}")
+    table.add_row("unique / evicted blocks", f"{result.unique_blocks:,} / {result.evicted_blocks:,}")
+    table.add_row("[bold]hit rate[/]", f"[bold]{result.hit_rate:.2%}[/]")
+    out.print(table)
+
+
+def _simulate_sweep(
+    requests: list[Any],
+    host: PluginHost,
+    png: Path,
+    policies: str | None,
+    capacities: str | None,
+    block_size: int,
+    trace: Path | None,
+    as_json: bool,
+) -> None:
+    import importlib.util
+
+    from kvstrata.replay.report import PLOT_INSTALL
+    from kvstrata.replay.simulate import plot_sweep, sweep
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise _fail(ValueError(f"--sweep needs matplotlib: run `{PLOT_INSTALL}`"), EXIT_INVALID)
+    installed = host.eviction_policies.names()
+    names = (
+        [p.strip() for p in policies.split(",") if p.strip()]
+        if policies
+        else [p for p in SWEEP_POLICIES if p in installed]
+    )
+    try:
+        sizes = [int(float(c) * 1e6) for c in capacities.split(",")] if capacities else None
+    except ValueError:
+        raise _fail(
+            ValueError(f"--capacities: expected numbers (million tokens), got {capacities!r}"), 2
+        ) from None
+    sizes = sizes or [int(c * 1e6) for c in SWEEP_CAPACITIES_M]
+    try:
+        rates = sweep(requests, names, sizes, block_size=block_size, host=host)
+    except PluginError as exc:
+        raise _fail(exc, EXIT_INVALID) from None
+    plot_sweep(rates, sizes, png, title=f"hit rate vs capacity: {trace or 'bundled sample trace'}")
+    if as_json:
+        print(json.dumps({"capacities_tokens": sizes, "hit_rate": rates}, indent=2))
+        return
+    table = Table(title=f"hit rate by capacity (million tokens): {trace or 'bundled sample trace'}")
+    table.add_column("policy")
+    for size in sizes:
+        table.add_column(f"{size / 1e6:g}M", justify="right")
+    for name, values in rates.items():
+        table.add_row(name, *(f"{v:.2%}" for v in values))
+    out.print(table)
+    err.print(f"plot written to {png}", highlight=False)

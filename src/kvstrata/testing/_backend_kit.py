@@ -1,0 +1,213 @@
+"""The storage-backend kit's shared parts: a small hybrid stack of specs, host pools to read and
+write, page hashes, and :class:`BackendKit` (fixtures and helpers every conformance mixin uses)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Literal
+
+import pytest
+import torch
+
+from kvstrata.core.config import ParallelConfig
+from kvstrata.core.io_plan import plan_backend
+from kvstrata.core.keys import hash_pages, namespace_root
+from kvstrata.core.storage_engine import StorageEngine
+from kvstrata.plugins.pool_type import (
+    BufferSpec,
+    Granularity,
+    HitRule,
+    HitRuleKind,
+    ObjectSpec,
+    PartialHit,
+    PoolRole,
+    PoolSpec,
+    Replication,
+)
+from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend
+
+PAGE_SIZE = 4
+
+
+def conformance_specs(dtype: str = "float16") -> dict[str, PoolSpec]:
+    """A small hybrid stack: anchor (2 objects, 2 buffers x 2 layers), sidecar, component."""
+
+    def spec(name: str, pool_type: str, role: PoolRole, buffers: tuple[BufferSpec, ...],
+             objects: tuple[ObjectSpec, ...], **extra: object) -> PoolSpec:  # fmt: skip
+        return PoolSpec(
+            name=name,
+            pool_type=pool_type,
+            role=role,
+            granularity=Granularity.TOKEN_PAGES,
+            hit_rule=HitRule(kind=HitRuleKind.ALL_PAGES),
+            partial_hit=PartialHit.CLAMP,
+            replication=Replication.SHARDED,
+            page_size=PAGE_SIZE,
+            buffers=buffers,
+            objects=objects,
+            **extra,
+        )
+
+    return {
+        "attn": spec(
+            "attn",
+            "conf_kv",
+            PoolRole.ANCHOR,
+            (
+                BufferSpec(name="k", dtype=dtype, layers=2, unit_shape=(PAGE_SIZE, 2, 8)),
+                BufferSpec(name="v", dtype=dtype, layers=2, unit_shape=(PAGE_SIZE, 2, 8)),
+            ),
+            (ObjectSpec(suffix="k", buffers=("k",)), ObjectSpec(suffix="v", buffers=("v",))),
+        ),
+        "index": spec(
+            "index",
+            "conf_idx",
+            PoolRole.SIDECAR,
+            (BufferSpec(name="keys", dtype="uint8", layers=3, unit_shape=(PAGE_SIZE, 16)),),
+            (ObjectSpec(suffix="idx", buffers=("keys",)),),
+            index_source="attn",
+        ),
+        "state": spec(
+            "state",
+            "conf_state",
+            PoolRole.COMPONENT,
+            (
+                BufferSpec(name="conv", dtype="float32", layers=2, unit_shape=(3, 8)),
+                BufferSpec(name="ssm", dtype="float32", layers=2, unit_shape=(4, 4)),
+            ),
+            (ObjectSpec(suffix="state", buffers=("conv", "ssm")),),
+        ),
+    }
+
+
+def marker_specs() -> dict[str, PoolSpec]:
+    """A bufferless anchor (stored as one header-only marker object per page) and a sidecar."""
+    base = conformance_specs()
+    pages = base["attn"].model_copy(
+        update={
+            "name": "pages",
+            "pool_type": "conf_logical",
+            "buffers": (),
+            "objects": (),
+            "replication": Replication.REPLICATED,
+        }
+    )
+    return {"pages": pages, "index": base["index"].model_copy(update={"index_source": "pages"})}
+
+
+class HostPoolForTests:
+    """A layer-first host pool made of plain uint8 tensors: one object = one region per layer."""
+
+    def __init__(self, spec: PoolSpec, units: int, seed: int | None = None) -> None:
+        self.spec = spec
+        self.tensors = {
+            b.name: torch.zeros((b.layers, units, b.bytes_per_unit_per_layer), dtype=torch.uint8)
+            for b in spec.buffers
+        }
+        if seed is not None:
+            generator = torch.Generator().manual_seed(seed)
+            for tensor in self.tensors.values():
+                tensor.copy_(torch.randint(0, 256, tensor.shape, dtype=torch.uint8, generator=generator))
+
+    def unit_regions(self, unit: int) -> list[list[BufferRegion]]:
+        regions: list[list[BufferRegion]] = []
+        for obj in self.spec.objects:
+            per_obj = []
+            for name in obj.buffers:
+                tensor = self.tensors[name]
+                for layer in range(tensor.shape[0]):
+                    row = tensor[layer, unit]
+                    per_obj.append(BufferRegion(row.data_ptr(), row.numel()))
+            regions.append(per_obj)
+        return regions
+
+    def units(self, indices: Sequence[int]) -> list[list[list[BufferRegion]]]:
+        return [self.unit_regions(i) for i in indices]
+
+    def unit_bytes(self, unit: int) -> bytes:
+        return b"".join(t[:, unit].contiguous().numpy().tobytes() for t in self.tensors.values())
+
+
+def page_hashes(count: int, model: str = "conformance", seed: int = 0) -> list[str]:
+    tokens = torch.arange(seed * 1000, seed * 1000 + count * PAGE_SIZE, dtype=torch.int64)
+    return hash_pages(tokens, PAGE_SIZE, namespace_root(model))
+
+
+class BackendKit:
+    """Fixtures and helpers of the backend conformance mixins; subclass a mixin, not this."""
+
+    model_name = "conformance-model"
+
+    @pytest.fixture(autouse=True)
+    def _fresh_namespace(self) -> None:
+        """A model name (key namespace) of its own per test: a shared backend (one Mooncake
+        cluster for the whole session, several conformance classes) still holds what earlier
+        tests wrote, and "nothing stored yet" assertions must not see it."""
+        self.model_name = f"conformance-{uuid.uuid4().hex[:12]}"
+
+    @pytest.fixture
+    def backend_factory(self) -> Callable[[str], StorageBackend]:
+        raise NotImplementedError("a conformance test class must override the backend_factory fixture")
+
+    @pytest.fixture
+    def backend(self, backend_factory: Callable[[str], StorageBackend]) -> Iterator[StorageBackend]:
+        instance = backend_factory("conformance")
+        yield instance
+        instance.close()
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def engine(
+        self,
+        backend: StorageBackend,
+        specs: dict[str, PoolSpec] | None = None,
+        model_name: str | None = None,
+        checksum: Literal["xxh3", "none"] = "xxh3",
+    ) -> StorageEngine:
+        specs = specs or conformance_specs()
+        parallel = ParallelConfig()
+        caps = backend.instance_capabilities()
+        plans = plan_backend(backend.instance, caps, specs.values(), parallel=parallel)
+        return StorageEngine(
+            backend,
+            specs,
+            plans,
+            model_name=model_name or self.model_name,
+            parallel=parallel,
+            checksum=checksum,
+        )
+
+    def _forge(
+        self,
+        backend: StorageBackend,
+        specs: dict[str, PoolSpec],
+        victim: StorageEngine,
+        pool: str,
+        hashes: list[str],
+        source: dict[str, HostPoolForTests],
+        model_name: str | None = None,
+    ) -> None:
+        """Store ``source``'s units of ``pool`` (laid out by ``specs``) under ``victim``'s keys."""
+        forger = self.engine(backend, specs, model_name=model_name)
+        forger.schemas[pool] = victim.schemas[pool]
+        assert all(forger.put(pool, hashes, source[pool].units(range(len(hashes)))).ok)
+
+    def corrupt(self, backend: StorageBackend, key: str, mode: Literal["flip", "truncate"]) -> bool:
+        hook = getattr(backend, "corrupt_for_test", None)
+        if hook is None:
+            pytest.skip(f"backend {backend.name!r} offers no corrupt_for_test hook")
+        return bool(hook(key, mode))
+
+    @staticmethod
+    def pools(specs: dict[str, PoolSpec], units: int, seed: int | None) -> dict[str, HostPoolForTests]:
+        return {
+            name: HostPoolForTests(spec, units, None if seed is None else seed + i)
+            for i, (name, spec) in enumerate(specs.items())
+        }
+
+    def assert_units_equal(self, a: HostPoolForTests, b: HostPoolForTests, units: Sequence[int]) -> None:
+        for unit in units:
+            assert a.unit_bytes(unit) == b.unit_bytes(unit), f"pool {a.spec.name!r} unit {unit} differs"
+
+    # --- tests --------------------------------------------------------------------------------------

@@ -1,0 +1,218 @@
+"""Conformance kit for eviction policies: subclass :class:`EvictionPolicyConformance` in your tests.
+
+::
+
+    from kvstrata.testing.policy_kit import EvictionPolicyConformance
+
+    class TestMyPolicy(EvictionPolicyConformance):
+        policy = "mine"                      # or {"type": "mine", "option": 3}
+
+        @pytest.fixture
+        def policy_host(self, kvstrata_bare_host):
+            kvstrata_bare_host.eviction_policies.register(MyPolicy)   # or an installed entry point
+            return kvstrata_bare_host
+
+It runs the property tests kvstrata runs on its own policies, through the real prefix tree: a
+random workload of requests over a small alphabet of pages (prefixes shared, split and extended)
+against a device tier of :data:`CAPACITY` pages, as the controller drives it (match = the access
+event, lock the prefix, evict what is missing, insert, release or keep the lock; some prefixes
+pinned). A policy only ranks what may leave, so these must hold for any policy: a locked or
+pinned node keeps its pages, the tier never holds more than its capacity, the tree's own checks
+pass after every step, and the same workload evicts the same pages twice (determinism).
+Needs ``hypothesis`` (``pip install hypothesis``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from itertools import count
+from typing import Any
+
+import pytest
+import torch
+
+from kvstrata.core.lease import Lease
+from kvstrata.core.metrics import CacheMetrics
+from kvstrata.core.policies import make_policy, policy_config
+from kvstrata.core.retention import Retention, RetentionHint
+from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
+from kvstrata.plugins import NEVER, PluginHost, PolicyContext
+from kvstrata.plugins.eviction_policy import EvictionPolicy, PolicyCapabilities
+from kvstrata.plugins.pool_type import ModelContext
+from kvstrata.pool_types.kv import KVConfig, KVPoolType
+
+#: Tokens per page of the kit's tree, and pages its device tier holds.
+PAGE = 4
+CAPACITY = 12
+
+#: One request of a workload: (page ids, keep its lock, pin its prefix).
+Op = tuple[list[int], bool, bool]
+
+
+def page_keys(*page_ids: int) -> list[tuple[int, ...]]:
+    """Page keys whose pages are ``(id, id, id, id)``: readable prefixes."""
+    return [(pid,) * PAGE for pid in page_ids]
+
+
+class _OpsFuture:
+    """The workload's future for offline policies: the next op whose path holds a page key."""
+
+    def __init__(self, paths: list[list[int]]) -> None:
+        self.now = -1
+        self.paths = [set(page_keys(*path)) for path in paths]
+
+    def next_use(self, key: Hashable) -> int:
+        for i in range(self.now + 1, len(self.paths)):
+            if key in self.paths[i]:
+                return i
+        return NEVER
+
+
+def request_paths() -> Any:
+    """The hypothesis strategy of workloads: ids from a small alphabet, so prefixes are shared."""
+    from hypothesis import strategies as st
+
+    path = st.lists(st.integers(0, 3), min_size=1, max_size=6).map(lambda ids: [1, *ids])
+    return st.lists(st.tuples(path, st.booleans(), st.booleans()), min_size=1, max_size=40)
+
+
+def run_workload(host: PluginHost, policy: str | dict[str, Any], ops: list[Op]) -> list[tuple[Hashable, ...]]:
+    """Serve ``ops`` through a real tree ranked by ``policy``; assert the invariants after every
+    step; return what was evicted, in order."""
+    kv = KVPoolType(
+        "kv", KVConfig(layers=1, kv_heads=1, head_dim=8), ModelContext(page_size=PAGE, anchor="kv")
+    ).spec()
+    tree = PrefixTree([kv])
+    context = PolicyContext(tier="device", capacity_pages=CAPACITY, page_size=PAGE, page_bytes=64)
+    ranker = make_policy(host, policy_config(host, policy), context)
+    future = _OpsFuture([path for path, _, _ in ops])
+    if ranker.capabilities.needs_future:
+        ranker.bind_future(future)
+    tree.set_eviction_order(Tier.DEVICE, ranker)
+    retention = Retention(tree, max_pinned_pages=CAPACITY // 3, metrics=CacheMetrics())
+    tree.set_retention(retention)
+    fresh = count(0)
+    held: list[LockHandle] = []
+    pinned: list[Lease] = []
+    evicted: list[tuple[Hashable, ...]] = []
+    for index, (path, keep, pin) in enumerate(ops):
+        future.now = index
+        keys = page_keys(*path)
+        match = tree.match(keys)
+        lock = tree.lock(match.device_node) if match.device_pages else None
+        new = len(keys) - match.device_pages
+        used = tree.units("kv", Tier.DEVICE)
+        if used + new > CAPACITY:
+            protected = _protected(tree, held, pinned, lock)
+            result = tree.evict_device({"kv": used + new - CAPACITY})
+            evicted.extend(tuple(node.keys) for node in result.demoted)
+            evicted.append(("deleted", result.deleted, result.units.get("kv", 0)))
+            for node, pages in protected.items():
+                assert node.parent is not None and node.device[0] is not None, (
+                    f"policy {policy!r}: a locked or pinned node lost its pages"
+                )
+                assert len(node.device[0]) == pages == node.pages, (
+                    f"policy {policy!r}: a protected node was trimmed"
+                )
+        tree.check()
+        if tree.units("kv", Tier.DEVICE) + new <= CAPACITY and new:
+            above = match.device_node if match.device_pages else None
+            units = torch.tensor([next(fresh) for _ in range(new)], dtype=torch.int64)
+            result = tree.insert(keys[match.device_pages :], {"kv": units}, at=above)
+            lock = tree.lock(result.node) if lock is None else tree.move_lock(lock, result.node)
+            if pin:
+                lease = Lease(list(keys), torch.empty(0, dtype=torch.int64), "ns", PAGE)
+                lease._node = result.node
+                retention.apply(lease, RetentionHint(pin=True))
+                if lease.pinned:
+                    pinned.append(lease)
+        assert tree.units("kv", Tier.DEVICE) <= CAPACITY, (
+            f"policy {policy!r}: the tier holds more than its capacity"
+        )
+        assert retention.pinned_pages <= CAPACITY // 3
+        if lock is not None:
+            if keep and len(held) < 2:
+                held.append(lock)
+            else:
+                tree.unlock(lock)
+        if len(pinned) > 1:
+            retention.unpin(pinned.pop(0))
+        tree.check()
+    return evicted
+
+
+def _protected(
+    tree: PrefixTree, held: list[LockHandle], pinned: list[Lease], lock: LockHandle | None
+) -> dict[TreeNode, int]:
+    """Every node on a locked or pinned path, with its page count now."""
+    ends = [h.node for h in held] + [lease._pin.lock.node for lease in pinned if lease._pin is not None]
+    if lock is not None:
+        ends.append(lock.node)
+    out = {}
+    for node in ends:
+        cur: TreeNode | None = node
+        while cur is not None and cur is not tree.root:
+            out[cur] = cur.pages
+            cur = cur.parent
+    return out
+
+
+def _given(max_examples: int) -> Any:
+    """``@given(ops=request_paths())`` with the kit's settings (applied lazily: hypothesis is a
+    test dependency, not one of kvstrata's)."""
+
+    def wrap(test: Any) -> Any:
+        from hypothesis import HealthCheck, given, settings
+
+        # a mixin's method runs on one instance per subclass; the fixture only hands in a host
+        checks = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.differing_executors]
+        return settings(max_examples=max_examples, deadline=None, suppress_health_check=checks)(
+            given(ops=request_paths())(test)
+        )
+
+    return wrap
+
+
+class EvictionPolicyConformance:
+    """Behaviour every eviction policy must show; set :attr:`policy`, override ``policy_host``."""
+
+    #: the policy under test: its name, or a mapping with ``type`` and options
+    policy: str | dict[str, Any] = ""
+
+    @pytest.fixture
+    def policy_host(self) -> PluginHost:
+        """A host where :attr:`policy` is registered (default: the installed plugins)."""
+        return PluginHost()
+
+    def _name(self) -> str:
+        if not self.policy:
+            raise NotImplementedError("an eviction-policy conformance class must set `policy`")
+        return self.policy if isinstance(self.policy, str) else str(self.policy["type"])
+
+    def test_declares_the_contract(self, policy_host: PluginHost) -> None:
+        cls = policy_host.eviction_policies.require(self._name())
+        assert issubclass(cls, EvictionPolicy), f"{cls!r} must subclass kvstrata.plugins.EvictionPolicy"
+        assert isinstance(cls.capabilities, PolicyCapabilities), "capabilities must be a PolicyCapabilities"
+        context = PolicyContext(tier="device", capacity_pages=CAPACITY, page_size=PAGE, page_bytes=64)
+        ranker = make_policy(policy_host, policy_config(policy_host, self.policy), context)
+        assert list(ranker.ranked([])) == [], "ranking no entries must give none"
+
+    @_given(max_examples=40)
+    def test_keeps_locked_and_pinned_pages_and_the_capacity(
+        self, policy_host: PluginHost, ops: list[Op]
+    ) -> None:
+        run_workload(policy_host, self.policy, ops)
+
+    @_given(max_examples=20)
+    def test_is_deterministic(self, policy_host: PluginHost, ops: list[Op]) -> None:
+        first = run_workload(policy_host, self.policy, ops)
+        assert first == run_workload(policy_host, self.policy, ops), (
+            f"policy {self.policy!r} evicted differently on the same workload: ranks must not depend "
+            "on randomness, wall time or object ids"
+        )
+
+    def test_the_workload_evicts_at_all(self, policy_host: PluginHost) -> None:
+        """The properties above are not vacuous: a plain workload overflows the tier."""
+        ops: list[Op] = [([1, i, i, i], False, False) for i in range(8)]
+        evicted = run_workload(policy_host, self.policy, ops)
+        assert sum(int(item[2]) for item in evicted if item[0] == "deleted") >= 8

@@ -1,0 +1,132 @@
+"""The conformance kits plugin authors run (issue 27, item 12), run here on plugins of each kind:
+the eviction-policy kit on a built-in and on an in-process one, the pool-type kit, the backend
+kit's capability mixins; and each kit catches the plugin that breaks its rule."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Literal
+
+import pytest
+
+from kvstrata.plugins import EvictionPolicy, EvictionPolicyConfig, PluginHost, PolicyCapabilities
+from kvstrata.plugins.storage_backend import StorageBackend
+from kvstrata.storage_backends.memory import MemoryBackend, MemoryConfig
+from kvstrata.testing.conformance import CoreConformance, IntegrityConformance, RemovalConformance
+from kvstrata.testing.policy_kit import EvictionPolicyConformance, run_workload
+from kvstrata.testing.pool_kit import PoolTypeConformance
+
+
+class TestLruThroughTheKit(EvictionPolicyConformance):
+    policy = "lru"
+
+
+class MruConfig(EvictionPolicyConfig):
+    type: Literal["mru"] = "mru"
+
+
+class MruPolicy(EvictionPolicy):
+    """A third-party policy registered in-process: most recently used first."""
+
+    name = "mru"
+    Config = MruConfig
+    capabilities = PolicyCapabilities()
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        return [(-n.last_access, n.id, n) for n in entries]
+
+
+class CoinConfig(EvictionPolicyConfig):
+    type: Literal["coin"] = "coin"
+
+
+class CoinPolicy(EvictionPolicy):
+    """Breaks the determinism rule on purpose (fault injection): random ranks."""
+
+    name = "coin"
+    Config = CoinConfig
+    capabilities = PolicyCapabilities()
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        return [(random.random(), n.id, n) for n in entries]
+
+
+class TestAThirdPartyPolicyThroughTheKit(EvictionPolicyConformance):
+    policy = {"type": "mru"}
+
+    @pytest.fixture
+    def policy_host(self, kvstrata_host: PluginHost) -> PluginHost:
+        kvstrata_host.eviction_policies.register(MruPolicy)
+        return kvstrata_host
+
+
+def test_the_policy_kit_catches_a_non_deterministic_policy(kvstrata_host: PluginHost) -> None:
+    kvstrata_host.eviction_policies.register(CoinPolicy)
+    ops = [([1, i % 3, i % 2, i], False, False) for i in range(12)]
+    runs = {tuple(map(tuple, run_workload(kvstrata_host, "coin", ops))) for _ in range(6)}
+    assert len(runs) > 1, "random ranks must show up as different evictions of one workload"
+
+
+# --- backend kit: capability mixins and the "absent key removed" rule ------------------------------
+
+
+class KeepForeverBackend(MemoryBackend):
+    """A backend that cannot remove objects (e.g. an append-only store): declares removable=False."""
+
+    name = "keepforever"
+    capabilities = MemoryBackend.capabilities.model_copy(update={"removable": False})
+
+    def remove(self, keys):  # type: ignore[no-untyped-def]
+        raise NotImplementedError("append-only")
+
+
+class TestANonRemovableBackendOptsOut(CoreConformance, IntegrityConformance):
+    """Composes the mixins it supports: every test here runs, none is skipped."""
+
+    @pytest.fixture
+    def backend_factory(self) -> Callable[[str], StorageBackend]:
+        return lambda instance="conformance": KeepForeverBackend(instance, MemoryConfig())
+
+
+def test_non_removable_composition_has_no_removal_tests() -> None:
+    names = {n for n in dir(TestANonRemovableBackendOptsOut) if n.startswith("test_")}
+    assert "test_round_trip_multi_region" in names and "test_integrity_rejection" in names
+    assert not {n for n in names if "remov" in n}
+
+
+class FalseForAbsent(MemoryBackend):
+    """Breaks the contract on purpose: False for a key that was never stored."""
+
+    def remove(self, keys):  # type: ignore[no-untyped-def]
+        return [False] * len(keys)
+
+
+def test_the_kit_names_the_absent_key_rule() -> None:
+    with pytest.raises(AssertionError, match="the contract is True for an absent key"):
+        RemovalConformance().test_removing_an_absent_key_returns_true(FalseForAbsent("l3", MemoryConfig()))
+
+
+# --- pool-type kit on the built-in kinds ------------------------------------------------------------
+
+
+class TestKvAnchorThroughThePoolKit(PoolTypeConformance):
+    pool_config = {"type": "kv", "layers": 2, "kv_heads": 2, "head_dim": 8, "unit_layout": "head_major"}
+
+
+class TestConvStateThroughThePoolKit(PoolTypeConformance):
+    """A small per-request state (a conv state) is a mamba pool with named states."""
+
+    pool_config = {"type": "mamba", "layers": 2, "states": {"conv": {"shape": [4, 3]}}}
+
+
+class TestWindowThroughThePoolKit(PoolTypeConformance):
+    pool_config = {"type": "swa", "layers": 1, "kv_heads": 1, "head_dim": 8, "window": 32}
+
+
+class TestSidecarThroughThePoolKit(PoolTypeConformance):
+    pool_config = {"type": "nsa", "layers": 1, "key_dtype": "bfloat16", "index_head_dim": 16}
+
+
+class TestLogicalThroughThePoolKit(PoolTypeConformance):
+    pool_config = {"type": "logical"}
