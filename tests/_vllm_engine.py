@@ -117,6 +117,53 @@ def _spy(llm: Any) -> dict[str, Any]:
     return seen
 
 
+SCHEDULER_CALLS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "take_events",
+    "get_kv_connector_stats",
+)
+WORKER_CALLS = (
+    "start_load_kv",
+    "wait_for_save",
+    "get_finished",
+    "get_transfer_results",
+    "get_kv_connector_stats",
+)
+
+
+def _timed(llm: Any) -> dict[str, float]:
+    """Wall time spent inside the connector's calls (both roles run in this process and every
+    call is synchronous, so this is what the connector adds to the engine's steps) and the number
+    of scheduler steps (``build_connector_meta`` calls)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    spent = {"connector_s": 0.0, "steps": 0.0}
+
+    def wrap(original: Any, counts_step: bool) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent["connector_s"] += time.perf_counter() - started
+                spent["steps"] += counts_step
+
+        return call
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    for name in SCHEDULER_CALLS:
+        setattr(scheduler, name, wrap(getattr(scheduler, name), name == "build_connector_meta"))
+    worker = get_kv_transfer_group()
+    for name in WORKER_CALLS:
+        setattr(worker, name, wrap(getattr(worker, name), False))
+    return spent
+
+
 def _damage(root: str) -> int:
     """Flip one payload byte (past the header) of every stored object under ``root``."""
     files = [p for p in Path(root).rglob("*") if p.is_file() and not p.name.startswith(".")]
@@ -159,9 +206,11 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(**kwargs)
     result: dict[str, Any] = {"init_s": time.perf_counter() - started, "steps": []}
     seen = _spy(llm) if job.get("connector") is not None and job.get("spy") else None
+    spent = _timed(llm) if job.get("connector") is not None and job.get("time_connector") else None
     for step in job["steps"]:
         before = _counters(llm)
         started, cpu_started = time.perf_counter(), time.process_time()
+        spent_before = dict(spent) if spent is not None else {}
         tokens: list[list[int]] = []
         if step["op"] == "reset":
             llm.reset_prefix_cache()
@@ -185,6 +234,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 "external_hits": delta.get("vllm:external_prefix_cache_hits", 0.0),
                 "external_queries": delta.get("vllm:external_prefix_cache_queries", 0.0),
                 "local_hits": delta.get("vllm:prefix_cache_hits", 0.0),
+                **({key: spent[key] - spent_before[key] for key in spent} if spent is not None else {}),
             }
         )
     if seen is not None:

@@ -273,3 +273,32 @@ def test_after_reset_prefix_cache_the_connector_serves_the_prompt(
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-x", "-q"]))
+
+
+def test_the_readme_serve_line_is_a_valid_kv_transfer_config(tmp_path: Path) -> None:
+    """The ``--kv-transfer-config`` JSON of the README's ``vllm serve`` line, parsed by vLLM's own
+    ``KVTransferConfig`` and by the connector's config loader (no engine: the line names a hub model)."""
+    readme = (REPO / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if "--kv-transfer-config" in line and "Kvstrata" in line)
+    text = line.split("--kv-transfer-config", 1)[1].strip().strip("'")
+    check = (
+        "import json, sys\n"
+        "from vllm.config import KVTransferConfig\n"
+        "from kvstrata.adapters.vllm import load_connector_config\n"
+        "from kvstrata.plugins import PluginHost\n"
+        "config = KVTransferConfig(**json.loads(sys.argv[1]))\n"
+        "settings = load_connector_config(config.kv_connector_extra_config, PluginHost())\n"
+        "print(config.kv_connector, config.kv_connector_module_path, config.kv_load_failure_policy,\n"
+        "      list(settings.tiers.storage))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "VLLM_TARGET_DEVICE": "cpu"}
+    out = subprocess.run(
+        [str(VENV_PYTHON), "-c", check, text],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["KvstrataConnector", "kvstrata.adapters.vllm", "recompute", "['l3']"]
