@@ -280,8 +280,11 @@ class EngineStorage:
                 plan = plan_pool(self.backend.instance, self.capabilities, spec, parallel=self.parallel)
                 self.engine.add_pool(name, spec, plan)
             plan = self.engine.plans[name]
-            zero_copy = plan.mode is IOMode.ZERO_COPY and host_region is not None
-            if zero_copy and host_region.ptr not in self._registered:
+            if (
+                plan.mode is IOMode.ZERO_COPY
+                and host_region is not None
+                and host_region.ptr not in self._registered
+            ):
                 self.backend.register_host_memory(host_region)
                 self._registered.add(host_region.ptr)
                 if owner is not None:
