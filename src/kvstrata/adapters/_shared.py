@@ -39,7 +39,11 @@ Use from an adapter::
                               parallel=ParallelConfig(tp_rank=r, tp_size=n), cache_salt="")
     storage = EngineStorage(identity, "l3", backend_config, checksum="xxh3")
     plan = storage.add_pool(spec.name, spec, host_region=region)   # once per pool
-    storage.engine.put(spec.name, page_hashes, units) ... storage.close()
+    hashes = hash_pages(token_ids, 16, identity.chain_root(request_salt))  # kvstrata.core.keys
+    storage.engine.put(spec.name, hashes, units) ... storage.close()
+
+    # or, where kvstrata manages the engine's cache (lease API):
+    cache, identity = open_cache(identity, user_config, pools=pools, overrides={"a.b": value})
 """
 
 from __future__ import annotations
