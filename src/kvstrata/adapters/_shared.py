@@ -39,7 +39,11 @@ Use from an adapter::
                               parallel=ParallelConfig(tp_rank=r, tp_size=n), cache_salt="")
     storage = EngineStorage(identity, "l3", backend_config, checksum="xxh3")
     plan = storage.add_pool(spec.name, spec, host_region=region)   # once per pool
-    storage.engine.put(spec.name, page_hashes, units) ... storage.close()
+    hashes = hash_pages(token_ids, 16, identity.chain_root(request_salt))  # kvstrata.core.keys
+    storage.engine.put(spec.name, hashes, units) ... storage.close()
+
+    # or, where kvstrata manages the engine's cache (lease API):
+    cache, identity = open_cache(identity, user_config, pools=pools, overrides={"a.b": value})
 """
 
 from __future__ import annotations
@@ -280,8 +284,11 @@ class EngineStorage:
                 plan = plan_pool(self.backend.instance, self.capabilities, spec, parallel=self.parallel)
                 self.engine.add_pool(name, spec, plan)
             plan = self.engine.plans[name]
-            zero_copy = plan.mode is IOMode.ZERO_COPY and host_region is not None
-            if zero_copy and host_region.ptr not in self._registered:
+            if (
+                plan.mode is IOMode.ZERO_COPY
+                and host_region is not None
+                and host_region.ptr not in self._registered
+            ):
                 self.backend.register_host_memory(host_region)
                 self._registered.add(host_region.ptr)
                 if owner is not None:

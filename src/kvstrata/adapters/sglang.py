@@ -9,11 +9,12 @@ Launch SGLang with (the README shows a complete command)::
 
 SGLang's ``StorageBackendFactory`` imports this module, checks that the class subclasses
 ``HiCacheStorage`` and calls ``KvstrataHiCacheStorage(storage_config, kwargs)``. ``kvstrata_config``
-(a YAML/TOML/JSON path or an inline mapping, validated by :class:`SGLangL3Config`) names the
-storage backend -- any kvstrata backend plugin, reached through ``PluginHost().storage_backends``
-and planned from its declared capabilities like kvstrata's own cache does (``StorageEngine`` over
-``plan_pool``, through :class:`kvstrata.adapters._shared.EngineStorage`) -- plus the namespace
-and checksum policy. The model layout comes from SGLang's host pools as they register (see
+(a YAML/TOML/JSON path or an inline mapping, validated by
+:class:`~kvstrata.adapters._sglang_support.SGLangL3Config`) names the storage backend -- any
+kvstrata backend plugin, reached through ``PluginHost().storage_backends`` and planned from its
+declared capabilities like kvstrata's own cache does (``StorageEngine`` over ``plan_pool``,
+through :class:`kvstrata.adapters._shared.EngineStorage`) -- plus the namespace and checksum
+policy. The model layout comes from SGLang's host pools as they register (see
 :mod:`kvstrata.adapters._sglang_pages`).
 
 Keys: SGLang's page keys become the page-hash component of kvstrata keys
@@ -41,11 +42,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -56,15 +55,14 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvstrata.adapters._sglang_pages import PageFormat, Transfer, describe_host_pool
+from kvstrata.adapters._sglang_support import CONFIG_KEY, Stats, load_l3_config, trailing_prefixes
 from kvstrata.adapters._shared import EngineIdentity, EngineStorage, page_key
-from kvstrata.core.config import ParallelConfig, PluginBackendConfig, dotted, load_file
+from kvstrata.core.config import ParallelConfig
 from kvstrata.core.storage_engine import StorageMetrics, longest_present_prefix
 from kvstrata.plugins import ConfigError, PluginHost, StorageBackend
 
 log = logging.getLogger(__name__)
 
-#: The key of SGLang's extra config that holds kvstrata's settings.
-CONFIG_KEY = "kvstrata_config"
 #: SGLang's pool name of the anchor KV pool (``PoolName.KV``).
 KV_POOL = "kv"
 #: Host pools SGLang writes from every TP rank even in rank-replicated (MLA) models: its
@@ -73,116 +71,6 @@ TP_SHARDED_SIDE_POOLS = frozenset({"mamba"})
 
 #: Second chunk of an existence query (after one probe page); each further chunk doubles.
 FIRST_EXISTS_CHUNK = 16
-
-
-# --- settings -------------------------------------------------------------------------------------
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SGLangModelSettings(_Strict):
-    name: str | None = Field(
-        default=None,
-        min_length=1,
-        description="namespace of the stored pages; default: SGLang's served model name",
-    )
-    cache_salt: str = Field(default="", description="tenant / salt: separates otherwise equal prefixes")
-    weights_digest: str | None = Field(
-        default=None,
-        min_length=1,
-        description="identifies the exact weights (a digest or revision); set it when the served "
-        "name stays while the weights change -- the adapter cannot read SGLang's weights",
-    )
-
-
-class SGLangTiersSettings(_Strict):
-    storage: dict[str, PluginBackendConfig] = Field(
-        min_length=1, max_length=1, description="one storage instance: instance name -> backend config"
-    )
-
-
-class SGLangPolicySettings(_Strict):
-    checksum: Literal["xxh3", "none"] = Field(
-        default="xxh3", description="payload checksum in every object header (none: header checks only)"
-    )
-
-
-class SGLangL3Config(_Strict):
-    """``kvstrata_config``: the same key names as a kvstrata config file (``model``, ``tiers.storage``,
-    ``policy.checksum``); the model layout and parallel coordinates come from SGLang."""
-
-    model: SGLangModelSettings = SGLangModelSettings()
-    tiers: SGLangTiersSettings
-    policy: SGLangPolicySettings = SGLangPolicySettings()
-
-
-def load_l3_config(value: Any, plugins: PluginHost) -> SGLangL3Config:
-    """Validate ``kvstrata_config`` (path or mapping); errors name ``kvstrata_config.<dotted path>``."""
-    source: str | None = None
-    if isinstance(value, (str, Path)):
-        source = str(value)
-        try:
-            data: Any = load_file(value)
-        except ConfigError as exc:
-            raise ConfigError([(_prefixed(path), reason) for path, reason in exc.errors], source) from None
-    elif isinstance(value, Mapping):
-        data = dict(value)
-    elif value is None:
-        raise ConfigError(
-            [
-                (
-                    CONFIG_KEY,
-                    "missing: give a kvstrata config path or an inline mapping in SGLang's extra config",
-                )
-            ]
-        )
-    else:
-        raise ConfigError([(CONFIG_KEY, f"expected a path or a mapping, got {type(value).__name__}")])
-    try:
-        return SGLangL3Config.model_validate(data, context={"plugins": plugins})
-    except ValidationError as exc:
-        errors = [(_prefixed(dotted(err["loc"])), err["msg"]) for err in exc.errors()]
-        raise ConfigError(errors, source) from None
-
-
-def _prefixed(path: str) -> str:
-    return f"{CONFIG_KEY}.{path}" if path else CONFIG_KEY
-
-
-class _Stats:
-    """Pages and bandwidth per batch, drained by ``get_stats`` (SGLang's storage metrics)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.prefetch_pgs: list[int] = []
-        self.backup_pgs: list[int] = []
-        self.prefetch_bandwidth: list[float] = []
-        self.backup_bandwidth: list[float] = []
-
-    def record(self, reading: bool, pages: int, nbytes: int, seconds: float) -> None:
-        if pages <= 0:
-            return
-        gbps = nbytes / seconds / 1e9 if seconds > 0 else 0.0
-        with self.lock:
-            if reading:
-                self.prefetch_pgs.append(pages)
-                self.prefetch_bandwidth.append(gbps)
-            else:
-                self.backup_pgs.append(pages)
-                self.backup_bandwidth.append(gbps)
-
-    def drain(self) -> tuple[list[int], list[int], list[float], list[float]]:
-        with self.lock:
-            out = (self.prefetch_pgs, self.backup_pgs, self.prefetch_bandwidth, self.backup_bandwidth)
-            self.prefetch_pgs, self.backup_pgs, self.prefetch_bandwidth, self.backup_bandwidth = (
-                [],
-                [],
-                [],
-                [],
-            )
-        return out
 
 
 # --- the storage class ----------------------------------------------------------------------------
@@ -264,7 +152,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         self.engine = self.storage.engine
         self._pools: dict[str, PageFormat] = {}
         self._lock = threading.Lock()
-        self._stats = _Stats()
+        self._stats = Stats()
 
     # --- registration --------------------------------------------------------------------------
 
@@ -487,7 +375,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                 allowed = set(range(1, boundary + 1))
             else:
                 window = max(1, len(transfer.keys) if transfer.keys else 1)
-                allowed = _trailing_prefixes(present, window)
+                allowed = trailing_prefixes(present, window)
                 boundary = max(allowed, default=0)
             if boundary:
                 hit_count[transfer.name] = boundary
@@ -572,14 +460,3 @@ class KvstrataHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         self.storage.close()
-
-
-def _trailing_prefixes(present: Sequence[bool], window: int) -> set[int]:
-    """Prefix lengths ``p`` whose last ``window`` pages (``[p - window, p)``) are all present."""
-    allowed: set[int] = set()
-    run = 0
-    for index, flag in enumerate(present):
-        run = run + 1 if flag else 0
-        if run >= min(window, index + 1):
-            allowed.add(index + 1)
-    return allowed

@@ -1,0 +1,137 @@
+"""What the SGLang adapter needs beside its storage class: ``kvstrata_config`` (the kvstrata side
+of SGLang's extra config, validated like a kvstrata config file, errors naming
+``kvstrata_config.<dotted path>``), the per-batch stats SGLang drains, and the hit-policy
+arithmetic of the v2 existence query."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvstrata.core.config import PluginBackendConfig, dotted, load_file
+from kvstrata.plugins import ConfigError, PluginHost
+
+#: The key of SGLang's extra config that holds kvstrata's settings.
+CONFIG_KEY = "kvstrata_config"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SGLangModelSettings(_Strict):
+    name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="namespace of the stored pages; default: SGLang's served model name",
+    )
+    cache_salt: str = Field(default="", description="tenant / salt: separates otherwise equal prefixes")
+    weights_digest: str | None = Field(
+        default=None,
+        min_length=1,
+        description="identifies the exact weights (a digest or revision); set it when the served "
+        "name stays while the weights change -- the adapter cannot read SGLang's weights",
+    )
+
+
+class SGLangTiersSettings(_Strict):
+    storage: dict[str, PluginBackendConfig] = Field(
+        min_length=1, max_length=1, description="one storage instance: instance name -> backend config"
+    )
+
+
+class SGLangPolicySettings(_Strict):
+    checksum: Literal["xxh3", "none"] = Field(
+        default="xxh3", description="payload checksum in every object header (none: header checks only)"
+    )
+
+
+class SGLangL3Config(_Strict):
+    """``kvstrata_config``: the same key names as a kvstrata config file (``model``, ``tiers.storage``,
+    ``policy.checksum``); the model layout and parallel coordinates come from SGLang."""
+
+    model: SGLangModelSettings = SGLangModelSettings()
+    tiers: SGLangTiersSettings
+    policy: SGLangPolicySettings = SGLangPolicySettings()
+
+
+def load_l3_config(value: Any, plugins: PluginHost) -> SGLangL3Config:
+    """Validate ``kvstrata_config`` (path or mapping); errors name ``kvstrata_config.<dotted path>``."""
+    source: str | None = None
+    if isinstance(value, (str, Path)):
+        source = str(value)
+        try:
+            data: Any = load_file(value)
+        except ConfigError as exc:
+            raise ConfigError([(_prefixed(path), reason) for path, reason in exc.errors], source) from None
+    elif isinstance(value, Mapping):
+        data = dict(value)
+    elif value is None:
+        raise ConfigError(
+            [
+                (
+                    CONFIG_KEY,
+                    "missing: give a kvstrata config path or an inline mapping in SGLang's extra config",
+                )
+            ]
+        )
+    else:
+        raise ConfigError([(CONFIG_KEY, f"expected a path or a mapping, got {type(value).__name__}")])
+    try:
+        return SGLangL3Config.model_validate(data, context={"plugins": plugins})
+    except ValidationError as exc:
+        errors = [(_prefixed(dotted(err["loc"])), err["msg"]) for err in exc.errors()]
+        raise ConfigError(errors, source) from None
+
+
+def _prefixed(path: str) -> str:
+    return f"{CONFIG_KEY}.{path}" if path else CONFIG_KEY
+
+
+class Stats:
+    """Pages and bandwidth per batch, drained by ``get_stats`` (SGLang's storage metrics)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.prefetch_pgs: list[int] = []
+        self.backup_pgs: list[int] = []
+        self.prefetch_bandwidth: list[float] = []
+        self.backup_bandwidth: list[float] = []
+
+    def record(self, reading: bool, pages: int, nbytes: int, seconds: float) -> None:
+        if pages <= 0:
+            return
+        gbps = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+        with self.lock:
+            if reading:
+                self.prefetch_pgs.append(pages)
+                self.prefetch_bandwidth.append(gbps)
+            else:
+                self.backup_pgs.append(pages)
+                self.backup_bandwidth.append(gbps)
+
+    def drain(self) -> tuple[list[int], list[int], list[float], list[float]]:
+        with self.lock:
+            out = (self.prefetch_pgs, self.backup_pgs, self.prefetch_bandwidth, self.backup_bandwidth)
+            self.prefetch_pgs, self.backup_pgs, self.prefetch_bandwidth, self.backup_bandwidth = (
+                [],
+                [],
+                [],
+                [],
+            )
+        return out
+
+
+def trailing_prefixes(present: Sequence[bool], window: int) -> set[int]:
+    """Prefix lengths ``p`` whose last ``window`` pages (``[p - window, p)``) are all present."""
+    allowed: set[int] = set()
+    run = 0
+    for index, flag in enumerate(present):
+        run = run + 1 if flag else 0
+        if run >= min(window, index + 1):
+            allowed.add(index + 1)
+    return allowed
