@@ -307,6 +307,12 @@ def test_commit_checks_its_arguments_and_stores_only_what_the_cache_can_give() -
             cache.commit(torch.cat([ids[:17], ids[17:] + 1]), PAGE, past)
         with pytest.raises(ValueError, match="batch of 2"):
             cache.commit(torch.stack([ids, ids]), PAGE, past)
+        # issue 25 item 9: floats and bools were truncated into token ids
+        for wrong in (ids.to(torch.float32) + 0.5, ids > 100):
+            with pytest.raises(TypeError, match="input_ids must hold integer token ids"):
+                cache.restore(wrong)
+        with pytest.raises(ValueError, match="token"):
+            cache.restore(torch.full((2 * PAGE,), 2**33))
         with pytest.raises(TypeError, match="DynamicCache"):
             cache.commit(ids, PAGE, object())
         assert cache.commit(ids, PAGE, past) == 0, "no state at page 1: the cache moved past it"
