@@ -322,6 +322,15 @@ class PrefixTree:
     def unlock(self, handle: LockHandle) -> None:
         self._locks.unlock(handle)
 
+    def lock_local(self, node: TreeNode, tier: Tier | str = Tier.DEVICE) -> LockHandle:
+        """Protect only ``node``'s own state-pool values and its last window in ``tier``.
+
+        What a queued write of ``node`` needs beside a path lock that moves on: a moved lock
+        leaves the state and window units of the nodes above it (``move_lock``), which a
+        write still reading them must keep. Costs the window's nodes, not the path.
+        """
+        return self._locks.lock_local(node, Tier(tier))
+
     def move_lock(self, handle: LockHandle, node: TreeNode) -> LockHandle:
         """Move a lock down to ``node``, a descendant of ``handle.node`` (or the node itself):
         what a request holds after inserting its next chunk. Costs the nodes between the two

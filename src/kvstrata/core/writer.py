@@ -34,7 +34,9 @@ from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import PoolKind, StackLayout, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.tier_units import TierUnits
-from kvstrata.core.tree import LockHandle, MatchResult, PageKey, PrefixTree, Tier, TreeNode
+from kvstrata.core.tree import MatchResult, PageKey, PrefixTree, Tier, TreeNode
+from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
+from kvstrata.core.write_back import SharedLock, eviction_backups, host_locks
 
 if TYPE_CHECKING:
     from kvstrata.core.lease import Lease
@@ -46,16 +48,6 @@ log = logging.getLogger(__name__)
 
 #: refused nodes remembered for a second offer before the stale ones are swept out
 _REFUSED_SWEEP = 8192
-
-
-@dataclass(eq=False)
-class SharedLock:
-    """A host lock several queued writes rely on: a lock on a node covers its whole path, so the
-    writes of a chunked request (each below the previous) share one lock moved down the path
-    instead of each walking the path from the root. Unlocked when its last write is drained."""
-
-    handle: LockHandle
-    refs: int = 1
 
 
 @dataclass(eq=False)
@@ -109,6 +101,7 @@ class Writer:
         if self.storage_admission.selective:
             tree.on_split(self._split)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
+        self.digests: UnitDigests | None = None  # debug.unit_digests
         if policy.write == "write_back":
             units.before_device_eviction = self.back_up_for_eviction
 
@@ -118,6 +111,8 @@ class Writer:
         """Write-through: back up the path to a freshly inserted node (below ``since``, which a
         chunked request inserted, and backed up, before). ``hashes`` gives the request's page
         hashes; it is called only when an L3 write is queued (no L3, no hashing)."""
+        if self.digests is not None:
+            record_nodes(self.digests, self.tree.index, _path(self.tree, node, since), hashes())
         if self.policy.write == "write_through":
             path = _path(self.tree, node, since)
             self.host_admission.seen(path)
@@ -252,25 +247,16 @@ class Writer:
                     self.tree.set_host_value(node, name, got[name])
         self.metrics.count("backups", len(nodes))
         self.metrics.add_bytes("device_to_host", nbytes)
+        if self.digests is not None:
+            known: dict[TreeNode, list[str]] = {}
+            for node in nodes:
+                node_hashes_from_path(self.tree, node, self.page_size, self.namespace_root, known)
+            check_nodes(self.digests, "backup", self.tree.index, nodes, known, Tier.HOST)
 
     def back_up_for_eviction(self, shortfall: Mapping[str, int]) -> None:
-        """Write-back: back up least recently used device nodes before evicting them."""
-        anchor = self.layout.anchor
-        want = shortfall.get(anchor, 0) or max(shortfall.values(), default=0)
-        candidates = [
-            n
-            for n in self.tree.holding(anchor, Tier.DEVICE)
-            if not self.tree.backed_up(n) and not any(n.device_lock)
-        ]
-        candidates.sort(key=lambda n: (n.last_access, n.id))
-        chosen, units = [], 0
-        for node in candidates:
-            if units >= want:
-                break
-            chosen.append(node)
-            units += node.pages
-        chosen.sort(key=lambda n: n.depth_end)
-        self.back_up(chosen)
+        """Write-back: back up the device nodes the eviction then drops (see
+        :func:`kvstrata.core.write_back.eviction_backups`)."""
+        self.back_up(eviction_backups(self.tree, self.layout, shortfall))
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
 
@@ -316,7 +302,11 @@ class Writer:
         if not batches:
             return
         locks = self._host_locks(nodes)
-        self.pending.append(PendingWrite(locks, self._thread.submit(self.engine.put_group, batches)))
+        if self.digests is not None:
+            future = self._thread.submit(_checked_put, self.engine, self.digests, batches, per_pool)
+        else:
+            future = self._thread.submit(self.engine.put_group, batches)
+        self.pending.append(PendingWrite(locks, future))
         self.metrics.count("storage_writes")
 
     def drain(self) -> None:
@@ -345,15 +335,8 @@ class Writer:
                 self.tree.unlock(shared.handle)
 
     def _host_locks(self, nodes: Sequence[TreeNode]) -> list[SharedLock]:
-        """Host locks keeping ``nodes``' units alive while they are written. A path just below
-        the last queued write's lock moves that lock down (O(new nodes)); otherwise each node
-        gets a lock of its own."""
         last = self.pending[-1].locks[-1] if self.pending and self.pending[-1].locks else None
-        if last is not None and last.refs > 0 and _is_chain(nodes, last.handle.node):
-            last.handle = self.tree.move_lock(last.handle, nodes[-1])
-            last.refs += 1
-            return [last]
-        return [SharedLock(self.tree.lock(node, Tier.HOST)) for node in nodes]
+        return host_locks(self.tree, self.layout, last, nodes)
 
     def wait(self, deadline: float | None) -> None:
         """Wait (up to ``deadline``, a ``time.monotonic`` value) for every queued write."""
@@ -393,14 +376,19 @@ def _host_values_per_pool(
     return per_pool
 
 
-def _is_chain(nodes: Sequence[TreeNode], top: TreeNode) -> bool:
-    """Whether ``nodes`` are a path going straight down from ``top``'s child."""
-    parent = top
-    for node in nodes:
-        if node.parent is not parent:
-            return False
-        parent = node
-    return bool(nodes)
+def _checked_put(
+    engine: StorageEngine,
+    digests: UnitDigests,
+    batches: dict[str, PoolBatch],
+    per_pool: dict[str, tuple[list[str], list[torch.Tensor]]],
+) -> dict[str, BatchResult]:
+    """The writer thread's put under ``debug.unit_digests``: a pool whose host bytes no longer
+    match their commit is not written (the anchor still is: the prefix ends before it)."""
+    for name in list(batches):
+        page_hashes, values = per_pool[name]
+        if not digests.check("l3_write", name, page_hashes, torch.cat(values), Tier.HOST):
+            del batches[name]
+    return engine.put_group(batches)
 
 
 def _path(tree: PrefixTree, node: TreeNode, since: TreeNode | None = None) -> list[TreeNode]:
