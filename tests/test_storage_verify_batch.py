@@ -23,6 +23,7 @@ from kvstrata.core.integrity import (
 )
 from kvstrata.core.storage_batch import ObjectBatch, ReadChecks, verify_batch
 from kvstrata.plugins.storage_backend import BufferRegion, ReadCheck, StorageObject
+from kvstrata.storage_backends import file as file_backend
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
 
@@ -155,10 +156,27 @@ class PlainGetFileBackend(FileBackend):
         return super().get(objects)
 
 
+class SkippingFileBackend(FileBackend):
+    """FAULT INJECTION: declares ``checks_reads`` (inherited) but leaves some rows unchecked, as a
+    buggy backend could: the engine, which then makes no second pass, must still not trust them."""
+
+    skip: frozenset[int] = frozenset()
+
+    def get(self, objects: Sequence[StorageObject], check: ReadCheck | None = None) -> list[int]:
+        assert check is not None
+
+        def partial(row: int, nbytes: int) -> None:
+            if row not in self.skip:
+                check(row, nbytes)
+
+        return super().get(objects, partial)
+
+
 @pytest.mark.parametrize("backend_class", [ObservedFileBackend, PlainGetFileBackend])
 def test_a_bad_object_is_a_counted_miss_wherever_it_is_verified(
-    tmp_path: Path, backend_class: type[FileBackend]
+    tmp_path: Path, backend_class: type[FileBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(file_backend, "_usable_cpus", lambda: 4)  # reads split over 4 threads
     backend = backend_class("l3", FileConfig(path=tmp_path, io_threads=4))
     backend.open()
     specs = conformance_specs()
@@ -180,4 +198,44 @@ def test_a_bad_object_is_a_counted_miss_wherever_it_is_verified(
         assert sorted(backend.checked_rows) == list(range(2 * units)), "every object found is checked"
         assert threading.get_ident() in backend.check_threads, "the calling thread reads a chunk too"
         assert len(backend.check_threads) > 1, "the other chunks are checked by the I/O threads"
+    backend.close()
+
+
+def test_reads_checked_by_the_backend_are_hashed_once_and_unchecked_rows_still_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``checks_reads`` declared the engine hashes nothing after the backend returns: each
+    object is hashed once, by the thread that read it. A row the backend left unchecked is not
+    trusted on the fast path: a damaged one is a miss, an intact one a hit (verify_object)."""
+    hashed: list[int] = []
+    original = ReadChecks.checksum
+
+    def counted(self: ReadChecks, row: int) -> int:
+        hashed.append(row)
+        return original(self, row)
+
+    monkeypatch.setattr(ReadChecks, "checksum", counted)
+    backend = SkippingFileBackend("l3", FileConfig(path=tmp_path, io_threads=2))
+    assert backend.instance_capabilities().checks_reads
+    backend.open()
+    specs = conformance_specs()
+    engine = KIT.engine(backend, specs)
+    units = 20
+    source, target = KIT.pools(specs, units, seed=5), KIT.pools(specs, units, seed=None)
+    hashes = page_hashes(units, seed=5)
+    assert all(engine.put("attn", hashes, source["attn"].units(range(units))).ok)
+    assert all(engine.get("attn", hashes, target["attn"].units(range(units))).ok)
+    assert sorted(hashed) == list(range(2 * units)), "every object hashed exactly once"
+
+    keys = engine.object_keys("attn", hashes)
+    assert backend.corrupt_for_test(keys[0][3], "flip")  # object "k" of unit 3 = row 6
+    with open(backend.path_for(keys[0][5]), "r+b") as handle:  # unit 5's "k" (row 10): its
+        handle.seek(40)  # checksum field zeroed, what a row nobody hashed would "compute"
+        handle.write(bytes(8))
+    backend.skip = frozenset({6, 10, 12})  # row 12: unit 6's intact "k"
+    target = KIT.pools(specs, units, seed=None)
+    result = engine.get("attn", hashes, target["attn"].units(range(units)))
+    assert result.ok == [i not in (3, 5) for i in range(units)]
+    assert engine.metrics.corrupt_reasons == {"checksum_mismatch": 2}
+    KIT.assert_units_equal(source["attn"], target["attn"], [i for i in range(units) if i not in (3, 5)])
     backend.close()

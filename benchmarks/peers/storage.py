@@ -53,6 +53,11 @@ from _results import Figure, write_results  # noqa: E402
 
 GIB = float(1 << 30)
 SIDES = ("kvstrata", "HiCacheFile")
+#: Floors measured in the same run (put and get only): kvstrata with ``checksum: none`` (what the
+#: integrity costs), and a bare loop of ``os`` calls over files of their own (what this machine's
+#: page cache allows: no header, no index, no temp file, no rename).
+FLOORS = ("kvstrata-nosum", "raw")
+FLOOR_OPS = ("put", "get")
 #: (operation, unit, goal as "kvstrata / HiCacheFile" bound, True when the bound is a minimum)
 WORKLOADS = (
     ("put", "GiB/s", 2.0, True),
@@ -64,7 +69,7 @@ WORKLOADS = (
 
 def page_keys(side: str, round_id: int, count: int) -> list[str]:
     """Fresh keys per round, shaped as each side's caller makes them (hex page hashes)."""
-    if side == "kvstrata":  # BLAKE2b-128 page hashes, as kvstrata.core.keys.hash_pages gives them
+    if side != "HiCacheFile":  # BLAKE2b-128 page hashes, as kvstrata.core.keys.hash_pages gives them
         return [hashlib.blake2b(f"{round_id}-{i}".encode(), digest_size=16).hexdigest() for i in range(count)]
     return [hashlib.sha256(f"{round_id}-{i}".encode()).hexdigest() for i in range(count)]  # SGLang's
 
@@ -73,9 +78,17 @@ def page_keys(side: str, round_id: int, count: int) -> list[str]:
 
 
 class KvstrataWorker:
-    """kvstrata's file backend through the storage engine, xxh3 checksums on."""
+    """kvstrata's file backend through the storage engine, xxh3 checksums on (``checksum``)."""
 
-    def __init__(self, directory: Path, pages: int, page_bytes: int, capacity: int, io_threads: int) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        pages: int,
+        page_bytes: int,
+        capacity: int,
+        io_threads: int,
+        checksum: str = "xxh3",
+    ) -> None:
         import torch
 
         from kvstrata.core.config import ParallelConfig
@@ -120,7 +133,12 @@ class KvstrataWorker:
         parallel = ParallelConfig()
         plans = plan_backend("l3", self.backend.instance_capabilities(), [spec], parallel=parallel)
         self.engine = StorageEngine(
-            self.backend, {"kv": spec}, plans, model_name="bench-model", parallel=parallel, checksum="xxh3"
+            self.backend,
+            {"kv": spec},
+            plans,
+            model_name="bench-model",
+            parallel=parallel,
+            checksum=checksum,  # type: ignore[arg-type]
         )
         self.source = torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8)
         self.target = torch.zeros_like(self.source)
@@ -147,6 +165,53 @@ class KvstrataWorker:
 
     def close(self) -> None:
         self.backend.close()
+
+
+class RawWorker:
+    """The floor: per page ``os.open`` / ``os.write`` / ``os.close`` of a file of its own, and
+    ``os.open`` / ``os.readv`` / ``os.close`` back; the oldest batches beyond the capacity are
+    unlinked inside the put, as the other sides' evictions run inside theirs."""
+
+    def __init__(self, directory: Path, pages: int, page_bytes: int, capacity: int, _io_threads: int) -> None:
+        import torch
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = str(directory)
+        self.page_bytes = page_bytes
+        self.keep = max(1, capacity // (pages * page_bytes)) if capacity else 0
+        self.batches: list[list[str]] = []
+        self.source = torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8)
+        self.target = torch.zeros_like(self.source)
+        self.source_views = [memoryview(self.source[i].numpy()) for i in range(pages)]
+        self.target_views = [memoryview(self.target[i].numpy()) for i in range(pages)]
+
+    def put(self, keys: list[str]) -> bool:
+        paths = [f"{self.directory}/{key}" for key in keys]
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        for path, view in zip(paths, self.source_views, strict=True):
+            fd = os.open(path, flags, 0o644)
+            try:
+                os.write(fd, view)
+            finally:
+                os.close(fd)
+        self.batches.append(paths)
+        while self.keep and len(self.batches) > self.keep:
+            for path in self.batches.pop(0):
+                os.unlink(path)
+        return True
+
+    def get(self, keys: list[str]) -> int:
+        got = 0
+        for key, view in zip(keys, self.target_views, strict=True):
+            fd = os.open(f"{self.directory}/{key}", os.O_RDONLY)
+            try:
+                got += os.readv(fd, [view]) == self.page_bytes
+            finally:
+                os.close(fd)
+        return got
+
+    def close(self) -> None:
+        pass
 
 
 class HiCacheFileWorker:
@@ -206,10 +271,16 @@ def worker_main(args: argparse.Namespace) -> None:
     # call (measured: a 2x slower kvstrata get, whose I/O threads need that core).
     torch.set_num_threads(1)
     page_bytes = args.page_kib << 10
-    worker_class = KvstrataWorker if args.worker == "kvstrata" else HiCacheFileWorker
     out: TextIO = sys.stdout
     try:
-        worker = worker_class(Path(args.dir), args.pages, page_bytes, capacity_bytes(args), args.io_threads)
+        where = (Path(args.dir), args.pages, page_bytes, capacity_bytes(args), args.io_threads)
+        worker: Any
+        if args.worker == "kvstrata-nosum":
+            worker = KvstrataWorker(*where, checksum="none")
+        else:
+            worker = {"kvstrata": KvstrataWorker, "HiCacheFile": HiCacheFileWorker, "raw": RawWorker}[
+                args.worker
+            ](*where)
     except (ImportError, SGLangUnavailable) as exc:
         out.write(json.dumps({"error": f"{args.worker}: {exc} (see benchmarks/peers/setup.sh)"}) + "\n")
         out.flush()
@@ -221,7 +292,7 @@ def worker_main(args: argparse.Namespace) -> None:
         if not command or command[0] == "quit":
             break
         op, round_id = command[0], int(command[1])
-        keys = page_keys(args.worker, round_id, args.pages)
+        keys = page_keys(args.worker, round_id, args.pages)  # floors: kvstrata-shaped keys
         if op == "put":
             wall, cpu, ok = timed(lambda keys=keys: worker.put(keys))
             answer: dict[str, Any] = {"wall": wall, "cpu": cpu, "ok": ok}
@@ -318,9 +389,10 @@ def spread(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="CI-sized: 32 pages, 3 rounds")
-    parser.add_argument("--rounds", type=int, default=None, help="measured rounds (default 11, quick 3)")
-    parser.add_argument("--pages", type=int, default=None, help="pages per batch (default 128, quick 32)")
+    parser.add_argument("--quick", action="store_true", help="CI-sized: 64 pages, 5 rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="measured rounds (default 11, quick 5)")
+    parser.add_argument("--pages", type=int, default=None, help="pages per batch (default 256, quick 64)")
+    parser.add_argument("--no-floors", action="store_true", help="skip the checksum-none and raw floors")
     parser.add_argument("--page-kib", type=int, default=256)
     parser.add_argument("--exists-repeats", type=int, default=11)
     parser.add_argument(
@@ -334,11 +406,11 @@ def main() -> None:
     )
     parser.add_argument("--peer-python", default=sys.executable, help="interpreter of the HiCacheFile worker")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=SIDES + FLOORS, help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.rounds = args.rounds or (3 if args.quick else 11)
-    args.pages = args.pages or (32 if args.quick else 128)
+    args.rounds = args.rounds or (5 if args.quick else 11)
+    args.pages = args.pages or (64 if args.quick else 256)
     if args.worker:
         worker_main(args)
         return
@@ -346,13 +418,18 @@ def main() -> None:
     times: dict[tuple[str, str], list[float]] = {}
     cpu: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="kvstrata-peers-storage-") as tmp:
-        pythons = {"kvstrata": sys.executable, "HiCacheFile": args.peer_python}
-        sides = [Side(name, pythons[name], Path(tmp) / name, args) for name in SIDES]
+        names = SIDES + (() if args.no_floors else FLOORS)
+        sides = [
+            Side(name, args.peer_python if name == "HiCacheFile" else sys.executable, Path(tmp) / name, args)
+            for name in names
+        ]
         try:
             for round_id in range(args.rounds + 1):
                 for op_index, (op, _, _, _) in enumerate(WORKLOADS):
-                    flip = (round_id + op_index) % 2
-                    for side in sides[flip:] + sides[:flip]:
+                    shift = (round_id + op_index) % len(sides)  # the order rotates per op and round
+                    for side in sides[shift:] + sides[:shift]:
+                        if side.name in FLOORS and op not in FLOOR_OPS:
+                            continue
                         answer = side.run(op, round_id)
                         if round_id:  # round 0 warms up
                             times.setdefault((side.name, op), []).append(answer["wall"])
@@ -399,6 +476,22 @@ def main() -> None:
         cpu_ratio = statistics.median(cpu_ours) / statistics.median(cpu_theirs)
         label = "  CPU time of the worker"
         print(f"{label:<34} {spread(cpu_ours):>26} {spread(cpu_theirs):>29} {cpu_ratio:>6.2f}")
+        for floor in FLOORS if op in FLOOR_OPS and not args.no_floors else ():
+            values = figures_of(floor, op, times)
+            floor_ratio = statistics.median(values) / statistics.median(theirs)
+            label = {"kvstrata-nosum": "  floor: kvstrata, checksum none", "raw": "  floor: raw os loop"}[
+                floor
+            ]
+            print(f"{label:<34} {spread(values):>26} {spread(theirs):>29} {floor_ratio:>6.2f}")
+            figures.append(
+                Figure.against(
+                    f"L3 file {op}, floor {floor} ({args.pages} x {args.page_kib} KiB pages)",
+                    statistics.median(values),
+                    unit,
+                    statistics.median(theirs),
+                    "SGLang HiCacheFile",
+                )
+            )
     if args.json:
         write_results(args.json, "peers_storage", figures)
 

@@ -157,7 +157,7 @@ def object_checksum(header: bytes | bytearray | memoryview, payload: Sequence[Bu
     """xxh3_64 of the header (its checksum field read as zero) followed by the payload."""
     hasher = xxhash.xxh3_64()
     hasher.update(header[:_CHECKSUM_AT])
-    hasher.update(bytes(_CHECKSUM_FIELD.size))
+    hasher.update(_ZERO_CHECKSUM)
     hasher.update(header[_CHECKSUM_AT + _CHECKSUM_FIELD.size : HEADER_BYTES])
     for region in payload:
         hasher.update(region_view(region))

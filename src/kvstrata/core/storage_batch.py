@@ -229,13 +229,16 @@ class ReadChecks:
     backend did not check are hashed in that pass.
     """
 
-    __slots__ = ("_full", "_headers", "_payloads", "computed")
+    __slots__ = ("_full", "_headers", "_payloads", "_trusted", "computed")
 
-    def __init__(self, batch: ObjectBatch) -> None:
+    def __init__(self, batch: ObjectBatch, *, trusted: bool = False) -> None:
+        """``trusted``: the backend declared that it checks every object it reads
+        (``checks_reads``), so :meth:`all_computed` hashes nothing itself."""
         self._full = (batch.payload_nbytes + HEADER_BYTES).tolist()
         self.computed: list[int | None] = [None] * len(self._full)
         self._headers = batch.headers.reshape(-1).data
         self._payloads = batch.payloads
+        self._trusted = trusted
 
     def checksum(self, row: int) -> int:
         start = row * HEADER_BYTES
@@ -247,15 +250,20 @@ class ReadChecks:
         if nbytes == self._full[row]:
             self.computed[row] = self.checksum(row)
 
-    def all_computed(self, read: np.ndarray) -> np.ndarray:
-        """Every complete object's checksum as uint64 (0 elsewhere), hashing here what no I/O
-        thread did (a backend whose ``get`` takes no ``check``)."""
-        full = self._full
+    def all_computed(self, read: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every complete object's checksum as uint64 (0 elsewhere) and which rows have one.
+
+        Untrusted (a backend whose ``get`` takes no ``check``, or does not declare
+        ``checks_reads``): what no I/O thread hashed is hashed here, a second pass over those
+        bytes. Trusted: nothing is hashed here; a row left unchecked is reported as such and
+        must not pass the fast path (:func:`verify_object` then decides it, hashing that row)."""
         sums = self.computed
-        for row in np.flatnonzero(read == np.asarray(full)).tolist():
-            if sums[row] is None:
-                sums[row] = self.checksum(row)
-        return np.array([value or 0 for value in sums], dtype=np.uint64)
+        if not self._trusted:
+            for row in np.flatnonzero(read == np.asarray(self._full)).tolist():
+                if sums[row] is None:
+                    sums[row] = self.checksum(row)
+        known = np.fromiter((value is not None for value in sums), dtype=bool, count=len(sums))
+        return np.array([value or 0 for value in sums], dtype=np.uint64), known
 
 
 def verify_batch(
@@ -270,8 +278,9 @@ def verify_batch(
     """
     rows = len(batch.objects)
     got = np.fromiter(read, dtype=np.int64, count=rows)
+    known: np.ndarray | None = None
     if checksum == "xxh3":
-        computed = (checks or ReadChecks(batch)).all_computed(got)
+        computed, known = (checks or ReadChecks(batch)).all_computed(got)
     else:
         computed = np.zeros(rows, dtype=np.uint64)
     good = intact_rows(
@@ -283,6 +292,8 @@ def verify_batch(
         checksum=checksum,
         computed=computed,
     )
+    if known is not None:
+        good &= known  # a checksum nobody computed proves nothing
     rejected: dict[Verdict, list[str]] = {}
     for row in np.flatnonzero(~good & (got >= 0)).tolist():
         obj = batch.objects[row]

@@ -137,7 +137,8 @@ class StorageEngine(BackendCalls):
         if missing:
             raise ValueError(f"no I/O plan for pools {sorted(missing)}")
         self.backend = backend
-        self.checksum: ChecksumPolicy = checksum
+        self._checksum: ChecksumPolicy = checksum
+        backend.set_read_verification(checksum == "xxh3")
         self.metrics = StorageMetrics()
         self._hook = hook
         self._lock = threading.Lock()
@@ -151,12 +152,27 @@ class StorageEngine(BackendCalls):
         self._fingerprints: dict[str, np.ndarray] = {}
         for name, spec in specs.items():
             self.add_pool(name, spec, plans[name])
-        self._removable = backend.instance_capabilities().removable
+        capabilities = backend.instance_capabilities()
+        self._removable = capabilities.removable
         self._backend_checks_reads = _takes_argument(backend.get, "check")
+        # Declared (not merely accepted): every object read was hashed by its I/O thread, so the
+        # engine makes no second pass over the batch's bytes (a row left unchecked still gets its
+        # full verdict from verify_object, which hashes that one object).
+        self._reads_checked = self._backend_checks_reads and capabilities.checks_reads
         self._backend_stops_early = _takes_argument(backend.exists, "leading")
         config = getattr(backend, "config", None)
         breaker = config.circuit_breaker if isinstance(config, BackendConfig) else BreakerConfig()
         self.breaker = CircuitBreaker(breaker.failures, breaker.cooldown_s)
+
+    @property
+    def checksum(self) -> ChecksumPolicy:
+        return self._checksum
+
+    @checksum.setter
+    def checksum(self, policy: ChecksumPolicy) -> None:
+        """Kept in step with the backend, which may rely on every read being verified."""
+        self._checksum = policy
+        self.backend.set_read_verification(policy == "xxh3")
 
     def add_pool(self, name: str, spec: PoolSpec, plan: IOPlan) -> None:
         """Start serving one more pool (e.g. a draft pool added after start) with its own plan."""
@@ -316,7 +332,7 @@ class StorageEngine(BackendCalls):
         self, pool: str, units: Sequence[UnitRegions], staging: np.ndarray | None, batch: ObjectBatch
     ) -> BatchResult:
         count = batch.units
-        checks = ReadChecks(batch) if self.checksum == "xxh3" else None
+        checks = ReadChecks(batch, trusted=self._reads_checked) if self.checksum == "xxh3" else None
         options = {"check": checks} if checks is not None and self._backend_checks_reads else {}
         read, error = self._call_backend("get", pool, batch.objects, **options)
         if read is None:

@@ -27,6 +27,11 @@ from kvstrata.core.tree_node import (
     TreeNode,
 )
 
+#: Units of a caller's value tensor left unused by a new node's slice from which the node copies
+#: its part instead of holding a view (256 bytes of int64 kept alive for nothing; below that, the
+#: copy costs more than the memory: at page size 64 a 1024-token request has 16 units in all).
+_COPY_ABOVE = 32
+
 Walk = Callable[[Sequence[PageKey], bool, TreeNode | None], tuple[list[TreeNode], int]]
 Split = Callable[[TreeNode, int], TreeNode]
 
@@ -149,6 +154,11 @@ class TreeInserter:
                         value = given[p]
                         if s != first or e != n:
                             value = value[s - first : e - first]  # type: ignore[index]
+                            if n - first - (e - s) >= _COPY_ABOVE:
+                                # a view would keep the caller's whole tensor alive, the units
+                                # the tree did not adopt included (a long shared prefix at page
+                                # size 1: most of a tree's value memory); copy the part it keeps
+                                value = value.clone()
                         self._set(node, tier, p, value)
                 path.append(node)
         for p in self._stateful:

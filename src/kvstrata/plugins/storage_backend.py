@@ -59,6 +59,9 @@ class BackendCapabilities(BaseModel):
     self_evicting: bool = False  # makes room by itself (puts may fail per key when full)
     host_allocator: bool = False  # host pools must be allocated by the backend (shared memory)
     removable: bool = False  # implements remove(): the core deletes objects it found damaged
+    #: ``get`` takes ``check`` and calls it on every object it read, in the thread that read it:
+    #: the core then verifies checksums there and makes no second pass over the batch's bytes.
+    checks_reads: bool = False
     max_object_bytes: int | None = None
 
     def for_pool(self, pool_type: str) -> PoolCapabilities | None:
@@ -283,10 +286,17 @@ class StorageBackend(ABC):
         """Read each object into its regions; per key the bytes read, or a negative code on a miss.
 
         Optional extension: a backend whose ``get`` also takes ``check: ReadCheck | None = None``
-        (the core reads the signature) is handed one and calls ``check(row, nbytes)`` for every
-        object it found, in the thread that read it, before returning. A backend whose ``get``
-        takes only ``objects`` never gets one; the core then checks what it read on its own thread.
+        (declared by ``capabilities.checks_reads``; the core also reads the signature) is handed
+        one and calls ``check(row, nbytes)`` for every object it found, in the thread that read
+        it, before returning. A backend whose ``get`` takes only ``objects`` never gets one; the
+        core then hashes what it read on its own thread, a second pass over the batch.
         """
+
+    def set_read_verification(self, verified: bool) -> None:  # noqa: B027 - optional hook
+        """The core says whether every object it reads from this instance is checksum-verified
+        (policy ``xxh3``): a backend may then take a shortcut under which a concurrent reader
+        could see a torn object, since such an object is a miss, never data (the ``file``
+        backend rewrites evicted files in place only then)."""
 
     def remove(self, keys: Sequence[str]) -> list[bool]:
         """Delete objects; per key True when it is gone (removed now, or absent already).
