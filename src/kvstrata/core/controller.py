@@ -48,6 +48,7 @@ from kvstrata.core.lease import (
     CacheFullError,
     Lease,
     add_allocation,
+    allocate_units,
     allocation_needs,
     settle,
     take_for_insert,
@@ -212,10 +213,11 @@ class CacheController(UnitMemory, RetentionApi):
     ) -> dict[str, torch.Tensor]:
         """Device units for the pages of ``lease`` that are neither cached nor allocated yet,
         through ``end_page`` (default: every whole page), per pool. Sidecars share their
-        owner's units; a window pool gets units only for the pages that stay in its window
-        (``lease.allocated_first_page`` says which); a state pool one slot per insert, for the
-        state after the last inserted page. ``partial_page`` adds the page being filled (decode).
-        Raises :class:`CacheFullError`."""
+        owner's units; a window pool gets units for every new page where its pool has room
+        (free units, or window data no cached prefix needs), else for the last pages down to its
+        window (``lease.allocated_first_page`` says which); a state pool one slot per insert, for
+        the state after the last inserted page. ``partial_page`` adds the page being filled
+        (decode). Raises :class:`CacheFullError`."""
         self._check_lease(lease)
         if not lease.admitted:
             self.admit(lease)
@@ -223,12 +225,12 @@ class CacheController(UnitMemory, RetentionApi):
         if not 0 <= end <= lease.pages:
             raise ValueError(f"end_page {end} outside [0, {lease.pages}] (the lease's whole pages)")
         end = max(end + int(partial_page and end == lease.pages), lease.allocated_pages)
-        needs = allocation_needs(self.layout, lease, end)
-        got = self.units.alloc(Tier.DEVICE, needs)
+        got = allocate_units(self.units, self.layout, lease, end)
         if got is None:
             self.metrics.fail()
             raise CacheFullError(
-                f"device tier cannot hold {end - lease.allocated_pages} new pages ({needs}) even after "
+                f"device tier cannot hold {end - lease.allocated_pages} new pages "
+                f"({allocation_needs(self.layout, lease, end)}) even after "
                 "evicting every unlocked page: raise tiers.device.capacity_tokens or admit fewer "
                 "requests at once"
             )

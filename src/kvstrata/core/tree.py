@@ -352,6 +352,7 @@ class PrefixTree:
         on_free: Callable[[str, torch.Tensor], None] | None = None,
         *,
         delete_unbacked: bool = True,
+        out_of_window_only: bool = False,
     ) -> EvictionResult:
         """Free at least ``needs[pool]`` device units per pool where possible, least recent first.
 
@@ -362,14 +363,24 @@ class PrefixTree:
         Locked nodes are skipped. ``on_free`` is called per freed value (as well as returned).
         With ``delete_unbacked=False`` (write-back: a node whose backup failed must not lose its
         only copy) only backed-up nodes leave the device or lose components there.
+
+        Window pools first tombstone their out-of-window data (window pages outside the last
+        window of every prefix the tier holds: only prefixes ending inside a path need them),
+        and only then anything a cached prefix needs. ``out_of_window_only`` stops there: it
+        frees nothing else (``EvictionResult.out_of_window`` counts those units).
         """
-        return self._evictor.evict_device(needs, on_free, delete_unbacked)
+        return self._evictor.evict_device(needs, on_free, delete_unbacked, out_of_window_only)
 
     def evict_host(
-        self, needs: Mapping[str, int], on_free: Callable[[str, torch.Tensor], None] | None = None
+        self,
+        needs: Mapping[str, int],
+        on_free: Callable[[str, torch.Tensor], None] | None = None,
+        *,
+        out_of_window_only: bool = False,
     ) -> EvictionResult:
-        """Free host units; only nodes whose (pool) data is not on device and not host-locked."""
-        return self._evictor.evict_host(needs, on_free)
+        """Free host units; only nodes whose (pool) data is not on device and not host-locked.
+        Window pools tombstone out-of-window data first, as on the device."""
+        return self._evictor.evict_host(needs, on_free, out_of_window_only)
 
     # ------------------------------------------------------------------ sanity
     def check(self) -> None:

@@ -413,6 +413,8 @@ class EvictionResult:
     demoted: list[TreeNode] = field(default_factory=list)  # device dropped, node kept on host
     deleted: int = 0  # nodes removed from the tree
     tombstoned: int = 0  # component values dropped on nodes that stay
+    #: window-pool units tombstoned outside the last window of every prefix the tier holds
+    out_of_window: dict[str, int] = field(default_factory=dict)
 
     def _add(self, pool: str, value: torch.Tensor) -> None:
         self.freed.setdefault(pool, []).append(value)

@@ -372,7 +372,9 @@ def _host_values_per_pool(
     writer: Writer, nodes: Sequence[TreeNode], request_hashes: Sequence[str] | None
 ) -> dict[str, tuple[list[str], list[torch.Tensor]]]:
     """Per pool to write: the page hashes and host unit indices of ``nodes`` (a state pool one
-    slot per node, under its last page; a sidecar follows the pool owning its units)."""
+    slot per node, under its last page; a window pool the node's last window pages, what a
+    restore of a prefix ending there needs, as SGLang stores them; a sidecar follows the pool
+    owning its units)."""
     per_pool: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
     known: dict[TreeNode, list[str]] = {}
     tree = writer.tree
@@ -386,6 +388,8 @@ def _host_values_per_pool(
             if value is None:
                 continue
             page_hashes = node_hashes[-1:] if tp.kind is PoolKind.STATE else node_hashes
+            if tp.kind is PoolKind.WINDOW and tp.window < len(value):
+                page_hashes, value = node_hashes[-tp.window :], value[-tp.window :]
             for follower in tp.followers:
                 entry = per_pool.setdefault(follower, ([], []))
                 entry[0].extend(page_hashes)
