@@ -220,6 +220,24 @@ def test_an_l3_window_missing_its_last_page_falls_back_to_the_longest_whole_wind
 
 
 @pytest.mark.parametrize("stack", [s for s in STACKS if "swa" in s and "mamba" not in s])
+def test_l3_holds_the_window_of_a_prefix_ending_where_a_later_request_branched(
+    stack: str, tmp_path: Path
+) -> None:
+    """A request reuses 5 pages of an 8-page one (inside its node, on the device). The 5-page
+    prefix then ends at a node boundary: L3 holds its window too, so a fresh cache restores the
+    same prefix the first one reused, with exact bytes."""
+    whole = tokens(11, 8)
+    with open_cache(stack, tmp_path) as writer:
+        serve(writer, whole)
+        lease, bad = serve(writer, torch.cat([whole[: 5 * 64], tokens(12, 3)]))
+        assert lease.cached_pages == 5 and lease.hit_pages["device"] == 5 and bad == 0
+        writer.flush()
+    with open_cache(stack, tmp_path, WAIT) as cold:
+        lease, bad = serve(cold, torch.cat([whole[: 5 * 64], tokens(13, 3)]))
+        assert lease.cached_pages == 5 and lease.hit_pages["storage"] == 5 and bad == 0
+
+
+@pytest.mark.parametrize("stack", [s for s in STACKS if "swa" in s and "mamba" not in s])
 def test_an_l3_window_with_no_whole_window_is_dropped(stack: str, tmp_path: Path) -> None:
     writer = write_to_l3(stack, tmp_path, 10, 8)
     window = next(name for name, tp in writer.tree_pools.items() if tp.kind is PoolKind.WINDOW)
