@@ -100,6 +100,7 @@ class TreeEvictor:
         self._split = split  # the matcher's split (trims a leaf for chain-aware orders)
         self._can_trim = not layout.stateful and split is not None
         self._window = layout.window  # trailing-window pages per pool (0: not a window pool)
+        self._eviction_rank = layout.eviction_rank
         self.orders: dict[Tier, EvictionOrder] = {_DEVICE: LruOrder(), _HOST: LruOrder()}
         self._hearing: dict[Tier, Any] = {}  # tiers whose order hears events
         self._trims: dict[Tier, bool] = {_DEVICE: False, _HOST: False}
@@ -193,9 +194,7 @@ class TreeEvictor:
         # fixed for the whole eviction: every rank of one heap must have the same shape
         self._level = self.retention.levels() if self.retention is not None else None
         try:
-            pools = sorted(
-                (self._pool(name) for name in needs), key=lambda p: self.pools[p].eviction_priority
-            )
+            pools = sorted((self._pool(name) for name in needs), key=self._eviction_rank.__getitem__)
             for p in pools:
                 want = needs[self.pools[p].name]
                 if want < 0:

@@ -243,6 +243,7 @@ class PoolLayout:
     __slots__ = (
         "all_pages",
         "anchor_only",
+        "eviction_rank",
         "has_windows",
         "index",
         "names",
@@ -283,6 +284,13 @@ class PoolLayout:
             i for i, s in enumerate(self.pools) if not self.state[i] and not self.window[i] and i != 0
         ]
         self.windowed = [i for i in range(len(self.pools)) if self.window[i]]
+        #: the order pools make room in: ascending eviction_priority, a window pool after the
+        #: anchor (the anchor's leaves free window units too: only the rest of its need tombstones)
+        first = self.pools[0].eviction_priority
+        self.eviction_rank = [
+            (max(s.eviction_priority, first), 1) if self.window[i] else (s.eviction_priority, 0)
+            for i, s in enumerate(self.pools)
+        ]
         self.stateful = [i for i in range(len(self.pools)) if self.state[i]]
         self.anchor_only = len(self.pools) == 1
         self.npools = len(self.pools)
