@@ -16,6 +16,10 @@ else an order declares (``capabilities``) the evictor honours here, off the per-
 - ``chain_aware``: a chosen leaf longer than what is still needed is trimmed -- its tail pages
   go, its head stays -- on stacks without node-state pools (a trimmed head has no state).
 
+Window (trailing_pages) pools have a class of their own that leaves first: window data outside
+the last window of every prefix the tier holds (:func:`window_tail`), tombstoned before anything
+a cached prefix needs; a window pool makes room after the anchor, whose leaves free its units too.
+
 Retention hints (:mod:`kvstrata.core.retention`) rank above the order: a node with a higher
 retention level leaves only after every node of a lower one. The tree never frees memory: it
 reports what it dropped and the owner frees it.
