@@ -171,6 +171,23 @@ def test_a_window_pool_keeps_the_window_data_of_every_page_a_prefill_computes() 
         cache.tree.check()
 
 
+def test_window_only_allocation_for_an_engine_that_kept_only_the_window() -> None:
+    with _open("swa", ["tiers.host.capacity_tokens=0"]) as cache:
+        window = cache.tree_pools["swa"].window
+        request = tokens(63, 8)
+        lease = cache.lookup(request)
+        units = cache.allocate(lease, window_only=True)
+        assert len(units["swa"]) == window and lease.allocated_first_page("swa") == 8 - window
+        _compute(cache, lease, units)
+        cache.insert(lease)
+        for shared, reusable in ((8, 8), (5, 0)):  # no window data inside the request
+            again = cache.lookup(torch.cat([request[: shared * PAGE], tokens(64, 1)]))
+            cache.admit(again)
+            assert again.cached_pages == reusable and _bad_units(cache, again) == 0
+            cache.release(again)
+        assert cache.pools.pools["swa"].device_allocator.used == window
+
+
 def test_a_full_window_pool_tombstones_out_of_window_data_first_and_keeps_every_window() -> None:
     """A window pool of 12 device units under 8-page requests (window 2 pages, no host tier: a
     host copy would serve the tombstoned pages again): each request's earlier

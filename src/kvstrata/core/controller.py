@@ -209,15 +209,17 @@ class CacheController(UnitMemory, RetentionApi):
     # --- allocate / insert / release ----------------------------------------------------------
 
     def allocate(
-        self, lease: Lease, *, end_page: int | None = None, partial_page: bool = False
+        self,
+        lease: Lease,
+        *,
+        end_page: int | None = None,
+        partial_page: bool = False,
+        window_only: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """Device units for the pages of ``lease`` that are neither cached nor allocated yet,
-        through ``end_page`` (default: every whole page), per pool. Sidecars share their
-        owner's units; a window pool gets units for every new page where its pool has room
-        (free units, or window data no cached prefix needs), else for the last pages down to its
-        window (``lease.allocated_first_page`` says which); a state pool one slot per insert, for
-        the state after the last inserted page. ``partial_page`` adds the page being filled
-        (decode). Raises :class:`CacheFullError`."""
+        """Device units per pool for the pages of ``lease`` neither cached nor allocated, through
+        ``end_page`` (default: every whole page; ``partial_page`` adds the one being filled).
+        Sidecars share their owner's units; a window pool every new page where it has room, else
+        (or ``window_only``) the last ones down to its window; a state pool one slot per insert."""
         self._check_lease(lease)
         if not lease.admitted:
             self.admit(lease)
@@ -225,7 +227,7 @@ class CacheController(UnitMemory, RetentionApi):
         if not 0 <= end <= lease.pages:
             raise ValueError(f"end_page {end} outside [0, {lease.pages}] (the lease's whole pages)")
         end = max(end + int(partial_page and end == lease.pages), lease.allocated_pages)
-        got = allocate_units(self.units, self.layout, lease, end)
+        got = allocate_units(self.units, self.layout, lease, end, window_only)
         if got is None:
             self.metrics.fail()
             raise CacheFullError(

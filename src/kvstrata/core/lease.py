@@ -208,12 +208,13 @@ def window_extras(layout: StackLayout, lease: Lease, end: int) -> dict[str, int]
 
 
 def allocate_units(
-    units: TierUnits, layout: StackLayout, lease: Lease, end: int
+    units: TierUnits, layout: StackLayout, lease: Lease, end: int, window_only: bool = False
 ) -> dict[str, torch.Tensor] | None:
     """Device units for pages ``[lease.allocated_pages, end)`` per tree pool (evicting what it
-    must for :func:`allocation_needs`, then :func:`window_extras` where room is spare), or None."""
+    must for :func:`allocation_needs`, then, unless ``window_only``, :func:`window_extras` where
+    room is spare), or None."""
     got = units.alloc(Tier.DEVICE, allocation_needs(layout, lease, end))
-    extras = window_extras(layout, lease, end)
+    extras = {} if window_only else window_extras(layout, lease, end)
     if got is not None and extras:
         for name, spare in units.alloc_spare(Tier.DEVICE, extras).items():
             got[name] = torch.cat([spare, got[name]])
