@@ -3,6 +3,7 @@
 
     python tests/hf_support.py write --l3 DIR --evict-l3 DIR2 --out W.json llama mamba2:bfloat16 ...
     python tests/hf_support.py read  --l3 DIR --out R.json llama mamba2:bfloat16 ...
+    python tests/hf_support.py evict-share --runs 20 --l3 DIR --out E.json falcon_h1 mamba2 qwen3_next gemma3
 
 The reference for every comparison is the same model run from an empty cache with the same
 chunk schedule (one page per forward, then greedy decoding); a restored run continues from the
@@ -277,15 +278,59 @@ def read_phase(specs: list[str], l3: Path) -> dict[str, Any]:
     return results
 
 
+#: issue 29's scenario: tiers of 64 / 128 pages, prompt A of 50 pages, four 50-page fillers,
+#: prompt B sharing A's first 37 pages; the families it went wrong on
+EVICT_SHARE_FAMILIES = ["falcon_h1", "mamba2", "qwen3_next", "gemma3"]
+
+
+def evict_share_phase(specs: list[str], root: Path) -> dict[str, Any]:
+    """Issue 29, as an engine author met it: in one process, per model, prefill prompt A page by
+    page (commit per page), four fillers push it out of L1 and L2, then restore prompt B (A's
+    first 37 pages, 13 new), prefill its rest page by page and decode; compare every logit with
+    B computed from scratch with the same chunks."""
+    results: dict[str, Any] = {}
+    for spec in specs:
+        family, model = model_of(spec)
+        config = storage(root / family.replace(":", "-"))
+        config["tiers"]["device"]["capacity_tokens"] = 64 * PAGE
+        config["tiers"]["host"]["capacity_tokens"] = 128 * PAGE
+        with open_hf_cache(model, config) as cache:
+            first = tokens(40, 50 * PAGE)
+            for ids in [first, *(tokens(50 + n, 50 * PAGE) for n in range(FILLERS))]:
+                run_pages(cache, cache.restore(ids)[0], ids, 0, commit_every=1)
+            second = torch.cat([first[: 37 * PAGE], tokens(41, 13 * PAGE)])
+            want = reference(cache, second)
+            cached, got = continue_from_restore(cache, second)
+            results[spec] = {
+                "cached": cached,
+                "pages": cache.last_restore.pages,
+                "equal": matches(want, cached, got),
+            }
+    return results
+
+
+def open_hf_cache(model: Any, config: dict[str, Any]) -> Any:
+    from kvstrata.adapters.hf import HFStateCache
+
+    return HFStateCache(model, config, page_size=PAGE)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("phase", choices=["write", "read"])
+    parser.add_argument("phase", choices=["write", "read", "evict-share"])
     parser.add_argument("specs", nargs="+")
     parser.add_argument("--l3", type=Path, required=True)
+    parser.add_argument("--runs", type=int, default=1, help="evict-share: repeat, fresh L3 each run")
     parser.add_argument("--evict-l3", type=Path)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     quiet()
+    if args.phase == "evict-share":
+        runs = [evict_share_phase(args.specs, args.l3 / f"run{n}") for n in range(args.runs)]
+        wrong = [(n, spec) for n, run in enumerate(runs) for spec, got in run.items() if not got["equal"]]
+        print(f"{args.runs} runs x {len(args.specs)} models: {len(wrong)} wrong {wrong}")
+        args.out.write_text(json.dumps({"pid": os.getpid(), "runs": runs, "wrong": wrong}, default=str))
+        return 1 if wrong else 0
     if args.phase == "write":
         results = write_phase(args.specs, args.l3, args.evict_l3)
     else:

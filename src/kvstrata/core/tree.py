@@ -65,6 +65,9 @@ from kvstrata.core.tree_node import (
 )
 from kvstrata.plugins.pool_type import PoolSpec
 
+#: called with each pool's units an eviction dropped (the owner frees them)
+OnFree = Callable[[str, torch.Tensor], None]
+
 __all__ = [
     "AccessClock",
     "EvictionOrder",
@@ -322,6 +325,15 @@ class PrefixTree:
     def unlock(self, handle: LockHandle) -> None:
         self._locks.unlock(handle)
 
+    def lock_local(self, node: TreeNode, tier: Tier | str = Tier.DEVICE) -> LockHandle:
+        """Protect only ``node``'s own state-pool values and its last window in ``tier``.
+
+        What a queued write of ``node`` needs beside a path lock that moves on: a moved lock
+        leaves the state and window units of the nodes above it (``move_lock``), which a
+        write still reading them must keep. Costs the window's nodes, not the path.
+        """
+        return self._locks.lock_local(node, Tier(tier))
+
     def move_lock(self, handle: LockHandle, node: TreeNode) -> LockHandle:
         """Move a lock down to ``node``, a descendant of ``handle.node`` (or the node itself):
         what a request holds after inserting its next chunk. Costs the nodes between the two
@@ -349,37 +361,27 @@ class PrefixTree:
     def evict_device(
         self,
         needs: Mapping[str, int],
-        on_free: Callable[[str, torch.Tensor], None] | None = None,
+        on_free: OnFree | None = None,
         *,
         delete_unbacked: bool = True,
         out_of_window_only: bool = False,
     ) -> EvictionResult:
         """Free at least ``needs[pool]`` device units per pool where possible, least recent first.
 
-        Pools are served in ascending ``eviction_priority``; units freed for one pool count for
-        the others. The anchor evicts device leaves: a backed-up node is demoted to host-only,
-        any other leaf is deleted. A component drops its value on inner nodes (tombstone); on a
-        device leaf the whole node goes, since its pages are useless without that component.
-        Locked nodes are skipped. ``on_free`` is called per freed value (as well as returned).
-        With ``delete_unbacked=False`` (write-back: a node whose backup failed must not lose its
-        only copy) only backed-up nodes leave the device or lose components there.
-
-        Window pools first tombstone their out-of-window data (window pages outside the last
-        window of every prefix the tier holds: only prefixes ending inside a path need them),
-        and only then anything a cached prefix needs. ``out_of_window_only`` stops there: it
-        frees nothing else (``EvictionResult.out_of_window`` counts those units).
-        """
+        Pools go in ascending ``eviction_priority`` (a window pool after the anchor); units freed
+        for one pool count for the others. The anchor evicts device leaves: a backed-up node is
+        demoted to host-only, any other leaf deleted. A window pool first tombstones data outside
+        the last window of every prefix the tier holds (``out_of_window_only``: nothing else). A
+        component drops its value on inner nodes (tombstone); on a device leaf the whole node
+        goes. Locked nodes are skipped. ``on_free`` is called per freed value (as well as
+        returned). ``delete_unbacked=False`` (write-back): only backed-up nodes leave."""
         return self._evictor.evict_device(needs, on_free, delete_unbacked, out_of_window_only)
 
     def evict_host(
-        self,
-        needs: Mapping[str, int],
-        on_free: Callable[[str, torch.Tensor], None] | None = None,
-        *,
-        out_of_window_only: bool = False,
+        self, needs: Mapping[str, int], on_free: OnFree | None = None, *, out_of_window_only: bool = False
     ) -> EvictionResult:
-        """Free host units; only nodes whose (pool) data is not on device and not host-locked.
-        Window pools tombstone out-of-window data first, as on the device."""
+        """Free host units; only nodes whose (pool) data is not on device and not host-locked
+        (window pools: out-of-window data first, as on the device)."""
         return self._evictor.evict_host(needs, on_free, out_of_window_only)
 
     # ------------------------------------------------------------------ sanity

@@ -32,7 +32,23 @@ class TreeLocks:
         return LockHandle(node, tier)
 
     def unlock(self, handle: LockHandle) -> None:
-        self._change(handle.node, handle.tier, -1)
+        if handle.local:
+            self._local(handle.node, handle.tier is _DEVICE, -1)
+        else:
+            self._change(handle.node, handle.tier, -1)
+
+    def lock_local(self, node: TreeNode, tier: Tier) -> LockHandle:
+        """See ``PrefixTree.lock_local``."""
+        self._local(node, tier is _DEVICE, +1)
+        return LockHandle(node, tier, local=True)
+
+    def _local(self, node: TreeNode, dev: bool, delta: int) -> None:
+        if node is self.root:
+            return
+        if self._stateful:
+            self._bump(node, dev, self._stateful, delta)
+        for p in self._windowed:
+            self._window_lock(node, dev, p, delta)
 
     def _change(self, node: TreeNode, tier: Tier, delta: int) -> None:
         dev = tier is _DEVICE
@@ -76,6 +92,8 @@ class TreeLocks:
         """See ``PrefixTree.move_lock``: the same counts as ``unlock(handle)`` + ``lock(node)``,
         touching only the nodes below ``handle.node`` and the two windows."""
         old = handle.node
+        if handle.local:
+            raise TreeError("a node-local lock does not cover a path: it cannot move")
         if node is old:
             return handle
         if old is self.root:

@@ -431,7 +431,12 @@ class EvictionResult:
 
 @dataclass(frozen=True)
 class LockHandle:
-    """What ``lock`` protected; pass it back to ``unlock`` exactly once."""
+    """What ``lock`` protected; pass it back to ``unlock`` exactly once.
+
+    ``local`` marks a node-local lock (``PrefixTree.lock_local``): it protects only the node's
+    state-pool values and its last window, not the path to the root.
+    """
 
     node: TreeNode
     tier: Tier
+    local: bool = False

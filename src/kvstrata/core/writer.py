@@ -34,7 +34,8 @@ from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import PoolKind, StackLayout, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.tier_units import TierUnits
-from kvstrata.core.tree import LockHandle, MatchResult, PageKey, PrefixTree, Tier, TreeNode
+from kvstrata.core.tree import MatchResult, PageKey, PrefixTree, Tier, TreeNode
+from kvstrata.core.write_back import SharedLock, eviction_backups, host_locks
 
 if TYPE_CHECKING:
     from kvstrata.core.lease import Lease
@@ -46,16 +47,6 @@ log = logging.getLogger(__name__)
 
 #: refused nodes remembered for a second offer before the stale ones are swept out
 _REFUSED_SWEEP = 8192
-
-
-@dataclass(eq=False)
-class SharedLock:
-    """A host lock several queued writes rely on: a lock on a node covers its whole path, so the
-    writes of a chunked request (each below the previous) share one lock moved down the path
-    instead of each walking the path from the root. Unlocked when its last write is drained."""
-
-    handle: LockHandle
-    refs: int = 1
 
 
 @dataclass(eq=False)
@@ -259,23 +250,9 @@ class Writer:
         self.metrics.add_bytes("device_to_host", nbytes)
 
     def back_up_for_eviction(self, shortfall: Mapping[str, int]) -> None:
-        """Write-back: back up least recently used device nodes before evicting them."""
-        anchor = self.layout.anchor
-        want = shortfall.get(anchor, 0) or max(shortfall.values(), default=0)
-        candidates = [
-            n
-            for n in self.tree.holding(anchor, Tier.DEVICE)
-            if not self.tree.backed_up(n) and not any(n.device_lock)
-        ]
-        candidates.sort(key=lambda n: (n.last_access, n.id))
-        chosen, units = [], 0
-        for node in candidates:
-            if units >= want:
-                break
-            chosen.append(node)
-            units += node.pages
-        chosen.sort(key=lambda n: n.depth_end)
-        self.back_up(chosen)
+        """Write-back: back up the device nodes the eviction then drops (see
+        :func:`kvstrata.core.write_back.eviction_backups`)."""
+        self.back_up(eviction_backups(self.tree, self.layout, shortfall))
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
 
@@ -356,15 +333,8 @@ class Writer:
                 self.tree.unlock(shared.handle)
 
     def _host_locks(self, nodes: Sequence[TreeNode]) -> list[SharedLock]:
-        """Host locks keeping ``nodes``' units alive while they are written. A path just below
-        the last queued write's lock moves that lock down (O(new nodes)); otherwise each node
-        gets a lock of its own."""
         last = self.pending[-1].locks[-1] if self.pending and self.pending[-1].locks else None
-        if last is not None and last.refs > 0 and _is_chain(nodes, last.handle.node):
-            last.handle = self.tree.move_lock(last.handle, nodes[-1])
-            last.refs += 1
-            return [last]
-        return [SharedLock(self.tree.lock(node, Tier.HOST)) for node in nodes]
+        return host_locks(self.tree, self.layout, last, nodes)
 
     def wait(self, deadline: float | None) -> None:
         """Wait (up to ``deadline``, a ``time.monotonic`` value) for every queued write."""
@@ -428,16 +398,6 @@ def _trailing_windows(
         for follower in tp.followers:
             per_pool[follower] = (page_hashes, [value])
     return per_pool
-
-
-def _is_chain(nodes: Sequence[TreeNode], top: TreeNode) -> bool:
-    """Whether ``nodes`` are a path going straight down from ``top``'s child."""
-    parent = top
-    for node in nodes:
-        if node.parent is not parent:
-            return False
-        parent = node
-    return bool(nodes)
 
 
 def _path(tree: PrefixTree, node: TreeNode, since: TreeNode | None = None) -> list[TreeNode]:

@@ -1,0 +1,125 @@
+"""Which host locks a queued L3 write takes, and which nodes write-back backs up to evict.
+
+Both rules are about what eviction may take from under the writer, and both went wrong once
+(issue 29): a path lock covers the pages of its whole path but the state slot and window of its
+own node only, and device eviction drops leaves, so a backup is worth making only where it lets
+a leaf (or a component) go.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvstrata.core.stack import PoolKind, StackLayout
+from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
+
+
+@dataclass(eq=False)
+class SharedLock:
+    """A host lock several queued writes rely on. A lock's paged pools cover the node's whole
+    path, so the writes of a chunked request (each below the previous) share one lock moved down
+    the path instead of each walking the path from the root. Its state and window pools cover
+    only the node it sits on (and that node's last window), so every write also keeps node-local
+    locks of its own (:func:`host_locks`). Unlocked when its last write is drained."""
+
+    handle: LockHandle
+    refs: int = 1
+
+
+def host_locks(
+    tree: PrefixTree, layout: StackLayout, last: SharedLock | None, nodes: Sequence[TreeNode]
+) -> list[SharedLock]:
+    """Host locks keeping ``nodes``' units alive while they are written; the last one is
+    the write's path lock. A path just below ``last`` (the last queued write's path lock)
+    moves that lock down (O(new nodes)); otherwise each node gets a lock of its own.
+
+    A moved lock keeps the path's paged units but leaves the state units of the node it
+    came from and that node's window (a state lock covers its own node only), which the
+    earlier write still reads on the writer thread. So with state or window pools, a node
+    whose path lock may move holds a node-local lock too, released with its write. Without
+    it host eviction freed a queued checkpoint's slot, the next backup reused it, and L3
+    stored another page's state under this page's key (issue 29)."""
+    chained = last is not None and last.refs > 0 and _is_chain(nodes, last.handle.node)
+    local: list[SharedLock] = []
+    if any(tp.kind is not PoolKind.PAGES for tp in layout.tree_pools.values()):
+        local = [SharedLock(tree.lock_local(n, Tier.HOST)) for n in (nodes if chained else nodes[-1:])]
+    if chained:
+        assert last is not None
+        last.handle = tree.move_lock(last.handle, nodes[-1])
+        last.refs += 1
+        return [*local, last]
+    own = [SharedLock(tree.lock(node, Tier.HOST)) for node in nodes]
+    return [*own[:-1], *local, own[-1]]
+
+
+def _is_chain(nodes: Sequence[TreeNode], top: TreeNode) -> bool:
+    """Whether ``nodes`` are a path going straight down from ``top``'s child."""
+    parent = top
+    for node in nodes:
+        if node.parent is not parent:
+            return False
+        parent = node
+    return bool(nodes)
+
+
+def eviction_backups(tree: PrefixTree, layout: StackLayout, shortfall: Mapping[str, int]) -> list[TreeNode]:
+    """Write-back: the device nodes to back up so that eviction can free ``shortfall``.
+
+    Only what the eviction can then drop is worth a backup. The anchor leaves the device
+    from leaves, so its candidates are reached from the leaves up, least recently used
+    first, as eviction will (a leaf first, then its parent); a component (state,
+    window) is tombstoned on inner nodes too, so any unbacked node whose component is not
+    locked will do, the path of a running request included. Picking by stamp alone chose
+    inner nodes above unbacked leaves and nodes whose units were locked, freed nothing, and
+    raised ``CacheFullError`` on a tier of evictable pages (issue 29)."""
+    anchor = layout.anchor
+    chosen: dict[TreeNode, None] = {}
+    if shortfall.get(anchor, 0):
+        chosen.update(dict.fromkeys(_evictable_leaves(tree, layout, shortfall[anchor])))
+    for name, want in shortfall.items():
+        if name == anchor or want <= 0:
+            continue
+        p = tree.index[name]
+        have = sum(len(n.device[p]) for n in chosen if n.device[p] is not None)
+        candidates = [
+            n
+            for n in tree.holding(name, Tier.DEVICE)
+            if n not in chosen and not tree.backed_up(n) and not n.device_lock[p]
+        ]
+        candidates.sort(key=lambda n: (n.last_access, n.id))
+        for node in candidates:
+            if have >= want:
+                break
+            chosen[node] = None
+            have += len(node.device[p])  # type: ignore[arg-type]
+    return sorted(chosen, key=lambda n: n.depth_end)
+
+
+def _evictable_leaves(tree: PrefixTree, layout: StackLayout, want: int) -> list[TreeNode]:
+    """Unbacked device nodes to back up so that ``want`` pages can leave the device.
+
+    Walks the device part of the tree from its leaves up, least recently used first, as
+    eviction will: a node is reached once every device child below it can leave; a
+    backed-up node can leave as it is, an unbacked one once backed up, a locked one never
+    (nor can its ancestors)."""
+    backed_up = tree.backed_up
+    nodes = tree.holding(layout.anchor, Tier.DEVICE)
+    below = {n: n.device_children for n in nodes}
+    ready = [(n.last_access, n.id, n) for n, count in below.items() if count == 0]
+    heapq.heapify(ready)
+    chosen, pages = [], 0
+    while ready and pages < want:
+        *_, node = heapq.heappop(ready)
+        if any(node.device_lock):
+            continue
+        if not backed_up(node):
+            chosen.append(node)
+        pages += node.pages
+        parent = node.parent
+        if parent in below:
+            below[parent] -= 1
+            if below[parent] == 0:
+                heapq.heappush(ready, (parent.last_access, parent.id, parent))
+    return chosen

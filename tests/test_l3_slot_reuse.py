@@ -1,0 +1,163 @@
+"""Issue 29: a queued L3 write must keep every host unit it reads until it is written.
+
+Chunked prefill commits a request page by page, and each commit queues an L3 write of the new
+node's host copy. The writes of one request share one host path lock that moves down with the
+request; that lock covers the path's pages but only the state (Mamba) slot of the node it sits
+on and that node's last window. Before the fix, a moved lock left the older writes' state and
+window units unlocked, host eviction freed them while the writer thread had not read them yet,
+the next backup reused the slot, and L3 stored another page's state under this page's key.
+
+The tests drive the public lease calls with content derived from each page's hash
+(``controller_support``) and check every restored unit in a fresh cache, not checksums (the
+checksums of the wrong bytes verify). The writer thread is held or jittered through its one
+seam, ``engine.put_group`` (timing injection only; the file backend stores real objects).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from controller_support import fill, open_cache, tokens, verify
+from kvstrata.core.controller import CacheController
+
+PAGE = 64
+#: small tiers: the host tier holds 8 state slots and 10 window units, so a writer two or three
+#: commits behind is enough to reuse a queued slot
+SMALL = {
+    "hybrid-mamba": [
+        "model.pools.mamba.device_units=4",
+        "model.pools.mamba.host_units=8",
+        "policy.backup_wait_s=0.02",  # a backup blocked by the held write gives up soon
+    ],
+    "swa-mamba": [
+        "policy.backup_wait_s=0.02",
+        "model.pools.mamba.device_units=4",
+        "model.pools.mamba.host_units=8",
+        "model.pools.swa.device_units=8",
+        "model.pools.swa.host_units=10",
+        "tiers.host.layout=page_first",
+    ],
+}
+#: a reader big enough to hold every restore at once
+READER = [
+    "tiers.device.capacity_tokens=4096",
+    "tiers.host.capacity_tokens=4096",
+    "model.pools.mamba.device_units=64",
+    "model.pools.mamba.host_units=64",
+]
+
+
+def _commit_page_by_page(
+    cache: CacheController, request: torch.Tensor, after_page: Callable[[int], None]
+) -> None:
+    for k in range(1, len(request) // PAGE + 1):
+        lease = cache.lookup(request[: k * PAGE], record=False, prefetch="off")
+        cache.admit(lease)
+        fill(cache, lease, cache.allocate(lease))
+        cache.insert(lease)
+        after_page(k)
+
+
+def _restores(stack: str, l3: Path, request: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(length asked, pages restored, wrong units) for every prefix length, shortest first, in
+    one fresh cache: each restore reads the next page and the state at its end from L3."""
+    out = []
+    fresh = open_cache(stack, l3, READER)
+    try:
+        for pages in range(1, len(request) // PAGE + 1):
+            lease = fresh.lookup(request[: pages * PAGE], prefetch="wait")
+            fresh.admit(lease)
+            out.append((pages, lease.cached_pages, verify(fresh, lease)))
+            fresh.release(lease)
+    finally:
+        fresh.close()
+    return out
+
+
+def _run(stack: str, l3: Path, *, seed: int, hold: tuple[int, int] | None, jitter_s: float) -> list:
+    """Commit prompt A page by page (14 pages) and two fillers, with the writer thread held
+    from write ``hold[0]`` until page ``hold[1]`` of A is committed, and jittered; then restore."""
+    cache = open_cache(stack, l3, SMALL[stack])
+    rng = random.Random(seed)
+    gate = threading.Event()
+    calls = [0]
+    put_group = cache.engine.put_group
+
+    def timed_put_group(batches):  # the writer thread
+        calls[0] += 1
+        if hold is not None and calls[0] == hold[0]:
+            gate.wait(10)
+        elif jitter_s:
+            time.sleep(rng.random() * jitter_s)
+        return put_group(batches)
+
+    cache.engine.put_group = timed_put_group
+    prompt = tokens(1000 + seed, 14)
+
+    def after(k: int) -> None:
+        if hold is not None and k >= hold[1]:
+            gate.set()
+
+    try:
+        _commit_page_by_page(cache, prompt, after)
+        gate.set()
+        for filler in range(2):  # push A out of L1 and L2
+            _commit_page_by_page(cache, tokens(2000 + 10 * seed + filler, 14), lambda k: None)
+        cache.tree.check()
+    finally:
+        gate.set()
+        cache.close()
+    return _restores(stack, l3, prompt)
+
+
+@pytest.mark.parametrize("stack", ["hybrid-mamba", "swa-mamba"])
+def test_held_write_keeps_its_state_and_window_units(stack: str, tmp_path: Path) -> None:
+    """The repro of issue 29 made deterministic: page 10's write waits until page 12 is in."""
+    results = _run(stack, tmp_path / "l3", seed=0, hold=(10, 12), jitter_s=0.0)
+    wrong = [(asked, got, bad) for asked, got, bad in results if bad]
+    assert not wrong, f"restores with wrong units (asked, restored, wrong units): {wrong}"
+    assert all(got <= asked for asked, got, _ in results)
+    assert max(got for _, got, _ in results) >= 10  # the held page itself came back from L3
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("stack", ["hybrid-mamba", "swa-mamba"])
+def test_randomized_writer_timing(stack: str, seed: int, tmp_path: Path) -> None:
+    """Randomized writer timing over many seeds: the writer thread is held from a random write
+    for a random 1-4 commits (what a busy CPU does to it) and jittered 0-2 ms per write; every
+    restored unit of every pool is the bytes committed for its page, at every prefix length."""
+    rng = random.Random(seed)
+    start = rng.randint(2, 11)
+    hold = (start, min(14, start + rng.randint(1, 4)))
+    results = _run(stack, tmp_path / "l3", seed=seed, hold=hold, jitter_s=0.002)
+    wrong = [(asked, got, bad) for asked, got, bad in results if bad]
+    assert not wrong, f"seed {seed}, hold {hold}: wrong units (asked, restored, wrong): {wrong}"
+    assert all(got <= asked for asked, got, _ in results)
+
+
+def test_write_back_eviction_backs_up_a_leaf(tmp_path: Path) -> None:
+    """Write-back: a tier full of unbacked, unlocked pages must back up (and evict) a leaf.
+
+    Before the fix the LRU stamp chose an inner node above an unbacked leaf; backing it up
+    freed nothing and a 3-page request on a 16-page tier raised ``CacheFullError``."""
+    cache = open_cache("hybrid-mamba", tmp_path / "l3", [*SMALL["hybrid-mamba"], "policy.write=write_back"])
+    try:
+        first = tokens(3, 14)
+        _commit_page_by_page(cache, first, lambda k: None)
+        second = tokens(4, 14)
+        _commit_page_by_page(cache, second, lambda k: None)  # needs A's pages evicted
+        assert cache.metrics.snapshot()["operations"]["backups"] > 0
+        lease = cache.lookup(first, record=False, prefetch="wait")
+        cache.admit(lease)
+        assert verify(cache, lease) == 0
+        cache.release(lease)
+        cache.tree.check()
+    finally:
+        cache.close()
