@@ -283,11 +283,12 @@ def read_phase(specs: list[str], l3: Path) -> dict[str, Any]:
 EVICT_SHARE_FAMILIES = ["falcon_h1", "mamba2", "qwen3_next", "gemma3"]
 
 
-def evict_share_phase(specs: list[str], root: Path) -> dict[str, Any]:
+def evict_share_phase(specs: list[str], root: Path, *, hold: bool = False) -> dict[str, Any]:
     """Issue 29, as an engine author met it: in one process, per model, prefill prompt A page by
     page (commit per page), four fillers push it out of L1 and L2, then restore prompt B (A's
     first 37 pages, 13 new), prefill its rest page by page and decode; compare every logit with
-    B computed from scratch with the same chunks."""
+    B computed from scratch with the same chunks. ``hold``: the L3 write of A's page 37 waits on
+    the writer thread until page 39 is committed (the race made certain; timing injection only)."""
     results: dict[str, Any] = {}
     for spec in specs:
         family, model = model_of(spec)
@@ -295,6 +296,7 @@ def evict_share_phase(specs: list[str], root: Path) -> dict[str, Any]:
         config["tiers"]["device"]["capacity_tokens"] = 64 * PAGE
         config["tiers"]["host"]["capacity_tokens"] = 128 * PAGE
         with open_hf_cache(model, config) as cache:
+            _hold_write(cache, 37 if hold else 0, until_commit=39)
             first = tokens(40, 50 * PAGE)
             for ids in [first, *(tokens(50 + n, 50 * PAGE) for n in range(FILLERS))]:
                 run_pages(cache, cache.restore(ids)[0], ids, 0, commit_every=1)
@@ -309,6 +311,30 @@ def evict_share_phase(specs: list[str], root: Path) -> dict[str, Any]:
     return results
 
 
+def _hold_write(cache: Any, write: int, *, until_commit: int) -> None:
+    """Hold the ``write``-th L3 write (0: none) on the writer thread until ``until_commit``
+    commits are done: what a busy CPU does to the writer thread (timing injection only)."""
+    import threading
+
+    gate, writes, commits = threading.Event(), [0], [0]
+    put_group, commit = cache.cache.engine.put_group, cache.commit
+
+    def held_put_group(batches: Any) -> Any:
+        writes[0] += 1
+        if writes[0] == write:
+            gate.wait(30)
+        return put_group(batches)
+
+    def counted_commit(*args: Any) -> Any:
+        out = commit(*args)
+        commits[0] += 1
+        if commits[0] >= until_commit:
+            gate.set()
+        return out
+
+    cache.cache.engine.put_group, cache.commit = held_put_group, counted_commit
+
+
 def open_hf_cache(model: Any, config: dict[str, Any]) -> Any:
     from kvstrata.adapters.hf import HFStateCache
 
@@ -321,12 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("specs", nargs="+")
     parser.add_argument("--l3", type=Path, required=True)
     parser.add_argument("--runs", type=int, default=1, help="evict-share: repeat, fresh L3 each run")
+    parser.add_argument("--hold", action="store_true", help="evict-share: hold page 37's L3 write")
     parser.add_argument("--evict-l3", type=Path)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     quiet()
     if args.phase == "evict-share":
-        runs = [evict_share_phase(args.specs, args.l3 / f"run{n}") for n in range(args.runs)]
+        runs = [evict_share_phase(args.specs, args.l3 / f"run{n}", hold=args.hold) for n in range(args.runs)]
         wrong = [(n, spec) for n, run in enumerate(runs) for spec, got in run.items() if not got["equal"]]
         print(f"{args.runs} runs x {len(args.specs)} models: {len(wrong)} wrong {wrong}")
         args.out.write_text(json.dumps({"pid": os.getpid(), "runs": runs, "wrong": wrong}, default=str))

@@ -24,8 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from controller_support import fill, open_cache, tokens, verify
+from controller_support import EXAMPLES, fill, open_cache, tokens, verify
+from kvstrata.core.config import load_config
 from kvstrata.core.controller import CacheController
+from kvstrata.plugins import PluginHost
+from kvstrata.replay.driver import replay_with_cache
+from kvstrata.replay.trace import read_trace
 
 PAGE = 64
 #: small tiers: the host tier holds 8 state slots and 10 window units, so a writer two or three
@@ -127,6 +131,7 @@ def test_held_write_keeps_its_state_and_window_units(stack: str, tmp_path: Path)
     assert max(got for _, got, _ in results) >= 10  # the held page itself came back from L3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("stack", ["hybrid-mamba", "swa-mamba"])
 def test_randomized_writer_timing(stack: str, seed: int, tmp_path: Path) -> None:
@@ -161,3 +166,117 @@ def test_write_back_eviction_backs_up_a_leaf(tmp_path: Path) -> None:
         cache.tree.check()
     finally:
         cache.close()
+
+
+# --- debug.unit_digests: the bytes followed from commit to restore ------------------------------
+
+DIGESTS = ["debug.unit_digests=true"]
+
+
+def test_unit_digests_pass_a_clean_run_and_check_every_stage(tmp_path: Path) -> None:
+    """With the fix, the held-write scenario checks units at backup, L3 write and L3 restore and
+    finds nothing; the reader's restores are checked against nothing (another process's commits
+    are unknown to it) and pass."""
+    cache = open_cache("hybrid-mamba", tmp_path / "l3", [*SMALL["hybrid-mamba"], *DIGESTS])
+    try:
+        _commit_page_by_page(cache, tokens(7, 14), lambda k: None)
+        cache.flush()
+        digests = cache.writer.digests
+        assert digests is not None and digests.checked > 0
+        assert digests.mismatches == []
+        lease = cache.lookup(tokens(7, 14)[: 6 * PAGE], prefetch="wait")  # page 6 from L2
+        cache.admit(lease)
+        assert verify(cache, lease) == 0
+        cache.release(lease)
+    finally:
+        cache.close()
+
+
+def test_unit_digests_name_the_stage_where_bytes_changed_and_keep_them_out_of_l3(tmp_path: Path) -> None:
+    """A host unit overwritten while its L3 write is queued (what issue 29 did): the writer
+    thread names stage ``l3_write``, pool and page, and does not store that pool's object; a
+    fresh cache then restores a shorter prefix, never the changed bytes."""
+    l3 = tmp_path / "l3"
+    cache = open_cache("hybrid-mamba", l3, [*SMALL["hybrid-mamba"], *DIGESTS])
+    gate = threading.Event()
+    put_group = cache.engine.put_group
+    calls = [0]
+
+    def held(batches):
+        calls[0] += 1
+        if calls[0] == 3:
+            gate.wait(10)
+        return put_group(batches)
+
+    cache.engine.put_group = held
+    prompt = tokens(8, 5)
+    try:
+
+        def after(k: int) -> None:
+            if k == 3:  # page 3's write is queued: overwrite its state slot on the host
+                node = cache.tree.match(cache.tree.keys_of(prompt[: 3 * PAGE]), count_hit=False).path[-1]
+                slot = node.host[cache.tree.index["mamba"]]
+                for buffer in cache.pools.pools["mamba"].spec.buffers:
+                    cache.pools.pools["mamba"].host.unit_view(buffer.name)[slot] ^= 0x5A
+                gate.set()
+
+        _commit_page_by_page(cache, prompt, after)
+        cache.flush()
+        mismatches = cache.writer.digests.mismatches
+        assert mismatches and mismatches[0].stage == "l3_write" and mismatches[0].pool == "mamba"
+        assert "l3_write" in str(mismatches[0]) and "'mamba'" in str(mismatches[0])
+    finally:
+        gate.set()
+        cache.close()
+    results = _restores("hybrid-mamba", l3, prompt)
+    assert all(bad == 0 for _, _, bad in results), results
+    assert results[2][1] < 3, results  # page 3's state never reached L3: its restore stops earlier
+    assert results[4][1] == 5, results
+
+
+def test_unit_digests_catch_device_bytes_changed_before_the_backup(tmp_path: Path) -> None:
+    """Write-back: bytes changed on the device after commit are named at stage ``backup``."""
+    cache = open_cache(
+        "hybrid-mamba", tmp_path / "l3", [*SMALL["hybrid-mamba"], *DIGESTS, "policy.write=write_back"]
+    )
+    try:
+        prompt = tokens(9, 2)
+        _commit_page_by_page(cache, prompt, lambda k: None)
+        node = cache.tree.match(cache.tree.keys_of(prompt), count_hit=False).path[-1]
+        kv = cache.pools.pools["kv"]
+        kv.device.unit_view(kv.spec.buffers[0].name)[node.device[0]] ^= 0x01
+        cache.writer.back_up([node])
+        found = cache.writer.digests.mismatches
+        assert found and found[0].stage == "backup" and found[0].pool == "kv" and found[0].tier == "host"
+    finally:
+        cache.close()
+
+
+# --- the replay's own verification now walks this path ----------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", ["hybrid-mamba", "swa-mamba"])
+def test_replay_in_page_chunks_with_small_tiers_verifies_every_restore(stack: str, tmp_path: Path) -> None:
+    """Why replay missed issue 29: it served a request in at most two chunks, so a writer rarely
+    had two chained writes queued while host eviction ran. ``chunk_pages=1`` on the hybrid
+    stacks with small tiers queues one L3 write per page; every restore is verified byte for
+    byte by the replay and every unit by ``debug.unit_digests`` along the way."""
+    requests = read_trace(None, limit=40)  # the bundled sample
+    overrides = [
+        f"tiers.storage.l3.path={tmp_path / 'l3'}",
+        "tiers.device.capacity_tokens=16384",  # 32 pages of 512 tokens
+        "tiers.host.capacity_tokens=24576",
+        "model.page_size=512",
+        *DIGESTS,
+        *(o for o in SMALL[stack] if "page_first" not in o),
+    ]
+    config = load_config([EXAMPLES[stack]], overrides, host=PluginHost(), environ={})
+    with CacheController(config, PluginHost()) as cache:
+        result, _ = replay_with_cache(cache, requests, chunk_pages=1, state_checkpoint_tokens=None)
+        digests = cache.writer.digests
+        ops = cache.metrics.snapshot()["operations"]
+    assert result.corrupt_pages_served == 0 and result.requests == len(requests)
+    assert result.hit_rate.total > 0  # restores happened and were verified
+    assert digests is not None and digests.mismatches == [] and digests.checked > 0
+    assert ops["storage_writes"] > len(requests)  # one write per chunk, not per request

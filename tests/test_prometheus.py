@@ -48,3 +48,24 @@ def test_exporter_reports_skips_and_storage_events(tmp_path) -> None:
     assert 'kvstrata_skipped_pages_total{cache="l3",reason="disabled"} 2.0' in text
     assert 'kvstrata_storage_events_total{cache="l3",event="put_units"} 3.0' in text
     assert 'kvstrata_storage_events_total{cache="l3",event="breaker_trips"} 0.0' in text
+
+
+def test_latency_summary_count_and_sum_only_grow_past_the_sample_window() -> None:
+    """The sample window keeps the newest samples only; the summary's count and sum must still
+    cover every sample ever recorded, or Prometheus reads a counter reset (issue 28)."""
+    from prometheus_client import CollectorRegistry
+
+    from kvstrata.core.metrics import LATENCY_SAMPLES, CacheMetrics
+
+    metrics = CacheMetrics()
+    registry = CollectorRegistry()
+    register(metrics, registry, cache="c")
+    seen = []
+    for _ in range(3):
+        for _ in range(LATENCY_SAMPLES // 2 + 1):
+            metrics.latency("match", 0.5)
+        count = registry.get_sample_value("kvstrata_latency_seconds_count", {"cache": "c", "kind": "match"})
+        total = registry.get_sample_value("kvstrata_latency_seconds_sum", {"cache": "c", "kind": "match"})
+        seen.append((count, total))
+    assert [c for c, _ in seen] == [(LATENCY_SAMPLES // 2 + 1) * n for n in (1, 2, 3)]
+    assert seen[2][1] == 0.5 * seen[2][0] > seen[1][1] > seen[0][1]

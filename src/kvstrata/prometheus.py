@@ -94,8 +94,10 @@ class CacheCollector:
         latency = core.SummaryMetricFamily(
             "kvstrata_latency_seconds", "Latency of match / load-back / prefetch", labels=[*labels, "kind"]
         )
-        for kind, samples in snap["latency_s"].items():
-            latency.add_metric([self.cache, kind], count_value=len(samples), sum_value=sum(samples))
+        # count and sum over every sample ever recorded (the sample window is bounded): a
+        # Prometheus summary's count and sum must only grow, or a scrape reads a counter reset
+        for kind, count in snap["latency_count"].items():
+            latency.add_metric([self.cache, kind], count_value=count, sum_value=snap["latency_sum_s"][kind])
         yield latency
 
 

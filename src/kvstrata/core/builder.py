@@ -44,6 +44,7 @@ from kvstrata.core.stack import StackLayout
 from kvstrata.core.storage_engine import StorageEngine
 from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import PrefixTree
+from kvstrata.core.unit_digests import UnitDigests
 from kvstrata.core.writer import Writer
 from kvstrata.plugins import PluginHost
 from kvstrata.plugins.pool_type import PoolSpec
@@ -210,6 +211,10 @@ def _wire(parts: CacheParts) -> None:
         parts.prefetcher = Prefetcher(
             *common, parts.units, parts.engine, policy, parts.metrics, hook, page_size=parts.page_size
         )
+    if parts.config.debug.unit_digests:
+        parts.writer.digests = UnitDigests(parts.pools, parts.layout)
+        if parts.prefetcher is not None:
+            parts.prefetcher.digests = parts.writer.digests
 
 
 def _open_backend(config: KvstrataConfig, plugins: PluginHost) -> tuple[StorageBackend | None, Any]:

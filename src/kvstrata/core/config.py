@@ -198,6 +198,16 @@ class ParallelConfig(_Strict):
         return self
 
 
+class DebugConfig(_Strict):
+    """Checks too costly for production that find bugs where they start."""
+
+    unit_digests: bool = Field(
+        default=False,
+        description="digest every unit's bytes at commit and check them at backup, L3 write and "
+        "L3 restore, naming the first stage where they changed (a pass over every byte moved)",
+    )
+
+
 class KvstrataConfig(_Strict):
     """Root of every kvstrata configuration."""
 
@@ -205,6 +215,7 @@ class KvstrataConfig(_Strict):
     tiers: TiersConfig = TiersConfig()
     policy: PolicyConfig = PolicyConfig()
     parallel: ParallelConfig = ParallelConfig()
+    debug: DebugConfig = DebugConfig()
 
 
 # --- composition ------------------------------------------------------------------------------

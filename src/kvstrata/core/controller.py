@@ -264,7 +264,7 @@ class CacheController(UnitMemory, RetentionApi):
             )
             lease._node, lease.committed_pages, lease._allocated = result.node, end, rest
             self._retain(lease)
-            if self.policy.write == "write_through":
+            if self.policy.write == "write_through" or self.writer.digests is not None:
                 self.writer.on_insert(result.node, lease.hashes_source, above, lease.cached_pages)
         if close:
             if lease._allocated is not None:

@@ -82,6 +82,8 @@ class CacheMetrics:
     )
     #: samples ever recorded per kind (the deques keep only the newest LATENCY_SAMPLES)
     latency_count: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LATENCIES, 0))
+    #: seconds ever recorded per kind: with ``latency_count``, a summary that only grows
+    latency_sum: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LATENCIES, 0.0))
     #: set by the builder: objects the integrity check refused (read from the storage engine)
     corrupt_detected_fn: Any = None
     #: set by the builder: the storage engine's integer counters (foreign objects, breaker ...)
@@ -113,6 +115,7 @@ class CacheMetrics:
         with self._lock:
             self.latency_s[kind].append(seconds)
             self.latency_count[kind] += 1
+            self.latency_sum[kind] += seconds
 
     def request(self, tokens: int, hits: dict[str, int]) -> None:
         with self._lock:
@@ -142,4 +145,5 @@ class CacheMetrics:
                 "storage": dict(self.storage_fn()) if self.storage_fn is not None else {},
                 "latency_s": {kind: list(samples) for kind, samples in self.latency_s.items()},
                 "latency_count": dict(self.latency_count),
+                "latency_sum_s": dict(self.latency_sum),
             }

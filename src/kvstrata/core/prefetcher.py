@@ -45,6 +45,7 @@ from kvstrata.core.stack import PoolKind, StackLayout, pool_batch
 from kvstrata.core.storage_engine import PoolBatch, StorageEngine, longest_present_prefix
 from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import PageKey, PrefixTree, Tier, TreeNode
+from kvstrata.core.unit_digests import UnitDigests, check_span
 from kvstrata.core.writer import count_failure
 from kvstrata.plugins.pool_type import PartialHit
 
@@ -130,6 +131,7 @@ class Prefetcher:
         self.orphans: list[PrefetchOp] = []  # revoked prefetches whose worker has not finished
         self.reserved_pages = 0  # pages in flight (the rate limit counts them)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-prefetch")
+        self.digests: UnitDigests | None = None  # debug.unit_digests
 
     # --- gates (owner thread) -------------------------------------------------------------------
 
@@ -361,6 +363,9 @@ class Prefetcher:
             have = op.reserved[tp.name]
             values[tp.name] = have[: hi - lo]
             spare[tp.name] = have[hi - lo :]
+        if self.digests and not check_span(self.digests, "l3_restore", values, op.hashes[:pages], Tier.HOST):
+            self.units.free(Tier.HOST, op.reserved)  # not the bytes committed for them: a miss
+            return 0
         result = self.tree.insert_host(list(keys[: op.start + pages]), values)
         self.units.free(Tier.HOST, spare)
         self.units.free(Tier.HOST, result.duplicates)

@@ -35,6 +35,7 @@ from kvstrata.core.stack import PoolKind, StackLayout, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import MatchResult, PageKey, PrefixTree, Tier, TreeNode
+from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
 from kvstrata.core.write_back import SharedLock, eviction_backups, host_locks
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ class Writer:
         if self.storage_admission.selective:
             tree.on_split(self._split)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
+        self.digests: UnitDigests | None = None  # debug.unit_digests
         if policy.write == "write_back":
             units.before_device_eviction = self.back_up_for_eviction
 
@@ -112,6 +114,8 @@ class Writer:
         chunked request inserted, and backed up, before). ``hashes`` gives the request's page
         hashes; it is called only when an L3 write is queued (no L3, no hashing). ``since`` ending
         at ``cached`` (the cached prefix) is a new node end: its last window goes to L3 too."""
+        if self.digests is not None:
+            record_nodes(self.digests, self.tree.index, _path(self.tree, node, since), hashes())
         if self.policy.write == "write_through":
             path = _path(self.tree, node, since)
             self.host_admission.seen(path)
@@ -248,6 +252,11 @@ class Writer:
                     self.tree.set_host_value(node, name, got[name])
         self.metrics.count("backups", len(nodes))
         self.metrics.add_bytes("device_to_host", nbytes)
+        if self.digests is not None:
+            known: dict[TreeNode, list[str]] = {}
+            for node in nodes:
+                node_hashes_from_path(self.tree, node, self.page_size, self.namespace_root, known)
+            check_nodes(self.digests, "backup", self.tree.index, nodes, known, Tier.HOST)
 
     def back_up_for_eviction(self, shortfall: Mapping[str, int]) -> None:
         """Write-back: back up the device nodes the eviction then drops (see
@@ -304,7 +313,11 @@ class Writer:
         if not batches:
             return
         locks = self._host_locks(nodes)
-        self.pending.append(PendingWrite(locks, self._thread.submit(self.engine.put_group, batches)))
+        if self.digests is not None:
+            future = self._thread.submit(_checked_put, self.engine, self.digests, batches, per_pool)
+        else:
+            future = self._thread.submit(self.engine.put_group, batches)
+        self.pending.append(PendingWrite(locks, future))
         self.metrics.count("storage_writes")
 
     def drain(self) -> None:
@@ -398,6 +411,21 @@ def _trailing_windows(
         for follower in tp.followers:
             per_pool[follower] = (page_hashes, [value])
     return per_pool
+
+
+def _checked_put(
+    engine: StorageEngine,
+    digests: UnitDigests,
+    batches: dict[str, PoolBatch],
+    per_pool: dict[str, tuple[list[str], list[torch.Tensor]]],
+) -> dict[str, BatchResult]:
+    """The writer thread's put under ``debug.unit_digests``: a pool whose host bytes no longer
+    match their commit is not written (the anchor still is: the prefix ends before it)."""
+    for name in list(batches):
+        page_hashes, values = per_pool[name]
+        if not digests.check("l3_write", name, page_hashes, torch.cat(values), Tier.HOST):
+            del batches[name]
+    return engine.put_group(batches)
 
 
 def _path(tree: PrefixTree, node: TreeNode, since: TreeNode | None = None) -> list[TreeNode]:

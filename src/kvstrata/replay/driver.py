@@ -179,6 +179,7 @@ def replay_with_cache(
     baseline_hit_rate: float | None = None,
     baseline_label: str | None = None,
     state_checkpoint_tokens: int | None = MOONCAKE_BLOCK_SIZE,
+    chunk_pages: int | None = None,
 ) -> tuple[ReplayResult, ReplayDetails]:
     """Replay ``requests`` through an open controller; returns the result and the details.
 
@@ -190,12 +191,19 @@ def replay_with_cache(
     lookup's hits count as the request's reuse. None disables it; stacks without node-state pools
     never split.
 
+    ``chunk_pages``: serve every request in chunks of that many pages instead (an engine's
+    chunked prefill that stores a state at every chunk end), so each request queues one L3 write
+    per chunk, each below the last; with small tiers this is the path where a queued write's
+    state and window units must outlive host eviction (issue 29). Overrides the checkpoint split.
+
     The first ``int(len(requests) * warmup_fraction)`` requests only warm the cache: hits, bytes,
     failures and latencies are counted from the first measured request on (controller metrics as
     deltas). Everything still in flight is flushed before the clock stops.
     """
     if not 0.0 <= warmup_fraction < 1.0:
         raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction}")
+    if chunk_pages is not None and chunk_pages < 1:
+        raise ValueError(f"chunk_pages must be a whole number of pages >= 1, got {chunk_pages}")
     tokenizer = tokenizer or BlockTokenizer(MOONCAKE_BLOCK_SIZE)
     page_size = cache.page_size
     content = StackContent(cache.namespace_root, cache.pools)
@@ -218,7 +226,13 @@ def replay_with_cache(
             started = time.perf_counter()
         tokens = tokenizer.request_tokens(request)
         checkpoint = _checkpoint_tokens(request.input_length, page_size, step)
-        if checkpoint:  # chunked prefill: the state at the last block boundary is stored too
+        if chunk_pages:
+            ends = [*range(chunk_pages * page_size, len(tokens), chunk_pages * page_size), len(tokens)]
+            steps = [_serve(cache, content, tokens[:end], verify) for end in ends]
+            hit_pages, served = steps[0].hit_pages, sum(s.served for s in steps)
+            full = any(s.full for s in steps)
+            counted = sum(s.counted_by_controller for s in steps)
+        elif checkpoint:  # chunked prefill: the state at the last block boundary is stored too
             first = _serve(cache, content, tokens[:checkpoint], verify)
             rest = _serve(cache, content, tokens, verify)
             hit_pages, served = first.hit_pages, first.served + rest.served
