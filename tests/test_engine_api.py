@@ -145,15 +145,81 @@ def test_fork_state_copies_the_checkpoint_and_leaves_it_untouched() -> None:
         cache.release(lease)
 
 
-def test_a_window_pool_allocates_only_its_window() -> None:
+def _prefill(cache: kvstrata.CacheController, request: torch.Tensor) -> kvstrata.Lease:
+    lease = cache.lookup(request)
+    units = cache.allocate(lease)
+    _compute(cache, lease, units)
+    cache.insert(lease)
+    return lease
+
+
+def test_a_window_pool_keeps_the_window_data_of_every_page_a_prefill_computes() -> None:
+    """As in SGLang: with room in the window pool, every computed page keeps its window data, so
+    a request sharing any prefix (here 5 of 8 pages, inside the first request's node) reuses it."""
     with _open("swa", []) as cache:
         window = cache.tree_pools["swa"].window
         lease = cache.lookup(tokens(57, 8))
         units = cache.allocate(lease)
-        assert len(units["swa"]) == window < 8 and len(units[cache.layout.anchor]) == 8
-        assert lease.allocated_first_page("swa") == 8 - window
-        cache.release(lease)
-        assert cache.pools.pools["swa"].device_allocator.used == 0
+        assert window < 8 and len(units["swa"]) == 8 and lease.allocated_first_page("swa") == 0
+        _compute(cache, lease, units)
+        cache.insert(lease)
+        sharing = cache.lookup(torch.cat([tokens(57, 8)[: 5 * PAGE], tokens(58, 3)]))
+        cache.admit(sharing)
+        assert sharing.cached_pages == 5 and sharing.prefix_first_page("swa") <= 5 - window
+        assert _bad_units(cache, sharing) == 0
+        cache.release(sharing)
+        cache.tree.check()
+
+
+def test_window_only_allocation_for_an_engine_that_kept_only_the_window() -> None:
+    with _open("swa", ["tiers.host.capacity_tokens=0"]) as cache:
+        window = cache.tree_pools["swa"].window
+        request = tokens(63, 8)
+        lease = cache.lookup(request)
+        units = cache.allocate(lease, window_only=True)
+        assert len(units["swa"]) == window and lease.allocated_first_page("swa") == 8 - window
+        _compute(cache, lease, units)
+        cache.insert(lease)
+        for shared, reusable in ((8, 8), (5, 0)):  # no window data inside the request
+            again = cache.lookup(torch.cat([request[: shared * PAGE], tokens(64, 1)]))
+            cache.admit(again)
+            assert again.cached_pages == reusable and _bad_units(cache, again) == 0
+            cache.release(again)
+        assert cache.pools.pools["swa"].device_allocator.used == window
+
+
+def test_a_full_window_pool_tombstones_out_of_window_data_first_and_keeps_every_window() -> None:
+    """A window pool of 12 device units under 8-page requests (window 2 pages, no host tier: a
+    host copy would serve the tombstoned pages again): each request's earlier
+    pages take the out-of-window data of the requests before it (counted), never a request's last
+    window or its full KV; once only last windows are left, a request keeps what fits down to its
+    own window. Every request stays reusable whole, with exact bytes."""
+    with _open("swa", ["model.pools.swa.device_units=12", "tiers.host.capacity_tokens=0"]) as cache:
+        assert cache.tree_pools["swa"].window == 2
+        requests = [tokens(59 + i, 8) for i in range(4)]
+        got = []
+        for request in requests:
+            lease = cache.lookup(request)
+            units = cache.allocate(lease)
+            got.append((len(units["swa"]), lease.allocated_first_page("swa")))
+            _compute(cache, lease, units)
+            cache.insert(lease)
+        # 12 free; 4 free + 6 out of the first's window; 6 out of the second's; 2 + 4 of the third's
+        assert got == [(8, 0), (8, 0), (8, 0), (6, 2)]
+        assert cache.metrics.snapshot()["operations"]["out_of_window_device"] == 6 + 6 + 6
+        for request in requests:
+            again = cache.lookup(request)
+            cache.admit(again)
+            assert again.cached_pages == 8 and _bad_units(cache, again) == 0
+            cache.release(again)
+        # inside the first request only its last window is left; the last keeps pages [2, 8)
+        for request, reusable in ((requests[0], 0), (requests[3], 5)):
+            partial = cache.lookup(torch.cat([request[: 5 * PAGE], tokens(70, 3)]))
+            cache.admit(partial)
+            assert partial.cached_pages == reusable and _bad_units(cache, partial) == 0
+            cache.release(partial)
+        assert cache.pools.pools["full"].device_allocator.used == 32, "no full KV page was evicted"
+        cache.tree.check()
 
 
 def test_decode_extends_one_lease_token_by_token() -> None:

@@ -484,3 +484,54 @@ def test_locks_of_one_branch_leave_siblings_and_split_halves_exact():
     with pytest.raises(TreeError, match="unlock without lock"):
         tree.unlock(handle)
     assert all(list(n.device_lock) == [0, 0] for n in tree.nodes())
+
+
+# ---------------------------------------------------------------- out-of-window window data
+def test_out_of_window_window_data_is_tombstoned_first_and_every_cached_end_stays_whole():
+    """Window 2 pages. Ends: a 6-page leaf, a branch after page 3 and its two leaves. Only the
+    window pages outside the last window of every end go (a node split where an end needs its
+    tail), counted apart, and no full KV page; a prefix ending inside a path then misses."""
+    tree, units = PrefixTree([kv_spec(), swa_spec(2 * PAGE)]), Units()
+    insert(tree, units, seq(1, 2, 3, 4, 5, 6), pools=("kv", "swa"))
+    insert(tree, units, seq(1, 2, 3, 7, 8), pools=("kv", "swa"))  # branches after page 3
+    insert(tree, units, seq(9, 10, 11, 12, 13, 14), pools=("kv", "swa"))
+    kv_before = tree.units("kv", Tier.DEVICE)
+    out = tree.evict_device({"swa": 100}, out_of_window_only=True)
+    tree.check()
+    # page 0 (below the branch's window), page 3 (below A's), pages 0-3 of the third request
+    assert out.out_of_window == {"swa": 6} and out.units == {"swa": 6} and out.deleted == 0
+    assert tree.units("kv", Tier.DEVICE) == kv_before == 14 and tree.units("swa", Tier.DEVICE) == 14 - 6
+    for keys, usable in (
+        (seq(1, 2, 3, 4, 5, 6), 6),
+        (seq(1, 2, 3, 7, 8), 5),
+        (seq(1, 2, 3, 99), 3),  # the branch point: a shared prompt stays reusable
+        (seq(9, 10, 11, 12, 13, 14), 6),
+        (seq(9, 10, 11, 12, 99), 0),  # ends inside a path, in tombstoned window data
+    ):
+        assert tree.match(keys, count_hit=False).device_pages == usable, keys
+    assert tree.evict_device({"swa": 1}, out_of_window_only=True).units == {}, "nothing else goes"
+    more = tree.evict_device({"swa": 1})  # then the usual rules: here the oldest leaf goes whole
+    assert more.out_of_window == {} and more.units["swa"] >= 1 and more.units.get("kv", 0) >= 1
+    tree.check()
+
+
+def test_out_of_window_window_data_leaves_the_host_tier_first_too():
+    tree, units = PrefixTree([kv_spec(), swa_spec(2 * PAGE)]), Units()
+    tree.insert_host(seq(1, 2, 3, 4, 5, 6), {"kv": units.take(6), "swa": units.take(6)})
+    tree.check()
+    out = tree.evict_host({"swa": 3})
+    tree.check()
+    assert out.out_of_window == {"swa": 4} and "kv" not in out.units and out.deleted == 0
+    assert tree.match(seq(1, 2, 3, 4, 5, 6), count_hit=False).host_pages == 6
+    assert tree.match(seq(1, 2, 3, 99), count_hit=False).host_pages == 0
+
+
+def test_a_window_pool_makes_room_after_the_anchor():
+    """Both pools short: the anchor's leaf frees window units too, so nothing is tombstoned."""
+    tree, units = PrefixTree([kv_spec(), swa_spec(2 * PAGE)]), Units()
+    insert(tree, units, seq(1, 2, 3, 4), pools=("kv", "swa"))
+    insert(tree, units, seq(5, 6, 7, 8), pools=("kv", "swa"))
+    out = tree.evict_device({"kv": 4, "swa": 4})
+    tree.check()
+    assert out.units == {"kv": 4, "swa": 4} and out.deleted == 1 and out.out_of_window == {}
+    assert out.tombstoned == 0

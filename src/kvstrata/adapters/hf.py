@@ -197,7 +197,12 @@ class HFStateCache:
             if have >= pages or (self.layout.states and processed != pages * self.page_size):
                 self.cache.release(lease)
                 return have * self.page_size
-            units = self.cache.allocate(lease)
+            # window layers that lost the first new pages (a prefix evicted since the restore)
+            # can still give their window
+            held = [
+                held_range(past_key_values.layers[i])[0] for p in self.layout.attention for i in p.layer_ids
+            ]
+            units = self.cache.allocate(lease, window_only=max(held, default=0) > have * self.page_size)
             if not self._write(past_key_values, lease, units, pages):
                 self.cache.release(lease)
                 return have * self.page_size

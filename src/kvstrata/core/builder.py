@@ -192,7 +192,11 @@ def _wire(parts: CacheParts) -> None:
     parts.retention = Retention(parts.tree, pinnable, parts.metrics)
     parts.tree.set_retention(parts.retention)
     parts.units = TierUnits(
-        parts.pools, parts.tree, delete_unbacked=policy.write != "write_back", on_eviction=on_eviction
+        parts.pools,
+        parts.tree,
+        delete_unbacked=policy.write != "write_back",
+        on_eviction=on_eviction,
+        metrics=parts.metrics,
     )
     parts.load_back = LoadBack(*common, parts.units, parts.metrics)
     parts.writer = Writer(

@@ -50,6 +50,7 @@ from kvstrata.core.lease import (
     CacheFullError,
     Lease,
     add_allocation,
+    allocate_units,
     allocation_needs,
     require_lease,
     settle,
@@ -220,14 +221,17 @@ class CacheController(UnitMemory, RetentionApi, ClosingApi):
 
     @exclusive
     def allocate(
-        self, lease: Lease, *, end_page: int | None = None, partial_page: bool = False
+        self,
+        lease: Lease,
+        *,
+        end_page: int | None = None,
+        partial_page: bool = False,
+        window_only: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """Device units for the pages of ``lease`` that are neither cached nor allocated yet,
-        through ``end_page`` (default: every whole page), per pool. Sidecars share their
-        owner's units; a window pool gets units only for the pages that stay in its window
-        (``lease.allocated_first_page`` says which); a state pool one slot per insert, for the
-        state after the last inserted page. ``partial_page`` adds the page being filled (decode).
-        Raises :class:`CacheFullError`."""
+        """Device units per pool for the pages of ``lease`` neither cached nor allocated, through
+        ``end_page`` (default: every whole page; ``partial_page`` adds the one being filled).
+        Sidecars share their owner's units; a window pool every new page where it has room, else
+        (or ``window_only``) the last ones down to its window; a state pool one slot per insert."""
         self._check_lease(lease)
         if not lease.admitted:
             self.admit(lease)
@@ -235,12 +239,12 @@ class CacheController(UnitMemory, RetentionApi, ClosingApi):
         if not 0 <= end <= lease.pages:
             raise ValueError(f"end_page {end} outside [0, {lease.pages}] (the lease's whole pages)")
         end = max(end + int(partial_page and end == lease.pages), lease.allocated_pages)
-        needs = allocation_needs(self.layout, lease, end)
-        got = self.units.alloc(Tier.DEVICE, needs)
+        got = allocate_units(self.units, self.layout, lease, end, window_only)
         if got is None:
             self.metrics.fail()
             raise CacheFullError(
-                f"device tier cannot hold {end - lease.allocated_pages} new pages ({needs}) even after "
+                f"device tier cannot hold {end - lease.allocated_pages} new pages "
+                f"({allocation_needs(self.layout, lease, end)}) even after "
                 "evicting every unlocked page: raise tiers.device.capacity_tokens or admit fewer "
                 "requests at once"
             )
@@ -274,7 +278,7 @@ class CacheController(UnitMemory, RetentionApi, ClosingApi):
             lease._node, lease.committed_pages, lease._allocated = result.node, end, rest
             self._retain(lease)
             if self.policy.write == "write_through" or self.writer.digests is not None:
-                self.writer.on_insert(result.node, lease.hashes_source, since=above)
+                self.writer.on_insert(result.node, lease.hashes_source, above, lease.cached_pages)
         if close:
             if lease._allocated is not None:
                 self.units.free(Tier.DEVICE, lease._allocated)

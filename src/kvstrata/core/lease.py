@@ -19,6 +19,7 @@ from kvstrata.core.tree import LockHandle, MatchResult, PrefixTree, Tier, TreeNo
 if TYPE_CHECKING:
     from kvstrata.core.prefetcher import PrefetchOp
     from kvstrata.core.retention import Pin, RetentionHint
+    from kvstrata.core.tier_units import TierUnits
 
 
 class CacheFullError(RuntimeError):
@@ -61,7 +62,7 @@ class Lease:
     _prefetch: PrefetchOp | None = None
     _storage_pages: int = 0  # pages [host_pages, host_pages + this) came from L3
     _pin: Pin | None = None
-    #: units handed out but not yet inserted, per tree pool (window pools: the last pages only)
+    #: units handed out but not yet inserted, per tree pool (window pools: contiguous last pages)
     _allocated: dict[str, torch.Tensor] | None = None
     _allocated_first: dict[str, int] = field(default_factory=dict)  # page of each pool's first new unit
     #: the cache whose lookup made it: no other cache honours it
@@ -205,8 +206,10 @@ def prefix_units(
 
 
 def allocation_needs(layout: StackLayout, lease: Lease, end: int) -> dict[str, int]:
-    """Units per tree pool for pages ``[lease.allocated_pages, end)``: every page for all-pages
-    pools, only what stays in the window for window pools, one slot per insert for state pools."""
+    """Units per tree pool that pages ``[lease.allocated_pages, end)`` must have: every page for
+    all-pages pools, the pages of the trailing window for window pools (the rest of their pages
+    are :func:`window_extras`, taken only where room is spare), one slot per insert for state
+    pools."""
     new = end - lease.allocated_pages
     pending = lease._allocated or {}
     needs = {}
@@ -220,11 +223,39 @@ def allocation_needs(layout: StackLayout, lease: Lease, end: int) -> dict[str, i
     return needs
 
 
+def window_extras(layout: StackLayout, lease: Lease, end: int) -> dict[str, int]:
+    """Per window pool, the new pages of ``[lease.allocated_pages, end)`` before its trailing
+    window: a prefill computes their window data, and keeping it lets a later request reuse any
+    prefix of this one (not only one ending where this allocation ends). Best effort: these units
+    come from free units and out-of-window data only, never from what a cached prefix needs."""
+    new = end - lease.allocated_pages
+    return {
+        tp.name: new - tp.window
+        for tp in layout.tree_pools.values()
+        if tp.kind is PoolKind.WINDOW and new > tp.window
+    }
+
+
+def allocate_units(
+    units: TierUnits, layout: StackLayout, lease: Lease, end: int, window_only: bool = False
+) -> dict[str, torch.Tensor] | None:
+    """Device units for pages ``[lease.allocated_pages, end)`` per tree pool (evicting what it
+    must for :func:`allocation_needs`, then, unless ``window_only``, :func:`window_extras` where
+    room is spare), or None."""
+    got = units.alloc(Tier.DEVICE, allocation_needs(layout, lease, end))
+    extras = {} if window_only else window_extras(layout, lease, end)
+    if got is not None and extras:
+        for name, spare in units.alloc_spare(Tier.DEVICE, extras).items():
+            got[name] = torch.cat([spare, got[name]])
+    return got
+
+
 def add_allocation(
     layout: StackLayout, lease: Lease, got: dict[str, torch.Tensor], end: int
 ) -> dict[str, torch.Tensor]:
-    """Record ``got`` as the units of pages ``[lease.allocated_pages, end)``; returns the window
-    units that fell out of the window (the caller frees them)."""
+    """Record ``got`` as the units of pages ``[lease.allocated_pages, end)`` (window pools: of its
+    last ``len(got[pool])`` pages); returns pending window units no longer contiguous with the new
+    ones (the caller frees them)."""
     pending = dict(lease._allocated or {})
     dropped: dict[str, torch.Tensor] = {}
     for tp in layout.tree_pools.values():
@@ -233,9 +264,12 @@ def add_allocation(
             pending[tp.name] = torch.cat([old, new]) if len(old) else new
             first = lease.allocated_pages
         elif tp.kind is PoolKind.WINDOW:
-            both = torch.cat([old, new]) if len(old) else new
-            cut = max(0, len(both) - tp.window)
-            pending[tp.name], dropped[tp.name] = both[cut:], both[:cut]
+            # the pending units hold contiguous pages ending at ``end``: kept old units must
+            # end where the new ones start, else (a window-only allocation) they are of no use
+            if len(old) and len(new) == end - lease.allocated_pages:
+                pending[tp.name] = torch.cat([old, new])
+            else:
+                pending[tp.name], dropped[tp.name] = new, old
             first = end - len(new)
         else:
             pending[tp.name] = new if len(new) else old

@@ -36,6 +36,10 @@ OPERATIONS = (
     "storage_admitted",
     "storage_rejected",
     "pins_refused",
+    # window-pool pages tombstoned per tier as out-of-window data (outside the last window of
+    # every prefix the tier holds): they leave before anything a cached prefix needs
+    "out_of_window_device",
+    "out_of_window_host",
 )
 LATENCIES = ("match", "load_back", "prefetch")
 

@@ -7,8 +7,8 @@ How a prefetch decides, in order:
    caller may skip the gates and wait for the whole read (:attr:`PrefetchMode.WAIT`).
 2. **Length** (worker thread): the existence query runs first, so a miss never takes or evicts host
    units. The anchor's present prefix, clamped or dropped by each all-pages pool as it declares;
-   a state pool ends it at the last page that has a state; a window pool that misses part of its
-   window drops the whole prefetch.
+   a state pool ends it at the last page that has a state, a window pool at the last page whose
+   whole window L3 holds (scanning down; none: the prefetch is dropped).
 3. **Read** (worker thread): into free host units; when the host tier has too few free units the
    worker leaves the read to the owner, which makes room at ``admit``. An object that fails
    verification truncates the prefix at the last page where every pool verifies (for a state

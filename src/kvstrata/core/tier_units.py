@@ -14,9 +14,10 @@ from collections.abc import Callable, Mapping
 import torch
 
 from kvstrata.core.allocator import UnitAllocator
+from kvstrata.core.metrics import CacheMetrics
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import NO_UNITS
-from kvstrata.core.tree import PrefixTree, Tier, TreeNode
+from kvstrata.core.tree import EvictionResult, PrefixTree, Tier, TreeNode
 
 #: Called before the device tier evicts, with the units per pool it is short of (write-back
 #: backs nodes up there, so eviction may drop them).
@@ -33,13 +34,16 @@ class TierUnits:
         *,
         delete_unbacked: bool,
         on_eviction: Callable[[str, str, torch.Tensor], None],
+        metrics: CacheMetrics | None = None,
     ) -> None:
         """``delete_unbacked``: whether device eviction may delete a node with no host copy
-        (false for write-back); ``on_eviction(tier, pool, units)`` observes every eviction."""
+        (false for write-back); ``on_eviction(tier, pool, units)`` observes every eviction;
+        ``metrics`` counts out-of-window window pages per tier."""
         self.pools = pools
         self.tree = tree
         self.delete_unbacked = delete_unbacked
         self.on_eviction = on_eviction
+        self.metrics = metrics
         self.before_device_eviction: BeforeDeviceEviction | None = None
 
     def allocator(self, pool: str, tier: Tier) -> UnitAllocator | None:
@@ -93,9 +97,40 @@ class TierUnits:
             )
         else:
             result = self.tree.evict_host(shortfall, self.freer(Tier.HOST))
+        self._observe(tier, result)
+        return self.try_alloc(tier, needs)
+
+    def _observe(self, tier: Tier, result: EvictionResult) -> None:
         for pool, units in result.units.items():
             self.on_eviction(tier.value, pool, units)
-        return self.try_alloc(tier, needs)
+        if self.metrics is not None and result.out_of_window:
+            self.metrics.count(f"out_of_window_{tier.value}", sum(result.out_of_window.values()))
+
+    def alloc_spare(self, tier: Tier, wants: Mapping[str, int]) -> dict[str, torch.Tensor]:
+        """Up to ``wants[pool]`` units per window pool, from free units and, where those fall
+        short, from out-of-window data the tree tombstones (never from what a cached prefix
+        needs). Best effort: a pool may get fewer units, or none."""
+        short = {}
+        for pool, count in wants.items():
+            allocator = self.allocator(pool, tier)
+            if allocator is not None and count > allocator.available:
+                short[pool] = count - allocator.available
+        if short:
+            if tier is Tier.DEVICE:
+                result = self.tree.evict_device(
+                    short, self.freer(tier), delete_unbacked=self.delete_unbacked, out_of_window_only=True
+                )
+            else:
+                result = self.tree.evict_host(short, self.freer(tier), out_of_window_only=True)
+            self._observe(tier, result)
+        got: dict[str, torch.Tensor] = {}
+        for pool, count in wants.items():
+            allocator = self.allocator(pool, tier)
+            take = min(count, allocator.available) if allocator is not None else 0
+            units = allocator.alloc(take) if take > 0 else None  # type: ignore[union-attr]
+            if units is not None:
+                got[pool] = units
+        return got
 
     def alloc_protecting(
         self, node: TreeNode | None, tier: Tier, needs: Mapping[str, int]

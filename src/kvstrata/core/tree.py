@@ -65,6 +65,9 @@ from kvstrata.core.tree_node import (
 )
 from kvstrata.plugins.pool_type import PoolSpec
 
+#: called with each pool's units an eviction dropped (the owner frees them)
+OnFree = Callable[[str, torch.Tensor], None]
+
 __all__ = [
     "AccessClock",
     "EvictionOrder",
@@ -358,27 +361,28 @@ class PrefixTree:
     def evict_device(
         self,
         needs: Mapping[str, int],
-        on_free: Callable[[str, torch.Tensor], None] | None = None,
+        on_free: OnFree | None = None,
         *,
         delete_unbacked: bool = True,
+        out_of_window_only: bool = False,
     ) -> EvictionResult:
         """Free at least ``needs[pool]`` device units per pool where possible, least recent first.
 
-        Pools are served in ascending ``eviction_priority``; units freed for one pool count for
-        the others. The anchor evicts device leaves: a backed-up node is demoted to host-only,
-        any other leaf is deleted. A component drops its value on inner nodes (tombstone); on a
-        device leaf the whole node goes, since its pages are useless without that component.
-        Locked nodes are skipped. ``on_free`` is called per freed value (as well as returned).
-        With ``delete_unbacked=False`` (write-back: a node whose backup failed must not lose its
-        only copy) only backed-up nodes leave the device or lose components there.
-        """
-        return self._evictor.evict_device(needs, on_free, delete_unbacked)
+        Pools go in ascending ``eviction_priority`` (a window pool after the anchor); units freed
+        for one pool count for the others. The anchor evicts device leaves: a backed-up node is
+        demoted to host-only, any other leaf deleted. A window pool first tombstones data outside
+        the last window of every prefix the tier holds (``out_of_window_only``: nothing else). A
+        component drops its value on inner nodes (tombstone); on a device leaf the whole node
+        goes. Locked nodes are skipped. ``on_free`` is called per freed value (as well as
+        returned). ``delete_unbacked=False`` (write-back): only backed-up nodes leave."""
+        return self._evictor.evict_device(needs, on_free, delete_unbacked, out_of_window_only)
 
     def evict_host(
-        self, needs: Mapping[str, int], on_free: Callable[[str, torch.Tensor], None] | None = None
+        self, needs: Mapping[str, int], on_free: OnFree | None = None, *, out_of_window_only: bool = False
     ) -> EvictionResult:
-        """Free host units; only nodes whose (pool) data is not on device and not host-locked."""
-        return self._evictor.evict_host(needs, on_free)
+        """Free host units; only nodes whose (pool) data is not on device and not host-locked
+        (window pools: out-of-window data first, as on the device)."""
+        return self._evictor.evict_host(needs, on_free, out_of_window_only)
 
     # ------------------------------------------------------------------ sanity
     def check(self) -> None:

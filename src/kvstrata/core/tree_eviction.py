@@ -16,6 +16,10 @@ else an order declares (``capabilities``) the evictor honours here, off the per-
 - ``chain_aware``: a chosen leaf longer than what is still needed is trimmed -- its tail pages
   go, its head stays -- on stacks without node-state pools (a trimmed head has no state).
 
+Window (trailing_pages) pools have a class of their own that leaves first: window data outside
+the last window of every prefix the tier holds (:func:`window_tail`), tombstoned before anything
+a cached prefix needs; a window pool makes room after the anchor, whose leaves free its units too.
+
 Retention hints (:mod:`kvstrata.core.retention`) rank above the order: a node with a higher
 retention level leaves only after every node of a lower one. The tree never frees memory: it
 reports what it dropped and the owner frees it.
@@ -99,6 +103,8 @@ class TreeEvictor:
         self._set = set_value  # sets a node's value and its tier membership (PrefixTree._set)
         self._split = split  # the matcher's split (trims a leaf for chain-aware orders)
         self._can_trim = not layout.stateful and split is not None
+        self._window = layout.window  # trailing-window pages per pool (0: not a window pool)
+        self._eviction_rank = layout.eviction_rank
         self.orders: dict[Tier, EvictionOrder] = {_DEVICE: LruOrder(), _HOST: LruOrder()}
         self._hearing: dict[Tier, Any] = {}  # tiers whose order hears events
         self._trims: dict[Tier, bool] = {_DEVICE: False, _HOST: False}
@@ -161,22 +167,30 @@ class TreeEvictor:
         needs: Mapping[str, int],
         on_free: Callable[[str, torch.Tensor], None] | None,
         delete_unbacked: bool,
+        out_of_window_only: bool = False,
     ) -> EvictionResult:
         """See ``PrefixTree.evict_device``."""
         self._delete_unbacked = delete_unbacked
         try:
-            return self._evict(_DEVICE, needs, on_free)
+            return self._evict(_DEVICE, needs, on_free, out_of_window_only)
         finally:
             self._delete_unbacked = True
 
     def evict_host(
-        self, needs: Mapping[str, int], on_free: Callable[[str, torch.Tensor], None] | None
+        self,
+        needs: Mapping[str, int],
+        on_free: Callable[[str, torch.Tensor], None] | None,
+        out_of_window_only: bool = False,
     ) -> EvictionResult:
         """See ``PrefixTree.evict_host``."""
-        return self._evict(_HOST, needs, on_free)
+        return self._evict(_HOST, needs, on_free, out_of_window_only)
 
     def _evict(
-        self, tier: Tier, needs: Mapping[str, int], on_free: Callable[[str, torch.Tensor], None] | None
+        self,
+        tier: Tier,
+        needs: Mapping[str, int],
+        on_free: Callable[[str, torch.Tensor], None] | None,
+        out_of_window_only: bool,
     ) -> EvictionResult:
         result = EvictionResult()
         hearing = self._hearing.get(tier)
@@ -184,14 +198,16 @@ class TreeEvictor:
         # fixed for the whole eviction: every rank of one heap must have the same shape
         self._level = self.retention.levels() if self.retention is not None else None
         try:
-            pools = sorted(
-                (self._pool(name) for name in needs), key=lambda p: self.pools[p].eviction_priority
-            )
+            pools = sorted((self._pool(name) for name in needs), key=self._eviction_rank.__getitem__)
             for p in pools:
                 want = needs[self.pools[p].name]
                 if want < 0:
                     raise TreeError(f"cannot evict a negative amount ({want}) of pool {self.pools[p].name!r}")
                 if result.units.get(self.pools[p].name, 0) >= want:
+                    continue
+                if self._window[p]:  # out-of-window data first: no cached prefix needs it
+                    self._evict_out_of_window(tier, p, want, result)
+                if out_of_window_only or result.units.get(self.pools[p].name, 0) >= want:
                     continue
                 if p == 0:
                     self._evict_anchor(tier, want, result)
@@ -315,22 +331,44 @@ class TreeEvictor:
             if parent is not None and parent is not self.root and self._copy_droppable(parent):
                 heapq.heappush(heap, self._ranked(_HOST, [parent])[0])
 
+    def _component_candidates(self, tier: Tier, p: int) -> list[tuple[Any, int, TreeNode]]:
+        """Nodes that may lose pool ``p``'s units in ``tier``, lowest rank first: not locked; not
+        without a backup under write-back (device); not also on the device (host)."""
+        members = self._members[tier][p]
+        if tier is _DEVICE:
+            keep_unbacked = not self._delete_unbacked
+            nodes = [n for n in members if not n.device_lock[p] and not (keep_unbacked and n.host[0] is None)]
+        else:
+            nodes = [n for n in members if not n.host_lock[p] and n.device[p] is None]
+        candidates = self._ranked(tier, nodes)
+        candidates.sort()
+        return candidates
+
+    def _evict_out_of_window(self, tier: Tier, p: int, want: int, result: EvictionResult) -> None:
+        """Tombstone window data outside the last window of every prefix the tier holds, lowest
+        rank first, before any window data a prefix needs (and before the anchor's pages). A
+        node whose last pages a prefix needs is split there and loses only its head."""
+        name = self.pools[p].name
+        for _, _, node in self._component_candidates(tier, p):
+            if result.units.get(name, 0) >= want:
+                break
+            tail = window_tail(node, tier, self._window[p])
+            if tail >= node.pages:
+                continue
+            if tail:  # the head is out of every window
+                node = self._split(node, node.pages - tail)  # type: ignore[misc]
+            value = (node.device if tier is _DEVICE else node.host)[p]
+            result._add(name, value)  # type: ignore[arg-type]
+            self._set(node, tier, p, None)
+            result.tombstoned += 1
+            result.out_of_window[name] = result.out_of_window.get(name, 0) + value.shape[0]  # type: ignore[union-attr]
+
     def _evict_component(self, tier: Tier, p: int, want: int, result: EvictionResult) -> None:
         """Drop one component's units, lowest rank first: a whole node where it may leave the
         tier (its pages are useless without the component), else a tombstone."""
         name = self.pools[p].name
         dev = tier is _DEVICE
-        members = self._members[tier][p]
-        if dev:
-            # not locked; and write-back (keep_unbacked) keeps a node without a backup whole
-            keep_unbacked = not self._delete_unbacked
-            nodes = [n for n in members if not n.device_lock[p] and not (keep_unbacked and n.host[0] is None)]
-        else:
-            # not locked, and not also on device (the device copy goes first)
-            nodes = [n for n in members if not n.host_lock[p] and n.device[p] is None]
-        candidates = self._ranked(tier, nodes)
-        candidates.sort()
-        for _, _, node in candidates:
+        for _, _, node in self._component_candidates(tier, p):
             if result.units.get(name, 0) >= want:
                 break
             if (node.device if dev else node.host)[p] is None:
@@ -345,3 +383,26 @@ class TreeEvictor:
                 result._add(name, value)
                 self._set(node, tier, p, None)
                 result.tombstoned += 1
+
+
+def _in_tier(node: TreeNode, tier: Tier) -> bool:
+    """Whether ``node``'s pages can be served from ``tier`` (host: from device or host)."""
+    return node.device[0] is not None or (tier is _HOST and node.host[0] is not None)
+
+
+def window_tail(node: TreeNode, tier: Tier, window: int) -> int:
+    """How many of ``node``'s last pages lie in the last window (``window`` pages) of a prefix
+    the tier holds; the pages before them are out-of-window data. A held prefix ends where the
+    tier's paths end or branch (a request's end, a shared prompt), at ``node`` or below it.
+    Walks only the nodes ending within the window below ``node``."""
+    limit = node.depth_end + window
+    nearest = window  # distance from node's end to the nearest prefix end within the window
+    stack = [node]
+    while stack:
+        cur = stack.pop()
+        below = [c for c in cur.children.values() if _in_tier(c, tier)]
+        if len(below) != 1:  # a leaf of the tier, or a branch point: no nearer end below it
+            nearest = min(nearest, cur.depth_end - node.depth_end)
+            continue
+        stack.extend(c for c in below if c.depth_end < limit)
+    return min(node.pages, window - nearest)

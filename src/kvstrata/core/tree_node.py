@@ -243,6 +243,7 @@ class PoolLayout:
     __slots__ = (
         "all_pages",
         "anchor_only",
+        "eviction_rank",
         "has_windows",
         "index",
         "names",
@@ -283,6 +284,13 @@ class PoolLayout:
             i for i, s in enumerate(self.pools) if not self.state[i] and not self.window[i] and i != 0
         ]
         self.windowed = [i for i in range(len(self.pools)) if self.window[i]]
+        #: the order pools make room in: ascending eviction_priority, a window pool after the
+        #: anchor (the anchor's leaves free window units too: only the rest of its need tombstones)
+        first = self.pools[0].eviction_priority
+        self.eviction_rank = [
+            (max(s.eviction_priority, first), 1) if self.window[i] else (s.eviction_priority, 0)
+            for i, s in enumerate(self.pools)
+        ]
         self.stateful = [i for i in range(len(self.pools)) if self.state[i]]
         self.anchor_only = len(self.pools) == 1
         self.npools = len(self.pools)
@@ -413,6 +421,8 @@ class EvictionResult:
     demoted: list[TreeNode] = field(default_factory=list)  # device dropped, node kept on host
     deleted: int = 0  # nodes removed from the tree
     tombstoned: int = 0  # component values dropped on nodes that stay
+    #: window-pool units tombstoned outside the last window of every prefix the tier holds
+    out_of_window: dict[str, int] = field(default_factory=dict)
 
     def _add(self, pool: str, value: torch.Tensor) -> None:
         self.freed.setdefault(pool, []).append(value)

@@ -107,10 +107,13 @@ class Writer:
 
     # --- L1 -> L2 -----------------------------------------------------------------------------
 
-    def on_insert(self, node: TreeNode, hashes: PageHashes, since: TreeNode | None = None) -> None:
+    def on_insert(
+        self, node: TreeNode, hashes: PageHashes, since: TreeNode | None = None, cached: int = 0
+    ) -> None:
         """Write-through: back up the path to a freshly inserted node (below ``since``, which a
         chunked request inserted, and backed up, before). ``hashes`` gives the request's page
-        hashes; it is called only when an L3 write is queued (no L3, no hashing)."""
+        hashes; it is called only when an L3 write is queued (no L3, no hashing). ``since`` ending
+        at ``cached`` (the cached prefix) is a new node end: its last window goes to L3 too."""
         if self.digests is not None:
             record_nodes(self.digests, self.tree.index, _path(self.tree, node, since), hashes())
         if self.policy.write == "write_through":
@@ -118,6 +121,8 @@ class Writer:
             self.host_admission.seen(path)
             self.storage_admission.seen(path)
             self.back_up(path, hashes=hashes, admit=True)
+            if since is not None and since.depth_end == cached and self.engine is not None:
+                self._submit([since], _trailing_windows(self, since, hashes))
 
     def on_lookup(self, match: MatchResult, lease: Lease) -> None:
         """A request reused ``match``'s path: selective write-through backs up the nodes that
@@ -287,7 +292,13 @@ class Writer:
         else:
             nodes = self._admit_writes(nodes)
         request_hashes = hashes() if hashes is not None and nodes else None
-        per_pool = _host_values_per_pool(self, nodes, request_hashes)
+        self._submit(nodes, _host_values_per_pool(self, nodes, request_hashes))
+
+    def _submit(
+        self, nodes: Sequence[TreeNode], per_pool: dict[str, tuple[list[str], list[torch.Tensor]]]
+    ) -> None:
+        """Queue the L3 write of ``per_pool`` (host units of ``nodes``, host-locked meanwhile)."""
+        assert self.engine is not None
         if self.engine.breaker.refusing():
             # L3 is down: count the refused write without the batch copies, host locks and
             # worker hop it would cost (a dead L3 must not slow L1/L2; benchmarks/faults.py)
@@ -356,7 +367,9 @@ def _host_values_per_pool(
     writer: Writer, nodes: Sequence[TreeNode], request_hashes: Sequence[str] | None
 ) -> dict[str, tuple[list[str], list[torch.Tensor]]]:
     """Per pool to write: the page hashes and host unit indices of ``nodes`` (a state pool one
-    slot per node, under its last page; a sidecar follows the pool owning its units)."""
+    slot per node, under its last page; a window pool the node's last window pages, what a
+    restore of a prefix ending there needs, as SGLang stores them; a sidecar follows the pool
+    owning its units)."""
     per_pool: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
     known: dict[TreeNode, list[str]] = {}
     tree = writer.tree
@@ -370,10 +383,34 @@ def _host_values_per_pool(
             if value is None:
                 continue
             page_hashes = node_hashes[-1:] if tp.kind is PoolKind.STATE else node_hashes
+            if tp.kind is PoolKind.WINDOW and tp.window < len(value):
+                page_hashes, value = node_hashes[-tp.window :], value[-tp.window :]
             for follower in tp.followers:
                 entry = per_pool.setdefault(follower, ([], []))
                 entry[0].extend(page_hashes)
                 entry[1].append(value)
+    return per_pool
+
+
+def _trailing_windows(
+    writer: Writer, node: TreeNode, hashes: PageHashes
+) -> dict[str, tuple[list[str], list[torch.Tensor]]]:
+    """Per window pool (and its sidecars), the page hashes and host units of the last window
+    ending at ``node``, where the host tier holds it whole (for a prefix end that was inside a
+    node when that node was written to L3)."""
+    per_pool: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
+    tree = writer.tree
+    for name, tp in writer.layout.tree_pools.items():
+        if tp.kind is not PoolKind.WINDOW:
+            continue
+        p = tree.index[name]
+        nodes = tree.window_nodes(node, name)[::-1]
+        if not nodes or any(n.host[p] is None for n in nodes):
+            continue
+        value = torch.cat([n.host[p] for n in nodes])[-tp.window :]  # type: ignore[misc]
+        page_hashes = list(hashes()[node.depth_end - len(value) : node.depth_end])
+        for follower in tp.followers:
+            per_pool[follower] = (page_hashes, [value])
     return per_pool
 
 

@@ -1,7 +1,8 @@
 """``swa``: K/V of sliding-window attention layers; only the last ``window`` tokens matter.
 
-A component with its own allocator: interior pages may be evicted (tombstoned) while the node
-stays. A prefetch missing part of its window is useless, so it is dropped whole.
+A component with its own allocator. The core keeps the window data of every page a prefill
+computes and tombstones what lies outside every cached prefix's last window first; a prefix is
+usable (and restorable from L3) only where its whole last window is present.
 """
 
 from __future__ import annotations
