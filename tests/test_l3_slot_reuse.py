@@ -202,9 +202,9 @@ def test_unit_digests_name_the_stage_where_bytes_changed_and_keep_them_out_of_l3
     put_group = cache.engine.put_group
     calls = [0]
 
-    def held(batches):
+    def held(batches):  # write 2 holds the one writer thread: write 3 waits in the queue
         calls[0] += 1
-        if calls[0] == 3:
+        if calls[0] == 2:
             gate.wait(10)
         return put_group(batches)
 
