@@ -165,3 +165,14 @@ def test_cli_show_prints_resolved_config_with_defaults(tmp_path: Path) -> None:
     assert data["policy"]["prefetch"]["policy"] == "timeout"  # a default, filled in
     assert data["tiers"]["storage"]["l3"]["type"] == "file"
     assert yaml.safe_load(run_cli("config", "show", str(config)).stdout)["model"]["name"] == "demo"
+
+
+def test_a_single_config_error_is_one_line_for_engine_logs() -> None:
+    """Issue 27 item 10: an adapter's config error printed on two lines lost its reason in the
+    engine's log line; one error is one line, several are an indented list."""
+    from kvstrata.plugins.errors import ConfigError
+
+    one = str(ConfigError([("kvstrata.model.name", "required")], source="SGLang extra_config"))
+    assert one == "invalid configuration in SGLang extra_config: kvstrata.model.name: required"
+    two = str(ConfigError([("a", "x"), ("b", "y")])).splitlines()
+    assert two == ["invalid configuration:", "  a: x", "  b: y"]

@@ -39,6 +39,9 @@ def test_the_library_example_runs_as_printed(tmp_path) -> None:
 NOT_RUN = {
     "bash scripts/test.sh": "it is the test command itself (CI runs it)",
     "python -m sglang.launch_server": "needs SGLang on a GPU and a model download",
+    # the line's --kv-transfer-config is parsed by vLLM's own KVTransferConfig and the
+    # connector's config loader in tests/test_adapter_vllm.py
+    "vllm serve": "needs vLLM's server on a GPU and a model download",
 }
 #: The install half of the first command: CI installs the checkout, test_packaging a wheel.
 INSTALL = "pip install 'torch==2.13.0' -e '.[mooncake-cpu,plot]' && "

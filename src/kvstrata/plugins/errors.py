@@ -94,7 +94,9 @@ class ConfigError(KvstrataError):
         self.source = source
         lines = [f"{path or '<root>'}: {reason}" for path, reason in errors]
         where = f" in {source}" if source else ""
-        super().__init__(f"invalid configuration{where}:\n  " + "\n  ".join(lines))
+        # one error on one line (an engine's log shows it whole); several as an indented list
+        sep = " " if len(lines) == 1 else "\n  "
+        super().__init__(f"invalid configuration{where}:{sep}" + "\n  ".join(lines))
 
 
 class PluginUnavailableError(PluginError):

@@ -256,6 +256,9 @@ def replay_with_cache(
             hit_pages, served = steps[0].hit_pages, sum(s.served for s in steps)
             full = any(s.full for s in steps)
             counted = sum(s.counted_by_controller for s in steps)
+            older = sum(key not in written for key in steps[0].storage_keys)
+            for served_step in steps:
+                written.update(served_step.inserted_keys)
         elif checkpoint:  # chunked prefill: the state at the last block boundary is stored too
             first = _serve(cache, content, tokens[:checkpoint], verify)
             rest = _serve(cache, content, tokens, verify)
