@@ -47,3 +47,31 @@ def make_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callab
         return root
 
     return make
+
+
+#: Modules whose tests start engines, servers or second processes, build wheels, or replay whole
+#: traces (measured: each costs 5-180 s of a full run). ``pytest -m "not slow"`` leaves them and
+#: the tests marked ``@pytest.mark.slow`` out for a fast inner loop; the README's test command
+#: runs everything.
+SLOW_MODULES = {
+    "test_adapter_hf.py",
+    "test_adapter_hf_eviction.py",
+    "test_adapter_sglang.py",
+    "test_adapter_vllm.py",
+    "test_adapter_vllm_layout.py",
+    "test_mooncake_backend.py",
+    "test_mooncake_howto.py",
+    "test_newcomer_cli.py",
+    "test_newcomer_second_hour.py",
+    "test_packaging.py",
+    "test_readme.py",
+    "test_replay_interrupt.py",
+    "test_stack_storage_roundtrip.py",
+    "test_valkey_plugin.py",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SLOW_MODULES or item.path.parent.name == "faults":
+            item.add_marker(pytest.mark.slow)
