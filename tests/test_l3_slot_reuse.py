@@ -27,6 +27,7 @@ import torch
 from controller_support import EXAMPLES, fill, open_cache, tokens, verify
 from kvstrata.core.config import load_config
 from kvstrata.core.controller import CacheController
+from kvstrata.core.lease import CacheFullError
 from kvstrata.plugins import PluginHost
 from kvstrata.replay.driver import replay_with_cache
 from kvstrata.replay.trace import read_trace
@@ -280,3 +281,15 @@ def test_replay_in_page_chunks_with_small_tiers_verifies_every_restore(stack: st
     assert result.hit_rate.total > 0  # restores happened and were verified
     assert digests is not None and digests.mismatches == [] and digests.checked > 0
     assert ops["storage_writes"] > len(requests)  # one write per chunk, not per request
+
+
+def test_a_request_longer_than_its_window_pool_says_which_pool_is_too_small(tmp_path: Path) -> None:
+    """The repro sweep's capacity failures (a window of 4 pages plus the page being computed on a
+    4-unit window pool) are true capacity limits: the error names the pools' device units."""
+    overrides = ["model.pools.swa.device_units=2", "tiers.host.layout=page_first"]
+    with open_cache("swa-mamba", None, overrides) as cache:
+        lease = cache.lookup(tokens(11, 8))
+        cache.admit(lease)
+        with pytest.raises(CacheFullError, match=r"device units per pool: \{.*'swa': 2"):
+            cache.allocate(lease, window_only=True)
+        cache.release(lease)

@@ -242,11 +242,13 @@ class CacheController(UnitMemory, RetentionApi, ClosingApi):
         got = allocate_units(self.units, self.layout, lease, end, window_only)
         if got is None:
             self.metrics.fail()
+            needs = allocation_needs(self.layout, lease, end)
+            units = {pool: self.pools.pools[pool].device_allocator.units for pool in needs}
             raise CacheFullError(
-                f"device tier cannot hold {end - lease.allocated_pages} new pages "
-                f"({allocation_needs(self.layout, lease, end)}) even after "
-                "evicting every unlocked page: raise tiers.device.capacity_tokens or admit fewer "
-                "requests at once"
+                f"device tier cannot hold {end - lease.allocated_pages} new pages ({needs}) even after "
+                f"evicting every unlocked page (device units per pool: {units}; the request's own "
+                "prefix stays locked): raise tiers.device.capacity_tokens (or the pool's "
+                "device_units) or admit fewer requests at once"
             )
         self.units.free(Tier.DEVICE, add_allocation(self.layout, lease, got, end))
         return {name: got[owner] for name, owner in self.layout.owner_of.items()}
