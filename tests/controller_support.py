@@ -87,6 +87,14 @@ def verify(cache: CacheController, lease: Lease) -> int:
     return bad
 
 
+def computed(cache: CacheController, request: torch.Tensor) -> Lease:
+    """lookup, admit, allocate and the engine's writes: a lease ready to insert."""
+    lease = cache.lookup(request)
+    cache.admit(lease)
+    fill(cache, lease, cache.allocate(lease))
+    return lease
+
+
 def serve(cache: CacheController, request: torch.Tensor) -> tuple[Lease, int]:
     """One request: lookup, admit, check the restored prefix, compute the rest, insert."""
     lease = cache.lookup(request)

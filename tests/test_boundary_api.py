@@ -22,20 +22,12 @@ import pytest
 import torch
 
 import kvstrata
-from controller_support import EXAMPLES, fill, open_cache, serve, tokens, verify
+from controller_support import EXAMPLES, computed, open_cache, serve, tokens, verify
 from kvstrata.core.controller import CacheController, Lease
 from kvstrata.plugins import PluginHost
 from kvstrata.testing.faults import FaultyBackend
 
 PAGE = 64
-
-
-def _computed(cache: CacheController, request: torch.Tensor) -> Lease:
-    """A lease whose units hold what the engine computed, not yet inserted."""
-    lease = cache.lookup(request)
-    cache.admit(lease)
-    fill(cache, lease, cache.allocate(lease))
-    return lease
 
 
 def _pages_in_use(cache: CacheController) -> int:
@@ -59,7 +51,7 @@ FOREIGN_CALLS: dict[str, Callable[[CacheController, Lease], Any]] = {
 def test_a_cache_refuses_a_lease_another_cache_issued(call: str) -> None:
     request = tokens(1, 4)
     with open_cache("kv") as target, open_cache("kv") as draft:
-        lease = _computed(target, request)
+        lease = computed(target, request)
         with pytest.raises(ValueError, match="issued by another cache"):
             FOREIGN_CALLS[call](draft, lease)
         assert draft.tree.match(list(lease.keys)).device_pages == 0, "the draft indexed nothing"

@@ -19,25 +19,13 @@ import kvstrata.storage_backends.file as file_module
 from kvstrata.plugins.storage_backend import OBJECT_MAGIC, BufferRegion, StorageObject
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
+from storage_objects import Blobs
 
 
 def open_backend(path: Path, **config: object) -> FileBackend:
     backend = FileBackend("l3", FileConfig(path=path, **config))
     backend.open()
     return backend
-
-
-class Blobs:
-    """Objects over bytearrays that start with the object magic (the backend adopts only those)."""
-
-    def __init__(self) -> None:
-        self._keep: list[object] = []
-
-    def obj(self, key: str, data: bytes) -> StorageObject:
-        buffer = bytearray(OBJECT_MAGIC + data)
-        view = (ctypes.c_ubyte * len(buffer)).from_buffer(buffer)
-        self._keep += [buffer, view]
-        return StorageObject(key, (BufferRegion(ctypes.addressof(view), len(buffer)),))
 
 
 @pytest.fixture

@@ -4,36 +4,17 @@ never a file this process is reading."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvstrata.core.integrity import HEADER_BYTES
-from kvstrata.plugins.storage_backend import OBJECT_MAGIC, BufferRegion, ReadCheck, StorageObject
+from kvstrata.plugins.storage_backend import OBJECT_MAGIC, ReadCheck, StorageObject
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
+from storage_objects import Blobs
 
 KIT = BackendConformance()
-
-
-class Blobs:
-    """Objects over bytearrays that start with the object magic (the backend adopts only those)."""
-
-    def __init__(self) -> None:
-        self._keep: list[object] = []
-
-    def obj(self, key: str, data: bytes) -> StorageObject:
-        buffer = bytearray(OBJECT_MAGIC + data)
-        view = (ctypes.c_ubyte * len(buffer)).from_buffer(buffer)
-        self._keep += [buffer, view]
-        return StorageObject(key, (BufferRegion(ctypes.addressof(view), len(buffer)),))
-
-    def target(self, key: str, nbytes: int) -> tuple[StorageObject, bytearray]:
-        buffer = bytearray(nbytes)
-        view = (ctypes.c_ubyte * nbytes).from_buffer(buffer)
-        self._keep += [buffer, view]
-        return StorageObject(key, (BufferRegion(ctypes.addressof(view), nbytes),)), buffer
 
 
 def files_of(root: Path) -> set[str]:

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import kvstrata
-from controller_support import EXAMPLES, fill, tokens, verify
+from controller_support import EXAMPLES, computed, fill, tokens, verify
 from kvstrata.core.config import load_config
 from kvstrata.core.controller import CacheController, Lease
 from kvstrata.plugins import PluginHost
@@ -68,14 +68,6 @@ def restore(cache: CacheController, request: torch.Tensor, inserted_pages: int) 
         return lease.cached_pages
     finally:
         cache.release(lease)
-
-
-def compute(cache: CacheController, request: torch.Tensor) -> Lease:
-    """lookup, admit, allocate and the engine's writes: a lease ready to insert."""
-    lease = cache.lookup(request)
-    cache.admit(lease)
-    fill(cache, lease, cache.allocate(lease))
-    return lease
 
 
 def nothing_left_open(cache: CacheController) -> None:
@@ -122,7 +114,7 @@ def test_two_caches_never_take_each_others_leases(example: str, tmp_path: Path) 
     ):
         refused = 0
         for prompt in prompts:
-            mine, theirs = compute(target, prompt), draft.lookup(prompt)
+            mine, theirs = computed(target, prompt), draft.lookup(prompt)
             for call in LEASE_CALLS.values():  # at every stage: looked up, computed
                 for cache, lease in ((draft, mine), (target, theirs)):
                     with pytest.raises(ValueError, match="issued by another cache"):
@@ -179,14 +171,14 @@ def test_bad_token_ids_are_refused_and_hold_nothing(
     sets = ("tiers.device.capacity_tokens=1024",)
     with open_stack("kv", l3=tmp_path / "l3" if with_l3 else None, sets=sets) as cache:
         prefix = tokens(200, 2)
-        cache.insert(compute(cache, prefix))
+        cache.insert(computed(cache, prefix))
         bad = make(tokens(201, 1))
         for _ in range(5):
             if entry == "lookup":
                 with pytest.raises(error, match=f"^tokens: .*{message}"):
                     cache.lookup(bad)
                 continue
-            lease = compute(cache, prefix) if entry == "extend" else cache.lookup(prefix)
+            lease = computed(cache, prefix) if entry == "extend" else cache.lookup(prefix)
             if entry == "extend_after_checkpoint":
                 cache.admit(lease)
                 cache.insert(lease, close=False)
@@ -197,7 +189,7 @@ def test_bad_token_ids_are_refused_and_hold_nothing(
             cache.release(lease)
         nothing_left_open(cache)
         whole = tokens(202, 16)
-        cache.insert(compute(cache, whole))  # every device page: nothing stayed locked
+        cache.insert(computed(cache, whole))  # every device page: nothing stayed locked
         assert restore(cache, whole, 16) == 16
         cache.add_pool(
             "draft", {"type": "draft", "layers": 1, "kv_heads": 1, "head_dim": 8, "index_source": "kv"}
@@ -252,7 +244,7 @@ def test_close_under_load_returns_counts_and_closes_after(load: str) -> None:
     lease is reported; once the store answers, the threads end and the backend is closed."""
     with faulty_cache(CLOSE_LOADS[load]) as (cache, backend):
         for seed in range(8):
-            cache.insert(compute(cache, tokens(300 + seed, 2)))
+            cache.insert(computed(cache, tokens(300 + seed, 2)))
         reading = cache.lookup(tokens(320, 3), prefetch="wait")  # an L3 read in flight
         queued = cache.metrics.snapshot()["operations"]["storage_writes"]
         with pytest.warns(kvstrata.OpenLeasesWarning, match=r"1 open lease\(s\)"):
@@ -278,7 +270,7 @@ def test_close_under_load_returns_counts_and_closes_after(load: str) -> None:
 def test_close_with_time_to_spare_stores_everything() -> None:
     with faulty_cache({"delay_s": 0.01}) as (cache, backend):
         for seed in range(4):
-            cache.insert(compute(cache, tokens(330 + seed, 2)))
+            cache.insert(computed(cache, tokens(330 + seed, 2)))
         close_within(cache, None)
         ops = cache.metrics.snapshot()["operations"]
         assert ops["storage_writes_abandoned"] == 0 and backend.calls["put"] == ops["storage_writes"]
@@ -362,7 +354,7 @@ def test_eight_threads_are_refused_or_served_exactly(locked: bool) -> None:
                 cache.release(lease)
             nothing_left_open(cache)
             request = tokens(3, 4)
-            cache.insert(compute(cache, request))
+            cache.insert(computed(cache, request))
             assert restore(cache, request, 4) == 4
     finally:
         sys.setswitchinterval(old)
