@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata.core.breaker import BreakerState, CircuitBreaker
 from kvstrata.core.storage_batch import BatchResult
+from kvstrata.core.storage_metrics import StorageMetrics, StorageOperation
 
 if TYPE_CHECKING:
-    from kvstrata.core.storage_engine import StorageMetrics
     from kvstrata.plugins.storage_backend import StorageBackend
 
 log = logging.getLogger("kvstrata.core.storage_engine")
@@ -46,7 +46,7 @@ class BackendCalls:
         except Exception:
             log.exception("hook %s raised; ignored", name)
 
-    def _backend_failed(self, operation: str, pool: str, exc: BaseException) -> str:
+    def _backend_failed(self, operation: StorageOperation, pool: str, exc: BaseException) -> str:
         self._count(backend_errors=1)
         message = f"{operation} on backend {self.backend.instance!r} (pool {pool!r}) failed: {exc!r}"
         log.warning(message)
@@ -56,7 +56,7 @@ class BackendCalls:
         return message
 
     def _call_backend(
-        self, operation: str, pool: str, items: Sequence[Any], **options: Any
+        self, operation: StorageOperation, pool: str, items: Sequence[Any], **options: Any
     ) -> tuple[list[Any] | None, str | None]:
         """Run ``backend.<operation>(items)``; a raise or a wrong-length answer fails the whole
         call (``None`` and why), never the caller. While the circuit breaker is open the backend
@@ -73,20 +73,20 @@ class BackendCalls:
         self._breaker_outcome(ok=True)
         return answer, None
 
-    def refused(self, operation: str, count: int) -> BatchResult:
+    def refused(self, operation: StorageOperation, count: int) -> BatchResult:
         """The answer to an ``exists`` / ``put`` / ``get`` of ``count`` units that the open breaker
         refuses before any work (``breaker.refusing()``), counted as the refused call would be:
         callers that prepare a call (the writer's batches) skip that work too."""
         error = self._refused(operation)
-        if operation == "put":
+        if operation == StorageOperation.PUT:
             self._count(put_units=count, put_failed=count)
-        elif operation == "get":
+        elif operation == StorageOperation.GET:
             self._count(get_units=count, get_misses=count)
         else:
             self._count(exists_calls=1)
         return BatchResult([False] * count, error, failed=count)
 
-    def _refused(self, operation: str) -> str:
+    def _refused(self, operation: StorageOperation) -> str:
         """Count a call the open breaker refused, and say why."""
         self._count(breaker_rejected=1)
         return (

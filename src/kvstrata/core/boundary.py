@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 
+from kvstrata.core.metrics import Operation
+
 if TYPE_CHECKING:
     from kvstrata.core.lease import Lease
 
@@ -208,7 +210,7 @@ class ClosingApi:
     def _shut_down(self, deadline: float | None) -> None:
         unfinished = sum(not write.future.done() for write in self.writer.pending)
         if unfinished:
-            self.metrics.count("storage_writes_abandoned", unfinished)
+            self.metrics.count(Operation.STORAGE_WRITES_ABANDONED, unfinished)
             log.warning("cache closed with %d L3 write(s) unfinished: cancelled, not stored", unfinished)
         # queued work is cancelled now; what a worker is running ends on its own
         self.writer.shutdown(wait=False)

@@ -280,10 +280,7 @@ def _attach_storage(parts: CacheParts, backend: StorageBackend) -> None:
         plugins=parts.plugins,
     )
     parts.backend, parts.engine = backend, engine
-    parts.metrics.corrupt_detected_fn = lambda: engine.metrics.corrupt_detected
-    parts.metrics.storage_fn = lambda: {
-        name: value for name, value in vars(engine.metrics).items() if isinstance(value, int)
-    }
+    parts.metrics.attach(engine.metrics)
 
 
 def plan_late_pool(parts: CacheParts, pool: Pool) -> None:

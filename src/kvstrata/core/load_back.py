@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.core.metrics import CacheMetrics
+from kvstrata.core.metrics import CacheMetrics, Operation
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import PoolKind, StackLayout, unit_bytes
 from kvstrata.core.tier_units import TierUnits
@@ -110,6 +110,6 @@ class LoadBack:
                 width = len(node.host[p])  # type: ignore[arg-type]
                 self.tree.set_device_value(node, name, got[name][offset : offset + width])
                 offset += width
-        self.metrics.count("load_backs")
+        self.metrics.count(Operation.LOAD_BACKS)
         self.metrics.add_bytes("host_to_device", nbytes)
         return LoadBackResult(True, nbytes)

@@ -13,34 +13,49 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from kvstrata.core.storage_metrics import StorageMetrics
+
 #: Latency samples kept per kind (the newest; enough for stable percentiles).
 LATENCY_SAMPLES = 100_000
 
 TIERS = ("device", "host", "storage")
 DIRECTIONS = ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host")
-OPERATIONS = (
-    "backups",
-    "backups_waited",  # backups that waited for in-flight L3 writes to free host units
-    "backups_skipped",  # backups not made: the host tier stayed full (not failures)
-    "load_backs",
-    "storage_writes",
-    "storage_writes_abandoned",  # still unfinished when close()'s deadline passed: cancelled
-    "prefetches_started",
-    "prefetches_committed",
-    "prefetches_dropped",
-    "prefetches_revoked",
-    "prefetches_skipped",
+
+
+class Operation(StrEnum):
+    """What the controller and its parts count (``snapshot()["operations"]``, the
+    ``kvstrata_operations`` Prometheus family's ``operation`` label): the values are those names."""
+
+    BACKUPS = "backups"
+    BACKUPS_WAITED = "backups_waited"  # backups that waited for in-flight L3 writes to free host units
+    BACKUPS_SKIPPED = "backups_skipped"  # backups not made: the host tier stayed full (not failures)
+    LOAD_BACKS = "load_backs"
+    STORAGE_WRITES = "storage_writes"
+    STORAGE_WRITES_ABANDONED = "storage_writes_abandoned"  # unfinished at close()'s deadline: cancelled
+    PREFETCHES_STARTED = "prefetches_started"
+    PREFETCHES_COMMITTED = "prefetches_committed"
+    PREFETCHES_DROPPED = "prefetches_dropped"
+    PREFETCHES_REVOKED = "prefetches_revoked"
+    PREFETCHES_SKIPPED = "prefetches_skipped"
     # pages offered to a tier by admission (policy.admission) and taken / refused, pins refused
-    "host_admitted",
-    "host_rejected",
-    "storage_admitted",
-    "storage_rejected",
-    "pins_refused",
+    HOST_ADMITTED = "host_admitted"
+    HOST_REJECTED = "host_rejected"
+    STORAGE_ADMITTED = "storage_admitted"
+    STORAGE_REJECTED = "storage_rejected"
+    PINS_REFUSED = "pins_refused"
     # window-pool pages tombstoned per tier as out-of-window data (outside the last window of
     # every prefix the tier holds): they leave before anything a cached prefix needs
-    "out_of_window_device",
-    "out_of_window_host",
-)
+    OUT_OF_WINDOW_DEVICE = "out_of_window_device"
+    OUT_OF_WINDOW_HOST = "out_of_window_host"
+
+    @classmethod
+    def out_of_window(cls, tier: str) -> Operation:
+        """The out-of-window count of ``tier`` (``"device"`` or ``"host"``)."""
+        return cls(f"out_of_window_{tier}")
+
+
+#: every operation name, in snapshot order
+OPERATIONS = tuple(Operation)
 LATENCIES = ("match", "load_back", "prefetch")
 
 
@@ -74,7 +89,7 @@ class CacheMetrics:
     lookup_tokens: int = 0
     hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
-    operations: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPERATIONS, 0))
+    operations: dict[Operation, int] = field(default_factory=lambda: dict.fromkeys(Operation, 0))
     failures: int = 0
     #: pages that could have been served but were not, by :class:`SkipReason`
     skipped_pages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SkipReason, 0))
@@ -85,13 +100,16 @@ class CacheMetrics:
     latency_count: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LATENCIES, 0))
     #: seconds ever recorded per kind: with ``latency_count``, a summary that only grows
     latency_sum: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LATENCIES, 0.0))
-    #: set by the builder: objects the integrity check refused (read from the storage engine)
-    corrupt_detected_fn: Any = None
-    #: set by the builder: the storage engine's integer counters (foreign objects, breaker ...)
-    storage_fn: Any = None
+    #: the storage engine's counters, attached at start-up when the cache has L3 (:meth:`attach`)
+    storage: StorageMetrics | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def count(self, operation: str, n: int = 1) -> None:
+    def attach(self, storage: StorageMetrics) -> None:
+        """Report ``storage`` (the engine's counters) with this cache's: ``corrupt_detected`` and
+        ``snapshot()["storage"]`` read it."""
+        self.storage = storage
+
+    def count(self, operation: Operation, n: int = 1) -> None:
         with self._lock:
             self.operations[operation] += n
 
@@ -127,7 +145,7 @@ class CacheMetrics:
 
     @property
     def corrupt_detected(self) -> int:
-        return int(self.corrupt_detected_fn()) if self.corrupt_detected_fn is not None else 0
+        return self.storage.corrupt_detected if self.storage is not None else 0
 
     def snapshot(self) -> dict[str, Any]:
         """A plain-data copy (JSON-serialisable) of every counter."""
@@ -139,11 +157,11 @@ class CacheMetrics:
                 "lookup_tokens": self.lookup_tokens,
                 "hit_tokens": hits,
                 "bytes": dict(self.bytes),
-                "operations": dict(self.operations),
+                "operations": {str(operation): n for operation, n in self.operations.items()},
                 "failures": self.failures,
                 "skipped_pages": {str(reason): n for reason, n in self.skipped_pages.items()},
                 "corrupt_detected": self.corrupt_detected,
-                "storage": dict(self.storage_fn()) if self.storage_fn is not None else {},
+                "storage": self.storage.counters() if self.storage is not None else {},
                 "latency_s": {kind: list(samples) for kind, samples in self.latency_s.items()},
                 "latency_count": dict(self.latency_count),
                 "latency_sum_s": dict(self.latency_sum),

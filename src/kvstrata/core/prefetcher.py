@@ -39,7 +39,7 @@ import torch
 from pluggy import HookRelay
 
 from kvstrata.core.config import PolicyConfig
-from kvstrata.core.metrics import CacheMetrics, SkipReason
+from kvstrata.core.metrics import CacheMetrics, Operation, SkipReason
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import PoolKind, StackLayout, pool_batch
 from kvstrata.core.storage_engine import PoolBatch, StorageEngine, longest_present_prefix
@@ -167,11 +167,11 @@ class Prefetcher:
         if reason is not None:
             self.metrics.skip(reason, count, skipped)
             if reason is not SkipReason.BELOW_THRESHOLD and reason is not SkipReason.DISABLED:
-                self.metrics.count("prefetches_skipped")
+                self.metrics.count(Operation.PREFETCHES_SKIPPED)
             return None
         op = PrefetchOp(start, list(hashes), time.perf_counter(), blocking=mode is PrefetchMode.WAIT)
         self.reserved_pages += count
-        self.metrics.count("prefetches_started")
+        self.metrics.count(Operation.PREFETCHES_STARTED)
         self._thread.submit(self._run, op)
         return op
 
@@ -340,7 +340,7 @@ class Prefetcher:
         if not op.done.is_set():  # still reading into the slots: free them when it finishes
             op.cancelled = True
             self.orphans.append(op)
-            self.metrics.count("prefetches_revoked")
+            self.metrics.count(Operation.PREFETCHES_REVOKED)
             self.metrics.skip(SkipReason.TIMEOUT, len(op.hashes), skipped)
             return 0
         self.reserved_pages -= len(op.hashes)
@@ -353,7 +353,7 @@ class Prefetcher:
             )
         if not (pages > 0 and (pages == op.pages or self.layout.clampable)):
             if op.found:
-                self.metrics.count("prefetches_dropped")
+                self.metrics.count(Operation.PREFETCHES_DROPPED)
             self.units.free(Tier.HOST, op.reserved)
             return 0
         values: dict[str, torch.Tensor] = {}
@@ -369,7 +369,7 @@ class Prefetcher:
         result = self.tree.insert_host(list(keys[: op.start + pages]), values)
         self.units.free(Tier.HOST, spare)
         self.units.free(Tier.HOST, result.duplicates)
-        self.metrics.count("prefetches_committed")
+        self.metrics.count(Operation.PREFETCHES_COMMITTED)
         self.hook.kvstrata_prefetch_committed(
             request_id=request_id, tokens=pages * self.page_size, pools=list(self.pools.pools)
         )

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from kvstrata.core.boundary import exclusive
 from kvstrata.core.lease import require_lease
-from kvstrata.core.metrics import CacheMetrics
+from kvstrata.core.metrics import CacheMetrics, Operation
 from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ class Retention:
             lease._pin = self._take(node, deadline)
             lease.pinned = lease._pin is not None
             if lease._pin is None:
-                self.metrics.count("pins_refused")
+                self.metrics.count(Operation.PINS_REFUSED)
 
     def unpin(self, lease: Lease) -> None:
         if lease._pin is not None:

@@ -21,7 +21,6 @@ import inspect
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -58,6 +57,7 @@ from kvstrata.core.storage_batch import (
     verify_batch,
     write_order,
 )
+from kvstrata.core.storage_metrics import StorageMetrics, StorageOperation
 from kvstrata.plugins.pool_type import PoolSpec
 from kvstrata.plugins.storage_backend import BackendConfig, BreakerConfig, StorageBackend
 
@@ -68,6 +68,7 @@ __all__ = [
     "PoolBatch",
     "StorageEngine",
     "StorageMetrics",
+    "StorageOperation",
     "UnitRegions",
     "longest_present_prefix",
     "read_order",
@@ -75,46 +76,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StorageMetrics:
-    """Counters of one engine (one backend instance); read by metrics exporters."""
-
-    exists_calls: int = 0
-    put_units: int = 0
-    put_failed: int = 0
-    put_skipped_read_only: int = 0
-    get_units: int = 0
-    get_hits: int = 0
-    get_misses: int = 0
-    corrupt_detected: int = 0  # damaged objects refused (integrity.DAMAGE verdicts)
-    corrupt_reasons: dict[str, int] = field(default_factory=dict)
-    corrupt_removed: int = 0  # damaged objects deleted so they are not read again
-    corrupt_remove_failed: int = 0
-    foreign_objects: int = 0  # intact objects of another layout / format / key (integrity.FOREIGN)
-    foreign_reasons: dict[str, int] = field(default_factory=dict)
-    foreign_removed: int = 0  # deleted so the key can be written again in this reader's layout
-    foreign_remove_failed: int = 0
-    backend_errors: int = 0
-    breaker_trips: int = 0  # times the circuit breaker opened
-    breaker_rejected: int = 0  # calls refused at once while it was open (failed, not attempted)
-    bytes_written: int = 0
-    bytes_read: int = 0
-
-    def record_get(
-        self, units: int, hits: int, nbytes: int, corrupt: Mapping[str, int], foreign: Mapping[str, int]
-    ) -> None:
-        """Count one get batch (the caller holds the engine's lock)."""
-        self.get_units += units
-        self.get_hits += hits
-        self.get_misses += units - hits
-        self.bytes_read += nbytes
-        self.corrupt_detected += sum(corrupt.values())
-        self.foreign_objects += sum(foreign.values())
-        for reasons, found in ((self.corrupt_reasons, corrupt), (self.foreign_reasons, foreign)):
-            for reason, n in found.items():
-                reasons[reason] = reasons.get(reason, 0) + n
 
 
 class StorageEngine(BackendCalls):
@@ -212,19 +173,19 @@ class StorageEngine(BackendCalls):
         if count == 0:
             return BatchResult([])
         if self.breaker.refusing():  # before building keys: an outage costs the caller nothing
-            return self.refused("exists", count)
+            return self.refused(StorageOperation.EXISTS, count)
         per_object = self.object_keys(pool, page_hashes)
         self._count(exists_calls=1)
         if leading and self._backend_stops_early:
             # unit-major, so the backend's first missing object ends the leading run of units
             flat = [key for keys in zip(*per_object, strict=True) for key in keys]
-            found, error = self._call_backend("exists", pool, flat, leading=True)
+            found, error = self._call_backend(StorageOperation.EXISTS, pool, flat, leading=True)
             if found is None:
                 return BatchResult([False] * count, error, failed=count)
             n_obj = len(per_object)
             return BatchResult([all(found[i * n_obj : (i + 1) * n_obj]) for i in range(count)])
         flat = [key for keys in per_object for key in keys]
-        found, error = self._call_backend("exists", pool, flat)
+        found, error = self._call_backend(StorageOperation.EXISTS, pool, flat)
         if found is None:
             return BatchResult([False] * count, error, failed=count)
         if len(per_object) == 1:
@@ -263,7 +224,7 @@ class StorageEngine(BackendCalls):
         if self.breaker.refusing():
             # Refused before staging copies and checksums: while L3 is down, a write-through
             # cache's puts and a lookup's reads cost the request path nothing (issue 15).
-            return self.refused("put" if writing else "get", count)
+            return self.refused(StorageOperation.PUT if writing else StorageOperation.GET, count)
         staging: np.ndarray | None = None
         if plan.mode is IOMode.COPY:
             staging = np.empty(self._unit_bytes[pool] * count, dtype=np.uint8)
@@ -294,7 +255,7 @@ class StorageEngine(BackendCalls):
             payloads=batch.payloads,
             checksum=self.checksum,
         )
-        stored, error = self._call_backend("put", pool, batch.objects)
+        stored, error = self._call_backend(StorageOperation.PUT, pool, batch.objects)
         if stored is None:
             self._count(put_units=count, put_failed=count)
             return BatchResult([False] * count, error, failed=count)
@@ -334,7 +295,7 @@ class StorageEngine(BackendCalls):
         count = batch.units
         checks = ReadChecks(batch, trusted=self._reads_checked) if self.checksum == "xxh3" else None
         options = {"check": checks} if checks is not None and self._backend_checks_reads else {}
-        read, error = self._call_backend("get", pool, batch.objects, **options)
+        read, error = self._call_backend(StorageOperation.GET, pool, batch.objects, **options)
         if read is None:
             self._count(get_units=count, get_misses=count)
             return BatchResult([False] * count, error, failed=count)
@@ -363,7 +324,7 @@ class StorageEngine(BackendCalls):
             return
         keys = [key for keys in rejected.values() for key in keys]
         is_foreign = [verdict in FOREIGN for verdict, keys in rejected.items() for _ in keys]
-        removed, _error = self._call_backend("remove", pool, keys)
+        removed, _error = self._call_backend(StorageOperation.REMOVE, pool, keys)
         if removed is None:
             removed = [False] * len(keys)
         counts = dict.fromkeys(

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from kvstrata.core.allocator import UnitAllocator
-from kvstrata.core.metrics import CacheMetrics
+from kvstrata.core.metrics import CacheMetrics, Operation
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import NO_UNITS
 from kvstrata.core.tree import EvictionResult, PrefixTree, Tier, TreeNode
@@ -104,7 +104,7 @@ class TierUnits:
         for pool, units in result.units.items():
             self.on_eviction(tier.value, pool, units)
         if self.metrics is not None and result.out_of_window:
-            self.metrics.count(f"out_of_window_{tier.value}", sum(result.out_of_window.values()))
+            self.metrics.count(Operation.out_of_window(tier.value), sum(result.out_of_window.values()))
 
     def alloc_spare(self, tier: Tier, wants: Mapping[str, int]) -> dict[str, torch.Tensor]:
         """Up to ``wants[pool]`` units per window pool, from free units and, where those fall

@@ -29,10 +29,11 @@ import torch
 from kvstrata.core.admission import make_admission
 from kvstrata.core.config import PolicyConfig
 from kvstrata.core.keys import hash_pages
-from kvstrata.core.metrics import CacheMetrics
+from kvstrata.core.metrics import CacheMetrics, Operation
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import PoolKind, StackLayout, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
+from kvstrata.core.storage_metrics import StorageOperation
 from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import MatchResult, PageKey, PrefixTree, Tier, TreeNode
 from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
@@ -174,7 +175,7 @@ class Writer:
             ):
                 break
             if admit and not self.host_admission.admit(node):
-                self.metrics.count("host_rejected", node.pages)
+                self.metrics.count(Operation.HOST_REJECTED, node.pages)
                 break
             needs = {}
             for name in self.layout.tree_pools:
@@ -184,14 +185,14 @@ class Writer:
             if got is None and self.pending:
                 got = self._wait_for_room(node, needs)
             if got is None:  # the host tier is full of pages other requests hold
-                self.metrics.count("backups_skipped")
+                self.metrics.count(Operation.BACKUPS_SKIPPED)
                 break
             todo.append(node)
             allocated.append(got)
         if not todo:
             return
         if admit:
-            self.metrics.count("host_admitted", sum(n.pages for n in todo))
+            self.metrics.count(Operation.HOST_ADMITTED, sum(n.pages for n in todo))
         self._copy_down(todo, allocated)
         if self.engine is not None:
             self._queue_write(todo, hashes)
@@ -212,7 +213,7 @@ class Writer:
             self.drain()
             got = self.units.alloc_protecting(node, Tier.HOST, needs)
             if got is not None:
-                self.metrics.count("backups_waited")
+                self.metrics.count(Operation.BACKUPS_WAITED)
                 return got
         return None
 
@@ -250,7 +251,7 @@ class Writer:
             for name in self.layout.tree_pools:  # anchor first: it marks the node backed up
                 if got[name].shape[0]:
                     self.tree.set_host_value(node, name, got[name])
-        self.metrics.count("backups", len(nodes))
+        self.metrics.count(Operation.BACKUPS, len(nodes))
         self.metrics.add_bytes("device_to_host", nbytes)
         if self.digests is not None:
             known: dict[TreeNode, list[str]] = {}
@@ -269,13 +270,13 @@ class Writer:
         """The nodes the storage filter takes now; the others wait for a reuse (``on_lookup``)."""
         admission = self.storage_admission
         if not admission.selective:
-            self.metrics.count("storage_admitted", sum(n.pages for n in nodes))
+            self.metrics.count(Operation.STORAGE_ADMITTED, sum(n.pages for n in nodes))
             return nodes
         verdicts = [admission.admit(n) for n in nodes]
         taken = [n for n, ok in zip(nodes, verdicts, strict=True) if ok]
         refused = [n for n, ok in zip(nodes, verdicts, strict=True) if not ok]
-        self.metrics.count("storage_admitted", sum(n.pages for n in taken))
-        self.metrics.count("storage_rejected", sum(n.pages for n in refused))
+        self.metrics.count(Operation.STORAGE_ADMITTED, sum(n.pages for n in taken))
+        self.metrics.count(Operation.STORAGE_REJECTED, sum(n.pages for n in refused))
         if len(self._refused) > _REFUSED_SWEEP:
             self._refused = {n: None for n in self._refused if n.host[0] is not None and n.parent}
         self._refused.update(dict.fromkeys(refused))
@@ -288,7 +289,7 @@ class Writer:
         ``hashes()`` -- the request's page hashes -- is the one place a request's pages are hashed."""
         assert self.engine is not None
         if admitted:
-            self.metrics.count("storage_admitted", sum(n.pages for n in nodes))
+            self.metrics.count(Operation.STORAGE_ADMITTED, sum(n.pages for n in nodes))
         else:
             nodes = self._admit_writes(nodes)
         request_hashes = hashes() if hashes is not None and nodes else None
@@ -304,7 +305,7 @@ class Writer:
             # worker hop it would cost (a dead L3 must not slow L1/L2; benchmarks/faults.py)
             for name, (page_hashes, _values) in per_pool.items():
                 if self.engine.plans[name].writes:
-                    count_failure(self.metrics, self.engine.refused("put", len(page_hashes)))
+                    count_failure(self.metrics, self.engine.refused(StorageOperation.PUT, len(page_hashes)))
             return
         batches: dict[str, PoolBatch] = {}
         for name, (page_hashes, values) in per_pool.items():
@@ -318,7 +319,7 @@ class Writer:
         else:
             future = self._thread.submit(self.engine.put_group, batches)
         self.pending.append(PendingWrite(locks, future))
-        self.metrics.count("storage_writes")
+        self.metrics.count(Operation.STORAGE_WRITES)
 
     def drain(self) -> None:
         """Commit finished writes: count bytes and failures, unlock their host sources."""
