@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import pluggy
@@ -52,46 +54,81 @@ class PluginSettings(BaseSettings):
         return {name.strip() for name in self.disabled_plugins.split(",") if name.strip()}
 
 
-def _validate_pool_type(name: str, cls: type) -> None:
-    if not (isinstance(cls, type) and issubclass(cls, PoolType)):
-        raise ValueError(f"{cls!r} is not a kvstrata PoolType subclass")
-    check_name("pool type", name, cls)
-    if not issubclass(cls.Config, PoolConfig):
-        raise ValueError(f"{cls.__qualname__}.Config must subclass kvstrata PoolConfig")
-    if cls.api_version != POOL_API_VERSION:
-        raise ValueError(
-            f"written for pool-type API {cls.api_version}, this kvstrata supports {POOL_API_VERSION}"
-        )
+def _pool_role(cls: type) -> None:
     if not isinstance(getattr(cls, "default_role", None), PoolRole):
         raise ValueError(f"{cls.__qualname__}.default_role must be a PoolRole")
 
 
-def _validate_backend(name: str, cls: type) -> None:
-    if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
-        raise ValueError(f"{cls!r} is not a kvstrata StorageBackend subclass")
-    check_name("storage backend", name, cls)
-    if not issubclass(cls.Config, BackendConfig):
-        raise ValueError(f"{cls.__qualname__}.Config must subclass kvstrata BackendConfig")
-    caps = getattr(cls, "capabilities", None)
-    if not isinstance(caps, BackendCapabilities):
-        raise ValueError(f"{cls.__qualname__}.capabilities must be a BackendCapabilities instance")
-    if cls.api_version != BACKEND_API_VERSION or caps.api != BACKEND_API_VERSION:
-        raise ValueError(f"written for backend API {caps.api}, this kvstrata supports {BACKEND_API_VERSION}")
+@dataclass(frozen=True)
+class PluginKind:
+    """The class contract of one plugin kind: what its registry checks before it loads a plugin.
+
+    ``capabilities``: the type a class's ``capabilities`` attribute must be an instance of (its
+    ``api`` must match too); ``None`` for kinds without one. ``check``: a kind's own extra rule.
+    """
+
+    kind: str  # as errors name it: "pool type"
+    group: str  # entry-point group
+    base: type
+    config_base: type
+    api_version: int
+    api_name: str  # as errors name the API: "pool-type API"
+    capabilities: type | None = None
+    check: Callable[[type], None] | None = None
+
+    def validate(self, name: str, cls: type) -> None:
+        """Raise ``ValueError`` saying what ``cls`` lacks to be a plugin of this kind named ``name``."""
+        if not (isinstance(cls, type) and issubclass(cls, self.base)):
+            raise ValueError(f"{cls!r} is not a kvstrata {self.base.__name__} subclass")
+        check_name(self.kind, name, cls)
+        if not issubclass(cls.Config, self.config_base):
+            raise ValueError(f"{cls.__qualname__}.Config must subclass kvstrata {self.config_base.__name__}")
+        api = cls.api_version
+        if self.capabilities is not None:
+            caps = getattr(cls, "capabilities", None)
+            if not isinstance(caps, self.capabilities):
+                raise ValueError(
+                    f"{cls.__qualname__}.capabilities must be a {self.capabilities.__name__} instance"
+                )
+            api = caps.api if caps.api != self.api_version else api
+        if api != self.api_version:
+            raise ValueError(f"written for {self.api_name} {api}, this kvstrata supports {self.api_version}")
+        if self.check is not None:
+            self.check(cls)
 
 
-def _validate_eviction_policy(name: str, cls: type) -> None:
-    if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
-        raise ValueError(f"{cls!r} is not a kvstrata EvictionPolicy subclass")
-    check_name("eviction policy", name, cls)
-    if not issubclass(cls.Config, EvictionPolicyConfig):
-        raise ValueError(f"{cls.__qualname__}.Config must subclass kvstrata EvictionPolicyConfig")
-    caps = getattr(cls, "capabilities", None)
-    if not isinstance(caps, PolicyCapabilities):
-        raise ValueError(f"{cls.__qualname__}.capabilities must be a PolicyCapabilities instance")
-    if cls.api_version != EVICTION_API_VERSION or caps.api != EVICTION_API_VERSION:
-        raise ValueError(
-            f"written for eviction-policy API {caps.api}, this kvstrata supports {EVICTION_API_VERSION}"
-        )
+#: every plugin kind by the ``PluginHost`` attribute holding its registry (read-only)
+PLUGIN_KINDS: Mapping[str, PluginKind] = MappingProxyType(
+    {
+        "pool_types": PluginKind(
+            "pool type",
+            POOL_TYPES_GROUP,
+            PoolType,
+            PoolConfig,
+            POOL_API_VERSION,
+            "pool-type API",
+            check=_pool_role,
+        ),
+        "storage_backends": PluginKind(
+            "storage backend",
+            STORAGE_BACKENDS_GROUP,
+            StorageBackend,
+            BackendConfig,
+            BACKEND_API_VERSION,
+            "backend API",
+            BackendCapabilities,
+        ),
+        "eviction_policies": PluginKind(
+            "eviction policy",
+            EVICTION_POLICIES_GROUP,
+            EvictionPolicy,
+            EvictionPolicyConfig,
+            EVICTION_API_VERSION,
+            "eviction-policy API",
+            PolicyCapabilities,
+        ),
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -119,15 +156,9 @@ class PluginHost:
         self.disabled = settings.disabled if disabled is None else set(disabled)
         self.pm = pluggy.PluginManager("kvstrata")
         self.pm.add_hookspecs(hookspecs)
-        self.pool_types: Registry[PoolType] = Registry(
-            "pool type", POOL_TYPES_GROUP, _validate_pool_type, disabled=self.disabled
-        )
-        self.storage_backends: Registry[StorageBackend] = Registry(
-            "storage backend", STORAGE_BACKENDS_GROUP, _validate_backend, disabled=self.disabled
-        )
-        self.eviction_policies: Registry[EvictionPolicy] = Registry(
-            "eviction policy", EVICTION_POLICIES_GROUP, _validate_eviction_policy, disabled=self.disabled
-        )
+        self.pool_types: Registry[PoolType] = self._registry("pool_types")
+        self.storage_backends: Registry[StorageBackend] = self._registry("storage_backends")
+        self.eviction_policies: Registry[EvictionPolicy] = self._registry("eviction_policies")
         self.hook_plugin_errors: list[HookPluginError] = []
         if self.autoload:
             self.pool_types.discover()
@@ -144,6 +175,10 @@ class PluginHost:
         )
         for plugin in plugins:
             self.register_plugin(plugin)
+
+    def _registry(self, attribute: str) -> Registry[Any]:
+        kind = PLUGIN_KINDS[attribute]
+        return Registry(kind.kind, kind.group, kind.validate, disabled=self.disabled)
 
     @property
     def hook(self) -> Any:
