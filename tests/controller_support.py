@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kvstrata.core.config import load_config
+from kvstrata.core.config import load
 from kvstrata.core.controller import CacheController, Lease, PoolKind
 from kvstrata.plugins import PluginHost
 
@@ -30,7 +30,7 @@ def open_cache(
     """An example stack; with ``l3`` the file backend lives there, without it there is no L3."""
     host = host or PluginHost()
     sets = [f"tiers.storage.l3.path={l3}"] if l3 is not None else ["tiers.storage={}"]
-    config = load_config([EXAMPLES[example]], [*sets, *overrides], host=host, environ={})
+    config = load([EXAMPLES[example]], overrides=[*sets, *overrides], plugins=host, environ={})
     return CacheController(config, host, **kwargs)  # type: ignore[arg-type]
 
 

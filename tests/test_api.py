@@ -53,3 +53,25 @@ def test_a_bad_field_names_its_dotted_path_whatever_the_source() -> None:
         kvstrata.open(KV, overrides={"tiers.host.capacity_tokens": -1}, environ={})
     with pytest.raises(TypeError, match="not one string"):
         kvstrata.open(KV, overrides="tiers.storage={}")  # type: ignore[arg-type]
+
+
+def test_one_entry_point_to_a_configuration_without_torch() -> None:
+    """``kvstrata.load`` is the configuration's one front door: ``kvstrata.open`` and the CLI go
+    through it, and validating a config (``kvstrata config validate``) stays torch-free."""
+    from kvstrata import api
+    from kvstrata.cli import _checks
+    from kvstrata.core import config
+
+    assert kvstrata.load is api.load is config.load is _checks.load
+    assert not hasattr(config, "load_config")
+    code = (
+        "import sys, kvstrata; "
+        f"c = kvstrata.load({str(KV)!r}, overrides={{'tiers.storage': {{}}}}, environ={{}}); "
+        "print(c.model.name, 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
+    ).stdout.split()
+    assert out[-1] == "False" and out[0] == kvstrata.load(KV, environ={}).model.name
+    with pytest.raises(ValueError, match="no config given"):
+        kvstrata.load([])

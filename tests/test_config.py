@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvstrata.core.config import compose, config_json_schema, load_config, parse_override
+from kvstrata.core.config import compose, config_json_schema, load, parse_override
 from kvstrata.plugins import ConfigError, PluginHost
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,10 +47,10 @@ def test_precedence_include_then_file_then_env_then_set(tmp_path: Path, kvstrata
     overlay = tmp_path / "overlay.toml"
     overlay.write_text("[tiers.host]\ncapacity_tokens = 3000\n[model]\npage_size = 32\n")
     environ = {"KVSTRATA_TIERS__HOST__CAPACITY_TOKENS": "4000", "KVSTRATA_POLICY__WRITE": "write_back"}
-    config = load_config(
+    config = load(
         [tmp_path / "site.yaml", overlay],
-        ["tiers.host.capacity_tokens=5000"],
-        host=kvstrata_host,
+        overrides=["tiers.host.capacity_tokens=5000"],
+        plugins=kvstrata_host,
         environ=environ,
     )
     assert config.tiers.host.capacity_tokens == 5000  # --set beats env beats files
@@ -58,18 +58,18 @@ def test_precedence_include_then_file_then_env_then_set(tmp_path: Path, kvstrata
     assert config.model.page_size == 32  # later file beats earlier
     assert config.tiers.host.reserve_bytes == 7  # including file beats the included one
     assert config.model.pools["kv"].layers == 2  # included file still contributes
-    without_set = load_config([tmp_path / "site.yaml", overlay], host=kvstrata_host, environ=environ)
+    without_set = load([tmp_path / "site.yaml", overlay], plugins=kvstrata_host, environ=environ)
     assert without_set.tiers.host.capacity_tokens == 4000
-    only_files = load_config([tmp_path / "site.yaml", overlay], host=kvstrata_host, environ={})
+    only_files = load([tmp_path / "site.yaml", overlay], plugins=kvstrata_host, environ={})
     assert only_files.tiers.host.capacity_tokens == 3000
 
 
 def test_set_values_are_yaml(tmp_path: Path, kvstrata_host: PluginHost) -> None:
     write(tmp_path / "c.yaml", BASE)
-    config = load_config(
+    config = load(
         [tmp_path / "c.yaml"],
-        ["tiers.host.capacity_tokens=0", "tiers.storage={}"],
-        host=kvstrata_host,
+        overrides=["tiers.host.capacity_tokens=0", "tiers.storage={}"],
+        plugins=kvstrata_host,
         environ={},
     )
     assert config.tiers.host.capacity_tokens == 0 and isinstance(config.tiers.host.capacity_tokens, int)
@@ -82,7 +82,7 @@ def test_set_values_are_yaml(tmp_path: Path, kvstrata_host: PluginHost) -> None:
 def test_type_change_replaces_the_node_instead_of_merging(tmp_path: Path, kvstrata_host: PluginHost) -> None:
     write(tmp_path / "a.yaml", BASE)
     write(tmp_path / "b.yaml", {"tiers": {"storage": {"l3": {"type": "mooncake", "master": "127.0.0.1:5"}}}})
-    config = load_config([tmp_path / "a.yaml", tmp_path / "b.yaml"], host=kvstrata_host, environ={})
+    config = load([tmp_path / "a.yaml", tmp_path / "b.yaml"], plugins=kvstrata_host, environ={})
     l3 = config.tiers.storage["l3"]
     assert l3.type == "mooncake" and l3.master == "127.0.0.1:5"
     # the same through --set: the file backend's `path` must not leak into the mooncake node
@@ -93,10 +93,14 @@ def test_type_change_replaces_the_node_instead_of_merging(tmp_path: Path, kvstra
 def test_errors_carry_dotted_paths(tmp_path: Path, kvstrata_host: PluginHost) -> None:
     write(tmp_path / "c.yaml", BASE)
     with pytest.raises(ConfigError) as info:
-        load_config(
+        load(
             [tmp_path / "c.yaml"],
-            ["tiers.storage.l3.capacity_bytes=-5", "model.pools.kv.head_dim=wide", "parallel.tp_rank=3"],
-            host=kvstrata_host,
+            overrides=[
+                "tiers.storage.l3.capacity_bytes=-5",
+                "model.pools.kv.head_dim=wide",
+                "parallel.tp_rank=3",
+            ],
+            plugins=kvstrata_host,
             environ={},
         )
     paths = {path for path, _ in info.value.errors}
@@ -107,7 +111,7 @@ def test_errors_carry_dotted_paths(tmp_path: Path, kvstrata_host: PluginHost) ->
 def test_plugin_config_typos_are_rejected(tmp_path: Path, kvstrata_host: PluginHost) -> None:
     write(tmp_path / "c.yaml", BASE)
     with pytest.raises(ConfigError) as info:
-        load_config([tmp_path / "c.yaml"], ["tiers.storage.l3.pth=/x"], host=kvstrata_host, environ={})
+        load([tmp_path / "c.yaml"], overrides=["tiers.storage.l3.pth=/x"], plugins=kvstrata_host, environ={})
     assert info.value.errors[0][0] == "tiers.storage.l3.pth"
 
 
@@ -117,10 +121,10 @@ def test_stack_needs_exactly_one_anchor_and_known_index_sources(
     write(tmp_path / "c.yaml", BASE)
     second_anchor = "model.pools.other={type: kv, layers: 1, kv_heads: 1, head_dim: 8}"
     with pytest.raises(ConfigError, match="exactly one anchor"):
-        load_config([tmp_path / "c.yaml"], [second_anchor], host=kvstrata_host, environ={})
+        load([tmp_path / "c.yaml"], overrides=[second_anchor], plugins=kvstrata_host, environ={})
     sidecar = "model.pools.idx={type: nsa, layers: 1, index_source: nowhere}"
     with pytest.raises(ConfigError, match="unknown pool 'nowhere'"):
-        load_config([tmp_path / "c.yaml"], [sidecar], host=kvstrata_host, environ={})
+        load([tmp_path / "c.yaml"], overrides=[sidecar], plugins=kvstrata_host, environ={})
 
 
 def test_include_cycle_and_unreadable_files_are_config_errors(tmp_path: Path) -> None:

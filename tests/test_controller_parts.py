@@ -10,7 +10,7 @@ import torch
 from controller_support import EXAMPLES, fill, tokens
 from kvstrata.core.builder import build_cache
 from kvstrata.core.collective import RankAgreement
-from kvstrata.core.config import load_config
+from kvstrata.core.config import load
 from kvstrata.core.controller import CacheController
 from kvstrata.core.load_back import LoadBack
 from kvstrata.core.metrics import SkipReason
@@ -23,7 +23,9 @@ from kvstrata.plugins import PluginHost
 
 def _config(example: str, *overrides: str):
     host = PluginHost()
-    return load_config([EXAMPLES[example]], ["tiers.storage={}", *overrides], host=host, environ={}), host
+    return load(
+        [EXAMPLES[example]], overrides=["tiers.storage={}", *overrides], plugins=host, environ={}
+    ), host
 
 
 def test_stack_layout_reads_rules_from_specs() -> None:
@@ -127,10 +129,10 @@ def test_rank_agreement_takes_the_min_and_counts_what_this_rank_gave_up() -> Non
 
 def test_prefetcher_gates_skip_short_and_over_budget_reads_and_say_why(tmp_path: Path) -> None:
     host = PluginHost()
-    config = load_config(
+    config = load(
         [EXAMPLES["kv"]],
-        [f"tiers.storage.l3.path={tmp_path}", "policy.prefetch.threshold_tokens=256"],
-        host=host,
+        overrides=[f"tiers.storage.l3.path={tmp_path}", "policy.prefetch.threshold_tokens=256"],
+        plugins=host,
         environ={},
     )
     with CacheController(config, host) as cache:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from controller_support import EXAMPLES, REPO, open_cache, serve, tokens
-from kvstrata.core.config import load_config
+from kvstrata.core.config import load
 from kvstrata.core.controller import CacheController
 from kvstrata.core.tree import Tier
 from kvstrata.plugins import ConfigError, PluginHost, PluginLoadError
@@ -56,8 +56,11 @@ def test_a_third_party_policy_is_found_by_entry_point_and_used_everywhere(make_d
     mru = simulate(trace, SimulationConfig(capacity_tokens=400_000, eviction="mru"), host=host)
     lru = simulate(trace, SimulationConfig(capacity_tokens=400_000, eviction="lru"), host=host)
     assert mru.eviction == "mru" and mru.hit_rate != lru.hit_rate
-    config = load_config(
-        [EXAMPLES["kv"]], ["tiers.storage={}", "policy.eviction={type: mru, bias: 3}"], host=host, environ={}
+    config = load(
+        [EXAMPLES["kv"]],
+        overrides=["tiers.storage={}", "policy.eviction={type: mru, bias: 3}"],
+        plugins=host,
+        environ={},
     )
     with CacheController(config, host) as cache:
         device, host_order = cache.tree.eviction_order(Tier.DEVICE), cache.tree.eviction_order(Tier.HOST)
@@ -134,16 +137,18 @@ def test_contract_violations_are_load_errors(make_distribution, patch: str, expe
 def test_config_takes_a_name_or_a_mapping_and_lists_the_installed_on_a_typo() -> None:
     host = PluginHost()
     base = [EXAMPLES["kv"]]
-    named = load_config(base, ["policy.eviction=s3fifo"], host=host, environ={})
+    named = load(base, overrides=["policy.eviction=s3fifo"], plugins=host, environ={})
     assert named.policy.eviction.type == "s3fifo" and named.policy.eviction.small_fraction == 0.1
-    mapped = load_config(base, ["policy.eviction={type: s3fifo, small_fraction: 0.3}"], host=host, environ={})
+    mapped = load(
+        base, overrides=["policy.eviction={type: s3fifo, small_fraction: 0.3}"], plugins=host, environ={}
+    )
     assert mapped.policy.eviction.small_fraction == 0.3
-    assert load_config(base, [], host=host, environ={}).policy.eviction is None  # the tree's own LRU
+    assert load(base, overrides=[], plugins=host, environ={}).policy.eviction is None  # the tree's own LRU
     with pytest.raises(ConfigError) as info:
-        load_config(base, ["policy.eviction=s3fifi"], host=host, environ={})
+        load(base, overrides=["policy.eviction=s3fifi"], plugins=host, environ={})
     assert "policy.eviction" in str(info.value) and "installed: arc, belady, chain" in str(info.value)
     with pytest.raises(ConfigError) as info:
-        load_config(base, ["policy.eviction={type: arc, speed: 2}"], host=host, environ={})
+        load(base, overrides=["policy.eviction={type: arc, speed: 2}"], plugins=host, environ={})
     assert "policy.eviction.speed" in str(info.value)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvstrata.core.config import load_config
+from kvstrata.core.config import load
 from kvstrata.plugins.host import PluginHost
 from kvstrata.replay.driver import run_replay
 from kvstrata.replay.simulate import SimulationConfig, simulate
@@ -47,7 +47,7 @@ def test_replay_hit_rate_equals_the_simulators_with_the_same_policy(tmp_path: Pa
     learned = {"type": "learned", "min_horizon": 200}
     for policy in ("lru", "s3fifo", "reuse", learned):
         name = policy_name(policy)
-        config = load_config([kv_stack(tmp_path, policy)], [], host=host, environ={})
+        config = load([kv_stack(tmp_path, policy)], overrides=[], plugins=host, environ={})
         result = run_replay(config, host, requests)
         simulated = simulate(requests, SimulationConfig(capacity_tokens=CAPACITY, eviction=policy), host=host)
         assert simulated.evicted_blocks > 0  # the capacity binds

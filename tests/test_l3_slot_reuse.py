@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from controller_support import EXAMPLES, fill, open_cache, tokens, verify
-from kvstrata.core.config import load_config
+from kvstrata.core.config import load
 from kvstrata.core.controller import CacheController
 from kvstrata.core.lease import CacheFullError
 from kvstrata.plugins import PluginHost
@@ -272,7 +272,7 @@ def test_replay_in_page_chunks_with_small_tiers_verifies_every_restore(stack: st
         *DIGESTS,
         *(o for o in SMALL[stack] if "page_first" not in o),
     ]
-    config = load_config([EXAMPLES[stack]], overrides, host=PluginHost(), environ={})
+    config = load([EXAMPLES[stack]], overrides=overrides, plugins=PluginHost(), environ={})
     with CacheController(config, PluginHost()) as cache:
         result, _ = replay_with_cache(cache, requests, chunk_pages=1, state_checkpoint_tokens=None)
         digests = cache.writer.digests

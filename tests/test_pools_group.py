@@ -10,7 +10,7 @@ import psutil
 import pytest
 import torch
 
-from kvstrata.core.config import load_config
+from kvstrata.core.config import load
 from kvstrata.core.pool_group import HostMemoryError, Pool, PoolGroup
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.pool_type import PoolRole
@@ -70,7 +70,7 @@ def plugins() -> PluginHost:
 
 
 def build(plugins: PluginHost, name: str, *overrides: str, **kwargs: object) -> PoolGroup:
-    config = load_config([EXAMPLES / name], [f"tiers.device.device={DEVICE}", *overrides], host=plugins)
+    config = load([EXAMPLES / name], overrides=[f"tiers.device.device={DEVICE}", *overrides], plugins=plugins)
     return PoolGroup(config, plugins, **kwargs)
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from kvstrata.core.config import load_config, validate_config
+from kvstrata.core.config import load, validate_config
 from kvstrata.core.integrity import layout_fingerprint
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.plugins import ConfigError, PluginHost
@@ -80,7 +80,7 @@ def config_errors(plugins: PluginHost, **pools: dict[str, Any]) -> str:
 
 @pytest.mark.parametrize("name", sorted({key[0] for key in FINGERPRINTS_BEFORE}))
 def test_example_configs_keep_their_fingerprints(plugins: PluginHost, name: str) -> None:
-    config = load_config([EXAMPLES / name], ["tiers.device.device=cpu"], host=plugins)
+    config = load([EXAMPLES / name], overrides=["tiers.device.device=cpu"], plugins=plugins)
     group = PoolGroup(config, plugins)
     seen = {}
     for instance, pool in group.pools.items():

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvstrata.core.config import KvstrataConfig, load_config
+from kvstrata.core.config import KvstrataConfig, load
 from kvstrata.plugins.host import PluginHost
 from kvstrata.replay.driver import run_replay, run_replay_detailed
 from kvstrata.replay.simulate import simulate
@@ -41,7 +41,7 @@ def tiny_stack(tmp_path: Path, *, page_size: int = 64, **tiers: Any) -> Path:
 
 
 def config(path: Path, *overrides: str) -> KvstrataConfig:
-    return load_config([path], overrides, host=PluginHost())
+    return load([path], overrides=overrides, plugins=PluginHost())
 
 
 def whole_pages_only(request: TraceRequest) -> TraceRequest:

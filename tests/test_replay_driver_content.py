@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstrata.core.config import load_config
+from kvstrata.core.config import load
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.plugins.host import PluginHost
 from kvstrata.replay.content import ContentIdentity, page_identities, verify_units
@@ -20,7 +20,7 @@ STACKS = ["kv.yaml", "mla-nsa-draft.yaml", "hybrid-mamba.yaml", "swa-mamba.yaml"
 
 def group(name: str) -> PoolGroup:
     host = PluginHost()
-    return PoolGroup(load_config([EXAMPLES / name], host=host), host)
+    return PoolGroup(load([EXAMPLES / name], plugins=host), host)
 
 
 def ids(n: int, salt: str = "") -> torch.Tensor:

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
     """
     import hashlib, json, sys
     import torch
-    from kvstrata.core.config import load_config
+    from kvstrata.core.config import load
     from kvstrata.core.integrity import stored_objects
     from kvstrata.core.io_plan import plan_backend
     from kvstrata.core.keys import hash_pages, namespace_root
@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent(
 
     def open_stack(config_path, overrides, pages):
         host = PluginHost()
-        config = load_config([config_path], overrides, host=host, environ={})
+        config = load([config_path], overrides=overrides, plugins=host, environ={})
         group = PoolGroup(config, host)
         (instance, backend_config), = config.tiers.storage.items()
         backend = host.storage_backends.require(backend_config.type)(instance, backend_config)

@@ -276,7 +276,7 @@ def test_engine_objects_are_adopted_and_evicted_user_files_kept(tmp_path: Path) 
 def test_empty_path_is_refused(tmp_path: Path, kvstrata_host: object) -> None:
     from pydantic import ValidationError
 
-    from kvstrata.core.config import load_config
+    from kvstrata.core.config import load
     from kvstrata.plugins import ConfigError
 
     with pytest.raises(ValidationError, match="path"):
@@ -289,7 +289,7 @@ def test_empty_path_is_refused(tmp_path: Path, kvstrata_host: object) -> None:
         " dtype: float16}}}\ntiers: {host: {capacity_tokens: 1000}, storage: {l3: {type: file, path: ''}}}\n"
     )
     with pytest.raises(ConfigError) as info:
-        load_config([config], [], host=kvstrata_host, environ={})
+        load([config], overrides=[], plugins=kvstrata_host, environ={})
     assert "tiers.storage.l3.path" in {path for path, _ in info.value.errors}
     assert "current directory" in str(info.value)
 

@@ -21,7 +21,7 @@ hookimpl = pluggy.HookimplMarker("kvstrata")
 #: public name -> module defining it (imported on first use)
 _LAZY = {
     "open": "kvstrata.api",
-    "load": "kvstrata.api",
+    "load": "kvstrata.core.config",
     "CacheController": "kvstrata.core.controller",
     "CacheFullError": "kvstrata.core.lease",
     "ConcurrentUseError": "kvstrata.core.boundary",
@@ -54,9 +54,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from kvstrata.api import load, open
+    from kvstrata.api import open
     from kvstrata.core.boundary import ConcurrentUseError, OpenLeasesWarning
-    from kvstrata.core.config import KvstrataConfig
+    from kvstrata.core.config import KvstrataConfig, load
     from kvstrata.core.controller import CacheController
     from kvstrata.core.lease import CacheFullError, Lease
     from kvstrata.core.metrics import SkipReason

@@ -33,7 +33,7 @@ import torch
 
 import kvstrata
 from controller_support import EXAMPLES, computed, fill, tokens, verify
-from kvstrata.core.config import load_config
+from kvstrata.core.config import load
 from kvstrata.core.controller import CacheController, Lease
 from kvstrata.plugins import PluginHost
 from kvstrata.testing.faults import FaultyBackend
@@ -53,7 +53,7 @@ def open_stack(
 ) -> CacheController:
     host = host or PluginHost()
     storage = [f"tiers.storage.l3.path={l3}"] if l3 is not None else ["tiers.storage={}"]
-    config = load_config([EXAMPLES[example]], [*storage, *sets], host=host, environ={})
+    config = load([EXAMPLES[example]], overrides=[*storage, *sets], plugins=host, environ={})
     return CacheController(config, host)
 
 
@@ -207,10 +207,10 @@ def faulty_cache(backend: dict[str, Any], *sets: str) -> Iterator[tuple[CacheCon
     host = PluginHost()
     host.storage_backends.register(FaultyBackend)
     fields = [f"tiers.storage.l3.{key}={value}" for key, value in backend.items()]
-    config = load_config(
+    config = load(
         [EXAMPLES["kv"]],
-        ["tiers.storage.l3.type=faults", "tiers.storage.l3.operations=[]", *fields, *sets],
-        host=host,
+        overrides=["tiers.storage.l3.type=faults", "tiers.storage.l3.operations=[]", *fields, *sets],
+        plugins=host,
         environ={},
     )
     cache = CacheController(config, host)

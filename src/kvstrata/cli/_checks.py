@@ -15,7 +15,7 @@ from kvstrata.core.config import (
     ENV_NESTING,
     ENV_PREFIX,
     KvstrataConfig,
-    load_config,
+    load,
 )
 from kvstrata.plugins.errors import ConfigError, KvstrataError, PluginError
 from kvstrata.plugins.host import PluginHost
@@ -56,9 +56,9 @@ def blame_overrides(exc: ConfigError, overrides: Sequence[str]) -> ConfigError:
 def load_cli_config(
     files: Sequence[Path], overrides: Sequence[str], host: PluginHost, *, user_overrides: Sequence[str] = ()
 ) -> KvstrataConfig:
-    """``load_config`` with errors of ``user_overrides`` blamed on them (exit 2 on any error)."""
+    """``kvstrata.load`` of ``files``, errors of ``user_overrides`` blamed on them (exit 2 on any error)."""
     try:
-        return load_config(files, overrides, host=host)
+        return load(files, overrides=overrides, plugins=host)
     except ConfigError as exc:
         raise _fail(blame_overrides(exc, user_overrides), EXIT_INVALID) from None
     except PluginError as exc:

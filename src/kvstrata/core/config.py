@@ -5,6 +5,9 @@ Precedence, lowest first: each file in the order given (its ``include:`` files f
 except that a node whose ``type`` changes is replaced whole (a new backend must not inherit the
 old one's fields). Override values are parsed as YAML, so ``3`` is an int and ``{}`` a mapping.
 
+:func:`load` (``kvstrata.load``) is the one entry point: a path, paths, a mapping or a config
+object, composed and validated alike; ``kvstrata.open`` and the CLI call it.
+
 Pool and backend configs are validated by the model their ``type`` names, looked up lazily in a
 :class:`~kvstrata.plugins.PluginHost` passed as validation context: only selected plugins import.
 """
@@ -373,17 +376,69 @@ def validate_config(data: Mapping[str, Any], host: PluginHost, source: str | Non
         raise ConfigError(errors, source) from None
 
 
-def load_config(
-    files: Iterable[str | Path] = (),
-    overrides: Iterable[str] = (),
+#: what :func:`load` reads: a file, files (later override earlier), a mapping or a config object
+ConfigSource = str | Path | Sequence[str | Path] | Mapping[str, Any] | KvstrataConfig
+#: ``"a.b=value"`` strings (values parsed as YAML) or a ``{"a.b": value}`` mapping
+Overrides = Sequence[str] | Mapping[str, Any]
+
+
+def load(
+    config: ConfigSource,
     *,
-    host: PluginHost,
+    overrides: Overrides = (),
+    plugins: PluginHost | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> KvstrataConfig:
-    """Compose and validate in one step (what the CLI and applications call)."""
-    files = list(files)
-    data = compose(files, overrides, environ)
-    return validate_config(data, host, ", ".join(str(f) for f in files) or None)
+    """Compose and validate a config: files (later override earlier), a mapping or a config
+    object; then ``KVSTRATA_A__B`` variables of ``environ`` (default ``os.environ``; pass ``{}``
+    to ignore the environment); then ``overrides`` (``"a.b=value"`` strings, values parsed as
+    YAML, or a ``{"a.b": value}`` mapping).
+
+    The one entry point to a configuration (``kvstrata.load``; ``kvstrata.open`` and the CLI
+    call it), so every form is composed and validated alike and an error names the dotted path
+    of the bad field whichever form was used.
+    """
+    host = plugins or PluginHost()
+    pairs = (
+        [(key.split("."), value) for key, value in overrides.items()]
+        if isinstance(overrides, Mapping)
+        else [parse_override(text) for text in _strings(overrides, "overrides")]
+    )
+    source: str | None
+    if isinstance(config, KvstrataConfig):
+        data, source = config.model_dump(mode="json", exclude_unset=True), None
+        for path, value in env_overrides(environ):
+            set_path(data, path, value)
+    elif isinstance(config, Mapping):
+        data, source = _plain(config), None
+        for path, value in env_overrides(environ):
+            set_path(data, path, value)
+    else:
+        files = [config] if isinstance(config, str | Path) else _paths(config)
+        data, source = compose(files, (), environ), ", ".join(str(f) for f in files)
+    for path, value in pairs:
+        set_path(data, [part.strip() for part in path], value)
+    return validate_config(data, host, source)
+
+
+def _plain(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep, mutable copy of a mapping (overrides must not touch the caller's dict)."""
+    return {key: _plain(value) if isinstance(value, Mapping) else value for key, value in dict(data).items()}
+
+
+def _strings(values: Sequence[str], what: str) -> list[str]:
+    if isinstance(values, str):
+        raise TypeError(f"{what}: give a list of 'a.b=value' strings or a mapping, not one string")
+    return list(values)
+
+
+def _paths(values: Sequence[str | Path]) -> list[str | Path]:
+    paths = list(values)
+    if not paths:
+        raise ValueError(
+            "kvstrata.open / kvstrata.load: no config given (a path, a list of paths, a mapping or a config)"
+        )
+    return paths
 
 
 def config_json_schema(host: PluginHost) -> dict[str, Any]:
