@@ -4,16 +4,23 @@ An eviction policy decides what leaves a full tier; admission decides what enter
 storage tier (an SSD) that is the write budget: writing every page once is what wears it out,
 while most prefixes of a chat trace are never read again. A filter sees every lookup's matched
 path and insert (one call per request, never per page) and answers per node.
+
+Each filter is a small strategy object chosen from its config by ``type`` through
+:data:`ADMISSION_FILTERS`, as an eviction policy is chosen by its ``type``; its options are its
+``Config`` (the models in :mod:`kvstrata.core.policy_config`, which stays torch-free).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from types import MappingProxyType
+from typing import ClassVar
 
 import xxhash
 
 from kvstrata.core.policy_config import (
     AdmissionConfig,
+    AdmissionFilterConfig,
     AlwaysAdmission,
     FrequencyAdmission,
     ReuseAdmission,
@@ -24,10 +31,15 @@ _ROWS = 4
 
 
 class Admission:
-    """Admits every node (``always``); subclasses narrow it."""
+    """Admits every node (``always``); subclasses narrow it. ``name`` is the config's ``type``."""
 
+    name: ClassVar[str] = "always"
+    Config: ClassVar[type[AdmissionFilterConfig]] = AlwaysAdmission
     #: whether the filter ever says no (the writer skips its bookkeeping when it does not)
-    selective = False
+    selective: ClassVar[bool] = False
+
+    def __init__(self, config: AdmissionFilterConfig) -> None:
+        self.config = config
 
     def admit(self, node: TreeNode) -> bool:
         return True
@@ -39,10 +51,13 @@ class Admission:
 class ReuseFilter(Admission):
     """Admits nodes whose prefix ``min_hits`` requests have reused (the tree's hit count)."""
 
+    name = "reuse"
+    Config = ReuseAdmission
     selective = True
 
-    def __init__(self, min_hits: int) -> None:
-        self.min_hits = min_hits
+    def __init__(self, config: ReuseAdmission) -> None:
+        super().__init__(config)
+        self.min_hits = config.min_hits
 
     def admit(self, node: TreeNode) -> bool:
         return node.hit_count >= self.min_hits
@@ -51,13 +66,16 @@ class ReuseFilter(Admission):
 class FrequencyFilter(Admission):
     """A count-min sketch of how often each prefix (its last page key) was seen, with aging."""
 
+    name = "tinylfu"
+    Config = FrequencyAdmission
     selective = True
 
-    def __init__(self, min_count: int, width: int, sample: int) -> None:
-        self.min_count = min_count
-        self.width = width
-        self.sample = sample
-        self._rows = [[0] * width for _ in range(_ROWS)]
+    def __init__(self, config: FrequencyAdmission) -> None:
+        super().__init__(config)
+        self.min_count = config.min_count
+        self.width = config.width
+        self.sample = config.sample
+        self._rows = [[0] * self.width for _ in range(_ROWS)]
         self._updates = 0
 
     def _slots(self, key: Hashable) -> list[int]:
@@ -82,10 +100,12 @@ class FrequencyFilter(Admission):
                 row[:] = [c >> 1 for c in row]
 
 
+#: every admission filter by its config ``type`` (read-only)
+ADMISSION_FILTERS: Mapping[str, type[Admission]] = MappingProxyType(
+    {cls.name: cls for cls in (Admission, ReuseFilter, FrequencyFilter)}
+)
+
+
 def make_admission(config: AdmissionConfig) -> Admission:
-    if isinstance(config, ReuseAdmission):
-        return ReuseFilter(config.min_hits)
-    if isinstance(config, FrequencyAdmission):
-        return FrequencyFilter(config.min_count, config.width, config.sample)
-    assert isinstance(config, AlwaysAdmission)
-    return Admission()
+    """A fresh filter for one tier (filters keep per-tier state), the one ``config.type`` names."""
+    return ADMISSION_FILTERS[config.type](config)

@@ -16,13 +16,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class AlwaysAdmission(_Strict):
+class AdmissionFilterConfig(_Strict):
+    """Base of every admission filter's config; each narrows ``type`` to its filter's name."""
+
+    type: str
+
+
+class AlwaysAdmission(AdmissionFilterConfig):
     """Every page that reaches the tier is taken (the default)."""
 
     type: Literal["always"] = "always"
 
 
-class ReuseAdmission(_Strict):
+class ReuseAdmission(AdmissionFilterConfig):
     """Only prefixes reused ``min_hits`` times are taken; the others are offered again each
     time a request reuses them while they are still cached a tier above."""
 
@@ -30,7 +36,7 @@ class ReuseAdmission(_Strict):
     min_hits: int = Field(1, ge=1, description="requests that must have reused the prefix")
 
 
-class FrequencyAdmission(_Strict):
+class FrequencyAdmission(AdmissionFilterConfig):
     """TinyLFU-style: a prefix is taken once a small count-min sketch has seen it ``min_count``
     times (reuses and inserts, remembered after the prefix left the cache); the counts halve
     every ``sample`` updates so old popularity fades."""

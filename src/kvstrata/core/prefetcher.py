@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 
 import torch
 from pluggy import HookRelay
@@ -41,6 +42,7 @@ from pluggy import HookRelay
 from kvstrata.core.config import PolicyConfig
 from kvstrata.core.metrics import CacheMetrics, Operation, SkipReason
 from kvstrata.core.pool_group import PoolGroup
+from kvstrata.core.prefetch_end import PrefetchEnd, prefetch_end
 from kvstrata.core.stack import PoolKind, StackLayout, pool_batch
 from kvstrata.core.storage_engine import PoolBatch, StorageEngine, longest_present_prefix
 from kvstrata.core.tier_units import TierUnits
@@ -305,23 +307,21 @@ class Prefetcher:
 
     # --- end and commit (owner thread) ----------------------------------------------------------
 
+    @cached_property
+    def end(self) -> PrefetchEnd:
+        """The end policy (``policy.prefetch.policy``), chosen once."""
+        return prefetch_end(self.policy)
+
     def finish(self, op: PrefetchOp, protect: TreeNode | None) -> int:
         """End ``op`` per policy; returns the pages this rank can commit. ``protect`` is the
         lease's locked node, kept while the owner makes room for a read the worker left to it."""
-        if op.blocking or self.policy.policy == "wait_complete":
-            op.done.wait()
-        elif self.policy.policy == "timeout":
-            tokens = len(op.hashes) * self.page_size
-            limit = self.policy.timeout_base_s + self.policy.timeout_per_ki_token_s * tokens / 1024
-            if self.policy.timeout_max_s is not None:
-                limit = min(limit, self.policy.timeout_max_s)
-            op.done.wait(limit)
+        op.done.wait(None if op.blocking else self.end.wait_s(len(op.hashes) * self.page_size))
         if not op.done.is_set():
             return 0
         if op.short is not None:
             # L3 has the pages but the host tier is full: make room (owner thread) and read now
             got = None
-            if op.blocking or self.policy.policy != "best_effort":
+            if op.blocking or self.end.makes_room:
                 got = self.units.alloc_protecting(protect, Tier.HOST, op.short)
             op.short = None
             if got is None:
