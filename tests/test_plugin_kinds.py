@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import pytest
+from pydantic import create_model
 
+import kvstrata
 from kvstrata.eviction_policies.lru import LruPolicy
 from kvstrata.plugins import PluginHost
 from kvstrata.plugins.errors import PluginLoadError
@@ -63,3 +65,33 @@ def test_registering_a_broken_class_names_the_kind_and_the_reason() -> None:
     with pytest.raises(PluginLoadError, match="eviction-policy API 99"):
         host.eviction_policies.register(_variant(LruPolicy, api_version=99))
     assert "lru" not in host.eviction_policies.names()
+
+
+def _renamed(cls: type, name: str) -> type:
+    """A valid plugin class of ``cls``'s kind under a new name (its Config's ``type`` too)."""
+    config = create_model(f"{name}_config", __base__=cls.Config, type=(Literal[name], name))
+    return type(cls.__name__, (cls,), {"name": name, "Config": config})
+
+
+def test_a_hook_plugin_registers_into_every_kind_s_registry() -> None:
+    """Each kind's registration hook (named in the table) feeds that kind's registry."""
+    renamed = {attribute: _renamed(cls, f"hooked_{name}") for attribute, (name, cls) in BUILT_INS.items()}
+
+    class Plugin:
+        @kvstrata.hookimpl
+        def kvstrata_register_pool_types(self, register: Any) -> None:
+            register(renamed["pool_types"])
+
+        @kvstrata.hookimpl
+        def kvstrata_register_storage_backends(self, register: Any) -> None:
+            register(renamed["storage_backends"])
+
+        @kvstrata.hookimpl
+        def kvstrata_register_eviction_policies(self, register: Any) -> None:
+            register(renamed["eviction_policies"])
+
+    host = PluginHost(autoload=False, plugins=[Plugin()])
+    for attribute, kind in PLUGIN_KINDS.items():
+        assert hasattr(host.hook, kind.register_hook)  # a declared hook spec
+        cls = renamed[attribute]
+        assert getattr(host, attribute).get(cls.name) is cls

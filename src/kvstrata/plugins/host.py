@@ -73,6 +73,7 @@ class PluginKind:
     config_base: type
     api_version: int
     api_name: str  # as errors name the API: "pool-type API"
+    register_hook: str  # the historic hook through which in-process plugins register classes
     capabilities: type | None = None
     check: Callable[[type], None] | None = None
 
@@ -107,6 +108,7 @@ PLUGIN_KINDS: Mapping[str, PluginKind] = MappingProxyType(
             PoolConfig,
             POOL_API_VERSION,
             "pool-type API",
+            "kvstrata_register_pool_types",
             check=_pool_role,
         ),
         "storage_backends": PluginKind(
@@ -116,6 +118,7 @@ PLUGIN_KINDS: Mapping[str, PluginKind] = MappingProxyType(
             BackendConfig,
             BACKEND_API_VERSION,
             "backend API",
+            "kvstrata_register_storage_backends",
             BackendCapabilities,
         ),
         "eviction_policies": PluginKind(
@@ -125,6 +128,7 @@ PLUGIN_KINDS: Mapping[str, PluginKind] = MappingProxyType(
             EvictionPolicyConfig,
             EVICTION_API_VERSION,
             "eviction-policy API",
+            "kvstrata_register_eviction_policies",
             PolicyCapabilities,
         ),
     }
@@ -161,18 +165,13 @@ class PluginHost:
         self.eviction_policies: Registry[EvictionPolicy] = self._registry("eviction_policies")
         self.hook_plugin_errors: list[HookPluginError] = []
         if self.autoload:
-            self.pool_types.discover()
-            self.storage_backends.discover()
-            self.eviction_policies.discover()
+            for attribute in PLUGIN_KINDS:
+                getattr(self, attribute).discover()
             self._load_hook_plugins()
         # Historic calls: every plugin registered now or later feeds the same registries.
-        self.pm.hook.kvstrata_register_pool_types.call_historic(kwargs={"register": self.pool_types.register})
-        self.pm.hook.kvstrata_register_storage_backends.call_historic(
-            kwargs={"register": self.storage_backends.register}
-        )
-        self.pm.hook.kvstrata_register_eviction_policies.call_historic(
-            kwargs={"register": self.eviction_policies.register}
-        )
+        for attribute, kind in PLUGIN_KINDS.items():
+            hook = getattr(self.pm.hook, kind.register_hook)
+            hook.call_historic(kwargs={"register": getattr(self, attribute).register})
         for plugin in plugins:
             self.register_plugin(plugin)
 
