@@ -404,13 +404,12 @@ def load(
         if isinstance(overrides, Mapping)
         else [parse_override(text) for text in _strings(overrides, "overrides")]
     )
-    source: str | None
-    if isinstance(config, KvstrataConfig):
-        data, source = config.model_dump(mode="json", exclude_unset=True), None
-        for path, value in env_overrides(environ):
-            set_path(data, path, value)
-    elif isinstance(config, Mapping):
-        data, source = _plain(config), None
+    source: str | None = None
+    if isinstance(config, KvstrataConfig | Mapping):
+        if isinstance(config, KvstrataConfig):
+            data = config.model_dump(mode="json", exclude_unset=True)
+        else:
+            data = _plain(config)
         for path, value in env_overrides(environ):
             set_path(data, path, value)
     else:
