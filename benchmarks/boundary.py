@@ -30,8 +30,8 @@ from _results import Figure, write_results
 import kvstrata
 import kvstrata.core.controller as controller_module
 import kvstrata.core.lease as lease_module
-from kvstrata.core.boundary import token_ids
 from kvstrata.core.controller import CacheController
+from kvstrata.core.tokens import token_ids
 
 PAGE = 64
 GUARDED = ("lookup", "admit", "allocate", "insert", "release", "poll", "flush", "fork_state")

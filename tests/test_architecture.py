@@ -83,3 +83,117 @@ def test_the_architecture_doc_names_every_core_module() -> None:
     missing = [p.name for p in sorted((PACKAGE / "core").glob("*.py")) if p.name != "__init__.py"]
     missing = [name for name in missing if f"`{name}`" not in doc]
     assert not missing, f"docs/architecture.md does not say what these core modules own: {missing}"
+
+
+# --- a Lease's state is written by lease.py alone ----------------------------------------------------
+
+#: methods that change the container they are called on
+_MUTATORS = {"append", "extend", "insert", "update", "pop", "popitem", "clear", "setdefault", "remove", "add"}
+
+
+def _lease_fields() -> set[str]:
+    """Every field of ``Lease``, read from its class body (so a new field is covered at once)."""
+    module = ast.parse((PACKAGE / "core" / "lease.py").read_text())
+    (lease,) = [node for node in module.body if isinstance(node, ast.ClassDef) and node.name == "Lease"]
+    return {
+        node.target.id
+        for node in lease.body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    }
+
+
+def _names_a_lease(node: ast.expr) -> bool:
+    return "lease" in ast.unparse(node).lower()
+
+
+def _lease_writes(paths: list[Path], fields: set[str]) -> list[str]:
+    """Writes to a Lease's state outside lease.py: assigning, deleting or mutating (``.append``,
+    ``[k] = ``, ``setattr``) one of its private ``fields`` on anything but ``self``, or any of its
+    ``fields`` on an expression that names a lease."""
+
+    def written(target: ast.expr) -> ast.Attribute | None:
+        while isinstance(target, ast.Subscript):  # lease._prefix["kv"] = ... changes the lease too
+            target = target.value
+        if not isinstance(target, ast.Attribute) or target.attr not in fields:
+            return None
+        if isinstance(target.value, ast.Name) and target.value.id in ("self", "cls"):
+            return None
+        return target if target.attr.startswith("_") or _names_a_lease(target.value) else None
+
+    found: set[tuple[str, int, str]] = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = list(node.targets)
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            elif isinstance(node, ast.Delete):
+                targets = list(node.targets)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr in _MUTATORS:
+                    targets = [node.func.value]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+                obj, name = node.args[0], node.args[1]
+                named = isinstance(name, ast.Constant) and name.value in fields
+                dynamic = not isinstance(name, ast.Constant) and _names_a_lease(obj)
+                if (named and name.value.startswith("_")) or dynamic or (named and _names_a_lease(obj)):
+                    found.add((path.name, node.lineno, ast.unparse(node)))
+                continue
+            flat: list[ast.expr] = []
+            for target in targets:
+                flat += list(target.elts) if isinstance(target, ast.Tuple | ast.List) else [target]
+            for target in flat:
+                hit = written(target)
+                if hit is not None:
+                    found.add((path.name, node.lineno, ast.unparse(hit)))
+    return [f"{name}:{line} {text}" for name, line, text in sorted(found)]
+
+
+def test_lease_writes_finds_every_kind_of_write(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "def f(lease, parts, other):\n"
+        "    lease._node = 1\n"
+        "    a, parts.lease._pin = 1, 2\n"
+        "    lease._storage_pages += 1\n"
+        "    lease._allocated['kv'] = 3\n"
+        "    lease._prefix.update({})\n"
+        "    other._first.append(4)\n"
+        "    del lease._hashes\n"
+        "    setattr(lease, '_host_lock', None)\n"
+        "    for attr in ('_device_lock',):\n"
+        "        setattr(lease, attr, None)\n"
+        "    lease.closed = True\n"
+    )
+    clean = tmp_path / "clean.py"
+    clean.write_text(
+        "class C:\n"
+        "    def f(self, lease, other):\n"
+        "        self._node = lease._node\n"  # a class of its own with a field of the same name
+        "        other._unrelated = lease.pages\n"
+        "        other.closed = True\n"  # not a lease
+        "        lease.skipped.get('x')\n"
+        "        setattr(other, 'name', 1)\n"
+    )
+    assert _lease_writes([planted, clean], _lease_fields()) == [
+        "planted.py:2 lease._node",
+        "planted.py:3 parts.lease._pin",
+        "planted.py:4 lease._storage_pages",
+        "planted.py:5 lease._allocated",
+        "planted.py:6 lease._prefix",
+        "planted.py:7 other._first",
+        "planted.py:8 lease._hashes",
+        "planted.py:9 setattr(lease, '_host_lock', None)",
+        "planted.py:11 setattr(lease, attr, None)",
+        "planted.py:12 lease.closed",
+    ]
+
+
+def test_only_lease_py_writes_a_lease() -> None:
+    """The controller and its parts move a lease through its transition methods (lock, settle,
+    allocate, insert, close); none of them writes its fields."""
+    fields = _lease_fields()
+    assert {"_node", "_prefetch", "_device_lock", "_allocated", "closed"} <= fields
+    paths = [path for path in sorted(PACKAGE.rglob("*.py")) if path != PACKAGE / "core" / "lease.py"]
+    assert not _lease_writes(paths, fields), _lease_writes(paths, fields)

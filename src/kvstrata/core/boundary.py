@@ -2,11 +2,12 @@
 closes.
 
 An engine author's mistakes must cost a clear error, never another request's bytes: token ids
-are checked (one rule, with or without L3) before anything is matched or locked; a lease is
-honoured only by the cache that issued it (two caches per process, a target and a draft model,
-are common); the cache serves one thread at a time, and a call from a second thread while one is
-inside is refused, not raced. ``close`` waits a bounded time, says what it left, and never hangs
-on a stuck backend. Each check is O(1) or one vectorised pass over the tokens.
+are checked (one rule, with or without L3: :mod:`~kvstrata.core.tokens`) before anything is
+matched or locked; a lease is honoured only by the cache that issued it (two caches per process,
+a target and a draft model, are common); the cache serves one thread at a time, and a call from
+a second thread while one is inside is refused, not raced. ``close`` waits a bounded time, says
+what it left, and never hangs on a stuck backend. Each check is O(1) or one vectorised pass over
+the tokens.
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ import sys
 import threading
 import time
 import warnings
-from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
-import torch
+from kvstrata.core.tokens import token_ids as token_ids  # where adapters have imported it from
 
 from kvstrata.core.metrics import Operation
 
@@ -31,12 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: largest token id a page key and its hash hold (ids are hashed as little-endian uint32)
-MAX_TOKEN_ID = 2**32 - 1
 #: how long ``close()`` waits for queued L3 writes unless told otherwise
 CLOSE_TIMEOUT_S = 30.0
-#: lists up to this long are checked element by element (cheaper than a tensor for a decode step)
-_SMALL = 8
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -47,68 +42,6 @@ class ConcurrentUseError(RuntimeError):
 
 class OpenLeasesWarning(UserWarning):
     """``close()`` found leases that were never inserted or released."""
-
-
-# --- token ids ------------------------------------------------------------------------------------
-
-
-def token_ids(tokens: Any, what: str = "tokens") -> torch.Tensor:
-    """``tokens`` as a 1-D CPU int64 tensor, or a ``TypeError`` / ``ValueError`` naming ``what``
-    and what was given: one sequence (not a batch, not a scalar) of integer ids (not floats,
-    not bools) in ``[0, 2**32)``. Vectorised: one max over the ids read as unsigned, never a
-    per-token loop (lists of at most a few ids, a decode step, are checked directly)."""
-    if (
-        type(tokens) is list
-        and len(tokens) <= _SMALL
-        and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens)
-    ):
-        return torch.tensor(tokens, dtype=torch.int64)
-    if isinstance(tokens, torch.Tensor):
-        ids = tokens  # an integer tensor never requires grad
-    elif isinstance(tokens, np.ndarray | array):
-        ids = _from_numpy(np.asarray(tokens), what)
-    elif isinstance(tokens, str | bytes | bytearray | Mapping) or not isinstance(tokens, Sequence | range):
-        raise TypeError(f"{what}: expected a 1-D sequence of integer token ids, got {type(tokens).__name__}")
-    elif len(tokens) == 0:
-        return torch.empty(0, dtype=torch.int64)
-    else:
-        try:
-            ids = torch.as_tensor(tokens)
-        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-            raise ValueError(
-                f"{what}: expected a 1-D sequence of integer token ids in [0, 2**32), got "
-                f"{type(tokens).__name__} of {len(tokens)} that is not one ({exc})"
-            ) from None
-    if ids.dtype is torch.bool or ids.is_floating_point() or ids.is_complex():
-        raise TypeError(f"{what}: token ids must be integers, got {_given(tokens, ids.dtype, ids.shape)}")
-    if ids.dim() != 1:
-        raise ValueError(
-            f"{what}: expected one sequence of token ids (1-D), got {_given(tokens, ids.dtype, ids.shape)}; "
-            "a batch is one lookup per sequence"
-        )
-    ids = ids.to("cpu", torch.int64)  # a uint64 id past 2**63 wraps negative: refused below
-    if ids.numel():
-        words = ids.numpy()
-        # one reduction checks both ends: a negative id is huge read as unsigned
-        if int(words.view(np.uint64).max()) > MAX_TOKEN_ID:
-            low = int(words.min())
-            raise ValueError(
-                f"{what}: token ids must lie in [0, 2**32), got {low if low < 0 else int(words.max())}"
-            )
-    return ids
-
-
-def _from_numpy(ids: np.ndarray, what: str) -> torch.Tensor:
-    if ids.dtype.kind not in "iu":
-        raise TypeError(f"{what}: token ids must be integers, got a {ids.dtype} array of shape {ids.shape}")
-    return torch.from_numpy(
-        ids.astype(np.int64)
-    )  # a copy: the caller's (maybe read-only) array stays its own
-
-
-def _given(tokens: Any, dtype: torch.dtype, shape: torch.Size) -> str:
-    kind = "tensor" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-    return f"a {kind} of {dtype} with shape {tuple(shape)}"
 
 
 # --- one thread at a time ------------------------------------------------------------------------
@@ -156,7 +89,7 @@ def warn_open_leases(leases: Mapping[int, Lease]) -> None:
     if not leases:
         return
     first = next(iter(leases.values()))
-    file, line, function = first._origin
+    file, line, function = first.origin
     warnings.warn(
         OpenLeasesWarning(
             f"cache closed with {len(leases)} open lease(s) (never inserted or released); the first "

@@ -39,7 +39,6 @@ __all__ = ["EngineTensor", "PoolBuffers", "engine_tensor_units", "torch_dtype"]
 
 import ctypes
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 
@@ -50,7 +49,7 @@ from kvstrata.core.engine_tensors import (
     torch_dtype,
 )
 from kvstrata.core.unit_access import WORDS as _WORDS
-from kvstrata.core.unit_access import UnitAccess
+from kvstrata.core.unit_access import Placement, UnitAccess
 from kvstrata.plugins.pool_type import BufferSpec, Layout, PoolSpec
 from kvstrata.plugins.storage_backend import BufferRegion
 
@@ -72,15 +71,6 @@ def region_tensor(region: BufferRegion) -> torch.Tensor:
         raise ValueError(f"host allocator returned an empty region ({region.nbytes} bytes)")
     array = (ctypes.c_uint8 * region.nbytes).from_address(region.ptr)
     return torch.frombuffer(array, dtype=torch.uint8, count=region.nbytes)
-
-
-@dataclass(frozen=True, slots=True)
-class _Placement:
-    """Where one buffer lives inside the backing."""
-
-    spec: BufferSpec
-    offset: int  # byte offset in the backing (page_first: byte offset inside a unit)
-    nbytes: int  # bytes of the whole buffer (page_first: bytes of the buffer inside one unit)
 
 
 def buffer_order(spec: PoolSpec) -> list[BufferSpec]:
@@ -123,7 +113,7 @@ class PoolBuffers(UnitAccess):
         #: per object suffix: its contiguous blocks in a unit (see transfer.object_blocks)
         self.object_blocks: dict[str, list[tuple[int, int, int, int]]] = {}
         self._layer_tensors: dict[str, list[torch.Tensor]] = {}  # engine buffers given per layer
-        self.placements: dict[str, _Placement] = {}
+        self.placements: dict[str, Placement] = {}
         self.unit_bytes = spec.bytes_per_unit
         self.object_offsets: dict[str, int] = {}  # page_first: object start inside a unit
         offset = 0
@@ -171,7 +161,7 @@ class PoolBuffers(UnitAccess):
         tier.copy_views = {}
         tier.object_blocks = {}
         tier._layer_tensors = found
-        tier.placements = {b.name: _Placement(b, 0, b.bytes_per_unit * units) for b in spec.buffers}
+        tier.placements = {b.name: Placement(b, 0, b.bytes_per_unit * units) for b in spec.buffers}
         tier.unit_bytes = spec.bytes_per_unit
         tier.object_offsets = {}
         offset = 0
@@ -192,11 +182,11 @@ class PoolBuffers(UnitAccess):
         for buffer in buffer_order(self.spec):
             if self.layout is Layout.PAGE_FIRST:
                 nbytes = buffer.bytes_per_unit
-                self.placements[buffer.name] = _Placement(buffer, offset, nbytes)
+                self.placements[buffer.name] = Placement(buffer, offset, nbytes)
                 offset += nbytes
             else:
                 nbytes = buffer.bytes_per_unit * self.units
-                self.placements[buffer.name] = _Placement(buffer, offset, nbytes)
+                self.placements[buffer.name] = Placement(buffer, offset, nbytes)
                 offset = _align(offset + nbytes)
         if self.layout is Layout.PAGE_FIRST:
             return offset * self.units
@@ -221,7 +211,7 @@ class PoolBuffers(UnitAccess):
         # zeros (not empty): the pages are touched now, so later memory checks see them as used.
         return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 
-    def _typed_view(self, place: _Placement) -> torch.Tensor:
+    def _typed_view(self, place: Placement) -> torch.Tensor:
         assert self.backing is not None
         buffer = place.spec
         raw = self.backing[place.offset : place.offset + place.nbytes]
@@ -298,7 +288,7 @@ class PoolBuffers(UnitAccess):
             self._placement(name)  # raises the KeyError that lists this pool's buffers
         return self._word_bytes[name]
 
-    def _widest_word(self, place: _Placement) -> int:
+    def _widest_word(self, place: Placement) -> int:
         sizes = [place.spec.bytes_per_unit_per_layer, place.offset, self.data_ptr]
         if self.layout is Layout.PAGE_FIRST:
             sizes.append(self.unit_bytes)
@@ -329,7 +319,7 @@ class PoolBuffers(UnitAccess):
         view = self._owned_words(place, word_bytes)
         return view if layer is None else view[:, layer]
 
-    def _owned_words(self, place: _Placement, word_bytes: int) -> torch.Tensor:
+    def _owned_words(self, place: Placement, word_bytes: int) -> torch.Tensor:
         assert self.backing is not None
         buffer = place.spec
         word = _WORDS[word_bytes]
@@ -343,7 +333,7 @@ class PoolBuffers(UnitAccess):
             return raw.view(buffer.layers, self.units, layer_words).transpose(0, 1)
         return raw.view(self.units, buffer.layers, layer_words)
 
-    def _placement(self, name: str) -> _Placement:
+    def _placement(self, name: str) -> Placement:
         try:
             return self.placements[name]
         except KeyError:

@@ -42,25 +42,24 @@ from typing import Any
 
 import torch
 
-from kvstrata.core.boundary import ClosingApi, caller_origin, exclusive, token_ids
+from kvstrata.core.boundary import ClosingApi, caller_origin, exclusive
 from kvstrata.core.builder import CacheParts, DeviceTensors, build_cache, plan_late_pool
 from kvstrata.core.collective import Collective, LocalCollective, RankAgreement
 from kvstrata.core.config import KvstrataConfig, PoolConfig
 from kvstrata.core.lease import (
     CacheFullError,
     Lease,
-    add_allocation,
     allocate_units,
     allocation_needs,
     require_lease,
-    settle,
     take_for_insert,
 )
 from kvstrata.core.metrics import SkipReason
 from kvstrata.core.pool_group import Pool
 from kvstrata.core.prefetcher import Prefetcher, PrefetchMode
-from kvstrata.core.retention import RetentionApi, RetentionHint
+from kvstrata.core.retention import RetentionHint
 from kvstrata.core.stack import PoolKind, TreePool
+from kvstrata.core.tokens import token_ids
 from kvstrata.core.tree import MatchResult, Tier, page_keys
 from kvstrata.core.unit_memory import UnitMemory
 from kvstrata.plugins import PluginHost
@@ -69,7 +68,7 @@ from kvstrata.plugins.pool_type import PoolRole
 __all__ = ["CacheController", "CacheFullError", "Lease", "PoolKind", "PrefetchMode", "SkipReason", "TreePool"]
 
 
-class CacheController(UnitMemory, RetentionApi, ClosingApi):
+class CacheController(UnitMemory, ClosingApi):
     """Device (L1), host (L2) and storage (L3) tiers of one model stack; see the module docstring."""
 
     def __init__(
@@ -137,21 +136,16 @@ class CacheController(UnitMemory, RetentionApi, ClosingApi):
         keys = list(page_keys(tokens, self.page_size))
         tail = tokens[len(keys) * self.page_size :]
         lease = Lease(keys, tail, self.namespace_root, self.page_size, record=record, retention=retention)
-        lease._owner_of, lease._issuer, lease._origin = self.layout.owner_of, self, caller_origin(3)
+        lease.bind_issuer(self, self.layout.owner_of, caller_origin(3))
         match = self.tree.match(keys, count_hit=record)  # one access per request, not per chunk
-        lease.device_pages, lease.host_pages = match.device_pages, match.host_pages
         self._leases[id(lease)] = lease
         try:
-            if match.device_pages:
-                lease._device_lock = self.tree.lock(match.device_node, Tier.DEVICE)
-            if match.host_pages > match.device_pages:
-                lease._host_lock = self.tree.lock(match.host_node, Tier.HOST)
+            lease.hold_match(self.tree, match)
             self.metrics.latency("match", time.perf_counter() - started)
-            self.writer.on_lookup(match, lease)
+            self.writer.on_lookup(match, lease.hashes_source)
             if self.prefetcher is not None and lease.pages > lease.host_pages:
-                lease._prefetch = self.prefetcher.start(
-                    lease.host_pages, lease.page_hashes[lease.host_pages :], lease.skipped, mode
-                )
+                hashes = lease.page_hashes[lease.host_pages :]
+                lease.attach_prefetch(self.prefetcher.start(lease.host_pages, hashes, lease.skipped, mode))
         except BaseException:
             self.release(lease)  # a failed lookup holds nothing
             raise
@@ -167,10 +161,9 @@ class CacheController(UnitMemory, RetentionApi, ClosingApi):
         if lease.admitted:
             raise RuntimeError("lease already admitted")
         self.poll()
-        op = lease._prefetch
+        op = lease.prefetch
         if op is not None:
-            protect = lease._host_lock or lease._device_lock
-            local = self.prefetcher.finish(op, protect.node if protect is not None else None)  # type: ignore[union-attr]
+            local = self.prefetcher.finish(op, lease.locked_node)  # type: ignore[union-attr]
             agreed = self.ranks.prefetch_pages(local)
             self._commit_prefetch(lease, agreed)
         else:
@@ -195,7 +188,7 @@ class CacheController(UnitMemory, RetentionApi, ClosingApi):
         return lease
 
     def _commit_prefetch(self, lease: Lease, pages: int) -> None:
-        op, lease._prefetch = lease._prefetch, None
+        op = lease.detach_prefetch()
         assert op is not None and self.prefetcher is not None
         if (
             pages > 0
@@ -206,13 +199,12 @@ class CacheController(UnitMemory, RetentionApi, ClosingApi):
             # prefix from the root" and pin that page on the device: drop the refill
             self.prefetcher.drop(op, SkipReason.UNBACKED_PARENT, lease.skipped)
             return
-        lease._storage_pages = self.prefetcher.commit(
-            op, lease.keys, pages, request_id=str(id(lease)), skipped=lease.skipped
+        lease.prefetched(
+            self.prefetcher.commit(op, lease.keys, pages, request_id=str(id(lease)), skipped=lease.skipped)
         )
 
     def _settle(self, lease: Lease, match: MatchResult) -> None:
-        self._unlock(lease)
-        settle(lease, self.tree, self.layout, match)
+        lease.settle(self.tree, self.layout, match)
         if lease.record:
             page = self.page_size
             self.metrics.request(lease.pages * page, {t: n * page for t, n in lease.hit_pages.items()})
@@ -250,7 +242,7 @@ class CacheController(UnitMemory, RetentionApi, ClosingApi):
                 "prefix stays locked): raise tiers.device.capacity_tokens (or the pool's "
                 "device_units) or admit fewer requests at once"
             )
-        self.units.free(Tier.DEVICE, add_allocation(self.layout, lease, got, end))
+        self.units.free(Tier.DEVICE, lease.add_allocation(self.layout, got, end))
         return {name: got[owner] for name, owner in self.layout.owner_of.items()}
 
     @exclusive
@@ -268,23 +260,15 @@ class CacheController(UnitMemory, RetentionApi, ClosingApi):
             )
         if end > lease.committed_pages:
             values, rest = take_for_insert(self.layout, lease, end)
-            above = lease._node
+            above = lease.node
             result = self.tree.insert(lease.keys[lease.committed_pages : end], values, at=above)
             self.units.free(Tier.DEVICE, result.duplicates)
-            lock = lease._device_lock
-            lease._device_lock = (
-                self.tree.lock(result.node, Tier.DEVICE)
-                if lock is None
-                else self.tree.move_lock(lock, result.node)
-            )
-            lease._node, lease.committed_pages, lease._allocated = result.node, end, rest
+            lease.mark_inserted(self.tree, result.node, end, rest)
             self._retain(lease)
             if self.policy.write == "write_through" or self.writer.digests is not None:
                 self.writer.on_insert(result.node, lease.hashes_source, above, lease.cached_pages)
         if close:
-            if lease._allocated is not None:
-                self.units.free(Tier.DEVICE, lease._allocated)
-                lease._allocated = None
+            self._free_pending(lease)
             self._close_lease(lease)
 
     @exclusive
@@ -293,24 +277,34 @@ class CacheController(UnitMemory, RetentionApi, ClosingApi):
         require_lease(lease, self)
         if lease.closed:
             return
-        if lease._allocated is not None:
-            self.units.free(Tier.DEVICE, lease._allocated)
-            lease._allocated = None
-        if lease._prefetch is not None:
+        self._free_pending(lease)
+        if lease.prefetch is not None:
             self._commit_prefetch(lease, 0)
         self._close_lease(lease)
 
-    def _unlock(self, lease: Lease) -> None:
-        for attr in ("_host_lock", "_device_lock"):
-            handle = getattr(lease, attr)
-            if handle is not None:
-                self.tree.unlock(handle)
-                setattr(lease, attr, None)
+    def _free_pending(self, lease: Lease) -> None:
+        pending = lease.take_pending()
+        if pending is not None:
+            self.units.free(Tier.DEVICE, pending)
 
     def _close_lease(self, lease: Lease) -> None:
-        self._unlock(lease)
-        lease.closed = True
+        lease.mark_closed(self.tree)
         self._leases.pop(id(lease), None)
+
+    # --- retention (the lookup's hint on the inserted prefix) ---------------------------------
+
+    def _retain(self, lease: Lease) -> None:
+        if lease.retention is not None and lease.node is not None:
+            lease.hold_pin(self.parts.retention.apply(lease.node, lease.retention, lease.pin))
+
+    @exclusive
+    def unpin(self, lease: Lease) -> None:
+        """Release the pin a lease's ``RetentionHint(pin=True)`` took (a no-op without one).
+        Works on closed leases: a pin outlives the request that set it."""
+        require_lease(lease, self)
+        pin = lease.take_pin()
+        if pin is not None:
+            self.parts.retention.release(pin)
 
     def _check_lease(self, lease: Lease) -> None:
         self._check_open()

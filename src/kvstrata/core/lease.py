@@ -1,23 +1,25 @@
 """A request's hold on its cached prefix: what ``lookup`` found, ``admit`` settled, and the
-units the engine reads. The controller fills it; an engine reads its public fields and calls.
+units the engine reads. An engine reads its public fields and calls; the controller moves it
+from state to state only through its transition methods (lock, settle, allocate, insert, close),
+so every field of a lease is written here and nowhere else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from kvstrata.core.boundary import token_ids
 from kvstrata.core.keys import hash_pages
 from kvstrata.core.stack import NO_UNITS, PoolKind, StackLayout
+from kvstrata.core.tokens import token_ids
 from kvstrata.core.tree import LockHandle, MatchResult, PrefixTree, Tier, TreeNode, page_keys
 
 if TYPE_CHECKING:
-    from kvstrata.core.prefetcher import PrefetchOp
+    from kvstrata.core.prefetch_op import PrefetchOp
     from kvstrata.core.retention import Pin, RetentionHint
     from kvstrata.core.tier_units import TierUnits
 
@@ -68,6 +70,11 @@ class Lease:
     #: the cache whose lookup made it: no other cache honours it
     _issuer: object = field(default=None, repr=False)
     _origin: tuple[str, int, str] = ("?", 0, "?")  # (file, line, function) that called lookup
+
+    def bind_issuer(self, issuer: object, owner_of: dict[str, str], origin: tuple[str, int, str]) -> None:
+        """``lookup``: only ``issuer`` honours this lease; ``owner_of`` maps each pool to the tree
+        pool whose units it shares; ``origin`` is where lookup was called (for the close warning)."""
+        self._issuer, self._owner_of, self._origin = issuer, owner_of, origin
 
     @property
     def pages(self) -> int:
@@ -139,6 +146,149 @@ class Lease:
         pool's slot is for the state after the last page to be inserted."""
         return self._allocated_first[self._owner(pool)]
 
+    # --- what the controller and its parts read -------------------------------------------------
+
+    @property
+    def node(self) -> TreeNode | None:
+        """The tree node ending at ``committed_pages`` (None: the root)."""
+        return self._node
+
+    @property
+    def locked_node(self) -> TreeNode | None:
+        """The deepest node the lease holds locked (the host prefix first): what making room
+        for its prefetch must keep."""
+        lock = self._host_lock or self._device_lock
+        return lock.node if lock is not None else None
+
+    @property
+    def prefetch(self) -> PrefetchOp | None:
+        """The lease's L3 read in flight (an opaque handle: only the prefetcher reads it)."""
+        return self._prefetch
+
+    @property
+    def pending(self) -> Mapping[str, torch.Tensor]:
+        """Units handed out by ``allocate`` and not yet inserted, per tree pool."""
+        return self._allocated or {}
+
+    @property
+    def pin(self) -> Pin | None:
+        """The retention pin the prefix holds (see ``pinned``)."""
+        return self._pin
+
+    @property
+    def origin(self) -> tuple[str, int, str]:
+        """(file, line, function) that called ``lookup``."""
+        return self._origin
+
+    # --- transitions (the controller's calls) ---------------------------------------------------
+
+    def hold_match(self, tree: PrefixTree, match: MatchResult) -> None:
+        """``lookup``: record what ``match`` found and lock it (the device prefix, and the host
+        prefix beyond it) until ``admit`` settles the lease."""
+        self.device_pages, self.host_pages = match.device_pages, match.host_pages
+        if match.device_pages:
+            self._device_lock = tree.lock(match.device_node, Tier.DEVICE)
+        if match.host_pages > match.device_pages:
+            self._host_lock = tree.lock(match.host_node, Tier.HOST)
+
+    def attach_prefetch(self, op: PrefetchOp | None) -> None:
+        """``lookup``: hold the L3 read the prefetcher started (None: none started)."""
+        self._prefetch = op
+
+    def detach_prefetch(self) -> PrefetchOp | None:
+        """``admit`` / ``release``: hand the L3 read back to be committed or dropped."""
+        op, self._prefetch = self._prefetch, None
+        return op
+
+    def prefetched(self, pages: int) -> None:
+        """``admit``: the L3 read committed ``pages`` pages after the host prefix."""
+        self._storage_pages = pages
+
+    def settle(self, tree: PrefixTree, layout: StackLayout, match: MatchResult) -> None:
+        """``admit``: drop lookup's locks and fix the prefix at the device-usable length of
+        ``match``: lock it, set the prefix units every pool hands the engine, and split the hit
+        by tier."""
+        self.unlock(tree)
+        cached = match.device_pages
+        if cached:
+            self._device_lock = tree.lock(match.device_node, Tier.DEVICE)
+        self.cached_pages = self.committed_pages = self.allocated_pages = cached
+        self._node = match.device_node if cached else None
+        self._prefix, self._first = prefix_units(tree, layout, match)
+        device = min(self.device_pages, cached)
+        storage = max(0, min(cached, self.host_pages + self._storage_pages) - max(self.host_pages, device))
+        self.hit_pages = {"device": device, "host": cached - device - storage, "storage": storage}
+        self.admitted = True
+
+    def add_allocation(
+        self, layout: StackLayout, got: dict[str, torch.Tensor], end: int
+    ) -> dict[str, torch.Tensor]:
+        """``allocate``: record ``got`` as the units of pages ``[allocated_pages, end)`` (window
+        pools: of its last ``len(got[pool])`` pages); returns pending window units no longer
+        contiguous with the new ones (the caller frees them)."""
+        pending = dict(self._allocated or {})
+        dropped: dict[str, torch.Tensor] = {}
+        for tp in layout.tree_pools.values():
+            old, new = pending.get(tp.name, NO_UNITS), got[tp.name]
+            if tp.kind is PoolKind.PAGES:
+                pending[tp.name] = torch.cat([old, new]) if len(old) else new
+                first = self.allocated_pages
+            elif tp.kind is PoolKind.WINDOW:
+                # the pending units hold contiguous pages ending at ``end``: kept old units must
+                # end where the new ones start, else (a window-only allocation) they are of no use
+                if len(old) and len(new) == end - self.allocated_pages:
+                    pending[tp.name] = torch.cat([old, new])
+                else:
+                    pending[tp.name], dropped[tp.name] = new, old
+                first = end - len(new)
+            else:
+                pending[tp.name] = new if len(new) else old
+                first = end - 1
+            if len(new):  # a pool that got nothing keeps saying where its last units start
+                self._allocated_first[tp.name] = first
+        self._allocated = pending
+        self.allocated_pages = end
+        return dropped
+
+    def mark_inserted(
+        self, tree: PrefixTree, node: TreeNode, end: int, rest: dict[str, torch.Tensor]
+    ) -> None:
+        """``insert``: pages through ``end`` are in the tree, ending at ``node``: move the device
+        lock there and keep ``rest`` (see :func:`take_for_insert`) for the next chunk."""
+        lock = self._device_lock
+        self._device_lock = tree.lock(node, Tier.DEVICE) if lock is None else tree.move_lock(lock, node)
+        self._node, self.committed_pages, self._allocated = node, end, rest
+
+    def take_pending(self) -> dict[str, torch.Tensor] | None:
+        """``insert`` / ``release``: the units allocated and never inserted, for the caller to
+        free (None: none)."""
+        pending, self._allocated = self._allocated, None
+        return pending
+
+    def hold_pin(self, pin: Pin | None) -> None:
+        """A retention pin the prefix holds now (None: none, or it was refused)."""
+        self._pin, self.pinned = pin, pin is not None
+
+    def take_pin(self) -> Pin | None:
+        """``unpin``: the pin to release (None: none held)."""
+        pin = self._pin
+        self.hold_pin(None)
+        return pin
+
+    def unlock(self, tree: PrefixTree) -> None:
+        """Release the prefix locks, host first (a pin is no such lock: it outlives the lease)."""
+        for handle in (self._host_lock, self._device_lock):
+            if handle is not None:
+                tree.unlock(handle)
+        self._host_lock = self._device_lock = None
+
+    def mark_closed(self, tree: PrefixTree) -> None:
+        """``insert`` (closing) / ``release``: unlock; the lease holds nothing any more."""
+        self.unlock(tree)
+        self.closed = True
+
+    # --- checks ---------------------------------------------------------------------------------
+
     def _owner(self, pool: str) -> str:
         try:
             return self._owner_of[pool]
@@ -164,21 +314,6 @@ def require_lease(lease: Lease, cache: object) -> None:
             "this lease was issued by another cache (namespace root "
             f"{lease.namespace_root[:12]}...): a lease is valid only on the cache whose lookup made it"
         )
-
-
-def settle(lease: Lease, tree: PrefixTree, layout: StackLayout, match: MatchResult) -> None:
-    """Fix an (unlocked) lease's prefix at the device-usable length of ``match``: lock it, set
-    the prefix units every pool hands the engine, and split the hit by tier."""
-    cached = match.device_pages
-    if cached:
-        lease._device_lock = tree.lock(match.device_node, Tier.DEVICE)
-    lease.cached_pages = lease.committed_pages = lease.allocated_pages = cached
-    lease._node = match.device_node if cached else None
-    lease._prefix, lease._first = prefix_units(tree, layout, match)
-    device = min(lease.device_pages, cached)
-    storage = max(0, min(cached, lease.host_pages + lease._storage_pages) - max(lease.host_pages, device))
-    lease.hit_pages = {"device": device, "host": cached - device - storage, "storage": storage}
-    lease.admitted = True
 
 
 def prefix_units(
@@ -248,37 +383,6 @@ def allocate_units(
         for name, spare in units.alloc_spare(Tier.DEVICE, extras).items():
             got[name] = torch.cat([spare, got[name]])
     return got
-
-
-def add_allocation(
-    layout: StackLayout, lease: Lease, got: dict[str, torch.Tensor], end: int
-) -> dict[str, torch.Tensor]:
-    """Record ``got`` as the units of pages ``[lease.allocated_pages, end)`` (window pools: of its
-    last ``len(got[pool])`` pages); returns pending window units no longer contiguous with the new
-    ones (the caller frees them)."""
-    pending = dict(lease._allocated or {})
-    dropped: dict[str, torch.Tensor] = {}
-    for tp in layout.tree_pools.values():
-        old, new = pending.get(tp.name, NO_UNITS), got[tp.name]
-        if tp.kind is PoolKind.PAGES:
-            pending[tp.name] = torch.cat([old, new]) if len(old) else new
-            first = lease.allocated_pages
-        elif tp.kind is PoolKind.WINDOW:
-            # the pending units hold contiguous pages ending at ``end``: kept old units must
-            # end where the new ones start, else (a window-only allocation) they are of no use
-            if len(old) and len(new) == end - lease.allocated_pages:
-                pending[tp.name] = torch.cat([old, new])
-            else:
-                pending[tp.name], dropped[tp.name] = new, old
-            first = end - len(new)
-        else:
-            pending[tp.name] = new if len(new) else old
-            first = end - 1
-        if len(new):  # a pool that got nothing keeps saying where its last units start
-            lease._allocated_first[tp.name] = first
-    lease._allocated = pending
-    lease.allocated_pages = end
-    return dropped
 
 
 def take_for_insert(

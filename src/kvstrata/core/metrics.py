@@ -11,7 +11,10 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstrata.core.storage_batch import BatchResult
 
 from kvstrata.core.storage_metrics import StorageMetrics
 
@@ -166,3 +169,14 @@ class CacheMetrics:
                 "latency_count": dict(self.latency_count),
                 "latency_sum_s": dict(self.latency_sum),
             }
+
+
+def count_failure(metrics: CacheMetrics, result: BatchResult) -> None:
+    """Units a storage call was asked for and failed (a whole failed call counts one when it
+    says no more; a skipped call is a plan, not a failure; a get's miss is not a failure)."""
+    if result.skipped:
+        return
+    if result.failed:
+        metrics.fail(result.failed)
+    elif result.error is not None:
+        metrics.fail()

@@ -28,11 +28,9 @@ Worker threads never touch the tree: they fill the :class:`PrefetchOp` and set `
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
 
@@ -40,15 +38,15 @@ import torch
 from pluggy import HookRelay
 
 from kvstrata.core.config import PolicyConfig
-from kvstrata.core.metrics import CacheMetrics, Operation, SkipReason
+from kvstrata.core.metrics import CacheMetrics, Operation, SkipReason, count_failure
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.prefetch_end import PrefetchEnd, prefetch_end
+from kvstrata.core.prefetch_op import PrefetchOp
 from kvstrata.core.stack import PoolKind, StackLayout, pool_batch
 from kvstrata.core.storage_engine import PoolBatch, StorageEngine, longest_present_prefix
 from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import PageKey, PrefixTree, Tier, TreeNode
 from kvstrata.core.unit_digests import UnitDigests, check_span
-from kvstrata.core.writer import count_failure
 from kvstrata.plugins.pool_type import PartialHit
 
 log = logging.getLogger(__name__)
@@ -60,29 +58,6 @@ class PrefetchMode(StrEnum):
     POLICY = "policy"  # the configured gates and end policy
     WAIT = "wait"  # no gates; admit waits for the whole read (an engine that must not recompute)
     OFF = "off"  # no L3 read for this request
-
-
-@dataclass(eq=False)
-class PrefetchOp:
-    """One L3 -> L2 read. The worker fills the result fields and sets ``done``; only the owner
-    thread touches the tree or frees ``reserved`` (once ``done`` is set)."""
-
-    start: int  # first page read (the request's host-usable prefix before it)
-    hashes: list[str]  # page hashes of pages [start, start + len(hashes))
-    started_s: float
-    reserved: dict[str, torch.Tensor] = field(default_factory=dict)  # host units per tree pool
-    short: dict[str, int] | None = None  # units the worker could not take without eviction
-    found: int = 0  # leading pages whose anchor object exists
-    pages: int = 0  # pages whose objects the worker read and verified, every pool included
-    read_end: int = 0  # pages the worker tried to read (window/state objects sit at its end)
-    blocking: bool = False  # admit waits for it whatever the end policy
-    foreign: int = 0  # objects the reads refused as another layout / format (not damage)
-    #: prefix ends where every state pool has an object (from the existence query)
-    checkpoints: list[int] = field(default_factory=list)
-    #: anchor pages found but not usable, by reason (filled by the worker)
-    lost: dict[SkipReason, int] = field(default_factory=dict)
-    cancelled: bool = False
-    done: threading.Event = field(default_factory=threading.Event)
 
 
 def _lose(op: PrefetchOp, reason: SkipReason, pages: int) -> None:

@@ -24,15 +24,9 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from kvstrata.core.boundary import exclusive
-from kvstrata.core.lease import require_lease
 from kvstrata.core.metrics import CacheMetrics, Operation
 from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
-
-if TYPE_CHECKING:
-    from kvstrata.core.lease import Lease
 
 #: entries kept before expired levels are swept out
 _SWEEP_AT = 4096
@@ -96,7 +90,7 @@ class Retention:
         pins whose TTL passed (an eviction is starting)."""
         now = self.clock()
         for pin in [p for p in self._pins.values() if p.deadline is not None and p.deadline <= now]:
-            self._release(pin)
+            self.release(pin)
         if not self._levels:
             return None
         levels = self._levels
@@ -122,28 +116,21 @@ class Retention:
 
     # --- what a request asks for -------------------------------------------------------------
 
-    def apply(self, lease: Lease, hint: RetentionHint) -> None:
-        """Give the prefix ending at ``lease``'s node its level and (re)pin it."""
-        node = lease._node
-        if node is None:
-            return
+    def apply(self, node: TreeNode, hint: RetentionHint, held: Pin | None) -> Pin | None:
+        """Give the prefix ending at ``node`` its level and, for a pin, replace the pin ``held``
+        (the lease's) by one there; returns the pin the lease holds now (None: refused)."""
         now = self.clock()
         deadline = None if hint.ttl_s is None else now + hint.ttl_s
         if hint.level:
             self._set_levels(node, hint.level, deadline, now)
-        if hint.pin:
-            old = lease._pin
-            if old is not None:
-                self._release(old)
-            lease._pin = self._take(node, deadline)
-            lease.pinned = lease._pin is not None
-            if lease._pin is None:
-                self.metrics.count(Operation.PINS_REFUSED)
-
-    def unpin(self, lease: Lease) -> None:
-        if lease._pin is not None:
-            self._release(lease._pin)
-            lease._pin, lease.pinned = None, False
+        if not hint.pin:
+            return held
+        if held is not None:
+            self.release(held)
+        pin = self._take(node, deadline)
+        if pin is None:
+            self.metrics.count(Operation.PINS_REFUSED)
+        return pin
 
     def _set_levels(self, node: TreeNode, level: int, deadline: float | None, now: float) -> None:
         levels = self._levels
@@ -173,7 +160,9 @@ class Retention:
         self._pins[id(pin)] = pin
         return pin
 
-    def _release(self, pin: Pin) -> None:
+    def release(self, pin: Pin) -> None:
+        """Give a pin up (``cache.unpin``, its TTL, or a new pin of the same lease); a pin
+        released before is a no-op."""
         if self._pins.pop(id(pin), None) is None:
             return  # expired and released before
         self.tree.unlock(pin.lock)
@@ -194,21 +183,3 @@ def _stronger(level: int, deadline: float | None, old_level: int, old_deadline: 
     if level != old_level:
         return level > old_level
     return old_deadline is not None and (deadline is None or deadline > old_deadline)
-
-
-class RetentionApi:
-    """The retention calls of :class:`~kvstrata.core.controller.CacheController` (a mixin, so the
-    controller stays a coordinator): apply a lease's hint after an insert, release a pin."""
-
-    parts: object
-
-    def _retain(self, lease: Lease) -> None:
-        if lease.retention is not None:
-            self.parts.retention.apply(lease, lease.retention)  # type: ignore[attr-defined]
-
-    @exclusive
-    def unpin(self, lease: Lease) -> None:
-        """Release the pin a lease's ``RetentionHint(pin=True)`` took (a no-op without one).
-        Works on closed leases: a pin outlives the request that set it."""
-        require_lease(lease, self)
-        self.parts.retention.unpin(lease)  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
 
 import torch
 
@@ -21,8 +21,16 @@ from kvstrata.core.engine_tensors import torch_dtype
 from kvstrata.core.row_copy import copy_rows
 from kvstrata.plugins.pool_type import BufferSpec, Layout, PoolSpec
 
-if TYPE_CHECKING:
-    from kvstrata.core.buffers import _Placement
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one buffer lives inside a tier's backing (laid out by
+    :class:`~kvstrata.core.buffers.PoolBuffers`, read by the unit access here)."""
+
+    spec: BufferSpec
+    offset: int  # byte offset in the backing (page_first: byte offset inside a unit)
+    nbytes: int  # bytes of the whole buffer (page_first: bytes of the buffer inside one unit)
+
 
 #: integer dtype of each word width: bytes move as words, never as floats (bit-exact for any dtype)
 WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -54,11 +62,11 @@ class UnitAccess:
     units: int
     layout: Layout
     device: torch.device
-    placements: dict[str, Any]
+    placements: dict[str, Placement]
     _layer_tensors: dict[str, list[torch.Tensor]]
     tensors: dict[str, torch.Tensor]
 
-    def _placement(self, name: str) -> _Placement:  # provided by PoolBuffers
+    def _placement(self, name: str) -> Placement:  # provided by PoolBuffers
         raise NotImplementedError
 
     def unit_view(self, name: str, word_bytes: int = 1, *, layer: int | None = None) -> torch.Tensor:

@@ -43,10 +43,10 @@ class UnitMemory:
         for tp in self.layout.tree_pools.values():
             if tp.kind is not PoolKind.STATE:
                 continue
-            slot = (lease._allocated or {}).get(tp.name)
+            slot = lease.pending.get(tp.name)
             if slot is None or not len(slot):
                 raise RuntimeError("fork_state copies into the lease's new state slot: call allocate first")
-            node = lease._node
+            node = lease.node
             source = node.device[self.tree.index[tp.name]] if node is not None else None
             for name in tp.followers:
                 if source is not None:

@@ -21,7 +21,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,7 +28,7 @@ import torch
 from kvstrata.core.admission import make_admission
 from kvstrata.core.config import PolicyConfig
 from kvstrata.core.keys import hash_pages
-from kvstrata.core.metrics import CacheMetrics, Operation
+from kvstrata.core.metrics import CacheMetrics, Operation, count_failure
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import PoolKind, StackLayout, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
@@ -38,9 +37,6 @@ from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import MatchResult, PageKey, PrefixTree, Tier, TreeNode
 from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
 from kvstrata.core.write_back import SharedLock, eviction_backups, host_locks
-
-if TYPE_CHECKING:
-    from kvstrata.core.lease import Lease
 
 #: A request's page hashes, computed on demand: only an L3 write needs them.
 PageHashes = Callable[[], Sequence[str]]
@@ -57,17 +53,6 @@ class PendingWrite:
 
     locks: list[SharedLock]
     future: Future[dict[str, BatchResult]]
-
-
-def count_failure(metrics: CacheMetrics, result: BatchResult) -> None:
-    """Units a storage call was asked for and failed (a whole failed call counts one when it
-    says no more; a skipped call is a plan, not a failure; a get's miss is not a failure)."""
-    if result.skipped:
-        return
-    if result.failed:
-        metrics.fail(result.failed)
-    elif result.error is not None:
-        metrics.fail()
 
 
 class Writer:
@@ -125,7 +110,7 @@ class Writer:
             if since is not None and since.depth_end == cached and self.engine is not None:
                 self._submit([since], _trailing_windows(self, since, hashes))
 
-    def on_lookup(self, match: MatchResult, lease: Lease) -> None:
+    def on_lookup(self, match: MatchResult, hashes: PageHashes) -> None:
         """A request reused ``match``'s path: selective write-through backs up the nodes that
         turned hot; admission filters hear of the reuse and take what passes now."""
         host, storage = self.host_admission, self.storage_admission
@@ -135,17 +120,17 @@ class Writer:
         storage.seen(match.path)
         if self.policy.write == "write_through_selective":
             hot = [n for n in match.device_path if n.hit_count >= self.policy.write_through_threshold]
-            self.back_up(hot, hashes=lease.hashes_source, admit=host.selective)
+            self.back_up(hot, hashes=hashes, admit=host.selective)
         elif host.selective and self.policy.write == "write_through":
             unbacked = [n for n in match.device_path if not self.tree.backed_up(n)]
-            self.back_up(unbacked, hashes=lease.hashes_source, admit=True)
+            self.back_up(unbacked, hashes=hashes, admit=True)
         if self._refused and self.engine is not None:
             ready = [n for n in match.host_path if n in self._refused and storage.admit(n)]
             for n in ready:
                 del self._refused[n]
             ready = [n for n in ready if n.host[0] is not None]
             if ready:
-                self._queue_write(ready, lease.hashes_source, admitted=True)
+                self._queue_write(ready, hashes, admitted=True)
 
     def _split(self, upper: TreeNode, lower: TreeNode) -> None:
         if lower in self._refused:  # both halves still wait for their L3 write

@@ -31,10 +31,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvstrata.core.lease import Lease
 from kvstrata.core.metrics import CacheMetrics
 from kvstrata.core.policies import make_policy, policy_config
-from kvstrata.core.retention import Retention, RetentionHint
+from kvstrata.core.retention import Pin, Retention, RetentionHint
 from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
 from kvstrata.plugins import NEVER, PluginHost, PolicyContext
 from kvstrata.plugins.eviction_policy import EvictionPolicy, PolicyCapabilities
@@ -93,7 +92,7 @@ def run_workload(host: PluginHost, policy: str | dict[str, Any], ops: list[Op]) 
     tree.set_retention(retention)
     fresh = count(0)
     held: list[LockHandle] = []
-    pinned: list[Lease] = []
+    pinned: list[Pin] = []
     evicted: list[tuple[Hashable, ...]] = []
     for index, (path, keep, pin) in enumerate(ops):
         future.now = index
@@ -121,11 +120,9 @@ def run_workload(host: PluginHost, policy: str | dict[str, Any], ops: list[Op]) 
             result = tree.insert(keys[match.device_pages :], {"kv": units}, at=above)
             lock = tree.lock(result.node) if lock is None else tree.move_lock(lock, result.node)
             if pin:
-                lease = Lease(list(keys), torch.empty(0, dtype=torch.int64), "ns", PAGE)
-                lease._node = result.node
-                retention.apply(lease, RetentionHint(pin=True))
-                if lease.pinned:
-                    pinned.append(lease)
+                taken = retention.apply(result.node, RetentionHint(pin=True), None)
+                if taken is not None:
+                    pinned.append(taken)
         assert tree.units("kv", Tier.DEVICE) <= CAPACITY, (
             f"policy {policy!r}: the tier holds more than its capacity"
         )
@@ -136,16 +133,16 @@ def run_workload(host: PluginHost, policy: str | dict[str, Any], ops: list[Op]) 
             else:
                 tree.unlock(lock)
         if len(pinned) > 1:
-            retention.unpin(pinned.pop(0))
+            retention.release(pinned.pop(0))
         tree.check()
     return evicted
 
 
 def _protected(
-    tree: PrefixTree, held: list[LockHandle], pinned: list[Lease], lock: LockHandle | None
+    tree: PrefixTree, held: list[LockHandle], pinned: list[Pin], lock: LockHandle | None
 ) -> dict[TreeNode, int]:
     """Every node on a locked or pinned path, with its page count now."""
-    ends = [h.node for h in held] + [lease._pin.lock.node for lease in pinned if lease._pin is not None]
+    ends = [h.node for h in held] + [pin.lock.node for pin in pinned]
     if lock is not None:
         ends.append(lock.node)
     out = {}

@@ -1,0 +1,38 @@
+"""One L3 -> L2 read in flight: the handle a lease holds from ``lookup`` to ``admit``.
+
+The prefetcher (:mod:`~kvstrata.core.prefetcher`) makes it and is the only reader of its fields;
+a :class:`~kvstrata.core.lease.Lease` only carries it, so the lease knows nothing of how L3 is
+read and the prefetcher nothing of leases.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstrata.core.metrics import SkipReason
+
+
+@dataclass(eq=False)
+class PrefetchOp:
+    """One L3 -> L2 read. The worker fills the result fields and sets ``done``; only the owner
+    thread touches the tree or frees ``reserved`` (once ``done`` is set)."""
+
+    start: int  # first page read (the request's host-usable prefix before it)
+    hashes: list[str]  # page hashes of pages [start, start + len(hashes))
+    started_s: float
+    reserved: dict[str, torch.Tensor] = field(default_factory=dict)  # host units per tree pool
+    short: dict[str, int] | None = None  # units the worker could not take without eviction
+    found: int = 0  # leading pages whose anchor object exists
+    pages: int = 0  # pages whose objects the worker read and verified, every pool included
+    read_end: int = 0  # pages the worker tried to read (window/state objects sit at its end)
+    blocking: bool = False  # admit waits for it whatever the end policy
+    foreign: int = 0  # objects the reads refused as another layout / format (not damage)
+    #: prefix ends where every state pool has an object (from the existence query)
+    checkpoints: list[int] = field(default_factory=list)
+    #: anchor pages found but not usable, by reason (filled by the worker)
+    lost: dict[SkipReason, int] = field(default_factory=dict)
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
