@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from kvstrata.adapters._sglang_views import MHA_CLASS, MHA_PAGE_VIEWS, MLA_CLASS, MLA_PAGE_VIEWS
-from kvstrata.core.integrity import layout_fingerprint, stored_objects
+from kvstrata.engine_kit import layout_fingerprint, stored_objects
 from kvstrata.plugins import (
     BufferRegion,
     BufferSpec,

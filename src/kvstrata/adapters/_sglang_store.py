@@ -14,7 +14,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer, Po
 from kvstrata.adapters._sglang_pages import PageFormat, Transfer
 from kvstrata.adapters._sglang_support import Stats, trailing_prefixes
 from kvstrata.adapters._shared import page_key
-from kvstrata.core.storage_engine import StorageEngine, longest_present_prefix
+from kvstrata.engine_kit import StorageEngine, longest_present_prefix
 
 log = logging.getLogger("kvstrata.adapters.sglang")
 

@@ -56,8 +56,7 @@ from kvstrata.adapters._sglang_pages import PageFormat, describe_host_pool
 from kvstrata.adapters._sglang_store import KV_POOL, PageStore
 from kvstrata.adapters._sglang_support import CONFIG_KEY, Stats, load_l3_config
 from kvstrata.adapters._shared import EngineIdentity, EngineStorage
-from kvstrata.core.config import ParallelConfig
-from kvstrata.core.storage_engine import StorageMetrics
+from kvstrata.engine_kit import ParallelConfig, StorageMetrics
 from kvstrata.plugins import ConfigError, PluginHost, StorageBackend
 
 log = logging.getLogger(__name__)
