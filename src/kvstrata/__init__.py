@@ -2,7 +2,8 @@
 
 The engine-facing API is :func:`kvstrata.open` and the :class:`CacheController` it returns (see
 the README "Library API"). Pool types, storage backends and eviction policies are plugins found
-through entry points; see ``kvstrata.plugins`` for the contracts and ``kvstrata.hookspecs`` for the hooks.
+through entry points; see ``kvstrata.plugins`` for the contracts and ``kvstrata.plugins.hookspecs``
+for the hooks.
 Everything but ``hookimpl`` loads lazily, so a plugin importing ``kvstrata`` does not pay for
 torch.
 """

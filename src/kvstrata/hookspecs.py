@@ -1,86 +1,33 @@
-"""Every pluggy hook kvstrata calls. Implement them with ``@kvstrata.hookimpl``.
+"""The hook specs under their first name; they live in :mod:`kvstrata.plugins.hookspecs`.
 
-Hooks carry *registration* and *events*. They are called per operation or per batch, never per
-page or per token: a pluggy call costs microseconds, which the data path cannot afford.
-
-Hook-only plugins are modules listed under the ``kvstrata.plugins`` entry-point group, or objects
-an application passes to ``PluginHost(plugins=[...])`` / ``PluginHost.register_plugin``.
+Kept so that ``import kvstrata.hookspecs`` and ``pm.add_hookspecs(kvstrata.hookspecs)`` keep
+working for plugins written against it.
 """
 
-from __future__ import annotations
+from kvstrata.plugins.hookspecs import (
+    hookspec,
+    kvstrata_backend_closing,
+    kvstrata_backend_opened,
+    kvstrata_configure,
+    kvstrata_eviction,
+    kvstrata_operation_failed,
+    kvstrata_pages_stored,
+    kvstrata_prefetch_committed,
+    kvstrata_register_eviction_policies,
+    kvstrata_register_pool_types,
+    kvstrata_register_storage_backends,
+)
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-import pluggy
-
-if TYPE_CHECKING:
-    from kvstrata.plugins.storage_backend import BackendCapabilities, StorageBackend
-
-hookspec = pluggy.HookspecMarker("kvstrata")
-
-
-# --- registration -------------------------------------------------------------------------------
-
-
-@hookspec(historic=True)
-def kvstrata_register_pool_types(register: Callable[[type], None]) -> None:
-    """Call ``register(cls)`` for each :class:`~kvstrata.plugins.pool_type.PoolType` subclass.
-
-    Classes land in the same registry as entry-point plugins and pass the same validation; a name
-    already taken is an error naming both providers. Historic: plugins registered late are called
-    on registration.
-    """
-
-
-@hookspec(historic=True)
-def kvstrata_register_storage_backends(register: Callable[[type], None]) -> None:
-    """Call ``register(cls)`` for each :class:`~kvstrata.plugins.storage_backend.StorageBackend`."""
-
-
-@hookspec(historic=True)
-def kvstrata_register_eviction_policies(register: Callable[[type], None]) -> None:
-    """Call ``register(cls)`` for each :class:`~kvstrata.plugins.eviction_policy.EvictionPolicy`."""
-
-
-# --- lifecycle ----------------------------------------------------------------------------------
-
-
-@hookspec(historic=True)
-def kvstrata_configure(config: Any) -> None:
-    """The resolved root config (``kvstrata.core.config.KvstrataConfig``) is in effect."""
-
-
-@hookspec
-def kvstrata_backend_opened(
-    instance: str, backend: StorageBackend, capabilities: BackendCapabilities
-) -> None:
-    """A storage backend instance opened and is ready for I/O."""
-
-
-@hookspec
-def kvstrata_backend_closing(instance: str, backend: StorageBackend) -> None:
-    """A storage backend instance is about to close."""
-
-
-# --- data-path events (per batch) -------------------------------------------------------------
-
-
-@hookspec
-def kvstrata_pages_stored(instance: str, pool: str, pages: int, nbytes: int) -> None:
-    """A batch of pages of one pool reached a storage backend."""
-
-
-@hookspec
-def kvstrata_prefetch_committed(request_id: str, tokens: int, pools: list[str]) -> None:
-    """A storage prefetch finished for every pool and its prefix became usable on the host tier."""
-
-
-@hookspec
-def kvstrata_eviction(tier: str, pool: str, units: int) -> None:
-    """``units`` pages or slots of ``pool`` left ``tier`` (``device`` or ``host``)."""
-
-
-@hookspec
-def kvstrata_operation_failed(operation: str, instance: str, error: BaseException) -> None:
-    """A storage operation failed (the cache keeps serving; this is for metrics and alerts)."""
+__all__ = [
+    "hookspec",
+    "kvstrata_backend_closing",
+    "kvstrata_backend_opened",
+    "kvstrata_configure",
+    "kvstrata_eviction",
+    "kvstrata_operation_failed",
+    "kvstrata_pages_stored",
+    "kvstrata_prefetch_committed",
+    "kvstrata_register_eviction_policies",
+    "kvstrata_register_pool_types",
+    "kvstrata_register_storage_backends",
+]

@@ -4,9 +4,9 @@ Three formats, picked per host pool when SGLang registers it with the adapter:
 
 ``CanonicalPages`` (exact conversion)
     For SGLang's ``MHATokenToKVPoolHost`` and ``MLATokenToKVPoolHost``, whose buffer shapes per
-    host layout are known (:data:`MHA_PAGE_VIEWS`, :data:`MLA_PAGE_VIEWS`). A *page view* is a
-    strided view of the host buffer shaped ``(pages, *canonical)`` whose C order per page is the
-    stored byte order: for MHA, K then V, each ``(tokens, layers, heads, head_dim)``; for MLA
+    host layout are known (``MHA_PAGE_VIEWS``, ``MLA_PAGE_VIEWS`` in ``_sglang_views``). A *page
+    view* is a strided view of the host buffer shaped ``(pages, *canonical)`` whose C order per
+    page is the stored byte order: for MHA, K then V, each ``(tokens, layers, heads, head_dim)``; for MLA
     ``(tokens, layers, row)`` -- the token-major order of SGLang's default ``page_first`` layout, so
     that default moves zero-copy (two runs per page, straight between host memory and the
     backend). Every other layout (``layer_first``, ``page_first_direct``, ``page_head``,
@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from kvstrata.core.integrity import layout_fingerprint, stored_objects
+from kvstrata.adapters._sglang_views import MHA_CLASS, MHA_PAGE_VIEWS, MLA_CLASS, MLA_PAGE_VIEWS
+from kvstrata.engine_kit import layout_fingerprint, stored_objects
 from kvstrata.plugins import (
     BufferRegion,
     BufferSpec,
@@ -54,68 +55,9 @@ ZERO_COPY_MAX_RUNS = 256
 #: ... each at least this large; otherwise one torch gather/scatter through staging is cheaper.
 ZERO_COPY_MIN_RUN_BYTES = 4096
 
-MHA_CLASS = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"
-MLA_CLASS = "sglang.srt.mem_cache.pool_host.mla.MLATokenToKVPoolHost"
 
 #: Opaque pools are stored under this kvstrata pool type (backends declaring ``*`` store them).
 OPAQUE_POOL_TYPE = "sglang_page"
-
-PageView = Callable[[Any], torch.Tensor]
-
-
-def _mha_views() -> dict[str, PageView]:
-    """SGLang MHA host buffer per layout (its ``init_kv_buffer``) -> ``(P, 2, t, L, H, D)``."""
-
-    def page_first(pool: Any) -> torch.Tensor:  # (2, size, L, H, D)
-        b, p = pool.kv_buffer, pool.page_size
-        return b.view(2, -1, p, pool.layer_num, pool.head_num, pool.head_dim).permute(1, 0, 2, 3, 4, 5)
-
-    def layer_first(pool: Any) -> torch.Tensor:  # (2, L, size, H, D)
-        b, p = pool.kv_buffer, pool.page_size
-        return b.view(2, pool.layer_num, -1, p, pool.head_num, pool.head_dim).permute(2, 0, 3, 1, 4, 5)
-
-    def page_first_direct(pool: Any) -> torch.Tensor:  # (2, P, L, t, H, D)
-        return pool.kv_buffer.permute(1, 0, 3, 2, 4, 5)
-
-    def page_head(pool: Any) -> torch.Tensor:  # (2, P, H, t, L, D)
-        return pool.kv_buffer.permute(1, 0, 3, 4, 2, 5)
-
-    def page_unified(pool: Any) -> torch.Tensor:  # (P, G, L, 2, t, H/G, D) -> (P, 2, t, L, G, H/G, D)
-        return pool.kv_buffer.permute(0, 3, 4, 2, 1, 5, 6)
-
-    return {
-        "page_first": page_first,
-        "layer_first": layer_first,
-        "page_first_direct": page_first_direct,
-        "page_head": page_head,
-        "page_unified": page_unified,
-    }
-
-
-def _mla_views() -> dict[str, PageView]:
-    """SGLang MLA host buffer per layout -> ``(P, t, L, row)`` (row = latent and rope, packed)."""
-
-    def page_first(pool: Any) -> torch.Tensor:  # (size, L, 1, C)
-        return pool.kv_buffer.view(-1, pool.page_size, pool.layer_num, pool.kv_cache_dim)
-
-    def layer_first(pool: Any) -> torch.Tensor:  # (L, size, 1, C)
-        b, p = pool.kv_buffer, pool.page_size
-        return b.view(pool.layer_num, -1, p, pool.kv_cache_dim).permute(1, 2, 0, 3)
-
-    def page_major(pool: Any) -> torch.Tensor:  # (P, L, t, 1, C) or (P, L, t, C)
-        b = pool.kv_buffer
-        return b.view(b.shape[0], pool.layer_num, pool.page_size, pool.kv_cache_dim).permute(0, 2, 1, 3)
-
-    return {
-        "page_first": page_first,
-        "layer_first": layer_first,
-        "page_first_direct": page_major,
-        "page_unified": page_major,
-    }
-
-
-MHA_PAGE_VIEWS = _mha_views()
-MLA_PAGE_VIEWS = _mla_views()
 
 
 def class_id(obj: Any) -> str:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvstrata.core.config import PluginBackendConfig, dotted, load_file
+from kvstrata.engine_kit import PluginBackendConfig, dotted, load_file
 from kvstrata.plugins import ConfigError, PluginHost
 
 #: The key of SGLang's extra config that holds kvstrata's settings.

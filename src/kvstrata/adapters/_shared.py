@@ -12,9 +12,10 @@ decides *which stored bytes an engine may read* is decided here, once, for all o
 * :func:`open_cache` -- a kvstrata cache (lease API, :class:`~kvstrata.CacheController`) for an
   engine whose cache kvstrata manages (HF): the user's config, the adapter's pools and overrides
   merged, the identity's namespace as ``model.name``.
-* :class:`EngineStorage` -- the builder's storage wiring (backend plugin opened, storage engine,
-  I/O plan per pool, zero-copy host memory registered) for an engine that keeps its own L1/L2 and
-  asks kvstrata to store and fetch pages (SGLang, a vLLM connector).
+* :class:`EngineStorage` -- storage over the public :func:`kvstrata.engine_kit.open_storage`
+  (backend plugin opened, storage engine), an I/O plan per pool, zero-copy host memory
+  registered, for an engine that keeps its own L1/L2 and asks kvstrata to store and fetch pages
+  (SGLang, a vLLM connector).
 * :func:`weights_digest` -- xxh3-128 over every byte of every weight tensor (streamed), for
   adapters that hold the model; :func:`page_key` -- an engine's page key as an injective
   page-hash component, for engines that bring their own page hashes.
@@ -39,7 +40,7 @@ Use from an adapter::
                               parallel=ParallelConfig(tp_rank=r, tp_size=n), cache_salt="")
     storage = EngineStorage(identity, "l3", backend_config, checksum="xxh3")
     plan = storage.add_pool(spec.name, spec, host_region=region)   # once per pool
-    hashes = hash_pages(token_ids, 16, identity.chain_root(request_salt))  # kvstrata.core.keys
+    hashes = hash_pages(token_ids, 16, identity.chain_root(request_salt))  # kvstrata.engine_kit
     storage.engine.put(spec.name, hashes, units) ... storage.close()
 
     # or, where kvstrata manages the engine's cache (lease API):
@@ -63,13 +64,19 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
 import kvstrata
-from kvstrata.core.builder import DeviceTensors, new_storage_engine, open_storage_backend
-from kvstrata.core.config import ParallelConfig
-from kvstrata.core.controller import CacheController
-from kvstrata.core.integrity import ChecksumPolicy
-from kvstrata.core.io_plan import IOMode, IOPlan, plan_pool
-from kvstrata.core.keys import namespace_root
-from kvstrata.core.storage_engine import StorageEngine, StorageMetrics
+from kvstrata import CacheController
+from kvstrata.engine_kit import (
+    ChecksumPolicy,
+    DeviceTensors,
+    IOMode,
+    IOPlan,
+    ParallelConfig,
+    StorageEngine,
+    StorageMetrics,
+    namespace_root,
+    open_storage,
+    plan_pool,
+)
 from kvstrata.plugins import BufferRegion, PluginHost, PoolSpec, StorageBackend
 
 log = logging.getLogger(__name__)
@@ -248,22 +255,17 @@ class EngineStorage:
         )
         self.plugins = plugins or PluginHost()
         self.parallel: ParallelConfig = self.identity.parallel  # type: ignore[assignment]
-        self.backend: StorageBackend = open_storage_backend(self.plugins, instance, backend_config)
-        try:
-            self.capabilities = self.backend.instance_capabilities()
-            self.engine: StorageEngine = new_storage_engine(
-                self.backend,
-                {},
-                {},
-                model_name=self.identity.namespace,
-                cache_salt=self.identity.cache_salt or "",
-                parallel=self.parallel,
-                checksum=checksum,
-                plugins=self.plugins,
-            )
-        except BaseException:
-            self.backend.close()
-            raise
+        self.engine: StorageEngine = open_storage(
+            instance,
+            backend_config,
+            namespace=self.identity.namespace,
+            cache_salt=self.identity.cache_salt or "",
+            parallel=self.parallel,
+            checksum=checksum,
+            plugins=self.plugins,
+        )
+        self.backend: StorageBackend = self.engine.backend
+        self.capabilities = self.backend.instance_capabilities()
         self._lock = threading.Lock()
         self._registered: set[int] = set()
         self._keep_alive: list[Any] = []

@@ -30,8 +30,7 @@ from typing import Any
 import xxhash
 
 from kvstrata.adapters._shared import EngineIdentity
-from kvstrata.core.config import ParallelConfig
-from kvstrata.core.integrity import layout_fingerprint, stored_objects
+from kvstrata.engine_kit import ParallelConfig, layout_fingerprint, stored_objects
 from kvstrata.plugins import (
     BufferSpec,
     Granularity,

@@ -17,8 +17,7 @@ from typing import Any
 
 from kvstrata.adapters._shared import EngineIdentity
 from kvstrata.adapters._vllm_layout import STATE, StoreLayout
-from kvstrata.core.keys import hash_pages
-from kvstrata.core.storage_engine import StorageEngine
+from kvstrata.engine_kit import StorageEngine, hash_pages
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import torch
 
 from kvstrata.adapters._vllm_layout import GroupLayout, StoreLayout
 from kvstrata.adapters._vllm_scheduler import GroupTransfer, StepPlan
-from kvstrata.core.storage_engine import StorageEngine
+from kvstrata.engine_kit import StorageEngine
 from kvstrata.plugins import BufferRegion
 
 log = logging.getLogger(__name__)

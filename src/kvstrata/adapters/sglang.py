@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -49,28 +48,22 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
-    PoolHitPolicy,
     PoolTransfer,
     PoolTransferResult,
 )
 
-from kvstrata.adapters._sglang_pages import PageFormat, Transfer, describe_host_pool
-from kvstrata.adapters._sglang_support import CONFIG_KEY, Stats, load_l3_config, trailing_prefixes
-from kvstrata.adapters._shared import EngineIdentity, EngineStorage, page_key
-from kvstrata.core.config import ParallelConfig
-from kvstrata.core.storage_engine import StorageMetrics, longest_present_prefix
+from kvstrata.adapters._sglang_pages import PageFormat, describe_host_pool
+from kvstrata.adapters._sglang_store import KV_POOL, PageStore
+from kvstrata.adapters._sglang_support import CONFIG_KEY, Stats, load_l3_config
+from kvstrata.adapters._shared import EngineIdentity, EngineStorage
+from kvstrata.engine_kit import ParallelConfig, StorageMetrics
 from kvstrata.plugins import ConfigError, PluginHost, StorageBackend
 
 log = logging.getLogger(__name__)
 
-#: SGLang's pool name of the anchor KV pool (``PoolName.KV``).
-KV_POOL = "kv"
 #: Host pools SGLang writes from every TP rank even in rank-replicated (MLA) models: its
 #: ``should_backup`` keeps Mamba state per rank (TP-sharded even under MLA).
 TP_SHARDED_SIDE_POOLS = frozenset({"mamba"})
-
-#: Second chunk of an existence query (after one probe page); each further chunk doubles.
-FIRST_EXISTS_CHUNK = 16
 
 
 # --- the storage class ----------------------------------------------------------------------------
@@ -153,6 +146,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         self._pools: dict[str, PageFormat] = {}
         self._lock = threading.Lock()
         self._stats = Stats()
+        self.pages = PageStore(self.engine, self._stats)
 
     # --- registration --------------------------------------------------------------------------
 
@@ -208,54 +202,6 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             raise RuntimeError("no host pool registered: SGLang calls register_mem_pool_host first")
         return pool
 
-    def _write(self, pool: PageFormat, keys: Sequence[str], make: Any) -> list[bool]:
-        """Store the pages of ``keys`` not stored yet; ``make(positions)`` gives their Transfer."""
-        if not keys:
-            return []
-        hashes = [page_key(key) for key in keys]
-        start = time.perf_counter()
-        # dedup first (SGLang backs up every page reaching the host tier): no gather, no checksum
-        # for pages already stored
-        present = self.engine.exists(pool.name, hashes)
-        ok = list(present.ok) if present.error is None else [False] * len(keys)
-        missing = [i for i, stored in enumerate(ok) if not stored]
-        if not missing:
-            return ok
-        try:
-            transfer = make(missing)
-        except (ValueError, RuntimeError) as exc:
-            log.warning("kvstrata L3: cannot write %d pages of %r: %s", len(missing), pool.name, exc)
-            return [False] * len(keys)
-        result = self.engine.put(pool.name, [hashes[i] for i in missing], transfer.units)
-        for i, stored in zip(missing, result.ok, strict=True):
-            ok[i] = stored
-        written = sum(result.ok)
-        self._stats.record(False, written, written * pool.unit_bytes, time.perf_counter() - start)
-        return ok
-
-    def _read(self, pool: PageFormat, keys: Sequence[str], make: Any) -> list[bool]:
-        """Read the pages of ``keys``; ``make()`` gives the Transfer; only verified pages land."""
-        if not keys:
-            return []
-        start = time.perf_counter()
-        try:
-            transfer: Transfer = make()
-        except (ValueError, RuntimeError) as exc:
-            log.warning("kvstrata L3: cannot read %d pages of %r: %s", len(keys), pool.name, exc)
-            return [False] * len(keys)
-        result = self.engine.get(pool.name, [page_key(key) for key in keys], transfer.units)
-        ok = list(result.ok)
-        try:
-            transfer.finish(ok)
-        except Exception:  # pages may be half copied into place: none of them is usable
-            log.exception(
-                "kvstrata L3: copying %d pages of %r into the host pool failed", len(keys), pool.name
-            )
-            return [False] * len(keys)
-        hits = sum(ok)
-        self._stats.record(True, hits, hits * pool.unit_bytes, time.perf_counter() - start)
-        return ok
-
     # v1: zero-copy from/to the registered anchor pool
 
     @_never_raises(_all_false)
@@ -263,14 +209,16 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         pool = self._anchor()
-        return self._write(pool, keys, lambda at: pool.write_units(pool.pages(host_indices, len(keys))[at]))
+        return self.pages.write(
+            pool, keys, lambda at: pool.write_units(pool.pages(host_indices, len(keys))[at])
+        )
 
     @_never_raises(_all_false)
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         pool = self._anchor()
-        return self._read(pool, keys, lambda: pool.read_units(pool.pages(host_indices, len(keys))))
+        return self.pages.read(pool, keys, lambda: pool.read_units(pool.pages(host_indices, len(keys))))
 
     # generic: flat data pages (SGLang's default path without interface_v1)
 
@@ -297,7 +245,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             log.warning("kvstrata L3: batch_set needs one flat page per key")
             return False
         pool = self._anchor()
-        return all(self._write(pool, keys, lambda at: pool.flat_write_units([flats[i] for i in at])))
+        return all(self.pages.write(pool, keys, lambda at: pool.flat_write_units([flats[i] for i in at])))
 
     @_never_raises(lambda *args, **kwargs: None)
     def get(
@@ -316,7 +264,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             return [None] * len(keys)
         anchor_pool = pool.pool
         targets = [t if t is not None else anchor_pool.get_dummy_flat_data_page() for t in targets]
-        ok = self._read(pool, keys, lambda: pool.flat_read_units(targets))
+        ok = self.pages.read(pool, keys, lambda: pool.flat_read_units(targets))
         return [target if hit else None for target, hit in zip(targets, ok, strict=True)]
 
     @_never_raises(lambda *args, **kwargs: False)
@@ -326,21 +274,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
     @_never_raises(lambda *args, **kwargs: 0)
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading pages of ``keys`` the backend holds (SGLang's prefix length)."""
-        return self._leading_pages(self._anchor(), keys)
-
-    def _leading_pages(self, pool: PageFormat, keys: Sequence[str]) -> int:
-        """Leading run of stored pages, asked in growing chunks (1, 16, 32, 64 ...) that stop at the
-        first missing page: a prefix missing from the start costs one lookup, a partial hit a few,
-        not one per page of the query."""
-        done, chunk = 0, 1
-        while done < len(keys):
-            batch = [page_key(key) for key in keys[done : done + chunk]]
-            found = self.engine.exists_prefix(pool.name, batch)
-            done += found
-            if found < len(batch):
-                break
-            chunk = FIRST_EXISTS_CHUNK if chunk == 1 else chunk * 2
-        return done
+        return self.pages.leading(self._anchor(), keys)
 
     # v2: hybrid stacks (every pool registered through register_mem_host_pool_v2)
 
@@ -353,35 +287,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
     ) -> PoolTransferResult:
         """Longest usable prefix: the KV prefix, cut by each pool's hit policy (SGLang's semantics:
         ``all_pages`` needs every page, ``trailing_pages`` the last ``len(keys)`` pages of a prefix)."""
-        kv_pages = self._leading_pages(self._anchor(), keys)
-        hashes = [page_key(key) for key in keys[:kv_pages]]
-        hit_count: dict[Any, int] = {KV_POOL: kv_pages} if kv_pages else {}
-        restorable = set(range(1, kv_pages + 1))
-        for transfer in pool_transfers or []:
-            if not restorable:
-                break
-            if transfer.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
-                # block_groups, unused by SGLang 0.5.23: by its definition it never gates the KV hit
-                log.warning(
-                    "kvstrata L3: hit policy %r of pool %r not evaluated", transfer.hit_policy, transfer.name
-                )
-                continue
-            pool = self._pool(transfer.name)
-            present = (
-                list(self.engine.exists(pool.name, hashes).ok) if pool is not None else [False] * kv_pages
-            )
-            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
-                boundary = longest_present_prefix(present)
-                allowed = set(range(1, boundary + 1))
-            else:
-                window = max(1, len(transfer.keys) if transfer.keys else 1)
-                allowed = trailing_prefixes(present, window)
-                boundary = max(allowed, default=0)
-            if boundary:
-                hit_count[transfer.name] = boundary
-            restorable &= allowed
-        ordered = sorted(restorable)
-        return PoolTransferResult(ordered[-1] if ordered else 0, hit_count, ordered)
+        return self.pages.hybrid_prefix(self._anchor(), self._pools, keys, pool_transfers or [])
 
     def _pool_transfer(self, transfer: PoolTransfer) -> tuple[PageFormat, list[str], torch.Tensor] | None:
         pool = self._pool(transfer.name)
@@ -407,7 +313,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                 results[transfer.name] = [False] * len(transfer.keys or [])
                 continue
             pool, keys, indices = found
-            results[transfer.name] = self._read(
+            results[transfer.name] = self.pages.read(
                 pool,
                 keys,
                 lambda pool=pool, keys=keys, indices=indices: pool.read_units(pool.pages(indices, len(keys))),
@@ -425,7 +331,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                 results[transfer.name] = [False] * len(transfer.keys or [])
                 continue
             pool, keys, indices = found
-            results[transfer.name] = self._write(
+            results[transfer.name] = self.pages.write(
                 pool,
                 keys,
                 lambda at, pool=pool, keys=keys, indices=indices: pool.write_units(

@@ -43,7 +43,7 @@ from kvstrata.adapters._vllm_layout import StoreLayout, build_layout, identity_o
 from kvstrata.adapters._vllm_scheduler import SchedulerSide, StepPlan
 from kvstrata.adapters._vllm_telemetry import CounterDelta, EventLog, KvstrataConnectorStats
 from kvstrata.adapters._vllm_worker import WorkerSide
-from kvstrata.core.config import (
+from kvstrata.engine_kit import (
     ParallelConfig,
     PluginBackendConfig,
     dotted,

@@ -21,9 +21,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvstrata.core.tokens import token_ids as token_ids  # where adapters have imported it from
-
 from kvstrata.core.metrics import Operation
+from kvstrata.core.tokens import token_ids as token_ids  # where adapters have imported it from
 
 if TYPE_CHECKING:
     from kvstrata.core.lease import Lease

@@ -17,7 +17,7 @@ import pluggy
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvstrata import hookspecs
+from kvstrata.plugins import hookspecs
 from kvstrata.plugins.eviction_policy import (
     EVICTION_API_VERSION,
     EvictionPolicy,

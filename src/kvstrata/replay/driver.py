@@ -200,8 +200,9 @@ def replay_with_cache(
     shares the request's prefix only up to its last whole trace block, so the driver does what an
     engine with chunked prefill does: it first serves the request up to its last multiple of
     ``state_checkpoint_tokens`` (storing that state), then the whole request. Only the first
-    lookup's hits count as the request's reuse. None disables it; stacks without node-state pools
-    never split.
+    lookup's hits count as the request's reuse, and only it is an access an eviction policy
+    hears (the later ones look up with ``record=False``). None disables it; stacks without
+    node-state pools never split.
 
     ``chunk_pages``: serve every request in chunks of that many pages instead (an engine's
     chunked prefill that stores a state at every chunk end), so each request queues one L3 write
@@ -252,7 +253,7 @@ def replay_with_cache(
         checkpoint = _checkpoint_tokens(request.input_length, page_size, step)
         if chunk_pages:
             ends = [*range(chunk_pages * page_size, len(tokens), chunk_pages * page_size), len(tokens)]
-            steps = [_serve(cache, content, tokens[:end], verify) for end in ends]
+            steps = [_serve(cache, content, tokens[:end], verify, record=end == ends[0]) for end in ends]
             hit_pages, served = steps[0].hit_pages, sum(s.served for s in steps)
             full = any(s.full for s in steps)
             counted = sum(s.counted_by_controller for s in steps)
@@ -261,7 +262,7 @@ def replay_with_cache(
                 written.update(served_step.inserted_keys)
         elif checkpoint:  # chunked prefill: the state at the last block boundary is stored too
             first = _serve(cache, content, tokens[:checkpoint], verify)
-            rest = _serve(cache, content, tokens, verify)
+            rest = _serve(cache, content, tokens, verify, record=False)
             hit_pages, served = first.hit_pages, first.served + rest.served
             full = first.full or rest.full
             counted = first.counted_by_controller + rest.counted_by_controller
@@ -334,9 +335,14 @@ class _Served:
     inserted_keys: Sequence[str] = ()  # page keys of the pages this step inserted
 
 
-def _serve(cache: CacheController, content: StackContent, tokens: torch.Tensor, verify: bool) -> _Served:
-    """One engine step: lookup, admit, verify the cached prefix, allocate, fill, insert."""
-    lease = cache.lookup(tokens)
+def _serve(
+    cache: CacheController, content: StackContent, tokens: torch.Tensor, verify: bool, *, record: bool = True
+) -> _Served:
+    """One engine step: lookup, admit, verify the cached prefix, allocate, fill, insert.
+
+    ``record=False`` for a request's later steps: their "hits" are its own earlier steps, and
+    an eviction policy hears one access per request, as from an engine."""
+    lease = cache.lookup(tokens, record=record)
     try:
         cache.admit(lease)
         cached, pages = lease.cached_pages, lease.pages

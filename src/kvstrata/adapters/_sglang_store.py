@@ -1,0 +1,133 @@
+"""The SGLang adapter's data path over kvstrata's storage engine: store the pages not stored yet,
+read only verified pages into place, the leading run of stored pages and the hybrid prefix that
+every pool's hit policy allows. ``KvstrataHiCacheStorage`` maps SGLang's calls onto it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer, PoolTransferResult
+
+from kvstrata.adapters._sglang_pages import PageFormat, Transfer
+from kvstrata.adapters._sglang_support import Stats, trailing_prefixes
+from kvstrata.adapters._shared import page_key
+from kvstrata.engine_kit import StorageEngine, longest_present_prefix
+
+log = logging.getLogger("kvstrata.adapters.sglang")
+
+#: SGLang's pool name of the anchor KV pool (``PoolName.KV``).
+KV_POOL = "kv"
+#: Second chunk of an existence query (after one probe page); each further chunk doubles.
+FIRST_EXISTS_CHUNK = 16
+
+
+class PageStore:
+    """SGLang's pages through one storage engine, with the adapter's transfer statistics."""
+
+    def __init__(self, engine: StorageEngine, stats: Stats) -> None:
+        self.engine = engine
+        self._stats = stats
+
+    def write(self, pool: PageFormat, keys: Sequence[str], make: Any) -> list[bool]:
+        """Store the pages of ``keys`` not stored yet; ``make(positions)`` gives their Transfer."""
+        if not keys:
+            return []
+        hashes = [page_key(key) for key in keys]
+        start = time.perf_counter()
+        # dedup first (SGLang backs up every page reaching the host tier): no gather, no checksum
+        # for pages already stored
+        present = self.engine.exists(pool.name, hashes)
+        ok = list(present.ok) if present.error is None else [False] * len(keys)
+        missing = [i for i, stored in enumerate(ok) if not stored]
+        if not missing:
+            return ok
+        try:
+            transfer = make(missing)
+        except (ValueError, RuntimeError) as exc:
+            log.warning("kvstrata L3: cannot write %d pages of %r: %s", len(missing), pool.name, exc)
+            return [False] * len(keys)
+        result = self.engine.put(pool.name, [hashes[i] for i in missing], transfer.units)
+        for i, stored in zip(missing, result.ok, strict=True):
+            ok[i] = stored
+        written = sum(result.ok)
+        self._stats.record(False, written, written * pool.unit_bytes, time.perf_counter() - start)
+        return ok
+
+    def read(self, pool: PageFormat, keys: Sequence[str], make: Any) -> list[bool]:
+        """Read the pages of ``keys``; ``make()`` gives the Transfer; only verified pages land."""
+        if not keys:
+            return []
+        start = time.perf_counter()
+        try:
+            transfer: Transfer = make()
+        except (ValueError, RuntimeError) as exc:
+            log.warning("kvstrata L3: cannot read %d pages of %r: %s", len(keys), pool.name, exc)
+            return [False] * len(keys)
+        result = self.engine.get(pool.name, [page_key(key) for key in keys], transfer.units)
+        ok = list(result.ok)
+        try:
+            transfer.finish(ok)
+        except Exception:  # pages may be half copied into place: none of them is usable
+            log.exception(
+                "kvstrata L3: copying %d pages of %r into the host pool failed", len(keys), pool.name
+            )
+            return [False] * len(keys)
+        hits = sum(ok)
+        self._stats.record(True, hits, hits * pool.unit_bytes, time.perf_counter() - start)
+        return ok
+
+    def leading(self, pool: PageFormat, keys: Sequence[str]) -> int:
+        """Leading run of stored pages, asked in growing chunks (1, 16, 32, 64 ...) that stop at the
+        first missing page: a prefix missing from the start costs one lookup, a partial hit a few,
+        not one per page of the query."""
+        done, chunk = 0, 1
+        while done < len(keys):
+            batch = [page_key(key) for key in keys[done : done + chunk]]
+            found = self.engine.exists_prefix(pool.name, batch)
+            done += found
+            if found < len(batch):
+                break
+            chunk = FIRST_EXISTS_CHUNK if chunk == 1 else chunk * 2
+        return done
+
+    def hybrid_prefix(
+        self,
+        anchor: PageFormat,
+        pools: Mapping[str, PageFormat],
+        keys: Sequence[str],
+        pool_transfers: Sequence[PoolTransfer],
+    ) -> PoolTransferResult:
+        """Longest usable prefix: the KV prefix, cut by each pool's hit policy (SGLang's semantics:
+        ``all_pages`` needs every page, ``trailing_pages`` the last ``len(keys)`` pages of a prefix)."""
+        kv_pages = self.leading(anchor, keys)
+        hashes = [page_key(key) for key in keys[:kv_pages]]
+        hit_count: dict[Any, int] = {KV_POOL: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for transfer in pool_transfers:
+            if not restorable:
+                break
+            if transfer.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
+                # block_groups, unused by SGLang 0.5.23: by its definition it never gates the KV hit
+                log.warning(
+                    "kvstrata L3: hit policy %r of pool %r not evaluated", transfer.hit_policy, transfer.name
+                )
+                continue
+            pool = pools.get(str(transfer.name))
+            present = (
+                list(self.engine.exists(pool.name, hashes).ok) if pool is not None else [False] * kv_pages
+            )
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = longest_present_prefix(present)
+                allowed = set(range(1, boundary + 1))
+            else:
+                window = max(1, len(transfer.keys) if transfer.keys else 1)
+                allowed = trailing_prefixes(present, window)
+                boundary = max(allowed, default=0)
+            if boundary:
+                hit_count[transfer.name] = boundary
+            restorable &= allowed
+        ordered = sorted(restorable)
+        return PoolTransferResult(ordered[-1] if ordered else 0, hit_count, ordered)

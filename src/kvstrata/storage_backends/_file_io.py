@@ -1,0 +1,330 @@
+"""The ``file`` backend's I/O: existence, put (two-phase: temp file, ``os.replace``), get, remove,
+spread over the backend's I/O threads, and the ``readv`` / ``writev`` loops under them."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from kvstrata.plugins.storage_backend import ReadCheck, StorageObject, region_views
+from kvstrata.storage_backends._file_index import _READ_FLAGS, FileIndex
+
+#: Most platforms cap one readv/writev at 1024 iovecs (IOV_MAX).
+_IOV_MAX = 1024
+MISS = -1
+#: Fewest objects worth handing to another I/O thread (below that, dispatch costs more than it saves).
+_MIN_CHUNK = 8
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def _advance(pending: list[memoryview], done: int) -> list[memoryview]:
+    """``pending`` less its first ``done`` bytes: the views fully done dropped in one slice, the
+    next one cut where the transfer stopped."""
+    index = 0
+    while index < len(pending) and done >= len(pending[index]):
+        done -= len(pending[index])
+        index += 1
+    if done:
+        return [pending[index][done:], *pending[index + 1 :]]
+    return pending[index:]
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """``os.writev`` until every byte is written (it may write less than asked)."""
+    pending = views
+    while pending:
+        pending = _advance(pending, os.writev(fd, pending[:_IOV_MAX]))
+
+
+def _fsync_directory(directory: str) -> bool:
+    """fsync a directory, so the renames and creations in it survive a power loss."""
+    try:
+        fd = os.open(directory, _DIR_FLAGS)
+    except OSError:
+        return False
+    try:
+        os.fsync(fd)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the platform has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    if affinity is not None:
+        with contextlib.suppress(OSError):
+            return max(1, len(affinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def _read_all(fd: int, views: list[memoryview]) -> int:
+    """``os.readv`` until the regions are full or EOF; returns the bytes read."""
+    total = 0
+    pending = views
+    while pending:
+        got = os.readv(fd, pending[:_IOV_MAX])
+        if got == 0:
+            break
+        total += got
+        pending = _advance(pending, got)
+    return total
+
+
+class FileIO(FileIndex):
+    """The I/O part of ``FileBackend`` over its index (a base class: the backend is one object)."""
+
+    _pool: ThreadPoolExecutor | None
+    _tmp_serial: itertools.count[int]
+    _read_threads: int
+    recycled_files: int
+
+    def _map_rows(self, fn: Callable[[int, int], list[_R]], count: int, threads: int = 0) -> list[_R]:
+        """``fn(start, stop)`` over ``range(count)`` on the I/O threads (at most ``threads``,
+        0: ``io_threads``), one contiguous chunk per thread (the calling thread works the first):
+        a future per item would cost more than reading a page from the page cache."""
+        if self._pool is None:
+            raise RuntimeError(f"file backend {self.instance!r} is not open")
+        chunks = min(threads or self.config.io_threads, count // _MIN_CHUNK)
+        if chunks <= 1:
+            return fn(0, count)
+        bounds = [count * index // chunks for index in range(chunks + 1)]
+        futures = [self._pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, chunks)]
+        results = fn(bounds[0], bounds[1])  # this thread works too instead of waiting idle
+        for future in futures:
+            results.extend(future.result())
+        return results
+
+    def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+        return self._map_rows(lambda start, stop: [fn(item) for item in items[start:stop]], len(items))
+
+    def exists(self, keys: Sequence[str], leading: bool = False) -> list[bool]:
+        """From the index, without a syscall, for objects this process saw on disk within
+        ``exists_recheck_s``; every other key (unknown here: possibly written by another process,
+        or seen too long ago: possibly removed by one) is checked on disk.
+
+        ``leading``: keys are checked in order on this thread and the first missing one ends the
+        answer (the rest read False): a prefix query then costs the stats of its present keys
+        plus one, and no worker hop, which costs more than a ``stat`` of a cached dentry."""
+        cutoff = time.monotonic() - self.config.exists_recheck_s
+        if leading:
+            return self._leading(keys, cutoff)
+        found = [False] * len(keys)
+        unknown: list[int] = []
+        index = self._index
+        with self._lock:
+            for position, key in enumerate(keys):
+                entry = index.get(key)
+                if entry is not None and entry.seen > cutoff:
+                    index.move_to_end(key)
+                    found[position] = True
+                else:
+                    unknown.append(position)
+        if unknown:
+            on_disk = self._map(
+                lambda key: self._exists_by_name(key, cutoff), [keys[position] for position in unknown]
+            )
+            for position, present in zip(unknown, on_disk, strict=True):
+                found[position] = present
+        return found
+
+    def _leading(self, keys: Sequence[str], cutoff: float) -> list[bool]:
+        found = [False] * len(keys)
+        index = self._index
+        for position, key in enumerate(keys):
+            with self._lock:
+                entry = index.get(key)
+                if entry is not None and entry.seen > cutoff:
+                    index.move_to_end(key)
+                    found[position] = True
+                    continue
+            if not self._exists_by_name(key, cutoff):
+                break
+            found[position] = True
+        return found
+
+    def _exists_by_name(self, key: str, cutoff: float) -> bool:
+        """A key the index does not hold under its own name: stored under its digest (an unsafe
+        key; still no syscall when the index holds that), else checked on disk."""
+        directory, name, entry = self._lookup(key)
+        if entry is not None and entry.seen > cutoff:
+            with self._lock:
+                if name in self._index:
+                    self._index.move_to_end(name)  # used now; not proven on disk now
+            return True
+        try:
+            size = os.stat(f"{directory}/{name}").st_size
+        except FileNotFoundError:
+            if entry is not None:
+                self._forget(name)  # removed by another process
+            return False
+        if entry is None:
+            self._adopt(directory, name, size)
+        else:
+            self._seen((name,))
+        return True
+
+    def put(self, objects: Sequence[StorageObject]) -> list[bool]:
+        stored = self._map(self._put_one, objects)
+        if self.config.fsync:
+            self._sync_directories(objects, stored)
+        return stored
+
+    def _sync_directories(self, objects: Sequence[StorageObject], stored: list[bool]) -> None:
+        """fsync mode: a rename is durable only once its directory is. One fsync per directory
+        per batch; an object whose directory cannot be synced reports not stored."""
+        directories = [self._lookup(obj.key)[0] for obj in objects]
+        failed = {d for d in set(directories) if not _fsync_directory(d)}
+        if failed:
+            for index, directory in enumerate(directories):
+                if directory in failed:
+                    stored[index] = False
+
+    def _put_one(self, obj: StorageObject) -> bool:
+        # Always stat, even for a key the index holds: a put that answers True must leave the
+        # object on disk, and another process may have removed it since this one saw it.
+        directory, name, entry = self._lookup(obj.key)
+        path = f"{directory}/{name}"
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            if entry is not None:
+                self._forget(name)
+        else:
+            if entry is None:
+                self._adopt(directory, name, size)
+            else:
+                self._seen((name,))
+            return True  # skip_existing: equal keys carry equal bytes
+        nbytes = obj.nbytes
+        fits, recycled = self._reserve(nbytes)
+        if not fits:
+            return False
+        tmp = f"{directory}/.{name}{self._tmp_prefix}{next(self._tmp_serial)}"
+        try:
+            fd = self._open_temp(tmp, directory, recycled)
+            try:
+                _write_all(fd, region_views(obj.regions))
+                if self.config.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError:
+            self._release(nbytes)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return False
+        self._stored(directory, name, nbytes)
+        return True
+
+    def _open_temp(self, tmp: str, directory: str, recycled: str | None) -> int:
+        """A write descriptor on the new temp file ``tmp``: the ``recycled`` evicted file renamed
+        there (same size: the write covers every byte), else a file created."""
+        if recycled is not None:
+            for attempt in range(2):
+                try:
+                    os.rename(recycled, tmp)
+                except FileNotFoundError:  # no fan-out directory yet, or removed by another process
+                    if attempt or os.path.isdir(directory):
+                        break
+                    self._make_directory(directory)
+                    continue
+                except OSError:
+                    break
+                self.recycled_files += 1  # += is not atomic across threads: a statistic only
+                return os.open(tmp, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+            with contextlib.suppress(OSError):
+                os.unlink(recycled)
+        try:
+            return os.open(tmp, _CREATE_FLAGS, 0o644)
+        except FileNotFoundError:  # first object of this fan-out directory
+            self._make_directory(directory)
+            return os.open(tmp, _CREATE_FLAGS, 0o644)
+
+    def _make_directory(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        if self.config.fsync and not _fsync_directory(directory.rpartition("/")[0]):
+            raise OSError(f"cannot fsync the parent of {directory}") from None
+
+    def get(self, objects: Sequence[StorageObject], check: ReadCheck | None = None) -> list[int]:
+        """Read each object into its regions; ``check(row, nbytes)`` (see the plugin API) runs in
+        the I/O thread that read object ``row``, right after it was read."""
+        keys = [obj.key for obj in objects]
+        reading = self._reading
+        with self._lock:  # a file being read here is not recycled meanwhile (see _reserve)
+            for key in keys:
+                reading[key] = reading.get(key, 0) + 1
+        try:
+            return self._map_rows(
+                lambda start, stop: self._get_rows(objects, start, stop, check),
+                len(objects),
+                self._read_threads,
+            )
+        finally:
+            with self._lock:
+                for key in keys:
+                    left = reading.pop(key) - 1
+                    if left:
+                        reading[key] = left
+
+    def _get_rows(
+        self, objects: Sequence[StorageObject], start: int, stop: int, check: ReadCheck | None
+    ) -> list[int]:
+        results: list[int] = []
+        known: list[str] = []
+        for row in range(start, stop):
+            got = self._get_one(objects[row], known)
+            if check is not None and got >= 0:
+                check(row, got)
+            results.append(got)
+        if known:
+            self._seen(known)  # one lock for the chunk, not one per object
+        return results
+
+    def _get_one(self, obj: StorageObject, known: list[str]) -> int:
+        directory, name, entry = self._lookup(obj.key)
+        try:
+            fd = os.open(f"{directory}/{name}", _READ_FLAGS)
+        except FileNotFoundError:
+            if entry is not None:
+                self._forget(name)
+            return MISS
+        except OSError as exc:
+            return -(exc.errno or 1)
+        try:
+            got = _read_all(fd, region_views(obj.regions))
+            if entry is None:  # written by another process after open: adopt, real size
+                self._adopt(directory, name, os.fstat(fd).st_size, fd)
+            else:
+                known.append(name)
+        except OSError as exc:
+            return -(exc.errno or 1)
+        finally:
+            os.close(fd)
+        return got
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Unlink objects (an absent one counts as removed); frees their LRU accounting."""
+        return self._map(self._remove_one, keys)
+
+    def _remove_one(self, key: str) -> bool:
+        directory, name, _entry = self._lookup(key)
+        self._forget(name)
+        try:
+            os.unlink(f"{directory}/{name}")
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return True
