@@ -3,11 +3,13 @@ result, so a behaviour can be pinned to the part that owns it."""
 
 from __future__ import annotations
 
+from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
 
+import pytest
 import torch
 
-from controller_support import EXAMPLES, fill, tokens
+from controller_support import EXAMPLES, fill, open_cache, tokens
 from kvstrata.core.builder import build_cache
 from kvstrata.core.collective import RankAgreement
 from kvstrata.core.config import load
@@ -87,11 +89,25 @@ def test_load_back_plan_names_every_host_only_unit_and_run_restores_bytes() -> N
             assert torch.equal(view[unit], old)
 
 
+def test_the_parts_share_one_frozen_context(tmp_path: Path) -> None:
+    """Load-back, the writer and the prefetcher are built over one context: the same pools,
+    tree, layout, units and metrics, which no part can swap under the others."""
+    with open_cache("hybrid-mamba", tmp_path / "l3") as cache:
+        context = cache.parts.context
+        assert cache.load_back.context is cache.writer.context is cache.prefetcher.context is context  # type: ignore[union-attr]
+        shared = (cache.pools, cache.tree, cache.layout, cache.units, cache.metrics)
+        for part in (cache.load_back, cache.writer, cache.prefetcher):
+            held = (part.pools, part.tree, part.layout, part.units, part.metrics)  # type: ignore[union-attr]
+            assert all(mine is theirs for mine, theirs in zip(held, shared, strict=True))
+        with pytest.raises(FrozenInstanceError):
+            context.units = cache.units  # type: ignore[misc]
+
+
 def test_load_back_changes_nothing_when_the_device_cannot_make_room() -> None:
     config, host = _config("hybrid-mamba")
     parts = build_cache(config, host)
     units = TierUnits(parts.pools, parts.tree, delete_unbacked=True, on_eviction=lambda *a: None)
-    load_back = LoadBack(parts.pools, parts.tree, parts.layout, units, parts.metrics)
+    load_back = LoadBack(replace(parts.context, units=units))
     # a host-only node whose load-back needs more device units than the tier has
     keys = page_keys(tokens(2, 20), config.model.page_size)
     pages = len(keys)

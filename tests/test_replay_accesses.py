@@ -12,7 +12,7 @@ import pytest
 
 import kvstrata
 from controller_support import EXAMPLES
-from kvstrata.core.config import load_config
+from kvstrata.core.config import load
 from kvstrata.core.controller import CacheController
 from kvstrata.eviction_policies.lru import LruPolicy
 from kvstrata.plugins import EvictionPolicyConfig, PluginHost, PolicyCapabilities, PolicyContext
@@ -64,7 +64,7 @@ def test_an_eviction_policy_hears_one_access_per_request(options: dict[str, Any]
     heard: list[int] = []
     host = counting_host(heard)
     overrides = ["tiers.storage={}", "model.page_size=128", "policy.eviction={type: counting}"]
-    config = load_config([EXAMPLES["hybrid-mamba"]], overrides, host=host, environ={})
+    config = load([EXAMPLES["hybrid-mamba"]], overrides=overrides, plugins=host, environ={})
     requests = read_trace(None, limit=REQUESTS)  # the bundled sample: 512-token blocks
     with CacheController(config, host) as cache:
         result, _ = replay_with_cache(cache, requests, **options)

@@ -37,6 +37,7 @@ from kvstrata.core.io_plan import IOMode, IOPlan, plan_backend
 from kvstrata.core.keys import namespace_root
 from kvstrata.core.load_back import LoadBack
 from kvstrata.core.metrics import CacheMetrics
+from kvstrata.core.part_context import PartContext
 from kvstrata.core.policies import install_policies
 from kvstrata.core.pool_group import Pool, PoolGroup
 from kvstrata.core.prefetcher import Prefetcher
@@ -141,6 +142,7 @@ class CacheParts:
     engine: StorageEngine | None = None
     units: TierUnits = field(init=False)
     retention: Retention = field(init=False)
+    context: PartContext = field(init=False)  # what load-back, the writer and the prefetcher share
     load_back: LoadBack = field(init=False)
     writer: Writer = field(init=False)
     prefetcher: Prefetcher | None = None
@@ -184,7 +186,6 @@ def _wire(parts: CacheParts) -> None:
     def on_eviction(tier: str, pool: str, units: Any) -> None:
         hook.kvstrata_eviction(tier=tier, pool=pool, units=units)
 
-    common = (parts.pools, parts.tree, parts.layout)
     if policy.eviction is not None:  # else the tree's own LRU order
         install_policies(parts.plugins, policy.eviction, parts.pools, parts.tree)
     device_pages = parts.pools.anchor.device_allocator.units
@@ -198,20 +199,20 @@ def _wire(parts: CacheParts) -> None:
         on_eviction=on_eviction,
         metrics=parts.metrics,
     )
-    parts.load_back = LoadBack(*common, parts.units, parts.metrics)
-    parts.writer = Writer(
-        *common,
+    parts.context = PartContext(
+        parts.pools,
+        parts.tree,
+        parts.layout,
         parts.units,
-        parts.engine,
-        policy,
         parts.metrics,
+        policy,
         page_size=parts.page_size,
         namespace_root=parts.namespace_root,
     )
+    parts.load_back = LoadBack(parts.context)
+    parts.writer = Writer(parts.context, parts.engine)
     if parts.engine is not None:
-        parts.prefetcher = Prefetcher(
-            *common, parts.units, parts.engine, policy, parts.metrics, hook, page_size=parts.page_size
-        )
+        parts.prefetcher = Prefetcher(parts.context, parts.engine, hook)
     if parts.config.debug.unit_digests:
         parts.writer.digests = UnitDigests(parts.pools, parts.layout)
         if parts.prefetcher is not None:

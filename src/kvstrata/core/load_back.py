@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.core.metrics import CacheMetrics, Operation
-from kvstrata.core.pool_group import PoolGroup
-from kvstrata.core.stack import PoolKind, StackLayout, unit_bytes
-from kvstrata.core.tier_units import TierUnits
-from kvstrata.core.tree import MatchResult, PrefixTree, Tier, TreeNode
+from kvstrata.core.metrics import Operation
+from kvstrata.core.part_context import PartContext
+from kvstrata.core.stack import PoolKind, unit_bytes
+from kvstrata.core.tree import MatchResult, Tier, TreeNode
 
 
 @dataclass(frozen=True)
@@ -43,19 +42,10 @@ class LoadBackResult:
 class LoadBack:
     """Plans and runs host -> device copies (owner thread)."""
 
-    def __init__(
-        self,
-        pools: PoolGroup,
-        tree: PrefixTree,
-        layout: StackLayout,
-        units: TierUnits,
-        metrics: CacheMetrics,
-    ) -> None:
-        self.pools = pools
-        self.tree = tree
-        self.layout = layout
-        self.units = units
-        self.metrics = metrics
+    def __init__(self, context: PartContext) -> None:
+        self.context = context
+        self.pools, self.tree, self.layout = context.pools, context.tree, context.layout
+        self.units, self.metrics = context.units, context.metrics
 
     def plan(self, match: MatchResult) -> LoadBackPlan:
         """The copies that make the host part of ``match`` usable on the device."""

@@ -37,15 +37,13 @@ from functools import cached_property
 import torch
 from pluggy import HookRelay
 
-from kvstrata.core.config import PolicyConfig
-from kvstrata.core.metrics import CacheMetrics, Operation, SkipReason, count_failure
-from kvstrata.core.pool_group import PoolGroup
+from kvstrata.core.metrics import Operation, SkipReason, count_failure
+from kvstrata.core.part_context import PartContext
 from kvstrata.core.prefetch_end import PrefetchEnd, prefetch_end
 from kvstrata.core.prefetch_op import PrefetchOp
-from kvstrata.core.stack import PoolKind, StackLayout, pool_batch
+from kvstrata.core.stack import PoolKind, pool_batch
 from kvstrata.core.storage_engine import PoolBatch, StorageEngine, longest_present_prefix
-from kvstrata.core.tier_units import TierUnits
-from kvstrata.core.tree import PageKey, PrefixTree, Tier, TreeNode
+from kvstrata.core.tree import PageKey, Tier, TreeNode
 from kvstrata.core.unit_digests import UnitDigests, check_span
 from kvstrata.plugins.pool_type import PartialHit
 
@@ -83,28 +81,14 @@ def _all_of(per_pool: Sequence[Sequence[bool]]) -> list[bool]:
 class Prefetcher:
     """L3 -> L2 reads for leases (see the module docstring for the decision steps)."""
 
-    def __init__(
-        self,
-        pools: PoolGroup,
-        tree: PrefixTree,
-        layout: StackLayout,
-        units: TierUnits,
-        engine: StorageEngine,
-        policy: PolicyConfig,
-        metrics: CacheMetrics,
-        hook: HookRelay,
-        *,
-        page_size: int,
-    ) -> None:
-        self.pools = pools
-        self.tree = tree
-        self.layout = layout
-        self.units = units
+    def __init__(self, context: PartContext, engine: StorageEngine, hook: HookRelay) -> None:
+        self.context = context
+        self.pools, self.tree, self.layout = context.pools, context.tree, context.layout
+        self.units, self.metrics = context.units, context.metrics
         self.engine = engine
-        self.policy = policy.prefetch
-        self.metrics = metrics
+        self.policy = context.policy.prefetch
         self.hook = hook
-        self.page_size = page_size
+        self.page_size = context.page_size
         self.orphans: list[PrefetchOp] = []  # revoked prefetches whose worker has not finished
         self.reserved_pages = 0  # pages in flight (the rate limit counts them)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-prefetch")

@@ -26,14 +26,12 @@ import numpy as np
 import torch
 
 from kvstrata.core.admission import make_admission
-from kvstrata.core.config import PolicyConfig
 from kvstrata.core.keys import hash_pages
-from kvstrata.core.metrics import CacheMetrics, Operation, count_failure
-from kvstrata.core.pool_group import PoolGroup
-from kvstrata.core.stack import PoolKind, StackLayout, pool_batch, unit_bytes
+from kvstrata.core.metrics import Operation, count_failure
+from kvstrata.core.part_context import PartContext
+from kvstrata.core.stack import PoolKind, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.storage_metrics import StorageOperation
-from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import MatchResult, PageKey, PrefixTree, Tier, TreeNode
 from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
 from kvstrata.core.write_back import SharedLock, eviction_backups, host_locks
@@ -58,38 +56,23 @@ class PendingWrite:
 class Writer:
     """Backups and L3 writes (owner thread; the L3 write itself runs on the writer thread)."""
 
-    def __init__(
-        self,
-        pools: PoolGroup,
-        tree: PrefixTree,
-        layout: StackLayout,
-        units: TierUnits,
-        engine: StorageEngine | None,
-        policy: PolicyConfig,
-        metrics: CacheMetrics,
-        *,
-        page_size: int,
-        namespace_root: str,
-    ) -> None:
-        self.pools = pools
-        self.tree = tree
-        self.layout = layout
-        self.units = units
+    def __init__(self, context: PartContext, engine: StorageEngine | None) -> None:
+        self.context = context
+        self.pools, self.tree, self.layout = context.pools, context.tree, context.layout
+        self.units, self.metrics = context.units, context.metrics
         self.engine = engine
-        self.policy = policy
-        self.metrics = metrics
-        self.page_size = page_size
-        self.namespace_root = namespace_root
+        self.policy = policy = context.policy
+        self.page_size, self.namespace_root = context.page_size, context.namespace_root
         self.pending: deque[PendingWrite] = deque()
         self.host_admission = make_admission(policy.admission.host)
         self.storage_admission = make_admission(policy.admission.storage)
         self._refused: dict[TreeNode, None] = {}  # on host, refused by the storage filter
         if self.storage_admission.selective:
-            tree.on_split(self._split)
+            self.tree.on_split(self._split)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
         self.digests: UnitDigests | None = None  # debug.unit_digests
         if policy.write == "write_back":
-            units.before_device_eviction = self.back_up_for_eviction
+            self.units.before_device_eviction = self.back_up_for_eviction
 
     # --- L1 -> L2 -----------------------------------------------------------------------------
 
