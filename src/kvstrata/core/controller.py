@@ -280,7 +280,8 @@ class CacheController(UnitMemory, RetentionApi, ClosingApi):
             lease._node, lease.committed_pages, lease._allocated = result.node, end, rest
             self._retain(lease)
             if self.policy.write == "write_through" or self.writer.digests is not None:
-                self.writer.on_insert(result.node, lease.hashes_source, above, lease.cached_pages)
+                hashes, cached = lease.hashes_source, lease.cached_pages
+                self.writer.on_insert(result.node, hashes, above, cached, owner=lease, keep_open=not close)
         if close:
             if lease._allocated is not None:
                 self.units.free(Tier.DEVICE, lease._allocated)
@@ -308,6 +309,7 @@ class CacheController(UnitMemory, RetentionApi, ClosingApi):
                 setattr(lease, attr, None)
 
     def _close_lease(self, lease: Lease) -> None:
+        self.writer.end_open(lease)  # what write-through batched, backed up while still locked
         self._unlock(lease)
         lease.closed = True
         self._leases.pop(id(lease), None)

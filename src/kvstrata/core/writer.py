@@ -36,7 +36,7 @@ from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import MatchResult, PageKey, PrefixTree, Tier, TreeNode
 from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
-from kvstrata.core.write_back import SharedLock, eviction_backups, host_locks
+from kvstrata.core.write_back import OpenBackups, OpenChain, SharedLock, eviction_backups, host_locks
 
 if TYPE_CHECKING:
     from kvstrata.core.lease import Lease
@@ -102,27 +102,51 @@ class Writer:
             tree.on_split(self._split)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
         self.digests: UnitDigests | None = None  # debug.unit_digests
+        self.open_backups = OpenBackups(policy.write_through_batch_pages)
         if policy.write == "write_back":
             units.before_device_eviction = self.back_up_for_eviction
 
     # --- L1 -> L2 -----------------------------------------------------------------------------
 
     def on_insert(
-        self, node: TreeNode, hashes: PageHashes, since: TreeNode | None = None, cached: int = 0
+        self,
+        node: TreeNode,
+        hashes: PageHashes,
+        since: TreeNode | None = None,
+        cached: int = 0,
+        *,
+        owner: object = None,
+        keep_open: bool = False,
     ) -> None:
         """Write-through: back up the path to a freshly inserted node (below ``since``, which a
-        chunked request inserted, and backed up, before). ``hashes`` gives the request's page
-        hashes; it is called only when an L3 write is queued (no L3, no hashing). ``since`` ending
-        at ``cached`` (the cached prefix) is a new node end: its last window goes to L3 too."""
+        chunked request inserted before). ``hashes`` gives the request's page hashes; it is
+        called only when an L3 write is queued (no L3, no hashing). ``since`` ending at
+        ``cached`` (the cached prefix) is a new node end: its last window goes to L3 too. An
+        ``owner`` (the lease) that stays open (``keep_open``) is backed up in batches of
+        ``policy.write_through_batch_pages`` (:class:`~kvstrata.core.write_back.OpenBackups`)."""
         if self.digests is not None:
             record_nodes(self.digests, self.tree.index, _path(self.tree, node, since), hashes())
         if self.policy.write == "write_through":
-            path = _path(self.tree, node, since)
-            self.host_admission.seen(path)
-            self.storage_admission.seen(path)
-            self.back_up(path, hashes=hashes, admit=True)
-            if since is not None and since.depth_end == cached and self.engine is not None:
-                self._submit([since], _trailing_windows(self, since, hashes))
+            chain = self.open_backups.insert(owner, node, since, cached, hashes, keep_open)
+            if chain is not None:
+                self._back_up_chain(chain)
+
+    def _back_up_chain(self, chain: OpenChain) -> None:
+        path = _path(self.tree, chain.node, chain.since)
+        self.host_admission.seen(path)
+        self.storage_admission.seen(path)
+        self.back_up(path, hashes=chain.hashes, admit=True)
+        since = chain.since
+        if since is not None and since.depth_end == chain.cached and self.engine is not None:
+            self._submit([since], _trailing_windows(self, since, chain.hashes))
+
+    def end_open(self, owner: object | None = None) -> None:
+        """Back up what write-through batched for ``owner``'s lease (it closes or is released),
+        or, with None, for every open lease (a flush)."""
+        chains = self.open_backups.take_all() if owner is None else [self.open_backups.end(owner)]
+        for chain in chains:
+            if chain is not None:
+                self._back_up_chain(chain)
 
     def on_lookup(self, match: MatchResult, lease: Lease) -> None:
         """A request reused ``match``'s path: selective write-through backs up the nodes that
@@ -350,7 +374,9 @@ class Writer:
         return host_locks(self.tree, self.layout, last, nodes)
 
     def wait(self, deadline: float | None) -> None:
-        """Wait (up to ``deadline``, a ``time.monotonic`` value) for every queued write."""
+        """Back up what open leases batched, then wait (up to ``deadline``, a ``time.monotonic``
+        value) for every queued write."""
+        self.end_open()
         for write in list(self.pending):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
