@@ -109,44 +109,26 @@ class Writer:
     # --- L1 -> L2 -----------------------------------------------------------------------------
 
     def on_insert(
-        self,
-        node: TreeNode,
-        hashes: PageHashes,
-        since: TreeNode | None = None,
-        cached: int = 0,
-        *,
-        owner: object = None,
-        keep_open: bool = False,
-    ) -> None:
-        """Write-through: back up the path to a freshly inserted node (below ``since``, which a
-        chunked request inserted before). ``hashes`` gives the request's page hashes; it is
-        called only when an L3 write is queued (no L3, no hashing). ``since`` ending at
-        ``cached`` (the cached prefix) is a new node end: its last window goes to L3 too. An
-        ``owner`` (the lease) that stays open (``keep_open``) is backed up in batches of
-        ``policy.write_through_batch_pages`` (:class:`~kvstrata.core.write_back.OpenBackups`)."""
+        self, node: TreeNode, hashes: PageHashes, since: TreeNode | None = None, cached: int = 0,
+        *, owner: object = None, keep_open: bool = False,
+    ) -> None:  # fmt: skip
+        """Write-through: back up the nodes below ``since`` down to the new ``node`` (``hashes``:
+        the request's page hashes, called only for an L3 write); a lease (``owner``) that stays
+        open (``keep_open``) in batches (:class:`~kvstrata.core.write_back.OpenBackups`). ``since``
+        ending at ``cached`` (the cached prefix) is a new node end: its last window goes to L3."""
         if self.digests is not None:
             record_nodes(self.digests, self.tree.index, _path(self.tree, node, since), hashes())
         if self.policy.write == "write_through":
             chain = self.open_backups.insert(owner, node, since, cached, hashes, keep_open)
             if chain is not None:
-                self._back_up_chain(chain)
-
-    def _back_up_chain(self, chain: OpenChain) -> None:
-        path = _path(self.tree, chain.node, chain.since)
-        self.host_admission.seen(path)
-        self.storage_admission.seen(path)
-        self.back_up(path, hashes=chain.hashes, admit=True)
-        since = chain.since
-        if since is not None and since.depth_end == chain.cached and self.engine is not None:
-            self._submit([since], _trailing_windows(self, since, chain.hashes))
+                _back_up_chain(self, chain)
 
     def end_open(self, owner: object | None = None) -> None:
-        """Back up what write-through batched for ``owner``'s lease (it closes or is released),
-        or, with None, for every open lease (a flush)."""
+        """Back up what write-through batched for ``owner``'s lease (closing), or for all (None)."""
         chains = self.open_backups.take_all() if owner is None else [self.open_backups.end(owner)]
         for chain in chains:
             if chain is not None:
-                self._back_up_chain(chain)
+                _back_up_chain(self, chain)
 
     def on_lookup(self, match: MatchResult, lease: Lease) -> None:
         """A request reused ``match``'s path: selective write-through backs up the nodes that
@@ -387,6 +369,17 @@ class Writer:
     def shutdown(self, wait: bool = True) -> None:
         """Stop the writer thread; ``wait=False`` cancels queued writes and returns at once."""
         self._thread.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def _back_up_chain(writer: Writer, chain: OpenChain) -> None:
+    """Write-through of the nodes of ``chain`` (one insert's, or an open lease's batch)."""
+    path = _path(writer.tree, chain.node, chain.since)
+    writer.host_admission.seen(path)
+    writer.storage_admission.seen(path)
+    writer.back_up(path, hashes=chain.hashes, admit=True)
+    since = chain.since
+    if since is not None and since.depth_end == chain.cached and writer.engine is not None:
+        writer._submit([since], _trailing_windows(writer, since, chain.hashes))
 
 
 def _host_values_per_pool(
