@@ -185,7 +185,7 @@ class Writer:
             needs = {}
             for name in self.layout.tree_pools:
                 value = node.device[self.tree.index[name]]
-                needs[name] = 0 if value is None else len(value)
+                needs[name] = 0 if value is None else value.shape[0]
             got = self.units.alloc_protecting(node, Tier.HOST, needs)
             if got is None and self.pending:
                 got = self._wait_for_room(node, needs)
