@@ -18,6 +18,7 @@ import ctypes
 from collections import deque
 from itertools import repeat
 
+import numpy as np
 import torch
 
 #: smallest contiguous block copied with one memmove; below it the per-call cost dominates
@@ -99,67 +100,44 @@ def _blocks_of_last_dim(view: torch.Tensor) -> tuple[int, list[int]]:
     return view.shape[-1] * item, offsets
 
 
-# --- a few units between two CPU tiers: addresses computed once per tier pair -----------------
+# --- a few units between two CPU tiers: numpy views made once per tier pair ---------------------
 
-#: (src address, src unit stride, src layer stride, dst address, dst unit stride, dst layer
-#: stride, layers, block bytes) of one view pair: layer ``l`` of unit ``u`` is ``block`` bytes at
-#: ``address + u * unit stride + l * layer stride``
-UnitBlocks = tuple[int, int, int, int, int, int, int, int]
-
-#: most memmove calls one direct copy makes; above it torch's one-op-per-view path is cheaper
-MAX_DIRECT_CALLS = 64
+#: the ``(U, L, W)`` view pairs of a copy between two CPU tiers, as numpy arrays sharing their memory
+UnitArrays = list[tuple[np.ndarray, np.ndarray]]
 
 
-def unit_blocks(views: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[UnitBlocks], bool] | None:
-    """The byte blocks of every ``(U, L, W)`` view pair of a copy between two CPU tiers, and
-    whether a source and a destination share memory (then only copies that one ``memmove`` per
-    block makes exact are taken); None when a view is not on the CPU or its words are not dense."""
-    plan: list[UnitBlocks] = []
-    shared = False
+def unit_arrays(views: list[tuple[torch.Tensor, torch.Tensor]]) -> UnitArrays | None:
+    """Numpy arrays over every view pair of a copy between two CPU tiers (no copy: the same
+    memory), or None when a view is not on the CPU or has no numpy dtype. A numpy slice or
+    fancy-index assignment of a few rows costs about a microsecond, a torch one several."""
+    arrays: UnitArrays = []
     for src, dst in views:
-        if src.device.type != "cpu" or dst.device.type != "cpu" or src.dim() != 3 or dst.dim() != 3:
+        if src.device.type != "cpu" or dst.device.type != "cpu" or src.shape[1:] != dst.shape[1:]:
             return None
-        if src.shape[1:] != dst.shape[1:] or src.element_size() != dst.element_size():
+        try:
+            arrays.append((src.numpy(), dst.numpy()))
+        except (TypeError, RuntimeError):  # a dtype numpy lacks
             return None
-        if (src.shape[2] > 1 and src.stride(2) != 1) or (dst.shape[2] > 1 and dst.stride(2) != 1):
-            return None
-        item, layers, words = src.element_size(), src.shape[1], src.shape[2]
-        block = words * item
-        src_s, dst_s = [s * item for s in src.stride()], [s * item for s in dst.stride()]
-        if layers > 1 and src_s[1] == block and dst_s[1] == block:  # a unit's layers are adjacent
-            block, layers = block * layers, 1
-        plan.append((src.data_ptr(), src_s[0], src_s[1], dst.data_ptr(), dst_s[0], dst_s[1], layers, block))
-        shared = shared or src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr()
-    return plan, shared
+    return arrays
 
 
-def copy_few(plan: list[UnitBlocks], shared: bool, src: list[int], dst: list[int]) -> bool:
-    """Copy units ``src[k] -> dst[k]`` (bounds-checked, equal lengths) with one ``memmove`` per
-    block, or return False (nothing copied) when that is not exact (overlapping scattered rows)
-    or would take more than :data:`MAX_DIRECT_CALLS` calls. A chunked request copies a few
-    units per call, where torch's per-op set-up costs more than the bytes."""
+def copy_few(arrays: UnitArrays, src: list[int], dst: list[int]) -> None:
+    """Copy units ``src[k] -> dst[k]`` (bounds-checked, equal lengths, a few) between the views
+    of :func:`unit_arrays`: one slice assignment per view where both sides are runs, else one
+    fancy-index gather and scatter. Exact where source and destination rows overlap (numpy
+    copies overlapping slices as if read first; a gather is a fresh array)."""
     count = len(src)
     first_src, first_dst = src[0], dst[0]
-    runs = (
+    if (
         src[-1] - first_src == count - 1
         and dst[-1] - first_dst == count - 1
         and (count == 1 or (_is_run(src, first_src) and _is_run(dst, first_dst)))
-    )
-    dense = runs and all(p[1] == p[7] and p[4] == p[7] for p in plan)
-    if dense:  # one block per layer: exact even where the rows overlap (memmove)
-        for src_at, src_unit, src_layer, dst_at, dst_unit, dst_layer, layers, block in plan:
-            size, src_at, dst_at = block * count, src_at + first_src * src_unit, dst_at + first_dst * dst_unit
-            for layer in range(layers):
-                _memmove(dst_at + layer * dst_layer, src_at + layer * src_layer, size)
-        return True
-    if (shared and count > 1) or count * sum(p[6] for p in plan) > MAX_DIRECT_CALLS:
-        return False
-    for src_at, src_unit, src_layer, dst_at, dst_unit, dst_layer, layers, block in plan:
-        for s, d in zip(src, dst, strict=True):
-            s_at, d_at = src_at + s * src_unit, dst_at + d * dst_unit
-            for layer in range(layers):
-                _memmove(d_at + layer * dst_layer, s_at + layer * src_layer, block)
-    return True
+    ):
+        for src_array, dst_array in arrays:
+            dst_array[first_dst : first_dst + count] = src_array[first_src : first_src + count]
+        return
+    for src_array, dst_array in arrays:
+        dst_array[dst] = src_array[src]
 
 
 def _is_run(values: list[int], first: int) -> bool:

@@ -18,7 +18,7 @@ import torch
 
 from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.integrity import MARKER_SUFFIX
-from kvstrata.core.row_copy import UnitBlocks, copy_few, copy_rows, unit_blocks
+from kvstrata.core.row_copy import UnitArrays, copy_few, copy_rows, unit_arrays
 from kvstrata.plugins.pool_type import Layout, ObjectSpec
 from kvstrata.plugins.storage_backend import BufferRegion
 
@@ -46,8 +46,8 @@ def contiguous_run(indices: torch.Tensor) -> int | None:
     return start
 
 
-#: a tier pair's view pairs and, between CPU tiers, their byte blocks and whether they share memory
-_Views = tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple[list[UnitBlocks], bool] | None]
+#: a tier pair's view pairs and, between CPU tiers, numpy arrays over them
+_Views = tuple[list[tuple[torch.Tensor, torch.Tensor]], UnitArrays | None]
 
 
 @dataclass
@@ -201,7 +201,7 @@ def _checked_run(pool: PoolBuffers, indices: torch.Tensor) -> int | bool | None:
 
 def _view_pairs(src: PoolBuffers, dst: PoolBuffers) -> _Views:
     """The ``(U, L, W)`` view pairs a copy between two tiers walks and, between CPU tiers, their
-    byte blocks (:func:`~kvstrata.core.row_copy.unit_blocks`), built (and the tiers checked
+    numpy arrays (:func:`~kvstrata.core.row_copy.unit_arrays`), built (and the tiers checked
     compatible) once per pair: tiers live as long as the cache, and a chunked request copies a
     few pages at a time, so per-call set-up would otherwise dominate."""
     cached = src.copy_views.get(id(dst))
@@ -219,9 +219,9 @@ def _view_pairs(src: PoolBuffers, dst: PoolBuffers) -> _Views:
             )
         else:
             views.append((src.unit_view(name, word), dst.unit_view(name, word)))
-    blocks = unit_blocks(views) if views and src.device == dst.device else None
-    src.copy_views[id(dst)] = (dst, (views, blocks))
-    return views, blocks
+    arrays = unit_arrays(views) if views and src.device == dst.device else None
+    src.copy_views[id(dst)] = (dst, (views, arrays))
+    return views, arrays
 
 
 def _index_list(pool: PoolBuffers, indices: torch.Tensor | Sequence[int]) -> list[int] | None:
@@ -250,14 +250,14 @@ def copy_units(
     non-blocking on ``stream`` (a side stream is created when none is given) and the returned
     handle must be waited on; CPU-only copies are complete on return. Logical pools copy nothing.
     """
-    views, blocks = _view_pairs(src, dst)
-    if blocks is not None:  # between CPU tiers: a few units are a few memmoves
+    views, arrays = _view_pairs(src, dst)
+    if arrays is not None:  # between CPU tiers: a few units are one numpy assignment per view
         src_list, dst_list = _index_list(src, src_indices), _index_list(dst, dst_indices)
         if src_list is not None and dst_list is not None:
             if len(src_list) != len(dst_list):
                 raise ValueError(f"index lists differ in length: {len(src_list)} vs {len(dst_list)}")
-            if copy_few(*blocks, src_list, dst_list):
-                return TransferHandle()
+            copy_few(arrays, src_list, dst_list)
+            return TransferHandle()
     src_idx, dst_idx = as_index(src_indices), as_index(dst_indices)
     if src_idx.numel() != dst_idx.numel():
         raise ValueError(f"index lists differ in length: {src_idx.numel()} vs {dst_idx.numel()}")
