@@ -109,3 +109,14 @@ def test_out_of_range_and_mismatched_indices_are_refused_before_a_byte_moves() -
         copy_units(src, torch.tensor([1, 2]), dst, torch.tensor([3]))
     for name, value in units_of(dst).items():
         assert torch.equal(value.view(torch.uint8), before[name].view(torch.uint8)), name
+
+
+def test_scattered_units_too_big_to_gather_take_the_general_path_with_the_same_bytes(monkeypatch) -> None:
+    monkeypatch.setattr("kvstrata.core.row_copy.MAX_GATHER_BYTES", 1)  # no temporary allowed
+    src, dst = filled(kv_spec(), Layout.LAYER_FIRST, 8), filled(kv_spec(), Layout.PAGE_FIRST, 9)
+    expected = units_of(dst)
+    for name, value in expected.items():
+        value[[0, 15, 4]] = units_of(src)[name][[7, 1, 12]]
+    copy_units(src, torch.tensor([7, 1, 12]), dst, torch.tensor([0, 15, 4])).wait()
+    for name, value in units_of(dst).items():
+        assert torch.equal(value.view(torch.uint8), expected[name].view(torch.uint8)), name

@@ -105,6 +105,10 @@ def _blocks_of_last_dim(view: torch.Tensor) -> tuple[int, list[int]]:
 #: the ``(U, L, W)`` view pairs of a copy between two CPU tiers, as numpy arrays sharing their memory
 UnitArrays = list[tuple[np.ndarray, np.ndarray]]
 
+#: most bytes a scattered direct copy gathers into a temporary (above: the general path, whose
+#: scatter is one pass of memmoves with no temporary)
+MAX_GATHER_BYTES = 1 << 20
+
 
 def unit_arrays(views: list[tuple[torch.Tensor, torch.Tensor]]) -> UnitArrays | None:
     """Numpy arrays over every view pair of a copy between two CPU tiers (no copy: the same
@@ -121,11 +125,12 @@ def unit_arrays(views: list[tuple[torch.Tensor, torch.Tensor]]) -> UnitArrays | 
     return arrays
 
 
-def copy_few(arrays: UnitArrays, src: list[int], dst: list[int]) -> None:
+def copy_few(arrays: UnitArrays, src: list[int], dst: list[int]) -> bool:
     """Copy units ``src[k] -> dst[k]`` (bounds-checked, equal lengths, a few) between the views
     of :func:`unit_arrays`: one slice assignment per view where both sides are runs, else one
     fancy-index gather and scatter. Exact where source and destination rows overlap (numpy
-    copies overlapping slices as if read first; a gather is a fresh array)."""
+    copies overlapping slices as if read first; a gather is a fresh array). False (nothing
+    copied) for scattered units of more than :data:`MAX_GATHER_BYTES`."""
     count = len(src)
     first_src, first_dst = src[0], dst[0]
     if (
@@ -135,9 +140,12 @@ def copy_few(arrays: UnitArrays, src: list[int], dst: list[int]) -> None:
     ):
         for src_array, dst_array in arrays:
             dst_array[first_dst : first_dst + count] = src_array[first_src : first_src + count]
-        return
+        return True
+    if count * sum(array[0].nbytes for array, _ in arrays) > MAX_GATHER_BYTES:
+        return False
     for src_array, dst_array in arrays:
         dst_array[dst] = src_array[src]
+    return True
 
 
 def _is_run(values: list[int], first: int) -> bool:

@@ -256,8 +256,8 @@ def copy_units(
         if src_list is not None and dst_list is not None:
             if len(src_list) != len(dst_list):
                 raise ValueError(f"index lists differ in length: {len(src_list)} vs {len(dst_list)}")
-            copy_few(arrays, src_list, dst_list)
-            return TransferHandle()
+            if copy_few(arrays, src_list, dst_list):
+                return TransferHandle()
     src_idx, dst_idx = as_index(src_indices), as_index(dst_indices)
     if src_idx.numel() != dst_idx.numel():
         raise ValueError(f"index lists differ in length: {src_idx.numel()} vs {dst_idx.numel()}")
