@@ -12,6 +12,10 @@ in a fresh cache, cases interleaved per round (order rotating), medians and min-
 * per-page cost at 2048 pages / per-page cost at 128 pages (linear: <= 1.3);
 * chunked (8 pages) / one insert per request, at 2048 pages (goal: <= 3x).
 
+Write-through backs up a lease kept open in batches (``policy.write_through_batch_pages``, default
+64 pages); the same chunked case with a backup at every insert (``write_through_batch_pages: 1``,
+the promise before batching) is measured beside it, without L3, and printed as its own ratio.
+
     python benchmarks/engine.py [--quick] [--rounds N] [--json OUT]
 
 ``--quick`` measures only the cases of the two ratios (2048 pages whole and in 8-page chunks,
@@ -34,11 +38,16 @@ import kvstrata
 
 PAGE = 64
 SIZES = (128, 512, 2048)
+#: (pages, chunk pages (0: the whole request), file L3, write_through_batch_pages (None: default))
+Case = tuple[int, int, bool, int | None]
+#: the 8-page chunks without L3 backed up at every insert: the write-through promise before batching
+EVERY_INSERT: Case = (SIZES[-1], 8, False, 1)
 
 
-def stack(pages: int, l3: Path | None) -> dict:
+def stack(pages: int, l3: Path | None, batch: int | None = None) -> dict:
     """kv + mamba with tiny buffers (the controller's cost, not the copies), room for every page
-    and a state slot per page (chunks of one page checkpoint every page)."""
+    and a state slot per page (chunks of one page checkpoint every page); ``batch``: the
+    write-through batch of an open lease (None: the default)."""
     storage = {"l3": {"type": "file", "path": str(l3)}} if l3 is not None else {}
     return {
         "model": {
@@ -60,6 +69,7 @@ def stack(pages: int, l3: Path | None) -> dict:
             "host": {"capacity_tokens": (pages + 8) * PAGE},
             "storage": storage,
         },
+        "policy": {} if batch is None else {"write_through_batch_pages": batch},
     }
 
 
@@ -83,13 +93,15 @@ def one_shot(cache: kvstrata.CacheController, request: torch.Tensor, _chunk: int
     cache.insert(lease)
 
 
-def measure(pages: int, chunk: int, with_l3: bool, seed: int) -> tuple[float, float]:
+def measure(
+    pages: int, chunk: int, with_l3: bool, seed: int, batch: int | None = None
+) -> tuple[float, float]:
     """(controller thread CPU seconds, wall seconds) of one request of ``pages`` pages in a fresh
     cache, the loop only: the flush after it (L3 writes draining) is not timed."""
     request = torch.randint(0, 50_000, (pages * PAGE,), generator=torch.Generator().manual_seed(seed))
     run = one_shot if chunk == 0 else chunked
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-engine-") as tmp:
-        cache = kvstrata.open(stack(pages, Path(tmp) if with_l3 else None), environ={})
+        cache = kvstrata.open(stack(pages, Path(tmp) if with_l3 else None, batch), environ={})
         try:
             gc.collect()
             wall, cpu = time.perf_counter(), time.thread_time()
@@ -111,20 +123,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds, cases interleaved (median, min-max)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    # (pages, chunk, L3): chunk 0 is one lookup + insert of the whole request
+    # (pages, chunk, L3, write-through batch): chunk 0 is one lookup + insert of the whole request
     if args.quick:
-        cases = [(SIZES[-1], chunk, l3) for l3 in (False, True) for chunk in (0, 8)]
-        cases += [(pages, 1, True) for pages in (SIZES[0], SIZES[-1])]
+        cases: list[Case] = [(SIZES[-1], chunk, l3, None) for l3 in (False, True) for chunk in (0, 8)]
+        cases += [(pages, 1, True, None) for pages in (SIZES[0], SIZES[-1])]
     else:
-        cases = [(pages, chunk, l3) for l3 in (False, True) for chunk in (0, 1, 8) for pages in SIZES]
-    for chunk, l3 in {(c, with_l3) for _, c, with_l3 in cases}:  # warm-up: imports, allocator, first calls
-        measure(16, chunk, l3, seed=99)
-    cpu: dict[tuple[int, int, bool], list[float]] = {case: [] for case in cases}
-    wall: dict[tuple[int, int, bool], list[float]] = {case: [] for case in cases}
+        cases = [(pages, chunk, l3, None) for l3 in (False, True) for chunk in (0, 1, 8) for pages in SIZES]
+    cases.append(EVERY_INSERT)
+    for chunk, l3, batch in {case[1:] for case in cases}:  # warm-up: imports, allocator, first calls
+        measure(16, chunk, l3, 99, batch)
+    cpu: dict[Case, list[float]] = {case: [] for case in cases}
+    wall: dict[Case, list[float]] = {case: [] for case in cases}
     for round_id in range(args.rounds):
         shift = round_id % len(cases)  # interleaved, the order rotating per round
         for case in cases[shift:] + cases[:shift]:
-            thread_s, wall_s = measure(*case, seed=round_id)
+            pages, chunk, l3, batch = case
+            thread_s, wall_s = measure(pages, chunk, l3, round_id, batch)
             cpu[case].append(thread_s / case[0] * 1e6)
             wall[case].append(wall_s / case[0] * 1e6)
     print(
@@ -133,16 +147,14 @@ def main() -> None:
     )
     print(f"{'L3':>5} {'chunk':>8} {'pages':>6} {'CPU us/page':>22} {'wall us/page':>22}")
     for case in cases:
-        pages, chunk, l3 = case
-        label = "whole" if chunk == 0 else f"{chunk}p"
+        pages, chunk, l3, batch = case
+        label = "whole" if chunk == 0 else f"{chunk}p" + ("" if batch is None else f" b{batch}")
         where = "file" if l3 else "none"
         print(f"{where:>5} {label:>8} {pages:>6} {spread(cpu[case]):>22} {spread(wall[case]):>22}")
     figures = []
     print()
 
-    def ratio(
-        metric: str, case: tuple[int, int, bool], base: tuple[int, int, bool], label: str, goal: float
-    ) -> None:
+    def ratio(metric: str, case: Case, base: Case, label: str, goal: float) -> None:
         if case not in cpu or base not in cpu:
             return
         value, baseline = statistics.median(cpu[case]), statistics.median(cpu[base])
@@ -160,19 +172,26 @@ def main() -> None:
         where = "file L3" if l3 else "no L3"
         ratio(
             f"chunked (8 pages) prefill of {big} pages, {where}",
-            (big, 8, l3),
-            (big, 0, l3),
+            (big, 8, l3, None),
+            (big, 0, l3, None),
             "one insert per request",
             3.0,
         )
         for chunk in (1, 8):
             ratio(
                 f"per-page cost at {big} pages, {chunk}-page chunks, {where}",
-                (big, chunk, l3),
-                (small, chunk, l3),
+                (big, chunk, l3, None),
+                (small, chunk, l3, None),
                 f"per-page cost at {small} pages",
                 1.3,
             )
+    ratio(
+        f"beside: chunked (8 pages) prefill of {big} pages, no L3, a backup at every insert",
+        EVERY_INSERT,
+        (big, 0, False, None),
+        "one insert per request",
+        3.0,
+    )
     if args.json:
         write_results(args.json, "engine", figures)
 

@@ -39,6 +39,7 @@ __all__ = ["EngineTensor", "PoolBuffers", "engine_tensor_units", "torch_dtype"]
 
 import ctypes
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -109,7 +110,7 @@ class PoolBuffers(UnitAccess):
         self.device = torch.device(device)
         self.owned = True  # kvstrata allocated this memory (False: the engine's tensors)
         #: view pairs of copies to other tiers, by id(other tier) (see transfer._view_pairs)
-        self.copy_views: dict[int, tuple[PoolBuffers, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self.copy_views: dict[int, tuple[PoolBuffers, Any]] = {}
         #: per object suffix: its contiguous blocks in a unit (see transfer.object_blocks)
         self.object_blocks: dict[str, list[tuple[int, int, int, int]]] = {}
         self._layer_tensors: dict[str, list[torch.Tensor]] = {}  # engine buffers given per layer

@@ -186,6 +186,12 @@ class PrefetchPolicyConfig(_Strict):
 class PolicyConfig(_Strict):
     write: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
     write_through_threshold: int = Field(default=2, ge=1, description="hits before selective backup")
+    write_through_batch_pages: int = Field(
+        default=64,
+        ge=1,
+        description="write_through backs up a lease kept open (insert close=False) once this many of its "
+        "pages wait, and at its close, release and every flush; 1: at every insert",
+    )
     load_back_threshold_tokens: int = Field(default=10, ge=0)
     backup_wait_s: float = Field(
         default=5.0,

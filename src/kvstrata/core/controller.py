@@ -266,7 +266,8 @@ class CacheController(UnitMemory, ClosingApi):
             lease.mark_inserted(self.tree, result.node, end, rest)
             self._retain(lease)
             if self.policy.write == "write_through" or self.writer.digests is not None:
-                self.writer.on_insert(result.node, lease.hashes_source, above, lease.cached_pages)
+                hashes, cached = lease.hashes_source, lease.cached_pages
+                self.writer.on_insert(result.node, hashes, above, cached, owner=lease, keep_open=not close)
         if close:
             self._free_pending(lease)
             self._close_lease(lease)
@@ -288,6 +289,7 @@ class CacheController(UnitMemory, ClosingApi):
             self.units.free(Tier.DEVICE, pending)
 
     def _close_lease(self, lease: Lease) -> None:
+        self.writer.end_open(lease)  # what write-through batched, backed up while still locked
         lease.mark_closed(self.tree)
         self._leases.pop(id(lease), None)
 

@@ -120,10 +120,11 @@ class Lease:
         this completed. Units for them come from the next ``allocate``."""
         self._require_open()
         new = token_ids(tokens)
-        joined = torch.cat([self._tail, new]) if len(self._tail) else new
+        joined = torch.cat([self._tail, new]) if self._tail.shape[0] else new
         keys = page_keys(joined, self.page_size)
         self.keys.extend(keys)
-        self._tail = joined[len(keys) * self.page_size :]
+        whole = len(keys) * self.page_size
+        self._tail = joined[whole:] if whole < joined.shape[0] else NO_UNITS  # no slice per chunk
         return len(keys)
 
     def prefix_units(self, pool: str) -> torch.Tensor:
@@ -231,20 +232,20 @@ class Lease:
         for tp in layout.tree_pools.values():
             old, new = pending.get(tp.name, NO_UNITS), got[tp.name]
             if tp.kind is PoolKind.PAGES:
-                pending[tp.name] = torch.cat([old, new]) if len(old) else new
+                pending[tp.name] = torch.cat([old, new]) if old.shape[0] else new
                 first = self.allocated_pages
             elif tp.kind is PoolKind.WINDOW:
                 # the pending units hold contiguous pages ending at ``end``: kept old units must
                 # end where the new ones start, else (a window-only allocation) they are of no use
-                if len(old) and len(new) == end - self.allocated_pages:
+                if old.shape[0] and new.shape[0] == end - self.allocated_pages:
                     pending[tp.name] = torch.cat([old, new])
                 else:
                     pending[tp.name], dropped[tp.name] = new, old
-                first = end - len(new)
+                first = end - new.shape[0]
             else:
-                pending[tp.name] = new if len(new) else old
+                pending[tp.name] = new if new.shape[0] else old
                 first = end - 1
-            if len(new):  # a pool that got nothing keeps saying where its last units start
+            if new.shape[0]:  # a pool that got nothing keeps saying where its last units start
                 self._allocated_first[tp.name] = first
         self._allocated = pending
         self.allocated_pages = end
@@ -354,7 +355,7 @@ def allocation_needs(layout: StackLayout, lease: Lease, end: int) -> dict[str, i
         elif tp.kind is PoolKind.WINDOW:
             needs[tp.name] = min(tp.window, new)
         else:
-            needs[tp.name] = 1 if new > 0 and not len(pending.get(tp.name, NO_UNITS)) else 0
+            needs[tp.name] = 1 if new > 0 and not pending.get(tp.name, NO_UNITS).shape[0] else 0
     return needs
 
 
@@ -396,11 +397,14 @@ def take_for_insert(
     rest: dict[str, torch.Tensor] = {}
     for tp in layout.tree_pools.values():
         pending = (lease._allocated or {}).get(tp.name, NO_UNITS)
-        if tp.kind is PoolKind.PAGES:
-            values[tp.name], rest[tp.name] = pending[:new], pending[new:]
+        if tp.kind is PoolKind.PAGES:  # (tensor shape reads and slices cost a chunk microseconds)
+            if pending.shape[0] == new:
+                values[tp.name], rest[tp.name] = pending, NO_UNITS
+            else:
+                values[tp.name], rest[tp.name] = pending[:new], pending[new:]
         elif tp.kind is PoolKind.WINDOW:
-            keep = len(pending) - min(after, len(pending))
+            keep = pending.shape[0] - min(after, pending.shape[0])
             values[tp.name], rest[tp.name] = pending[:keep], pending[keep:]
         else:
             values[tp.name], rest[tp.name] = pending, NO_UNITS
-    return {name: v for name, v in values.items() if len(v)}, rest
+    return {name: v for name, v in values.items() if v.shape[0]}, rest

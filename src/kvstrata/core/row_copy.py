@@ -18,6 +18,7 @@ import ctypes
 from collections import deque
 from itertools import repeat
 
+import numpy as np
 import torch
 
 #: smallest contiguous block copied with one memmove; below it the per-call cost dominates
@@ -97,3 +98,55 @@ def _blocks_of_last_dim(view: torch.Tensor) -> tuple[int, list[int]]:
     for size, stride in zip(view.shape[1:-1], view.stride()[1:-1], strict=True):
         offsets = [base + i * stride * item for base in offsets for i in range(size)]
     return view.shape[-1] * item, offsets
+
+
+# --- a few units between two CPU tiers: numpy views made once per tier pair ---------------------
+
+#: the ``(U, L, W)`` view pairs of a copy between two CPU tiers, as numpy arrays sharing their memory
+UnitArrays = list[tuple[np.ndarray, np.ndarray]]
+
+#: most bytes a scattered direct copy gathers into a temporary (above: the general path, whose
+#: scatter is one pass of memmoves with no temporary)
+MAX_GATHER_BYTES = 1 << 20
+
+
+def unit_arrays(views: list[tuple[torch.Tensor, torch.Tensor]]) -> UnitArrays | None:
+    """Numpy arrays over every view pair of a copy between two CPU tiers (no copy: the same
+    memory), or None when a view is not on the CPU or has no numpy dtype. A numpy slice or
+    fancy-index assignment of a few rows costs about a microsecond, a torch one several."""
+    arrays: UnitArrays = []
+    for src, dst in views:
+        if src.device.type != "cpu" or dst.device.type != "cpu" or src.shape[1:] != dst.shape[1:]:
+            return None
+        try:
+            arrays.append((src.numpy(), dst.numpy()))
+        except (TypeError, RuntimeError):  # a dtype numpy lacks
+            return None
+    return arrays
+
+
+def copy_few(arrays: UnitArrays, src: list[int], dst: list[int]) -> bool:
+    """Copy units ``src[k] -> dst[k]`` (bounds-checked, equal lengths, a few) between the views
+    of :func:`unit_arrays`: one slice assignment per view where both sides are runs, else one
+    fancy-index gather and scatter. Exact where source and destination rows overlap (numpy
+    copies overlapping slices as if read first; a gather is a fresh array). False (nothing
+    copied) for scattered units of more than :data:`MAX_GATHER_BYTES`."""
+    count = len(src)
+    first_src, first_dst = src[0], dst[0]
+    if (
+        src[-1] - first_src == count - 1
+        and dst[-1] - first_dst == count - 1
+        and (count == 1 or (_is_run(src, first_src) and _is_run(dst, first_dst)))
+    ):
+        for src_array, dst_array in arrays:
+            dst_array[first_dst : first_dst + count] = src_array[first_src : first_src + count]
+        return True
+    if count * sum(array[0].nbytes for array, _ in arrays) > MAX_GATHER_BYTES:
+        return False
+    for src_array, dst_array in arrays:
+        dst_array[dst] = src_array[src]
+    return True
+
+
+def _is_run(values: list[int], first: int) -> bool:
+    return values == list(range(first, first + len(values)))

@@ -52,7 +52,7 @@ class TierUnits:
 
     def free(self, tier: Tier, units: Mapping[str, torch.Tensor]) -> None:
         for pool, value in units.items():
-            if len(value):
+            if value.shape[0]:
                 self.allocator(pool, tier).free(value)  # type: ignore[union-attr]
 
     def freer(self, tier: Tier) -> Callable[[str, torch.Tensor], None]:

@@ -18,13 +18,15 @@ import torch
 
 from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.integrity import MARKER_SUFFIX
-from kvstrata.core.row_copy import copy_rows
+from kvstrata.core.row_copy import UnitArrays, copy_few, copy_rows, unit_arrays
 from kvstrata.plugins.pool_type import Layout, ObjectSpec
 from kvstrata.plugins.storage_backend import BufferRegion
 
 
 def as_index(indices: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """Indices as a flat int64 tensor (kept on its device)."""
+    if type(indices) is torch.Tensor and indices.dtype is torch.int64 and indices.dim() == 1:
+        return indices  # what allocators hand out: no conversion
     tensor = torch.as_tensor(indices, dtype=torch.int64)
     return tensor.flatten()
 
@@ -42,6 +44,10 @@ def contiguous_run(indices: torch.Tensor) -> int | None:
     if indices.numel() > 1 and not bool((indices[1:] - indices[:-1] == 1).all()):
         return None
     return start
+
+
+#: a tier pair's view pairs and, between CPU tiers, numpy arrays over them
+_Views = tuple[list[tuple[torch.Tensor, torch.Tensor]], UnitArrays | None]
 
 
 @dataclass
@@ -193,8 +199,9 @@ def _checked_run(pool: PoolBuffers, indices: torch.Tensor) -> int | bool | None:
     return start if high - low == count - 1 and values == list(range(start, start + count)) else None
 
 
-def _view_pairs(src: PoolBuffers, dst: PoolBuffers) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The ``(U, L, W)`` view pairs a copy between two tiers walks, built (and the tiers checked
+def _view_pairs(src: PoolBuffers, dst: PoolBuffers) -> _Views:
+    """The ``(U, L, W)`` view pairs a copy between two tiers walks and, between CPU tiers, their
+    numpy arrays (:func:`~kvstrata.core.row_copy.unit_arrays`), built (and the tiers checked
     compatible) once per pair: tiers live as long as the cache, and a chunked request copies a
     few pages at a time, so per-call set-up would otherwise dominate."""
     cached = src.copy_views.get(id(dst))
@@ -212,8 +219,21 @@ def _view_pairs(src: PoolBuffers, dst: PoolBuffers) -> list[tuple[torch.Tensor, 
             )
         else:
             views.append((src.unit_view(name, word), dst.unit_view(name, word)))
-    src.copy_views[id(dst)] = (dst, views)
-    return views
+    arrays = unit_arrays(views) if views and src.device == dst.device else None
+    src.copy_views[id(dst)] = (dst, (views, arrays))
+    return views, arrays
+
+
+def _index_list(pool: PoolBuffers, indices: torch.Tensor | Sequence[int]) -> list[int] | None:
+    """A few CPU int64 indices as a bounds-checked list (None: not that; the general path)."""
+    if type(indices) is not torch.Tensor or indices.dtype is not torch.int64 or indices.dim() != 1:
+        return None
+    if indices.device.type != "cpu" or not 0 < indices.shape[0] <= _SMALL_INDEX:
+        return None
+    values = indices.tolist()
+    if min(values) < 0 or max(values) >= pool.units:
+        pool.check_indices(indices)  # raises with the pool's message
+    return values
 
 
 def copy_units(
@@ -230,7 +250,14 @@ def copy_units(
     non-blocking on ``stream`` (a side stream is created when none is given) and the returned
     handle must be waited on; CPU-only copies are complete on return. Logical pools copy nothing.
     """
-    views = _view_pairs(src, dst)
+    views, arrays = _view_pairs(src, dst)
+    if arrays is not None:  # between CPU tiers: a few units are one numpy assignment per view
+        src_list, dst_list = _index_list(src, src_indices), _index_list(dst, dst_indices)
+        if src_list is not None and dst_list is not None:
+            if len(src_list) != len(dst_list):
+                raise ValueError(f"index lists differ in length: {len(src_list)} vs {len(dst_list)}")
+            if copy_few(arrays, src_list, dst_list):
+                return TransferHandle()
     src_idx, dst_idx = as_index(src_indices), as_index(dst_indices)
     if src_idx.numel() != dst_idx.numel():
         raise ValueError(f"index lists differ in length: {src_idx.numel()} vs {dst_idx.numel()}")

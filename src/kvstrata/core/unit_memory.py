@@ -44,7 +44,7 @@ class UnitMemory:
             if tp.kind is not PoolKind.STATE:
                 continue
             slot = lease.pending.get(tp.name)
-            if slot is None or not len(slot):
+            if slot is None or not slot.shape[0]:
                 raise RuntimeError("fork_state copies into the lease's new state slot: call allocate first")
             node = lease.node
             source = node.device[self.tree.index[tp.name]] if node is not None else None

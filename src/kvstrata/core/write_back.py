@@ -1,15 +1,18 @@
-"""Which host locks a queued L3 write takes, and which nodes write-back backs up to evict.
+"""Which host locks a queued L3 write takes, which nodes write-back backs up to evict, and
+which pages of an open lease write-through has still to back up.
 
-Both rules are about what eviction may take from under the writer, and both went wrong once
-(issue 29): a path lock covers the pages of its whole path but the state slot and window of its
-own node only, and device eviction drops leaves, so a backup is worth making only where it lets
-a leaf (or a component) go.
+The first two rules are about what eviction may take from under the writer, and both went wrong
+once (issue 29): a path lock covers the pages of its whole path but the state slot and window of
+its own node only, and device eviction drops leaves, so a backup is worth making only where it
+lets a leaf (or a component) go. The third batches write-through's backups of a lease that stays
+open (chunked prefill): its inserted pages hold the lease's device lock, so no eviction can drop
+them meanwhile, and one backup of many chunks costs what one of a single chunk did.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstrata.core.stack import PoolKind, StackLayout
@@ -123,3 +126,59 @@ def _evictable_leaves(tree: PrefixTree, layout: StackLayout, want: int) -> list[
             if below[parent] == 0:
                 heapq.heappush(ready, (parent.last_access, parent.id, parent))
     return chosen
+
+
+@dataclass(eq=False)
+class OpenChain:
+    """What write-through has not backed up yet of one lease: the nodes below ``since`` (None:
+    the root) down to ``node``; ``cached`` is the lease's cached prefix, ``hashes`` its page
+    hashes (the writer's arguments of the insert that started the chain)."""
+
+    since: TreeNode | None
+    node: TreeNode
+    cached: int
+    hashes: Callable[[], Sequence[str]]
+
+
+class OpenBackups:
+    """Write-through's backups of leases that stay open, batched by ``batch_pages``.
+
+    An insert that keeps its lease open adds its nodes to the lease's chain; the chain is backed
+    up once it holds ``batch_pages`` pages, when the lease closes or is released, and at every
+    flush. Until then its pages are locked on the device by the lease (no eviction drops them)
+    and a lookup finds them there; ``batch_pages=1`` backs up at every insert."""
+
+    def __init__(self, batch_pages: int) -> None:
+        self.batch_pages = batch_pages
+        self._open: dict[object, OpenChain] = {}
+
+    def insert(
+        self,
+        owner: object,
+        node: TreeNode,
+        since: TreeNode | None,
+        cached: int,
+        hashes: Callable[[], Sequence[str]],
+        keep_open: bool,
+    ) -> OpenChain | None:
+        """The chain to back up now (ending at the freshly inserted ``node``), or None while it
+        waits for more pages (``keep_open``: the lease stays open)."""
+        chain = self._open.pop(owner, None) if owner is not None else None
+        if chain is None:
+            chain = OpenChain(since, node, cached, hashes)
+        chain.node = node
+        start = chain.since.depth_end if chain.since is not None else 0
+        if keep_open and owner is not None and node.depth_end - start < self.batch_pages:
+            self._open[owner] = chain
+            return None
+        return chain
+
+    def end(self, owner: object) -> OpenChain | None:
+        """The chain ``owner``'s lease left un-backed-up (it closes or is released)."""
+        return self._open.pop(owner, None)
+
+    def take_all(self) -> list[OpenChain]:
+        """Every open lease's chain (a flush backs them up; their leases start new chains)."""
+        chains = list(self._open.values())
+        self._open.clear()
+        return chains

@@ -34,7 +34,7 @@ from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.storage_metrics import StorageOperation
 from kvstrata.core.tree import MatchResult, PageKey, PrefixTree, Tier, TreeNode
 from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
-from kvstrata.core.write_back import SharedLock, eviction_backups, host_locks
+from kvstrata.core.write_back import OpenBackups, OpenChain, SharedLock, eviction_backups, host_locks
 
 #: A request's page hashes, computed on demand: only an L3 write needs them.
 PageHashes = Callable[[], Sequence[str]]
@@ -71,27 +71,33 @@ class Writer:
             self.tree.on_split(self._split)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
         self.digests: UnitDigests | None = None  # debug.unit_digests
+        self.open_backups = OpenBackups(policy.write_through_batch_pages)
         if policy.write == "write_back":
             self.units.before_device_eviction = self.back_up_for_eviction
 
     # --- L1 -> L2 -----------------------------------------------------------------------------
 
     def on_insert(
-        self, node: TreeNode, hashes: PageHashes, since: TreeNode | None = None, cached: int = 0
-    ) -> None:
-        """Write-through: back up the path to a freshly inserted node (below ``since``, which a
-        chunked request inserted, and backed up, before). ``hashes`` gives the request's page
-        hashes; it is called only when an L3 write is queued (no L3, no hashing). ``since`` ending
-        at ``cached`` (the cached prefix) is a new node end: its last window goes to L3 too."""
+        self, node: TreeNode, hashes: PageHashes, since: TreeNode | None = None, cached: int = 0,
+        *, owner: object = None, keep_open: bool = False,
+    ) -> None:  # fmt: skip
+        """Write-through: back up the nodes below ``since`` down to the new ``node`` (``hashes``:
+        the request's page hashes, called only for an L3 write); a lease (``owner``) that stays
+        open (``keep_open``) in batches (:class:`~kvstrata.core.write_back.OpenBackups`). ``since``
+        ending at ``cached`` (the cached prefix) is a new node end: its last window goes to L3."""
         if self.digests is not None:
             record_nodes(self.digests, self.tree.index, _path(self.tree, node, since), hashes())
         if self.policy.write == "write_through":
-            path = _path(self.tree, node, since)
-            self.host_admission.seen(path)
-            self.storage_admission.seen(path)
-            self.back_up(path, hashes=hashes, admit=True)
-            if since is not None and since.depth_end == cached and self.engine is not None:
-                self._submit([since], _trailing_windows(self, since, hashes))
+            chain = self.open_backups.insert(owner, node, since, cached, hashes, keep_open)
+            if chain is not None:
+                _back_up_chain(self, chain)
+
+    def end_open(self, owner: object | None = None) -> None:
+        """Back up what write-through batched for ``owner``'s lease (closing), or for all (None)."""
+        chains = self.open_backups.take_all() if owner is None else [self.open_backups.end(owner)]
+        for chain in chains:
+            if chain is not None:
+                _back_up_chain(self, chain)
 
     def on_lookup(self, match: MatchResult, hashes: PageHashes) -> None:
         """A request reused ``match``'s path: selective write-through backs up the nodes that
@@ -148,7 +154,7 @@ class Writer:
             needs = {}
             for name in self.layout.tree_pools:
                 value = node.device[self.tree.index[name]]
-                needs[name] = 0 if value is None else len(value)
+                needs[name] = 0 if value is None else value.shape[0]
             got = self.units.alloc_protecting(node, Tier.HOST, needs)
             if got is None and self.pending:
                 got = self._wait_for_room(node, needs)
@@ -319,7 +325,9 @@ class Writer:
         return host_locks(self.tree, self.layout, last, nodes)
 
     def wait(self, deadline: float | None) -> None:
-        """Wait (up to ``deadline``, a ``time.monotonic`` value) for every queued write."""
+        """Back up what open leases batched, then wait (up to ``deadline``, a ``time.monotonic``
+        value) for every queued write."""
+        self.end_open()
         for write in list(self.pending):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
@@ -330,6 +338,17 @@ class Writer:
     def shutdown(self, wait: bool = True) -> None:
         """Stop the writer thread; ``wait=False`` cancels queued writes and returns at once."""
         self._thread.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def _back_up_chain(writer: Writer, chain: OpenChain) -> None:
+    """Write-through of the nodes of ``chain`` (one insert's, or an open lease's batch)."""
+    path = _path(writer.tree, chain.node, chain.since)
+    writer.host_admission.seen(path)
+    writer.storage_admission.seen(path)
+    writer.back_up(path, hashes=chain.hashes, admit=True)
+    since = chain.since
+    if since is not None and since.depth_end == chain.cached and writer.engine is not None:
+        writer._submit([since], _trailing_windows(writer, since, chain.hashes))
 
 
 def _host_values_per_pool(
