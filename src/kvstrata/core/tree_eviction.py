@@ -337,10 +337,8 @@ class TreeEvictor:
         without a backup under write-back (device); not also on the device (host)."""
         members = self._members[tier][p]
         if tier is _DEVICE:
-            keep_unbacked = not self._delete_unbacked
-            nodes = [
-                n for n in members if not n.device_lock[p] and not (keep_unbacked and n.host_raw[0] is None)
-            ]
+            keep = not self._delete_unbacked  # write-back: a node without a backup stays
+            nodes = [n for n in members if not n.device_lock[p] and not (keep and n.host_raw[0] is None)]
         else:
             nodes = [n for n in members if not n.host_lock[p] and n.device_raw[p] is None]
         candidates = self._ranked(tier, nodes)
