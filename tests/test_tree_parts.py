@@ -3,6 +3,9 @@ per-tier eviction order is a real seam (an eviction policy will replace it)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 
 import kvstrata.core.tree as tree_module
@@ -56,20 +59,27 @@ def test_device_eviction_follows_the_device_tier_order() -> None:
     tree.check()
 
 
-def test_a_short_new_part_is_copied_so_the_callers_tensor_is_not_kept_alive() -> None:
-    """A new node holding a small part of the caller's value copies it (a view would keep the
-    whole tensor, the units the tree did not adopt included); a node holding most of it keeps
-    a view (no copy on the common path)."""
+def test_nodes_keep_their_own_units_and_none_of_the_callers_tensor() -> None:
+    """A node stores its own copy of its part of the value (int64 bytes, not a view): the
+    caller's tensor is not kept alive, the units the tree did not adopt included, whether the
+    new part is short or most of it; a later write to that tensor, or to a value read back,
+    leaves the tree's units as they were."""
     tree, units = PrefixTree([kv_spec()]), Units()
     shared = list(range(100))
     tree.insert(seq(*shared), {"kv": units.take(100)})
-    value = units.take(110)  # 100 pages already held, 10 new: 100 units would be kept for nothing
-    node = tree.insert(seq(*shared, *range(500, 510)), {"kv": value}).node
-    held = node.device[0]
-    assert torch.equal(held, value[100:])
-    assert held.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()
-    value = units.take(120)  # 10 pages shared, 110 new: the node's view uses most of the tensor
-    node = tree.insert(seq(*shared[:10], *range(600, 710)), {"kv": value}).node
-    assert torch.equal(node.device[0], value[10:])
-    assert node.device[0].untyped_storage().data_ptr() == value.untyped_storage().data_ptr()
+    for tail, length in ((range(500, 510), 110), (range(600, 710), 120)):
+        value = units.take(length)
+        keys = seq(*shared[: len(value) - len(tail)], *tail)
+        expected = value[len(value) - len(tail) :].clone()
+        node = tree.insert(keys, {"kv": value}).node
+        alive = weakref.ref(value)
+        value.fill_(-1)  # the caller reuses its tensor
+        del value
+        gc.collect()
+        assert alive() is None, "the tree kept the caller's tensor alive"
+        held = node.device[0]
+        assert torch.equal(held, expected) and held.dtype == torch.int64
+        held.fill_(-2)  # a value read back is the caller's copy
+        assert torch.equal(node.device[0], expected)
+        assert torch.equal(tree.values(tree.match(keys).device_path, "kv")[-len(tail) :], expected)
     tree.check()

@@ -47,6 +47,7 @@ from kvstrata.core.tree_match import TreeMatcher
 from kvstrata.core.tree_node import (
     _DEVICE,
     _HOST,
+    UNIT,
     AccessClock,
     EvictionResult,
     InsertResult,
@@ -60,8 +61,11 @@ from kvstrata.core.tree_node import (
     Tier,
     TreeError,
     TreeNode,
+    node_type,
     page_keys,
     paged_keys_type,
+    unit_bytes,
+    unit_tensor,
 )
 from kvstrata.plugins.pool_type import PoolSpec
 
@@ -110,7 +114,8 @@ class PrefixTree:
         self._window = layout.window
         self._pool = layout.pool
         self._check_value = layout.check_value
-        self.root = TreeNode(0, None, [], layout.npools, layout.has_windows, layout.unlocked)
+        self._node_type = node_type(self.page_size)
+        self.root = self._node_type(0, None, b"", layout.npools, layout.has_windows, layout.unlocked)
         # Per-tier, per-pool membership: the nodes holding a value of that pool in that tier,
         # the candidates of eviction (ordered then by the tier's eviction order).
         self._lru: Membership = {
@@ -120,9 +125,9 @@ class PrefixTree:
         self._device_lru = self._lru[_DEVICE]
         self._host_lru = self._lru[_HOST]
         ids, clock = count(1), AccessClock()
-        self._matcher = TreeMatcher(layout, self.root, ids, clock, self._set)
+        self._matcher = TreeMatcher(layout, self.root, ids, clock, self._set, self._node_type)
         self._inserter = TreeInserter(
-            layout, self.root, ids, clock, self._set, self._matcher.walk, self._matcher.split
+            layout, self.root, ids, clock, self._set, self._matcher.walk, self._matcher.split, self._node_type
         )
         self._locks = TreeLocks(layout, self.root)
         self._evictor = TreeEvictor(layout, self.root, self._lru, self._set, split=self._matcher.split)
@@ -141,8 +146,10 @@ class PrefixTree:
 
     def units(self, name: str, tier: Tier | str) -> int:
         """Units of a pool held by the tree in a tier (pages or slots)."""
-        p = self._pool(name)
-        return sum(len(getattr(n, Tier(tier).value)[p]) for n in self._lru[Tier(tier)][p])
+        p, tier = self._pool(name), Tier(tier)
+        if tier is _DEVICE:
+            return sum(len(n.device_raw[p]) for n in self._lru[tier][p]) // UNIT  # type: ignore[arg-type]
+        return sum(len(n.host_raw[p]) for n in self._lru[tier][p]) // UNIT  # type: ignore[arg-type]
 
     def nodes(self) -> list[TreeNode]:
         out, stack = [], list(self.root.children.values())
@@ -152,22 +159,19 @@ class PrefixTree:
             stack.extend(node.children.values())
         return out
 
-    def _set(self, node: TreeNode, tier: Tier, p: int, value: torch.Tensor | None) -> None:
+    def _set(self, node: TreeNode, tier: Tier, p: int, value: bytes | None) -> None:
+        """Set one pool's stored units (int64 ``bytes``) of ``node`` in ``tier``, or clear them."""
         if tier is _DEVICE:
-            vals = node.device
+            vals = node.device_raw
             if p == 0 and (vals[0] is None) is not (value is None):
                 node.parent.device_children += 1 if value is not None else -1  # type: ignore[union-attr]
-            if type(vals) is tuple:  # the node's first value in this tier (see TreeNode)
-                node.device = vals = list(vals)
-            vals[p] = value
+            node.device_raw = (value,) if len(vals) == 1 else (*vals[:p], value, *vals[p + 1 :])
             lru = self._device_lru[p]
         else:
-            vals = node.host
+            vals = node.host_raw
             if p == 0 and (vals[0] is None) is not (value is None):
                 node.parent.host_children += 1 if value is not None else -1  # type: ignore[union-attr]
-            if type(vals) is tuple:
-                node.host = vals = list(vals)
-            vals[p] = value
+            node.host_raw = (value,) if len(vals) == 1 else (*vals[:p], value, *vals[p + 1 :])
             lru = self._host_lru[p]
         if value is None:
             lru.pop(node, None)
@@ -212,16 +216,14 @@ class PrefixTree:
         if p is None:
             p = self._pool(name)
         device = tier is _DEVICE or Tier(tier) is _DEVICE
-        parts = [n.device[p] for n in nodes] if device else [n.host[p] for n in nodes]
-        for v in parts:
-            if v is None:
-                attr = "device" if device else "host"
-                raise TreeError(f"pool {name!r} has no {attr} value on some of the requested nodes")
-        if len(parts) == 1:
-            return parts[0]  # type: ignore[return-value]
+        parts = [n.device_raw[p] for n in nodes] if device else [n.host_raw[p] for n in nodes]
+        if None in parts:
+            attr = "device" if device else "host"
+            raise TreeError(f"pool {name!r} has no {attr} value on some of the requested nodes")
         if not parts:
             return torch.empty(0, dtype=torch.int64)
-        return torch.cat(parts)  # type: ignore[arg-type]
+        # one copy of the stored bytes into the tensor's own buffer (no tensor per node to cat)
+        return torch.frombuffer(bytearray().join(parts), dtype=torch.int64)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ insert
     def insert(
@@ -260,24 +262,24 @@ class PrefixTree:
         p = self._pool(name)
         self._require_node(node)
         value = self._check_value(p, value, node.pages)
-        if node.device[p] is not None:
+        if node.device_raw[p] is not None:
             raise TreeError(f"{node!r} already holds device units of pool {name!r}")
-        if p == 0 and node.parent is not self.root and node.parent.device[0] is None:  # type: ignore[union-attr]
+        if p == 0 and node.parent is not self.root and node.parent.device_raw[0] is None:  # type: ignore[union-attr]
             raise TreeError(f"load {node!r}'s parent to device first (device prefixes are closed)")
-        if p != 0 and node.device[0] is None:
+        if p != 0 and node.device_raw[0] is None:
             raise TreeError(f"load the anchor of {node!r} to device before component {name!r}")
-        self._set(node, _DEVICE, p, value)
+        self._set(node, _DEVICE, p, unit_bytes(value))
 
     def set_host_value(self, node: TreeNode, name: str, value: torch.Tensor) -> None:
         """Record a host copy (a finished backup); the anchor's host value marks the node backed up."""
         p = self._pool(name)
         self._require_node(node)
         value = self._check_value(p, value, node.pages)
-        if node.host[p] is not None:
+        if node.host_raw[p] is not None:
             raise TreeError(f"{node!r} already holds host units of pool {name!r}")
-        if p != 0 and node.host[0] is None:
+        if p != 0 and node.host_raw[0] is None:
             raise TreeError(f"back up the anchor of {node!r} before component {name!r}")
-        self._set(node, _HOST, p, value)
+        self._set(node, _HOST, p, unit_bytes(value))
 
     def drop_component(self, node: TreeNode, name: str, tier: Tier | str) -> torch.Tensor:
         """Tombstone one component of a node in a tier and return its units for the caller to free.
@@ -289,28 +291,29 @@ class PrefixTree:
         self._require_node(node)
         if p == 0:
             raise TreeError(f"the anchor {name!r} leaves a tier through evict_device / evict_host only")
-        vals, locks = (node.device, node.device_lock) if tier is _DEVICE else (node.host, node.host_lock)
+        dev = tier is _DEVICE
+        vals, locks = (node.device_raw, node.device_lock) if dev else (node.host_raw, node.host_lock)
         value = vals[p]
         if value is None:
             raise TreeError(f"{node!r} holds no {tier} units of pool {name!r}")
         if locks[p]:
             raise TreeError(f"{node!r}: pool {name!r} is {tier}-locked")
         self._set(node, tier, p, None)
-        return value
+        return unit_tensor(value)
 
     def backed_up(self, node: TreeNode) -> bool:
-        return node is self.root or node.host[0] is not None
+        return node is self.root or node.host_raw[0] is not None
 
     def is_tombstone(self, node: TreeNode, name: str, tier: Tier | str) -> bool:
         """A component missing in a tier where the node's anchor is present."""
         p = self._pool(name)
-        vals = node.device if Tier(tier) is _DEVICE else node.host
+        vals = node.device_raw if Tier(tier) is _DEVICE else node.host_raw
         return p != 0 and vals[0] is not None and vals[p] is None
 
     def _require_node(self, node: TreeNode) -> None:
         if node is self.root:
             raise TreeError("the root holds no values")
-        if node.parent is None or node.parent.children.get(node.keys[0]) is not node:
+        if node.parent is None or node.parent.children.get(node.first_key) is not node:
             raise TreeError(f"{node!r} is no longer in the tree")
 
     # ------------------------------------------------------------------ locks

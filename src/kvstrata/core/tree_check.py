@@ -8,47 +8,49 @@ agree with window bounds and with the parent's counts.
 
 from __future__ import annotations
 
-from kvstrata.core.tree_node import _DEVICE, _HOST, Membership, PoolLayout, Tier, TreeNode
+from kvstrata.core.tree_node import _DEVICE, _HOST, UNIT, Membership, PoolLayout, Tier, TreeNode
 
 
 def check_tree(layout: PoolLayout, root: TreeNode, membership: Membership) -> None:
     """Assert every structural invariant of the tree under ``root``."""
     seen: set[TreeNode] = set()
     stack = [root]
-    assert root.parent is None and not root.keys
-    assert all(v is None for v in [*root.device, *root.host])
+    assert root.parent is None and not root.pages
+    assert all(v is None for v in [*root.device_raw, *root.host_raw])
     while stack:
         node = stack.pop()
         assert node not in seen, f"{node!r} reachable twice"
         seen.add(node)
         for key, child in node.children.items():
             assert child.parent is node, f"{child!r} parent link broken"
-            assert child.keys and child.keys[0] == key, f"{child!r} keyed wrongly"
-            assert child.depth_end == node.depth_end + len(child.keys), f"{child!r} depth wrong"
+            assert child.pages and child.first_key == key, f"{child!r} keyed wrongly"
+            assert child.depth_end == node.depth_end + child.pages, f"{child!r} depth wrong"
             stack.append(child)
         children = node.children.values()
-        assert node.device_children == sum(c.device[0] is not None for c in children), (
+        assert node.device_children == sum(c.device_raw[0] is not None for c in children), (
             f"{node!r} device child count"
         )
-        assert node.host_children == sum(c.host[0] is not None for c in children), (
+        assert node.host_children == sum(c.host_raw[0] is not None for c in children), (
             f"{node!r} host child count"
         )
         if node is root:
             continue
-        anchor_dev, anchor_host = node.device[0] is not None, node.host[0] is not None
+        anchor_dev, anchor_host = node.device_raw[0] is not None, node.host_raw[0] is not None
         assert anchor_dev or anchor_host, f"{node!r} holds the anchor in no tier"
         if anchor_dev and node.parent is not root:
-            assert node.parent.device[0] is not None, f"{node!r} on device below a non-device parent"  # type: ignore[union-attr]
+            assert node.parent.device_raw[0] is not None, f"{node!r} on device below a non-device parent"  # type: ignore[union-attr]
         if not anchor_dev:
-            assert all(c.device[0] is None for c in node.children.values()), f"{node!r}: device child"
+            assert all(c.device_raw[0] is None for c in node.children.values()), f"{node!r}: device child"
         for p in range(layout.npools):
-            for tier, vals in ((_DEVICE, node.device), (_HOST, node.host)):
+            for tier, vals in ((_DEVICE, node.device_raw), (_HOST, node.host_raw)):
                 value = vals[p]
                 member = node in membership[tier][p]
                 assert member == (value is not None), f"{node!r} pool {p} {tier} LRU membership"
                 if value is not None:
-                    want = 1 if layout.state[p] else len(node.keys)
-                    assert value.dim() == 1 and len(value) == want, f"{node!r} pool {p} {tier} length"
+                    want = 1 if layout.state[p] else node.pages
+                    assert type(value) is bytes and len(value) == want * UNIT, (
+                        f"{node!r} pool {p} {tier} length"
+                    )
                     if p != 0:
                         assert vals[0] is not None, f"{node!r} pool {p} {tier} value without anchor"
             for counts, windows in (

@@ -43,6 +43,7 @@ from kvstrata.core.tree_node import (
     Tier,
     TreeError,
     TreeNode,
+    unit_tensor,
 )
 
 Split = Callable[[TreeNode, int], TreeNode]
@@ -146,7 +147,7 @@ class TreeEvictor:
             return
         first = node.depth_end - new_pages
         created = []
-        while node is not self.root and node.depth_end - len(node.keys) >= first:
+        while node is not self.root and node.depth_start >= first:
             created.append(node)
             node = node.parent  # type: ignore[assignment]
         created.reverse()
@@ -242,27 +243,27 @@ class TreeEvictor:
         if node is self.root or self._has_tier_children(node, tier):
             return False
         if tier is _DEVICE:
-            if node.device[0] is None or any(node.device_lock):
+            if node.device_raw[0] is None or any(node.device_lock):
                 return False
             # a non-backed-up node is deleted, which it cannot be while it has (host) children
-            return node.host[0] is not None or (self._delete_unbacked and not node.children)
-        return node.device[0] is None and node.host[0] is not None and not any(node.host_lock)
+            return node.host_raw[0] is not None or (self._delete_unbacked and not node.children)
+        return node.device_raw[0] is None and node.host_raw[0] is not None and not any(node.host_lock)
 
     def _copy_droppable(self, node: TreeNode) -> bool:
         """Whether the host copy of a device-resident node may go (the second host pass): not
         locked (an L3 write reads it), and no child holds a host copy (backups stay a prefix)."""
         return (
-            node.device[0] is not None
-            and node.host[0] is not None
+            node.device_raw[0] is not None
+            and node.host_raw[0] is not None
             and not any(node.host_lock)
             and not node.host_children
         )
 
     def _drop_copy(self, node: TreeNode, result: EvictionResult) -> None:
         """Drop the host copy of a node that stays on the device (it is no longer backed up)."""
-        for p, value in enumerate(node.host):
+        for p, value in enumerate(node.host_raw):
             if value is not None:
-                result._add(self.pools[p].name, value)
+                result._add(self.pools[p].name, unit_tensor(value))
                 self._set(node, _HOST, p, None)
         if self._gone is not None:
             self._gone.append(node)
@@ -274,18 +275,18 @@ class TreeEvictor:
         if self._gone is not None:
             self._gone.append(node)
         if tier is _DEVICE:
-            for p, value in enumerate(node.device):
+            for p, value in enumerate(node.device_raw):
                 if value is not None:
-                    result._add(self.pools[p].name, value)
+                    result._add(self.pools[p].name, unit_tensor(value))
                     self._set(node, _DEVICE, p, None)
-            if node.host[0] is not None:
+            if node.host_raw[0] is not None:
                 result.demoted.append(node)
                 return parent
-        for p, value in enumerate(node.host):
+        for p, value in enumerate(node.host_raw):
             if value is not None:
-                result._add(self.pools[p].name, value)
+                result._add(self.pools[p].name, unit_tensor(value))
                 self._set(node, _HOST, p, None)
-        del parent.children[node.keys[0]]
+        del parent.children[node.first_key]
         node.parent = None
         result.deleted += 1
         if self.retention is not None:
@@ -306,8 +307,8 @@ class TreeEvictor:
             if not self._node_evictable(node, tier):
                 continue
             rest = want - result.units.get(name, 0)
-            if trims and len(node.keys) > rest:
-                self._split(node, len(node.keys) - rest)  # type: ignore[misc]  # node keeps the tail
+            if trims and node.pages > rest:
+                self._split(node, node.pages - rest)  # type: ignore[misc]  # node keeps the tail
                 self._drop_node(node, tier, result)
                 break
             parent = self._drop_node(node, tier, result)
@@ -336,10 +337,10 @@ class TreeEvictor:
         without a backup under write-back (device); not also on the device (host)."""
         members = self._members[tier][p]
         if tier is _DEVICE:
-            keep_unbacked = not self._delete_unbacked
-            nodes = [n for n in members if not n.device_lock[p] and not (keep_unbacked and n.host[0] is None)]
+            keep = not self._delete_unbacked  # write-back: a node without a backup stays
+            nodes = [n for n in members if not n.device_lock[p] and not (keep and n.host_raw[0] is None)]
         else:
-            nodes = [n for n in members if not n.host_lock[p] and n.device[p] is None]
+            nodes = [n for n in members if not n.host_lock[p] and n.device_raw[p] is None]
         candidates = self._ranked(tier, nodes)
         candidates.sort()
         return candidates
@@ -357,11 +358,11 @@ class TreeEvictor:
                 continue
             if tail:  # the head is out of every window
                 node = self._split(node, node.pages - tail)  # type: ignore[misc]
-            value = (node.device if tier is _DEVICE else node.host)[p]
-            result._add(name, value)  # type: ignore[arg-type]
+            value = unit_tensor((node.device_raw if tier is _DEVICE else node.host_raw)[p])  # type: ignore[arg-type]
+            result._add(name, value)
             self._set(node, tier, p, None)
             result.tombstoned += 1
-            result.out_of_window[name] = result.out_of_window.get(name, 0) + value.shape[0]  # type: ignore[union-attr]
+            result.out_of_window[name] = result.out_of_window.get(name, 0) + value.shape[0]
 
     def _evict_component(self, tier: Tier, p: int, want: int, result: EvictionResult) -> None:
         """Drop one component's units, lowest rank first: a whole node where it may leave the
@@ -371,23 +372,23 @@ class TreeEvictor:
         for _, _, node in self._component_candidates(tier, p):
             if result.units.get(name, 0) >= want:
                 break
-            if (node.device if dev else node.host)[p] is None:
+            if (node.device_raw if dev else node.host_raw)[p] is None:
                 continue  # already dropped with a cascaded node
             if self._node_evictable(node, tier):
                 parent = self._drop_node(node, tier, result)
                 # the parent's own component value is considered in its own turn
                 del parent
             else:
-                value = (node.device if dev else node.host)[p]
+                value = (node.device_raw if dev else node.host_raw)[p]
                 assert value is not None
-                result._add(name, value)
+                result._add(name, unit_tensor(value))
                 self._set(node, tier, p, None)
                 result.tombstoned += 1
 
 
 def _in_tier(node: TreeNode, tier: Tier) -> bool:
     """Whether ``node``'s pages can be served from ``tier`` (host: from device or host)."""
-    return node.device[0] is not None or (tier is _HOST and node.host[0] is not None)
+    return node.device_raw[0] is not None or (tier is _HOST and node.host_raw[0] is not None)
 
 
 def window_tail(node: TreeNode, tier: Tier, window: int) -> int:

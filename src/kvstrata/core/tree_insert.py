@@ -16,6 +16,7 @@ import torch
 
 from kvstrata.core.tree_node import (
     _DEVICE,
+    UNIT,
     AccessClock,
     InsertResult,
     PagedKeys,
@@ -25,12 +26,8 @@ from kvstrata.core.tree_node import (
     Tier,
     TreeError,
     TreeNode,
+    unit_bytes,
 )
-
-#: Units of a caller's value tensor left unused by a new node's slice from which the node copies
-#: its part instead of holding a view (256 bytes of int64 kept alive for nothing; below that, the
-#: copy costs more than the memory: at page size 64 a 1024-token request has 16 units in all).
-_COPY_ABOVE = 32
 
 Walk = Callable[[Sequence[PageKey], bool, TreeNode | None], tuple[list[TreeNode], int]]
 Split = Callable[[TreeNode, int], TreeNode]
@@ -48,8 +45,11 @@ class TreeInserter:
         set_value: SetValue,
         walk: Walk,
         split: Split,
+        node_class: type[TreeNode] = TreeNode,
     ) -> None:
         self.root = root
+        self._node = node_class  # the tree's node type (its page size's edge stride)
+        self._step = layout.page_size * 8
         self._index = layout.index
         self._pool = layout.pool
         self._check_value = layout.check_value
@@ -119,10 +119,13 @@ class TreeInserter:
                     if node.depth_start - base < cut < node.depth_end - base:
                         path.insert(j, self._split(node, cut - node.depth_start + base))
                         break
+        # each given value as int64 bytes, made when a node first stores part of it: a node keeps
+        # its own slice (33 bytes beside the units, untracked), never a view of the caller's tensor
+        raw: list[bytes | None] = [None] * npools
         # adopt into existing nodes: revive host-only nodes / tombstones, the rest is duplicate
         e = 0  # the path runs contiguously below ``top``: each node starts where the last ended
         for node in path:
-            vals = node.device if dev else node.host
+            vals = node.device_raw if dev else node.host_raw
             s, e = e, node.depth_end - base
             for p in paged:  # the anchor (p == 0) is adopted first, so components may follow
                 first = start[p]
@@ -130,7 +133,9 @@ class TreeInserter:
                     continue  # pages before this pool's value: not given
                 lo, hi = s - first, e - first
                 if vals[p] is None:
-                    self._set(node, tier, p, given[p][lo:hi])  # type: ignore[index]
+                    if raw[p] is None:
+                        raw[p] = unit_bytes(given[p])  # type: ignore[arg-type]
+                    self._set(node, tier, p, raw[p][lo * UNIT : hi * UNIT])  # type: ignore[index]
                     continue
                 ranges = dup_ranges.get(names[p])
                 if ranges is None:
@@ -143,33 +148,39 @@ class TreeInserter:
         if i < n:
             # new pages; one node per stretch where the same pools have values
             cuts = sorted({i, n} | {start[p] for p in paged if i < start[p] < n}) if suffix else (i, n)
+            step = self._step
+            flat = bytes.__getitem__ if isinstance(keys, PagedKeys) else None  # plain bytes slices
             for s, e in pairwise(cuts):
                 parent = node
-                rest = keys[s:e] if isinstance(keys, list | PagedKeys) else list(keys[s:e])
-                node = TreeNode(next(self._ids), parent, rest, npools, self._has_windows, self._unlocked)
-                parent.add_child(rest[0], node)
+                if flat is not None:
+                    edge = flat(keys, slice(s * step, e * step))
+                    first_key = edge[:step]
+                else:
+                    edge = keys[s:e] if isinstance(keys, list) else list(keys[s:e])
+                    first_key = edge[0]
+                node = self._node(
+                    next(self._ids), parent, edge, npools, self._has_windows, self._unlocked, e - s
+                )
+                parent.add_child(first_key, node)
                 for p in paged:
                     first = start[p]
                     if first <= s:
-                        value = given[p]
+                        value = raw[p]
+                        if value is None:
+                            raw[p] = value = unit_bytes(given[p])  # type: ignore[arg-type]
                         if s != first or e != n:
-                            value = value[s - first : e - first]  # type: ignore[index]
-                            if n - first - (e - s) >= _COPY_ABOVE:
-                                # a view would keep the caller's whole tensor alive, the units
-                                # the tree did not adopt included (a long shared prefix at page
-                                # size 1: most of a tree's value memory); copy the part it keeps
-                                value = value.clone()
+                            value = value[(s - first) * UNIT : (e - first) * UNIT]
                         self._set(node, tier, p, value)
                 path.append(node)
         for p in self._stateful:
             value = given[p]
             if value is None:
                 continue
-            vals = node.device if dev else node.host
+            vals = node.device_raw if dev else node.host_raw
             if node is top or vals[p] is not None or vals[0] is None:
                 dup_ranges[names[p]] = [[0, 1]]
             else:
-                self._set(node, tier, p, value)
+                self._set(node, tier, p, unit_bytes(value))
         clock = self._clock
         tick = clock.tick  # stamped deepest first, as in match
         for node_ in reversed(path):

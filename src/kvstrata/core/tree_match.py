@@ -17,6 +17,7 @@ from itertools import count
 from kvstrata.core.tree_node import (
     _DEVICE,
     _HOST,
+    UNIT,
     AccessClock,
     MatchResult,
     PagedKeys,
@@ -26,6 +27,7 @@ from kvstrata.core.tree_node import (
     Tier,
     TreeError,
     TreeNode,
+    unit_tensor,
 )
 
 
@@ -33,9 +35,17 @@ class TreeMatcher:
     """Walks, splits and matches; owns no state beyond references to the tree's shared parts."""
 
     def __init__(
-        self, layout: PoolLayout, root: TreeNode, ids: count[int], clock: AccessClock, set_value: SetValue
+        self,
+        layout: PoolLayout,
+        root: TreeNode,
+        ids: count[int],
+        clock: AccessClock,
+        set_value: SetValue,
+        node_class: type[TreeNode] = TreeNode,
     ) -> None:
         self.root = root
+        self._node = node_class  # the tree's node type (its page size's edge stride)
+        self._step = layout.page_size * 8
         self.page_size = layout.page_size
         self.pools = layout.pools
         self._npools = layout.npools
@@ -60,38 +70,41 @@ class TreeMatcher:
         Token-page values split by position; a node-state value stays on the deeper node (it is
         the state after the last token) and the new parent is a tombstone for that pool.
         """
-        if node is self.root or not 0 < at < len(node.keys):
+        if node is self.root or not 0 < at < node.pages:
             raise TreeError(f"cannot split {node!r} at page {at}")
         parent = node.parent
         assert parent is not None
-        upper = TreeNode(
-            next(self._ids), parent, node.keys[:at], self._npools, self._has_windows, self._unlocked
+        edge = node.edge
+        cut = at * self._step if type(edge) is bytes else at
+        upper = self._node(
+            next(self._ids), parent, edge[:cut], self._npools, self._has_windows, self._unlocked, at
         )
-        node.keys = node.keys[at:]
-        parent.children[upper.keys[0]] = upper  # replaces ``node`` under the same first key
-        upper.children = {node.keys[0]: node}
+        node.edge = edge[cut:]
+        parent.children[upper.first_key] = upper  # replaces ``node`` under the same first key
+        upper.children = {node.first_key: node}
         node.parent = upper
         # ``node`` leaves ``parent`` for ``upper``; setting upper's anchor below counts it back
-        if node.device[0] is not None:
+        if node.device_raw[0] is not None:
             parent.device_children -= 1
             upper.device_children = 1
-        if node.host[0] is not None:
+        if node.host_raw[0] is not None:
             parent.host_children -= 1
             upper.host_children = 1
         upper.hit_count = node.hit_count
         upper.last_access = node.last_access
         device_lock, host_lock = list(upper.device_lock), list(upper.host_lock)
+        units = at * UNIT
         for p in range(self._npools):
             if self._state[p]:
                 continue  # the state (and its lock) stays on the node that holds it
-            value = node.device[p]
+            value = node.device_raw[p]
             if value is not None:
-                self._set(upper, _DEVICE, p, value[:at])
-                node.device[p] = value[at:]
-            value = node.host[p]
+                self._set(upper, _DEVICE, p, value[:units])
+                node.device_raw = (*node.device_raw[:p], value[units:], *node.device_raw[p + 1 :])
+            value = node.host_raw[p]
             if value is not None:
-                self._set(upper, _HOST, p, value[:at])
-                node.host[p] = value[at:]
+                self._set(upper, _HOST, p, value[:units])
+                node.host_raw = (*node.host_raw[:p], value[units:], *node.host_raw[p + 1 :])
             if self._window[p]:
                 for locks, up_locks in (
                     (node.device_windows, upper.device_windows),
@@ -124,7 +137,7 @@ class TreeMatcher:
             child = node.children.get(keys[i])
             if child is None:
                 break
-            ck = child.keys
+            ck = child.keys  # a ``PagedKeys`` copy of a bytes edge compares with a list of keys
             width = len(ck)
             if keys[i : i + width] == ck:
                 path.append(child)
@@ -148,16 +161,15 @@ class TreeMatcher:
         step = keys.step
         raw = bytes(keys)  # slicing plain bytes is C-level (``PagedKeys.__getitem__`` is not)
         total = len(raw)
-        paged = type(keys)
         node, at, path = start or self.root, 0, []
         while at < total:
             child = node.children.get(raw[at : at + step])
             if child is None:
                 break
-            ck = child.keys
+            ck = child.edge
             pages = child.depth_end - node.depth_end
             fit = (total - at) // step
-            if type(ck) is paged:
+            if type(ck) is bytes:  # edges of one tree share its page size
                 if raw.startswith(ck, at):
                     path.append(child)
                     node = child
@@ -210,12 +222,12 @@ class TreeMatcher:
         if self._anchor_only:
             jd = 0
             for node in path:
-                if node.device[0] is None:
+                if node.device_raw[0] is None:
                     break
                 jd += 1
             jh = jd
             for node in path[jd:]:
-                if node.host[0] is None:
+                if node.host_raw[0] is None:
                     break
                 jh += 1
         else:
@@ -228,20 +240,20 @@ class TreeMatcher:
         )
         for p in self._stateful:
             name = self.pools[p].name
-            if jd and dnode.device[p] is not None:
-                result.device_state[name] = dnode.device[p]  # type: ignore[assignment]
+            if jd and dnode.device_raw[p] is not None:
+                result.device_state[name] = unit_tensor(dnode.device_raw[p])  # type: ignore[arg-type]
             if jh:
-                if hnode.device[p] is not None:
-                    result.host_state[name] = (_DEVICE, hnode.device[p])  # type: ignore[arg-type]
-                elif hnode.host[p] is not None:
-                    result.host_state[name] = (_HOST, hnode.host[p])  # type: ignore[arg-type]
+                if hnode.device_raw[p] is not None:
+                    result.host_state[name] = (_DEVICE, unit_tensor(hnode.device_raw[p]))  # type: ignore[arg-type]
+                elif hnode.host_raw[p] is not None:
+                    result.host_state[name] = (_HOST, unit_tensor(hnode.host_raw[p]))  # type: ignore[arg-type]
         return result
 
     # ------------------------------------------------------------------ fold
     def _present(self, node: TreeNode, p: int, tier: Tier) -> bool:
-        if node.device[p] is not None:
+        if node.device_raw[p] is not None:
             return True
-        return tier is _HOST and node.host[p] is not None
+        return tier is _HOST and node.host_raw[p] is not None
 
     def _fold(self, path: list[TreeNode], tier: Tier) -> int:
         """Number of path nodes usable in ``tier``: the deepest end where every pool's rule holds."""

@@ -10,18 +10,23 @@ back. ``kvstrata.core.tree`` re-exports every name.
 from __future__ import annotations
 
 import functools
-import struct
-from array import array
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
 
 import torch
 
+from kvstrata.core.tree_bytes import UNIT as UNIT  # re-exported: the parts import from here
+from kvstrata.core.tree_bytes import PagedKeys as PagedKeys
+from kvstrata.core.tree_bytes import PageKey as PageKey
+from kvstrata.core.tree_bytes import TreeError as TreeError
+from kvstrata.core.tree_bytes import UnitValues as UnitValues
+from kvstrata.core.tree_bytes import page_keys as page_keys
+from kvstrata.core.tree_bytes import paged_keys_type as paged_keys_type
+from kvstrata.core.tree_bytes import unit_bytes as unit_bytes
+from kvstrata.core.tree_bytes import unit_tensor as unit_tensor
 from kvstrata.plugins.pool_type import Granularity, HitRuleKind, PoolRole, PoolSpec
-
-PageKey = Hashable
 
 
 class Tier(StrEnum):
@@ -35,157 +40,67 @@ _DEVICE = Tier.DEVICE
 _HOST = Tier.HOST
 
 
-class TreeError(ValueError):
-    """Bad input to a tree operation (unknown pool, wrong value length, broken invariant)."""
-
-
-class PagedKeys(bytes):
-    """The whole-page keys of one token sequence, held as one ``bytes`` of int64 token ids.
-
-    A sequence of page keys (``len`` counts pages, ``keys[i]`` is page ``i``'s key: its tokens'
-    int64 bytes, ``keys[a:b]`` is a ``PagedKeys`` of those pages) that costs one object, not one
-    per page: at page size 1 a per-page ``bytes`` made key building 75% of an insert and its
-    objects most of the tree's memory. A tree edge built from it is a slice of it (one memcpy),
-    and the walk compares an edge with ``bytes.startswith`` at an offset: one memcmp, no copy, no
-    Python step per page or token. Equal to any sequence with the same page keys (a list of
-    ``bytes`` from an older caller compares equal). One subclass per page size holds the stride
-    (:func:`paged_keys_type`).
-    """
-
-    __slots__ = ()
-    #: bytes per page (8 x page size); set on each page size's subclass
-    step: int = 8
-
-    def __len__(self) -> int:
-        return bytes.__len__(self) // self.step
-
-    def __getitem__(self, index):  # type: ignore[override]  # pages, not bytes
-        step = self.step
-        if isinstance(index, slice):
-            start, stop, stride = index.indices(bytes.__len__(self) // step)
-            if stride != 1:
-                return [self[i] for i in range(start, stop, stride)]
-            return type(self)(bytes.__getitem__(self, slice(start * step, max(start, stop) * step)))
-        if index < 0:
-            index += bytes.__len__(self) // step
-        if not 0 <= index < bytes.__len__(self) // step:
-            raise IndexError("page index out of range")
-        at = index * step
-        return bytes.__getitem__(self, slice(at, at + step))
-
-    def __iter__(self):  # type: ignore[override]
-        step = self.step
-        view = bytes(self)
-        return iter([view[i : i + step] for i in range(0, len(view), step)])
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, PagedKeys):
-            return self.step == other.step and bytes.__eq__(self, other)
-        if isinstance(other, list | tuple):
-            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
-        return False
-
-    def __ne__(self, other: object) -> bool:
-        return not self.__eq__(other)
-
-    __hash__ = bytes.__hash__
-
-    def __add__(self, other: object) -> PagedKeys:  # type: ignore[override]
-        if isinstance(other, PagedKeys) and other.step == self.step:
-            return type(self)(bytes(self) + bytes(other))
-        return NotImplemented
-
-    def __repr__(self) -> str:
-        return f"PagedKeys({len(self)} pages of {self.step // 8} tokens)"
-
-    def tokens(self) -> bytes:
-        """The token ids of every page, as plain int64 ``bytes``."""
-        return bytes(self)
-
-    def __reduce__(self) -> tuple[Callable[[int, bytes], PagedKeys], tuple[int, bytes]]:
-        # the per-page-size subclass is made at run time: pickle by page size, not by class name
-        return _rebuild_paged_keys, (self.step // 8, bytes(self))
-
-
-@functools.cache
-def paged_keys_type(page_size: int) -> type[PagedKeys]:
-    """The ``PagedKeys`` subclass of one page size (the stride lives on the class, since a
-    ``bytes`` subclass cannot carry instance attributes). Cached: one immutable type per size."""
-    if page_size < 1:
-        raise TreeError(f"page_size must be >= 1, got {page_size}")
-    return type(f"PagedKeys{page_size}", (PagedKeys,), {"__slots__": (), "step": page_size * 8})
-
-
-def _rebuild_paged_keys(page_size: int, data: bytes) -> PagedKeys:
-    return paged_keys_type(page_size)(data)
-
-
-def page_keys(tokens: Sequence[int] | array | torch.Tensor, page_size: int) -> PagedKeys:
-    """Whole-page keys of ``tokens``: each page's token ids as int64 bytes, as one ``PagedKeys``.
-
-    A trailing partial page is dropped (it cannot be cached). Page keys are exact (no hash
-    collisions) and compare with one memcmp. Token arrays (``array('q')``, as SGLang holds them,
-    or tensors) convert with one memcpy; lists pay one C-level pack.
-    """
-    if isinstance(tokens, array) and tokens.typecode == "q":
-        flat = tokens.tobytes()
-    elif isinstance(tokens, torch.Tensor):
-        flat = tokens.detach().to("cpu", torch.int64).numpy().tobytes()
-    else:
-        flat = struct.pack(f"{len(tokens)}q", *tokens)
-    step = page_size * 8
-    end = len(flat) - len(flat) % step
-    return paged_keys_type(page_size)(flat[:end] if end != len(flat) else flat)
-
-
 #: the children of every leaf: empty and read-only (a write to it is a bug, and fails loudly)
 NO_CHILDREN: Mapping[PageKey, TreeNode] = MappingProxyType({})
 
 
 class TreeNode:
-    """One edge of whole pages plus per-pool data; index ``p`` follows ``PrefixTree.pools``."""
+    """One edge of whole pages plus per-pool data; index ``p`` follows ``PrefixTree.pools``.
+
+    Fields are plain, untracked objects wherever possible, since a tree at 100k sequences holds
+    100k nodes and Python's garbage collector visits every tracked object on each full pass: the
+    edge is ``bytes`` (the pages' int64 token ids; a list for callers passing their own page
+    keys), each tier's values a tuple of int64 ``bytes`` or None per pool (``device_raw``,
+    ``host_raw``; a tuple of untracked items is untracked by the collector), lock counts shared
+    tuples of ints. The node itself (and an inner node's children dict) are the only tracked
+    objects. ``keys``, ``device`` and ``host`` read those fields as page keys and tensors.
+    """
 
     __slots__ = (
         "children",
         "depth_end",
-        "device",
         "device_children",
         "device_lock",
+        "device_raw",
         "device_windows",
+        "edge",
         "hit_count",
-        "host",
         "host_children",
         "host_lock",
+        "host_raw",
         "host_windows",
         "id",
-        "keys",
         "last_access",
         "parent",
     )
+    #: bytes per page of a ``bytes`` edge, and the page keys type reading it: set per page size
+    #: on the subclass :func:`node_type` makes (a node holds no per-instance copy of either)
+    step: int = 8
+    keys_type: type[PagedKeys] = PagedKeys
 
     def __init__(
         self,
         node_id: int,
         parent: TreeNode | None,
-        keys: list[PageKey],
+        edge: bytes | list[PageKey],
         npools: int,
         windows: bool,
         unlocked: tuple[int, ...] | None = None,
+        pages: int | None = None,
     ) -> None:
         self.id = node_id
         self.parent = parent
-        self.keys = keys
+        self.edge = edge
         # a leaf shares one immutable empty mapping (half the nodes of a tree are leaves: a dict
         # each was 64 bytes and one more object for every garbage-collector pass); the tree's
         # parts give a node its own dict when its first child arrives (``add_child``)
         self.children: dict[PageKey, TreeNode] = NO_CHILDREN  # type: ignore[assignment]
-        self.depth_end = (parent.depth_end if parent is not None else 0) + len(keys)
-        # Per-pool values: an all-None tuple until the tree's setter first stores one (then a
-        # list). A node never backed up to host (or host-only) then holds no list for that tier:
-        # one object less for every garbage-collector pass, which at 100k sequences was half of
-        # an insert's time. Only ``PrefixTree._set`` writes them (and ``split``, on lists).
-        self.device: list[torch.Tensor | None] = (None,) * npools  # type: ignore[assignment]
-        self.host: list[torch.Tensor | None] = (None,) * npools  # type: ignore[assignment]
+        if pages is None:
+            pages = len(edge) // self.step if type(edge) is bytes else len(edge)
+        self.depth_end = (parent.depth_end if parent is not None else 0) + pages
+        # Per-pool values, replaced whole by the tree's setter (``PrefixTree._set``) and ``split``
+        self.device_raw: tuple[bytes | None, ...] = (None,) * npools
+        self.host_raw: tuple[bytes | None, ...] = (None,) * npools
         # Lock counts per pool: immutable tuples, replaced on every (rare) lock change, so an
         # unlocked node shares the tree's zero tuple instead of owning two GC-tracked lists.
         zeros = unlocked if unlocked is not None else (0,) * npools
@@ -212,23 +127,57 @@ class TreeNode:
             children[key] = child
 
     @property
+    def keys(self) -> Sequence[PageKey]:
+        """The edge's page keys (a ``PagedKeys`` copy of a ``bytes`` edge)."""
+        edge = self.edge
+        return self.keys_type(edge) if type(edge) is bytes else edge
+
+    @property
+    def first_key(self) -> PageKey:
+        """The key the parent files this node under (its first page's key)."""
+        edge = self.edge
+        return edge[: self.step] if type(edge) is bytes else edge[0]
+
+    @property
+    def device(self) -> UnitValues:
+        """Per-pool device unit indices as tensors (None: not held), made when read."""
+        return UnitValues(self.device_raw)
+
+    @property
+    def host(self) -> UnitValues:
+        """Per-pool host unit indices as tensors (None: not held), made when read."""
+        return UnitValues(self.host_raw)
+
+    @property
     def pages(self) -> int:
-        return len(self.keys)
+        edge = self.edge
+        return len(edge) // self.step if type(edge) is bytes else len(edge)
 
     @property
     def depth_start(self) -> int:
-        return self.depth_end - len(self.keys)
+        return self.depth_end - self.pages
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, pages=[{self.depth_start}, {self.depth_end}))"
 
 
+@functools.cache
+def node_type(page_size: int) -> type[TreeNode]:
+    """The ``TreeNode`` subclass of one page size: the edge's stride lives on the class."""
+    return type(
+        f"TreeNode{page_size}",
+        (TreeNode,),
+        {"__slots__": (), "step": page_size * 8, "keys_type": paged_keys_type(page_size)},
+    )
+
+
 #: per tier, per pool: the nodes holding units of that pool in that tier (no tree walk to find
 #: them; eviction draws its candidates from here). Insertion-ordered dicts used as sets.
 Membership = dict[Tier, list[dict[TreeNode, None]]]
-#: sets (or clears, with ``None``) one pool's value of a node in a tier and keeps the membership
-#: in step; the tree's owner provides it (``PrefixTree._set``), every part that edits values calls it
-SetValue = Callable[[TreeNode, Tier, int, torch.Tensor | None], None]
+#: sets (or clears, with ``None``) one pool's value (int64 ``bytes``, see :func:`unit_bytes`) of a
+#: node in a tier and keeps the membership in step; the tree's owner provides it
+#: (``PrefixTree._set``), every part that edits values calls it
+SetValue = Callable[[TreeNode, Tier, int, bytes | None], None]
 
 
 class PoolLayout:
