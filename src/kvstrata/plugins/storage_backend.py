@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 #: Plugin API generation this core implements.
 BACKEND_API_VERSION = 1
@@ -138,6 +138,20 @@ class BackendConfig(BaseModel):
             key: expand_path(value) if key in paths and isinstance(value, str) else value
             for key, value in data.items()
         }
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _path_not_empty(cls, value: Any, info: ValidationInfo) -> Any:
+        """An empty ``Path`` field would silently mean the current directory, whatever it holds."""
+        field = cls.model_fields.get(info.field_name or "")
+        if (
+            isinstance(value, str)
+            and not value.strip()
+            and field is not None
+            and _is_path_field(field.annotation)
+        ):
+            raise ValueError("must name a directory (an empty path would mean the current directory)")
+        return value
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from kvstrata.plugins.storage_backend import BackendConfig
 
@@ -41,11 +41,3 @@ class FileConfig(BackendConfig):
             "(0: every key on disk)"
         ),
     )
-
-    @field_validator("path", mode="before")
-    @classmethod
-    def _path_not_empty(cls, value: object) -> object:
-        """An empty path would silently mean the current directory, whatever else it holds."""
-        if isinstance(value, str) and not value.strip():
-            raise ValueError("must name a directory (an empty path would mean the current directory)")
-        return value

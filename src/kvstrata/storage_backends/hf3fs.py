@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from kvstrata.plugins.errors import PluginUnavailableError
 from kvstrata.plugins.storage_backend import (
@@ -53,14 +53,6 @@ class HF3FSConfig(BackendConfig):
     mock: bool = Field(default=False, description="use an ordinary preallocated file instead of USRBIO")
     file_bytes: int = Field(default=1 << 30, ge=4096, description="size of the preallocated data file")
     slot_bytes: int = Field(default=4 << 20, ge=128, description="fixed slot per object (max object size)")
-
-    @field_validator("path", mode="before")
-    @classmethod
-    def _path_not_empty(cls, value: object) -> object:
-        """An empty path would silently mean the current directory."""
-        if isinstance(value, str) and not value.strip():
-            raise ValueError("must name a directory (an empty path would mean the current directory)")
-        return value
 
     @property
     def slots(self) -> int:
