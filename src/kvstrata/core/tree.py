@@ -1,18 +1,19 @@
 """Page-granular prefix tree with per-pool, per-tier state (the index of the device/host tiers).
 
-Edges are lists of whole-page keys. A page key is the page's token ids packed as int64 bytes by
-default (:func:`page_keys`): one C-level pack and one slice per page build it, its hash is
-computed once and cached, comparison is a memcmp, equality is exact (no hash collisions to guard
-against), and bytes are not tracked by the garbage collector (tuples of ints are, and a large
-tree of them makes every full collection slow). Callers that already hold chained page hashes may
-pass those instead: the tree only needs hashable, comparable keys. Children are keyed by their
-first page key, and an edge is compared with one list-slice equality, so matching does no
-per-token Python work.
+An edge is the int64 token ids of its whole pages as one plain ``bytes`` (a slice of the
+sequence's :func:`page_keys`): a child is found by its first page's bytes, and an edge compares
+with one ``startswith`` (a memcmp), so matching does no per-token Python work. Page keys are
+exact (no hash collisions to guard against). Callers that already hold chained page hashes may
+pass lists of those instead: the tree only needs hashable, comparable keys, and such an edge is
+a list. A node stores its values as int64 ``bytes`` too (``tree_bytes``): at 100k sequences the
+node is then the only object per node that Python's garbage collector tracks, and a node keeps
+none of the caller's value tensor alive. ``node.keys`` / ``node.device`` / ``node.host`` read
+them back as page keys and tensors (copies).
 
 Only the stack's anchor and its components live in the tree; sidecars reuse the anchor's (or
 their source's) indices and are resolved by the controller. Per node and per tracked pool the
-tree keeps a device value, a host value (1-D int64 unit indices: one per page for token-page
-pools, one slot for node-state pools), device and host lock counts. A component value that is
+tree keeps a device value, a host value (int64 unit indices: one per page for token-page pools,
+one slot for node-state pools), device and host lock counts. A component value that is
 missing on a node that exists for the anchor is a *tombstone*. The tree never frees memory: it
 reports what it dropped and the owner frees it.
 
