@@ -215,6 +215,7 @@ class TreeEvictor:
                 else:
                     self._evict_component(tier, p, want, result)
         finally:
+            result._settle()
             gone, self._gone = self._gone, None
             if gone:
                 hearing.removed(gone)  # type: ignore[union-attr]
@@ -263,7 +264,7 @@ class TreeEvictor:
         """Drop the host copy of a node that stays on the device (it is no longer backed up)."""
         for p, value in enumerate(node.host_raw):
             if value is not None:
-                result._add(self.pools[p].name, unit_tensor(value))
+                result._add_raw(self.pools[p].name, value)
                 self._set(node, _HOST, p, None)
         if self._gone is not None:
             self._gone.append(node)
@@ -277,14 +278,14 @@ class TreeEvictor:
         if tier is _DEVICE:
             for p, value in enumerate(node.device_raw):
                 if value is not None:
-                    result._add(self.pools[p].name, unit_tensor(value))
+                    result._add_raw(self.pools[p].name, value)
                     self._set(node, _DEVICE, p, None)
             if node.host_raw[0] is not None:
                 result.demoted.append(node)
                 return parent
         for p, value in enumerate(node.host_raw):
             if value is not None:
-                result._add(self.pools[p].name, unit_tensor(value))
+                result._add_raw(self.pools[p].name, value)
                 self._set(node, _HOST, p, None)
         del parent.children[node.first_key]
         node.parent = None
@@ -381,7 +382,7 @@ class TreeEvictor:
             else:
                 value = (node.device_raw if dev else node.host_raw)[p]
                 assert value is not None
-                result._add(name, unit_tensor(value))
+                result._add_raw(name, value)
                 self._set(node, tier, p, None)
                 result.tombstoned += 1
 

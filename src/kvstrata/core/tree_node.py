@@ -373,9 +373,22 @@ class EvictionResult:
     #: window-pool units tombstoned outside the last window of every prefix the tier holds
     out_of_window: dict[str, int] = field(default_factory=dict)
 
+    #: stored unit bytes dropped so far, made one tensor per pool by ``_settle`` (a tensor per
+    #: node cost more than the rest of a demotion)
+    _raw: dict[str, list[bytes]] = field(default_factory=dict, repr=False)
+
     def _add(self, pool: str, value: torch.Tensor) -> None:
         self.freed.setdefault(pool, []).append(value)
         self.units[pool] = self.units.get(pool, 0) + value.shape[0]
+
+    def _add_raw(self, pool: str, raw: bytes) -> None:
+        self._raw.setdefault(pool, []).append(raw)
+        self.units[pool] = self.units.get(pool, 0) + len(raw) // UNIT
+
+    def _settle(self) -> None:
+        for pool, raws in self._raw.items():
+            self.freed.setdefault(pool, []).append(unit_tensor(b"".join(raws)))
+        self._raw.clear()
 
 
 @dataclass(frozen=True)
