@@ -451,18 +451,18 @@ def test_leading_exists_stops_at_the_first_missing_key(tmp_path: Path) -> None:
 
 
 def test_every_backend_config_refuses_an_empty_path_field() -> None:
-    """The rule lives in ``BackendConfig``: the built-in 3FS backend and a third-party config with
-    an optional ``Path`` field get it without a validator of their own."""
+    """One rule for every backend (``StoragePath``): the built-in 3FS backend and a third-party
+    config with an optional path field get it without a validator of their own."""
     from pathlib import Path
 
     from pydantic import ValidationError
 
-    from kvstrata.plugins import BackendConfig
+    from kvstrata.plugins import BackendConfig, StoragePath
     from kvstrata.storage_backends.hf3fs import HF3FSConfig
 
     class ThirdPartyConfig(BackendConfig):
         type: str = "third"
-        spool: Path | None = None
+        spool: StoragePath | None = None
 
     with pytest.raises(ValidationError, match="current directory"):
         HF3FSConfig(path=" ")

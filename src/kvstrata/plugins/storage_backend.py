@@ -16,9 +16,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 #: Plugin API generation this core implements.
 BACKEND_API_VERSION = 1
@@ -108,8 +108,20 @@ def expand_path(value: str) -> str:
     return os.path.expanduser(os.path.expandvars(value))
 
 
+def _not_empty(value: object) -> object:
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("must name a directory (an empty path would mean the current directory)")
+    return value
+
+
+#: A directory a backend config must be given (``path: StoragePath``): an empty or blank string is
+#: refused with the field's dotted path, since it would silently mean the current directory.
+StoragePath = Annotated[Path, BeforeValidator(_not_empty)]
+
+
 def _is_path_field(annotation: Any) -> bool:
-    return annotation is Path or Path in typing.get_args(annotation)
+    """``Path``, or a type built of it (``Path | None``, ``StoragePath``, ``StoragePath | None``)."""
+    return annotation is Path or any(_is_path_field(arg) for arg in typing.get_args(annotation))
 
 
 class BackendConfig(BaseModel):
@@ -138,20 +150,6 @@ class BackendConfig(BaseModel):
             key: expand_path(value) if key in paths and isinstance(value, str) else value
             for key, value in data.items()
         }
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _path_not_empty(cls, value: Any, info: ValidationInfo) -> Any:
-        """An empty ``Path`` field would silently mean the current directory, whatever it holds."""
-        field = cls.model_fields.get(info.field_name or "")
-        if (
-            isinstance(value, str)
-            and not value.strip()
-            and field is not None
-            and _is_path_field(field.annotation)
-        ):
-            raise ValueError("must name a directory (an empty path would mean the current directory)")
-        return value
 
 
 @dataclass(frozen=True, slots=True)

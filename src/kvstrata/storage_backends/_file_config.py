@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
-from kvstrata.plugins.storage_backend import BackendConfig
+from kvstrata.plugins.storage_backend import BackendConfig, StoragePath
 
 
 class FileConfig(BackendConfig):
     """Config of the ``file`` backend (all field names are what users write)."""
 
     type: Literal["file"] = "file"
-    path: Path = Field(description="directory holding the objects (created if missing)")
+    path: StoragePath = Field(description="directory holding the objects (created if missing)")
     capacity_bytes: int | None = Field(default=None, ge=1, description="LRU-evict above this size")
     io_threads: int = Field(default=4, ge=1, le=64, description="parallel file operations per batch")
     fsync: bool = Field(default=False, description="fsync each object before it becomes visible")

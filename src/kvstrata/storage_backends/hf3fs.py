@@ -38,6 +38,7 @@ from kvstrata.plugins.storage_backend import (
     PoolCapabilities,
     StorageBackend,
     StorageObject,
+    StoragePath,
     leading_regions,
     region_views,
 )
@@ -49,7 +50,7 @@ class HF3FSConfig(BackendConfig):
     """Config of the ``hf3fs`` backend."""
 
     type: Literal["hf3fs"] = "hf3fs"
-    path: Path = Field(description="directory on a 3FS mount (mock: any directory)")
+    path: StoragePath = Field(description="directory on a 3FS mount (mock: any directory)")
     mock: bool = Field(default=False, description="use an ordinary preallocated file instead of USRBIO")
     file_bytes: int = Field(default=1 << 30, ge=4096, description="size of the preallocated data file")
     slot_bytes: int = Field(default=4 << 20, ge=128, description="fixed slot per object (max object size)")
