@@ -6,6 +6,7 @@ the first region, then payload regions in host-pool memory.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -460,6 +461,23 @@ def _capture(call: Callable[[], object], errors: list[BaseException]) -> None:
         errors.append(exc)
 
 
+def _stop_and_wait(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once the kernel shows every one of its threads stopped: on a busy
+    VM a master thread can still answer a request sent right after ``kill`` returned (seen once in
+    a full run: ``exists`` answered by a master just SIGSTOPped)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            with contextlib.suppress(OSError):
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        if states and all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within 10 s")
+
+
 def _stopped_master_scenario(log_dir: str, queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     """Child process (one Mooncake client in it: observed, a client opened after another one was
     closed in the same process answered batch_is_exist with the master stopped). Reports what it
@@ -485,8 +503,8 @@ def _stopped_master_scenario(log_dir: str, queue: multiprocessing.Queue) -> None
         source, target = kit.pools(specs, 3, seed=41), kit.pools(specs, 3, seed=None)
         hashes = page_hashes(3, seed=41)
         seen["put"] = engine.put("state", hashes, source["state"].units(range(3))).ok
-        os.kill(pid, signal.SIGSTOP)
         stopped = True
+        _stop_and_wait(pid)
         first = engine.exists("state", hashes)
         second = engine.get("state", hashes, target["state"].units(range(3)))
         seen["first"] = (first.ok, first.failed, first.error)
@@ -508,8 +526,8 @@ def _stopped_master_scenario(log_dir: str, queue: multiprocessing.Queue) -> None
         seen["bit_exact"] = all(
             source["state"].unit_bytes(i) == target["state"].unit_bytes(i) for i in range(3)
         )
-        os.kill(pid, signal.SIGSTOP)
         stopped = True
+        _stop_and_wait(pid)
         backend.close()  # would hold the GIL ~15 s in Mooncake's close without the answer probe
         seen["closed"] = True
     finally:
