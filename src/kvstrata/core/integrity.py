@@ -264,19 +264,51 @@ def fill_headers(
 ) -> None:
     """Write every header of a batch into ``headers`` (zeroed ``(n, HEADER_BYTES)`` uint8): the
     same bytes :func:`build_header` makes per object, the fields set for all rows at once."""
+    _fill_fields(headers, digests, fingerprints, payload_nbytes, checksum)
+    if checksum != "xxh3":
+        return
+    words = headers.view("<u8")
+    flat = headers.reshape(-1).data
+    sums = words[:, _CHECKSUM_AT // 8]  # a view: assignments land in ``headers``
+    for row, payload in enumerate(payloads):
+        start = row * HEADER_BYTES
+        sums[row] = object_checksum(flat[start : start + HEADER_BYTES], payload)
+
+
+def _fill_fields(
+    headers: np.ndarray,
+    digests: np.ndarray,
+    fingerprints: np.ndarray,
+    payload_nbytes: np.ndarray,
+    checksum: ChecksumPolicy,
+) -> None:
+    """Every header field but the checksum (left as it is: zero in a fresh array)."""
     words = headers.view("<u8")  # (n, 8), see _MAGIC_WORD
     kind = ChecksumKind.XXH3_64 if checksum == "xxh3" else ChecksumKind.NONE
     words[:, 0] = _MAGIC_WORD | FORMAT_VERSION << 32 | int(kind) << 48
     words[:, 1:3] = fingerprints
     words[:, 3] = digests
     words[:, 4] = payload_nbytes
-    if checksum != "xxh3":
-        return
-    flat = headers.reshape(-1).data
-    sums = words[:, _CHECKSUM_AT // 8]  # a view: assignments land in ``headers``
-    for row, payload in enumerate(payloads):
-        start = row * HEADER_BYTES
-        sums[row] = object_checksum(flat[start : start + HEADER_BYTES], payload)
+
+
+def expected_prefixes(digests: np.ndarray, fingerprints: np.ndarray, payload_nbytes: np.ndarray) -> bytes:
+    """Per row, the header an ``xxh3`` writer of this layout puts before the payload, with its
+    checksum field zero (``HEADER_BYTES`` each, concatenated): what an object's checksum starts
+    with whenever its header is the expected one. A reader hashes this and the payload as each
+    object arrives (no header bytes to wait for or patch); :func:`intact_rows` accepts a row only
+    when every other header word is the expected one, so that checksum is then the object's."""
+    rows = np.zeros((len(digests), HEADER_BYTES), dtype=np.uint8)
+    _fill_fields(rows, digests, fingerprints, payload_nbytes, "xxh3")
+    return rows.tobytes()
+
+
+def prefixed_checksum(prefix: bytes | memoryview, payload: Sequence[BufferRegion]) -> int:
+    """xxh3_64 of ``prefix`` (a header with its checksum field zero) followed by the payload:
+    :func:`object_checksum` for a header known in advance, in two hash updates."""
+    hasher = xxhash.xxh3_64(prefix)
+    for region in payload:
+        hasher.update(region_view(region))
+    return hasher.intdigest()
 
 
 def intact_rows(
@@ -295,8 +327,10 @@ def intact_rows(
     plain miss, or merely unusual, e.g. reserved bytes another writer set) need
     :func:`verify_object`, which alone decides their verdict.
 
-    ``read``: bytes read per object; ``computed``: the checksum of each complete object's bytes
-    (policy ``xxh3``), as its I/O thread or the caller computed it.
+    ``read``: bytes read per object; ``computed``: per complete object, the checksum of the
+    expected header (:func:`expected_prefixes`) and the payload read (policy ``xxh3``), as its
+    I/O thread or the caller computed it: the object's checksum wherever the row passes, since a
+    row passes only when every other header word (reserved ones too) is the expected one.
     """
     words = headers.view("<u8")  # (n, 8): the header's little-endian words
     lead = words[:, 0]  # magic | version << 32 | checksum kind << 48
@@ -311,5 +345,6 @@ def intact_rows(
     intact &= words[:, 2] == fingerprints[:, 1]
     intact &= words[:, 3] == digests
     intact &= words[:, 4] == payload_nbytes.astype(np.uint64)
+    intact &= (words[:, 6] == 0) & (words[:, 7] == 0)  # reserved: what this reader writes
     intact &= read == payload_nbytes + HEADER_BYTES
     return intact
