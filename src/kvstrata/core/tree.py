@@ -271,8 +271,9 @@ class PrefixTree:
             raise TreeError(f"load the anchor of {node!r} to device before component {name!r}")
         self._set(node, _DEVICE, p, unit_bytes(value))
 
-    def set_host_value(self, node: TreeNode, name: str, value: torch.Tensor) -> None:
-        """Record a host copy (a finished backup); the anchor's host value marks the node backed up."""
+    def set_host_value(self, node: TreeNode, name: str, value: torch.Tensor | bytes) -> None:
+        """Record a host copy (a finished backup; units or their int64 bytes); the anchor's host
+        value marks the node backed up."""
         p = self._pool(name)
         self._require_node(node)
         value = self._check_value(p, value, node.pages)
@@ -280,7 +281,7 @@ class PrefixTree:
             raise TreeError(f"{node!r} already holds host units of pool {name!r}")
         if p != 0 and node.host_raw[0] is None:
             raise TreeError(f"back up the anchor of {node!r} before component {name!r}")
-        self._set(node, _HOST, p, unit_bytes(value))
+        self._set(node, _HOST, p, value if isinstance(value, bytes) else unit_bytes(value))
 
     def drop_component(self, node: TreeNode, name: str, tier: Tier | str) -> torch.Tensor:
         """Tombstone one component of a node in a tier and return its units for the caller to free.

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kvstrata.core.admission import make_admission
+from kvstrata.core.backup_plan import backup_candidates, device_units, split_units, summed
 from kvstrata.core.keys import hash_pages
 from kvstrata.core.metrics import Operation, count_failure
 from kvstrata.core.part_context import PartContext
@@ -33,6 +34,7 @@ from kvstrata.core.stack import PoolKind, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.storage_metrics import StorageOperation
 from kvstrata.core.tree import MatchResult, PageKey, PrefixTree, Tier, TreeNode
+from kvstrata.core.tree_bytes import UNIT
 from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
 from kvstrata.core.write_back import OpenBackups, OpenChain, SharedLock, eviction_backups, host_locks
 
@@ -133,36 +135,16 @@ class Writer:
         host admission filter refuses; queue their L3 write."""
         if not self.pools.host_enabled:
             return
-        todo: list[TreeNode] = []
-        allocated: list[dict[str, torch.Tensor]] = []
-        contiguous = self.policy.write != "write_back"
-        root = self.tree.root
-        for node in nodes:
-            if self.tree.backed_up(node) or node.device[0] is None:
-                continue
-            parent = node.parent
-            if (
-                contiguous
-                and parent is not root
-                and not self.tree.backed_up(parent)  # type: ignore[arg-type]
-                and not (todo and todo[-1] is parent)  # its parent is being backed up right now
-            ):
-                break
-            if admit and not self.host_admission.admit(node):
-                self.metrics.count(Operation.HOST_REJECTED, node.pages)
-                break
-            needs = {}
-            for name in self.layout.tree_pools:
-                value = node.device[self.tree.index[name]]
-                needs[name] = 0 if value is None else value.shape[0]
-            got = self.units.alloc_protecting(node, Tier.HOST, needs)
-            if got is None and self.pending:
-                got = self._wait_for_room(node, needs)
-            if got is None:  # the host tier is full of pages other requests hold
-                self.metrics.count(Operation.BACKUPS_SKIPPED)
-                break
-            todo.append(node)
-            allocated.append(got)
+        candidates, refused = backup_candidates(
+            self.tree,
+            list(self.layout.tree_pools),
+            nodes,
+            contiguous=self.policy.write != "write_back",
+            admit=self.host_admission.admit if admit else None,
+        )
+        todo, allocated = self._host_units(candidates)
+        if refused is not None and len(todo) == len(candidates):
+            self.metrics.count(Operation.HOST_REJECTED, refused.pages)
         if not todo:
             return
         if admit:
@@ -170,6 +152,29 @@ class Writer:
         self._copy_down(todo, allocated)
         if self.engine is not None:
             self._queue_write(todo, hashes)
+
+    def _host_units(
+        self, candidates: list[tuple[TreeNode, dict[str, int]]]
+    ) -> tuple[list[TreeNode], list[dict[str, torch.Tensor]]]:
+        """Host units for the leading candidates: all at once from free units, else a node at a
+        time (evicting, or waiting for L3 writes), stopping at the first that does not fit."""
+        if len(candidates) > 1:
+            needs = [node_needs for _, node_needs in candidates]
+            got = self.units.try_alloc(Tier.HOST, summed(needs))  # never evicts
+            if got is not None:
+                return [node for node, _ in candidates], split_units(got, needs)
+        todo: list[TreeNode] = []
+        allocated: list[dict[str, torch.Tensor]] = []
+        for node, node_needs in candidates:
+            got = self.units.alloc_protecting(node, Tier.HOST, node_needs)
+            if got is None and self.pending:
+                got = self._wait_for_room(node, node_needs)
+            if got is None:  # the host tier is full of pages other requests hold
+                self.metrics.count(Operation.BACKUPS_SKIPPED)
+                break
+            todo.append(node)
+            allocated.append(got)
+        return todo, allocated
 
     def _wait_for_room(self, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None:
         """Backpressure: the host units may be held by in-flight L3 writes. Wait for them, oldest
@@ -205,26 +210,27 @@ class Writer:
         """Device -> host copies of ``nodes`` into ``allocated``, then index the host copies."""
         handles = []
         nbytes = 0
+        stored: dict[str, bytes] = {}
         for name, tp in self.layout.tree_pools.items():
             p = self.tree.index[name]
-            pairs = [
-                (n.device[p], a[name]) for n, a in zip(nodes, allocated, strict=True) if a[name].shape[0]
-            ]
-            if not pairs:
+            hosts = [a[name] for a in allocated if a[name].shape[0]]
+            if not hosts:
                 continue
-            if len(pairs) == 1:  # the common case of a chunked request: no concatenation
-                device, host = pairs[0]
-            else:
-                device = torch.cat([d for d, _ in pairs])  # type: ignore[misc]
-                host = torch.cat([h for _, h in pairs])
+            device = device_units(nodes, p)
+            host = hosts[0] if len(hosts) == 1 else torch.cat(hosts)
             handles += self.pools.device_to_host(name, device, host)
             nbytes += host.shape[0] * unit_bytes(self.pools, tp)
+            stored[name] = host.numpy().tobytes()  # the tree stores int64 bytes: converted once
         for handle in handles:
             handle.wait()
+        offsets = dict.fromkeys(stored, 0)
         for node, got in zip(nodes, allocated, strict=True):
             for name in self.layout.tree_pools:  # anchor first: it marks the node backed up
-                if got[name].shape[0]:
-                    self.tree.set_host_value(node, name, got[name])
+                count = got[name].shape[0] * UNIT
+                if count:
+                    start = offsets[name]
+                    self.tree.set_host_value(node, name, stored[name][start : start + count])
+                    offsets[name] = start + count
         self.metrics.count(Operation.BACKUPS, len(nodes))
         self.metrics.add_bytes("device_to_host", nbytes)
         if self.digests is not None:
