@@ -7,6 +7,7 @@ byte that came back wrong, from the wrong page or from another pool.
 
 from __future__ import annotations
 
+import os
 import zlib
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from kvstrata.plugins import PluginHost
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = {path.stem: path for path in sorted((REPO / "tests" / "stacks").glob("*.yaml"))}
+#: torch device of the L1 pools (``KVSTRATA_TEST_DEVICE=cuda`` runs the controller tests on a GPU)
+DEVICE = os.environ.get("KVSTRATA_TEST_DEVICE", "cpu")
 
 
 def open_cache(
@@ -30,6 +33,8 @@ def open_cache(
     """An example stack; with ``l3`` the file backend lives there, without it there is no L3."""
     host = host or PluginHost()
     sets = [f"tiers.storage.l3.path={l3}"] if l3 is not None else ["tiers.storage={}"]
+    if DEVICE != "cpu":
+        sets.append(f"tiers.device.device={DEVICE}")
     config = load([EXAMPLES[example]], overrides=[*sets, *overrides], plugins=host, environ={})
     return CacheController(config, host, **kwargs)  # type: ignore[arg-type]
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from controller_support import (
+    DEVICE,
     EXAMPLES,
     REPO,
     host_units_held_by_tree,
@@ -123,7 +124,7 @@ def fresh_process(stack: str, l3: Path, seed: int, pages: int, extra: list[str] 
         capture_output=True,
         text=True,
         check=False,
-        env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin", "KVSTRATA_TEST_DEVICE": DEVICE},
         timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -50,19 +50,29 @@ def test_a_failing_backend_fails_operations_not_the_cache(stack: str, fail: str)
 
 @pytest.mark.parametrize("wait_s", [5.0, 0.0])
 def test_write_through_waits_for_in_flight_l3_writes_instead_of_skipping_backups(wait_s: float) -> None:
-    """A slow L3 (fault injection: every put sleeps, then refuses) holds the host units of the
-    last two requests while they are written; the third request's backup must wait for them."""
+    """A stuck L3 (fault injection: every put blocks until released, then refuses) holds the host
+    units of the first two requests while they are written; the third request's backup must wait
+    for them. The writes are released a while into the third request, however fast it runs."""
     host = PluginHost()
     host.storage_backends.register(FaultyBackend)
     slow = [
-        "tiers.storage={slow: {type: faults, fail: refuse, operations: [put], delay_s: 0.3}}",
+        "tiers.storage={slow: {type: faults, fail: refuse, operations: [put], stall: [put]}}",
         f"policy.backup_wait_s={wait_s}",
         "policy.prefetch.threshold_tokens=1000000",  # no reads: only the writes are slow
     ]
     with open_cache("kv", None, slow, host=host) as cache:
+        backend = cache.backend
+        assert isinstance(backend, FaultyBackend)
         half = cache.pools.pools["kv"].host_allocator.units // 2
-        for seed in range(3):
+        for seed in range(2):
             serve(cache, tokens(300 + seed, half))
+        release = threading.Timer(1.0, backend.unstall)
+        release.start()
+        try:
+            serve(cache, tokens(302, half))
+        finally:
+            release.cancel()
+            backend.unstall()
         ops = cache.metrics.snapshot()["operations"]
         if wait_s:
             assert ops["backups"] == 3 and ops["backups_skipped"] == 0 and ops["backups_waited"] >= 1

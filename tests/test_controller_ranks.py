@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from controller_support import REPO
+from controller_support import DEVICE, REPO
 from kvstrata.testing.mooncake_servers import free_loopback_port
 
 RANK = textwrap.dedent(
@@ -52,6 +52,7 @@ def test_two_ranks_drop_or_adopt_a_prefetch_together(tmp_path: Path) -> None:
         "PYTHONPATH": str(REPO / "src"),
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "GLOO_SOCKET_IFNAME": "lo",
+        "KVSTRATA_TEST_DEVICE": DEVICE,
     }
     ranks = [
         subprocess.Popen(

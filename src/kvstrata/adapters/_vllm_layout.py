@@ -82,6 +82,9 @@ class StoreLayout:
     groups: tuple[GroupLayout, ...]
     block_size: int
     facts: dict[str, Any]
+    #: vLLM's ``kv_cache_config.num_blocks``: tells a ``(2, num_blocks, ...)`` K/V-split paged
+    #: tensor from a block-first one (not a namespace fact: it follows the device's free memory)
+    num_blocks: int | None = None
 
     @property
     def anchor(self) -> GroupLayout:
@@ -216,13 +219,18 @@ def build_layout(
         "dtype": str(model_config.dtype),
         "cache_dtype": str(getattr(vllm_config.cache_config, "cache_dtype", None)),
         "kv_cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", None)),
+        # attention backends of different devices lay a block's bytes out differently
+        "device_type": str(getattr(getattr(vllm_config, "device_config", None), "device_type", None)),
         "block_size": groups[0].block_size,
         "groups": [[g.group_id, g.kind, list(g.layer_names), g.pool] for g in groups],
         "tp_size": int(parallel.tensor_parallel_size),
         "pp_size": int(parallel.pipeline_parallel_size),
         "dcp_size": int(getattr(parallel, "decode_context_parallel_size", 1) or 1),
     }
-    return StoreLayout(tuple(groups), groups[0].block_size, facts)
+    num_blocks = getattr(kv_cache_config, "num_blocks", None)
+    return StoreLayout(
+        tuple(groups), groups[0].block_size, facts, int(num_blocks) if num_blocks is not None else None
+    )
 
 
 def identity_of(layout: StoreLayout, parallel: ParallelConfig) -> EngineIdentity:

@@ -1,9 +1,14 @@
 """The worker role of kvstrata's vLLM connector: block bytes between vLLM's paged tensors and L3.
 
-vLLM's paged tensors are kvstrata's L1: a block of a layer is addressed in place (its first
-``layer_bytes`` bytes at ``data_ptr + block * stride(0)``), so a CPU engine's blocks are stored
-and restored with no copy of ours (the backend's plan decides zero-copy or staging). Tensors on
-an accelerator go through one host staging copy per batch.
+vLLM's paged tensors are kvstrata's L1. A layer's block is one or two dense byte ranges (its
+*planes*): block-first tensors ``(num_blocks, ...)`` (vLLM's CPU backend, FlashInfer, Mamba/GDN
+byte pages) hold a block in one range at ``block * stride(0)``; FlashAttention's
+``(2, num_blocks, ...)`` holds its K and V halves in two. A stored block is the concatenation of
+every layer's planes in order (K before V), so both shapes store the same bytes. A CPU engine's
+blocks are stored and restored in place, with no copy of ours (the backend's plan decides
+zero-copy or staging). Blocks on an accelerator are gathered on the device into one
+block-major buffer and cross to pinned host memory in one DMA per batch (and back the same way),
+never a copy per layer or a pageable one.
 """
 
 from __future__ import annotations
@@ -23,31 +28,72 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _LayerBlocks:
-    """One layer's paged tensor as (base address, block stride) of bytes."""
+class _Plane:
+    """``(blocks, nbytes)`` uint8 view of one dense range per block of a layer's tensor."""
 
-    tensor: torch.Tensor
-    base: int
-    stride: int
-    blocks: int
+    rows: torch.Tensor
+    nbytes: int
+
+    @property
+    def base(self) -> int:
+        return self.rows.data_ptr()
+
+    @property
+    def stride(self) -> int:
+        return self.rows.stride(0)
 
 
-def _layer_blocks(name: str, tensor: torch.Tensor, layer_bytes: int) -> _LayerBlocks:
+def _words(*views: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The ``(rows, bytes)`` views as 8-byte words where all allow it: index kernels move one
+    element per thread, so bytes would take eight times the work for the same copy."""
+    if all(v.shape[-1] % 8 == 0 and v.storage_offset() % 8 == 0 and v.stride(0) % 8 == 0 for v in views):
+        return tuple(v.view(torch.int64) for v in views)
+    return views
+
+
+def _dense(block: torch.Tensor) -> bool:
+    """Whether a block's elements fill one gap-free byte range (in any dimension order, so a
+    permuted HND/NHD view of a dense block counts: bytes are moved as they lie)."""
+    expected = 1
+    for size, stride in sorted(zip(block.shape, block.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _planes(name: str, tensor: torch.Tensor, layer_bytes: int, num_blocks: int | None) -> list[_Plane]:
+    """The planes of one layer. ``num_blocks`` (vLLM's ``kv_cache_config.num_blocks``) tells a
+    K/V-split ``(2, num_blocks, ...)`` tensor from a block-first one; unknown means block-first."""
+    split = tensor.dim() >= 3 and num_blocks not in (None, 2) and tuple(tensor.shape[:2]) == (2, num_blocks)
     if tensor.dim() < 1 or tensor.shape[0] < 1:
         raise ValueError(
-            f"vLLM layer {name!r}: expected (num_blocks, ...) paged tensor, got {tuple(tensor.shape)}"
+            f"vLLM layer {name!r}: expected a (num_blocks, ...) or (2, num_blocks, ...) paged tensor, "
+            f"got {tuple(tensor.shape)}"
         )
-    block = tensor[0]
-    block_bytes = block.numel() * block.element_size()
-    if not block.is_contiguous() or block_bytes < layer_bytes:
-        raise ValueError(
-            f"vLLM layer {name!r}: a block is {block_bytes} bytes (contiguous: {block.is_contiguous()}), "
-            f"the spec says {layer_bytes}: unsupported KV cache layout "
-            f"{tuple(tensor.shape)} / {tensor.stride()}"
-        )
-    return _LayerBlocks(
-        tensor, tensor.data_ptr(), tensor.stride(0) * tensor.element_size(), int(tensor.shape[0])
-    )
+    halves = [tensor[0], tensor[1]] if split else [tensor]
+    nbytes = layer_bytes // len(halves)
+    try:
+        raw = tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor
+    except RuntimeError as exc:
+        raise ValueError(f"vLLM layer {name!r}: cannot address its bytes ({exc})") from None
+    planes = []
+    for half in halves:
+        block = half[0]
+        block_bytes = block.numel() * block.element_size()
+        if not _dense(block) or block_bytes < nbytes or half.stride(0) < 0:
+            raise ValueError(
+                f"vLLM layer {name!r}: a block{' half' if split else ''} is {block_bytes} bytes "
+                f"(dense: {_dense(block)}), the spec says {nbytes}: unsupported KV cache layout "
+                f"{tuple(tensor.shape)} / {tensor.stride()}"
+            )
+        offset = (half.data_ptr() - raw.data_ptr()) + raw.storage_offset()
+        stride = half.stride(0) * half.element_size()
+        rows = raw.as_strided((int(half.shape[0]), nbytes), (stride, 1), offset)
+        planes.append(_Plane(rows, nbytes))
+    return planes
 
 
 class WorkerSide:
@@ -57,60 +103,88 @@ class WorkerSide:
         self.engine = engine
         self.layout = layout
         self.groups: dict[int, GroupLayout] = {g.group_id: g for g in layout.groups}
-        self.layers: dict[int, list[_LayerBlocks]] = {}
-        self.on_host = True
+        self.planes: dict[int, list[_Plane]] = {}  # per group: every layer's planes, in order
+        self.blocks = 0
+        self.device = torch.device("cpu")
+        #: blocks in host memory are read and written where they lie; else through pinned staging
+        self.in_place = True
         self.finished_loads: set[str] = set()
         self.failed_loads: set[str] = set()
         self.stats = {"loaded_blocks": 0, "load_failures": 0, "saved_blocks": 0, "save_failures": 0}
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """vLLM's tensors per layer become the groups' L1 (checked against the spec once)."""
+        devices = {t.device for t in kv_caches.values()}
+        if len(devices) > 1:
+            raise ValueError(f"vLLM registered KV caches on several devices {sorted(map(str, devices))}")
+        counts = set()
         for group in self.layout.groups:
             missing = [name for name in group.layer_names if name not in kv_caches]
             if missing:
                 raise ValueError(
                     f"vLLM registered no KV cache for layers {missing} of group {group.group_id}"
                 )
-            self.layers[group.group_id] = [
-                _layer_blocks(name, kv_caches[name], group.layer_bytes) for name in group.layer_names
+            planes = [
+                plane
+                for name in group.layer_names
+                for plane in _planes(name, kv_caches[name], group.layer_bytes, self.layout.num_blocks)
             ]
-        devices = {t.device.type for t in kv_caches.values()}
-        self.on_host = devices <= {"cpu"}
+            counts.update(plane.rows.shape[0] for plane in planes)
+            self.planes[group.group_id] = planes
+        self.blocks = min(counts, default=0)
+        self.device = next(iter(devices), torch.device("cpu"))
+        self.in_place = self.device.type == "cpu"
 
-    # --- regions --------------------------------------------------------------------------------
+    # --- regions and staging ----------------------------------------------------------------------
+
+    def _checked(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The block ids as an index, each checked here (an id out of range must fail this
+        transfer, not trip a device-side assert that ends the engine)."""
+        bad = [block for block in block_ids if not 0 < block < self.blocks]
+        if bad:
+            raise ValueError(f"block ids {bad[:8]} outside vLLM's {self.blocks} blocks (0 is the null block)")
+        return torch.tensor(list(block_ids), dtype=torch.long)
 
     def _regions(self, group_id: int, block_ids: Sequence[int]) -> list[list[tuple[BufferRegion, ...]]]:
-        layers = self.layers[group_id]
-        nbytes = self.groups[group_id].layer_bytes
-        units = []
-        for block in block_ids:
-            if not 0 < block < layers[0].blocks:
-                raise ValueError(f"block id {block} outside vLLM's {layers[0].blocks} blocks")
-            units.append([tuple(BufferRegion(layer.base + block * layer.stride, nbytes) for layer in layers)])
-        return units
+        self._checked(block_ids)
+        planes = self.planes[group_id]
+        return [
+            [tuple(BufferRegion(plane.base + block * plane.stride, plane.nbytes) for plane in planes)]
+            for block in block_ids
+        ]
+
+    def _staging(self, group_id: int, count: int) -> torch.Tensor:
+        """Pinned ``(blocks, bytes per block)`` host memory: one DMA per batch each way."""
+        width = self.groups[group_id].layer_bytes * len(self.groups[group_id].layer_names)
+        return torch.empty((count, width), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
     def _staged(self, group_id: int, block_ids: Sequence[int]) -> torch.Tensor:
-        """(blocks, layers, layer_bytes) host copy of device blocks."""
-        nbytes = self.groups[group_id].layer_bytes
-        index = torch.tensor(list(block_ids), dtype=torch.long)
-        rows = []
-        for layer in self.layers[group_id]:
-            flat = layer.tensor.view(layer.blocks, -1).view(torch.uint8)[:, :nbytes]
-            rows.append(flat.index_select(0, index.to(flat.device)).cpu())
-        return torch.stack(rows, dim=1).contiguous()
+        """Host copy of device blocks: gathered on the device into one block-major buffer (device
+        memory is an order faster than the bus), then one copy to pinned memory."""
+        index = self._checked(block_ids).to(self.device, non_blocking=True)
+        gathered = torch.cat(
+            [
+                _words(plane.rows)[0].index_select(0, index).view(torch.uint8)
+                for plane in self.planes[group_id]
+            ],
+            dim=1,
+        )
+        staging = self._staging(group_id, len(block_ids))
+        staging.copy_(gathered, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the backend reads it next
+        return staging
 
-    def _scatter(
-        self, group_id: int, block_ids: Sequence[int], staging: torch.Tensor, ok: Sequence[bool]
-    ) -> None:
-        nbytes = self.groups[group_id].layer_bytes
-        keep = [i for i, hit in enumerate(ok) if hit]
-        if not keep:
-            return
-        rows = torch.tensor(keep, dtype=torch.long)
-        for j, layer in enumerate(self.layers[group_id]):
-            flat = layer.tensor.view(layer.blocks, -1).view(torch.uint8)
-            index = torch.tensor([block_ids[i] for i in keep], dtype=torch.long, device=flat.device)
-            flat[:, :nbytes].index_copy_(0, index, staging[rows, j].to(flat.device))
+    def _scatter(self, group_id: int, block_ids: Sequence[int], staging: torch.Tensor) -> None:
+        """Host rows to their device blocks: one copy to the device, a scatter per plane there
+        (queued on the current stream, so the forward that follows sees the bytes)."""
+        index = self._checked(block_ids).to(self.device, non_blocking=True)
+        rows = staging.to(self.device, non_blocking=True)
+        column = 0
+        for plane in self.planes[group_id]:
+            target, source = _words(plane.rows, rows[:, column : column + plane.nbytes])
+            target.index_copy_(0, index, source)
+            column += plane.nbytes
 
     @staticmethod
     def _rows(staging: torch.Tensor) -> list[list[tuple[BufferRegion, ...]]]:
@@ -121,17 +195,16 @@ class WorkerSide:
 
     def _get(self, transfer: GroupTransfer) -> bool:
         pool = self.groups[transfer.group_id].pool
-        if self.on_host:
+        if self.in_place:
             result = self.engine.get(
                 pool, transfer.hashes, self._regions(transfer.group_id, transfer.block_ids)
             )
             return all(result.ok)
-        nbytes = self.groups[transfer.group_id].layer_bytes
-        layers = len(self.layers[transfer.group_id])
-        staging = torch.empty((len(transfer.block_ids), layers, nbytes), dtype=torch.uint8)
+        self._checked(transfer.block_ids)
+        staging = self._staging(transfer.group_id, len(transfer.block_ids))
         result = self.engine.get(pool, transfer.hashes, self._rows(staging))
-        if all(result.ok):
-            self._scatter(transfer.group_id, transfer.block_ids, staging, result.ok)
+        if all(result.ok):  # a request restores all of its blocks or none (vLLM recomputes)
+            self._scatter(transfer.group_id, transfer.block_ids, staging)
         return all(result.ok)
 
     def load(self, plan: StepPlan) -> None:
@@ -161,7 +234,7 @@ class WorkerSide:
             if transfer is None or not transfer.hashes:
                 continue
             try:
-                if self.on_host:
+                if self.in_place:
                     units = self._regions(group.group_id, transfer.block_ids)
                     result = self.engine.put(group.pool, transfer.hashes, units)
                 else:

@@ -80,6 +80,15 @@ def buffer_order(spec: PoolSpec) -> list[BufferSpec]:
     return [by_name[name] for obj in spec.objects for name in obj.buffers]
 
 
+def _indexed(device: torch.device | str) -> torch.device:
+    """``cuda`` as the device it means now (``cuda:0``): a tensor's device always carries its
+    index, and tiers and tensors compare devices with ``==``."""
+    device = torch.device(device)
+    if device.type in ("cpu", "meta") or device.index is not None:
+        return device
+    return torch.empty(0, device=device).device
+
+
 class PoolBuffers(UnitAccess):
     """The memory of one pool on one tier: ``units`` pages or slots in ``layout``.
 
@@ -107,7 +116,7 @@ class PoolBuffers(UnitAccess):
         self.spec = spec
         self.units = units
         self.layout = layout
-        self.device = torch.device(device)
+        self.device = _indexed(device)
         self.owned = True  # kvstrata allocated this memory (False: the engine's tensors)
         #: view pairs of copies to other tiers, by id(other tier) (see transfer._view_pairs)
         self.copy_views: dict[int, tuple[PoolBuffers, Any]] = {}
