@@ -158,3 +158,31 @@ def test_device_pressure_never_drops_an_open_lease_unbacked_pages(tmp_path: Path
         cache.insert(lease)
         cache.flush()
     assert restored(tmp_path, request) == 24
+
+
+def test_a_batch_that_needs_eviction_is_backed_up_a_node_at_a_time_byte_exact(tmp_path: Path) -> None:
+    """When the free host units do not hold a whole batch, its nodes get their host units one at
+    a time (evicting colder pages); the units, joined per pool for the copy, still land under
+    the right node: every page restores byte for byte from L3."""
+    older, request = tokens(20, 40), tokens(21, 32)
+    with kvstrata.open(config(tmp_path, pages=64), environ={}) as cache:
+        lease = cache.lookup(older)  # 40 of the 64 host pages, backed up at insert
+        cache.admit(lease)
+        fill(cache, lease, cache.allocate(lease))
+        cache.insert(lease)
+        cache.flush()
+        older_node = lease._node
+        lease = cache.lookup(request[: 4 * PAGE])
+        cache.admit(lease)
+        for _ in range(7):  # 4-page chunks: one node each, batched (28 < 64 pages)
+            chunk(cache, lease, request, 4)
+        assert backed_up_pages(cache, lease) == 0
+        units = cache.allocate(lease)
+        cache.fork_state(lease)
+        fill(cache, lease, units)
+        cache.insert(lease)  # closes: 8 nodes, 32 pages, only 24 host pages free
+        nodes = _path(cache.tree, lease._node)
+        assert len(nodes) == 8 and backed_up_pages(cache, lease) == 32
+        assert older_node.host[0] is None  # the older request's host pages made room
+        cache.flush()
+    assert restored(tmp_path, request) == 32

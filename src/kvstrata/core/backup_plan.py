@@ -4,8 +4,9 @@ A chunked request backs up its open lease in batches (``policy.write_through_bat
 batch is a chain of small nodes, one per chunk. Asking the allocator once per node and reading
 each node's units as tensors cost more than the copy itself there, so the writer plans a batch
 here: the candidates in one pass over the nodes' stored units (their lengths, no tensors), then
-one allocation for all of them when the free units suffice, split per node. Only when they do not
-(eviction, or waiting for L3 writes to release units) does it fall back to a node at a time.
+one allocation for all of them when the free units suffice, copied per pool as it is (the nodes'
+units follow each other in it). Only when they do not (eviction, or waiting for L3 writes to
+release units) does it fall back to a node at a time, joined per pool afterwards.
 """
 
 from __future__ import annotations
@@ -51,18 +52,12 @@ def backup_candidates(
     return out, None
 
 
-def split_units(total: Mapping[str, torch.Tensor], needs: Sequence[Mapping[str, int]]) -> list[Units]:
-    """One allocation of every node's units (``total``, per pool in node order) cut per node."""
-    offsets = dict.fromkeys(total, 0)
-    out: list[Units] = []
-    for node_needs in needs:
-        units: Units = {}
-        for name, count in node_needs.items():
-            start = offsets[name]
-            units[name] = total[name][start : start + count]
-            offsets[name] = start + count
-        out.append(units)
-    return out
+def joined(allocated: Sequence[Units]) -> Units:
+    """Per pool, the units of a node-at-a-time allocation joined in node order (the shape one
+    allocation for the whole batch has)."""
+    if len(allocated) <= 1:
+        return allocated[0] if allocated else {}
+    return {name: torch.cat([units[name] for units in allocated]) for name in allocated[0]}
 
 
 def summed(needs: Sequence[Mapping[str, int]]) -> dict[str, int]:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kvstrata.core.admission import make_admission
-from kvstrata.core.backup_plan import backup_candidates, device_units, split_units, summed
+from kvstrata.core.backup_plan import Units, backup_candidates, device_units, joined, summed
 from kvstrata.core.keys import hash_pages
 from kvstrata.core.metrics import Operation, count_failure
 from kvstrata.core.part_context import PartContext
@@ -142,29 +142,31 @@ class Writer:
             contiguous=self.policy.write != "write_back",
             admit=self.host_admission.admit if admit else None,
         )
-        todo, allocated = self._host_units(candidates)
+        todo, counts, host = self._host_units(candidates)
         if refused is not None and len(todo) == len(candidates):
             self.metrics.count(Operation.HOST_REJECTED, refused.pages)
         if not todo:
             return
         if admit:
             self.metrics.count(Operation.HOST_ADMITTED, sum(n.pages for n in todo))
-        self._copy_down(todo, allocated)
+        self._copy_down(todo, counts, host)
         if self.engine is not None:
             self._queue_write(todo, hashes)
 
     def _host_units(
         self, candidates: list[tuple[TreeNode, dict[str, int]]]
-    ) -> tuple[list[TreeNode], list[dict[str, torch.Tensor]]]:
-        """Host units for the leading candidates: all at once from free units, else a node at a
-        time (evicting, or waiting for L3 writes), stopping at the first that does not fit."""
+    ) -> tuple[list[TreeNode], list[dict[str, int]], Units]:
+        """Host units for the leading candidates: the nodes, their unit counts per pool, and the
+        units per pool in node order. All at once from free units, else a node at a time
+        (evicting, or waiting for L3 writes), stopping at the first that does not fit."""
         if len(candidates) > 1:
             needs = [node_needs for _, node_needs in candidates]
             got = self.units.try_alloc(Tier.HOST, summed(needs))  # never evicts
             if got is not None:
-                return [node for node, _ in candidates], split_units(got, needs)
+                return [node for node, _ in candidates], needs, got
         todo: list[TreeNode] = []
-        allocated: list[dict[str, torch.Tensor]] = []
+        counts: list[dict[str, int]] = []
+        allocated: list[Units] = []
         for node, node_needs in candidates:
             got = self.units.alloc_protecting(node, Tier.HOST, node_needs)
             if got is None and self.pending:
@@ -173,8 +175,9 @@ class Writer:
                 self.metrics.count(Operation.BACKUPS_SKIPPED)
                 break
             todo.append(node)
+            counts.append(node_needs)
             allocated.append(got)
-        return todo, allocated
+        return todo, counts, joined(allocated)
 
     def _wait_for_room(self, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None:
         """Backpressure: the host units may be held by in-flight L3 writes. Wait for them, oldest
@@ -206,27 +209,27 @@ class Writer:
             self.back_up(match.path, hashes=hashes)
         return all(self.tree.backed_up(n) for n in match.path)
 
-    def _copy_down(self, nodes: Sequence[TreeNode], allocated: Sequence[dict[str, torch.Tensor]]) -> None:
-        """Device -> host copies of ``nodes`` into ``allocated``, then index the host copies."""
+    def _copy_down(self, nodes: Sequence[TreeNode], counts: Sequence[dict[str, int]], hosts: Units) -> None:
+        """Device -> host copies of ``nodes`` (``counts``: each node's units per pool) into
+        ``hosts`` (per pool, the nodes' units in order): one copy per pool, then each node's slice
+        of the host units recorded in the tree."""
         handles = []
         nbytes = 0
         stored: dict[str, bytes] = {}
         for name, tp in self.layout.tree_pools.items():
-            p = self.tree.index[name]
-            hosts = [a[name] for a in allocated if a[name].shape[0]]
-            if not hosts:
+            host = hosts.get(name)
+            if host is None or not host.shape[0]:
                 continue
-            device = device_units(nodes, p)
-            host = hosts[0] if len(hosts) == 1 else torch.cat(hosts)
+            device = device_units(nodes, self.tree.index[name])
             handles += self.pools.device_to_host(name, device, host)
             nbytes += host.shape[0] * unit_bytes(self.pools, tp)
             stored[name] = host.numpy().tobytes()  # the tree stores int64 bytes: converted once
         for handle in handles:
             handle.wait()
         offsets = dict.fromkeys(stored, 0)
-        for node, got in zip(nodes, allocated, strict=True):
+        for node, node_counts in zip(nodes, counts, strict=True):
             for name in self.layout.tree_pools:  # anchor first: it marks the node backed up
-                count = got[name].shape[0] * UNIT
+                count = node_counts[name] * UNIT
                 if count:
                     start = offsets[name]
                     self.tree.set_host_value(node, name, stored[name][start : start + count])
