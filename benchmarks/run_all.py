@@ -24,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 #: Benchmark name -> script, in the order the table shows them.
 BENCHMARKS = {
     "pools": "pools.py",
+    "vllm_staging": "vllm_staging.py",
     "storage": "storage.py",
     "tree": "tree.py",
     "engine": "engine.py",

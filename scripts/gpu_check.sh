@@ -24,7 +24,7 @@ workers=()
 python3 -c "import xdist" 2>/dev/null && workers=(-n 4)
 set -o pipefail
 KVSTRATA_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not mooncake" "${workers[@]}" \
-  tests/test_pools_*.py tests/test_controller*.py tests/test_adapter_vllm_worker.py \
+  tests/test_pools_*.py tests/test_transfer*.py tests/test_controller*.py tests/test_adapter_vllm_worker.py \
   tests/test_write_through_batches.py 2>&1 | tee "$OUT/tests.log" | tail -60
 echo "tests rc=$?"
 

@@ -26,6 +26,7 @@ from kvstrata.core.config import (
 from kvstrata.core.integrity import ChecksumPolicy, layout_fingerprint, stored_objects
 from kvstrata.core.io_plan import IOMode, IOPlan, plan_pool
 from kvstrata.core.keys import hash_pages, namespace_root
+from kvstrata.core.pinned_alias import cuda_alias
 from kvstrata.core.storage_engine import StorageEngine, StorageMetrics, longest_present_prefix
 from kvstrata.plugins import PluginHost
 
@@ -72,6 +73,7 @@ __all__ = [
     "PluginBackendConfig",
     "StorageEngine",
     "StorageMetrics",
+    "cuda_alias",
     "dotted",
     "hash_pages",
     "layout_fingerprint",

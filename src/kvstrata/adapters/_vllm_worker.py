@@ -21,7 +21,7 @@ import torch
 
 from kvstrata.adapters._vllm_layout import GroupLayout, StoreLayout
 from kvstrata.adapters._vllm_scheduler import GroupTransfer, StepPlan
-from kvstrata.engine_kit import StorageEngine
+from kvstrata.engine_kit import StorageEngine, cuda_alias
 from kvstrata.plugins import BufferRegion
 
 log = logging.getLogger(__name__)
@@ -159,25 +159,33 @@ class WorkerSide:
         return torch.empty((count, width), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
     def _staged(self, group_id: int, block_ids: Sequence[int]) -> torch.Tensor:
-        """Host copy of device blocks: gathered on the device into one block-major buffer (device
-        memory is an order faster than the bus), then one copy to pinned memory."""
+        """Host copy of device blocks in pinned memory. On a GPU, kernels write the gathered
+        blocks straight into it through its device view (:func:`cuda_alias`), so the bytes
+        cross the bus once while the next plane's kernel is queued; elsewhere the blocks are
+        gathered on the device and copied over in one piece."""
         index = self._checked(block_ids).to(self.device, non_blocking=True)
-        gathered = torch.cat(
-            [
-                _words(plane.rows)[0].index_select(0, index).view(torch.uint8)
-                for plane in self.planes[group_id]
-            ],
-            dim=1,
-        )
         staging = self._staging(group_id, len(block_ids))
-        staging.copy_(gathered, non_blocking=True)
+        alias = cuda_alias(staging, self.device) if self.device.type == "cuda" else None
+        gathered = (
+            alias if alias is not None else torch.empty(staging.shape, dtype=torch.uint8, device=self.device)
+        )
+        rows = torch.arange(len(block_ids), device=self.device)
+        column = 0
+        for plane in self.planes[group_id]:
+            target, source = _words(gathered[:, column : column + plane.nbytes], plane.rows)
+            target.index_copy_(0, rows, source.index_select(0, index))
+            column += plane.nbytes
+        if alias is None:
+            staging.copy_(gathered, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the backend reads it next
         return staging
 
     def _scatter(self, group_id: int, block_ids: Sequence[int], staging: torch.Tensor) -> None:
-        """Host rows to their device blocks: one copy to the device, a scatter per plane there
-        (queued on the current stream, so the forward that follows sees the bytes)."""
+        """Host rows to their device blocks: one copy to the device, a scatter per plane there,
+        queued on the current stream (the forward that follows sees the bytes). Measured on an
+        H200, this beat kernels reading the pinned rows through their device view (0.78-0.87
+        of a contiguous copy against 0.72-0.78): those must gather the rows first anyway."""
         index = self._checked(block_ids).to(self.device, non_blocking=True)
         rows = staging.to(self.device, non_blocking=True)
         column = 0

@@ -18,6 +18,7 @@ import torch
 
 from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.integrity import MARKER_SUFFIX
+from kvstrata.core.pinned_alias import aliased_pairs, prefer_kernels
 from kvstrata.core.row_copy import UnitArrays, copy_few, copy_rows, unit_arrays
 from kvstrata.plugins.pool_type import Layout, ObjectSpec
 from kvstrata.plugins.storage_backend import BufferRegion
@@ -46,8 +47,10 @@ def contiguous_run(indices: torch.Tensor) -> int | None:
     return start
 
 
-#: a tier pair's view pairs and, between CPU tiers, numpy arrays over them
-_Views = tuple[list[tuple[torch.Tensor, torch.Tensor]], UnitArrays | None]
+_Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+#: a tier pair's view pairs; between CPU tiers numpy arrays over them; between a CUDA tier and
+#: pinned host memory the same pairs with the host side as a CUDA view (:mod:`pinned_alias`)
+_Views = tuple[_Pairs, UnitArrays | None, _Pairs | None]
 
 
 @dataclass
@@ -220,8 +223,10 @@ def _view_pairs(src: PoolBuffers, dst: PoolBuffers) -> _Views:
         else:
             views.append((src.unit_view(name, word), dst.unit_view(name, word)))
     arrays = unit_arrays(views) if views and src.device == dst.device else None
-    src.copy_views[id(dst)] = (dst, (views, arrays))
-    return views, arrays
+    cross = {src.device.type, dst.device.type} == {"cuda", "cpu"}
+    aliases = aliased_pairs(views) if views and cross else None
+    src.copy_views[id(dst)] = (dst, (views, arrays, aliases))
+    return views, arrays, aliases
 
 
 def _index_list(pool: PoolBuffers, indices: torch.Tensor | Sequence[int]) -> list[int] | None:
@@ -250,7 +255,7 @@ def copy_units(
     non-blocking on ``stream`` (a side stream is created when none is given) and the returned
     handle must be waited on; CPU-only copies are complete on return. Logical pools copy nothing.
     """
-    views, arrays = _view_pairs(src, dst)
+    views, arrays, aliases = _view_pairs(src, dst)
     if arrays is not None:  # between CPU tiers: a few units are one numpy assignment per view
         src_list, dst_list = _index_list(src, src_indices), _index_list(dst, dst_indices)
         if src_list is not None and dst_list is not None:
@@ -281,7 +286,18 @@ def copy_units(
     side = stream or torch.cuda.Stream(device=cuda_device)
     side.wait_stream(torch.cuda.current_stream(cuda_device))
     with torch.cuda.stream(side):
-        if src.device != dst.device:
+        host = 0 if src.device.type == "cpu" else 1
+        host_run = (src_run, dst_run)[host]
+        if aliases is not None and prefer_kernels([pair[host] for pair in views], host_run, src_idx.numel()):
+            # device kernels gather and scatter the host units where they lie, indexed on both
+            # sides (a kernel reading or writing a strided host slice runs far below the bus)
+            src_at, dst_at = (
+                src_idx.to(cuda_device, non_blocking=True),
+                dst_idx.to(cuda_device, non_blocking=True),
+            )
+            for src_view, dst_view in aliases:
+                _copy_rows(src_view, src_at, None, dst_view, dst_at, None)
+        elif src.device != dst.device:
             src_at, src_start = _placed(src_idx, src_device, non_blocking=True)
             dst_at, dst_start = _placed(dst_idx, dst_device, non_blocking=True)
             rows = torch.arange(src_idx.numel())
