@@ -34,7 +34,6 @@ from kvstrata.core.stack import PoolKind, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.storage_metrics import StorageOperation
 from kvstrata.core.tree import MatchResult, PageKey, PrefixTree, Tier, TreeNode
-from kvstrata.core.tree_bytes import UNIT
 from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
 from kvstrata.core.write_back import OpenBackups, OpenChain, SharedLock, eviction_backups, host_locks
 
@@ -226,14 +225,7 @@ class Writer:
             stored[name] = host.numpy().tobytes()  # the tree stores int64 bytes: converted once
         for handle in handles:
             handle.wait()
-        offsets = dict.fromkeys(stored, 0)
-        for node, node_counts in zip(nodes, counts, strict=True):
-            for name in self.layout.tree_pools:  # anchor first: it marks the node backed up
-                count = node_counts[name] * UNIT
-                if count:
-                    start = offsets[name]
-                    self.tree.set_host_value(node, name, stored[name][start : start + count])
-                    offsets[name] = start + count
+        self.tree.set_host_values(nodes, counts, stored)  # counts name the anchor first
         self.metrics.count(Operation.BACKUPS, len(nodes))
         self.metrics.add_bytes("device_to_host", nbytes)
         if self.digests is not None:
