@@ -5,6 +5,7 @@ engine-supplied device tensors."""
 from __future__ import annotations
 
 import zlib
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,26 @@ def test_fork_state_copies_the_checkpoint_and_leaves_it_untouched() -> None:
         cache.write_units("mamba", working, _content(cache, "mamba", ["engine moved on"]))
         for name, value in cache.read_units("mamba", checkpoint).items():
             assert torch.equal(value.view(torch.uint8), before[name].view(torch.uint8))
+        cache.release(lease)
+
+
+def test_extend_in_uneven_pieces_keys_the_same_pages_as_the_whole_request() -> None:
+    request = tokens(57, 6)
+    # pieces that end inside a page, on a boundary, span several pages; a strided tensor and a list
+    cuts = [1, PAGE - 1, PAGE, 3 * PAGE + 5, 4 * PAGE, 6 * PAGE]
+    with _open("hybrid-mamba", HYBRID) as cache:
+        whole = cache.lookup(request)
+        lease = cache.lookup(request[:1])
+        completed = []
+        for start, end in pairwise(cuts):
+            piece = request[start:end]
+            if start == 3 * PAGE + 5:  # the same ids, every other element of a wider tensor
+                piece = torch.stack([piece, torch.zeros_like(piece)], dim=1).flatten()[::2]
+            completed.append(lease.extend(piece.tolist() if end == PAGE else piece))
+        assert completed == [0, 1, 2, 1, 2]
+        assert lease.pages == 6 and lease.keys == whole.keys and torch.equal(lease.tokens, request)
+        assert lease.page_hashes == whole.page_hashes
+        cache.release(whole)
         cache.release(lease)
 
 

@@ -70,6 +70,22 @@ def _commit_page_by_page(
         after_page(k)
 
 
+def _commit_chunk_by_chunk(
+    cache: CacheController, request: torch.Tensor, after_page: Callable[[int], None]
+) -> None:
+    """One lease kept open, a page per chunk: write-through backs it up in batches of
+    ``policy.write_through_batch_pages``, each batch one L3 write of a chain of nodes."""
+    pages = len(request) // PAGE
+    lease = cache.lookup(request[:PAGE], record=False, prefetch="off")
+    cache.admit(lease)
+    for k in range(1, pages + 1):
+        if k > 1:
+            lease.extend(request[(k - 1) * PAGE : k * PAGE])
+        fill(cache, lease, cache.allocate(lease))
+        cache.insert(lease, close=k == pages)
+        after_page(k)
+
+
 def _restores(stack: str, l3: Path, request: torch.Tensor) -> list[tuple[int, int, int]]:
     """(length asked, pages restored, wrong units) for every prefix length, shortest first, in
     one fresh cache: each restore reads the next page and the state at its end from L3."""
@@ -86,10 +102,19 @@ def _restores(stack: str, l3: Path, request: torch.Tensor) -> list[tuple[int, in
     return out
 
 
-def _run(stack: str, l3: Path, *, seed: int, hold: tuple[int, int] | None, jitter_s: float) -> list:
+def _run(
+    stack: str,
+    l3: Path,
+    *,
+    seed: int,
+    hold: tuple[int, int] | None,
+    jitter_s: float,
+    commit: Callable[[CacheController, torch.Tensor, Callable[[int], None]], None] = _commit_page_by_page,
+    sets: tuple[str, ...] = (),
+) -> list:
     """Commit prompt A page by page (14 pages) and two fillers, with the writer thread held
     from write ``hold[0]`` until page ``hold[1]`` of A is committed, and jittered; then restore."""
-    cache = open_cache(stack, l3, SMALL[stack])
+    cache = open_cache(stack, l3, [*SMALL[stack], *sets])
     rng = random.Random(seed)
     gate = threading.Event()
     calls = [0]
@@ -111,7 +136,7 @@ def _run(stack: str, l3: Path, *, seed: int, hold: tuple[int, int] | None, jitte
             gate.set()
 
     try:
-        _commit_page_by_page(cache, prompt, after)
+        commit(cache, prompt, after)
         gate.set()
         for filler in range(2):  # push A out of L1 and L2
             _commit_page_by_page(cache, tokens(2000 + 10 * seed + filler, 14), lambda k: None)
@@ -130,6 +155,29 @@ def test_held_write_keeps_its_state_and_window_units(stack: str, tmp_path: Path)
     assert not wrong, f"restores with wrong units (asked, restored, wrong units): {wrong}"
     assert all(got <= asked for asked, got, _ in results)
     assert max(got for _, got, _ in results) >= 10  # the held page itself came back from L3
+
+
+@pytest.mark.parametrize("hold", [None, (2, 12)], ids=["writer_keeps_up", "writer_held"])
+@pytest.mark.parametrize("stack", ["hybrid-mamba", "swa-mamba"])
+def test_batched_writes_of_an_open_lease_keep_every_node_units(
+    stack: str, hold: tuple[int, int] | None, tmp_path: Path
+) -> None:
+    """A lease kept open writes batches of 3 one-page nodes: one path lock covers a batch's
+    pages, each node keeps its own state slot and window, whether the last write was drained
+    (a fresh lock) or is still queued (the lock moves down)."""
+    results = _run(
+        stack,
+        tmp_path / "l3",
+        seed=3,
+        hold=hold,
+        jitter_s=0.0,
+        commit=_commit_chunk_by_chunk,
+        sets=("policy.write_through_batch_pages=3",),
+    )
+    wrong = [(asked, got, bad) for asked, got, bad in results if bad]
+    assert not wrong, f"restores with wrong units (asked, restored, wrong units): {wrong}"
+    assert all(got <= asked for asked, got, _ in results)
+    assert max(got for _, got, _ in results) >= 6  # the held write (pages 4-6) came back
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import torch
 from kvstrata.core.keys import hash_pages
 from kvstrata.core.stack import NO_UNITS, PoolKind, StackLayout
 from kvstrata.core.tokens import token_ids
-from kvstrata.core.tree import LockHandle, MatchResult, PrefixTree, Tier, TreeNode, page_keys
+from kvstrata.core.tree import LockHandle, MatchResult, PrefixTree, Tier, TreeNode
 
 if TYPE_CHECKING:
     from kvstrata.core.prefetch_op import PrefetchOp
@@ -119,13 +119,17 @@ class Lease:
         """Append tokens (the next prefill chunk, or decoded tokens); returns the whole pages
         this completed. Units for them come from the next ``allocate``."""
         self._require_open()
-        new = token_ids(tokens)
+        new = token_ids(tokens)  # checked, CPU int64
         joined = torch.cat([self._tail, new]) if self._tail.shape[0] else new
-        keys = page_keys(joined, self.page_size)
-        self.keys.extend(keys)
-        whole = len(keys) * self.page_size
+        # each whole page's key straight from the token bytes (as ``page_keys`` makes them): one
+        # copy of the chunk, no ``PagedKeys`` to build and copy again to iterate per chunk
+        flat = joined.numpy().tobytes()
+        step = self.page_size * 8
+        end = len(flat) - len(flat) % step
+        self.keys.extend([flat[at : at + step] for at in range(0, end, step)])
+        whole = end // 8
         self._tail = joined[whole:] if whole < joined.shape[0] else NO_UNITS  # no slice per chunk
-        return len(keys)
+        return end // step
 
     def prefix_units(self, pool: str) -> torch.Tensor:
         """Device units holding the cached prefix of ``pool`` (see ``prefix_first_page``); only

@@ -18,6 +18,9 @@ import torch
 MAX_TOKEN_ID = 2**32 - 1
 #: lists up to this long are checked element by element (cheaper than a tensor for a decode step)
 _SMALL = 8
+_INT64 = torch.int64
+#: the ufunc reduction behind ``ndarray.max``, without its Python-level wrapper
+_max = np.maximum.reduce
 
 
 def token_ids(tokens: Any, what: str = "tokens") -> torch.Tensor:
@@ -25,6 +28,11 @@ def token_ids(tokens: Any, what: str = "tokens") -> torch.Tensor:
     and what was given: one sequence (not a batch, not a scalar) of integer ids (not floats,
     not bools) in ``[0, 2**32)``. Vectorised: one max over the ids read as unsigned, never a
     per-token loop (lists of at most a few ids, a decode step, are checked directly)."""
+    if type(tokens) is torch.Tensor and tokens.dtype is _INT64 and tokens.dim() == 1 and tokens.is_cpu:
+        # what engines pass every chunk: one unsigned max over the ids as they are (no conversion)
+        words = tokens.numpy()
+        if not words.shape[0] or int(_max(words.view(np.uint64))) <= MAX_TOKEN_ID:
+            return tokens
     if (
         type(tokens) is list
         and len(tokens) <= _SMALL
@@ -58,7 +66,7 @@ def token_ids(tokens: Any, what: str = "tokens") -> torch.Tensor:
     if ids.numel():
         words = ids.numpy()
         # one reduction checks both ends: a negative id is huge read as unsigned
-        if int(words.view(np.uint64).max()) > MAX_TOKEN_ID:
+        if int(_max(words.view(np.uint64))) > MAX_TOKEN_ID:
             low = int(words.min())
             raise ValueError(
                 f"{what}: token ids must lie in [0, 2**32), got {low if low < 0 else int(words.max())}"

@@ -272,16 +272,19 @@ class PrefixTree:
         self._set(node, _DEVICE, p, unit_bytes(value))
 
     def set_host_value(self, node: TreeNode, name: str, value: torch.Tensor | bytes) -> None:
-        """Record a host copy (a finished backup; units or their int64 bytes); the anchor's host
-        value marks the node backed up."""
+        """Record a host copy (a finished backup; units or their int64 bytes): see below."""
         p = self._pool(name)
         self._require_node(node)
         value = self._check_value(p, value, node.pages)
-        if node.host_raw[p] is not None:
-            raise TreeError(f"{node!r} already holds host units of pool {name!r}")
-        if p != 0 and node.host_raw[0] is None:
-            raise TreeError(f"back up the anchor of {node!r} before component {name!r}")
-        self._set(node, _HOST, p, value if isinstance(value, bytes) else unit_bytes(value))
+        raw = value if isinstance(value, bytes) else unit_bytes(value)
+        self._inserter.record_host([node], [{name: len(raw) // UNIT}], {name: raw})
+
+    def set_host_values(
+        self, nodes: Sequence[TreeNode], counts: Sequence[Mapping[str, int]], values: Mapping[str, bytes]
+    ) -> None:
+        """Backups of a batch in one call: ``values[pool]`` the nodes' host units in node order (int64
+        bytes), ``counts[i][pool]`` node i's share (the anchor first: it marks a node backed up)."""
+        self._inserter.record_host(nodes, counts, values)
 
     def drop_component(self, node: TreeNode, name: str, tier: Tier | str) -> torch.Tensor:
         """Tombstone one component of a node in a tier and return its units for the caller to free.

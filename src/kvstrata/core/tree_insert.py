@@ -16,6 +16,7 @@ import torch
 
 from kvstrata.core.tree_node import (
     _DEVICE,
+    _HOST,
     UNIT,
     AccessClock,
     InsertResult,
@@ -188,3 +189,39 @@ class TreeInserter:
             node_.last_access = tick
         clock.tick = tick
         return InsertResult(node, n - i, values, dup_ranges)
+
+    def record_host(
+        self, nodes: Sequence[TreeNode], counts: Sequence[Mapping[str, int]], values: Mapping[str, bytes]
+    ) -> None:
+        """See ``PrefixTree.set_host_values``: each node takes the next ``counts[i][pool]`` units
+        of ``values[pool]``, in the order its counts name the pools (the anchor first: it marks
+        the node backed up), checked as ``set_host_value`` checks one value, in one pass."""
+        root, index, state = self.root, self._index, self._state
+        offsets = dict.fromkeys(values, 0)
+        for node, node_counts in zip(nodes, counts, strict=True):
+            parent = node.parent
+            if node is root or parent is None or parent.children.get(node.first_key) is not node:
+                raise TreeError(
+                    "the root holds no values" if node is root else f"{node!r} is no longer in the tree"
+                )
+            pages = node.pages
+            for name, units in node_counts.items():
+                if not units:
+                    continue
+                p = index.get(name)
+                if p is None:
+                    p = self._pool(name)
+                start = offsets[name]
+                value = values[name][start * UNIT : (start + units) * UNIT]
+                if len(value) != (1 if state[p] else pages) * UNIT:
+                    raise TreeError(f"pool {name!r}: {len(value) // UNIT} units for {pages} page(s)")
+                held = node.host_raw
+                if held[p] is not None:
+                    raise TreeError(f"{node!r} already holds host units of pool {name!r}")
+                if p and held[0] is None:
+                    raise TreeError(f"back up the anchor of {node!r} before component {name!r}")
+                self._set(node, _HOST, p, value)
+                offsets[name] = start + units
+        left = [name for name, end in offsets.items() if end * UNIT != len(values[name])]
+        if left:
+            raise TreeError(f"pools {left}: more units given than the nodes' counts take")

@@ -25,6 +25,8 @@ class TreeLocks:
         self._unlocked = layout.unlocked
         self._windowed = [p for p in range(layout.npools) if layout.window[p]]
         self._paged = [p for p in range(layout.npools) if not layout.state[p] and not layout.window[p]]
+        #: what a path lock holds on its end node: the path's pools and the node-state pools
+        self._end = self._paged + self._stateful
 
     def lock(self, node: TreeNode, tier: Tier) -> LockHandle:
         """See ``PrefixTree.lock``."""
@@ -108,12 +110,12 @@ class TreeLocks:
         dev = handle.tier is _DEVICE
         if self._stateful:
             self._bump(old, dev, self._stateful, -1)
-            self._bump(node, dev, self._stateful, +1)
         for p in self._windowed:
             self._window_lock(old, dev, p, -1)
             self._window_lock(node, dev, p, +1)
+        self._bump(node, dev, self._end, +1)  # ``fresh[0]``: its path and state counts at once
         if self._paged:
-            for cur in fresh:
+            for cur in fresh[1:]:
                 self._bump(cur, dev, self._paged, +1)
         return LockHandle(node, handle.tier)
 

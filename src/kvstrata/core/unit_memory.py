@@ -21,6 +21,7 @@ from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import PoolKind, StackLayout
 from kvstrata.core.transfer import copy_units
 from kvstrata.core.tree import PrefixTree
+from kvstrata.core.tree_bytes import unit_tensor
 from kvstrata.plugins.pool_type import PoolSpec
 
 
@@ -30,6 +31,11 @@ class UnitMemory:
     pools: PoolGroup
     tree: PrefixTree
     layout: StackLayout
+    #: the index tensor of each state slot forked from, keyed by the slot's stored int64 bytes
+    #: (the tree keeps ``bytes``): a chunked request forks at every chunk, and building a tensor
+    #: from the bytes each time cost more than the copy's bookkeeping. Never handed out (nobody
+    #: can change one); at most one entry per device unit of the state pools.
+    _slot_index: dict[bytes, torch.Tensor]
 
     @exclusive
     def fork_state(self, lease: Lease) -> dict[str, torch.Tensor]:
@@ -47,13 +53,22 @@ class UnitMemory:
             if slot is None or not slot.shape[0]:
                 raise RuntimeError("fork_state copies into the lease's new state slot: call allocate first")
             node = lease.node
-            source = node.device[self.tree.index[tp.name]] if node is not None else None
+            source = None if node is None else self._state_source(node.device_raw[self.tree.index[tp.name]])
             for name in tp.followers:
                 if source is not None:
                     pool = self.pools.pools[name]
                     copy_units(pool.device, source, pool.device, slot).wait()
                 out[name] = slot
         return out
+
+    def _state_source(self, raw: bytes | None) -> torch.Tensor | None:
+        """The index tensor of the state slot stored as ``raw`` (None: the node holds none)."""
+        if raw is None:
+            return None
+        source = self._slot_index.get(raw)
+        if source is None:
+            self._slot_index[raw] = source = unit_tensor(raw)
+        return source
 
     def read_units(
         self, pool: str, units: torch.Tensor | Sequence[int], *, layer: int | None = None

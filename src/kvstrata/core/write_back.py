@@ -36,7 +36,10 @@ def host_locks(
 ) -> list[SharedLock]:
     """Host locks keeping ``nodes``' units alive while they are written; the last one is
     the write's path lock. A path just below ``last`` (the last queued write's path lock)
-    moves that lock down (O(new nodes)); otherwise each node gets a lock of its own.
+    moves that lock down (O(new nodes)); any other path (a node below the one before it) takes
+    one path lock on its deepest node, which covers the others' pages (one walk to the root per
+    write, not one per node: a chunked request's batch is a chain as deep as the request);
+    nodes that are no path each get a lock of their own.
 
     A moved lock keeps the path's paged units but leaves the state units of the node it
     came from and that node's window (a state lock covers its own node only), which the
@@ -45,14 +48,17 @@ def host_locks(
     it host eviction freed a queued checkpoint's slot, the next backup reused it, and L3
     stored another page's state under this page's key (issue 29)."""
     chained = last is not None and last.refs > 0 and _is_chain(nodes, last.handle.node)
+    path = chained or (len(nodes) > 1 and _is_chain(nodes[1:], nodes[0]))  # one lock covers all pages
     local: list[SharedLock] = []
     if any(tp.kind is not PoolKind.PAGES for tp in layout.tree_pools.values()):
-        local = [SharedLock(tree.lock_local(n, Tier.HOST)) for n in (nodes if chained else nodes[-1:])]
+        local = [SharedLock(tree.lock_local(n, Tier.HOST)) for n in (nodes if path else nodes[-1:])]
     if chained:
         assert last is not None
         last.handle = tree.move_lock(last.handle, nodes[-1])
         last.refs += 1
         return [*local, last]
+    if path:
+        return [*local, SharedLock(tree.lock(nodes[-1], Tier.HOST))]
     own = [SharedLock(tree.lock(node, Tier.HOST)) for node in nodes]
     return [*own[:-1], *local, own[-1]]
 

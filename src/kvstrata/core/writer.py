@@ -34,12 +34,15 @@ from kvstrata.core.stack import PoolKind, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.storage_metrics import StorageOperation
 from kvstrata.core.tree import MatchResult, PageKey, PrefixTree, Tier, TreeNode
-from kvstrata.core.tree_bytes import UNIT
+from kvstrata.core.tree_bytes import UNIT, unit_tensor
 from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
 from kvstrata.core.write_back import OpenBackups, OpenChain, SharedLock, eviction_backups, host_locks
 
 #: A request's page hashes, computed on demand: only an L3 write needs them.
 PageHashes = Callable[[], Sequence[str]]
+#: per pool to write: the page hashes and, per node, its host units as the tree stores them
+#: (int64 bytes: joined into one index tensor per pool, no tensor per node)
+PerPool = dict[str, tuple[list[str], list[bytes]]]
 
 log = logging.getLogger(__name__)
 
@@ -226,14 +229,7 @@ class Writer:
             stored[name] = host.numpy().tobytes()  # the tree stores int64 bytes: converted once
         for handle in handles:
             handle.wait()
-        offsets = dict.fromkeys(stored, 0)
-        for node, node_counts in zip(nodes, counts, strict=True):
-            for name in self.layout.tree_pools:  # anchor first: it marks the node backed up
-                count = node_counts[name] * UNIT
-                if count:
-                    start = offsets[name]
-                    self.tree.set_host_value(node, name, stored[name][start : start + count])
-                    offsets[name] = start + count
+        self.tree.set_host_values(nodes, counts, stored)  # counts name the anchor first
         self.metrics.count(Operation.BACKUPS, len(nodes))
         self.metrics.add_bytes("device_to_host", nbytes)
         if self.digests is not None:
@@ -278,9 +274,7 @@ class Writer:
         request_hashes = hashes() if hashes is not None and nodes else None
         self._submit(nodes, _host_values_per_pool(self, nodes, request_hashes))
 
-    def _submit(
-        self, nodes: Sequence[TreeNode], per_pool: dict[str, tuple[list[str], list[torch.Tensor]]]
-    ) -> None:
+    def _submit(self, nodes: Sequence[TreeNode], per_pool: PerPool) -> None:
         """Queue the L3 write of ``per_pool`` (host units of ``nodes``, host-locked meanwhile)."""
         assert self.engine is not None
         if self.engine.breaker.refusing():
@@ -293,7 +287,7 @@ class Writer:
         batches: dict[str, PoolBatch] = {}
         for name, (page_hashes, values) in per_pool.items():
             if self.engine.plans[name].writes:
-                batches[name] = pool_batch(self.pools, name, torch.cat(values), page_hashes)
+                batches[name] = pool_batch(self.pools, name, unit_tensor(b"".join(values)), page_hashes)
         if not batches:
             return
         locks = self._host_locks(nodes)
@@ -362,12 +356,12 @@ def _back_up_chain(writer: Writer, chain: OpenChain) -> None:
 
 def _host_values_per_pool(
     writer: Writer, nodes: Sequence[TreeNode], request_hashes: Sequence[str] | None
-) -> dict[str, tuple[list[str], list[torch.Tensor]]]:
+) -> PerPool:
     """Per pool to write: the page hashes and host unit indices of ``nodes`` (a state pool one
     slot per node, under its last page; a window pool the node's last window pages, what a
     restore of a prefix ending there needs, as SGLang stores them; a sidecar follows the pool
     owning its units)."""
-    per_pool: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
+    per_pool: PerPool = {}
     known: dict[TreeNode, list[str]] = {}
     tree = writer.tree
     for node in nodes:
@@ -376,12 +370,12 @@ def _host_values_per_pool(
         else:
             node_hashes = node_hashes_from_path(tree, node, writer.page_size, writer.namespace_root, known)
         for name, tp in writer.layout.tree_pools.items():
-            value = node.host[tree.index[name]]
+            value = node.host_raw[tree.index[name]]
             if value is None:
                 continue
             page_hashes = node_hashes[-1:] if tp.kind is PoolKind.STATE else node_hashes
-            if tp.kind is PoolKind.WINDOW and tp.window < len(value):
-                page_hashes, value = node_hashes[-tp.window :], value[-tp.window :]
+            if tp.kind is PoolKind.WINDOW and tp.window * UNIT < len(value):
+                page_hashes, value = node_hashes[-tp.window :], value[-tp.window * UNIT :]
             for follower in tp.followers:
                 entry = per_pool.setdefault(follower, ([], []))
                 entry[0].extend(page_hashes)
@@ -389,23 +383,21 @@ def _host_values_per_pool(
     return per_pool
 
 
-def _trailing_windows(
-    writer: Writer, node: TreeNode, hashes: PageHashes
-) -> dict[str, tuple[list[str], list[torch.Tensor]]]:
+def _trailing_windows(writer: Writer, node: TreeNode, hashes: PageHashes) -> PerPool:
     """Per window pool (and its sidecars), the page hashes and host units of the last window
     ending at ``node``, where the host tier holds it whole (for a prefix end that was inside a
     node when that node was written to L3)."""
-    per_pool: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
+    per_pool: PerPool = {}
     tree = writer.tree
     for name, tp in writer.layout.tree_pools.items():
         if tp.kind is not PoolKind.WINDOW:
             continue
         p = tree.index[name]
         nodes = tree.window_nodes(node, name)[::-1]
-        if not nodes or any(n.host[p] is None for n in nodes):
+        if not nodes or any(n.host_raw[p] is None for n in nodes):
             continue
-        value = torch.cat([n.host[p] for n in nodes])[-tp.window :]  # type: ignore[misc]
-        page_hashes = list(hashes()[node.depth_end - len(value) : node.depth_end])
+        value = b"".join(n.host_raw[p] for n in nodes)[-tp.window * UNIT :]  # type: ignore[misc]
+        page_hashes = list(hashes()[node.depth_end - len(value) // UNIT : node.depth_end])
         for follower in tp.followers:
             per_pool[follower] = (page_hashes, [value])
     return per_pool
@@ -415,13 +407,13 @@ def _checked_put(
     engine: StorageEngine,
     digests: UnitDigests,
     batches: dict[str, PoolBatch],
-    per_pool: dict[str, tuple[list[str], list[torch.Tensor]]],
+    per_pool: PerPool,
 ) -> dict[str, BatchResult]:
     """The writer thread's put under ``debug.unit_digests``: a pool whose host bytes no longer
     match their commit is not written (the anchor still is: the prefix ends before it)."""
     for name in list(batches):
         page_hashes, values = per_pool[name]
-        if not digests.check("l3_write", name, page_hashes, torch.cat(values), Tier.HOST):
+        if not digests.check("l3_write", name, page_hashes, unit_tensor(b"".join(values)), Tier.HOST):
             del batches[name]
     return engine.put_group(batches)
 

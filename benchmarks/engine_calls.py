@@ -1,0 +1,118 @@
+"""Where a chunk of the engine loop goes: controller time per call of chunked prefill on one lease.
+
+``benchmarks/engine.py`` says whether chunked prefill costs what one insert of the whole request
+does; this says which call a chunk's fixed cost sits in. The same stack and loop (kv + Mamba,
+tiny buffers, no model; ``allocate``, ``fork_state``, ``insert(close=False)``, ``extend`` per
+chunk), each call timed on its own (thread CPU time of the calling thread), per round a fresh
+cache for the chunked request and another for one lookup + insert of the whole request, the
+baseline measured in the same run. Prints microseconds per call (median, min-max over
+``--rounds``) and the chunk's total against the whole insert's cost for the same pages.
+
+    python benchmarks/engine_calls.py [--pages N] [--chunk PAGES] [--l3] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from engine import PAGE, stack
+
+import kvstrata
+
+CALLS = ("allocate", "fork_state", "insert", "extend")
+
+
+def chunked_calls(cache: kvstrata.CacheController, request: torch.Tensor, chunk: int) -> dict[str, float]:
+    """Seconds per call of each kind (thread CPU time), for one chunked request."""
+    clock = time.thread_time
+    spent = dict.fromkeys(CALLS, 0.0)
+    chunks = 0
+    lease = cache.lookup(request[: chunk * PAGE])
+    cache.admit(lease)
+    while True:
+        start = clock()
+        cache.allocate(lease)
+        allocated = clock()
+        cache.fork_state(lease)
+        forked = clock()
+        last = lease.pages * PAGE >= len(request)
+        cache.insert(lease, close=last)
+        inserted = clock()
+        spent["allocate"] += allocated - start
+        spent["fork_state"] += forked - allocated
+        spent["insert"] += inserted - forked
+        chunks += 1
+        if last:
+            break
+        start = clock()
+        lease.extend(request[lease.pages * PAGE : (lease.pages + chunk) * PAGE])
+        spent["extend"] += clock() - start
+    return {call: seconds / (chunks - (call == "extend")) for call, seconds in spent.items()}
+
+
+def whole(cache: kvstrata.CacheController, request: torch.Tensor) -> float:
+    """Thread CPU seconds of one lookup + insert of the whole request."""
+    start = time.thread_time()
+    lease = cache.lookup(request)
+    cache.admit(lease)
+    cache.allocate(lease)
+    cache.insert(lease)
+    return time.thread_time() - start
+
+
+def measure(pages: int, chunk: int, l3: bool, seed: int) -> tuple[dict[str, float], float]:
+    request = torch.randint(0, 50_000, (pages * PAGE,), generator=torch.Generator().manual_seed(seed))
+    out: list = []
+    for run in (lambda c: chunked_calls(c, request, chunk), lambda c: whole(c, request)):
+        with tempfile.TemporaryDirectory(prefix="kvstrata-bench-calls-") as tmp:
+            cache = kvstrata.open(stack(pages, Path(tmp) if l3 else None), environ={})
+            try:
+                gc.collect()
+                out.append(run(cache))
+                cache.flush()
+            finally:
+                cache.close()
+    return out[0], out[1]
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):7.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pages", type=int, default=2048)
+    parser.add_argument("--chunk", type=int, default=8, help="pages per chunk")
+    parser.add_argument("--l3", action="store_true", help="with a file L3 (its flush not timed)")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    measure(16, args.chunk, args.l3, 99)  # warm-up: imports, allocator, first calls
+    per_call: dict[str, list[float]] = {call: [] for call in CALLS}
+    chunk_us: list[float] = []
+    whole_us: list[float] = []
+    for round_id in range(args.rounds):
+        calls, seconds = measure(args.pages, args.chunk, args.l3, round_id)
+        for call, value in calls.items():
+            per_call[call].append(value * 1e6)
+        chunk_us.append(sum(calls.values()) * 1e6)
+        whole_us.append(seconds * 1e6 / args.pages * args.chunk)
+    print(
+        f"{args.pages} pages in {args.chunk}-page chunks, L3 {'file' if args.l3 else 'none'}: "
+        f"controller thread CPU us per call, median (min-max) of {args.rounds} rounds"
+    )
+    for call in CALLS:
+        print(f"{call:>12} {spread(per_call[call])}")
+    print(f"{'chunk':>12} {spread(chunk_us)}")
+    print(f"{'whole':>12} {spread(whole_us)}  (one insert of the whole request, per {args.chunk} pages)")
+    ratios = [c / w for c, w in zip(chunk_us, whole_us, strict=True)]
+    print(f"chunk / whole insert of the same pages: {spread(ratios).strip()} (goal <= 3)")
+
+
+if __name__ == "__main__":
+    main()
