@@ -76,6 +76,11 @@ def _timed(fns: dict[str, Callable[[], object]], device: torch.device, repeats: 
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def _load(worker: WorkerSide, ids: list[int], staged: torch.Tensor) -> None:
+    """The connector's load path after a get: the checked block index, then the scatter."""
+    worker._scatter(0, worker._index(ids), staged)
+
+
 def _byte_rows(tensor: torch.Tensor, split: bool) -> list[torch.Tensor]:
     """(blocks, bytes) views of a layer: K and V halves of a split tensor, else whole blocks."""
     raw = tensor.view(torch.uint8)
@@ -167,7 +172,7 @@ def main() -> None:
         )
         into = _timed(
             {
-                "ours": partial(worker._scatter, 0, ids, staged),
+                "ours": partial(_load, worker, ids, staged),
                 "plain": lambda: plain_dev.copy_(plain_host, non_blocking=pin),
                 "per-layer": partial(_per_layer_in, caches, shape == "kv_split", index, staged),
             },

@@ -35,14 +35,14 @@ def cuda_alias(view: torch.Tensor, device: torch.device) -> torch.Tensor | None:
     if view.device.type != "cpu" or device.type != "cuda" or not view.is_pinned():
         return None
     storage = view.untyped_storage()
+    if storage.nbytes() % view.element_size():
+        return None
     try:
         whole = torch.as_tensor(_CudaArray(storage.data_ptr(), storage.nbytes()))
     except (RuntimeError, TypeError, ValueError):
         return None
     if whole.device != device or whole.data_ptr() != storage.data_ptr():
         return None  # pinned for another device, or torch copied instead of viewing
-    if storage.nbytes() % view.element_size():
-        return None
     return whole.view(view.dtype).as_strided(view.shape, view.stride(), view.storage_offset())
 
 

@@ -275,9 +275,8 @@ class PrefixTree:
         """Record a host copy (a finished backup; units or their int64 bytes): see below."""
         p = self._pool(name)
         self._require_node(node)
-        value = self._check_value(p, value, node.pages)
-        raw = value if isinstance(value, bytes) else unit_bytes(value)
-        self._inserter.record_host([node], [{name: len(raw) // UNIT}], {name: raw})
+        raw = value if isinstance(value, bytes) else unit_bytes(self._check_value(p, value, node.pages))
+        self._inserter.record_host([node], [{name: len(raw) // UNIT}], {name: raw})  # checks bytes
 
     def set_host_values(
         self, nodes: Sequence[TreeNode], counts: Sequence[Mapping[str, int]], values: Mapping[str, bytes]

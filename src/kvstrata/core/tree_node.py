@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
-from typing import TypeVar
 
 import torch
 
@@ -28,9 +27,6 @@ from kvstrata.core.tree_bytes import paged_keys_type as paged_keys_type
 from kvstrata.core.tree_bytes import unit_bytes as unit_bytes
 from kvstrata.core.tree_bytes import unit_tensor as unit_tensor
 from kvstrata.plugins.pool_type import Granularity, HitRuleKind, PoolRole, PoolSpec
-
-#: a node value as callers give it: an index tensor, or its int64 bytes
-_V = TypeVar("_V", torch.Tensor, bytes)
 
 
 class Tier(StrEnum):
@@ -260,14 +256,8 @@ class PoolLayout:
                 f"pool {name!r} is not tracked by the tree (tracked: {list(self.index)})"
             ) from None
 
-    def check_value(self, p: int, value: _V, pages: int) -> _V:
-        """``value`` if it is a 1-D index tensor (or its int64 ``bytes``, as a batch of backups
-        hands them over) of the right length for pool ``p`` on ``pages``."""
-        if isinstance(value, bytes):
-            if len(value) != (1 if self.state[p] else pages) * UNIT:
-                units = len(value) // UNIT
-                raise TreeError(f"pool {self.pools[p].name!r}: {units} units for {pages} page(s)")
-            return value
+    def check_value(self, p: int, value: torch.Tensor, pages: int) -> torch.Tensor:
+        """``value`` if it is a 1-D index tensor of the right length for pool ``p`` on ``pages``."""
         if not isinstance(value, torch.Tensor) or value.dim() != 1:
             raise TreeError(f"pool {self.pools[p].name!r}: values must be 1-D index tensors")
         want = 1 if self.state[p] else pages
