@@ -1,8 +1,8 @@
 """Device <-> host block copies of kvstrata's vLLM connector, against a plain contiguous copy.
 
-A vLLM worker on an accelerator saves blocks by gathering them on the device into one block-major
-buffer and copying that to pinned host memory in one DMA, and loads them the other way round
-(``WorkerSide._staged`` / ``WorkerSide._scatter``). For a Llama-8B-like attention group (32
+A vLLM worker on an accelerator saves blocks with one gather kernel per layer plane writing
+straight into pinned host staging through its CUDA view, and loads them with one DMA of the
+staging and a scatter kernel per plane (``WorkerSide._staged`` / ``WorkerSide._scatter``). For a Llama-8B-like attention group (32
 layers, 8 KV heads of 128, 16-token blocks, bf16: 2 MiB per block) this times both, in each paged
 shape vLLM uses (FlashAttention's ``(2, num_blocks, ...)`` and block-first), for scattered block
 ids, interleaved with two baselines measured in the same run:

@@ -25,7 +25,7 @@ def test_kernels_are_preferred_unless_the_host_run_is_one_block() -> None:
     assert prefer_kernels([page_first], None, 3)  # scattered host units
     assert not prefer_kernels([page_first], 2, 3)
     assert prefer_kernels([page_first, layer_first], 2, 3)
-    assert not prefer_kernels([layer_first], False, 3)  # CUDA indices are never inspected
+    assert prefer_kernels([layer_first], False, 3)  # CUDA indices: never inspected, kernels need no look
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstrata.core.buffers import PoolBuffers
-from kvstrata.core.transfer import copy_units, object_regions, read_objects, write_objects
+from kvstrata.core.object_views import object_regions, read_objects, write_objects
+from kvstrata.core.transfer import copy_units
 from kvstrata.plugins.pool_type import Layout, ModelContext, PoolSpec
 from kvstrata.pool_types.draft import DraftConfig, DraftPoolType
 from kvstrata.pool_types.kv import KVConfig, KVPoolType

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from kvstrata.core.buffers import EngineTensor, PoolBuffers, torch_dtype
 from kvstrata.core.config import validate_config
+from kvstrata.core.object_views import read_objects, write_objects
 from kvstrata.core.pool_group import HostMemoryError, PoolGroup
-from kvstrata.core.transfer import copy_units, read_objects, write_objects
+from kvstrata.core.transfer import copy_units
 from kvstrata.plugins import PluginHost
 from kvstrata.plugins.pool_type import Layout, ModelContext, PoolSpec
 from kvstrata.pool_types.draft import DraftConfig, DraftPoolType

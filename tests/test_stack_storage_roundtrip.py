@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     from kvstrata.core.keys import hash_pages, namespace_root
     from kvstrata.core.pool_group import PoolGroup
     from kvstrata.core.storage_engine import PoolBatch, StorageEngine
-    from kvstrata.core.transfer import object_regions
+    from kvstrata.core.object_views import object_regions
     from kvstrata.plugins import PluginHost
 
     def open_stack(config_path, overrides, pages):

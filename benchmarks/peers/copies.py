@@ -63,7 +63,8 @@ class KvstrataWorker:
         import torch
 
         from kvstrata.core.buffers import PoolBuffers
-        from kvstrata.core.transfer import copy_units, write_objects
+        from kvstrata.core.object_views import write_objects
+        from kvstrata.core.transfer import copy_units
         from kvstrata.plugins.pool_type import Layout, ModelContext
         from kvstrata.pool_types.kv import KVConfig, KVPoolType
 
@@ -103,7 +104,7 @@ class KvstrataWorker:
     def _check(self, host: Any, targets: Any) -> bool:
         import torch
 
-        from kvstrata.core.transfer import read_objects
+        from kvstrata.core.object_views import read_objects
 
         return bool(torch.equal(read_objects(host, "kv", targets), self.flat))
 

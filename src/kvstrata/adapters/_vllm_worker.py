@@ -8,8 +8,8 @@ every layer's planes in order (K before V), so both shapes store the same bytes.
 blocks are stored and restored in place, with no copy of ours (the backend's plan decides
 zero-copy or staging). Blocks on an accelerator cross the bus once per batch through pinned
 host staging, never a copy per layer or a pageable one: saved blocks are gathered by device
-kernels straight into it (through its CUDA view), loaded ones cross in one DMA and are scattered
-on the device.
+kernels straight into it (through its CUDA view, one kernel per plane), loaded ones cross in one
+DMA and are scattered on the device.
 """
 
 from __future__ import annotations
@@ -44,12 +44,34 @@ class _Plane:
         return self.rows.stride(0)
 
 
-def _words(*views: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The ``(rows, bytes)`` views as 8-byte words where all allow it: index kernels move one
-    element per thread, so bytes would take eight times the work for the same copy."""
-    if all(v.shape[-1] % 8 == 0 and v.storage_offset() % 8 == 0 and v.stride(0) % 8 == 0 for v in views):
-        return tuple(v.view(torch.int64) for v in views)
-    return views
+@dataclass(frozen=True)
+class _Columns:
+    """How a group's planes map onto staging rows (one row per block, the planes side by side),
+    worked out once at registration: per plane its rows and its column range, in 8-byte words
+    where every plane and offset allows (index kernels move one element per thread, so bytes
+    would take eight times the work), else in bytes. A copy then costs one kernel per plane and
+    no per-call view building (launches, not the bus, bound a batch of a few blocks)."""
+
+    words: bool
+    parts: tuple[tuple[torch.Tensor, int, int], ...]  # (plane rows, first column, end column)
+
+    @classmethod
+    def of(cls, planes: Sequence[_Plane]) -> _Columns:
+        offsets = [0]
+        for plane in planes:
+            offsets.append(offsets[-1] + plane.nbytes)
+        words = all(
+            p.nbytes % 8 == 0 and p.rows.storage_offset() % 8 == 0 and p.stride % 8 == 0 for p in planes
+        )
+        unit = 8 if words else 1
+        parts = tuple(
+            (plane.rows.view(torch.int64) if words else plane.rows, start // unit, end // unit)
+            for plane, start, end in zip(planes, offsets, offsets[1:], strict=False)
+        )
+        return cls(words, parts)
+
+    def staging_view(self, staging: torch.Tensor) -> torch.Tensor:
+        return staging.view(torch.int64) if self.words else staging
 
 
 def _dense(block: torch.Tensor) -> bool:
@@ -105,6 +127,7 @@ class WorkerSide:
         self.layout = layout
         self.groups: dict[int, GroupLayout] = {g.group_id: g for g in layout.groups}
         self.planes: dict[int, list[_Plane]] = {}  # per group: every layer's planes, in order
+        self.columns: dict[int, _Columns] = {}  # per group: the planes' places in a staging row
         self.blocks = 0
         self.device = torch.device("cpu")
         #: blocks in host memory are read and written where they lie; else through pinned staging
@@ -132,6 +155,7 @@ class WorkerSide:
             ]
             counts.update(plane.rows.shape[0] for plane in planes)
             self.planes[group.group_id] = planes
+            self.columns[group.group_id] = _Columns.of(planes)
         self.blocks = min(counts, default=0)
         self.device = next(iter(devices), torch.device("cpu"))
         self.in_place = self.device.type == "cpu"
@@ -164,22 +188,21 @@ class WorkerSide:
         return torch.empty((count, width), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
     def _staged(self, group_id: int, block_ids: Sequence[int]) -> torch.Tensor:
-        """Host copy of device blocks in pinned memory. On a GPU, kernels write the gathered
-        blocks straight into it through its device view (:func:`cuda_alias`), so the bytes
-        cross the bus once while the next plane's kernel is queued; elsewhere the blocks are
-        gathered on the device and copied over in one piece."""
+        """Host copy of device blocks in pinned memory. On a GPU, one kernel per plane gathers
+        its blocks straight into their columns of the staging rows through the staging's device
+        view (:func:`cuda_alias`), so the bytes cross the bus once (measured on an H200: 0.89 of
+        a contiguous copy for 64 blocks, against 0.77 with a gather and a scatter kernel per
+        plane); elsewhere the blocks are gathered on the device and copied over in one piece."""
         index = self._index(block_ids)
         staging = self._staging(group_id, len(block_ids))
         alias = cuda_alias(staging, self.device) if self.device.type == "cuda" else None
         gathered = (
             alias if alias is not None else torch.empty(staging.shape, dtype=torch.uint8, device=self.device)
         )
-        rows = torch.arange(len(block_ids), device=self.device)
-        column = 0
-        for plane in self.planes[group_id]:
-            target, source = _words(gathered[:, column : column + plane.nbytes], plane.rows)
-            target.index_copy_(0, rows, source.index_select(0, index))
-            column += plane.nbytes
+        columns = self.columns[group_id]
+        target = columns.staging_view(gathered)
+        for source, start, stop in columns.parts:
+            torch.index_select(source, 0, index, out=target[:, start:stop])
         if alias is None:
             staging.copy_(gathered, non_blocking=True)
         if self.device.type == "cuda":
@@ -191,12 +214,10 @@ class WorkerSide:
         queued on the current stream (the forward that follows sees the bytes). Measured on an
         H200, this beat kernels reading the pinned rows through their device view (0.78-0.87
         of a contiguous copy against 0.72-0.78): those must gather the rows first anyway."""
-        rows = staging.to(self.device, non_blocking=True)
-        column = 0
-        for plane in self.planes[group_id]:
-            target, source = _words(plane.rows, rows[:, column : column + plane.nbytes])
-            target.index_copy_(0, index, source)
-            column += plane.nbytes
+        columns = self.columns[group_id]
+        rows = columns.staging_view(staging.to(self.device, non_blocking=True))
+        for target, start, stop in columns.parts:
+            target.index_copy_(0, index, rows[:, start:stop])
 
     @staticmethod
     def _rows(staging: torch.Tensor) -> list[list[tuple[BufferRegion, ...]]]:

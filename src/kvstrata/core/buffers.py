@@ -120,7 +120,7 @@ class PoolBuffers(UnitAccess):
         self.owned = True  # kvstrata allocated this memory (False: the engine's tensors)
         #: view pairs of copies to other tiers, by id(other tier) (see transfer._view_pairs)
         self.copy_views: dict[int, tuple[PoolBuffers, Any]] = {}
-        #: per object suffix: its contiguous blocks in a unit (see transfer.object_blocks)
+        #: per object suffix: its contiguous blocks in a unit (see object_views.object_blocks)
         self.object_blocks: dict[str, list[tuple[int, int, int, int]]] = {}
         self._layer_tensors: dict[str, list[torch.Tensor]] = {}  # engine buffers given per layer
         self.placements: dict[str, Placement] = {}

@@ -15,9 +15,9 @@ from enum import StrEnum
 
 import torch
 
+from kvstrata.core.object_views import object_regions
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.storage_engine import PoolBatch
-from kvstrata.core.transfer import object_regions
 from kvstrata.core.tree import PrefixTree
 from kvstrata.plugins.pool_type import Granularity, HitRuleKind, PartialHit, PoolSpec
 
