@@ -212,3 +212,32 @@ def test_a_request_with_a_missing_block_fails_and_writes_nothing(open_worker, pa
     assert worker.take_finished() == ({"req"}, {"req"})
     if path == "staged":  # in place, hits land before the miss is known; vLLM recomputes them
         assert all(torch.equal(before[name], t) for name, t in caches.items())
+
+
+@pytest.mark.parametrize("one_storage", [False, True])
+def test_planes_at_a_fixed_distance_move_in_one_kernel_and_byte_exact(open_worker, one_storage: bool) -> None:
+    """K and V halves of a FlashAttention layer are one part of the staging copy (one kernel
+    per layer, not per half); layers cut from one allocation at a fixed distance merge into a
+    single part. Either way the staged bytes are the in-place ones."""
+    saver, loader = open_worker(), open_worker()
+    source = _caches("kv_split", seed=6)
+    if one_storage:  # every attention layer a view of one (layers, 2, num_blocks, ...) tensor
+        whole = torch.empty(
+            (LAYERS, 2, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM), dtype=torch.bfloat16, device=DEVICE
+        )
+        for i in range(LAYERS):
+            whole[i].copy_(source[f"layers.{i}.self_attn"])
+            source[f"layers.{i}.self_attn"] = whole[i]
+    saver.register(source)
+    attention = saver.layout.groups[0].group_id
+    parts = saver.columns[attention].parts
+    assert [part.planes for part in parts] == ([2 * LAYERS] if one_storage else [2] * LAYERS)
+    target = _caches("block_first", seed=7)
+    loader.register(target)
+    saver.in_place = loader.in_place = False
+    saver.save(_plan(saver, [3, 9], load=False))
+    loader.load(_plan(loader, [5, 1], load=True))
+    assert loader.take_finished() == ({"req"}, set())
+    for name in source:
+        for src_block, dst_block in ((3, 5), (9, 1)):
+            assert torch.equal(_block(source[name], src_block), _block(target[name], dst_block)), name

@@ -45,30 +45,80 @@ class _Plane:
 
 
 @dataclass(frozen=True)
+class _Part:
+    """Planes that one kernel moves: a plane's ``(blocks, width)`` rows, or ``(planes, blocks,
+    width)`` where consecutive planes lie at one fixed distance in the same memory (the K and V
+    halves of a FlashAttention layer), and their columns ``start:stop`` of a staging row."""
+
+    source: torch.Tensor
+    start: int
+    stop: int
+    planes: int
+
+    @property
+    def dim(self) -> int:
+        """The block dimension of ``source``."""
+        return 0 if self.planes == 1 else 1
+
+    def columns(self, staging: torch.Tensor) -> torch.Tensor:
+        """These planes' columns of ``staging`` rows, shaped like ``source`` indexed by block."""
+        view = staging[:, self.start : self.stop]
+        return view if self.planes == 1 else view.unflatten(1, (self.planes, -1)).transpose(0, 1)
+
+
+def _runs(planes: Sequence[_Plane]) -> list[list[_Plane]]:
+    """Consecutive planes grouped where one strided view covers them: same memory, rows and
+    width, each one fixed positive distance after the one before."""
+    runs: list[list[_Plane]] = []
+    for plane in planes:
+        run = runs[-1] if runs else None
+        if run is not None and _extends(run, plane):
+            run.append(plane)
+        else:
+            runs.append([plane])
+    return runs
+
+
+def _extends(run: list[_Plane], plane: _Plane) -> bool:
+    first, last = run[0], run[-1]
+    distance = plane.base - last.base
+    return (
+        plane.rows.untyped_storage().data_ptr() == first.rows.untyped_storage().data_ptr()
+        and plane.rows.shape == first.rows.shape
+        and plane.stride == first.stride
+        and distance > 0
+        and (len(run) == 1 or distance == last.base - run[-2].base)
+    )
+
+
+@dataclass(frozen=True)
 class _Columns:
     """How a group's planes map onto staging rows (one row per block, the planes side by side),
-    worked out once at registration: per plane its rows and its column range, in 8-byte words
-    where every plane and offset allows (index kernels move one element per thread, so bytes
-    would take eight times the work), else in bytes. A copy then costs one kernel per plane and
-    no per-call view building (launches, not the bus, bound a batch of a few blocks)."""
+    worked out once at registration, in 8-byte words where every plane and offset allows (index
+    kernels move one element per thread, so bytes would take eight times the work), else bytes.
+    A copy then costs one kernel per part -- a layer, where its K and V planes merge -- and no
+    per-call view building: launches, not the bus, bound a batch of a few blocks."""
 
     words: bool
-    parts: tuple[tuple[torch.Tensor, int, int], ...]  # (plane rows, first column, end column)
+    parts: tuple[_Part, ...]
 
     @classmethod
     def of(cls, planes: Sequence[_Plane]) -> _Columns:
-        offsets = [0]
-        for plane in planes:
-            offsets.append(offsets[-1] + plane.nbytes)
-        words = all(
+        aligned = all(
             p.nbytes % 8 == 0 and p.rows.storage_offset() % 8 == 0 and p.stride % 8 == 0 for p in planes
         )
-        unit = 8 if words else 1
-        parts = tuple(
-            (plane.rows.view(torch.int64) if words else plane.rows, start // unit, end // unit)
-            for plane, start, end in zip(planes, offsets, offsets[1:], strict=False)
-        )
-        return cls(words, parts)
+        unit = 8 if aligned else 1
+        parts, column = [], 0
+        for run in _runs(planes):
+            rows = run[0].rows.view(torch.int64) if unit == 8 else run[0].rows
+            width = run[0].nbytes // unit
+            if len(run) > 1:
+                distance = (run[1].base - run[0].base) // unit
+                shape, strides = (len(run), rows.shape[0], width), (distance, rows.stride(0), 1)
+                rows = rows.as_strided(shape, strides, rows.storage_offset())
+            parts.append(_Part(rows, column, column + width * len(run), len(run)))
+            column += width * len(run)
+        return cls(unit == 8, tuple(parts))
 
     def staging_view(self, staging: torch.Tensor) -> torch.Tensor:
         return staging.view(torch.int64) if self.words else staging
@@ -201,8 +251,8 @@ class WorkerSide:
         )
         columns = self.columns[group_id]
         target = columns.staging_view(gathered)
-        for source, start, stop in columns.parts:
-            torch.index_select(source, 0, index, out=target[:, start:stop])
+        for part in columns.parts:
+            torch.index_select(part.source, part.dim, index, out=part.columns(target))
         if alias is None:
             staging.copy_(gathered, non_blocking=True)
         if self.device.type == "cuda":
@@ -216,8 +266,8 @@ class WorkerSide:
         of a contiguous copy against 0.72-0.78): those must gather the rows first anyway."""
         columns = self.columns[group_id]
         rows = columns.staging_view(staging.to(self.device, non_blocking=True))
-        for target, start, stop in columns.parts:
-            target.index_copy_(0, index, rows[:, start:stop])
+        for part in columns.parts:
+            part.source.index_copy_(part.dim, index, part.columns(rows))
 
     @staticmethod
     def _rows(staging: torch.Tensor) -> list[list[tuple[BufferRegion, ...]]]:
