@@ -3,8 +3,8 @@
 Block-first tensors (vLLM's CPU backend, FlashInfer, Mamba/GDN byte pages with a padded block
 stride) and FlashAttention's K/V-split ``(2, num_blocks, ...)`` (also as a permuted HND view) are
 saved to a real file-backend L3 and loaded into other blocks of fresh tensors, byte for byte.
-``KVSTRATA_TEST_DEVICE=cuda`` runs the same tests on a GPU, where the staging path (one gather on
-the device, one DMA through pinned memory) is the one vLLM uses; on the CPU both paths run.
+``KVSTRATA_TEST_DEVICE=cuda`` runs the same tests on a GPU, where the staging path (kernels writing
+into pinned memory through its device view; one DMA back) is the one vLLM uses; on the CPU both run.
 """
 
 from __future__ import annotations
