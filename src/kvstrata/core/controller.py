@@ -136,7 +136,7 @@ class CacheController(UnitMemory, ClosingApi):
         started = time.perf_counter()
         # the lease grows its keys page by page (chunked prefill, decode): a list of page keys
         keys = list(page_keys(tokens, self.page_size))
-        tail = tokens[len(keys) * self.page_size :]
+        tail = tokens[len(keys) * self.page_size :].numpy().tobytes()
         lease = Lease(keys, tail, self.namespace_root, self.page_size, record=record, retention=retention)
         lease.bind_issuer(self, self.layout.owner_of, caller_origin(3))
         match = self.tree.match(keys, count_hit=record)  # one access per request, not per chunk
