@@ -366,11 +366,7 @@ def window_extras(layout: StackLayout, lease: Lease, end: int) -> dict[str, int]
     prefix of this one (not only one ending where this allocation ends). Best effort: these units
     come from free units and out-of-window data only, never from what a cached prefix needs."""
     new = end - lease.allocated_pages
-    return {
-        tp.name: new - tp.window
-        for tp in layout.tree_pools.values()
-        if tp.kind is PoolKind.WINDOW and new > tp.window
-    }
+    return {tp.name: new - tp.window for tp in layout.windowed if new > tp.window}
 
 
 def allocate_units(
@@ -380,7 +376,7 @@ def allocate_units(
     must for :func:`allocation_needs`, then, unless ``window_only``, :func:`window_extras` where
     room is spare), or None."""
     got = units.alloc(Tier.DEVICE, allocation_needs(layout, lease, end))
-    extras = {} if window_only else window_extras(layout, lease, end)
+    extras = window_extras(layout, lease, end) if layout.windowed and not window_only else None
     if got is not None and extras:
         for name, spare in units.alloc_spare(Tier.DEVICE, extras).items():
             got[name] = torch.cat([spare, got[name]])

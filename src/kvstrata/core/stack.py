@@ -75,6 +75,8 @@ class StackLayout:
     owner_of: dict[str, str]  # every pool -> the tree pool owning its indices
     #: a partial L3 hit can be clamped only if every all-pages pool besides the anchor says so
     clampable: bool
+    #: the window pools of ``tree_pools`` (most stacks have none: a chunk's allocation skips them)
+    windowed: tuple[TreePool, ...] = ()
 
     @classmethod
     def of(cls, pools: PoolGroup, tree: PrefixTree) -> StackLayout:
@@ -89,13 +91,14 @@ class StackLayout:
             for name, pool in pools.pools.items()
             if name != anchor
         )
-        return cls(anchor, tree_pools, owner_of, clampable)
+        windowed = tuple(tp for tp in tree_pools.values() if tp.kind is PoolKind.WINDOW)
+        return cls(anchor, tree_pools, owner_of, clampable, windowed)
 
     def refresh(self, pools: PoolGroup, tree: PrefixTree) -> None:
         """Re-read the stack after a pool was added (every part holds this same object)."""
         fresh = StackLayout.of(pools, tree)
         self.anchor, self.tree_pools = fresh.anchor, fresh.tree_pools
-        self.owner_of, self.clampable = fresh.owner_of, fresh.clampable
+        self.owner_of, self.clampable, self.windowed = fresh.owner_of, fresh.clampable, fresh.windowed
 
     def kind(self, pool: str) -> PoolKind:
         """How a pool's prefix units are laid out (a sidecar follows the pool owning its indices)."""
