@@ -254,7 +254,7 @@ class CacheController(UnitMemory, ClosingApi):
         keep it (and its place in the tree) for the next chunk. A state pool's slot must hold
         the state after the last inserted page: each insert is a checkpoint."""
         self._check_lease(lease)
-        self.poll()
+        self._drain()
         end = lease.pages
         if lease.allocated_pages < end:
             raise RuntimeError(
@@ -326,6 +326,10 @@ class CacheController(UnitMemory, ClosingApi):
     def poll(self) -> None:
         """Drain finished storage work: unlock written nodes, count failures, free revoked
         prefetch slots. Called at the start of every public call; cheap when nothing finished."""
+        self._drain()
+
+    def _drain(self) -> None:
+        """``poll`` for calls already inside the guard (no second trip through it per chunk)."""
         self.writer.drain()
         if self.prefetcher is not None:
             self.prefetcher.drain()

@@ -90,11 +90,12 @@ class TreeInserter:
             p = self._index.get(name)
             if p is None:
                 p = self._pool(name)
-            if state[p]:
-                given[p] = self._check_value(p, value, n)
-                continue
             # shape, not len(): Tensor.__len__ is a Python-level call, this is the hot path
             shape = value.shape if isinstance(value, torch.Tensor) else None
+            if state[p]:  # one slot (check_value raises the error for anything else)
+                one = shape is not None and len(shape) == 1 and shape[0] == 1
+                given[p] = value if one else self._check_value(p, value, n)
+                continue
             if shape is None or len(shape) != 1 or shape[0] > n:
                 raise TreeError(f"pool {name!r}: values must be 1-D index tensors of at most {n} units")
             given[p] = value
@@ -108,7 +109,10 @@ class TreeInserter:
         dev = tier is _DEVICE
         # duplicate unit ranges per pool, merged while contiguous so each becomes one slice
         dup_ranges: dict[str, list[list[int]]] = {}
-        path, i = self._walk(keys, True, top)
+        if type(keys) is list and n and keys[0] not in top.children:
+            path, i = [], 0  # nothing below ``top`` starts with these pages (a chunk's new pages)
+        else:
+            path, i = self._walk(keys, True, top)
         if start[0] > i:
             raise TreeError(
                 f"anchor values cover pages [{start[0]}, {n}) but the tree holds only the first {i}"
