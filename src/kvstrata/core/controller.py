@@ -245,6 +245,8 @@ class CacheController(UnitMemory, ClosingApi):
                 "device_units) or admit fewer requests at once"
             )
         self.units.free(Tier.DEVICE, lease.add_allocation(self.layout, got, end))
+        if self.layout.self_owned:  # ``got`` is the caller's: the lease keeps its own dict
+            return got
         return {name: got[owner] for name, owner in self.layout.owner_of.items()}
 
     @exclusive

@@ -77,6 +77,8 @@ class StackLayout:
     clampable: bool
     #: the window pools of ``tree_pools`` (most stacks have none: a chunk's allocation skips them)
     windowed: tuple[TreePool, ...] = ()
+    #: every pool owns its indices (no sidecars): units per tree pool are units per pool
+    self_owned: bool = False
 
     @classmethod
     def of(cls, pools: PoolGroup, tree: PrefixTree) -> StackLayout:
@@ -92,13 +94,15 @@ class StackLayout:
             if name != anchor
         )
         windowed = tuple(tp for tp in tree_pools.values() if tp.kind is PoolKind.WINDOW)
-        return cls(anchor, tree_pools, owner_of, clampable, windowed)
+        self_owned = list(owner_of) == list(tree_pools) and all(k == v for k, v in owner_of.items())
+        return cls(anchor, tree_pools, owner_of, clampable, windowed, self_owned)
 
     def refresh(self, pools: PoolGroup, tree: PrefixTree) -> None:
         """Re-read the stack after a pool was added (every part holds this same object)."""
         fresh = StackLayout.of(pools, tree)
         self.anchor, self.tree_pools = fresh.anchor, fresh.tree_pools
         self.owner_of, self.clampable, self.windowed = fresh.owner_of, fresh.clampable, fresh.windowed
+        self.self_owned = fresh.self_owned
 
     def kind(self, pool: str) -> PoolKind:
         """How a pool's prefix units are laid out (a sidecar follows the pool owning its indices)."""
