@@ -135,4 +135,4 @@ def pool_batch(pools: PoolGroup, name: str, host_units: torch.Tensor, hashes: Se
 
 def unit_bytes(pools: PoolGroup, tree_pool: TreePool) -> int:
     """Bytes one unit of a tree pool moves, its sidecars included."""
-    return sum(pools.pools[f].spec.bytes_per_unit for f in tree_pool.followers)
+    return sum(pools.pools[f].device.unit_bytes for f in tree_pool.followers)  # computed at build

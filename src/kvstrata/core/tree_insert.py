@@ -60,6 +60,7 @@ class TreeInserter:
         self._state = layout.state
         self._stateful = layout.stateful
         self._anchor_only = layout.anchor_only
+        self._paged = [p for p in range(layout.npools) if not layout.state[p]]  # token-page pools
         self._has_windows = layout.has_windows
         self._unlocked = layout.unlocked
         self._ids = ids  # node ids, shared with the matcher's split
@@ -102,9 +103,12 @@ class TreeInserter:
             start[p] = n - shape[0]
         if given[0] is None:
             raise TreeError(f"insert needs values for the anchor pool {self._anchor_name!r}")
-        paged = (
-            [0] if self._anchor_only else [p for p in range(npools) if given[p] is not None and not state[p]]
-        )
+        if self._anchor_only:
+            paged = [0]
+        elif len(values) == npools:  # every pool given (a chunk's insert): the layout's paged pools
+            paged = self._paged
+        else:
+            paged = [p for p in range(npools) if given[p] is not None and not state[p]]
         suffix = any(start)  # some value covers only the last pages (only paged pools start > 0)
         dev = tier is _DEVICE
         # duplicate unit ranges per pool, merged while contiguous so each becomes one slice
