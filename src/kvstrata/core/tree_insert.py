@@ -103,20 +103,19 @@ class TreeInserter:
             start[p] = n - shape[0]
         if given[0] is None:
             raise TreeError(f"insert needs values for the anchor pool {self._anchor_name!r}")
+        suffix = any(start)  # some value covers only the last pages (only paged pools start > 0)
+        if not suffix and type(keys) is list and n and keys[0] not in top.children:
+            return self._grow(top, keys, given, values, tier)
         if self._anchor_only:
             paged = [0]
         elif len(values) == npools:  # every pool given (a chunk's insert): the layout's paged pools
             paged = self._paged
         else:
             paged = [p for p in range(npools) if given[p] is not None and not state[p]]
-        suffix = any(start)  # some value covers only the last pages (only paged pools start > 0)
         dev = tier is _DEVICE
         # duplicate unit ranges per pool, merged while contiguous so each becomes one slice
         dup_ranges: dict[str, list[list[int]]] = {}
-        if type(keys) is list and n and keys[0] not in top.children:
-            path, i = [], 0  # nothing below ``top`` starts with these pages (a chunk's new pages)
-        else:
-            path, i = self._walk(keys, True, top)
+        path, i = self._walk(keys, True, top)
         if start[0] > i:
             raise TreeError(
                 f"anchor values cover pages [{start[0]}, {n}) but the tree holds only the first {i}"
@@ -197,6 +196,28 @@ class TreeInserter:
             node_.last_access = tick
         clock.tick = tick
         return InsertResult(node, n - i, values, dup_ranges)
+
+    def _grow(
+        self,
+        top: TreeNode,
+        keys: list[PageKey],
+        given: list[torch.Tensor | None],
+        values: Mapping[str, torch.Tensor],
+        tier: Tier,
+    ) -> InsertResult:
+        """``insert`` where nothing below ``top`` starts with ``keys`` and every value covers
+        every page (a chunk of a request extending its own node): one new node holding every
+        given value (the anchor first, as ``insert`` sets them), nothing to walk or adopt."""
+        n = len(keys)
+        node = self._node(next(self._ids), top, keys[:], self._npools, self._has_windows, self._unlocked, n)
+        top.add_child(keys[0], node)
+        for p, value in enumerate(given):
+            if value is not None:
+                self._set(node, tier, p, unit_bytes(value))
+        clock = self._clock
+        clock.tick += 1
+        node.last_access = clock.tick
+        return InsertResult(node, n, values, {})
 
     def record_host(
         self, nodes: Sequence[TreeNode], counts: Sequence[Mapping[str, int]], values: Mapping[str, bytes]
