@@ -390,10 +390,14 @@ def take_for_insert(
     gets) and the rest (units of pages at or after ``end``, kept for the next insert)."""
     new = end - lease.committed_pages
     after = lease.allocated_pages - end  # pages allocated beyond ``end`` (a partial page)
+    pending_all = lease._allocated or {}
+    if not after and not layout.windowed:  # every pending unit is of pages up to ``end`` (a chunk)
+        taken = {name: v for name, v in pending_all.items() if v.shape[0]}
+        return taken, dict.fromkeys(pending_all, NO_UNITS)
     values: dict[str, torch.Tensor] = {}
     rest: dict[str, torch.Tensor] = {}
     for tp in layout.tree_pools.values():
-        pending = (lease._allocated or {}).get(tp.name, NO_UNITS)
+        pending = pending_all.get(tp.name, NO_UNITS)
         if tp.kind is PoolKind.PAGES:  # (tensor shape reads and slices cost a chunk microseconds)
             if pending.shape[0] == new:
                 values[tp.name], rest[tp.name] = pending, NO_UNITS
