@@ -129,7 +129,10 @@ def pool_batch(pools: PoolGroup, name: str, host_units: torch.Tensor, hashes: Se
     pool = pools.pools[name]
     assert pool.host is not None
     per_object = [object_regions(pool.host, obj.suffix, host_units) for obj in pool.spec.objects]
-    units = [[regions[i] for regions in per_object] for i in range(len(hashes))]
+    if len(per_object) == 1 and len(per_object[0]) == len(hashes):  # one object per unit (most pools)
+        units = [[regions] for regions in per_object[0]]
+    else:
+        units = [[regions[i] for regions in per_object] for i in range(len(hashes))]
     return PoolBatch(list(hashes), units)
 
 
