@@ -74,12 +74,13 @@ def stack(pages: int, l3: Path | None, batch: int | None = None) -> dict:
 
 
 def chunked(cache: kvstrata.CacheController, request: torch.Tensor, chunk: int) -> None:
+    total = len(request)
     lease = cache.lookup(request[: chunk * PAGE])
     cache.admit(lease)
     while True:
         cache.allocate(lease)
         cache.fork_state(lease)
-        last = lease.pages * PAGE >= len(request)
+        last = lease.pages * PAGE >= total
         cache.insert(lease, close=last)
         if last:
             return

@@ -33,6 +33,7 @@ def chunked_calls(cache: kvstrata.CacheController, request: torch.Tensor, chunk:
     clock = time.thread_time
     spent = dict.fromkeys(CALLS, 0.0)
     chunks = 0
+    total = len(request)
     lease = cache.lookup(request[: chunk * PAGE])
     cache.admit(lease)
     while True:
@@ -41,7 +42,7 @@ def chunked_calls(cache: kvstrata.CacheController, request: torch.Tensor, chunk:
         allocated = clock()
         cache.fork_state(lease)
         forked = clock()
-        last = lease.pages * PAGE >= len(request)
+        last = lease.pages * PAGE >= total
         cache.insert(lease, close=last)
         inserted = clock()
         spent["allocate"] += allocated - start
@@ -50,8 +51,9 @@ def chunked_calls(cache: kvstrata.CacheController, request: torch.Tensor, chunk:
         chunks += 1
         if last:
             break
+        piece = request[lease.pages * PAGE : (lease.pages + chunk) * PAGE]  # the engine's slice
         start = clock()
-        lease.extend(request[lease.pages * PAGE : (lease.pages + chunk) * PAGE])
+        lease.extend(piece)
         spent["extend"] += clock() - start
     return {call: seconds / (chunks - (call == "extend")) for call, seconds in spent.items()}
 

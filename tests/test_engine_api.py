@@ -146,6 +146,33 @@ def test_fork_state_copies_the_checkpoint_and_leaves_it_untouched() -> None:
         cache.release(lease)
 
 
+def test_fork_state_into_engine_tensors_held_per_layer() -> None:
+    """The fork's copy lands in the engine's own per-layer state tensors, every layer, and the
+    checkpoint's bytes stay as they were (the copy is a row per buffer and layer)."""
+    config = kvstrata.load(EXAMPLES["hybrid-mamba"], overrides=["tiers.storage={}", *HYBRID], environ={})
+    with kvstrata.open(config) as probe:
+        spec, units = probe.pools.pool("mamba").spec, probe.pools.pool("mamba").device.units
+    engine = {
+        b.name: [torch.zeros(units, *b.unit_shape, dtype=torch_dtype(b.dtype)) for _ in range(b.layers)]
+        for b in spec.buffers
+    }
+    request = tokens(62, 8)
+    with kvstrata.open(config, device_tensors={"mamba": engine}) as cache:
+        chunked_prefill(cache, request, chunk_pages=4)
+        lease = cache.lookup(torch.cat([request, tokens(63, 1)]))
+        cache.admit(lease)
+        checkpoint = lease.prefix_units("mamba")
+        working = cache.allocate(lease)["mamba"]
+        cache.fork_state(lease)
+        for buffer in spec.buffers:
+            assert len(engine[buffer.name]) == buffer.layers
+            for layer in engine[buffer.name]:
+                source, forked = layer[checkpoint], layer[working]
+                assert torch.equal(forked.view(torch.uint8), source.view(torch.uint8))
+                assert source.view(torch.uint8).any(), "the chunked prefill wrote this checkpoint"
+        cache.release(lease)
+
+
 def test_extend_in_uneven_pieces_keys_the_same_pages_as_the_whole_request() -> None:
     request = tokens(57, 6)
     # pieces that end inside a page, on a boundary, span several pages; a strided tensor and a list

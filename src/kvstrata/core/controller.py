@@ -84,6 +84,7 @@ class CacheController(UnitMemory, ClosingApi):
         self._closed, self._leases = False, dict[int, Lease]()  # open leases, oldest first
         self._guard, self._inside = threading.RLock(), ""  # one thread at a time (boundary.exclusive)
         self._slot_index = {}  # fork_state's source slots (UnitMemory)
+        self._forks, self._fork_arrays = None, {}  # fork_state's plan and CPU arrays (UnitMemory)
         self.parts: CacheParts = build_cache(config, plugins, device_tensors=device_tensors)
         parts = self.parts
         self.page_size, self.namespace_root = parts.page_size, parts.namespace_root
@@ -135,7 +136,7 @@ class CacheController(UnitMemory, ClosingApi):
         started = time.perf_counter()
         # the lease grows its keys page by page (chunked prefill, decode): a list of page keys
         keys = list(page_keys(tokens, self.page_size))
-        tail = tokens[len(keys) * self.page_size :]
+        tail = tokens[len(keys) * self.page_size :].numpy().tobytes()
         lease = Lease(keys, tail, self.namespace_root, self.page_size, record=record, retention=retention)
         lease.bind_issuer(self, self.layout.owner_of, caller_origin(3))
         match = self.tree.match(keys, count_hit=record)  # one access per request, not per chunk
@@ -244,6 +245,8 @@ class CacheController(UnitMemory, ClosingApi):
                 "device_units) or admit fewer requests at once"
             )
         self.units.free(Tier.DEVICE, lease.add_allocation(self.layout, got, end))
+        if self.layout.self_owned:  # ``got`` is the caller's: the lease keeps its own dict
+            return got
         return {name: got[owner] for name, owner in self.layout.owner_of.items()}
 
     @exclusive
@@ -253,7 +256,7 @@ class CacheController(UnitMemory, ClosingApi):
         keep it (and its place in the tree) for the next chunk. A state pool's slot must hold
         the state after the last inserted page: each insert is a checkpoint."""
         self._check_lease(lease)
-        self.poll()
+        self._drain()
         end = lease.pages
         if lease.allocated_pages < end:
             raise RuntimeError(
@@ -325,6 +328,10 @@ class CacheController(UnitMemory, ClosingApi):
     def poll(self) -> None:
         """Drain finished storage work: unlock written nodes, count failures, free revoked
         prefetch slots. Called at the start of every public call; cheap when nothing finished."""
+        self._drain()
+
+    def _drain(self) -> None:
+        """``poll`` for calls already inside the guard (no second trip through it per chunk)."""
         self.writer.drain()
         if self.prefetcher is not None:
             self.prefetcher.drain()

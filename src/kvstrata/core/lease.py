@@ -15,7 +15,7 @@ import torch
 
 from kvstrata.core.keys import hash_pages
 from kvstrata.core.stack import NO_UNITS, PoolKind, StackLayout
-from kvstrata.core.tokens import token_ids
+from kvstrata.core.tokens import token_bytes
 from kvstrata.core.tree import LockHandle, MatchResult, PrefixTree, Tier, TreeNode
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class Lease:
     """
 
     keys: list[bytes]
-    _tail: torch.Tensor  # tokens after the last whole page
+    _tail: bytes  # tokens after the last whole page, int64 bytes (as a page key holds them)
     namespace_root: str
     page_size: int
     device_pages: int = 0  # usable on device at lookup
@@ -84,8 +84,7 @@ class Lease:
     @property
     def tokens(self) -> torch.Tensor:
         """Every token of the request so far (whole pages and the partial one)."""
-        whole = torch.from_numpy(np.frombuffer(b"".join(self.keys), dtype=np.int64).copy())
-        return torch.cat([whole, self._tail]) if len(self._tail) else whole
+        return torch.from_numpy(np.frombuffer(b"".join([*self.keys, self._tail]), dtype=np.int64).copy())
 
     @property
     def page_hashes(self) -> list[str]:
@@ -119,16 +118,14 @@ class Lease:
         """Append tokens (the next prefill chunk, or decoded tokens); returns the whole pages
         this completed. Units for them come from the next ``allocate``."""
         self._require_open()
-        new = token_ids(tokens)  # checked, CPU int64
-        joined = torch.cat([self._tail, new]) if self._tail.shape[0] else new
         # each whole page's key straight from the token bytes (as ``page_keys`` makes them): one
-        # copy of the chunk, no ``PagedKeys`` to build and copy again to iterate per chunk
-        flat = joined.numpy().tobytes()
+        # copy of the chunk, no tensor to build, join or slice per chunk
+        new = token_bytes(tokens)  # checked ids, int64 bytes
+        flat = self._tail + new if self._tail else new
         step = self.page_size * 8
         end = len(flat) - len(flat) % step
         self.keys.extend([flat[at : at + step] for at in range(0, end, step)])
-        whole = end // 8
-        self._tail = joined[whole:] if whole < joined.shape[0] else NO_UNITS  # no slice per chunk
+        self._tail = flat[end:] if end < len(flat) else b""
         return end // step
 
     def prefix_units(self, pool: str) -> torch.Tensor:
@@ -369,11 +366,7 @@ def window_extras(layout: StackLayout, lease: Lease, end: int) -> dict[str, int]
     prefix of this one (not only one ending where this allocation ends). Best effort: these units
     come from free units and out-of-window data only, never from what a cached prefix needs."""
     new = end - lease.allocated_pages
-    return {
-        tp.name: new - tp.window
-        for tp in layout.tree_pools.values()
-        if tp.kind is PoolKind.WINDOW and new > tp.window
-    }
+    return {tp.name: new - tp.window for tp in layout.windowed if new > tp.window}
 
 
 def allocate_units(
@@ -383,7 +376,7 @@ def allocate_units(
     must for :func:`allocation_needs`, then, unless ``window_only``, :func:`window_extras` where
     room is spare), or None."""
     got = units.alloc(Tier.DEVICE, allocation_needs(layout, lease, end))
-    extras = {} if window_only else window_extras(layout, lease, end)
+    extras = window_extras(layout, lease, end) if layout.windowed and not window_only else None
     if got is not None and extras:
         for name, spare in units.alloc_spare(Tier.DEVICE, extras).items():
             got[name] = torch.cat([spare, got[name]])
@@ -397,10 +390,14 @@ def take_for_insert(
     gets) and the rest (units of pages at or after ``end``, kept for the next insert)."""
     new = end - lease.committed_pages
     after = lease.allocated_pages - end  # pages allocated beyond ``end`` (a partial page)
+    pending_all = lease._allocated or {}
+    if not after and not layout.windowed:  # every pending unit is of pages up to ``end`` (a chunk)
+        taken = {name: v for name, v in pending_all.items() if v.shape[0]}
+        return taken, dict.fromkeys(pending_all, NO_UNITS)
     values: dict[str, torch.Tensor] = {}
     rest: dict[str, torch.Tensor] = {}
     for tp in layout.tree_pools.values():
-        pending = (lease._allocated or {}).get(tp.name, NO_UNITS)
+        pending = pending_all.get(tp.name, NO_UNITS)
         if tp.kind is PoolKind.PAGES:  # (tensor shape reads and slices cost a chunk microseconds)
             if pending.shape[0] == new:
                 values[tp.name], rest[tp.name] = pending, NO_UNITS

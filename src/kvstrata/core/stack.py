@@ -75,6 +75,10 @@ class StackLayout:
     owner_of: dict[str, str]  # every pool -> the tree pool owning its indices
     #: a partial L3 hit can be clamped only if every all-pages pool besides the anchor says so
     clampable: bool
+    #: the window pools of ``tree_pools`` (most stacks have none: a chunk's allocation skips them)
+    windowed: tuple[TreePool, ...] = ()
+    #: every pool owns its indices (no sidecars): units per tree pool are units per pool
+    self_owned: bool = False
 
     @classmethod
     def of(cls, pools: PoolGroup, tree: PrefixTree) -> StackLayout:
@@ -89,13 +93,16 @@ class StackLayout:
             for name, pool in pools.pools.items()
             if name != anchor
         )
-        return cls(anchor, tree_pools, owner_of, clampable)
+        windowed = tuple(tp for tp in tree_pools.values() if tp.kind is PoolKind.WINDOW)
+        self_owned = list(owner_of) == list(tree_pools) and all(k == v for k, v in owner_of.items())
+        return cls(anchor, tree_pools, owner_of, clampable, windowed, self_owned)
 
     def refresh(self, pools: PoolGroup, tree: PrefixTree) -> None:
         """Re-read the stack after a pool was added (every part holds this same object)."""
         fresh = StackLayout.of(pools, tree)
         self.anchor, self.tree_pools = fresh.anchor, fresh.tree_pools
-        self.owner_of, self.clampable = fresh.owner_of, fresh.clampable
+        self.owner_of, self.clampable, self.windowed = fresh.owner_of, fresh.clampable, fresh.windowed
+        self.self_owned = fresh.self_owned
 
     def kind(self, pool: str) -> PoolKind:
         """How a pool's prefix units are laid out (a sidecar follows the pool owning its indices)."""
@@ -122,10 +129,13 @@ def pool_batch(pools: PoolGroup, name: str, host_units: torch.Tensor, hashes: Se
     pool = pools.pools[name]
     assert pool.host is not None
     per_object = [object_regions(pool.host, obj.suffix, host_units) for obj in pool.spec.objects]
-    units = [[regions[i] for regions in per_object] for i in range(len(hashes))]
+    if len(per_object) == 1 and len(per_object[0]) == len(hashes):  # one object per unit (most pools)
+        units = [[regions] for regions in per_object[0]]
+    else:
+        units = [[regions[i] for regions in per_object] for i in range(len(hashes))]
     return PoolBatch(list(hashes), units)
 
 
 def unit_bytes(pools: PoolGroup, tree_pool: TreePool) -> int:
     """Bytes one unit of a tree pool moves, its sidecars included."""
-    return sum(pools.pools[f].spec.bytes_per_unit for f in tree_pool.followers)
+    return sum(pools.pools[f].device.unit_bytes for f in tree_pool.followers)  # computed at build

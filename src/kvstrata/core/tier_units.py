@@ -45,10 +45,16 @@ class TierUnits:
         self.on_eviction = on_eviction
         self.metrics = metrics
         self.before_device_eviction: BeforeDeviceEviction | None = None
+        #: each pool's allocator per tier, looked up once (a pool keeps its allocators for life)
+        self._allocators: dict[Tier, dict[str, UnitAllocator | None]] = {Tier.DEVICE: {}, Tier.HOST: {}}
 
     def allocator(self, pool: str, tier: Tier) -> UnitAllocator | None:
+        known = self._allocators[tier]
+        if pool in known:
+            return known[pool]
         p = self.pools.pools[pool]
-        return p.device_allocator if tier is Tier.DEVICE else p.host_allocator
+        known[pool] = found = p.device_allocator if tier is Tier.DEVICE else p.host_allocator
+        return found
 
     def free(self, tier: Tier, units: Mapping[str, torch.Tensor]) -> None:
         for pool, value in units.items():
@@ -66,11 +72,12 @@ class TierUnits:
     def try_alloc(self, tier: Tier, needs: Mapping[str, int]) -> dict[str, torch.Tensor] | None:
         """Every unit of ``needs`` from free units, or none (never evicts: worker threads call it)."""
         got: dict[str, torch.Tensor] = {}
+        known = self._allocators[tier]
         for pool, count in needs.items():
             if count == 0:
                 got[pool] = NO_UNITS
                 continue
-            allocator = self.allocator(pool, tier)
+            allocator = known[pool] if pool in known else self.allocator(pool, tier)
             units = allocator.alloc(count) if allocator is not None else None
             if units is None:
                 self.free(tier, got)

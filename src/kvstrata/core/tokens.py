@@ -74,6 +74,17 @@ def token_ids(tokens: Any, what: str = "tokens") -> torch.Tensor:
     return ids
 
 
+def token_bytes(tokens: Any, what: str = "tokens") -> bytes:
+    """``tokens`` checked as :func:`token_ids` checks them, as int64 ``bytes`` (what a page key
+    holds): for a CPU int64 tensor, what engines pass every chunk, one view, one max and one
+    copy, no tensor made."""
+    if type(tokens) is torch.Tensor and tokens.dtype is _INT64 and tokens.dim() == 1 and tokens.is_cpu:
+        words = tokens.numpy()
+        if not words.shape[0] or int(_max(words.view(np.uint64))) <= MAX_TOKEN_ID:
+            return words.tobytes()
+    return token_ids(tokens, what).numpy().tobytes()
+
+
 def _from_numpy(ids: np.ndarray, what: str) -> torch.Tensor:
     if ids.dtype.kind not in "iu":
         raise TypeError(f"{what}: token ids must be integers, got a {ids.dtype} array of shape {ids.shape}")

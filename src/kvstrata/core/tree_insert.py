@@ -60,6 +60,7 @@ class TreeInserter:
         self._state = layout.state
         self._stateful = layout.stateful
         self._anchor_only = layout.anchor_only
+        self._paged = [p for p in range(layout.npools) if not layout.state[p]]  # token-page pools
         self._has_windows = layout.has_windows
         self._unlocked = layout.unlocked
         self._ids = ids  # node ids, shared with the matcher's split
@@ -90,21 +91,27 @@ class TreeInserter:
             p = self._index.get(name)
             if p is None:
                 p = self._pool(name)
-            if state[p]:
-                given[p] = self._check_value(p, value, n)
-                continue
             # shape, not len(): Tensor.__len__ is a Python-level call, this is the hot path
             shape = value.shape if isinstance(value, torch.Tensor) else None
+            if state[p]:  # one slot (check_value raises the error for anything else)
+                one = shape is not None and len(shape) == 1 and shape[0] == 1
+                given[p] = value if one else self._check_value(p, value, n)
+                continue
             if shape is None or len(shape) != 1 or shape[0] > n:
                 raise TreeError(f"pool {name!r}: values must be 1-D index tensors of at most {n} units")
             given[p] = value
             start[p] = n - shape[0]
         if given[0] is None:
             raise TreeError(f"insert needs values for the anchor pool {self._anchor_name!r}")
-        paged = (
-            [0] if self._anchor_only else [p for p in range(npools) if given[p] is not None and not state[p]]
-        )
         suffix = any(start)  # some value covers only the last pages (only paged pools start > 0)
+        if not suffix and type(keys) is list and n and keys[0] not in top.children:
+            return self._grow(top, keys, given, values, tier)
+        if self._anchor_only:
+            paged = [0]
+        elif len(values) == npools:  # every pool given (a chunk's insert): the layout's paged pools
+            paged = self._paged
+        else:
+            paged = [p for p in range(npools) if given[p] is not None and not state[p]]
         dev = tier is _DEVICE
         # duplicate unit ranges per pool, merged while contiguous so each becomes one slice
         dup_ranges: dict[str, list[list[int]]] = {}
@@ -189,6 +196,28 @@ class TreeInserter:
             node_.last_access = tick
         clock.tick = tick
         return InsertResult(node, n - i, values, dup_ranges)
+
+    def _grow(
+        self,
+        top: TreeNode,
+        keys: list[PageKey],
+        given: list[torch.Tensor | None],
+        values: Mapping[str, torch.Tensor],
+        tier: Tier,
+    ) -> InsertResult:
+        """``insert`` where nothing below ``top`` starts with ``keys`` and every value covers
+        every page (a chunk of a request extending its own node): one new node holding every
+        given value (the anchor first, as ``insert`` sets them), nothing to walk or adopt."""
+        n = len(keys)
+        node = self._node(next(self._ids), top, keys[:], self._npools, self._has_windows, self._unlocked, n)
+        top.add_child(keys[0], node)
+        for p, value in enumerate(given):
+            if value is not None:
+                self._set(node, tier, p, unit_bytes(value))
+        clock = self._clock
+        clock.tick += 1
+        node.last_access = clock.tick
+        return InsertResult(node, n, values, {})
 
     def record_host(
         self, nodes: Sequence[TreeNode], counts: Sequence[Mapping[str, int]], values: Mapping[str, bytes]

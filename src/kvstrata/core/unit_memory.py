@@ -18,10 +18,11 @@ from kvstrata.core.boundary import exclusive
 from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.lease import Lease, require_lease
 from kvstrata.core.pool_group import PoolGroup
+from kvstrata.core.row_copy import UnitArrays, unit_arrays
 from kvstrata.core.stack import PoolKind, StackLayout
 from kvstrata.core.transfer import copy_units
 from kvstrata.core.tree import PrefixTree
-from kvstrata.core.tree_bytes import unit_tensor
+from kvstrata.core.tree_bytes import UNIT, unit_tensor
 from kvstrata.plugins.pool_type import PoolSpec
 
 
@@ -36,6 +37,9 @@ class UnitMemory:
     #: from the bytes each time cost more than the copy's bookkeeping. Never handed out (nobody
     #: can change one); at most one entry per device unit of the state pools.
     _slot_index: dict[bytes, torch.Tensor]
+    #: fork_state's plan per layout (see ``_state_pools``) and numpy arrays per CPU tier
+    _forks: tuple[object, list[tuple[str, int, list[tuple[str, PoolBuffers]]]]] | None
+    _fork_arrays: dict[int, tuple[PoolBuffers, UnitArrays | None]]
 
     @exclusive
     def fork_state(self, lease: Lease) -> dict[str, torch.Tensor]:
@@ -46,29 +50,69 @@ class UnitMemory:
         if lease.closed:
             raise RuntimeError("lease is closed (inserted or released)")
         out: dict[str, torch.Tensor] = {}
-        for tp in self.layout.tree_pools.values():
-            if tp.kind is not PoolKind.STATE:
-                continue
-            slot = lease.pending.get(tp.name)
+        pending = lease.pending
+        node = lease.node
+        for name, p, followers in self._state_pools():
+            slot = pending.get(name)
             if slot is None or not slot.shape[0]:
                 raise RuntimeError("fork_state copies into the lease's new state slot: call allocate first")
-            node = lease.node
-            source = None if node is None else self._state_source(node.device_raw[self.tree.index[tp.name]])
-            for name in tp.followers:
-                if source is not None:
-                    pool = self.pools.pools[name]
-                    copy_units(pool.device, source, pool.device, slot).wait()
-                out[name] = slot
+            raw = None if node is None else node.device_raw[p]
+            for follower, buffers in followers:
+                if raw is not None:
+                    self._fork_slot(buffers, raw, slot)
+                out[follower] = slot
         return out
 
-    def _state_source(self, raw: bytes | None) -> torch.Tensor | None:
-        """The index tensor of the state slot stored as ``raw`` (None: the node holds none)."""
-        if raw is None:
-            return None
+    def _fork_slot(self, buffers: PoolBuffers, raw: bytes, slot: torch.Tensor) -> None:
+        """Copy the state slot stored as ``raw`` (the tree's int64 bytes) into ``slot``. Both
+        are the cache's own units (the tree's and the allocator's), in range by construction:
+        on a CPU tier one row assignment per buffer, else :func:`copy_units`."""
+        arrays = self._slot_arrays(buffers)
+        if arrays is not None and len(raw) == UNIT and slot.shape[0] == 1:
+            src, dst = int.from_bytes(raw, "little"), slot.item()
+            for src_array, dst_array in arrays:
+                dst_array[dst] = src_array[src]
+            return
         source = self._slot_index.get(raw)
         if source is None:
             self._slot_index[raw] = source = unit_tensor(raw)
-        return source
+        copy_units(buffers, source, buffers, slot).wait()
+
+    def _state_pools(self) -> list[tuple[str, int, list[tuple[str, PoolBuffers]]]]:
+        """Per state pool: its name, tree index and (follower, device buffers) pairs, made once
+        per layout (a chunked request forks at every chunk; ``add_pool`` makes a new layout)."""
+        tree_pools = self.layout.tree_pools
+        cached = self._forks
+        if cached is not None and cached[0] is tree_pools:
+            return cached[1]
+        index, pools = self.tree.index, self.pools.pools
+        plan = [
+            (tp.name, index[tp.name], [(name, pools[name].device) for name in tp.followers])
+            for tp in tree_pools.values()
+            if tp.kind is PoolKind.STATE
+        ]
+        self._forks = (tree_pools, plan)
+        return plan
+
+    def _slot_arrays(self, buffers: PoolBuffers) -> UnitArrays | None:
+        """Numpy arrays over a CPU tier's unit views (None: not a CPU tier numpy can view), made
+        once per tier: forking a slot is then one row assignment per buffer."""
+        cached = self._fork_arrays.get(id(buffers))
+        if cached is not None and cached[0] is buffers:
+            return cached[1]
+        arrays = None
+        if buffers.device.type == "cpu" and not buffers.logical:
+            views = []
+            for name in buffers.placements:
+                word = buffers.word_bytes(name)
+                if buffers.split_layers(name):
+                    layers = buffers.placements[name].spec.layers
+                    views.extend(buffers.unit_view(name, word, layer=i)[:, None] for i in range(layers))
+                else:
+                    views.append(buffers.unit_view(name, word))
+            arrays = unit_arrays([(view, view) for view in views]) if views else None
+        self._fork_arrays[id(buffers)] = (buffers, arrays)
+        return arrays
 
     def read_units(
         self, pool: str, units: torch.Tensor | Sequence[int], *, layer: int | None = None

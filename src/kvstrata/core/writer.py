@@ -56,6 +56,13 @@ class PendingWrite:
 
     locks: list[SharedLock]
     future: Future[dict[str, BatchResult]]
+    #: set by the future's done callback (or by whoever waited on the future): ``drain`` runs at
+    #: every call and reads this plain flag instead of ``future.done()``, which takes the
+    #: future's lock (contended by the writer thread)
+    finished: bool = False
+
+    def mark_finished(self, _future: Future[dict[str, BatchResult]]) -> None:
+        self.finished = True
 
 
 class Writer:
@@ -191,10 +198,12 @@ class Writer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
+            oldest = self.pending[0]
             try:
-                self.pending[0].future.exception(remaining)
+                oldest.future.exception(remaining)
             except TimeoutError:
                 return None
+            oldest.finished = True  # done: its callback may not have run yet
             self.drain()
             got = self.units.alloc_protecting(node, Tier.HOST, needs)
             if got is not None:
@@ -295,7 +304,9 @@ class Writer:
             future = self._thread.submit(_checked_put, self.engine, self.digests, batches, per_pool)
         else:
             future = self._thread.submit(self.engine.put_group, batches)
-        self.pending.append(PendingWrite(locks, future))
+        write = PendingWrite(locks, future)
+        self.pending.append(write)
+        future.add_done_callback(write.mark_finished)
         self.metrics.count(Operation.STORAGE_WRITES)
 
     def drain(self) -> None:
@@ -303,7 +314,7 @@ class Writer:
         # one writer thread finishes writes in order: stop at the first still running, so a
         # backlog of queued writes costs nothing per call (a chunked request queues one per chunk)
         pending = self.pending
-        while pending and pending[0].future.done():
+        while pending and pending[0].finished:
             self._finish(pending.popleft())
 
     def _finish(self, write: PendingWrite) -> None:
@@ -337,6 +348,7 @@ class Writer:
                 write.future.exception(remaining)
             except TimeoutError:
                 return
+            write.finished = True  # done: its callback may not have run yet (the next poll drains it)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the writer thread; ``wait=False`` cancels queued writes and returns at once."""
