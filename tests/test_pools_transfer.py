@@ -165,6 +165,16 @@ def test_object_regions_and_staging_match(
         assert_same_units(host, idx, other, idx)
 
 
+@pytest.mark.parametrize("layout", list(Layout))
+@pytest.mark.parametrize("bad", [[0, 6], [-1], [2, 9, 1]])
+def test_object_regions_refuse_a_unit_outside_the_pool(layout: Layout, bad: list[int]) -> None:
+    """A foreign or stale index is an error naming the pool's range, never a region elsewhere."""
+    spec = make_spec("kv", "bfloat16")
+    host = PoolBuffers(spec, 6, layout=layout)
+    with pytest.raises(IndexError, match=r"outside \[0, 6\)"):
+        object_regions(host, spec.objects[0].suffix, torch.tensor(bad))
+
+
 def test_host_to_host_across_layouts() -> None:
     spec = make_spec("kv", "bfloat16")
     src = PoolBuffers(spec, 5, layout=Layout.PAGE_FIRST)

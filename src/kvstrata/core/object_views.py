@@ -35,34 +35,32 @@ def object_regions(
             f"pool {pool.spec.name!r}: zero-copy regions exist only for host memory kvstrata allocated"
         )
     idx = as_index(indices).cpu()
-    pool.check_indices(idx)
+    units = idx.tolist()  # plain ints: a chunk's backup asks for a few units, tensor math costs more
+    if units and (min(units) < 0 or max(units) >= pool.units):
+        pool.check_indices(idx)  # raises with the pool's message
     if not pool.spec.objects and suffix == MARKER_SUFFIX:
-        return [() for _ in range(idx.numel())]  # a bufferless pool's header-only marker object
+        return [() for _ in units]  # a bufferless pool's header-only marker object
     obj = _object(pool, suffix)
-    if pool.backing is None or idx.numel() == 0:
-        return [() for _ in range(idx.numel())]
+    if pool.backing is None or not units:
+        return [() for _ in units]
     base = pool.data_ptr
     if pool.layout is Layout.PAGE_FIRST:
-        starts = base + idx * pool.unit_bytes + pool.object_offsets[suffix]
+        first, stride = base + pool.object_offsets[suffix], pool.unit_bytes
         nbytes = pool.spec.object_bytes(suffix)
-        return [(BufferRegion(ptr, nbytes),) for ptr in starts.tolist()]
-    columns: list[torch.Tensor] = []
-    sizes: list[int] = []
+        return [(BufferRegion(first + unit * stride, nbytes),) for unit in units]
+    # per region of an object: where unit 0's bytes start, the distance between units, the size
+    parts: list[tuple[int, int, int]] = []
     for name in obj.buffers:
         place = pool.placements[name]
         buffer = place.spec
-        layer_bytes = buffer.bytes_per_unit_per_layer
-        if pool.layout is Layout.LAYER_FIRST:
-            layers = torch.arange(buffer.layers, dtype=torch.int64)
-            # (units, layers): layer l of unit u sits at (l * U + u) * layer_bytes
-            starts = base + place.offset + (layers[None, :] * pool.units + idx[:, None]) * layer_bytes
-            columns.append(starts)
-            sizes.extend([layer_bytes] * buffer.layers)
+        if pool.layout is Layout.LAYER_FIRST:  # layer l of unit u sits at (l * U + u) * layer_bytes
+            size = buffer.bytes_per_unit_per_layer
+            start = base + place.offset
+            parts.extend((start + layer * pool.units * size, size, size) for layer in range(buffer.layers))
         else:
-            columns.append((base + place.offset + idx * buffer.bytes_per_unit)[:, None])
-            sizes.append(buffer.bytes_per_unit)
-    table = torch.cat(columns, dim=1).tolist()
-    return [tuple(BufferRegion(ptr, size) for ptr, size in zip(row, sizes, strict=True)) for row in table]
+            size = buffer.bytes_per_unit
+            parts.append((base + place.offset, size, size))
+    return [tuple([BufferRegion(at + unit * stride, size) for at, stride, size in parts]) for unit in units]
 
 
 def _object(pool: PoolBuffers, suffix: str) -> ObjectSpec:
