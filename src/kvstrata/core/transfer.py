@@ -265,7 +265,7 @@ def copy_units(
     """Copy units ``src[src_indices[i]] -> dst[dst_indices[i]]`` for every buffer, bit-exactly.
 
     Works for any layout pair and any devices. Between CUDA and host memory the copies are issued
-    non-blocking on ``stream`` (a side stream is created when none is given) and the returned
+    non-blocking on ``stream`` (else on the tier pair's own side stream) and the returned
     handle must be waited on; CPU-only copies are complete on return. Logical pools copy nothing.
     """
     pair = _view_pairs(src, dst)
