@@ -84,7 +84,7 @@ class CacheController(UnitMemory, ClosingApi):
         self._closed, self._leases = False, dict[int, Lease]()  # open leases, oldest first
         self._guard, self._inside = threading.RLock(), ""  # one thread at a time (boundary.exclusive)
         self._slot_index = {}  # fork_state's source slots (UnitMemory)
-        self._forks, self._fork_arrays = None, {}  # fork_state's plan and CPU arrays (UnitMemory)
+        self._forks = None  # fork_state's plan (UnitMemory)
         self.parts: CacheParts = build_cache(config, plugins, device_tensors=device_tensors)
         parts = self.parts
         self.page_size, self.namespace_root = parts.page_size, parts.namespace_root

@@ -48,19 +48,18 @@ def object_regions(
         first, stride = base + pool.object_offsets[suffix], pool.unit_bytes
         nbytes = pool.spec.object_bytes(suffix)
         return [(BufferRegion(first + unit * stride, nbytes),) for unit in units]
-    # per region of an object: where unit 0's bytes start, the distance between units, the size
-    parts: list[tuple[int, int, int]] = []
+    # per region of an object: where unit 0's bytes start and its size (the distance between units)
+    parts: list[tuple[int, int]] = []
     for name in obj.buffers:
         place = pool.placements[name]
         buffer = place.spec
+        start = base + place.offset
         if pool.layout is Layout.LAYER_FIRST:  # layer l of unit u sits at (l * U + u) * layer_bytes
             size = buffer.bytes_per_unit_per_layer
-            start = base + place.offset
-            parts.extend((start + layer * pool.units * size, size, size) for layer in range(buffer.layers))
+            parts.extend((start + layer * pool.units * size, size) for layer in range(buffer.layers))
         else:
-            size = buffer.bytes_per_unit
-            parts.append((base + place.offset, size, size))
-    return [tuple([BufferRegion(at + unit * stride, size) for at, stride, size in parts]) for unit in units]
+            parts.append((start, buffer.bytes_per_unit))
+    return [tuple([BufferRegion(at + unit * size, size) for at, size in parts]) for unit in units]
 
 
 def _object(pool: PoolBuffers, suffix: str) -> ObjectSpec:

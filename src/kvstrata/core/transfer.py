@@ -242,6 +242,13 @@ def _view_pairs(src: PoolBuffers, dst: PoolBuffers) -> _PairViews:
     return pair
 
 
+def host_arrays(src: PoolBuffers, dst: PoolBuffers) -> UnitArrays | None:
+    """The numpy arrays over two CPU tiers' unit views that :func:`copy_units` uses (None where
+    the tiers are not both in host memory numpy can view), cached per pair: a caller copying one
+    known-good unit (a state slot at every chunk) assigns rows without the index checks."""
+    return _view_pairs(src, dst).arrays
+
+
 def _index_list(pool: PoolBuffers, indices: torch.Tensor | Sequence[int]) -> list[int] | None:
     """A few CPU int64 indices as a bounds-checked list (None: not that; the general path)."""
     if type(indices) is not torch.Tensor or indices.dtype is not torch.int64 or indices.dim() != 1:

@@ -18,9 +18,8 @@ from kvstrata.core.boundary import exclusive
 from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.lease import Lease, require_lease
 from kvstrata.core.pool_group import PoolGroup
-from kvstrata.core.row_copy import UnitArrays, unit_arrays
 from kvstrata.core.stack import PoolKind, StackLayout
-from kvstrata.core.transfer import copy_units
+from kvstrata.core.transfer import copy_units, host_arrays
 from kvstrata.core.tree import PrefixTree
 from kvstrata.core.tree_bytes import UNIT, unit_tensor
 from kvstrata.plugins.pool_type import PoolSpec
@@ -37,9 +36,8 @@ class UnitMemory:
     #: from the bytes each time cost more than the copy's bookkeeping. Never handed out (nobody
     #: can change one); at most one entry per device unit of the state pools.
     _slot_index: dict[bytes, torch.Tensor]
-    #: fork_state's plan per layout (see ``_state_pools``) and numpy arrays per CPU tier
+    #: fork_state's plan per layout (see ``_state_pools``)
     _forks: tuple[object, list[tuple[str, int, list[tuple[str, PoolBuffers]]]]] | None
-    _fork_arrays: dict[int, tuple[PoolBuffers, UnitArrays | None]]
 
     @exclusive
     def fork_state(self, lease: Lease) -> dict[str, torch.Tensor]:
@@ -67,7 +65,7 @@ class UnitMemory:
         """Copy the state slot stored as ``raw`` (the tree's int64 bytes) into ``slot``. Both
         are the cache's own units (the tree's and the allocator's), in range by construction:
         on a CPU tier one row assignment per buffer, else :func:`copy_units`."""
-        arrays = self._slot_arrays(buffers)
+        arrays = host_arrays(buffers, buffers)
         if arrays is not None and len(raw) == UNIT and slot.shape[0] == 1:
             src, dst = int.from_bytes(raw, "little"), slot.item()
             for src_array, dst_array in arrays:
@@ -93,26 +91,6 @@ class UnitMemory:
         ]
         self._forks = (tree_pools, plan)
         return plan
-
-    def _slot_arrays(self, buffers: PoolBuffers) -> UnitArrays | None:
-        """Numpy arrays over a CPU tier's unit views (None: not a CPU tier numpy can view), made
-        once per tier: forking a slot is then one row assignment per buffer."""
-        cached = self._fork_arrays.get(id(buffers))
-        if cached is not None and cached[0] is buffers:
-            return cached[1]
-        arrays = None
-        if buffers.device.type == "cpu" and not buffers.logical:
-            views = []
-            for name in buffers.placements:
-                word = buffers.word_bytes(name)
-                if buffers.split_layers(name):
-                    layers = buffers.placements[name].spec.layers
-                    views.extend(buffers.unit_view(name, word, layer=i)[:, None] for i in range(layers))
-                else:
-                    views.append(buffers.unit_view(name, word))
-            arrays = unit_arrays([(view, view) for view in views]) if views else None
-        self._fork_arrays[id(buffers)] = (buffers, arrays)
-        return arrays
 
     def read_units(
         self, pool: str, units: torch.Tensor | Sequence[int], *, layer: int | None = None
