@@ -174,6 +174,10 @@ def native_line_limiter(interval_s: float | None = None, burst: int = DEFAULT_BU
         stdin=subprocess.PIPE,
         stdout=original,
         stderr=original,
+        # its own process group: a Ctrl-C at the terminal is the parent's to handle, and one
+        # arriving while the child's interpreter starts (before it can ignore SIGINT) killed it
+        # with a "Fatal Python error" traceback on the user's screen
+        process_group=0,
     )
     assert child.stdin is not None
     saved_stderr = sys.stderr
@@ -236,7 +240,8 @@ def pump(source: BinaryIO, sink: BinaryIO, limiter: RepeatLimiter, show_info: bo
 if __name__ == "__main__":  # the child of native_line_limiter
     import signal
 
-    # A Ctrl-C reaches the whole process group: the child ends at EOF, when its parent is done
+    # started in a process group of its own; should a SIGINT still reach it, it ends at EOF,
+    # when its parent is done
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     show = len(sys.argv) < 4 or sys.argv[3] == "info"
     pump(sys.stdin.buffer, sys.stdout.buffer, RepeatLimiter(float(sys.argv[1]), int(sys.argv[2])), show)
