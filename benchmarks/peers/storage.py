@@ -20,10 +20,11 @@ order of the two sides alternates per operation and round; 1 warm-up round, then
 min-max over ``--rounds``. Ratios are kvstrata / HiCacheFile of the medians: GiB/s for put and get
 (bigger is better), microseconds per key for exists (smaller is better).
 
-Goals (issue 16): get >= 1.5x, put >= 2x, exists <= 1.0x of HiCacheFile's time per key. The
-exists-cached row compares the same kvstrata query with HiCacheFile's strongest existence path, its
-optional in-memory metadata cache (``enable_metadata_cache``, off by default; a second instance
-over the same directory whose cache saw the keys on the first query of each round).
+Goals (issue 30; issue 16 had asked get >= 1.5x): get with xxh3 verified >= 1.0x, put >= 2x, exists
+<= 1.0x of HiCacheFile's time per key. The exists-cached row compares the same kvstrata query with
+HiCacheFile's strongest existence path, its optional in-memory metadata cache
+(``enable_metadata_cache``, off by default; a second instance over the same directory whose cache
+saw the keys on the first query of each round).
 
     PYTHONPATH=src python benchmarks/peers/storage.py [--quick] [--rounds N] [--json OUT]
 
@@ -61,7 +62,7 @@ FLOOR_OPS = ("put", "get")
 #: (operation, unit, goal as "kvstrata / HiCacheFile" bound, True when the bound is a minimum)
 WORKLOADS = (
     ("put", "GiB/s", 2.0, True),
-    ("get", "GiB/s", 1.5, True),
+    ("get", "GiB/s", 1.0, True),
     ("exists", "us/key", 1.0, False),
     ("exists-cached", "us/key", 1.0, False),
 )
