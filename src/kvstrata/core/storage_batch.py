@@ -233,13 +233,17 @@ class ReadChecks:
     system calls being what two threads contend for (the GIL).
     """
 
-    __slots__ = ("_full", "_payloads", "_prefixes", "_trusted", "computed")
+    __slots__ = ("_full", "_payloads", "_prefixes", "_trusted", "known", "sums")
 
     def __init__(self, batch: ObjectBatch, *, trusted: bool = False) -> None:
         """``trusted``: the backend declared that it checks every object it reads
         (``checks_reads``), so :meth:`all_computed` hashes nothing itself."""
+        rows = len(batch.objects)
         self._full = (batch.payload_nbytes + HEADER_BYTES).tolist()
-        self.computed: list[int | None] = [None] * len(self._full)
+        #: per row, the checksum an I/O thread computed (where ``known``): numpy arrays the
+        #: threads write one item of each, so the engine thread reads them with no loop per row
+        self.sums = np.zeros(rows, dtype=np.uint64)
+        self.known = np.zeros(rows, dtype=np.bool_)
         prefixes = expected_prefixes(batch.digests, batch.fingerprints, batch.payload_nbytes)
         self._prefixes = memoryview(prefixes)
         self._payloads = batch.payloads
@@ -253,7 +257,8 @@ class ReadChecks:
         """Called by an I/O thread once object ``row`` is read (``nbytes``; negative: not found).
         Only a complete object has a checksum worth computing."""
         if nbytes == self._full[row]:
-            self.computed[row] = self.checksum(row)
+            self.sums[row] = self.checksum(row)
+            self.known[row] = True
 
     def all_computed(self, read: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Every complete object's checksum as uint64 (0 elsewhere) and which rows have one.
@@ -262,13 +267,12 @@ class ReadChecks:
         ``checks_reads``): what no I/O thread hashed is hashed here, a second pass over those
         bytes. Trusted: nothing is hashed here; a row left unchecked is reported as such and
         must not pass the fast path (:func:`verify_object` then decides it, hashing that row)."""
-        sums = self.computed
         if not self._trusted:
-            for row in np.flatnonzero(read == np.asarray(self._full)).tolist():
-                if sums[row] is None:
-                    sums[row] = self.checksum(row)
-        known = np.fromiter((value is not None for value in sums), dtype=bool, count=len(sums))
-        return np.array([value or 0 for value in sums], dtype=np.uint64), known
+            complete = read == np.asarray(self._full, dtype=np.int64)
+            for row in np.flatnonzero(complete & ~self.known).tolist():
+                self.sums[row] = self.checksum(row)
+                self.known[row] = True
+        return self.sums, self.known
 
 
 def verify_batch(

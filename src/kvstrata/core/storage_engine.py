@@ -303,7 +303,8 @@ class StorageEngine(BackendCalls):
         ok = batch.per_unit(good)
         if staging is not None:
             stage_in(staging, units, ok, self._unit_bytes[pool])
-        nbytes = sum(read[row] for row in range(len(batch.objects)) if ok[row // batch.n_obj])
+        delivered = np.repeat(np.asarray(ok, dtype=np.bool_), batch.n_obj)  # per object: its unit's verdict
+        nbytes = int(np.asarray(read, dtype=np.int64)[delivered].sum())
         corrupt = {v.value: len(keys) for v, keys in rejected.items() if v not in FOREIGN}
         foreign = {v.value: len(keys) for v, keys in rejected.items() if v in FOREIGN}
         with self._lock:
