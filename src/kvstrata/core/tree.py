@@ -316,7 +316,7 @@ class PrefixTree:
     def _require_node(self, node: TreeNode) -> None:
         if node is self.root:
             raise TreeError("the root holds no values")
-        if node.parent is None or node.parent.children.get(node.first_key) is not node:
+        if node.parent is None:  # eviction unlinks the nodes it deletes (and only those)
             raise TreeError(f"{node!r} is no longer in the tree")
 
     # ------------------------------------------------------------------ locks
