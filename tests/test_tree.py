@@ -421,8 +421,8 @@ def test_set_host_values_records_a_batch_as_one_value_at_a_time_would():
     upper, _ = insert(tree, units, seq(1, 2), pools=("kv", "mamba"))
     lower = tree.insert(seq(1, 2, 3), {"kv": units.take(1), "mamba": units.take(1)}, at=None).node
     assert lower.parent is upper.node
-    counts = [{"kv": 2, "mamba": 1}, {"kv": 1, "mamba": 1}]
-    tree.set_host_values([upper.node, lower], counts, {"kv": _raw(10, 11, 12), "mamba": _raw(20, 21)})
+    # each node takes as many host units per pool as it holds device units (2 + 1 kv, 1 + 1 mamba)
+    tree.set_host_values([upper.node, lower], {"kv": _raw(10, 11, 12), "mamba": _raw(20, 21)})
     tree.check()
     assert upper.node.host[0].tolist() == [10, 11] and upper.node.host[1].tolist() == [20]
     assert lower.host[0].tolist() == [12] and lower.host[1].tolist() == [21]
@@ -430,21 +430,30 @@ def test_set_host_values_records_a_batch_as_one_value_at_a_time_would():
     assert tree.match(seq(1, 2, 3)).host_pages == 3
 
 
+def test_set_host_values_leaves_a_device_tombstone_without_a_host_value():
+    tree, units = PrefixTree([kv_spec(), mamba_spec()]), Units()
+    upper, _ = insert(tree, units, seq(1, 2), pools=("kv", "mamba"))
+    lower = tree.insert(seq(1, 2, 3), {"kv": units.take(1)}).node  # no mamba slot: a tombstone
+    tree.set_host_values([upper.node, lower], {"kv": _raw(10, 11, 12), "mamba": _raw(20)})
+    tree.check()
+    assert upper.node.host[1].tolist() == [20] and lower.host[1] is None and lower.host[0].tolist() == [12]
+
+
 @pytest.mark.parametrize(
-    ("counts", "values", "message"),
+    ("pairs", "values", "message"),
     [
-        ([{"kv": 2}, {"kv": 2}], {"kv": _raw(*range(4))}, r"'kv': 2 units for 1 page"),
-        ([{"mamba": 1, "kv": 2}], {"kv": _raw(1, 2), "mamba": _raw(3)}, "anchor of .* before component"),
-        ([{"kv": 2}], {"kv": _raw(1, 2, 3)}, "more units given"),
-        ([{"kv": 2}], {"kv": _raw(1)}, r"'kv': 1 units for 2 page"),
+        (2, {"kv": _raw(*range(4))}, "more units given"),
+        (1, {"kv": _raw(1, 2, 3)}, "more units given"),
+        (1, {"kv": _raw(1)}, "fewer units given"),
+        (2, {"kv": _raw(1, 2, 3), "swa": _raw(1)}, "not tracked"),
     ],
 )
-def test_set_host_values_refuses_what_set_host_value_refuses(counts, values, message):
+def test_set_host_values_refuses_units_the_nodes_do_not_hold(pairs, values, message):
     tree, units = PrefixTree([kv_spec(), mamba_spec()]), Units()
     upper, _ = insert(tree, units, seq(1, 2), pools=("kv", "mamba"))
     lower = tree.insert(seq(1, 2, 3), {"kv": units.take(1)}).node
     with pytest.raises(TreeError, match=message):
-        tree.set_host_values([upper.node, lower][: len(counts)], counts, values)
+        tree.set_host_values([upper.node, lower][:pairs], values)
     assert lower.host[0] is None
 
 
@@ -452,16 +461,16 @@ def test_set_host_values_refuses_a_node_gone_or_backed_up():
     tree, units = PrefixTree([kv_spec()]), Units()
     res, _ = insert(tree, units, seq(1, 2))
     with pytest.raises(TreeError, match="root"):
-        tree.set_host_values([tree.root], [{"kv": 2}], {"kv": _raw(1, 2)})
-    tree.set_host_values([res.node], [{"kv": 2}], {"kv": _raw(1, 2)})
+        tree.set_host_values([tree.root], {"kv": _raw(1, 2)})
+    tree.set_host_values([res.node], {"kv": _raw(1, 2)})
     with pytest.raises(TreeError, match="already holds host"):
-        tree.set_host_values([res.node], [{"kv": 2}], {"kv": _raw(3, 4)})
+        tree.set_host_values([res.node], {"kv": _raw(3, 4)})
     gone = res.node
     tree.evict_host({"kv": 2})
     tree.evict_device({"kv": 2})
     assert gone.parent is None or tree.root.children.get(gone.first_key) is not gone
     with pytest.raises(TreeError, match="no longer in the tree"):
-        tree.set_host_values([gone], [{"kv": 2}], {"kv": _raw(1, 2)})
+        tree.set_host_values([gone], {"kv": _raw(1, 2)})
     tree.check()
 
 

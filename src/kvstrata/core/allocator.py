@@ -73,8 +73,8 @@ class UnitAllocator:
                 return torch.empty(0, dtype=torch.int64)
             chunks = self._chunks
             chunk = chunks[0]
-            if len(chunk) > count:  # the common case: one chunk, cut
-                taken = chunk[:count].copy()
+            if len(chunk) > count:  # the common case: one chunk, cut (its head handed out as is:
+                taken = chunk[:count]  # the free list never writes into a chunk, only slices it)
                 chunks[0] = chunk[count:]
             else:
                 parts, need = [], count

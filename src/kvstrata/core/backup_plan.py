@@ -3,10 +3,11 @@
 A chunked request backs up its open lease in batches (``policy.write_through_batch_pages``): one
 batch is a chain of small nodes, one per chunk. Asking the allocator once per node and reading
 each node's units as tensors cost more than the copy itself there, so the writer plans a batch
-here: the candidates in one pass over the nodes' stored units (their lengths, no tensors), then
-one allocation for all of them when the free units suffice, copied per pool as it is (the nodes'
-units follow each other in it). Only when they do not (eviction, or waiting for L3 writes to
-release units) does it fall back to a node at a time, joined per pool afterwards.
+here: the candidates in one pass over the nodes, their device units joined per pool (a backup
+copies them: their count is what the batch needs), then one allocation for all of them when the
+free units suffice, copied per pool as it is (the nodes' units follow each other in it). Only
+when they do not (eviction, or waiting for L3 writes to release units) does it fall back to a
+node at a time, joined per pool afterwards.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from kvstrata.core.tree import PrefixTree, TreeNode
 from kvstrata.core.tree_bytes import UNIT
 
+_INT64 = torch.int64
 #: one node's host units per tree pool
 Units = dict[str, torch.Tensor]
 #: admits a node to the host tier (the host admission filter), or None: every node
@@ -25,31 +27,44 @@ Admit = Callable[[TreeNode], bool] | None
 
 
 def backup_candidates(
-    tree: PrefixTree, pools: Sequence[str], nodes: Iterable[TreeNode], *, contiguous: bool, admit: Admit
-) -> tuple[list[tuple[TreeNode, dict[str, int]]], TreeNode | None]:
-    """The device-only nodes of ``nodes`` to back up, root first, each with the units it needs per
-    tree pool; and the node the admission filter refused (None: none). Stops at the first node
-    whose parent has no backup and is not a candidate itself (``contiguous``: backups stay a
-    prefix from the root) or that ``admit`` refuses."""
-    index, root = tree.index, tree.root
-    slots = [(name, index[name]) for name in pools]
-    out: list[tuple[TreeNode, dict[str, int]]] = []
+    tree: PrefixTree, nodes: Iterable[TreeNode], *, contiguous: bool, admit: Admit
+) -> tuple[list[TreeNode], TreeNode | None]:
+    """The device-only nodes of ``nodes`` to back up, root first; and the node the admission
+    filter refused (None: none). Stops at the first node whose parent has no backup and is not a
+    candidate itself (``contiguous``: backups stay a prefix from the root) or that ``admit``
+    refuses. A node's backup copies its device units: their count per pool is what it needs."""
+    root = tree.root
+    out: list[TreeNode] = []
     for node in nodes:
-        stored = node.device_raw
-        if node.host_raw[0] is not None or stored[0] is None:
+        if node.host_raw[0] is not None or node.device_raw[0] is None:
             continue  # backed up already, or no device copy to back up
         parent = node.parent
         if (
             contiguous
             and parent is not root
             and parent.host_raw[0] is None  # type: ignore[union-attr]
-            and not (out and out[-1][0] is parent)  # its parent is a candidate of this batch
+            and not (out and out[-1] is parent)  # its parent is a candidate of this batch
         ):
             break
         if admit is not None and not admit(node):
             return out, node
-        out.append((node, {name: 0 if stored[p] is None else len(stored[p]) // UNIT for name, p in slots}))  # type: ignore[arg-type]
+        out.append(node)
     return out, None
+
+
+def device_units(nodes: Sequence[TreeNode], index: Mapping[str, int]) -> Units:
+    """Per tree pool of ``index``, the device units of ``nodes`` in order as one index tensor
+    (their stored bytes joined: one tensor per pool, none per node)."""
+    out: Units = {}
+    for name, p in index.items():
+        joined = bytearray().join([node.device_raw[p] or b"" for node in nodes])
+        out[name] = torch.frombuffer(joined, dtype=_INT64) if joined else torch.empty(0, dtype=_INT64)
+    return out
+
+
+def unit_counts(node: TreeNode, index: Mapping[str, int]) -> dict[str, int]:
+    """Units per tree pool one node's backup needs (its device units)."""
+    return {name: len(node.device_raw[p] or b"") // UNIT for name, p in index.items()}
 
 
 def joined(allocated: Sequence[Units]) -> Units:
@@ -58,21 +73,3 @@ def joined(allocated: Sequence[Units]) -> Units:
     if len(allocated) <= 1:
         return allocated[0] if allocated else {}
     return {name: torch.cat([units[name] for units in allocated]) for name in allocated[0]}
-
-
-def summed(needs: Sequence[Mapping[str, int]]) -> dict[str, int]:
-    """Units per pool over every node of a batch."""
-    total: dict[str, int] = {}
-    for node_needs in needs:
-        for name, count in node_needs.items():
-            total[name] = total.get(name, 0) + count
-    return total
-
-
-def device_units(nodes: Sequence[TreeNode], p: int) -> torch.Tensor:
-    """The device units of pool ``p`` over ``nodes``, in order, as one index tensor (their stored
-    bytes joined: one tensor made, not one per node)."""
-    joined = bytearray().join(node.device_raw[p] or b"" for node in nodes)
-    if not joined:
-        return torch.empty(0, dtype=torch.int64)
-    return torch.frombuffer(joined, dtype=torch.int64)

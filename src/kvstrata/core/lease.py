@@ -24,6 +24,12 @@ if TYPE_CHECKING:
     from kvstrata.core.tier_units import TierUnits
 
 
+# Enum member lookups (``PoolKind.PAGES``) go through a descriptor (~0.1 us each), and every
+# chunk of a request reads a few: the per-chunk paths compare against these aliases instead.
+_PAGES, _WINDOW, _STATE = PoolKind.PAGES, PoolKind.WINDOW, PoolKind.STATE
+_DEVICE = Tier.DEVICE
+
+
 class CacheFullError(RuntimeError):
     """The device tier cannot hold a request's new pages even after evicting everything unlocked."""
 
@@ -189,7 +195,7 @@ class Lease:
         prefix beyond it) until ``admit`` settles the lease."""
         self.device_pages, self.host_pages = match.device_pages, match.host_pages
         if match.device_pages:
-            self._device_lock = tree.lock(match.device_node, Tier.DEVICE)
+            self._device_lock = tree.lock(match.device_node, _DEVICE)
         if match.host_pages > match.device_pages:
             self._host_lock = tree.lock(match.host_node, Tier.HOST)
 
@@ -213,7 +219,7 @@ class Lease:
         self.unlock(tree)
         cached = match.device_pages
         if cached:
-            self._device_lock = tree.lock(match.device_node, Tier.DEVICE)
+            self._device_lock = tree.lock(match.device_node, _DEVICE)
         self.cached_pages = self.committed_pages = self.allocated_pages = cached
         self._node = match.device_node if cached else None
         self._prefix, self._first = prefix_units(tree, layout, match)
@@ -232,10 +238,10 @@ class Lease:
         dropped: dict[str, torch.Tensor] = {}
         for tp in layout.tree_pools.values():
             old, new = pending.get(tp.name, NO_UNITS), got[tp.name]
-            if tp.kind is PoolKind.PAGES:
+            if tp.kind is _PAGES:
                 pending[tp.name] = torch.cat([old, new]) if old.shape[0] else new
                 first = self.allocated_pages
-            elif tp.kind is PoolKind.WINDOW:
+            elif tp.kind is _WINDOW:
                 # the pending units hold contiguous pages ending at ``end``: kept old units must
                 # end where the new ones start, else (a window-only allocation) they are of no use
                 if old.shape[0] and new.shape[0] == end - self.allocated_pages:
@@ -258,7 +264,7 @@ class Lease:
         """``insert``: pages through ``end`` are in the tree, ending at ``node``: move the device
         lock there and keep ``rest`` (see :func:`take_for_insert`) for the next chunk."""
         lock = self._device_lock
-        self._device_lock = tree.lock(node, Tier.DEVICE) if lock is None else tree.move_lock(lock, node)
+        self._device_lock = tree.lock(node, _DEVICE) if lock is None else tree.move_lock(lock, node)
         self._node, self.committed_pages, self._allocated = node, end, rest
 
     def take_pending(self) -> dict[str, torch.Tensor] | None:
@@ -329,9 +335,9 @@ def prefix_units(
     for tp in layout.tree_pools.values():
         if cached == 0:
             units[tp.name], first[tp.name] = NO_UNITS, 0
-        elif tp.kind is PoolKind.STATE:
+        elif tp.kind is _STATE:
             units[tp.name], first[tp.name] = match.device_state[tp.name], cached - 1
-        elif tp.kind is PoolKind.WINDOW:
+        elif tp.kind is _WINDOW:
             nodes = list(reversed(tree.window_nodes(match.device_node, tp.name)))
             units[tp.name], first[tp.name] = tree.values(nodes, tp.name), nodes[0].depth_start
         else:
@@ -351,9 +357,9 @@ def allocation_needs(layout: StackLayout, lease: Lease, end: int) -> dict[str, i
     pending = lease._allocated or {}
     needs = {}
     for tp in layout.tree_pools.values():
-        if tp.kind is PoolKind.PAGES:
+        if tp.kind is _PAGES:
             needs[tp.name] = new
-        elif tp.kind is PoolKind.WINDOW:
+        elif tp.kind is _WINDOW:
             needs[tp.name] = min(tp.window, new)
         else:
             needs[tp.name] = 1 if new > 0 and not pending.get(tp.name, NO_UNITS).shape[0] else 0
@@ -375,10 +381,10 @@ def allocate_units(
     """Device units for pages ``[lease.allocated_pages, end)`` per tree pool (evicting what it
     must for :func:`allocation_needs`, then, unless ``window_only``, :func:`window_extras` where
     room is spare), or None."""
-    got = units.alloc(Tier.DEVICE, allocation_needs(layout, lease, end))
+    got = units.alloc(_DEVICE, allocation_needs(layout, lease, end))
     extras = window_extras(layout, lease, end) if layout.windowed and not window_only else None
     if got is not None and extras:
-        for name, spare in units.alloc_spare(Tier.DEVICE, extras).items():
+        for name, spare in units.alloc_spare(_DEVICE, extras).items():
             got[name] = torch.cat([spare, got[name]])
     return got
 
@@ -398,12 +404,12 @@ def take_for_insert(
     rest: dict[str, torch.Tensor] = {}
     for tp in layout.tree_pools.values():
         pending = pending_all.get(tp.name, NO_UNITS)
-        if tp.kind is PoolKind.PAGES:  # (tensor shape reads and slices cost a chunk microseconds)
+        if tp.kind is _PAGES:  # (tensor shape reads and slices cost a chunk microseconds)
             if pending.shape[0] == new:
                 values[tp.name], rest[tp.name] = pending, NO_UNITS
             else:
                 values[tp.name], rest[tp.name] = pending[:new], pending[new:]
-        elif tp.kind is PoolKind.WINDOW:
+        elif tp.kind is _WINDOW:
             keep = pending.shape[0] - min(after, pending.shape[0])
             values[tp.name], rest[tp.name] = pending[:keep], pending[keep:]
         else:

@@ -105,6 +105,9 @@ def _blocks_of_last_dim(view: torch.Tensor) -> tuple[int, list[int]]:
 #: the ``(U, L, W)`` view pairs of a copy between two CPU tiers, as numpy arrays sharing their memory
 UnitArrays = list[tuple[np.ndarray, np.ndarray]]
 
+#: a few bounds-checked unit indices, and the start of their ascending run (None: not one)
+IndexList = tuple[list[int], int | None]
+
 #: most bytes a scattered direct copy gathers into a temporary (above: the general path, whose
 #: scatter is one pass of memmoves with no temporary)
 MAX_GATHER_BYTES = 1 << 20
@@ -125,28 +128,21 @@ def unit_arrays(views: list[tuple[torch.Tensor, torch.Tensor]]) -> UnitArrays | 
     return arrays
 
 
-def copy_few(arrays: UnitArrays, src: list[int], dst: list[int]) -> bool:
-    """Copy units ``src[k] -> dst[k]`` (bounds-checked, equal lengths, a few) between the views
-    of :func:`unit_arrays`: one slice assignment per view where both sides are runs, else one
+def copy_few(arrays: UnitArrays, src: IndexList, dst: IndexList) -> bool:
+    """Copy units ``src[k] -> dst[k]`` (each side: bounds-checked indices of equal lengths, a
+    few, and the start of their ascending run, None if not one) between the views of
+    :func:`unit_arrays`: one slice assignment per view where both sides are runs, else one
     fancy-index gather and scatter. Exact where source and destination rows overlap (numpy
     copies overlapping slices as if read first; a gather is a fresh array). False (nothing
     copied) for scattered units of more than :data:`MAX_GATHER_BYTES`."""
-    count = len(src)
-    first_src, first_dst = src[0], dst[0]
-    if (
-        src[-1] - first_src == count - 1
-        and dst[-1] - first_dst == count - 1
-        and (count == 1 or (_is_run(src, first_src) and _is_run(dst, first_dst)))
-    ):
+    (src_units, src_run), (dst_units, dst_run) = src, dst
+    count = len(src_units)
+    if src_run is not None and dst_run is not None:
         for src_array, dst_array in arrays:
-            dst_array[first_dst : first_dst + count] = src_array[first_src : first_src + count]
+            dst_array[dst_run : dst_run + count] = src_array[src_run : src_run + count]
         return True
     if count * sum(array[0].nbytes for array, _ in arrays) > MAX_GATHER_BYTES:
         return False
     for src_array, dst_array in arrays:
-        dst_array[dst] = src_array[src]
+        dst_array[dst_units] = src_array[src_units]
     return True
-
-
-def _is_run(values: list[int], first: int) -> bool:
-    return values == list(range(first, first + len(values)))

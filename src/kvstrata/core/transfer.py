@@ -17,7 +17,7 @@ import torch
 
 from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.pinned_alias import aliased_pairs, prefer_kernels
-from kvstrata.core.row_copy import UnitArrays, copy_few, copy_rows, unit_arrays
+from kvstrata.core.row_copy import IndexList, UnitArrays, copy_few, copy_rows, unit_arrays
 
 
 def as_index(indices: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -249,16 +249,20 @@ def host_arrays(src: PoolBuffers, dst: PoolBuffers) -> UnitArrays | None:
     return _view_pairs(src, dst).arrays
 
 
-def _index_list(pool: PoolBuffers, indices: torch.Tensor | Sequence[int]) -> list[int] | None:
-    """A few CPU int64 indices as a bounds-checked list (None: not that; the general path)."""
+def _index_list(pool: PoolBuffers, indices: torch.Tensor | Sequence[int]) -> IndexList | None:
+    """A few CPU int64 indices as a bounds-checked list, and the start of their ascending run
+    (None: not one); None for anything else (the general path). A run's bounds are its ends."""
     if type(indices) is not torch.Tensor or indices.dtype is not torch.int64 or indices.dim() != 1:
         return None
     if indices.device.type != "cpu" or not 0 < indices.shape[0] <= _SMALL_INDEX:
         return None
     values = indices.tolist()
-    if min(values) < 0 or max(values) >= pool.units:
+    first, last = values[0], values[-1]
+    run = first if last - first == len(values) - 1 and values == list(range(first, last + 1)) else None
+    low, high = (first, last) if run is not None else (min(values), max(values))
+    if low < 0 or high >= pool.units:
         pool.check_indices(indices)  # raises with the pool's message
-    return values
+    return values, run
 
 
 def copy_units(
@@ -280,8 +284,8 @@ def copy_units(
     if arrays is not None:  # between CPU tiers: a few units are one numpy assignment per view
         src_list, dst_list = _index_list(src, src_indices), _index_list(dst, dst_indices)
         if src_list is not None and dst_list is not None:
-            if len(src_list) != len(dst_list):
-                raise ValueError(f"index lists differ in length: {len(src_list)} vs {len(dst_list)}")
+            if len(src_list[0]) != len(dst_list[0]):
+                raise ValueError(f"index lists differ in length: {len(src_list[0])} vs {len(dst_list[0])}")
             if copy_few(arrays, src_list, dst_list):
                 return TransferHandle()
     src_idx, dst_idx = as_index(src_indices), as_index(dst_indices)

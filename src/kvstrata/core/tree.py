@@ -272,18 +272,17 @@ class PrefixTree:
         self._set(node, _DEVICE, p, unit_bytes(value))
 
     def set_host_value(self, node: TreeNode, name: str, value: torch.Tensor | bytes) -> None:
-        """Record a host copy (a finished backup; units or their int64 bytes): see below."""
+        """Record a host copy of one pool's units (units or their int64 bytes) on ``node``: a
+        component may follow an anchor already on host. :meth:`set_host_values` records a backup."""
         p = self._pool(name)
         self._require_node(node)
         raw = value if isinstance(value, bytes) else unit_bytes(self._check_value(p, value, node.pages))
-        self._inserter.record_host([node], [{name: len(raw) // UNIT}], {name: raw})  # checks bytes
+        self._inserter.record_host_value(node, p, raw)
 
-    def set_host_values(
-        self, nodes: Sequence[TreeNode], counts: Sequence[Mapping[str, int]], values: Mapping[str, bytes]
-    ) -> None:
-        """Backups of a batch in one call: ``values[pool]`` the nodes' host units in node order (int64
-        bytes), ``counts[i][pool]`` node i's share (the anchor first: it marks a node backed up)."""
-        self._inserter.record_host(nodes, counts, values)
+    def set_host_values(self, nodes: Sequence[TreeNode], values: Mapping[str, bytes]) -> None:
+        """A backup of ``nodes`` (none backed up yet) in one call: ``values[pool]`` their host
+        units in node order (int64 bytes), each node taking as many as it holds on the device."""
+        self._inserter.record_host(nodes, values)
 
     def drop_component(self, node: TreeNode, name: str, tier: Tier | str) -> torch.Tensor:
         """Tombstone one component of a node in a tier and return its units for the caller to free.
@@ -317,7 +316,7 @@ class PrefixTree:
     def _require_node(self, node: TreeNode) -> None:
         if node is self.root:
             raise TreeError("the root holds no values")
-        if node.parent is None or node.parent.children.get(node.first_key) is not node:
+        if node.parent is None:  # eviction unlinks the nodes it deletes (and only those)
             raise TreeError(f"{node!r} is no longer in the tree")
 
     # ------------------------------------------------------------------ locks

@@ -219,38 +219,53 @@ class TreeInserter:
         node.last_access = clock.tick
         return InsertResult(node, n, values, {})
 
-    def record_host(
-        self, nodes: Sequence[TreeNode], counts: Sequence[Mapping[str, int]], values: Mapping[str, bytes]
-    ) -> None:
-        """See ``PrefixTree.set_host_values``: each node takes the next ``counts[i][pool]`` units
-        of ``values[pool]``, in the order its counts name the pools (the anchor first: it marks
-        the node backed up), checked as ``set_host_value`` checks one value, in one pass."""
-        root, index, state = self.root, self._index, self._state
-        offsets = dict.fromkeys(values, 0)
-        for node, node_counts in zip(nodes, counts, strict=True):
-            parent = node.parent
-            if node is root or parent is None or parent.children.get(node.first_key) is not node:
+    def record_host_value(self, node: TreeNode, p: int, raw: bytes) -> None:
+        """See ``PrefixTree.set_host_value`` (``node`` is in the tree): one pool's host units."""
+        name = self._names[p]
+        if len(raw) != (1 if self._state[p] else node.pages) * UNIT:
+            raise TreeError(f"pool {name!r}: {len(raw) // UNIT} units for {node.pages} page(s)")
+        if node.host_raw[p] is not None:
+            raise TreeError(f"{node!r} already holds host units of pool {name!r}")
+        if p and node.host_raw[0] is None:
+            raise TreeError(f"back up the anchor of {node!r} before component {name!r}")
+        self._set(node, _HOST, p, raw)
+
+    def record_host(self, nodes: Sequence[TreeNode], values: Mapping[str, bytes]) -> None:
+        """See ``PrefixTree.set_host_values``: a backup of ``nodes``, each taking per pool the next
+        units of ``values[pool]``, as many as it holds device units (what the backup copied).
+        Checked whole before any node changes."""
+        root, index, names = self.root, self._index, self._names
+        for name in values:
+            if name not in index:
+                self._pool(name)  # raises the tree's error
+        if nodes and names[0] not in values:
+            raise TreeError(f"a backup needs units of the anchor {names[0]!r}")
+        slots = [(index[name], value) for name, value in values.items()]
+        totals = [0] * len(slots)
+        for node in nodes:
+            if node is root or node.parent is None:  # eviction unlinks the nodes it deletes
                 raise TreeError(
                     "the root holds no values" if node is root else f"{node!r} is no longer in the tree"
                 )
-            pages = node.pages
-            for name, units in node_counts.items():
-                if not units:
-                    continue
-                p = index.get(name)
-                if p is None:
-                    p = self._pool(name)
-                start = offsets[name]
-                value = values[name][start * UNIT : (start + units) * UNIT]
-                if len(value) != (1 if state[p] else pages) * UNIT:
-                    raise TreeError(f"pool {name!r}: {len(value) // UNIT} units for {pages} page(s)")
-                held = node.host_raw
-                if held[p] is not None:
-                    raise TreeError(f"{node!r} already holds host units of pool {name!r}")
-                if p and held[0] is None:
-                    raise TreeError(f"back up the anchor of {node!r} before component {name!r}")
-                self._set(node, _HOST, p, value)
-                offsets[name] = start + units
-        left = [name for name, end in offsets.items() if end * UNIT != len(values[name])]
-        if left:
-            raise TreeError(f"pools {left}: more units given than the nodes' counts take")
+            if node.host_raw[0] is not None:
+                raise TreeError(f"{node!r} already holds host units of pool {names[0]!r}")
+            device = node.device_raw
+            if device[0] is None:
+                raise TreeError(f"{node!r} holds no device units to back up")
+            for k, (p, _) in enumerate(slots):
+                units = device[p]
+                if units is not None:
+                    totals[k] += len(units)
+        for k, (p, value) in enumerate(slots):
+            if totals[k] != len(value):
+                more = "more" if len(value) > totals[k] else "fewer"
+                raise TreeError(f"pool {names[p]!r}: {more} units given than the nodes hold on the device")
+        offsets = [0] * len(slots)
+        for node in nodes:  # the anchor first: it marks the node backed up
+            device = node.device_raw
+            for k, (p, value) in enumerate(slots):
+                units = device[p]
+                if units is not None:
+                    start = offsets[k]
+                    end = offsets[k] = start + len(units)
+                    self._set(node, _HOST, p, value[start:end])

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kvstrata.core.admission import make_admission
-from kvstrata.core.backup_plan import Units, backup_candidates, device_units, joined, summed
+from kvstrata.core.backup_plan import Units, backup_candidates, device_units, joined, unit_counts
 from kvstrata.core.keys import hash_pages
 from kvstrata.core.metrics import Operation, count_failure
 from kvstrata.core.part_context import PartContext
@@ -147,47 +147,48 @@ class Writer:
             return
         candidates, refused = backup_candidates(
             self.tree,
-            list(self.layout.tree_pools),
             nodes,
             contiguous=self.policy.write != "write_back",
             admit=self.host_admission.admit if admit else None,
         )
-        todo, counts, host = self._host_units(candidates)
+        todo, device, host = self._host_units(candidates)
         if refused is not None and len(todo) == len(candidates):
             self.metrics.count(Operation.HOST_REJECTED, refused.pages)
         if not todo:
             return
         if admit:
             self.metrics.count(Operation.HOST_ADMITTED, sum(n.pages for n in todo))
-        self._copy_down(todo, counts, host)
+        self._copy_down(todo, device, host)
         if self.engine is not None:
             self._queue_write(todo, hashes)
 
-    def _host_units(
-        self, candidates: list[tuple[TreeNode, dict[str, int]]]
-    ) -> tuple[list[TreeNode], list[dict[str, int]], Units]:
-        """Host units for the leading candidates: the nodes, their unit counts per pool, and the
-        units per pool in node order. All at once from free units, else a node at a time
-        (evicting, or waiting for L3 writes), stopping at the first that does not fit."""
+    def _host_units(self, candidates: list[TreeNode]) -> tuple[list[TreeNode], Units, Units]:
+        """Host units for the leading candidates: the nodes, and per tree pool their device units
+        and the host units, both in node order. All at once from free units, else a node at a
+        time (evicting, or waiting for L3 writes), stopping at the first that does not fit."""
+        if not candidates:
+            return [], {}, {}
+        index = self.tree.index  # the tree pools, anchor first
+        device = device_units(candidates, index)
         if len(candidates) > 1:
-            needs = [node_needs for _, node_needs in candidates]
-            got = self.units.try_alloc(Tier.HOST, summed(needs))  # never evicts
-            if got is not None:
-                return [node for node, _ in candidates], needs, got
+            got = self.units.try_alloc(Tier.HOST, {name: units.shape[0] for name, units in device.items()})
+            if got is not None:  # never evicts
+                return candidates, device, got
         todo: list[TreeNode] = []
-        counts: list[dict[str, int]] = []
         allocated: list[Units] = []
-        for node, node_needs in candidates:
-            got = self.units.alloc_protecting(node, Tier.HOST, node_needs)
+        for node in candidates:
+            needs = unit_counts(node, index)
+            got = self.units.alloc_protecting(node, Tier.HOST, needs)
             if got is None and self.pending:
-                got = self._wait_for_room(node, node_needs)
+                got = self._wait_for_room(node, needs)
             if got is None:  # the host tier is full of pages other requests hold
                 self.metrics.count(Operation.BACKUPS_SKIPPED)
                 break
             todo.append(node)
-            counts.append(node_needs)
             allocated.append(got)
-        return todo, counts, joined(allocated)
+        if len(todo) < len(candidates):
+            device = device_units(todo, index)
+        return todo, device, joined(allocated)
 
     def _wait_for_room(self, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None:
         """Backpressure: the host units may be held by in-flight L3 writes. Wait for them, oldest
@@ -221,24 +222,23 @@ class Writer:
             self.back_up(match.path, hashes=hashes)
         return all(self.tree.backed_up(n) for n in match.path)
 
-    def _copy_down(self, nodes: Sequence[TreeNode], counts: Sequence[dict[str, int]], hosts: Units) -> None:
-        """Device -> host copies of ``nodes`` (``counts``: each node's units per pool) into
-        ``hosts`` (per pool, the nodes' units in order): one copy per pool, then each node's slice
-        of the host units recorded in the tree."""
+    def _copy_down(self, nodes: Sequence[TreeNode], devices: Units, hosts: Units) -> None:
+        """Device -> host copies of ``nodes`` (per pool, their device units in order) into
+        ``hosts`` (per pool, as many host units): one copy per pool, then the host units
+        recorded in the tree, each node taking as many as it holds on the device."""
         handles = []
         nbytes = 0
         stored: dict[str, bytes] = {}
-        for name, tp in self.layout.tree_pools.items():
-            host = hosts.get(name)
-            if host is None or not host.shape[0]:
+        tree_pools = self.layout.tree_pools
+        for name, host in hosts.items():
+            if not host.shape[0]:
                 continue
-            device = device_units(nodes, self.tree.index[name])
-            handles += self.pools.device_to_host(name, device, host)
-            nbytes += host.shape[0] * unit_bytes(self.pools, tp)
+            handles += self.pools.device_to_host(name, devices[name], host)
+            nbytes += host.shape[0] * unit_bytes(self.pools, tree_pools[name])
             stored[name] = host.numpy().tobytes()  # the tree stores int64 bytes: converted once
         for handle in handles:
             handle.wait()
-        self.tree.set_host_values(nodes, counts, stored)  # counts name the anchor first
+        self.tree.set_host_values(nodes, stored)
         self.metrics.count(Operation.BACKUPS, len(nodes))
         self.metrics.add_bytes("device_to_host", nbytes)
         if self.digests is not None:
