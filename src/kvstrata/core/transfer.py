@@ -198,20 +198,16 @@ _SMALL_INDEX = 256
 
 def _checked_run(pool: PoolBuffers, indices: torch.Tensor) -> int | bool | None:
     """Bounds-check CPU ``indices`` against ``pool`` and return their contiguous run start, in one
-    pass: a chunked request copies a few units per call, where per-call overhead dominates.
-    ``False`` for CUDA indices (never inspected: that would force a device sync)."""
+    pass for a few (:func:`_index_list`): a chunked request copies a few units per call, where
+    per-call overhead dominates. ``False`` for CUDA indices (never inspected: that would force a
+    device sync)."""
     if indices.device.type != "cpu":
         return False
-    count = indices.numel()
-    if count == 0 or count > _SMALL_INDEX:
-        pool.check_indices(indices)
-        return contiguous_run(indices)
-    values = indices.tolist()
-    low, high = min(values), max(values)
-    if low < 0 or high >= pool.units:
-        pool.check_indices(indices)  # raises with the pool's message
-    start = values[0]
-    return start if high - low == count - 1 and values == list(range(start, start + count)) else None
+    listed = _index_list(pool, indices)
+    if listed is not None:
+        return listed[1]
+    pool.check_indices(indices)  # none, or more than a few
+    return contiguous_run(indices)
 
 
 def _view_pairs(src: PoolBuffers, dst: PoolBuffers) -> _PairViews:
