@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.plugins.storage_backend import OBJECT_MAGIC, BufferRegion, StorageBackend, StorageObject
+from kvstrata.storage_backends import file as file_backend
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 from kvstrata.testing.conformance import (
     BackendConformance,
@@ -470,3 +472,39 @@ def test_every_backend_config_refuses_an_empty_path_field() -> None:
         ThirdPartyConfig(spool="")
     assert ThirdPartyConfig(spool=None).spool is None
     assert ThirdPartyConfig(spool="~/x").spool == Path("~/x").expanduser()
+
+
+@pytest.mark.parametrize("failing", ["calling thread", "an I/O thread"])
+def test_an_io_error_surfaces_only_once_every_io_thread_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """The I/O threads read into and write from the caller's regions: when one share of a batch
+    raises, the call must not return (and the caller reuse those regions) while another share
+    is still at work."""
+    monkeypatch.setattr(file_backend, "_usable_cpus", lambda: 4)
+    backend = open_file_backend(tmp_path / "store", io_threads=3)
+    caller = threading.get_ident()
+    slow_started, slow_finished = threading.Event(), threading.Event()
+
+    def share(start: int, stop: int) -> list[int]:
+        on_caller = threading.get_ident() == caller
+        if start == 0 and not on_caller:
+            raise AssertionError("the calling thread works the first share")
+        fails = on_caller if failing == "calling thread" else start == 64 // 3
+        slow = not on_caller and not fails
+        if slow:
+            slow_started.set()
+            time.sleep(0.3)
+            slow_finished.set()
+            return list(range(start, stop))
+        assert slow_started.wait(timeout=10), "the slow share never started"
+        if fails:
+            raise RuntimeError("boom")
+        return list(range(start, stop))
+
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            backend._map_rows(share, 64)
+        assert slow_finished.is_set(), "_map_rows raised while an I/O thread was still working"
+    finally:
+        backend.close()

@@ -8,7 +8,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from kvstrata.plugins.storage_backend import ReadCheck, StorageObject, region_views
@@ -100,7 +100,12 @@ class FileIO(FileIndex):
             return fn(0, count)
         bounds = [count * index // chunks for index in range(chunks + 1)]
         futures = [self._pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, chunks)]
-        results = fn(bounds[0], bounds[1])  # this thread works too instead of waiting idle
+        try:
+            results = fn(bounds[0], bounds[1])  # this thread works too instead of waiting idle
+        finally:
+            # every thread is done before this returns or raises: they read into and write from
+            # the caller's regions, which the caller may reuse as soon as the call is over
+            wait(futures)
         for future in futures:
             results.extend(future.result())
         return results
