@@ -1,8 +1,9 @@
 """One registry per plugin concept: names from entry points, classes loaded lazily by name.
 
-``names()`` never imports a plugin. ``get(name)`` loads it through stevedore, validates the class
-contract and caches it. Entry points are read through ``importlib.metadata`` as well, because only
-that keeps the distribution name and version that error messages must show.
+``names()`` never imports a plugin. ``get(name)`` imports the entry point discovery read (one
+distribution's, never another's of the same name), validates the class contract and caches it.
+Entry points are read through ``importlib.metadata``, which keeps the distribution name and
+version that error messages must show; stevedore's per-group cache is dropped at each discovery.
 """
 
 from __future__ import annotations
@@ -68,6 +69,20 @@ class PluginEntry:
         return f"{self.provider} {self.version}" if self.version else self.provider
 
 
+def _distribution_of(
+    ep: importlib.metadata.EntryPoint, about: dict[importlib.metadata.Distribution, tuple[str, str | None]]
+) -> tuple[str, str | None]:
+    """(name, version) of the distribution declaring ``ep``, memoised in ``about``."""
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "unknown distribution", None
+    known = about.get(dist)
+    if known is None:
+        metadata = dist.metadata  # parsed on every read of ``dist.name`` or ``dist.version``
+        known = about[dist] = (metadata["Name"], metadata["Version"])
+    return known
+
+
 def literal_type_name(config_cls: type) -> str | None:
     """The single value of a config model's ``type: Literal[...]`` field, if it has one."""
     field = getattr(config_cls, "model_fields", {}).get("type")
@@ -109,28 +124,38 @@ class Registry(Generic[T]):
         self._loaded: dict[str, type[T]] = {}
         self._errors: dict[str, PluginError] = {}
         self._blocked: list[PluginEntry] = []
+        #: the entry points discovery read, by (name, distribution, target): what ``get`` loads
+        self._points: dict[tuple[str, str, str], importlib.metadata.EntryPoint] = {}
 
     # --- discovery ---------------------------------------------------------------------------
 
-    def discover(self) -> None:
-        """Read entry points of this group (no imports). Safe to call again after installs."""
+    def discover(self, points: Iterable[importlib.metadata.EntryPoint] | None = None) -> None:
+        """Read entry points of this group (no imports). ``points``: this group's entry points
+        from a scan the caller made (a :class:`~kvstrata.plugins.host.PluginHost` reads every
+        installed distribution once for all its registries); None: scan now. Safe to call
+        again after installs."""
         # stevedore caches entry points per group for the whole process; a distribution added
         # after the cache was filled (a test's fake dist-info, a runtime pip install) would stay
         # invisible, so drop this group's cached copy before a fresh scan.
         ExtensionManager.ENTRY_POINT_CACHE.pop(self.group, None)
+        if points is None:
+            points = importlib.metadata.entry_points(group=self.group)
         seen: set[tuple[str, str, str]] = set()
         self._blocked = []
-        for ep in importlib.metadata.entry_points(group=self.group):
-            dist = getattr(ep, "dist", None)
-            provider = dist.name if dist is not None else "unknown distribution"
-            version = dist.version if dist is not None else None
-            if (ep.name, provider, ep.value) in seen:  # same dist seen twice on sys.path
+        self._points = {}
+        # a distribution's name and version each parse its METADATA file: once per distribution
+        about: dict[importlib.metadata.Distribution, tuple[str, str | None]] = {}
+        for ep in points:
+            provider, version = _distribution_of(ep, about)
+            key = (ep.name, provider, ep.value)
+            if key in seen:  # same dist seen twice on sys.path
                 continue
-            seen.add((ep.name, provider, ep.value))
+            seen.add(key)
             entry = PluginEntry(self.kind, ep.name, "entry_point", provider, version, ep.value)
             if disabled_item(self._disabled, ep.name, provider) is not None:
                 self._blocked.append(entry)  # listed as disabled, never loaded
                 continue
+            self._points[key] = ep
             self._add(entry)
 
     def _add(self, entry: PluginEntry) -> None:
@@ -219,6 +244,9 @@ class Registry(Generic[T]):
         return cls
 
     def _entry_point(self, entry: PluginEntry) -> importlib.metadata.EntryPoint:
+        found = self._points.get((entry.name, entry.provider, entry.target))
+        if found is not None:  # the one discovery read: no second scan of every distribution
+            return found
         for ep in importlib.metadata.entry_points(group=self.group, name=entry.name):
             dist = getattr(ep, "dist", None)
             if (
