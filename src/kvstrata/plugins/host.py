@@ -25,7 +25,7 @@ from kvstrata.plugins.eviction_policy import (
     PolicyCapabilities,
 )
 from kvstrata.plugins.pool_type import POOL_API_VERSION, PoolConfig, PoolRole, PoolType
-from kvstrata.plugins.registry import Registry, check_name
+from kvstrata.plugins.registry import DistributionNames, Registry, check_name
 from kvstrata.plugins.storage_backend import (
     BACKEND_API_VERSION,
     BackendCapabilities,
@@ -168,9 +168,10 @@ class PluginHost:
             # one scan of every installed distribution's entry points for all four groups: a
             # scan reads each distribution's files and costs ~4 ms with a few hundred installed
             installed = importlib.metadata.entry_points()
+            distributions: DistributionNames = {}
             for attribute in PLUGIN_KINDS:
                 registry = getattr(self, attribute)
-                registry.discover(installed.select(group=registry.group))
+                registry.discover(installed.select(group=registry.group), distributions)
             self._load_hook_plugins(installed.select(group=HOOK_PLUGINS_GROUP))
         # Historic calls: every plugin registered now or later feeds the same registries.
         for attribute, kind in PLUGIN_KINDS.items():
