@@ -16,14 +16,14 @@ from kvstrata.cli._app import (
     out,
 )
 from kvstrata.plugins.host import PluginHost
-from kvstrata.plugins.registry import PluginEntry, disabled_item, missing_requirements
+from kvstrata.plugins.registry import UNKNOWN_DISTRIBUTION, PluginEntry, disabled_item, missing_requirements
 
 
 def install_hint(distribution: str | None, missing_module: str | None) -> str | None:
     """What to run so a plugin that failed to import loads: its declared requirement for the
     missing module when the distribution names one, else a reinstall (which brings its
     dependencies back)."""
-    if not distribution or distribution == "unknown distribution":
+    if not distribution or distribution == UNKNOWN_DISTRIBUTION:
         return None
     if missing_module:
         top = missing_module.split(".")[0].lower().replace("_", "-")

@@ -69,6 +69,9 @@ class PluginEntry:
         return f"{self.provider} {self.version}" if self.version else self.provider
 
 
+#: the provider of an entry point whose distribution importlib.metadata does not know
+UNKNOWN_DISTRIBUTION = "unknown distribution"
+
 #: (name, version) per distribution object of one entry-point scan: reading either parses the
 #: distribution's METADATA file (~1.5 ms for one that embeds a long README)
 DistributionNames = dict[importlib.metadata.Distribution, tuple[str, str | None]]
@@ -78,7 +81,7 @@ def _distribution_of(ep: importlib.metadata.EntryPoint, about: DistributionNames
     """(name, version) of the distribution declaring ``ep``, memoised in ``about``."""
     dist = getattr(ep, "dist", None)
     if dist is None:
-        return "unknown distribution", None
+        return UNKNOWN_DISTRIBUTION, None
     known = about.get(dist)
     if known is None:
         metadata = dist.metadata  # parsed on every read of ``dist.name`` or ``dist.version``
@@ -254,12 +257,9 @@ class Registry(Generic[T]):
         found = self._points.get((entry.name, entry.provider, entry.target))
         if found is not None:  # the one discovery read: no second scan of every distribution
             return found
+        about: DistributionNames = {}
         for ep in importlib.metadata.entry_points(group=self.group, name=entry.name):
-            dist = getattr(ep, "dist", None)
-            if (
-                ep.value == entry.target
-                and (dist.name if dist is not None else "unknown distribution") == entry.provider
-            ):
+            if ep.value == entry.target and _distribution_of(ep, about)[0] == entry.provider:
                 return ep
         raise LookupError(
             f"entry point {entry.name} = {entry.target} of {entry.origin} is no longer installed"
