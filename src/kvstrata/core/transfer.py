@@ -310,14 +310,16 @@ def copy_units(
         host = 0 if src.device.type == "cpu" else 1
         host_run = (src_run, dst_run)[host]
         if aliases is not None and prefer_kernels([pair[host] for pair in views], host_run, src_idx.numel()):
-            # device kernels gather and scatter the host units where they lie, indexed on both
-            # sides (a kernel reading or writing a strided host slice runs far below the bus)
+            # device kernels gather and scatter the host units where they lie; a side whose
+            # indices are a run is a slice, so the kernel reads or writes it in place (one pass
+            # on the device, not a gather into a temporary and a second kernel over it)
+            runs = [run if run is not None and run is not False else None for run in (src_run, dst_run)]
             src_at, dst_at = (
-                src_idx.to(cuda_device, non_blocking=True),
-                dst_idx.to(cuda_device, non_blocking=True),
+                idx if run is not None else idx.to(cuda_device, non_blocking=True)
+                for idx, run in zip((src_idx, dst_idx), runs, strict=True)
             )
             for src_view, dst_view in aliases:
-                _copy_rows(src_view, src_at, None, dst_view, dst_at, None)
+                _copy_rows(src_view, src_at, runs[0], dst_view, dst_at, runs[1])
         elif src.device != dst.device:
             src_at, src_start = _placed(src_idx, src_device, non_blocking=True)
             dst_at, dst_start = _placed(dst_idx, dst_device, non_blocking=True)
