@@ -288,25 +288,31 @@ class FileIO(FileIndex):
     ) -> list[int]:
         """Read objects ``start`` to ``stop`` on this thread. Kept lean: two threads reading in
         parallel share one GIL, so every Python step between the system calls is time the other
-        thread may wait for it (measured: as much as the checksum itself)."""
+        thread may wait for it (measured: as much as the checksum itself). So the paths and views
+        are built first, in one pass while the interpreter's data is still in cache, and the loop
+        over the files does little but the system calls."""
+        index = self._index
+        rows = objects[start:stop]
+        paths = [  # a read of the dict is atomic: no lock; None: not indexed under its own name
+            None if (entry := index.get(obj.key)) is None else f"{entry.directory}/{obj.key}" for obj in rows
+        ]
+        views = [region_views(obj.regions) for obj in rows]
         results: list[int] = []
         known: list[str] = []
-        index = self._index
-        for row in range(start, stop):
-            obj = objects[row]
-            entry = index.get(obj.key)  # a read of the dict: atomic, no lock
-            if entry is None:  # not indexed under its own name: stored under a digest, or unknown
+        for offset, path in enumerate(paths):
+            obj = rows[offset]
+            if path is None:  # not indexed under its own name: stored under a digest, or unknown
                 got = self._get_one(obj, known)
             else:
-                got = self._read_indexed(obj, f"{entry.directory}/{obj.key}", known)
+                got = self._read_indexed(obj, path, views[offset], known)
             if check is not None and got >= 0:
-                check(row, got)
+                check(start + offset, got)
             results.append(got)
         if known:
             self._seen(known)  # one lock for the chunk, not one per object
         return results
 
-    def _read_indexed(self, obj: StorageObject, path: str, known: list[str]) -> int:
+    def _read_indexed(self, obj: StorageObject, path: str, views: list[memoryview], known: list[str]) -> int:
         """Read an object the index holds under its key: one ``readv`` fills every region unless
         the file is short (or the kernel stops early), which ``_read_all`` then finishes."""
         try:
@@ -317,7 +323,6 @@ class FileIO(FileIndex):
         except OSError as exc:
             return -(exc.errno or 1)
         try:
-            views = region_views(obj.regions)
             if len(views) > _IOV_MAX:
                 got = _read_all(fd, views)
             else:
