@@ -313,7 +313,7 @@ def copy_units(
             # device kernels gather and scatter the host units where they lie; a side whose
             # indices are a run is a slice, so the kernel reads or writes it in place (one pass
             # on the device, not a gather into a temporary and a second kernel over it)
-            runs = [run if run is not None and run is not False else None for run in (src_run, dst_run)]
+            runs = [None if run is False else run for run in (src_run, dst_run)]  # False: CUDA indices
             src_at, dst_at = (
                 idx if run is not None else idx.to(cuda_device, non_blocking=True)
                 for idx, run in zip((src_idx, dst_idx), runs, strict=True)
