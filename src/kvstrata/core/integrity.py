@@ -320,6 +320,7 @@ def intact_rows(
     digests: np.ndarray,
     checksum: ChecksumPolicy,
     computed: np.ndarray,
+    expected: np.ndarray | None = None,
 ) -> np.ndarray:
     """The batch fast path: which objects are, word for word, what this reader writes -- every one
     of them is an object :func:`verify_object` calls OK, found with a dozen array operations for
@@ -331,20 +332,24 @@ def intact_rows(
     expected header (:func:`expected_prefixes`) and the payload read (policy ``xxh3``), as its
     I/O thread or the caller computed it: the object's checksum wherever the row passes, since a
     row passes only when every other header word (reserved ones too) is the expected one.
+    ``expected``: the :func:`expected_prefixes` of these rows as ``(n, 8)`` words, where the caller
+    has them (policy ``xxh3``): then a row is one comparison with them, its checksum word set.
     """
     words = headers.view("<u8")  # (n, 8): the header's little-endian words
+    complete = read == payload_nbytes + HEADER_BYTES
+    if checksum == "xxh3":  # exactly the header this reader writes, with the checksum computed
+        if expected is None:
+            expected = np.frombuffer(expected_prefixes(digests, fingerprints, payload_nbytes), dtype="<u8")
+        want = expected.reshape(len(words), HEADER_BYTES // 8).copy()
+        want[:, _CHECKSUM_AT // 8] = computed
+        return (words == want).all(axis=1) & complete
+    # the reader checks everything but the checksum: either kind will do
     lead = words[:, 0]  # magic | version << 32 | checksum kind << 48
-    structure = _MAGIC_WORD | FORMAT_VERSION << 32
-    if checksum == "xxh3":
-        intact = lead == structure | int(ChecksumKind.XXH3_64) << 48
-        intact &= words[:, _CHECKSUM_AT // 8] == computed
-    else:  # the reader checks everything but the checksum: either kind will do
-        intact = (lead & 0xFFFF_FFFF_FFFF) == structure
-        intact &= (lead >> np.uint64(48)) <= max(_CHECKSUM_KINDS)
+    intact = (lead & 0xFFFF_FFFF_FFFF) == _MAGIC_WORD | FORMAT_VERSION << 32
+    intact &= (lead >> np.uint64(48)) <= max(_CHECKSUM_KINDS)
     intact &= words[:, 1] == fingerprints[:, 0]
     intact &= words[:, 2] == fingerprints[:, 1]
     intact &= words[:, 3] == digests
     intact &= words[:, 4] == payload_nbytes.astype(np.uint64)
     intact &= (words[:, 6] == 0) & (words[:, 7] == 0)  # reserved: what this reader writes
-    intact &= read == payload_nbytes + HEADER_BYTES
-    return intact
+    return intact & complete

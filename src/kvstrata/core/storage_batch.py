@@ -233,7 +233,7 @@ class ReadChecks:
     system calls being what two threads contend for (the GIL).
     """
 
-    __slots__ = ("_full", "_payloads", "_prefixes", "_trusted", "known", "sums")
+    __slots__ = ("_full", "_payloads", "_prefixes", "_trusted", "expected", "known", "sums")
 
     def __init__(self, batch: ObjectBatch, *, trusted: bool = False) -> None:
         """``trusted``: the backend declared that it checks every object it reads
@@ -246,6 +246,8 @@ class ReadChecks:
         self.known = np.zeros(rows, dtype=np.bool_)
         prefixes = expected_prefixes(batch.digests, batch.fingerprints, batch.payload_nbytes)
         self._prefixes = memoryview(prefixes)
+        #: the same headers as words, for :func:`~kvstrata.core.integrity.intact_rows`
+        self.expected = np.frombuffer(prefixes, dtype="<u8")
         self._payloads = batch.payloads
         self._trusted = trusted
 
@@ -288,8 +290,11 @@ def verify_batch(
     rows = len(batch.objects)
     got = np.fromiter(read, dtype=np.int64, count=rows)
     known: np.ndarray | None = None
+    expected: np.ndarray | None = None
     if checksum == "xxh3":
-        computed, known = (checks or ReadChecks(batch)).all_computed(got)
+        checks = checks or ReadChecks(batch)
+        computed, known = checks.all_computed(got)
+        expected = checks.expected
     else:
         computed = np.zeros(rows, dtype=np.uint64)
     good = intact_rows(
@@ -300,6 +305,7 @@ def verify_batch(
         digests=batch.digests,
         checksum=checksum,
         computed=computed,
+        expected=expected,
     )
     if known is not None:
         good &= known  # a checksum nobody computed proves nothing
