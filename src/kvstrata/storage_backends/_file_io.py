@@ -299,14 +299,13 @@ class FileIO(FileIndex):
         views = [region_views(obj.regions) for obj in rows]
         results: list[int] = []
         known: list[str] = []
-        for offset, path in enumerate(paths):
-            obj = rows[offset]
+        for row, (obj, path, obj_views) in enumerate(zip(rows, paths, views, strict=True), start):
             if path is None:  # not indexed under its own name: stored under a digest, or unknown
                 got = self._get_one(obj, known)
             else:
-                got = self._read_indexed(obj, path, views[offset], known)
+                got = self._read_indexed(obj, path, obj_views, known)
             if check is not None and got >= 0:
-                check(start + offset, got)
+                check(row, got)
             results.append(got)
         if known:
             self._seen(known)  # one lock for the chunk, not one per object
