@@ -58,8 +58,10 @@ SIDES = ("kvstrata", "HiCacheFile")
 #: Floors measured in the same run (put and get only): kvstrata with ``checksum: none`` (what the
 #: integrity costs), and a bare loop of ``os`` calls over files of their own (what this machine's
 #: page cache allows: no header, no index, no temp file, no rename), on one thread and split over two
-#: (what two I/O threads can reach here: the copies out of the page cache share memory bandwidth).
-FLOORS = ("kvstrata-nosum", "raw", "raw-2threads")
+#: (what two I/O threads can reach here: the copies out of the page cache share memory bandwidth),
+#: and that two-thread loop hashing each page with xxh3 (before its write; after its read, checked
+#: against the digest of its write): what verification costs a reader with no engine around it.
+FLOORS = ("kvstrata-nosum", "raw", "raw-2threads", "raw-2threads-xxh3")
 FLOOR_OPS = ("put", "get")
 #: (operation, unit, goal as "kvstrata / HiCacheFile" bound, True when the bound is a minimum)
 WORKLOADS = (
@@ -178,9 +180,17 @@ class RawWorker:
     first): what this machine allows two I/O threads, as kvstrata's file backend runs on two cores."""
 
     def __init__(
-        self, directory: Path, pages: int, page_bytes: int, capacity: int, _io_threads: int, threads: int = 1
+        self,
+        directory: Path,
+        pages: int,
+        page_bytes: int,
+        capacity: int,
+        _io_threads: int,
+        threads: int = 1,
+        checksum: bool = False,
     ) -> None:
         import torch
+        import xxhash
 
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = str(directory)
@@ -193,6 +203,10 @@ class RawWorker:
         self.target_views = [memoryview(self.target[i].numpy()) for i in range(pages)]
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads - 1) if threads > 1 else None
+        #: per file path, the xxh3 digest of what its put wrote (``checksum``): a get checks each
+        #: page read against it, as a verifying reader must
+        self.digests: dict[str, int] | None = {} if checksum else None
+        self.hash = xxhash.xxh3_64_intdigest
 
     def _split(self, fn: Callable[[int, int], int], count: int) -> int:
         """``fn(start, stop)`` over ``threads`` equal shares of ``range(count)``, summed."""
@@ -206,8 +220,12 @@ class RawWorker:
         paths = [f"{self.directory}/{key}" for key in keys]
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
+        digests, digest = self.digests, self.hash
+
         def write(start: int, stop: int) -> int:
             for path, view in zip(paths[start:stop], self.source_views[start:stop], strict=True):
+                if digests is not None:
+                    digests[path] = digest(view)
                 fd = os.open(path, flags, 0o644)
                 try:
                     os.write(fd, view)
@@ -220,17 +238,25 @@ class RawWorker:
         while self.keep and len(self.batches) > self.keep:
             for path in self.batches.pop(0):
                 os.unlink(path)
+                if digests is not None:
+                    del digests[path]
         return True
 
     def get(self, keys: list[str]) -> int:
+        digests, digest = self.digests, self.hash
+
         def read(start: int, stop: int) -> int:
             got = 0
             for key, view in zip(keys[start:stop], self.target_views[start:stop], strict=True):
-                fd = os.open(f"{self.directory}/{key}", os.O_RDONLY)
+                path = f"{self.directory}/{key}"
+                fd = os.open(path, os.O_RDONLY)
                 try:
-                    got += os.readv(fd, [view]) == self.page_bytes
+                    whole = os.readv(fd, [view]) == self.page_bytes
                 finally:
                     os.close(fd)
+                if digests is not None:  # hashed right after its read, still in this core's cache
+                    whole = whole and digest(view) == digests.get(path)
+                got += whole
             return got
 
         return self._split(read, len(keys))
@@ -305,6 +331,8 @@ def worker_main(args: argparse.Namespace) -> None:
             worker = KvstrataWorker(*where, checksum="none")
         elif args.worker == "raw-2threads":
             worker = RawWorker(*where, threads=2)
+        elif args.worker == "raw-2threads-xxh3":
+            worker = RawWorker(*where, threads=2, checksum=True)
         else:
             worker = {"kvstrata": KvstrataWorker, "HiCacheFile": HiCacheFileWorker, "raw": RawWorker}[
                 args.worker
@@ -511,6 +539,7 @@ def main() -> None:
                 "kvstrata-nosum": "  floor: kvstrata, checksum none",
                 "raw": "  floor: raw os loop",
                 "raw-2threads": "  floor: raw os loop, 2 threads",
+                "raw-2threads-xxh3": "  floor: raw loop, 2 threads, xxh3",
             }[floor]
             print(f"{label:<34} {spread(values):>26} {spread(theirs):>29} {floor_ratio:>6.2f}")
             figures.append(
