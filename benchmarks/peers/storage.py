@@ -177,7 +177,9 @@ class RawWorker:
     ``os.open`` / ``os.readv`` / ``os.close`` back; the oldest batches beyond the capacity are
     unlinked inside the put, as the other sides' evictions run inside theirs. ``threads`` > 1
     splits the pages into that many equal shares, one per thread (the calling thread works the
-    first): what this machine allows two I/O threads, as kvstrata's file backend runs on two cores."""
+    first): what this machine allows two I/O threads, as kvstrata's file backend runs on two cores.
+    ``checksum``: each page is also hashed with xxh3 in the thread that moves it, before its write
+    and right after its read (a get counts only pages whose digest matches their put's)."""
 
     def __init__(
         self,
