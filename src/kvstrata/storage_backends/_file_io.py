@@ -301,7 +301,7 @@ class FileIO(FileIndex):
         known: list[str] = []
         for row, (obj, path, obj_views) in enumerate(zip(rows, paths, views, strict=True), start):
             if path is None:  # not indexed under its own name: stored under a digest, or unknown
-                got = self._get_one(obj, known)
+                got = self._get_one(obj, obj_views, known)
             else:
                 got = self._read_indexed(obj, path, obj_views, known)
             if check is not None and got >= 0:
@@ -335,7 +335,7 @@ class FileIO(FileIndex):
             os.close(fd)
         return got
 
-    def _get_one(self, obj: StorageObject, known: list[str]) -> int:
+    def _get_one(self, obj: StorageObject, views: list[memoryview], known: list[str]) -> int:
         directory, name, entry = self._lookup(obj.key)
         try:
             fd = os.open(f"{directory}/{name}", _READ_FLAGS)
@@ -346,7 +346,7 @@ class FileIO(FileIndex):
         except OSError as exc:
             return -(exc.errno or 1)
         try:
-            got = _read_all(fd, region_views(obj.regions))
+            got = _read_all(fd, views)
             if entry is None:  # written by another process after open: adopt, real size
                 self._adopt(directory, name, os.fstat(fd).st_size, fd)
             else:
