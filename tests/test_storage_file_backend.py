@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.plugins.storage_backend import OBJECT_MAGIC, BufferRegion, StorageBackend, StorageObject
+from kvstrata.storage_backends import _file_io as file_backend_io
 from kvstrata.storage_backends import file as file_backend
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 from kvstrata.testing.conformance import (
@@ -508,3 +510,55 @@ def test_an_io_error_surfaces_only_once_every_io_thread_is_done(
         assert slow_finished.is_set(), "_map_rows raised while an I/O thread was still working"
     finally:
         backend.close()
+
+
+def _scattered_object(key: str, data: bytearray, pieces: int) -> StorageObject:
+    """An object over ``data``'s memory cut into ``pieces`` regions (a layer-split page's many
+    small regions); the caller keeps ``data`` alive while it is used."""
+    import ctypes
+
+    base = ctypes.addressof((ctypes.c_ubyte * len(data)).from_buffer(data))
+    bounds = [len(data) * index // pieces for index in range(pieces + 1)]
+    return StorageObject(
+        key, tuple(BufferRegion(base + lo, hi - lo) for lo, hi in itertools.pairwise(bounds))
+    )
+
+
+def test_objects_of_more_regions_than_one_readv_takes_read_back_whole(tmp_path: Path) -> None:
+    """IOV_MAX is 1024 on Linux: an object of more regions is written and read in several calls."""
+    backend = open_file_backend(tmp_path)
+    data = bytearray(os.urandom(3000))
+    assert backend.put([_scattered_object("many", data, 1500)]) == [True]
+    out = bytearray(len(data))
+    assert backend.get([_scattered_object("many", out, 1500)]) == [len(data)]
+    assert out == data
+    backend.close()
+
+
+def test_a_readv_the_kernel_cut_short_is_finished_and_size_mismatches_are_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read loop trusts one ``readv`` only when it returned the file's indexed size. Fault
+    injection (a fake ``readv`` that stops after 100 bytes, as a signal or a pipe would): the rest
+    is read. A file shorter or longer than the regions reads as many bytes as it could fill."""
+    backend = open_file_backend(tmp_path)
+    blobs = {key: bytearray(os.urandom(size)) for key, size in (("a", 4096), ("short", 1000), ("long", 5000))}
+    assert backend.put([_raw_object(key, blob) for key, blob in blobs.items()]) == [True] * 3
+    real_readv = os.readv
+    calls: list[int] = []
+
+    def cut_short(fd: int, buffers: list[memoryview]) -> int:
+        calls.append(fd)
+        if len(calls) == 1:
+            return real_readv(fd, [buffers[0][:100]])  # the kernel stopped early
+        return real_readv(fd, buffers)
+
+    monkeypatch.setattr(file_backend_io.os, "readv", cut_short)
+    out = {key: bytearray(4096) for key in blobs}
+    got = backend.get([_raw_object(key, out[key]) for key in blobs])
+    assert len(calls) > 3, "the short read was continued"
+    assert got == [4096, 1000, 4096]
+    assert out["a"] == blobs["a"]
+    assert out["short"][:1000] == blobs["short"]
+    assert out["long"] == blobs["long"][:4096]
+    backend.close()

@@ -241,17 +241,16 @@ class ReadChecks:
     system calls being what two threads contend for (the GIL).
     """
 
-    __slots__ = ("_full", "_payloads", "_prefixes", "_trusted", "expected", "known", "sums")
+    __slots__ = ("_computed", "_full", "_payloads", "_prefixes", "_trusted", "expected")
 
     def __init__(self, batch: ObjectBatch, *, trusted: bool = False) -> None:
         """``trusted``: the backend declared that it checks every object it reads
         (``checks_reads``), so :meth:`all_computed` hashes nothing itself."""
         rows = len(batch.objects)
         self._full = (batch.payload_nbytes + HEADER_BYTES).tolist()
-        #: per row, the checksum an I/O thread computed (where ``known``): numpy arrays the
-        #: threads write one item of each, so the engine thread reads them with no loop per row
-        self.sums = np.zeros(rows, dtype=np.uint64)
-        self.known = np.zeros(rows, dtype=np.bool_)
+        #: per row, the checksum an I/O thread computed (None: none). A list, not an array: each
+        #: thread writes one item per object, and a list item costs a tenth of a numpy one
+        self._computed: list[int | None] = [None] * rows
         prefixes = expected_prefixes(batch.digests, batch.fingerprints, batch.payload_nbytes)
         self._prefixes = memoryview(prefixes)
         #: the same headers as words, for :func:`~kvstrata.core.integrity.intact_rows`
@@ -265,10 +264,13 @@ class ReadChecks:
 
     def __call__(self, row: int, nbytes: int) -> None:
         """Called by an I/O thread once object ``row`` is read (``nbytes``; negative: not found).
-        Only a complete object has a checksum worth computing."""
+        Only a complete object has a checksum worth computing. (The body is
+        :meth:`checksum` inlined: this runs between two threads' system calls.)"""
         if nbytes == self._full[row]:
-            self.sums[row] = self.checksum(row)
-            self.known[row] = True
+            start = row * HEADER_BYTES
+            self._computed[row] = prefixed_checksum(
+                self._prefixes[start : start + HEADER_BYTES], self._payloads[row]
+            )
 
     def all_computed(self, read: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Every complete object's checksum as uint64 (0 elsewhere) and which rows have one.
@@ -277,12 +279,15 @@ class ReadChecks:
         ``checks_reads``): what no I/O thread hashed is hashed here, a second pass over those
         bytes. Trusted: nothing is hashed here; a row left unchecked is reported as such and
         must not pass the fast path (:func:`verify_object` then decides it, hashing that row)."""
+        computed = self._computed
         if not self._trusted:
             complete = read == np.asarray(self._full, dtype=np.int64)
-            for row in np.flatnonzero(complete & ~self.known).tolist():
-                self.sums[row] = self.checksum(row)
-                self.known[row] = True
-        return self.sums, self.known
+            for row in np.flatnonzero(complete).tolist():
+                if computed[row] is None:
+                    computed[row] = self.checksum(row)
+        known = np.fromiter((value is not None for value in computed), dtype=np.bool_, count=len(computed))
+        sums = np.fromiter((value or 0 for value in computed), dtype=np.uint64, count=len(computed))
+        return sums, known
 
 
 def verify_batch(
