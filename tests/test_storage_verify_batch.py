@@ -23,8 +23,14 @@ from kvstrata.core.integrity import (
     object_checksum,
     verify_object,
 )
-from kvstrata.core.storage_batch import ObjectBatch, ReadChecks, verify_batch
-from kvstrata.plugins.storage_backend import BufferRegion, ReadCheck, StorageObject
+from kvstrata.core.storage_batch import ObjectBatch, ReadChecks, build_objects, verify_batch
+from kvstrata.plugins.storage_backend import (
+    BufferRegion,
+    ReadCheck,
+    StorageObject,
+    object_views,
+    region_views,
+)
 from kvstrata.storage_backends import file as file_backend
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
@@ -49,7 +55,7 @@ def test_fill_headers_writes_what_build_header_builds() -> None:
             digests=key_digests(keys),
             fingerprints=np.tile(fingerprint_words(fps), (3, 1)),
             payload_nbytes=np.array([p.nbytes for p in payloads], dtype=np.int64),
-            payloads=[regions(p) for p in payloads],
+            payloads=[region_views(regions(p)) for p in payloads],
             checksum=checksum,  # type: ignore[arg-type]
         )
         for row, payload in enumerate(payloads):
@@ -247,3 +253,32 @@ def test_reads_checked_by_the_backend_are_hashed_once_and_unchecked_rows_still_v
     assert engine.metrics.corrupt_reasons == {"checksum_mismatch": 2}
     KIT.assert_units_equal(source["attn"], target["attn"], [i for i in range(units) if i not in (3, 5)])
     backend.close()
+
+
+def _address(view: memoryview) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["zero-copy", "copy path"])
+def test_batch_objects_carry_views_of_exactly_their_own_regions(staged: bool) -> None:
+    """The views a batch hands its backend (and hashes itself) are its own regions, byte for byte:
+    the header rows, then the caller's payload regions or the staging slices, empty ones left out
+    (as region_views does). A backend that reads into ``object_views(obj)`` reads where the
+    checksum looks."""
+    pages = [np.zeros(100, dtype=np.uint8), np.zeros(30, dtype=np.uint8), np.zeros(70, dtype=np.uint8)]
+    units = [[regions(pages[0][:60], pages[0][60:60], pages[0][60:])], [regions(pages[1], pages[2])]]
+    staging = np.zeros(200, dtype=np.uint8) if staged else None
+    batch = build_objects([["a", "b"]], [100], units, staging, fingerprint_words([bytes(16)]))
+    for row, obj in enumerate(batch.objects):
+        assert obj.views is not None
+        nonempty = [region for region in obj.regions if region.nbytes]
+        assert [(_address(v), len(v)) for v in obj.views] == [(r.ptr, r.nbytes) for r in nonempty]
+        assert object_views(obj) is obj.views
+        assert batch.views_of_payloads()[row] == obj.views[1:]
+        assert [(_address(v), len(v)) for v in region_views(obj.regions)] == [
+            (r.ptr, r.nbytes) for r in nonempty
+        ]
+    bare = StorageObject("c", regions(pages[0]))  # built by hand: views made on demand
+    assert bare.views is None and [len(v) for v in object_views(bare)] == [100]

@@ -259,20 +259,25 @@ def fill_headers(
     digests: np.ndarray,
     fingerprints: np.ndarray,
     payload_nbytes: np.ndarray,
-    payloads: Sequence[Sequence[BufferRegion]],
+    payloads: Sequence[Sequence[memoryview]],
     checksum: ChecksumPolicy,
 ) -> None:
     """Write every header of a batch into ``headers`` (zeroed ``(n, HEADER_BYTES)`` uint8): the
-    same bytes :func:`build_header` makes per object, the fields set for all rows at once."""
+    same bytes :func:`build_header` makes per object, the fields set for all rows at once;
+    ``payloads``: per row, byte views of the payload. The checksum field is still zero when the
+    checksum is computed, so each header is hashed whole (:func:`prefixed_checksum`)."""
     _fill_fields(headers, digests, fingerprints, payload_nbytes, checksum)
     if checksum != "xxh3":
         return
     words = headers.view("<u8")
     flat = headers.reshape(-1).data
     sums = words[:, _CHECKSUM_AT // 8]  # a view: assignments land in ``headers``
-    for row, payload in enumerate(payloads):
-        start = row * HEADER_BYTES
-        sums[row] = object_checksum(flat[start : start + HEADER_BYTES], payload)
+    sums[:] = 0
+    computed = [
+        prefixed_checksum(flat[row * HEADER_BYTES : (row + 1) * HEADER_BYTES], payload)
+        for row, payload in enumerate(payloads)
+    ]
+    sums[:] = np.asarray(computed, dtype=np.uint64)
 
 
 def _fill_fields(
@@ -302,12 +307,12 @@ def expected_prefixes(digests: np.ndarray, fingerprints: np.ndarray, payload_nby
     return rows.tobytes()
 
 
-def prefixed_checksum(prefix: bytes | memoryview, payload: Sequence[BufferRegion]) -> int:
-    """xxh3_64 of ``prefix`` (a header with its checksum field zero) followed by the payload:
-    :func:`object_checksum` for a header known in advance, in two hash updates."""
+def prefixed_checksum(prefix: bytes | memoryview, payload: Sequence[memoryview]) -> int:
+    """xxh3_64 of ``prefix`` (a header with its checksum field zero) followed by the payload's
+    byte views: :func:`object_checksum` for a header known in advance, in two hash updates."""
     hasher = xxhash.xxh3_64(prefix)
-    for region in payload:
-        hasher.update(region_view(region))
+    for view in payload:
+        hasher.update(view)
     return hasher.intdigest()
 
 

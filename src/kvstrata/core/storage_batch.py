@@ -26,7 +26,7 @@ from kvstrata.core.integrity import (
     verify_object,
 )
 from kvstrata.plugins.pool_type import PoolRole, PoolSpec
-from kvstrata.plugins.storage_backend import BufferRegion, StorageObject
+from kvstrata.plugins.storage_backend import BufferRegion, StorageObject, region_views
 
 #: Regions of one unit: one sequence of regions per object of the pool, in ObjectSpec order.
 UnitRegions = Sequence[Sequence[BufferRegion]]
@@ -73,10 +73,19 @@ class ObjectBatch:
     payload_nbytes: np.ndarray  # (len(objects),) int64
     fingerprints: np.ndarray  # (len(objects), 2) uint64: integrity.fingerprint_words per row
     digests: np.ndarray  # (len(objects),) uint64: integrity.key_digest per row
+    #: per row, byte views of the payload regions (the objects' own views less the header's),
+    #: what a checksum hashes; None: made from ``payloads`` when needed
+    payload_views: list[list[memoryview]] | None = None
 
     @property
     def units(self) -> int:
         return len(self.objects) // self.n_obj
+
+    def views_of_payloads(self) -> list[list[memoryview]]:
+        """Per row, byte views of the payload regions (built with the batch, or made now)."""
+        if self.payload_views is not None:
+            return self.payload_views
+        return [region_views(payload) for payload in self.payloads]
 
     def per_unit(self, flags: Sequence[Any]) -> list[bool]:
         """A unit succeeds when every one of its objects does."""
@@ -150,25 +159,41 @@ def build_objects(
 ) -> ObjectBatch:
     """One object per (unit, ObjectSpec), unit-major: a header region, then the payload regions
     (the caller's, or consecutive slices of ``staging`` on the copy path). ``keys`` are per object
-    spec (outer) per unit (inner); ``fingerprints``: one row of words per object spec."""
+    spec (outer) per unit (inner); ``fingerprints``: one row of words per object spec. Each object
+    carries its byte views (:attr:`StorageObject.views`), made here once for the backend's I/O
+    and the checksum both: the header's and the staging's as slices of one view each."""
     n_obj = len(sizes)
     headers = np.zeros((len(units) * n_obj, HEADER_BYTES), dtype=np.uint8)
     header_ptr = address(headers)
+    header_view = memoryview(headers.reshape(-1))
     cursor = address(staging) if staging is not None else 0
+    staging_view = memoryview(staging) if staging is not None else None
     objects: list[StorageObject] = []
     payloads: list[tuple[BufferRegion, ...]] = []
+    payload_views: list[list[memoryview]] = []
+    at = offset = 0  # where the next header starts in ``headers``, the next payload in ``staging``
     for i, unit in enumerate(units):
         for j, nbytes in enumerate(sizes):
+            views: list[memoryview]
             if not nbytes:
                 payload: tuple[BufferRegion, ...] = ()
-            elif staging is not None:
+                views = []
+            elif staging_view is not None:
                 payload = (BufferRegion(cursor, nbytes),)
+                views = [staging_view[offset : offset + nbytes]]
                 cursor += nbytes
+                offset += nbytes
             else:
                 payload = tuple(unit[j])
-            objects.append(StorageObject(keys[j][i], (BufferRegion(header_ptr, HEADER_BYTES), *payload)))
+                views = region_views(payload)
+            header = BufferRegion(header_ptr, HEADER_BYTES)
+            objects.append(
+                StorageObject(keys[j][i], (header, *payload), [header_view[at : at + HEADER_BYTES], *views])
+            )
             payloads.append(payload)
+            payload_views.append(views)
             header_ptr += HEADER_BYTES
+            at += HEADER_BYTES
     count = len(units)
     return ObjectBatch(
         objects,
@@ -178,6 +203,7 @@ def build_objects(
         payload_nbytes=_stacked(np.asarray(sizes, dtype=np.int64), count),
         fingerprints=_stacked(fingerprints, count),
         digests=key_digests([obj.key for obj in objects]),
+        payload_views=payload_views,
     )
 
 
@@ -255,7 +281,9 @@ class ReadChecks:
         self._prefixes = memoryview(prefixes)
         #: the same headers as words, for :func:`~kvstrata.core.integrity.intact_rows`
         self.expected = np.frombuffer(prefixes, dtype="<u8")
-        self._payloads = batch.payloads
+        #: per row, the views of the engine's own payload regions (the ones the backend read
+        #: into when it used the objects' views; never views a backend hands back)
+        self._payloads = batch.views_of_payloads()
         self._trusted = trusted
 
     def checksum(self, row: int) -> int:

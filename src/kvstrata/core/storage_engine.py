@@ -252,7 +252,7 @@ class StorageEngine(BackendCalls):
             digests=batch.digests,
             fingerprints=batch.fingerprints,
             payload_nbytes=batch.payload_nbytes,
-            payloads=batch.payloads,
+            payloads=batch.views_of_payloads(),
             checksum=self.checksum,
         )
         stored, error = self._call_backend(StorageOperation.PUT, pool, batch.objects)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
-from kvstrata.plugins.storage_backend import ReadCheck, StorageObject, region_views
+from kvstrata.plugins.storage_backend import ReadCheck, StorageObject, object_views
 from kvstrata.storage_backends._file_index import _READ_FLAGS, FileIndex
 
 #: Most platforms cap one readv/writev at 1024 iovecs (IOV_MAX).
@@ -226,7 +226,7 @@ class FileIO(FileIndex):
         try:
             fd = self._open_temp(tmp, directory, recycled)
             try:
-                _write_all(fd, region_views(obj.regions))
+                _write_all(fd, object_views(obj))
                 if self.config.fsync:
                     os.fsync(fd)
             finally:
@@ -307,7 +307,7 @@ class FileIO(FileIndex):
         for row in range(start, stop):
             obj = objects[row]
             key = obj.key
-            views = region_views(obj.regions)
+            views = object_views(obj)
             entry = index.get(key)  # a read of the dict is atomic: no lock
             if entry is None:  # stored under a digest, or unknown here
                 got = self._get_one(obj, views, known)

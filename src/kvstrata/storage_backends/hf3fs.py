@@ -40,6 +40,7 @@ from kvstrata.plugins.storage_backend import (
     StorageObject,
     StoragePath,
     leading_regions,
+    object_views,
     region_views,
 )
 
@@ -203,7 +204,7 @@ class HF3FSBackend(StorageBackend):
                 results.append(False)
                 continue
             try:
-                written = os.pwritev(fd, region_views(obj.regions), slot * self.config.slot_bytes)
+                written = os.pwritev(fd, object_views(obj), slot * self.config.slot_bytes)
                 if written != nbytes:
                     raise OSError(f"short write {written}/{nbytes}")
             except OSError:

@@ -28,7 +28,7 @@ from kvstrata.plugins.storage_backend import (
     PoolCapabilities,
     StorageBackend,
     StorageObject,
-    region_views,
+    object_views,
 )
 
 #: ``get``'s answer for a key this backend does not hold.
@@ -100,7 +100,7 @@ class MemoryBackend(StorageBackend):
             if cap is not None and obj.nbytes > cap:
                 stored.append(False)
                 continue
-            data = b"".join(bytes(view) for view in region_views(obj.regions))
+            data = b"".join(bytes(view) for view in object_views(obj))
             with self._lock:
                 if obj.key in self._objects:  # equal keys carry equal bytes: skip the rewrite
                     self._objects.move_to_end(obj.key)
@@ -130,7 +130,7 @@ class MemoryBackend(StorageBackend):
                 results.append(MISS)
                 continue
             offset = 0
-            for view in region_views(obj.regions):
+            for view in object_views(obj):
                 chunk = data[offset : offset + len(view)]
                 view[: len(chunk)] = chunk
                 offset += len(chunk)
