@@ -221,14 +221,14 @@ def test_reads_checked_by_the_backend_are_hashed_once_and_unchecked_rows_still_v
     """With ``checks_reads`` declared the engine hashes nothing after the backend returns: each
     object is hashed once, by the thread that read it. A row the backend left unchecked is not
     trusted on the fast path: a damaged one is a miss, an intact one a hit (verify_object)."""
-    hashed: list[int] = []  # per hash, the identity of the payload (one tuple of regions per object)
-    original = storage_batch.prefixed_checksum
+    hashed: list[bytes] = []  # per hash started, the expected header it starts from (one per row)
+    original = storage_batch._xxh3_64
 
-    def counted(prefix: memoryview, payload: tuple) -> int:
-        hashed.append(id(payload))
-        return original(prefix, payload)
+    def counted(prefix: memoryview) -> object:
+        hashed.append(bytes(prefix))
+        return original(prefix)
 
-    monkeypatch.setattr(storage_batch, "prefixed_checksum", counted)
+    monkeypatch.setattr(storage_batch, "_xxh3_64", counted)
     backend = SkippingFileBackend("l3", FileConfig(path=tmp_path, io_threads=2))
     assert backend.instance_capabilities().checks_reads
     backend.open()

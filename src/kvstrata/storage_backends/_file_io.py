@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
-from kvstrata.plugins.storage_backend import ReadCheck, StorageObject, object_views
+from kvstrata.plugins.storage_backend import ReadCheck, StorageObject, object_views, region_views
 from kvstrata.storage_backends._file_index import _READ_FLAGS, FileIndex
 
 #: Most platforms cap one readv/writev at 1024 iovecs (IOV_MAX).
@@ -307,7 +307,9 @@ class FileIO(FileIndex):
         for row in range(start, stop):
             obj = objects[row]
             key = obj.key
-            views = object_views(obj)
+            views = obj.views  # object_views(obj), inlined: this loop runs per page
+            if views is None:
+                views = region_views(obj.regions)
             entry = index.get(key)  # a read of the dict is atomic: no lock
             if entry is None:  # stored under a digest, or unknown here
                 got = self._get_one(obj, views, known)
