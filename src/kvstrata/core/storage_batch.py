@@ -74,19 +74,18 @@ class ObjectBatch:
     payload_nbytes: np.ndarray  # (len(objects),) int64
     fingerprints: np.ndarray  # (len(objects), 2) uint64: integrity.fingerprint_words per row
     digests: np.ndarray  # (len(objects),) uint64: integrity.key_digest per row
-    #: per row, byte views of the payload regions (the objects' own views less the header's),
-    #: what a checksum hashes; None: made from ``payloads`` when needed
-    payload_views: list[list[memoryview]] | None = None
 
     @property
     def units(self) -> int:
         return len(self.objects) // self.n_obj
 
     def views_of_payloads(self) -> list[list[memoryview]]:
-        """Per row, byte views of the payload regions (built with the batch, or made now)."""
-        if self.payload_views is not None:
-            return self.payload_views
-        return [region_views(payload) for payload in self.payloads]
+        """Per row, byte views of the payload regions, what a checksum hashes: the object's own
+        views less the header's (made from the regions for an object built without views)."""
+        return [
+            region_views(payload) if obj.views is None else obj.views[1:]
+            for obj, payload in zip(self.objects, self.payloads, strict=True)
+        ]
 
     def per_unit(self, flags: Sequence[Any]) -> list[bool]:
         """A unit succeeds when every one of its objects does."""
@@ -171,7 +170,6 @@ def build_objects(
     staging_view = memoryview(staging) if staging is not None else None
     objects: list[StorageObject] = []
     payloads: list[tuple[BufferRegion, ...]] = []
-    payload_views: list[list[memoryview]] = []
     at = offset = 0  # where the next header starts in ``headers``, the next payload in ``staging``
     for i, unit in enumerate(units):
         for j, nbytes in enumerate(sizes):
@@ -192,7 +190,6 @@ def build_objects(
                 StorageObject(keys[j][i], (header, *payload), [header_view[at : at + HEADER_BYTES], *views])
             )
             payloads.append(payload)
-            payload_views.append(views)
             header_ptr += HEADER_BYTES
             at += HEADER_BYTES
     count = len(units)
@@ -204,7 +201,6 @@ def build_objects(
         payload_nbytes=_stacked(np.asarray(sizes, dtype=np.int64), count),
         fingerprints=_stacked(fingerprints, count),
         digests=key_digests([obj.key for obj in objects]),
-        payload_views=payload_views,
     )
 
 
