@@ -81,13 +81,6 @@ def _read_all(fd: int, views: list[memoryview]) -> int:
     return total
 
 
-def _finish_read(fd: int, views: list[memoryview], got: int) -> int:
-    """After a ``readv`` returned ``got`` bytes: read on until the regions are full or EOF."""
-    if got <= 0 or got >= sum(map(len, views)):
-        return got
-    return got + _read_all(fd, _advance(views, got))
-
-
 class FileIO(FileIndex):
     """The I/O part of ``FileBackend`` over its index (a base class: the backend is one object)."""
 
@@ -324,8 +317,8 @@ class FileIO(FileIndex):
                 else:
                     try:
                         got = readv(fd, views) if len(views) <= _IOV_MAX else _read_all(fd, views)
-                        if got < entry.size:  # short: an object of another size, or the kernel stopped
-                            got = _finish_read(fd, views, got)
+                        if 0 < got < entry.size:  # short: another size, or the kernel stopped early
+                            got += _read_all(fd, _advance(views, got))  # regions full: reads nothing
                         known.append(key)
                     except OSError as exc:
                         got = -(exc.errno or 1)
