@@ -8,11 +8,11 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from kvstrata.plugins.storage_backend import ReadCheck, StorageObject, object_views, region_views
 from kvstrata.storage_backends._file_index import _READ_FLAGS, FileIndex
+from kvstrata.storage_backends._io_threads import IOThreads
 
 #: Most platforms cap one readv/writev at 1024 iovecs (IOV_MAX).
 _IOV_MAX = 1024
@@ -84,31 +84,22 @@ def _read_all(fd: int, views: list[memoryview]) -> int:
 class FileIO(FileIndex):
     """The I/O part of ``FileBackend`` over its index (a base class: the backend is one object)."""
 
-    _pool: ThreadPoolExecutor | None
+    _pool: IOThreads | None
     _tmp_serial: itertools.count[int]
     _read_threads: int
     recycled_files: int
 
     def _map_rows(self, fn: Callable[[int, int], list[_R]], count: int, threads: int = 0) -> list[_R]:
         """``fn(start, stop)`` over ``range(count)`` on the I/O threads (at most ``threads``,
-        0: ``io_threads``), one contiguous chunk per thread (the calling thread works the first):
-        a future per item would cost more than reading a page from the page cache."""
+        0: ``io_threads``), one contiguous chunk per thread, each on a CPU of its own
+        (:mod:`~kvstrata.storage_backends._io_threads`): a future per item would cost more than
+        reading a page from the page cache."""
         if self._pool is None:
             raise RuntimeError(f"file backend {self.instance!r} is not open")
         chunks = min(threads or self.config.io_threads, count // _MIN_CHUNK)
         if chunks <= 1:
             return fn(0, count)
-        bounds = [count * index // chunks for index in range(chunks + 1)]
-        futures = [self._pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, chunks)]
-        try:
-            results = fn(bounds[0], bounds[1])  # this thread works too instead of waiting idle
-        finally:
-            # every thread is done before this returns or raises: they read into and write from
-            # the caller's regions, which the caller may reuse as soon as the call is over
-            wait(futures)
-        for future in futures:
-            results.extend(future.result())
-        return results
+        return self._pool.map_chunks(fn, [count * index // chunks for index in range(chunks + 1)])
 
     def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
         return self._map_rows(lambda start, stop: [fn(item) for item in items[start:stop]], len(items))

@@ -43,7 +43,6 @@ import contextlib
 import itertools
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -56,6 +55,7 @@ from kvstrata.plugins.storage_backend import (
 )
 from kvstrata.storage_backends._file_config import FileConfig
 from kvstrata.storage_backends._file_io import MISS, FileIO, _usable_cpus
+from kvstrata.storage_backends._io_threads import IOThreads
 
 #: Less free space than this on the directory's file system: the backend reports itself unusable.
 MIN_FREE_BYTES = 64 << 20
@@ -82,7 +82,7 @@ class FileBackend(FileIO, StorageBackend):
     def __init__(self, instance: str, config: BackendConfig) -> None:
         super().__init__(instance, config)
         self._init_index(Path(self.config.path))
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: IOThreads | None = None
         self._tmp_serial = itertools.count()  # next() is atomic under the GIL
         self.recycled_files = 0  # puts written into an evicted object's file
         #: Threads a get uses: a read from the page cache is a memory copy (and its checksum) that
@@ -94,9 +94,7 @@ class FileBackend(FileIO, StorageBackend):
     def open(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         self._adopt_existing()
-        self._pool = ThreadPoolExecutor(
-            self.config.io_threads, thread_name_prefix=f"kvstrata-file-{self.instance}"
-        )
+        self._pool = IOThreads(self.config.io_threads, f"kvstrata-file-{self.instance}")
 
     def close(self) -> None:
         if self._pool is not None:
