@@ -134,16 +134,53 @@ def test_file_backend_reads_back_through_placed_threads(tmp_path: Path) -> None:
     """A get split over the I/O threads (64 objects, two threads) reads every object whole."""
     source = bytearray(os.urandom(64 * 4096))
     target = bytearray(len(source))
-
-    def objects(data: bytearray) -> list[StorageObject]:
-        base = ctypes.addressof((ctypes.c_ubyte * len(data)).from_buffer(data))
-        return [StorageObject(f"k{unit}", (BufferRegion(base + unit * 4096, 4096),)) for unit in range(64)]
-
+    keys = [f"k{unit}" for unit in range(64)]
     backend = FileBackend("l3", FileConfig(path=tmp_path, io_threads=2))
     backend.open()
     try:
-        assert all(backend.put(objects(source)))
-        assert backend.get(objects(target)) == [4096] * 64
+        assert all(backend.put(_objects(keys, source)))
+        assert backend.get(_objects(keys, target)) == [4096] * 64
         assert target == source
     finally:
         backend.close()
+
+
+def test_two_callers_at_once_get_their_own_bytes_and_the_threads_their_masks_back(tmp_path: Path) -> None:
+    """The L3 writer and a prefetch read one backend at once: their batches' shares queue on the
+    same I/O threads, each placed for its own batch; every object comes back whole and every
+    thread ends with the mask it started with."""
+    backend = FileBackend("l3", FileConfig(path=tmp_path, io_threads=2))
+    backend.open()
+    errors: list[BaseException] = []
+
+    def caller(seed: int) -> None:
+        try:
+            for round_id in range(15):
+                source = bytearray(os.urandom(32 * 4096))
+                target = bytearray(len(source))
+                keys = [f"c{seed}-r{round_id}-u{unit}" for unit in range(32)]
+                assert all(backend.put(_objects(keys, source)))
+                assert backend.get(_objects(keys, target)) == [4096] * 32
+                assert target == source
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    try:
+        callers = [threading.Thread(target=caller, args=(seed,)) for seed in range(2)]
+        for thread in callers:
+            thread.start()
+        for thread in callers:
+            thread.join(timeout=60)
+        assert not errors, errors
+        pool = backend._pool
+        assert pool is not None
+        masks = [pool._pool.submit(os.sched_getaffinity, 0).result() for _ in range(6)]
+        assert all(mask == ALLOWED for mask in masks)
+    finally:
+        backend.close()
+
+
+def _objects(keys: list[str], data: bytearray) -> list[StorageObject]:
+    """One 4 KiB object per key over consecutive pieces of ``data`` (kept alive by the caller)."""
+    base = ctypes.addressof((ctypes.c_ubyte * len(data)).from_buffer(data))
+    return [StorageObject(key, (BufferRegion(base + i * 4096, 4096),)) for i, key in enumerate(keys)]
