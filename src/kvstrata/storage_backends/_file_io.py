@@ -91,7 +91,7 @@ class FileIO(FileIndex):
 
     def _map_rows(self, fn: Callable[[int, int], list[_R]], count: int, threads: int = 0) -> list[_R]:
         """``fn(start, stop)`` over ``range(count)`` on the I/O threads (at most ``threads``,
-        0: ``io_threads``), one contiguous chunk per thread, each on a CPU of its own
+        0: ``io_threads``), one contiguous chunk per thread, each on CPUs no other chunk uses
         (:mod:`~kvstrata.storage_backends._io_threads`): a future per item would cost more than
         reading a page from the page cache."""
         if self._pool is None:

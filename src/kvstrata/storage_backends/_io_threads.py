@@ -47,7 +47,7 @@ def _cpu_reader() -> Callable[[], int] | None:
 
 
 class IOThreads:
-    """A thread pool that runs one batch's chunks, each on a CPU of its own (see the module)."""
+    """A thread pool that runs one batch's chunks, each on CPUs no other chunk uses (see the module)."""
 
     def __init__(self, threads: int, name: str) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
