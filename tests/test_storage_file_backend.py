@@ -476,33 +476,30 @@ def test_every_backend_config_refuses_an_empty_path_field() -> None:
     assert ThirdPartyConfig(spool="~/x").spool == Path("~/x").expanduser()
 
 
-@pytest.mark.parametrize("failing", [0, 1], ids=["first share", "second share"])
 def test_an_io_error_surfaces_only_once_every_io_thread_is_done(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The I/O threads read into and write from the caller's regions: when one share of a batch
-    raises, the call must not return (and the caller reuse those regions) while another share
-    is still at work (the first share runs on the calling thread where threads are not placed on
-    CPUs, on a pool thread where they are: either way)."""
+    """The I/O threads read into and write from the caller's regions: when one piece of a batch
+    raises, the call must not return (and the caller reuse those regions) while another piece
+    is still at work (whichever threads work them: placed on CPUs or not)."""
     monkeypatch.setattr(file_backend, "_usable_cpus", lambda: 4)
     backend = open_file_backend(tmp_path / "store", io_threads=3)
-    starts = [0, 64 // 3, 2 * 64 // 3]  # the three shares of 64 rows
     slow_started, slow_finished = threading.Event(), threading.Event()
 
-    def share(start: int, stop: int) -> list[int]:
-        if start == starts[2]:  # the slow one, never failing
+    def piece(start: int, stop: int) -> list[int]:
+        if start == 0:  # the slow one, never failing
             slow_started.set()
             time.sleep(0.3)
             slow_finished.set()
             return list(range(start, stop))
-        assert slow_started.wait(timeout=10), "the slow share never started"
-        if start == starts[failing]:
+        assert slow_started.wait(timeout=10), "the slow piece never started"
+        if start == 8:
             raise RuntimeError("boom")
         return list(range(start, stop))
 
     try:
         with pytest.raises(RuntimeError, match="boom"):
-            backend._map_rows(share, 64)
+            backend._map_rows(piece, 64)
         assert slow_finished.is_set(), "_map_rows raised while an I/O thread was still working"
     finally:
         backend.close()

@@ -1,13 +1,15 @@
-"""The file backend's I/O threads: chunks in order, each chunk's thread held on a CPU of its own
-while it runs and given its own mask back, and unplaced (the caller working the first chunk)
-where the platform refuses."""
+"""The file backend's I/O threads: a batch's pieces taken in turn and joined in order, each
+worker held on CPUs no other worker of the batch uses and given its own mask back, a worker on a
+slow CPU doing fewer pieces, and unplaced (the caller one of the workers) where the platform
+refuses."""
 
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 import threading
+import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 
 from kvstrata.plugins.storage_backend import BufferRegion, StorageObject
 from kvstrata.storage_backends import _io_threads
-from kvstrata.storage_backends._io_threads import IOThreads
+from kvstrata.storage_backends._io_threads import IOThreads, pieces
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 
 ALLOWED = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else {0}
@@ -29,70 +31,98 @@ def threads() -> Iterator[IOThreads]:
 
 
 def record(start: int, stop: int) -> list[tuple[int, int, frozenset[int], int]]:
-    """Per row: the row, its chunk's start, the CPUs the thread may run on, and the thread."""
+    """Per row: the row, its piece's start, the CPUs the thread may run on, and the thread."""
     cpus = frozenset(os.sched_getaffinity(0))
     return [(row, start, cpus, threading.get_ident()) for row in range(start, stop)]
 
 
-@pytest.mark.parametrize("bounds", [[0, 5], [0, 3, 7], [0, 2, 4, 9]])
-def test_chunks_come_back_in_order_whatever_the_placement(threads: IOThreads, bounds: list[int]) -> None:
-    rows = threads.map_chunks(record, bounds)
-    assert [row for row, *_ in rows] == list(range(bounds[-1]))
-    assert [start for _, start, *_ in rows] == [s for s, e in itertools.pairwise(bounds) for _ in range(s, e)]
+@pytest.mark.parametrize(("count", "workers", "expected"), [
+    (256, 2, list(range(0, 257, 16))),
+    (64, 2, list(range(0, 65, 8))),
+    (20, 2, [0, 8, 16, 20]),
+    (9, 3, [0, 8, 9]),
+])  # fmt: skip
+def test_a_batch_is_cut_into_pieces_of_at_least_the_minimum(
+    count: int, workers: int, expected: list[int]
+) -> None:
+    assert pieces(count, workers, 8) == expected
 
 
-@pytest.mark.parametrize("chunks", [2, 3])
-def test_each_chunk_runs_on_cpus_no_other_chunk_of_the_batch_uses(threads: IOThreads, chunks: int) -> None:
-    """With two or more CPUs, the chunks' threads are held on disjoint shares of the caller's
-    CPUs (the first on one holding the caller's; a CPU per chunk in turn when there are more
-    chunks than CPUs) and the caller waits; with one CPU nothing is placed and the caller works."""
-    bounds = [4 * i for i in range(chunks + 1)]
-    rows = threads.map_chunks(record, bounds)
-    held = [{cpus for _, start, cpus, _ in rows if start == bound} for bound in bounds[:-1]]
-    assert all(len(cpus) == 1 for cpus in held)
-    shares = [next(iter(cpus)) for cpus in held]
+@pytest.mark.parametrize(("count", "workers"), [(16, 2), (37, 2), (100, 3)])
+def test_rows_come_back_in_order_whatever_the_placement(threads: IOThreads, count: int, workers: int) -> None:
+    rows = threads.map_rows(record, count, workers, min_piece=4)
+    assert [row for row, *_ in rows] == list(range(count))
+    bounds = pieces(count, workers, 4)
+    assert sorted({start for _, start, *_ in rows}) == bounds[:-1]
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_each_worker_runs_on_cpus_no_other_worker_of_the_batch_uses(threads: IOThreads, workers: int) -> None:
+    """With two or more CPUs, the workers are held on disjoint shares of the caller's CPUs (a CPU
+    each in turn when workers outnumber CPUs) and the caller waits; with one CPU nothing is
+    placed and the caller is one of the workers."""
+    rows = threads.map_rows(record, 96, workers, min_piece=4)
+    shares = {thread: {cpus for _, _, cpus, held in rows if held == thread} for *_, thread in rows}
+    assert all(len(held) == 1 for held in shares.values()), "a worker's CPUs do not change mid-batch"
+    masks = [next(iter(held)) for held in shares.values()]
     if len(ALLOWED) >= 2 and threads.placing:
-        assert threading.get_ident() not in {thread for *_, thread in rows}  # the caller waited
-        if chunks <= len(ALLOWED):
-            assert frozenset().union(*shares) == ALLOWED
-            assert sum(len(share) for share in shares) == len(ALLOWED), "no CPU in two shares"
+        assert threading.get_ident() not in shares  # the caller waited
+        if workers <= len(ALLOWED):
+            assert all(not a & b for i, a in enumerate(masks) for b in masks[i + 1 :]), "no CPU in two shares"
+            assert frozenset().union(*masks) <= ALLOWED
         else:
-            assert all(len(share) == 1 for share in shares)
-            assert shares[len(ALLOWED)] == shares[0]  # dealt in turn
+            assert all(len(mask) == 1 for mask in masks)
     else:
-        assert all(share == ALLOWED for share in shares)
-        assert {thread for _, start, _, thread in rows if start == 0} == {threading.get_ident()}
+        assert all(mask == ALLOWED for mask in masks)
 
 
-@pytest.mark.parametrize(("cpus", "here", "chunks", "expected"), [
+def test_a_worker_on_a_slow_cpu_takes_fewer_pieces(threads: IOThreads) -> None:
+    """Pieces go to whichever worker is free: one whose pieces take 50 ms (a CPU another process
+    keeps busy) does a few while the others do the rest, instead of a fixed share."""
+    slow: list[int] = []
+
+    def piece(start: int, stop: int) -> list[int]:
+        if not slow:
+            slow.append(threading.get_ident())  # the first worker to start is the slow one
+        if threading.get_ident() == slow[0]:
+            time.sleep(0.05)
+        return [threading.get_ident()] * (stop - start)
+
+    done = threads.map_rows(piece, 160, 2, min_piece=10)  # 16 pieces of 10
+    per_thread = Counter(done)
+    assert len(done) == 160
+    assert per_thread[slow[0]] <= 40, per_thread
+
+
+@pytest.mark.parametrize(("cpus", "here", "workers", "expected"), [
     ({0, 1}, 1, 2, [{1}, {0}]),
     (set(range(8)), 5, 2, [{5, 1, 3, 6}, {0, 2, 4, 7}]),
     (set(range(8)), 0, 3, [{0, 3, 6}, {1, 4, 7}, {2, 5}]),
     ({2, 3}, 3, 4, [{3}, {2}, {3}, {2}]),
     ({4}, 4, 2, None),
 ])  # fmt: skip
-def test_the_callers_cpus_are_dealt_out_to_the_chunks_in_turn(
+def test_the_callers_cpus_are_dealt_out_to_the_workers_in_turn(
     threads: IOThreads,
     monkeypatch: pytest.MonkeyPatch,
     cpus: set[int],
     here: int,
-    chunks: int,
+    workers: int,
     expected: list[set[int]] | None,
 ) -> None:
     """On a machine made to look like ``cpus`` with the caller on ``here``: the first share holds
-    the caller's CPU, no CPU is in two shares until chunks outnumber CPUs; one CPU: unplaced."""
+    the caller's CPU, no CPU is in two shares until workers outnumber CPUs; one CPU: unplaced."""
     threads._current_cpu = lambda: here
     monkeypatch.setattr(_io_threads.os, "sched_getaffinity", lambda _pid: set(cpus))
-    assert threads._cpus_per_chunk(chunks) == expected
+    assert threads._cpus_per_worker(workers) == expected
 
 
-def test_a_thread_gets_its_own_cpus_back_after_its_chunk(threads: IOThreads) -> None:
-    threads.map_chunks(record, [0, 4, 8, 12])
+def test_a_thread_gets_its_own_cpus_back_after_the_batch(threads: IOThreads) -> None:
+    threads.map_rows(record, 48, 3, min_piece=4)
     seen = [threads._pool.submit(os.sched_getaffinity, 0).result() for _ in range(6)]
     assert all(cpus == ALLOWED for cpus in seen)
 
 
-def test_a_refused_placement_runs_the_chunk_unplaced_and_stops_placing(
+def test_a_refused_placement_runs_the_batch_unplaced_and_stops_placing(
     threads: IOThreads, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Fault injection: ``sched_setaffinity`` refused (a sandbox, a cpuset changed under us), on
@@ -104,30 +134,30 @@ def test_a_refused_placement_runs_the_chunk_unplaced_and_stops_placing(
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(_io_threads.os, "sched_setaffinity", refuse)
-    rows = threads.map_chunks(record, [0, 4, 8])
-    assert [row for row, *_ in rows] == list(range(8))
+    rows = threads.map_rows(record, 16, 2, min_piece=4)
+    assert [row for row, *_ in rows] == list(range(16))
     assert not threads.placing
-    rows = threads.map_chunks(record, [0, 4, 8])  # from now on the caller works the first chunk
-    assert {thread for _, start, _, thread in rows if start == 0} == {threading.get_ident()}
+    # from now on the caller is one of the workers
+    rows = threads.map_rows(lambda start, stop: [threading.get_ident()] * (stop - start), 64, 2, min_piece=1)
+    assert threading.get_ident() in rows
 
 
 @pytest.mark.parametrize("placed", [True, False])
-def test_a_failing_chunk_raises_after_every_chunk_is_done(threads: IOThreads, placed: bool) -> None:
+def test_a_failing_piece_raises_after_every_piece_is_done(threads: IOThreads, placed: bool) -> None:
     if not placed:
         threads._current_cpu = None
     done: list[int] = []
-    finished = threading.Event()
 
-    def chunk(start: int, stop: int) -> list[int]:
-        if start == 0:
+    def piece(start: int, stop: int) -> list[int]:
+        if start == 4:
             raise OSError(5, "Input/output error")
-        finished.wait(0.2)  # still working when the first chunk has failed
+        time.sleep(0.01)  # still working when the failing piece has failed
         done.append(start)
         return list(range(start, stop))
 
     with pytest.raises(OSError, match="Input/output error"):
-        threads.map_chunks(chunk, [0, 4, 8, 12])
-    assert sorted(done) == [4, 8]
+        threads.map_rows(piece, 48, 3, min_piece=4)
+    assert sorted(done) == [start for start in range(0, 48, 4) if start != 4]
 
 
 def test_file_backend_reads_back_through_placed_threads(tmp_path: Path) -> None:
@@ -184,3 +214,32 @@ def _objects(keys: list[str], data: bytearray) -> list[StorageObject]:
     """One 4 KiB object per key over consecutive pieces of ``data`` (kept alive by the caller)."""
     base = ctypes.addressof((ctypes.c_ubyte * len(data)).from_buffer(data))
     return [StorageObject(key, (BufferRegion(base + i * 4096, 4096),)) for i, key in enumerate(keys)]
+
+
+def test_reads_are_placed_and_writes_are_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A get's workers are held on CPUs (the caller waits); a put's are not (the caller is one of
+    them): writes wait on the file system as much as they copy, and placed ran slower beside
+    another process's busy loop."""
+    source = bytearray(os.urandom(64 * 4096))
+    keys = [f"k{unit}" for unit in range(64)]
+    backend = FileBackend("l3", FileConfig(path=tmp_path, io_threads=2))
+    backend.open()
+    writers: set[int] = set()
+    put_one = backend._put_one
+
+    def observed_put(obj: StorageObject) -> bool:
+        writers.add(threading.get_ident())
+        return put_one(obj)
+
+    monkeypatch.setattr(backend, "_put_one", observed_put)
+    readers: set[int] = set()
+    try:
+        assert all(backend.put(_objects(keys, source)))
+        target = bytearray(len(source))
+        read = backend.get(_objects(keys, target), check=lambda _r, _n: readers.add(threading.get_ident()))
+        assert read == [4096] * 64 and target == source
+    finally:
+        backend.close()
+    assert threading.get_ident() in writers
+    placed = len(ALLOWED) >= 2 and _io_threads._cpu_reader() is not None
+    assert (threading.get_ident() in readers) is not placed

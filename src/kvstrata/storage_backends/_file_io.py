@@ -89,17 +89,20 @@ class FileIO(FileIndex):
     _read_threads: int
     recycled_files: int
 
-    def _map_rows(self, fn: Callable[[int, int], list[_R]], count: int, threads: int = 0) -> list[_R]:
+    def _map_rows(
+        self, fn: Callable[[int, int], list[_R]], count: int, threads: int = 0, *, placed: bool = False
+    ) -> list[_R]:
         """``fn(start, stop)`` over ``range(count)`` on the I/O threads (at most ``threads``,
-        0: ``io_threads``), one contiguous chunk per thread, each on CPUs no other chunk uses
-        (:mod:`~kvstrata.storage_backends._io_threads`): a future per item would cost more than
+        0: ``io_threads``), in pieces of consecutive rows the threads take in turn (``placed``:
+        each thread on CPUs no other uses, for reads; see
+        :mod:`~kvstrata.storage_backends._io_threads`): a future per item would cost more than
         reading a page from the page cache."""
         if self._pool is None:
             raise RuntimeError(f"file backend {self.instance!r} is not open")
-        chunks = min(threads or self.config.io_threads, count // _MIN_CHUNK)
-        if chunks <= 1:
+        workers = min(threads or self.config.io_threads, count // _MIN_CHUNK)
+        if workers <= 1:
             return fn(0, count)
-        return self._pool.map_chunks(fn, [count * index // chunks for index in range(chunks + 1)])
+        return self._pool.map_rows(fn, count, workers, _MIN_CHUNK, placed=placed)
 
     def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
         return self._map_rows(lambda start, stop: [fn(item) for item in items[start:stop]], len(items))
@@ -266,6 +269,7 @@ class FileIO(FileIndex):
                 lambda start, stop: self._get_rows(objects, start, stop, check),
                 len(objects),
                 self._read_threads,
+                placed=True,
             )
         finally:
             with self._lock:
