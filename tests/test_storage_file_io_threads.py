@@ -50,7 +50,7 @@ def test_a_batch_is_cut_into_pieces_of_at_least_the_minimum(
 
 @pytest.mark.parametrize(("count", "workers"), [(16, 2), (37, 2), (100, 3)])
 def test_rows_come_back_in_order_whatever_the_placement(threads: IOThreads, count: int, workers: int) -> None:
-    rows = threads.map_rows(record, count, workers, min_piece=4)
+    rows = threads.map_rows(record, count, workers, min_piece=4, placed=True)
     assert [row for row, *_ in rows] == list(range(count))
     bounds = pieces(count, workers, 4)
     assert sorted({start for _, start, *_ in rows}) == bounds[:-1]
@@ -61,7 +61,7 @@ def test_each_worker_runs_on_cpus_no_other_worker_of_the_batch_uses(threads: IOT
     """With two or more CPUs, the workers are held on disjoint shares of the caller's CPUs (a CPU
     each in turn when workers outnumber CPUs) and the caller waits; with one CPU nothing is
     placed and the caller is one of the workers."""
-    rows = threads.map_rows(record, 96, workers, min_piece=4)
+    rows = threads.map_rows(record, 96, workers, min_piece=4, placed=True)
     shares = {thread: {cpus for _, _, cpus, held in rows if held == thread} for *_, thread in rows}
     assert all(len(held) == 1 for held in shares.values()), "a worker's CPUs do not change mid-batch"
     masks = [next(iter(held)) for held in shares.values()]
@@ -88,7 +88,7 @@ def test_a_worker_on_a_slow_cpu_takes_fewer_pieces(threads: IOThreads) -> None:
             time.sleep(0.05)
         return [threading.get_ident()] * (stop - start)
 
-    done = threads.map_rows(piece, 160, 2, min_piece=10)  # 16 pieces of 10
+    done = threads.map_rows(piece, 160, 2, min_piece=10, placed=True)  # 16 pieces of 10
     per_thread = Counter(done)
     assert len(done) == 160
     assert per_thread[slow[0]] <= 40, per_thread
@@ -117,7 +117,7 @@ def test_the_callers_cpus_are_dealt_out_to_the_workers_in_turn(
 
 
 def test_a_thread_gets_its_own_cpus_back_after_the_batch(threads: IOThreads) -> None:
-    threads.map_rows(record, 48, 3, min_piece=4)
+    threads.map_rows(record, 48, 3, min_piece=4, placed=True)
     seen = [threads._pool.submit(os.sched_getaffinity, 0).result() for _ in range(6)]
     assert all(cpus == ALLOWED for cpus in seen)
 
@@ -134,11 +134,13 @@ def test_a_refused_placement_runs_the_batch_unplaced_and_stops_placing(
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(_io_threads.os, "sched_setaffinity", refuse)
-    rows = threads.map_rows(record, 16, 2, min_piece=4)
+    rows = threads.map_rows(record, 16, 2, min_piece=4, placed=True)
     assert [row for row, *_ in rows] == list(range(16))
     assert not threads.placing
     # from now on the caller is one of the workers
-    rows = threads.map_rows(lambda start, stop: [threading.get_ident()] * (stop - start), 64, 2, min_piece=1)
+    rows = threads.map_rows(
+        lambda start, stop: [threading.get_ident()] * (stop - start), 64, 2, min_piece=1, placed=True
+    )
     assert threading.get_ident() in rows
 
 
@@ -156,7 +158,7 @@ def test_a_failing_piece_raises_after_every_piece_is_done(threads: IOThreads, pl
         return list(range(start, stop))
 
     with pytest.raises(OSError, match="Input/output error"):
-        threads.map_rows(piece, 48, 3, min_piece=4)
+        threads.map_rows(piece, 48, 3, min_piece=4, placed=True)
     assert sorted(done) == [start for start in range(0, 48, 4) if start != 4]
 
 

@@ -80,14 +80,13 @@ class IOThreads:
         where the platform cannot or refused)."""
         return self._current_cpu is not None
 
-    def map_rows(
-        self, fn: Rows[_R], count: int, workers: int, min_piece: int = 8, *, placed: bool = True
-    ) -> list[_R]:
+    def map_rows(self, fn: Rows[_R], count: int, workers: int, min_piece: int, *, placed: bool) -> list[_R]:
         """``fn`` over ``range(count)`` in pieces of consecutive rows, ``workers`` threads taking
         the next piece as they finish one; the results joined in row order. Every piece is done
         before this returns or raises (the first error is raised): pieces read into and write
         from the caller's regions, which the caller may reuse as soon as the call is over.
-        ``placed``: hold the workers on CPUs of their own (for CPU-bound pieces: reads)."""
+        ``min_piece``: fewest rows worth a piece; ``placed``: hold the workers on CPUs of their
+        own (for CPU-bound pieces: reads)."""
         bounds = pieces(count, workers, min_piece)
         parts: list[list[_R]] = [[] for _ in bounds[1:]]
         todo = iter(range(len(parts)))  # next() of a range iterator is atomic: one taker per piece
