@@ -7,7 +7,9 @@ chunk), each call timed on its own (thread CPU time of the calling thread), per 
 cache for the chunked request and three more for one lookup + insert of the whole request each
 (the round's baseline: their median), measured in the same run. Prints microseconds per call
 (median, min-max over ``--rounds``) and the chunk's total against the whole insert's cost for the
-same pages.
+same pages. Beside each call, the floor (``engine_floor.py``: the same steps on the same buffers
+with no cache around them, measured in the same round), and what the floor's chunk would make of
+the goal: how much of a chunk is the cache's bookkeeping, and how much no Python design avoids.
 
     python benchmarks/engine_calls.py [--pages N] [--chunk PAGES] [--l3] [--rounds N]
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 from engine import PAGE, stack
+from engine_floor import floor_calls
 
 import kvstrata
 
@@ -74,7 +77,9 @@ def whole(cache: kvstrata.CacheController, request: torch.Tensor) -> float:
 WHOLE_SAMPLES = 3
 
 
-def measure(pages: int, chunk: int, l3: bool, seed: int) -> tuple[dict[str, float], float]:
+def measure(pages: int, chunk: int, l3: bool, seed: int) -> tuple[dict[str, float], float, dict[str, float]]:
+    """(seconds per call of the chunked loop, seconds of one whole insert (median), seconds per
+    call of the floor), for one request in fresh caches."""
     request = torch.randint(0, 50_000, (pages * PAGE,), generator=torch.Generator().manual_seed(seed))
     out: list = []
     runs = [lambda c: chunked_calls(c, request, chunk)] + [lambda c: whole(c, request)] * WHOLE_SAMPLES
@@ -87,7 +92,9 @@ def measure(pages: int, chunk: int, l3: bool, seed: int) -> tuple[dict[str, floa
                 cache.flush()
             finally:
                 cache.close()
-    return out[0], statistics.median(out[1:])
+    gc.collect()
+    floor = floor_calls(request, chunk, PAGE)
+    return out[0], statistics.median(out[1:]), floor
 
 
 def spread(values: list[float]) -> str:
@@ -103,24 +110,34 @@ def main() -> None:
     args = parser.parse_args()
     measure(16, args.chunk, args.l3, 99)  # warm-up: imports, allocator, first calls
     per_call: dict[str, list[float]] = {call: [] for call in CALLS}
+    floor_call: dict[str, list[float]] = {call: [] for call in CALLS}
     chunk_us: list[float] = []
+    floor_us: list[float] = []
     whole_us: list[float] = []
     for round_id in range(args.rounds):
-        calls, seconds = measure(args.pages, args.chunk, args.l3, round_id)
-        for call, value in calls.items():
-            per_call[call].append(value * 1e6)
+        calls, seconds, floor = measure(args.pages, args.chunk, args.l3, round_id)
+        for call in CALLS:
+            per_call[call].append(calls[call] * 1e6)
+            floor_call[call].append(floor[call] * 1e6)
         chunk_us.append(sum(calls.values()) * 1e6)
+        floor_us.append(sum(floor.values()) * 1e6)
         whole_us.append(seconds * 1e6 / args.pages * args.chunk)
     print(
         f"{args.pages} pages in {args.chunk}-page chunks, L3 {'file' if args.l3 else 'none'}: "
-        f"controller thread CPU us per call, median (min-max) of {args.rounds} rounds"
+        f"controller thread CPU us per call, median (min-max) of {args.rounds} rounds; "
+        "floor: the same steps with no cache (engine_floor.py)"
     )
+    print(f"{'':>12} {'cache':>7} {'':14} {'floor':>7}")
     for call in CALLS:
-        print(f"{call:>12} {spread(per_call[call])}")
-    print(f"{'chunk':>12} {spread(chunk_us)}")
+        print(f"{call:>12} {spread(per_call[call])}  {spread(floor_call[call])}")
+    print(f"{'chunk':>12} {spread(chunk_us)}  {spread(floor_us)}")
     print(f"{'whole':>12} {spread(whole_us)}  (one insert of the whole request, per {args.chunk} pages)")
     ratios = [c / w for c, w in zip(chunk_us, whole_us, strict=True)]
     print(f"chunk / whole insert of the same pages: {spread(ratios).strip()} (goal <= 3)")
+    floors = [f / w for f, w in zip(floor_us, whole_us, strict=True)]
+    print(f"floor chunk / whole insert of the same pages: {spread(floors).strip()} (what no cache beats)")
+    above = [c / f for c, f in zip(chunk_us, floor_us, strict=True)]
+    print(f"chunk / floor chunk: {spread(above).strip()} (the cache's bookkeeping)")
 
 
 if __name__ == "__main__":
