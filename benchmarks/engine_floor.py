@@ -80,10 +80,11 @@ def floor_calls(request: torch.Tensor, chunk: int, page: int) -> dict[str, float
             kv_units, slot = kv_free.take(chunk), state_free.take(1)
             units_out = {"kv": torch.from_numpy(kv_units), "mamba": torch.from_numpy(slot)}
         allocated = clock()
-        with guard:  # fork_state: the last checkpoint into the new slot
+        with guard:  # fork_state: the last checkpoint into the new slot (one row per buffer)
+            new_slot = int(slot[0])
             if last_slot >= 0:
-                conv[slot] = conv[last_slot]
-                ssm[slot] = ssm[last_slot]
+                conv[new_slot] = conv[last_slot]
+                ssm[new_slot] = ssm[last_slot]
         forked = clock()
         with guard:  # insert: a node of the chunk's pages, the lock moved onto it
             child = _Node(node, keys[-chunk:], (kv_units.tobytes(), slot.tobytes()))
@@ -92,7 +93,7 @@ def floor_calls(request: torch.Tensor, chunk: int, page: int) -> dict[str, float
             node.children[keys[-chunk]] = child
             node.locks -= 1
             child.locks += 1
-            node, last_slot = child, int(slot[0])
+            node, last_slot = child, new_slot
             unbacked.append(child)
             if len(unbacked) * chunk >= BATCH_PAGES or len(keys) >= pages:
                 _back_up(unbacked, kv, conv, ssm, host_kv, host_conv, host_ssm, host_kv_free, host_state_free)
