@@ -15,7 +15,7 @@ from kvstrata.core.controller import CacheController, CacheFullError, Lease
 
 def device_accounting(cache: CacheController, open_leases: list[Lease]) -> None:
     for name in cache.tree_pools:
-        allocated = sum(len(lease._allocated[name]) for lease in open_leases if lease._allocated is not None)
+        allocated = sum(len(lease.pending.get(name, ())) for lease in open_leases)
         used = cache.pools.pools[name].device_allocator.used
         assert used == cache.tree.units(name, "device") + allocated, f"device units of {name!r} leaked"
 

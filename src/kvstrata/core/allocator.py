@@ -64,13 +64,20 @@ class UnitAllocator:
 
     def alloc(self, count: int) -> torch.Tensor | None:
         """``count`` free indices (int64, CPU), or ``None`` when fewer are free (nothing taken)."""
+        taken = self.take(count)
+        return None if taken is None else torch.from_numpy(taken)
+
+    def take(self, count: int) -> np.ndarray | None:
+        """:meth:`alloc` as the numpy array the tensor would share: for callers that keep the
+        units as int64 bytes (a lease's pending units), one ``tobytes`` instead of a tensor's
+        ``numpy()`` round trip per chunk."""
         if count < 0:
             raise ValueError(f"allocator {self.name!r}: cannot allocate {count} units")
         with self._lock:
             if count > self._available:
                 return None
             if not count:
-                return torch.empty(0, dtype=torch.int64)
+                return np.empty(0, dtype=np.int64)
             chunks = self._chunks
             chunk = chunks[0]
             if len(chunk) > count:  # the common case: one chunk, cut (its head handed out as is:
@@ -90,7 +97,7 @@ class UnitAllocator:
                 taken = parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
             self._available -= count
             self._in_use[taken] = True
-            return torch.from_numpy(taken)
+            return taken
 
     def free(self, indices: torch.Tensor | Sequence[int]) -> None:
         """Return indices; raises :class:`AllocatorError` naming the offending ones on misuse."""

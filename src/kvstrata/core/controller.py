@@ -248,9 +248,9 @@ class CacheController(UnitMemory, ClosingApi):
                 "device_units) or admit fewer requests at once"
             )
         self.units.free(_DEVICE, lease.add_allocation(self.layout, got, end))
-        if self.layout.self_owned:  # ``got`` is the caller's: the lease keeps its own dict
-            return got
-        return {name: got[owner] for name, owner in self.layout.owner_of.items()}
+        if self.layout.self_owned:  # the tensors are the caller's: the lease keeps bytes of its own
+            return got[0]
+        return {name: got[0][owner] for name, owner in self.layout.owner_of.items()}
 
     @exclusive
     def insert(self, lease: Lease, *, close: bool = True) -> None:

@@ -17,6 +17,7 @@ from kvstrata.core.keys import hash_pages
 from kvstrata.core.stack import NO_UNITS, PoolKind, StackLayout
 from kvstrata.core.tokens import token_bytes
 from kvstrata.core.tree import LockHandle, MatchResult, PrefixTree, Tier, TreeNode
+from kvstrata.core.tree_bytes import UNIT, unit_tensor
 
 if TYPE_CHECKING:
     from kvstrata.core.prefetch_op import PrefetchOp
@@ -70,8 +71,13 @@ class Lease:
     _prefetch: PrefetchOp | None = None
     _storage_pages: int = 0  # pages [host_pages, host_pages + this) came from L3
     _pin: Pin | None = None
-    #: units handed out but not yet inserted, per tree pool (window pools: contiguous last pages)
-    _allocated: dict[str, torch.Tensor] | None = None
+    #: units handed out but not yet inserted, per tree pool (window pools: contiguous last pages),
+    #: as int64 bytes: what the tree stores, so an insert hands them over with no conversion, and
+    #: a copy, so an engine writing into the tensors ``allocate`` returned cannot change them
+    _allocated: dict[str, bytes] | None = None
+    #: per state pool, the tensor ``allocate`` handed out for its pending slot (``fork_state``
+    #: hands the same units back: no tensor made per chunk)
+    _slot_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     _allocated_first: dict[str, int] = field(default_factory=dict)  # page of each pool's first new unit
     #: the cache whose lookup made it: no other cache honours it
     _issuer: object = field(default=None, repr=False)
@@ -175,8 +181,14 @@ class Lease:
 
     @property
     def pending(self) -> Mapping[str, torch.Tensor]:
-        """Units handed out by ``allocate`` and not yet inserted, per tree pool."""
-        return self._allocated or {}
+        """Units handed out by ``allocate`` and not yet inserted, per tree pool (fresh tensors)."""
+        return {name: unit_tensor(raw) for name, raw in (self._allocated or {}).items()}
+
+    def pending_slot(self, pool: str) -> tuple[bytes, torch.Tensor] | None:
+        """A state pool's pending slot: as int64 bytes and as the tensor ``allocate`` handed out
+        (None: no slot pending)."""
+        raw = (self._allocated or {}).get(pool)
+        return (raw, self._slot_tensors[pool]) if raw else None
 
     @property
     def pin(self) -> Pin | None:
@@ -229,49 +241,50 @@ class Lease:
         self.admitted = True
 
     def add_allocation(
-        self, layout: StackLayout, got: dict[str, torch.Tensor], end: int
-    ) -> dict[str, torch.Tensor]:
-        """``allocate``: record ``got`` as the units of pages ``[allocated_pages, end)`` (window
-        pools: of its last ``len(got[pool])`` pages); returns pending window units no longer
-        contiguous with the new ones (the caller frees them)."""
+        self, layout: StackLayout, got: tuple[dict[str, torch.Tensor], dict[str, bytes]], end: int
+    ) -> dict[str, np.ndarray]:
+        """``allocate``: record ``got`` (per tree pool the tensors handed out and their int64
+        bytes, :func:`allocate_units`) as the units of pages ``[allocated_pages, end)`` (window
+        pools: of its last ones); returns pending window units no longer contiguous with the new
+        ones (the caller frees them)."""
+        handed, got_raw = got
         pending = dict(self._allocated or {})
-        dropped: dict[str, torch.Tensor] = {}
+        dropped: dict[str, bytes] = {}
         for tp in layout.tree_pools.values():
-            old, new = pending.get(tp.name, NO_UNITS), got[tp.name]
+            old, new = pending.get(tp.name, b""), got_raw[tp.name]
             if tp.kind is _PAGES:
-                pending[tp.name] = torch.cat([old, new]) if old.shape[0] else new
+                pending[tp.name] = old + new if old else new
                 first = self.allocated_pages
             elif tp.kind is _WINDOW:
                 # the pending units hold contiguous pages ending at ``end``: kept old units must
                 # end where the new ones start, else (a window-only allocation) they are of no use
-                if old.shape[0] and new.shape[0] == end - self.allocated_pages:
-                    pending[tp.name] = torch.cat([old, new])
+                if old and len(new) == (end - self.allocated_pages) * UNIT:
+                    pending[tp.name] = old + new
                 else:
                     pending[tp.name], dropped[tp.name] = new, old
-                first = end - new.shape[0]
+                first = end - len(new) // UNIT
             else:
-                pending[tp.name] = new if new.shape[0] else old
+                if new:
+                    pending[tp.name], self._slot_tensors[tp.name] = new, handed[tp.name]
                 first = end - 1
-            if new.shape[0]:  # a pool that got nothing keeps saying where its last units start
+            if new:  # a pool that got nothing keeps saying where its last units start
                 self._allocated_first[tp.name] = first
         self._allocated = pending
         self.allocated_pages = end
-        return dropped
+        return unit_arrays(dropped) if dropped else dropped  # type: ignore[return-value]
 
-    def mark_inserted(
-        self, tree: PrefixTree, node: TreeNode, end: int, rest: dict[str, torch.Tensor]
-    ) -> None:
+    def mark_inserted(self, tree: PrefixTree, node: TreeNode, end: int, rest: dict[str, bytes]) -> None:
         """``insert``: pages through ``end`` are in the tree, ending at ``node``: move the device
         lock there and keep ``rest`` (see :func:`take_for_insert`) for the next chunk."""
         lock = self._device_lock
         self._device_lock = tree.lock(node, _DEVICE) if lock is None else tree.move_lock(lock, node)
         self._node, self.committed_pages, self._allocated = node, end, rest
 
-    def take_pending(self) -> dict[str, torch.Tensor] | None:
+    def take_pending(self) -> dict[str, np.ndarray] | None:
         """``insert`` / ``release``: the units allocated and never inserted, for the caller to
         free (None: none)."""
         pending, self._allocated = self._allocated, None
-        return pending
+        return None if pending is None else unit_arrays(pending)
 
     def hold_pin(self, pin: Pin | None) -> None:
         """A retention pin the prefix holds now (None: none, or it was refused)."""
@@ -362,7 +375,7 @@ def allocation_needs(layout: StackLayout, lease: Lease, end: int) -> dict[str, i
         elif tp.kind is _WINDOW:
             needs[tp.name] = min(tp.window, new)
         else:
-            needs[tp.name] = 1 if new > 0 and not pending.get(tp.name, NO_UNITS).shape[0] else 0
+            needs[tp.name] = 1 if new > 0 and not pending.get(tp.name) else 0
     return needs
 
 
@@ -377,41 +390,50 @@ def window_extras(layout: StackLayout, lease: Lease, end: int) -> dict[str, int]
 
 def allocate_units(
     units: TierUnits, layout: StackLayout, lease: Lease, end: int, window_only: bool = False
-) -> dict[str, torch.Tensor] | None:
+) -> tuple[dict[str, torch.Tensor], dict[str, bytes]] | None:
     """Device units for pages ``[lease.allocated_pages, end)`` per tree pool (evicting what it
     must for :func:`allocation_needs`, then, unless ``window_only``, :func:`window_extras` where
-    room is spare), or None."""
-    got = units.alloc(_DEVICE, allocation_needs(layout, lease, end))
+    room is spare), or None: as tensors for the engine and as int64 bytes for the lease."""
+    got = units.alloc(_DEVICE, allocation_needs(layout, lease, end), arrays=True)
+    if got is None:
+        return None
     extras = window_extras(layout, lease, end) if layout.windowed and not window_only else None
-    if got is not None and extras:
+    if extras:
         for name, spare in units.alloc_spare(_DEVICE, extras).items():
-            got[name] = torch.cat([spare, got[name]])
-    return got
+            got[name] = np.concatenate([spare.numpy(), got[name]])
+    tensors: dict[str, torch.Tensor] = {}
+    raw: dict[str, bytes] = {}
+    for name, array in got.items():
+        tensors[name] = torch.from_numpy(array) if array.shape[0] else NO_UNITS
+        raw[name] = array.tobytes()
+    return tensors, raw
 
 
-def take_for_insert(
-    layout: StackLayout, lease: Lease, end: int
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def unit_arrays(raw: Mapping[str, bytes]) -> dict[str, np.ndarray]:
+    """Per pool, int64 bytes as (read-only) arrays, pools with none left out: what the
+    allocators' ``free`` takes."""
+    return {name: np.frombuffer(units, dtype=np.int64) for name, units in raw.items() if units}
+
+
+def take_for_insert(layout: StackLayout, lease: Lease, end: int) -> tuple[dict[str, bytes], dict[str, bytes]]:
     """Split the pending units into the values of pages ``[committed_pages, end)`` (what the tree
     gets) and the rest (units of pages at or after ``end``, kept for the next insert)."""
     new = end - lease.committed_pages
     after = lease.allocated_pages - end  # pages allocated beyond ``end`` (a partial page)
     pending_all = lease._allocated or {}
     if not after and not layout.windowed:  # every pending unit is of pages up to ``end`` (a chunk)
-        taken = {name: v for name, v in pending_all.items() if v.shape[0]}
-        return taken, dict.fromkeys(pending_all, NO_UNITS)
-    values: dict[str, torch.Tensor] = {}
-    rest: dict[str, torch.Tensor] = {}
+        taken = {name: v for name, v in pending_all.items() if v}
+        return taken, dict.fromkeys(pending_all, b"")
+    values: dict[str, bytes] = {}
+    rest: dict[str, bytes] = {}
     for tp in layout.tree_pools.values():
-        pending = pending_all.get(tp.name, NO_UNITS)
-        if tp.kind is _PAGES:  # (tensor shape reads and slices cost a chunk microseconds)
-            if pending.shape[0] == new:
-                values[tp.name], rest[tp.name] = pending, NO_UNITS
-            else:
-                values[tp.name], rest[tp.name] = pending[:new], pending[new:]
+        pending = pending_all.get(tp.name, b"")
+        if tp.kind is _PAGES:
+            cut = new * UNIT
+            values[tp.name], rest[tp.name] = pending[:cut], pending[cut:]
         elif tp.kind is _WINDOW:
-            keep = pending.shape[0] - min(after, pending.shape[0])
+            keep = max(len(pending) - after * UNIT, 0)
             values[tp.name], rest[tp.name] = pending[:keep], pending[keep:]
         else:
-            values[tp.name], rest[tp.name] = pending, NO_UNITS
-    return {name: v for name, v in values.items() if v.shape[0]}, rest
+            values[tp.name], rest[tp.name] = pending, b""
+    return {name: v for name, v in values.items() if v}, rest

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import numpy as np
 import torch
 
 from kvstrata.core.allocator import UnitAllocator
@@ -18,6 +19,12 @@ from kvstrata.core.metrics import CacheMetrics, Operation
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import NO_UNITS
 from kvstrata.core.tree import EvictionResult, PrefixTree, Tier, TreeNode
+
+#: units per pool: index tensors, or (``arrays=True``) the numpy int64 arrays they would share
+Allocated = dict[str, torch.Tensor] | dict[str, np.ndarray]
+#: no units, as a numpy array (read-only: shared by every allocation of zero units)
+NO_ARRAY = np.empty(0, dtype=np.int64)
+NO_ARRAY.flags.writeable = False
 
 #: Called before the device tier evicts, with the units per pool it is short of (write-back
 #: backs nodes up there, so eviction may drop them).
@@ -69,25 +76,30 @@ class TierUnits:
 
         return free
 
-    def try_alloc(self, tier: Tier, needs: Mapping[str, int]) -> dict[str, torch.Tensor] | None:
-        """Every unit of ``needs`` from free units, or none (never evicts: worker threads call it)."""
-        got: dict[str, torch.Tensor] = {}
+    def try_alloc(self, tier: Tier, needs: Mapping[str, int], *, arrays: bool = False) -> Allocated | None:
+        """Every unit of ``needs`` from free units, or none (never evicts: worker threads call it).
+        ``arrays``: numpy int64 arrays instead of tensors (the lease keeps units as bytes)."""
+        got: dict = {}
         known = self._allocators[tier]
         for pool, count in needs.items():
             if count == 0:
-                got[pool] = NO_UNITS
+                got[pool] = NO_ARRAY if arrays else NO_UNITS
                 continue
             allocator = known[pool] if pool in known else self.allocator(pool, tier)
-            units = allocator.alloc(count) if allocator is not None else None
+            if allocator is None:
+                self.free(tier, got)
+                return None
+            units = allocator.take(count) if arrays else allocator.alloc(count)
             if units is None:
                 self.free(tier, got)
                 return None
             got[pool] = units
         return got
 
-    def alloc(self, tier: Tier, needs: Mapping[str, int]) -> dict[str, torch.Tensor] | None:
-        """All-or-nothing allocation over pools; evicts the shortfall (LRU) once if needed."""
-        got = self.try_alloc(tier, needs)
+    def alloc(self, tier: Tier, needs: Mapping[str, int], *, arrays: bool = False) -> Allocated | None:
+        """All-or-nothing allocation over pools; evicts the shortfall (LRU) once if needed
+        (``arrays``: as in :meth:`try_alloc`)."""
+        got = self.try_alloc(tier, needs, arrays=arrays)
         if got is not None:
             return got
         shortfall = {}
@@ -105,7 +117,7 @@ class TierUnits:
         else:
             result = self.tree.evict_host(shortfall, self.freer(Tier.HOST))
         self._observe(tier, result)
-        return self.try_alloc(tier, needs)
+        return self.try_alloc(tier, needs, arrays=arrays)
 
     def _observe(self, tier: Tier, result: EvictionResult) -> None:
         for pool, units in result.units.items():

@@ -62,6 +62,7 @@ from kvstrata.core.tree_node import (
     Tier,
     TreeError,
     TreeNode,
+    Units,
     node_type,
     page_keys,
     paged_keys_type,
@@ -228,11 +229,12 @@ class PrefixTree:
 
     # ------------------------------------------------------------------ insert
     def insert(
-        self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor], *, at: TreeNode | None = None
+        self, keys: Sequence[PageKey], values: Mapping[str, Units], *, at: TreeNode | None = None
     ) -> InsertResult:
         """Insert a device-resident prefix; existing nodes are reused.
 
-        ``values`` maps a tracked pool to its unit indices for the *last* ``len(value)`` pages of
+        ``values`` maps a tracked pool to its unit indices (a 1-D index tensor, or int64 bytes as
+        a node stores them: a lease's pending units) for the *last* ``len(value)`` pages of
         the sequence (usually all of them; a shorter value leaves the earlier pages untouched:
         a request inserting what it computed after its cached prefix, or a window pool that
         only holds its last pages) -- one slot for node-state pools: the state after the last
@@ -250,7 +252,7 @@ class PrefixTree:
             self._evictor.inserted(_DEVICE, result.node, result.new_pages)
         return result
 
-    def insert_host(self, keys: Sequence[PageKey], values: Mapping[str, torch.Tensor]) -> InsertResult:
+    def insert_host(self, keys: Sequence[PageKey], values: Mapping[str, Units]) -> InsertResult:
         """Insert a host-resident prefix (a committed prefetch): new nodes exist only on host."""
         result = self._inserter.insert(keys, values, _HOST)
         if self._evictor.hears:

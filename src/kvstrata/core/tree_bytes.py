@@ -127,13 +127,20 @@ _INT64 = torch.int64
 UNIT = 8
 
 
-def unit_bytes(value: torch.Tensor) -> bytes:
-    """A 1-D index tensor's units as int64 ``bytes``: how a node stores its values.
+#: unit indices as the tree takes them: a 1-D index tensor, or int64 ``bytes`` (what a node stores)
+Units = torch.Tensor | bytes
+
+
+def unit_bytes(value: Units) -> bytes:
+    """A 1-D index tensor's units as int64 ``bytes``: how a node stores its values (``bytes``
+    given are already that).
 
     ``bytes`` are not tracked by the garbage collector and cost 33 bytes beside their data, where
     a tensor cost ~550 (its Python object, ``TensorImpl`` and storage) and one more object for
     every collection pass; a copy also keeps none of the caller's tensor alive.
     """
+    if type(value) is bytes:
+        return value
     if value.dtype is _INT64:
         try:
             return value.numpy().tobytes()  # the common case: CPU int64 (a view or not)

@@ -27,6 +27,7 @@ from kvstrata.core.tree_node import (
     Tier,
     TreeError,
     TreeNode,
+    Units,
     unit_bytes,
 )
 
@@ -72,7 +73,7 @@ class TreeInserter:
     def insert(
         self,
         keys: Sequence[PageKey],
-        values: Mapping[str, torch.Tensor],
+        values: Mapping[str, Units],
         tier: Tier,
         at: TreeNode | None = None,
     ) -> InsertResult:
@@ -85,22 +86,26 @@ class TreeInserter:
         npools = self._npools
         state = self._state
         names = self._names
-        given: list[torch.Tensor | None] = [None] * npools
+        given: list[Units | None] = [None] * npools
         start = [0] * npools  # first page each token-page pool's value covers
         for name, value in values.items():
             p = self._index.get(name)
             if p is None:
                 p = self._pool(name)
-            # shape, not len(): Tensor.__len__ is a Python-level call, this is the hot path
-            shape = value.shape if isinstance(value, torch.Tensor) else None
+            if type(value) is bytes:  # int64 bytes, as a node stores them (a lease's units)
+                count = -1 if len(value) % UNIT else len(value) // UNIT
+            else:  # shape, not len(): Tensor.__len__ is a Python-level call, this is the hot path
+                shape = value.shape if isinstance(value, torch.Tensor) else None
+                count = shape[0] if shape is not None and len(shape) == 1 else -1
             if state[p]:  # one slot (check_value raises the error for anything else)
-                one = shape is not None and len(shape) == 1 and shape[0] == 1
-                given[p] = value if one else self._check_value(p, value, n)
+                given[p] = value if count == 1 else self._check_value(p, value, n)  # type: ignore[arg-type]
                 continue
-            if shape is None or len(shape) != 1 or shape[0] > n:
-                raise TreeError(f"pool {name!r}: values must be 1-D index tensors of at most {n} units")
+            if not 0 <= count <= n:
+                raise TreeError(
+                    f"pool {name!r}: values must be 1-D index tensors (or int64 bytes) of at most {n} units"
+                )
             given[p] = value
-            start[p] = n - shape[0]
+            start[p] = n - count
         if given[0] is None:
             raise TreeError(f"insert needs values for the anchor pool {self._anchor_name!r}")
         suffix = any(start)  # some value covers only the last pages (only paged pools start > 0)
@@ -201,8 +206,8 @@ class TreeInserter:
         self,
         top: TreeNode,
         keys: list[PageKey],
-        given: list[torch.Tensor | None],
-        values: Mapping[str, torch.Tensor],
+        given: list[Units | None],
+        values: Mapping[str, Units],
         tier: Tier,
     ) -> InsertResult:
         """``insert`` where nothing below ``top`` starts with ``keys`` and every value covers

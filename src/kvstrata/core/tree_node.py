@@ -22,6 +22,7 @@ from kvstrata.core.tree_bytes import UNIT as UNIT  # re-exported: the parts impo
 from kvstrata.core.tree_bytes import PagedKeys as PagedKeys
 from kvstrata.core.tree_bytes import PageKey as PageKey
 from kvstrata.core.tree_bytes import TreeError as TreeError
+from kvstrata.core.tree_bytes import Units as Units
 from kvstrata.core.tree_bytes import UnitValues as UnitValues
 from kvstrata.core.tree_bytes import page_keys as page_keys
 from kvstrata.core.tree_bytes import paged_keys_type as paged_keys_type
@@ -336,7 +337,7 @@ class InsertResult:
         self,
         node: TreeNode,
         new_pages: int,
-        given: dict[str, torch.Tensor],
+        given: Mapping[str, Units],
         ranges: dict[str, list[list[int]]],
     ) -> None:
         self.node = node  # the node ending at the inserted length (root for an empty insert)
@@ -357,6 +358,9 @@ class InsertResult:
             out = {}
             for name, ranges in self._ranges.items():
                 value = self._given[name]
+                if type(value) is bytes:  # int64 bytes, as a node stores them
+                    out[name] = unit_tensor(b"".join(value[s * UNIT : e * UNIT] for s, e in ranges))
+                    continue
                 parts = [value[s:e] for s, e in ranges]
                 out[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
             self._duplicates = out

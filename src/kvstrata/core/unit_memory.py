@@ -48,33 +48,33 @@ class UnitMemory:
         if lease.closed:
             raise RuntimeError("lease is closed (inserted or released)")
         out: dict[str, torch.Tensor] = {}
-        pending = lease.pending
         node = lease.node
         for name, p, followers in self._state_pools():
-            slot = pending.get(name)
-            if slot is None or not slot.shape[0]:
+            pending = lease.pending_slot(name)
+            if pending is None:
                 raise RuntimeError("fork_state copies into the lease's new state slot: call allocate first")
+            slot, working = pending
             raw = None if node is None else node.device_raw[p]
             for follower, buffers in followers:
                 if raw is not None:
                     self._fork_slot(buffers, raw, slot)
-                out[follower] = slot
+                out[follower] = working
         return out
 
-    def _fork_slot(self, buffers: PoolBuffers, raw: bytes, slot: torch.Tensor) -> None:
-        """Copy the state slot stored as ``raw`` (the tree's int64 bytes) into ``slot``. Both
-        are the cache's own units (the tree's and the allocator's), in range by construction:
-        on a CPU tier one row assignment per buffer, else :func:`copy_units`."""
+    def _fork_slot(self, buffers: PoolBuffers, raw: bytes, slot: bytes) -> None:
+        """Copy the state slot stored as ``raw`` into ``slot`` (both int64 bytes: the tree's and
+        the lease's). Both are the cache's own units (the tree's and the allocator's), in range
+        by construction: on a CPU tier one row assignment per buffer, else :func:`copy_units`."""
         arrays = host_arrays(buffers, buffers)
-        if arrays is not None and len(raw) == UNIT and slot.shape[0] == 1:
-            src, dst = int.from_bytes(raw, "little"), slot.item()
+        if arrays is not None and len(raw) == UNIT and len(slot) == UNIT:
+            src, dst = int.from_bytes(raw, "little"), int.from_bytes(slot, "little")
             for src_array, dst_array in arrays:
                 dst_array[dst] = src_array[src]
             return
         source = self._slot_index.get(raw)
         if source is None:
             self._slot_index[raw] = source = unit_tensor(raw)
-        copy_units(buffers, source, buffers, slot).wait()
+        copy_units(buffers, source, buffers, unit_tensor(slot)).wait()
 
     def _state_pools(self) -> list[tuple[str, int, list[tuple[str, PoolBuffers]]]]:
         """Per state pool: its name, tree index and (follower, device buffers) pairs, made once
