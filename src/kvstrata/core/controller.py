@@ -50,7 +50,7 @@ from kvstrata.core.lease import (
     CacheFullError,
     Lease,
     allocate_units,
-    allocation_needs,
+    device_full,
     require_lease,
     take_for_insert,
 )
@@ -232,21 +232,15 @@ class CacheController(UnitMemory, ClosingApi):
         self._check_lease(lease)
         if not lease.admitted:
             self.admit(lease)
-        end = lease.pages if end_page is None else end_page
-        if not 0 <= end <= lease.pages:
-            raise ValueError(f"end_page {end} outside [0, {lease.pages}] (the lease's whole pages)")
-        end = max(end + int(partial_page and end == lease.pages), lease.allocated_pages)
+        pages = lease.pages
+        end = pages if end_page is None else end_page
+        if not 0 <= end <= pages:
+            raise ValueError(f"end_page {end} outside [0, {pages}] (the lease's whole pages)")
+        end = max(end + int(partial_page and end == pages), lease.allocated_pages)
         got = allocate_units(self.units, self.layout, lease, end, window_only)
         if got is None:
             self.metrics.fail()
-            needs = allocation_needs(self.layout, lease, end)
-            units = {pool: self.pools.pools[pool].device_allocator.units for pool in needs}
-            raise CacheFullError(
-                f"device tier cannot hold {end - lease.allocated_pages} new pages ({needs}) even after "
-                f"evicting every unlocked page (device units per pool: {units}; the request's own "
-                "prefix stays locked): raise tiers.device.capacity_tokens (or the pool's "
-                "device_units) or admit fewer requests at once"
-            )
+            raise device_full(self.layout, lease, end, self.units)
         self.units.free(_DEVICE, lease.add_allocation(self.layout, got, end))
         if self.layout.self_owned:  # the tensors are the caller's: the lease keeps bytes of its own
             return got[0]
@@ -269,7 +263,8 @@ class CacheController(UnitMemory, ClosingApi):
             values, rest = take_for_insert(self.layout, lease, end)
             above = lease.node
             result = self.tree.insert(lease.keys[lease.committed_pages : end], values, at=above)
-            self.units.free(_DEVICE, result.duplicates)
+            if result.has_duplicates:
+                self.units.free(_DEVICE, result.duplicates)
             lease.mark_inserted(self.tree, result.node, end, rest)
             self._retain(lease)
             if self.policy.write == "write_through" or self.writer.digests is not None:

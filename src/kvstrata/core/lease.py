@@ -379,6 +379,19 @@ def allocation_needs(layout: StackLayout, lease: Lease, end: int) -> dict[str, i
     return needs
 
 
+def device_full(layout: StackLayout, lease: Lease, end: int, units: TierUnits) -> CacheFullError:
+    """The error of an ``allocate`` the device tier cannot hold even after evicting: what was
+    asked per pool, what each pool has, and what to change."""
+    needs = allocation_needs(layout, lease, end)
+    sizes = {pool: units.pools.pools[pool].device_allocator.units for pool in needs}
+    return CacheFullError(
+        f"device tier cannot hold {end - lease.allocated_pages} new pages ({needs}) even after "
+        f"evicting every unlocked page (device units per pool: {sizes}; the request's own "
+        "prefix stays locked): raise tiers.device.capacity_tokens (or the pool's "
+        "device_units) or admit fewer requests at once"
+    )
+
+
 def window_extras(layout: StackLayout, lease: Lease, end: int) -> dict[str, int]:
     """Per window pool, the new pages of ``[lease.allocated_pages, end)`` before its trailing
     window: a prefill computes their window data, and keeping it lets a later request reuse any

@@ -176,6 +176,8 @@ class PoolGroup:
         self.anchor_name = self._find_anchor(config.model.pools)
         self.context = ModelContext(page_size=self.page_size, anchor=self.anchor_name)
         self._device_tensors: dict[str, Mapping[str, EngineTensor]] = dict(device_tensors or {})
+        #: ``followers`` per owner, made once (a backup asks per pool per batch); reset per pool added
+        self._followers: dict[str, tuple[Pool, ...]] = {}
         unknown = sorted(set(self._device_tensors) - set(config.model.pools))
         if unknown:
             raise ValueError(
@@ -316,6 +318,7 @@ class PoolGroup:
             device_alloc, host_alloc = source.device_allocator, source.host_allocator
         pool = Pool(name, plugin, spec, device, host, device_alloc, host_alloc, owner)
         self.pools[name] = pool
+        self._followers.clear()
         return pool
 
     # --- runtime ------------------------------------------------------------------------------
@@ -366,12 +369,15 @@ class PoolGroup:
     def by_role(self, role: PoolRole) -> list[Pool]:
         return [pool for pool in self.pools.values() if pool.role is role]
 
-    def followers(self, owner: str) -> list[Pool]:
+    def followers(self, owner: str) -> tuple[Pool, ...]:
         """``owner`` and every pool using its indices (its sidecars, transitively), owner first."""
-        owner_pool = self.pool(owner)
-        return [owner_pool] + [
-            p for p in self.pools.values() if p.index_owner == owner_pool.index_owner and p is not owner_pool
-        ]
+        found = self._followers.get(owner)
+        if found is None:
+            first = self.pool(owner)
+            same = first.index_owner
+            sidecars = [p for p in self.pools.values() if p.index_owner == same and p is not first]
+            found = self._followers[owner] = (first, *sidecars)
+        return found
 
     def host_buffers(self) -> list[PoolBuffers]:
         return [pool.host for pool in self.pools.values() if pool.host is not None and not pool.host.logical]

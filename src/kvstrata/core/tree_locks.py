@@ -27,6 +27,8 @@ class TreeLocks:
         self._paged = [p for p in range(layout.npools) if not layout.state[p] and not layout.window[p]]
         #: what a path lock holds on its end node: the path's pools and the node-state pools
         self._end = self._paged + self._stateful
+        #: the counts of an unlocked node once one path lock ends on it (a chunk's new node)
+        self._one_end = tuple(int(p in self._end) for p in range(layout.npools))
 
     def lock(self, node: TreeNode, tier: Tier) -> LockHandle:
         """See ``PrefixTree.lock``."""
@@ -100,6 +102,15 @@ class TreeLocks:
             return handle
         if old is self.root:
             return self.lock(node, handle.tier)
+        dev = handle.tier is _DEVICE
+        if node.parent is old and not self._windowed:  # one step down: a chunk's node below the lock
+            if self._stateful:
+                self._bump(old, dev, self._stateful, -1)
+            if (node.device_lock if dev else node.host_lock) is self._unlocked:
+                self._set_locks(node, dev, self._one_end)
+            else:
+                self._bump(node, dev, self._end, +1)
+            return LockHandle(node, handle.tier)
         fresh = []
         cur: TreeNode | None = node
         while cur is not old:
@@ -107,7 +118,6 @@ class TreeLocks:
                 raise TreeError(f"cannot move a lock from {old!r} to {node!r}: not below it")
             fresh.append(cur)
             cur = cur.parent
-        dev = handle.tier is _DEVICE
         if self._stateful:
             self._bump(old, dev, self._stateful, -1)
         for p in self._windowed:
@@ -145,7 +155,7 @@ class TreeLocks:
             self._bump(cur, dev, [p], delta)
             cur = cur.parent
 
-    def _set_locks(self, node: TreeNode, dev: bool, counts: list[int]) -> None:
+    def _set_locks(self, node: TreeNode, dev: bool, counts: list[int] | tuple[int, ...]) -> None:
         locks = self._unlocked if not any(counts) else tuple(counts)
         if dev:
             node.device_lock = locks

@@ -352,6 +352,11 @@ class InsertResult:
         return {name: [(s, e) for s, e in ranges] for name, ranges in self._ranges.items()}
 
     @property
+    def has_duplicates(self) -> bool:
+        """Whether the tree already held any of the given units (see :attr:`duplicates`)."""
+        return bool(self._ranges)
+
+    @property
     def duplicates(self) -> dict[str, torch.Tensor]:
         """Per pool, the given units the tree did not adopt (it already held them): free them."""
         if self._duplicates is None:

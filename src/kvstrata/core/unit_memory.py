@@ -18,11 +18,16 @@ from kvstrata.core.boundary import exclusive
 from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.lease import Lease, require_lease
 from kvstrata.core.pool_group import PoolGroup
+from kvstrata.core.row_copy import UnitArrays
 from kvstrata.core.stack import PoolKind, StackLayout
 from kvstrata.core.transfer import copy_units, host_arrays
 from kvstrata.core.tree import PrefixTree
 from kvstrata.core.tree_bytes import UNIT, unit_tensor
 from kvstrata.plugins.pool_type import PoolSpec
+
+#: fork_state's plan of one state pool: its name, tree index, and per follower its name, device
+#: buffers and their numpy rows (None: not a CPU tier)
+StatePlan = tuple[str, int, list[tuple[str, PoolBuffers, "UnitArrays | None"]]]
 
 
 class UnitMemory:
@@ -37,7 +42,7 @@ class UnitMemory:
     #: can change one); at most one entry per device unit of the state pools.
     _slot_index: dict[bytes, torch.Tensor]
     #: fork_state's plan per layout (see ``_state_pools``)
-    _forks: tuple[object, list[tuple[str, int, list[tuple[str, PoolBuffers]]]]] | None
+    _forks: tuple[object, list[StatePlan]] | None
 
     @exclusive
     def fork_state(self, lease: Lease) -> dict[str, torch.Tensor]:
@@ -55,17 +60,17 @@ class UnitMemory:
                 raise RuntimeError("fork_state copies into the lease's new state slot: call allocate first")
             slot, working = pending
             raw = None if node is None else node.device_raw[p]
-            for follower, buffers in followers:
+            for follower, buffers, arrays in followers:
                 if raw is not None:
-                    self._fork_slot(buffers, raw, slot)
+                    self._fork_slot(buffers, arrays, raw, slot)
                 out[follower] = working
         return out
 
-    def _fork_slot(self, buffers: PoolBuffers, raw: bytes, slot: bytes) -> None:
+    def _fork_slot(self, buffers: PoolBuffers, arrays: UnitArrays | None, raw: bytes, slot: bytes) -> None:
         """Copy the state slot stored as ``raw`` into ``slot`` (both int64 bytes: the tree's and
         the lease's). Both are the cache's own units (the tree's and the allocator's), in range
-        by construction: on a CPU tier one row assignment per buffer, else :func:`copy_units`."""
-        arrays = host_arrays(buffers, buffers)
+        by construction: on a CPU tier (``arrays``: its rows as numpy) one row assignment per
+        buffer, else :func:`copy_units`."""
         if arrays is not None and len(raw) == UNIT and len(slot) == UNIT:
             src, dst = int.from_bytes(raw, "little"), int.from_bytes(slot, "little")
             for src_array, dst_array in arrays:
@@ -76,19 +81,21 @@ class UnitMemory:
             self._slot_index[raw] = source = unit_tensor(raw)
         copy_units(buffers, source, buffers, unit_tensor(slot)).wait()
 
-    def _state_pools(self) -> list[tuple[str, int, list[tuple[str, PoolBuffers]]]]:
-        """Per state pool: its name, tree index and (follower, device buffers) pairs, made once
-        per layout (a chunked request forks at every chunk; ``add_pool`` makes a new layout)."""
+    def _state_pools(self) -> list[StatePlan]:
+        """Per state pool: its name, tree index and (follower, device buffers, their numpy rows
+        on a CPU tier) triples, made once per layout (a chunked request forks at every chunk;
+        ``add_pool`` makes a new layout)."""
         tree_pools = self.layout.tree_pools
         cached = self._forks
         if cached is not None and cached[0] is tree_pools:
             return cached[1]
         index, pools = self.tree.index, self.pools.pools
-        plan = [
-            (tp.name, index[tp.name], [(name, pools[name].device) for name in tp.followers])
-            for tp in tree_pools.values()
-            if tp.kind is PoolKind.STATE
-        ]
+        plan: list[StatePlan] = []
+        for tp in tree_pools.values():
+            if tp.kind is PoolKind.STATE:
+                devices = [(name, pools[name].device) for name in tp.followers]
+                rows = [(name, device, host_arrays(device, device)) for name, device in devices]
+                plan.append((tp.name, index[tp.name], rows))
         self._forks = (tree_pools, plan)
         return plan
 

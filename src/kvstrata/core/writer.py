@@ -156,8 +156,8 @@ class Writer:
             self.metrics.count(Operation.HOST_REJECTED, refused.pages)
         if not todo:
             return
-        if admit:
-            self.metrics.count(Operation.HOST_ADMITTED, sum(n.pages for n in todo))
+        if admit:  # the anchor holds one unit per page
+            self.metrics.count(Operation.HOST_ADMITTED, device[self.layout.anchor].shape[0])
         self._copy_down(todo, device, host)
         if self.engine is not None:
             self._queue_write(todo, hashes)
