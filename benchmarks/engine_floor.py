@@ -126,12 +126,19 @@ def _back_up(
     device_kv = np.frombuffer(b"".join(n.device[0] for n in nodes), np.int64)
     device_state = np.frombuffer(b"".join(n.device[1] for n in nodes), np.int64)
     kv_to, state_to = kv_free.take(len(device_kv)), state_free.take(len(device_state))
-    host_kv[:, kv_to] = kv[:, device_kv]
-    host_conv[state_to] = conv[device_state]
-    host_ssm[state_to] = ssm[device_state]
+    host_kv[:, _rows(kv_to)] = kv[:, _rows(device_kv)]
+    host_conv[_rows(state_to)] = conv[_rows(device_state)]
+    host_ssm[_rows(state_to)] = ssm[_rows(device_state)]
     kv_raw, state_raw = kv_to.tobytes(), state_to.tobytes()
     at = 0
     for k, node in enumerate(nodes):
         width = len(node.device[0])
         node.host = (kv_raw[at : at + width], state_raw[k * 8 : k * 8 + 8])
         at += width
+
+
+def _rows(indices: np.ndarray) -> slice | np.ndarray:
+    """``indices`` as a slice where they are a run (what these free lists hand out: ascending
+    runs, so the ends say it), as the cache's copies take runs: one memcpy per buffer."""
+    first = int(indices[0])
+    return slice(first, first + len(indices)) if int(indices[-1]) - first == len(indices) - 1 else indices
