@@ -146,6 +146,34 @@ def test_fork_state_copies_the_checkpoint_and_leaves_it_untouched() -> None:
         cache.release(lease)
 
 
+def test_the_units_allocate_returns_are_the_callers_the_lease_inserts_its_own() -> None:
+    """An engine writing into the index tensors ``allocate`` returned (reusing them as scratch)
+    changes neither ``lease.pending`` nor what ``insert`` indexes; ``pending`` hands out copies."""
+    request = tokens(57, 8)
+    with _open("hybrid-mamba", HYBRID) as cache:
+        lease = cache.lookup(request)
+        cache.admit(lease)
+        units = cache.allocate(lease)
+        given = {pool: value.clone() for pool, value in units.items()}
+        assert {pool: value.tolist() for pool, value in lease.pending.items()} == {
+            pool: value.tolist() for pool, value in given.items() if len(value)
+        }
+        cache.fork_state(lease)
+        _compute(cache, lease, units)
+        lease.pending["kv"].fill_(0)  # a copy: the lease's own units stay
+        for value in units.values():
+            value.fill_(0)  # the caller's tensors, reused
+        cache.insert(lease)
+        again = cache.lookup(request)
+        cache.admit(again)
+        assert again.cached_pages == 8
+        assert again.prefix_units("kv").tolist() == given["kv"].tolist()
+        assert again.prefix_units("mamba").tolist() == given["mamba"].tolist()
+        assert _bad_units(cache, again) == 0
+        cache.release(again)
+        cache.tree.check()
+
+
 def test_fork_state_into_engine_tensors_held_per_layer() -> None:
     """The fork's copy lands in the engine's own per-layer state tensors, every layer, and the
     checkpoint's bytes stay as they were (the copy is a row per buffer and layer)."""
