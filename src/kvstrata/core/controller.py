@@ -311,7 +311,8 @@ class CacheController(UnitMemory, ClosingApi):
             self.parts.retention.release(pin)
 
     def _check_lease(self, lease: Lease) -> None:
-        self._check_open()
+        if self._closed:  # (``_check_open`` inline: every call of a chunk checks a lease)
+            raise RuntimeError("cache is closed")
         require_lease(lease, self)
         if lease.closed:
             raise RuntimeError("lease is closed (inserted or released)")

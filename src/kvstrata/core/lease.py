@@ -328,6 +328,8 @@ class Lease:
 def require_lease(lease: Lease, cache: object) -> None:
     """Refuse anything but a lease ``cache`` issued: another cache's units are not this one's
     (indexing them would hand them out twice and serve the other model's bytes)."""
+    if type(lease) is Lease and lease._issuer is cache:  # every call of every chunk: one test
+        return
     if not isinstance(lease, Lease):
         raise TypeError(f"expected a Lease from this cache's lookup, got {type(lease).__name__}")
     if lease._issuer is not cache:
