@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.plugins.storage_backend import BufferRegion, StorageObject
-from kvstrata.storage_backends import _io_threads
+from kvstrata.storage_backends import _file_io, _io_threads
 from kvstrata.storage_backends._io_threads import IOThreads, pieces
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 
@@ -177,10 +177,13 @@ def test_file_backend_reads_back_through_placed_threads(tmp_path: Path) -> None:
         backend.close()
 
 
-def test_two_callers_at_once_get_their_own_bytes_and_the_threads_their_masks_back(tmp_path: Path) -> None:
+def test_two_callers_at_once_get_their_own_bytes_and_the_threads_their_masks_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The L3 writer and a prefetch read one backend at once: their batches' shares queue on the
     same I/O threads, each placed for its own batch; every object comes back whole and every
     thread ends with the mask it started with."""
+    monkeypatch.setattr(_file_io, "_PLACE_FROM_BYTES", 0)  # these small gets placed too
     backend = FileBackend("l3", FileConfig(path=tmp_path, io_threads=2))
     backend.open()
     errors: list[BaseException] = []
@@ -218,10 +221,15 @@ def _objects(keys: list[str], data: bytearray) -> list[StorageObject]:
     return [StorageObject(key, (BufferRegion(base + i * 4096, 4096),)) for i, key in enumerate(keys)]
 
 
-def test_reads_are_placed_and_writes_are_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A get's workers are held on CPUs (the caller waits); a put's are not (the caller is one of
-    them): writes wait on the file system as much as they copy, and placed ran slower beside
-    another process's busy loop."""
+@pytest.mark.parametrize("large", [True, False])
+def test_large_reads_are_placed_and_writes_and_small_reads_are_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, large: bool
+) -> None:
+    """A large get's workers are held on CPUs (the caller waits); a put's are not (the caller is
+    one of them): writes wait on the file system as much as they copy, and placed ran slower
+    beside another process's busy loop. Nor are a small get's: holding costs a fixed time where
+    another thread keeps a worker's CPU busy (here the threshold stands in for the 32 MiB one)."""
+    monkeypatch.setattr(_file_io, "_PLACE_FROM_BYTES", 64 * 4096 if large else 64 * 4096 + 1)
     source = bytearray(os.urandom(64 * 4096))
     keys = [f"k{unit}" for unit in range(64)]
     backend = FileBackend("l3", FileConfig(path=tmp_path, io_threads=2))
@@ -243,5 +251,5 @@ def test_reads_are_placed_and_writes_are_not(tmp_path: Path, monkeypatch: pytest
     finally:
         backend.close()
     assert threading.get_ident() in writers
-    placed = len(ALLOWED) >= 2 and _io_threads._cpu_reader() is not None
+    placed = large and len(ALLOWED) >= 2 and _io_threads._cpu_reader() is not None
     assert (threading.get_ident() in readers) is not placed
