@@ -14,9 +14,12 @@ once, so that another worker woken onto the same CPU runs and moves at once inst
 out a time slice (without it the second worker started 1-4 ms late in about a third of such
 gets). A worker's own CPU mask is restored when the batch is done.
 
-Only reads are placed. A put's workers wait on the file system (create, rename, replace) as
-much as they copy: placed, they were no faster here when the machine was quiet, and 25-35%
-slower with another process's busy loop on one CPU; they run unplaced.
+Only reads are placed, and only long ones (the file backend places gets of 32 MiB or more: a
+short batch does not win back what a held worker loses where another thread keeps its CPU busy
+for a millisecond, see ``_file_io._PLACE_FROM_BYTES``). A put's workers wait on the file system
+(create, rename, replace) as much as they copy: placed, they were no faster here when the
+machine was quiet, and 25-35% slower with another process's busy loop on one CPU; they run
+unplaced.
 
 Why pieces taken in turn, not one fixed share per worker: a held worker cannot leave a CPU that
 another process keeps busy. With fixed halves, a busy loop in another process made the worker
