@@ -271,7 +271,7 @@ class Lease:
                 self._allocated_first[tp.name] = first
         self._allocated = pending
         self.allocated_pages = end
-        return unit_arrays(dropped) if dropped else dropped  # type: ignore[return-value]
+        return unit_arrays(dropped)
 
     def mark_inserted(self, tree: PrefixTree, node: TreeNode, end: int, rest: dict[str, bytes]) -> None:
         """``insert``: pages through ``end`` are in the tree, ending at ``node``: move the device

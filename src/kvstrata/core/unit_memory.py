@@ -10,6 +10,7 @@ controller inherits them and supplies ``pools``, ``tree`` and ``layout``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -25,9 +26,11 @@ from kvstrata.core.tree import PrefixTree
 from kvstrata.core.tree_bytes import UNIT, unit_tensor
 from kvstrata.plugins.pool_type import PoolSpec
 
+#: the byte order of the int64 unit bytes the tree and a lease keep (numpy's native one)
+_ORDER = sys.byteorder
 #: fork_state's plan of one state pool: its name, tree index, and per follower its name, device
 #: buffers and their numpy rows (None: not a CPU tier)
-StatePlan = tuple[str, int, list[tuple[str, PoolBuffers, "UnitArrays | None"]]]
+StatePlan = tuple[str, int, list[tuple[str, PoolBuffers, UnitArrays | None]]]
 
 
 class UnitMemory:
@@ -72,7 +75,7 @@ class UnitMemory:
         by construction: on a CPU tier (``arrays``: its rows as numpy) one row assignment per
         buffer, else :func:`copy_units`."""
         if arrays is not None and len(raw) == UNIT and len(slot) == UNIT:
-            src, dst = int.from_bytes(raw, "little"), int.from_bytes(slot, "little")
+            src, dst = int.from_bytes(raw, _ORDER), int.from_bytes(slot, _ORDER)
             for src_array, dst_array in arrays:
                 dst_array[dst] = src_array[src]
             return
