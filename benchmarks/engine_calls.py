@@ -125,7 +125,8 @@ def main() -> None:
     print(
         f"{args.pages} pages in {args.chunk}-page chunks, L3 {'file' if args.l3 else 'none'}: "
         f"controller thread CPU us per call, median (min-max) of {args.rounds} rounds; "
-        "floor: the same steps with no cache (engine_floor.py)"
+        "floor: the same steps with no cache (engine_floor.py"
+        + (", and no L3: it hashes and writes nothing)" if args.l3 else ")")
     )
     print(f"{'':>12} {'cache':>7} {'':14} {'floor':>7}")
     for call in CALLS:
