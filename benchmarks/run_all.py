@@ -28,6 +28,7 @@ BENCHMARKS = {
     "storage": "storage.py",
     "tree": "tree.py",
     "engine": "engine.py",
+    "engine_calls": "engine_calls.py",
     "boundary": "boundary.py",
     "replay": "replay.py",
     "simulate": "simulate.py",
