@@ -14,8 +14,8 @@ the goal: how much of a chunk is the cache's bookkeeping, and how much no Python
     python benchmarks/engine_calls.py [--pages N] [--chunk PAGES ...] [--l3] [--rounds N]
                                       [--quick] [--json OUT]
 
-The goal's chunk is 8 pages (512 tokens); 32 pages (2048 tokens, a common engine chunk) is
-measured beside it by default, so the table shows how the fixed cost per chunk fades.
+The goal's chunk is 8 pages (512 tokens); 32 pages (2048 tokens) is measured
+beside it by default, so the tables show how the fixed cost per chunk fades with larger chunks.
 """
 
 from __future__ import annotations
@@ -159,8 +159,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="CI-sized: 512 pages, 3 rounds")
     parser.add_argument("--json", type=Path, help="also write the figures (benchmarks/README.md convention)")
     args = parser.parse_args()
-    pages = args.pages or (512 if args.quick else 2048)
-    rounds = args.rounds or (3 if args.quick else 5)
+    pages = args.pages if args.pages is not None else 512 if args.quick else 2048
+    rounds = args.rounds if args.rounds is not None else 3 if args.quick else 5
+    if rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {rounds}")
     for chunk in args.chunk:
         if chunk < 1 or pages < 2 * chunk:
             parser.error(f"--pages ({pages}) must hold at least two chunks of --chunk {chunk}")
