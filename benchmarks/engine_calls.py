@@ -168,8 +168,8 @@ def main() -> None:
             parser.error(f"--pages ({pages}) must hold at least two chunks of --chunk {chunk}")
     if pages != 2048:
         print(f"{pages} pages, not the goal's 2048: a fresh cache's first insert pays a one-off cost")
-        print("(copy views built on first use, first touch of pool memory; 0.6-1.3 ms at 2048 pages),")
-        print("a larger share of a shorter whole insert, so the ratios read lower than at 2048\n")
+        print("(copy views built on first use, first touch of pool memory: benchmarks/README.md, session")
+        print("19), a larger share of a shorter whole insert, so the ratios read lower than at 2048\n")
     figures: list[Figure] = []
     for chunk in args.chunk:
         measure(2 * chunk, chunk, args.l3, 99)  # warm-up: imports, allocator, first calls

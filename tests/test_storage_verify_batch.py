@@ -219,8 +219,8 @@ def test_a_bad_object_is_a_counted_miss_wherever_it_is_verified(
     if isinstance(backend, ObservedFileBackend):
         assert sorted(backend.checked_rows) == list(range(2 * units)), "every object found is checked"
         # which thread takes which piece is tests/test_storage_file_io_threads.py's (and timing:
-        # under load one thread may take every piece); here, each row is checked by the thread
-        # that read it, right after its read, not in a second pass
+        # under load one thread may take every piece); here, each row is checked on the thread
+        # that read it (a second pass on another thread would fail this)
         assert backend.check_threads == backend.read_threads, "each row checked where it was read"
     backend.close()
 
