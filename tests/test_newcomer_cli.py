@@ -313,6 +313,35 @@ def test_version(tmp_path: Path) -> None:
     assert proc.stdout.strip() == f"kvstrata {importlib.metadata.version('kvstrata')}"
 
 
+#: runs the entry point in this process, then says on stderr whether torch was imported
+_TORCH_PROBE = (
+    "import sys\nfrom kvstrata.cli import main\nsys.argv = ['kvstrata', *sys.argv[1:]]\n"
+    "try:\n    main()\nexcept SystemExit as exc:\n    code = exc.code\nelse:\n    code = 0\n"
+    "print('torch imported:', 'torch' in sys.modules, 'exit:', code, file=sys.stderr)\n"
+)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--version"], ["--help"], ["config", "show", "-c", str(EXAMPLES / "demo.yaml")], ["replay", "--help"]],
+    ids=["version", "help", "config-show", "replay-help"],
+)
+def test_commands_that_compute_nothing_start_without_torch(tmp_path: Path, args: list[str]) -> None:
+    """Importing torch takes seconds: ``--version``, help and ``config show`` never need it
+    (validation, doctor, plugins and replay do, and import it when they run)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _TORCH_PROBE, *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "COLUMNS": "200", "PYTHONPATH": str(REPO / "src")},
+        timeout=120,
+        check=False,
+    )
+    assert "torch imported: False exit: 0" in proc.stderr, proc.stderr
+    assert proc.stdout.strip()
+
+
 def test_plugins_lists_disabled_and_broken_plugins_with_reason_and_install_hint(
     make_distribution, tmp_path: Path
 ) -> None:

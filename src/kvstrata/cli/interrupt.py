@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from types import FrameType
 
-from kvstrata.replay.driver import StopRequest
+from kvstrata.replay.stop import StopRequest
 
 #: The exit status of a process ended by SIGINT, as shells report it (128 + 2).
 EXIT_INTERRUPTED = 130

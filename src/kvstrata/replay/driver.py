@@ -33,6 +33,7 @@ from kvstrata.plugins.pool_type import BufferSpec, Granularity
 from kvstrata.replay._mix import splitmix64_
 from kvstrata.replay.content import ContentIdentity, layer_seed_key, page_identities, word_table
 from kvstrata.replay.report import DIRECTIONS, ReplayDetails, ReplayRecorder, ReplayResult
+from kvstrata.replay.stop import StopRequest
 from kvstrata.replay.tokens import BlockTokenizer
 from kvstrata.replay.trace import MOONCAKE_BLOCK_SIZE, TraceRequest
 
@@ -46,17 +47,6 @@ FAILED_REQUEST = "request failed: device tier full"
 _TOKENIZE_AHEAD = 32
 
 ProgressFn = Callable[[int, int], None]
-
-
-class StopRequest:
-    """A stop asked for from outside the loop (a signal handler sets :attr:`requested`): the
-    replay ends between two requests, never inside one, then flushes its L3 writes, so the tree
-    and the L3 stay consistent. While the replay runs, :attr:`pending_writes` counts the L3 write
-    batches still in flight (what exiting at once would abandon)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.pending_writes: Callable[[], int] = lambda: 0
 
 
 @dataclass
