@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvstrata.testing.mooncake_servers import MooncakeMaster
 from kvstrata.testing.sglang_cpu import SGLangUnavailable, load_sglang_mem_cache
 
 try:
@@ -163,10 +164,17 @@ def test_second_process_reads_file_pages_bit_exact_into_every_layout(l3: dict[st
 
 
 @pytest.mark.mooncake
-def test_second_process_reads_mooncake_pages_bit_exact(mooncake_master: Any) -> None:
+def test_second_process_reads_mooncake_pages_bit_exact(tmp_path: Path) -> None:
     """The reader (this process) contributes the segment; the writer process contributes none, so
-    the pages outlive it in the reader's segment, served by a real mooncake_master."""
-    segment = {"type": "mooncake", "master": mooncake_master.address, "metadata_server": "P2PHANDSHAKE"}
+    the pages outlive it in the reader's segment, served by a real mooncake_master. A master of
+    its own: the session's may still list a segment of a client another test just closed (for
+    its client TTL), and a put placed there fails."""
+    with MooncakeMaster(log_dir=tmp_path) as master:
+        check_mooncake_second_process(master.address)
+
+
+def check_mooncake_second_process(master_address: str) -> None:
+    segment = {"type": "mooncake", "master": master_address, "metadata_server": "P2PHANDSHAKE"}
     reader_side = {"tiers": {"storage": {"mc": {**segment, "segment_bytes": 64 << 20}}}}
     writer_side = {"tiers": {"storage": {"mc": {**segment, "segment_bytes": 0, "local_buffer_bytes": 0}}}}
     reader = support.open_adapter(reader_side, support.new_mha_pool("page_first"))  # mounts the segment
