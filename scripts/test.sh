@@ -47,5 +47,6 @@ api_out="$(mktemp -d)"
 python3 -m sphinx -W --keep-going -q -b html docs/api "$api_out"
 rm -rf "$api_out"
 # Two workers (the CI machine's 2 cores; KVSTRATA_TEST_WORKERS=0 runs in this process), whole
-# files per worker: a module's fixture (the vLLM engines, the HF models) starts once.
-python3 -m pytest -n "${KVSTRATA_TEST_WORKERS:-2}" --dist loadfile "$@"
+# files per worker: a module's fixture (the vLLM engines, the HF models) starts once. No test uses
+# pytest-benchmark (where a machine has it, it only warns that xdist disables it).
+python3 -m pytest -n "${KVSTRATA_TEST_WORKERS:-2}" --dist loadfile -p no:benchmark "$@"
