@@ -1,5 +1,6 @@
 """A replay's stop flag, kept apart from the driver so the command line can install its
-Ctrl-C handler without importing torch (``kvstrata --help`` and ``config`` never need it)."""
+Ctrl-C handler without importing torch (``kvstrata --version``, ``--help`` and ``config show``
+never need it)."""
 
 from __future__ import annotations
 
