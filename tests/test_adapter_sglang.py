@@ -170,39 +170,35 @@ def test_second_process_reads_mooncake_pages_bit_exact(tmp_path: Path) -> None:
     its own: the session's may still list a segment of a client another test just closed (for
     its client TTL), and a put placed there fails."""
     with MooncakeMaster(log_dir=tmp_path) as master:
-        check_mooncake_second_process(master.address)
-
-
-def check_mooncake_second_process(master_address: str) -> None:
-    segment = {"type": "mooncake", "master": master_address, "metadata_server": "P2PHANDSHAKE"}
-    reader_side = {"tiers": {"storage": {"mc": {**segment, "segment_bytes": 64 << 20}}}}
-    writer_side = {"tiers": {"storage": {"mc": {**segment, "segment_bytes": 0, "local_buffer_bytes": 0}}}}
-    reader = support.open_adapter(reader_side, support.new_mha_pool("page_first"))  # mounts the segment
-    mla_reader = support.open_adapter(reader_side, support.new_mla_pool("layer_first"), is_mla=True)
-    try:
-        written = run_writer(writer_side, seed=2, count=6)
-        assert written == {"v1": [True] * 6, "generic": True}
-        keys = support.page_keys(6, seed=2)
-        host_pages = (3, 1, 4, 10, 5, 9)
-        indices = torch.cat([support.slots_of(p, PAGE) for p in host_pages])
-        for layout in ("layer_first", "page_first"):
-            target = support.new_mha_pool(layout)
-            reader.register_mem_pool_host(target)  # as SGLang re-attaching with another host pool
-            assert reader.batch_exists(keys) == 6
-            assert reader.batch_get_v1(keys, indices) == [True] * 6
-            assert all(support.mha_holds(target, h, 2, p) for p, h in enumerate(host_pages))
-        mla = mla_reader.mem_pool_host
-        indices = torch.cat([support.slots_of(p, PAGE) for p in range(6)])
-        assert mla_reader.batch_get_v1([f"mla-{k}" for k in keys], indices) == [True] * 6
-        assert all(support.mla_holds(mla, p, 2, p) for p in range(6))
-        # a flipped byte in Mooncake is a miss too
-        key = mla_reader.engine.object_keys(mla_reader._anchor().name, [f"mla-{keys[0]}"])[0][0]
-        assert mla_reader.backend.corrupt_for_test(key, "flip", offset=-5)
-        assert mla_reader.batch_get_v1([f"mla-{keys[0]}"], support.slots_of(0, PAGE)) == [False]
-        assert mla_reader.metrics.corrupt_detected == 1
-    finally:
-        mla_reader.close()
-        reader.close()
+        segment = {"type": "mooncake", "master": master.address, "metadata_server": "P2PHANDSHAKE"}
+        reader_side = {"tiers": {"storage": {"mc": {**segment, "segment_bytes": 64 << 20}}}}
+        writer_side = {"tiers": {"storage": {"mc": {**segment, "segment_bytes": 0, "local_buffer_bytes": 0}}}}
+        reader = support.open_adapter(reader_side, support.new_mha_pool("page_first"))  # mounts the segment
+        mla_reader = support.open_adapter(reader_side, support.new_mla_pool("layer_first"), is_mla=True)
+        try:
+            written = run_writer(writer_side, seed=2, count=6)
+            assert written == {"v1": [True] * 6, "generic": True}
+            keys = support.page_keys(6, seed=2)
+            host_pages = (3, 1, 4, 10, 5, 9)
+            indices = torch.cat([support.slots_of(p, PAGE) for p in host_pages])
+            for layout in ("layer_first", "page_first"):
+                target = support.new_mha_pool(layout)
+                reader.register_mem_pool_host(target)  # as SGLang re-attaching with another host pool
+                assert reader.batch_exists(keys) == 6
+                assert reader.batch_get_v1(keys, indices) == [True] * 6
+                assert all(support.mha_holds(target, h, 2, p) for p, h in enumerate(host_pages))
+            mla = mla_reader.mem_pool_host
+            indices = torch.cat([support.slots_of(p, PAGE) for p in range(6)])
+            assert mla_reader.batch_get_v1([f"mla-{k}" for k in keys], indices) == [True] * 6
+            assert all(support.mla_holds(mla, p, 2, p) for p in range(6))
+            # a flipped byte in Mooncake is a miss too
+            key = mla_reader.engine.object_keys(mla_reader._anchor().name, [f"mla-{keys[0]}"])[0][0]
+            assert mla_reader.backend.corrupt_for_test(key, "flip", offset=-5)
+            assert mla_reader.batch_get_v1([f"mla-{keys[0]}"], support.slots_of(0, PAGE)) == [False]
+            assert mla_reader.metrics.corrupt_detected == 1
+        finally:
+            mla_reader.close()
+            reader.close()
 
 
 # --- existence, integrity, namespaces ---------------------------------------------------------------
