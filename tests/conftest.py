@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 
 @pytest.fixture
-def make_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
+def make_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Path]]:
     """Write ``<dist>-<version>.dist-info`` (METADATA + entry_points.txt) and modules to a temp dir
-    on ``sys.path``, exactly as pip would leave them, so ``importlib.metadata`` finds them."""
+    on ``sys.path``, exactly as pip would leave them, so ``importlib.metadata`` finds them. The
+    modules imported from there leave ``sys.modules`` when the test ends: two tests may write one
+    module name with different code (a broken plugin and a working one), and an import would
+    otherwise find whichever ran first."""
     root = tmp_path / "site"
     root.mkdir()
     monkeypatch.syspath_prepend(str(root))
@@ -44,9 +49,13 @@ def make_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callab
                 package.mkdir(exist_ok=True)
                 (package / "__init__.py").touch()
             (folder / f"{leaf}.py").write_text(textwrap.dedent(source))
+        importlib.invalidate_caches()  # the import system may have listed ``root`` already
         return root
 
-    return make
+    yield make
+    for name, module in list(sys.modules.items()):
+        if Path(getattr(module, "__file__", None) or "/").is_relative_to(root):
+            del sys.modules[name]
 
 
 #: Modules whose tests start engines, servers or second processes, build wheels, or replay whole
