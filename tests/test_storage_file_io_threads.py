@@ -30,6 +30,26 @@ def threads() -> Iterator[IOThreads]:
     pool.shutdown()
 
 
+class FirstPiecesMeet:
+    """Call at the start of a piece: each of two threads waits at its first piece until the other
+    has started one. A batch on two workers is then shared by both whichever the scheduler runs
+    first (unheld, the pool's worker could take every piece before the caller reached its first,
+    and a test that the caller is one of the workers raced)."""
+
+    def __init__(self) -> None:
+        self._meet = threading.Barrier(2)
+        self._started: set[int] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        me = threading.get_ident()
+        with self._lock:
+            first = me not in self._started
+            self._started.add(me)
+        if first:
+            self._meet.wait(timeout=30)
+
+
 def record(start: int, stop: int) -> list[tuple[int, int, frozenset[int], int]]:
     """Per row: the row, its piece's start, the CPUs the thread may run on, and the thread."""
     cpus = frozenset(os.sched_getaffinity(0))
@@ -138,9 +158,13 @@ def test_a_refused_placement_runs_the_batch_unplaced_and_stops_placing(
     assert [row for row, *_ in rows] == list(range(16))
     assert not threads.placing
     # from now on the caller is one of the workers
-    rows = threads.map_rows(
-        lambda start, stop: [threading.get_ident()] * (stop - start), 64, 2, min_piece=1, placed=True
-    )
+    meet = FirstPiecesMeet()
+
+    def piece(start: int, stop: int) -> list[int]:
+        meet()
+        return [threading.get_ident()] * (stop - start)
+
+    rows = threads.map_rows(piece, 64, 2, min_piece=1, placed=True)
     assert threading.get_ident() in rows
 
 
@@ -236,17 +260,23 @@ def test_large_reads_are_placed_and_writes_and_small_reads_are_not(
     backend.open()
     writers: set[int] = set()
     put_one = backend._put_one
+    writers_meet, readers_meet = FirstPiecesMeet(), FirstPiecesMeet()  # both workers take pieces
 
     def observed_put(obj: StorageObject) -> bool:
+        writers_meet()
         writers.add(threading.get_ident())
         return put_one(obj)
+
+    def observed_read(_result: object, _nbytes: object) -> None:
+        readers_meet()
+        readers.add(threading.get_ident())
 
     monkeypatch.setattr(backend, "_put_one", observed_put)
     readers: set[int] = set()
     try:
         assert all(backend.put(_objects(keys, source)))
         target = bytearray(len(source))
-        read = backend.get(_objects(keys, target), check=lambda _r, _n: readers.add(threading.get_ident()))
+        read = backend.get(_objects(keys, target), check=observed_read)
         assert read == [4096] * 64 and target == source
     finally:
         backend.close()
