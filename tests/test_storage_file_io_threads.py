@@ -259,6 +259,7 @@ def test_large_reads_are_placed_and_writes_and_small_reads_are_not(
     backend = FileBackend("l3", FileConfig(path=tmp_path, io_threads=2))
     backend.open()
     writers: set[int] = set()
+    readers: set[int] = set()
     put_one = backend._put_one
     writers_meet, readers_meet = FirstPiecesMeet(), FirstPiecesMeet()  # both workers take pieces
 
@@ -267,12 +268,11 @@ def test_large_reads_are_placed_and_writes_and_small_reads_are_not(
         writers.add(threading.get_ident())
         return put_one(obj)
 
-    def observed_read(_result: object, _nbytes: object) -> None:
+    def observed_read(_row: int, _nbytes: int) -> None:
         readers_meet()
         readers.add(threading.get_ident())
 
     monkeypatch.setattr(backend, "_put_one", observed_put)
-    readers: set[int] = set()
     try:
         assert all(backend.put(_objects(keys, source)))
         target = bytearray(len(source))
