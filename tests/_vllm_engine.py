@@ -234,6 +234,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 "external_hits": delta.get("vllm:external_prefix_cache_hits", 0.0),
                 "external_queries": delta.get("vllm:external_prefix_cache_queries", 0.0),
                 "local_hits": delta.get("vllm:prefix_cache_hits", 0.0),
+                "preemptions": delta.get("vllm:num_preemptions", 0.0),
                 **({key: spent[key] - spent_before[key] for key in spent} if spent is not None else {}),
             }
         )

@@ -12,6 +12,10 @@ Processes are shared across assertions, in stages (processes of a stage run side
    it; the second Llama (another model) asks for the dense prompt;
 3. every stored object gets a flipped byte; fresh processes ask again.
 
+Beside stages 1 and 2, a crowded hybrid engine (a KV cache of about three blocks for a batch of
+eight requests, which vLLM serves by preempting and recomputing): stores and loads while requests
+are preempted and resumed, in one process and then in a fresh one.
+
 Hits are vLLM's own ``vllm:external_prefix_cache_hits`` counter (``LLM.get_metrics()``).
 """
 
@@ -64,6 +68,14 @@ DENSE_PART = _diverging(DENSE, 1, DENSE_BLOCK, 260, 2)
 HYBRID = _prompt(3, 900)  # 3 full blocks of 256, and a partial one
 HYBRID_PART = _diverging(HYBRID, 2, HYBRID_BLOCK, 700, 4)
 
+# The crowded batch: eight prompts of one full hybrid block and a partial one, every other one
+# sharing the first prompt's block; each crosses a block boundary while decoding, so a running
+# request needs a block another holds: vLLM preempts (and later resumes) requests throughout.
+CROWDED = [_prompt(100 + i, 500) for i in range(8)]
+CROWDED[1::2] = [_diverging(CROWDED[0], 1, HYBRID_BLOCK, 500, 200 + i) for i in range(1, 8, 2)]
+CROWDED_TOKENS = 60
+CROWDED_KV_BYTES = 3 << 20  # about 832 tokens of this hybrid model's cache: preemption from the start
+
 
 def _run_engines(tmp: Path, jobs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Run each job in a fresh engine process (side by side); fail with the engine's log."""
@@ -96,7 +108,7 @@ def _run_engines(tmp: Path, jobs: dict[str, dict[str, Any]]) -> dict[str, dict[s
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm")
     models = {name: str(tmp / name) for name in ("llama", "llama_other", "qwen")}
-    l3 = {"dense": tmp / "l3-dense", "hybrid": tmp / "l3-hybrid"}
+    l3 = {"dense": tmp / "l3-dense", "hybrid": tmp / "l3-hybrid", "crowded": tmp / "l3-crowded"}
 
     def connector(which: str) -> dict[str, Any]:
         return {"config": {"tiers": {"storage": {"l3": {"type": "file", "path": str(l3[which])}}}}}
@@ -106,6 +118,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
 
     # the hybrid model prefills in chunks of two blocks: a state checkpoint at every chunk end
     hybrid = {"model": models["qwen"], "max_num_batched_tokens": 2 * HYBRID_BLOCK}
+    crowded = {
+        **hybrid,
+        "kv_cache_bytes": CROWDED_KV_BYTES,
+        "max_model_len": len(CROWDED[0]) + CROWDED_TOKENS + 64,
+    }
+    crowd = {"op": "generate", "prompts": CROWDED, "max_tokens": CROWDED_TOKENS}
     out: dict[str, dict[str, Any]] = {}
     out |= _run_engines(
         tmp,
@@ -135,6 +153,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                 **hybrid,
                 "connector": connector("hybrid"),
                 "steps": [gen(HYBRID), {"op": "reset"}, gen(HYBRID)],
+            },
+            # the batch, then each prompt alone (batching and preemption change no token)
+            "crowded_ref": {
+                **crowded,
+                "connector": None,
+                "steps": [crowd] + [{**crowd, "prompts": [prompt]} for prompt in CROWDED],
+            },
+            "crowded_store": {
+                **crowded,
+                "connector": connector("crowded"),
+                "steps": [crowd, {"op": "reset"}, crowd],
             },
         },
     )
@@ -172,6 +201,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                 "connector": connector("dense"),
                 "steps": [gen(DENSE)],
             },
+            "crowded_restore": {**crowded, "connector": connector("crowded"), "steps": [crowd]},
         },
     )
     return out
@@ -271,10 +301,6 @@ def test_after_reset_prefix_cache_the_connector_serves_the_prompt(
     assert again["tokens"][0] == runs[f"{kind}_ref"]["steps"][0]["tokens"][0]
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__, "-x", "-q"]))
-
-
 def test_the_readme_serve_line_is_a_valid_kv_transfer_config(tmp_path: Path) -> None:
     """The ``--kv-transfer-config`` JSON of the README's ``vllm serve`` line, parsed by vLLM's own
     ``KVTransferConfig`` and by the connector's config loader (no engine: the line names a hub model)."""
@@ -302,3 +328,32 @@ def test_the_readme_serve_line_is_a_valid_kv_transfer_config(tmp_path: Path) -> 
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["KvstrataConnector", "kvstrata.adapters.vllm", "recompute", "['l3']"]
+
+
+def test_a_crowded_engine_preempts_and_batching_changes_no_token(runs: dict[str, dict[str, Any]]) -> None:
+    """The crowded reference: vLLM preempts in it, and each prompt's tokens are those it gets
+    alone, so a difference under the connector is the connector's, not the batch's."""
+    batch, *alone = runs["crowded_ref"]["steps"]
+    assert batch["preemptions"] > 0
+    assert batch["tokens"] == [step["tokens"][0] for step in alone]
+
+
+@pytest.mark.parametrize(
+    ("job", "step"), [("crowded_store", 0), ("crowded_store", 2), ("crowded_restore", 0)]
+)
+def test_preempted_requests_store_and_restore_identical_tokens(
+    runs: dict[str, dict[str, Any]], job: str, step: int
+) -> None:
+    """Storing while requests are preempted and resumed (step 0: the batch stores as it runs),
+    loading while they are (step 2, after ``reset_prefix_cache``: every prompt's block is in L3),
+    and both in a fresh process: the same tokens as the crowded reference."""
+    run = runs[job]["steps"][step]
+    assert run["preemptions"] > 0
+    assert run["tokens"] == runs["crowded_ref"]["steps"][0]["tokens"]
+    if (job, step) != ("crowded_store", 0):  # vLLM's cache is empty: every prompt's block from L3
+        assert run["local_hits"] == 0
+        assert run["external_hits"] >= len(CROWDED) * HYBRID_BLOCK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-x", "-q"]))
