@@ -218,7 +218,11 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             result["damaged_objects"] = _damage(step["path"])
         elif step["op"] == "generate":
             params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
-            prompts = [{"prompt_token_ids": ids} for ids in step["prompts"]]
+            salts = step.get("salts") or [None] * len(step["prompts"])  # vLLM's per-request cache_salt
+            prompts = [
+                {"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
+                for ids, salt in zip(step["prompts"], salts, strict=True)
+            ]
             outputs = llm.generate(prompts, params, use_tqdm=False)
             tokens = [list(out.outputs[0].token_ids) for out in outputs]
         else:

@@ -65,6 +65,7 @@ def _diverging(prompt: list[int], shared_blocks: int, block: int, length: int, s
 
 DENSE = _prompt(1, 300)  # 2 full blocks of 128, and a partial one
 DENSE_PART = _diverging(DENSE, 1, DENSE_BLOCK, 260, 2)
+SALTED = _prompt(5, 2 * DENSE_BLOCK)  # exactly two blocks: the last one is always computed
 HYBRID = _prompt(3, 900)  # 3 full blocks of 256, and a partial one
 HYBRID_PART = _diverging(HYBRID, 2, HYBRID_BLOCK, 700, 4)
 
@@ -113,8 +114,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     def connector(which: str) -> dict[str, Any]:
         return {"config": {"tiers": {"storage": {"l3": {"type": "file", "path": str(l3[which])}}}}}
 
-    def gen(*prompts: list[int]) -> dict[str, Any]:
-        return {"op": "generate", "prompts": list(prompts), "max_tokens": MAX_TOKENS}
+    def gen(*prompts: list[int], salt: str | None = None) -> dict[str, Any]:
+        salts = {"salts": [salt] * len(prompts)} if salt else {}
+        return {"op": "generate", "prompts": list(prompts), "max_tokens": MAX_TOKENS, **salts}
 
     # the hybrid model prefills in chunks of two blocks: a state checkpoint at every chunk end
     hybrid = {"model": models["qwen"], "max_num_batched_tokens": 2 * HYBRID_BLOCK}
@@ -136,7 +138,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                 ],
                 "model": models["llama"],
                 "connector": None,
-                "steps": [gen(DENSE), gen(DENSE_PART)],
+                "steps": [gen(DENSE), gen(DENSE_PART), gen(SALTED)],
             }
         },
     )
@@ -147,7 +149,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
             "dense_store": {
                 "model": models["llama"],
                 "connector": connector("dense"),
-                "steps": [gen(DENSE), {"op": "reset"}, gen(DENSE)],
+                "steps": [
+                    gen(DENSE),
+                    {"op": "reset"},
+                    gen(DENSE),
+                    # one tenant stores; after a reset another, none, and the same one ask
+                    gen(SALTED, salt="tenant-a"),
+                    {"op": "reset"},
+                    gen(SALTED, salt="tenant-b"),
+                    gen(SALTED),
+                    gen(SALTED, salt="tenant-a"),
+                ],
             },
             "hybrid_store": {
                 **hybrid,
@@ -328,6 +340,20 @@ def test_the_readme_serve_line_is_a_valid_kv_transfer_config(tmp_path: Path) -> 
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["KvstrataConnector", "kvstrata.adapters.vllm", "recompute", "['l3']"]
+
+
+def test_a_request_hits_only_what_its_own_cache_salt_stored(runs: dict[str, dict[str, Any]]) -> None:
+    """vLLM's per-request ``cache_salt`` (a tenant) keys the stored blocks: another tenant, or a
+    request without a salt, finds none of them (each computes and stores its own); the tenant
+    that stored them is served, all but the last block of a prompt of whole blocks."""
+    stored, _, other, unsalted, same = runs["dense_store"]["steps"][3:8]
+    reference = runs["dense_ref"]["steps"][2]["tokens"][0]
+    assert stored["external_hits"] == 0
+    assert other["external_hits"] == 0 and other["local_hits"] == 0
+    assert unsalted["external_hits"] == 0 and unsalted["local_hits"] == 0
+    assert same["local_hits"] == 0  # vLLM's own cache holds only the other two salts' blocks
+    assert same["external_hits"] == DENSE_BLOCK  # 2 blocks: the last one is computed
+    assert [step["tokens"][0] for step in (stored, other, unsalted, same)] == [reference] * 4
 
 
 def test_a_crowded_engine_preempts_and_batching_changes_no_token(runs: dict[str, dict[str, Any]]) -> None:
