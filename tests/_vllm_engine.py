@@ -67,6 +67,27 @@ def make_model(kind: str, path: str, seed: int, overrides: dict[str, Any] | None
             for name, param in model.named_parameters():
                 if name.endswith("A_log"):
                     param.copy_(torch.empty_like(param).uniform_(-6.0, -4.0))
+    elif kind == "gemma3":  # sliding-window layers beside a full-attention one
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        config = Gemma3TextConfig(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            max_position_embeddings=8192,
+            initializer_range=0.06,
+            sliding_window=200,  # two 128-token blocks before the next token
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            # Gemma normalises q and k, so a random model's attention is near uniform at the usual
+            # 1/sqrt(head_dim) and a wrong block hardly moves the tokens; a scale of 1 sharpens it
+            query_pre_attn_scalar=1,
+        )
+        config.architectures = ["Gemma3ForCausalLM"]
+        model = Gemma3ForCausalLM(config)
     else:
         raise ValueError(f"unknown model kind {kind!r}")
     model.to(torch.bfloat16).save_pretrained(path)

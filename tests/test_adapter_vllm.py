@@ -5,9 +5,11 @@ vLLM pins a transformers the [hf] extra conflicts with) through ``tests/_vllm_en
 Processes are shared across assertions, in stages (processes of a stage run side by side):
 
 0. write the models (seeded safetensors: a dense Llama, a second Llama, a hybrid Qwen3.5 with
-   GDN + full attention) and run the dense model without a connector (the reference tokens);
-1. the hybrid model without a connector; each model with the connector storing its prompt in a
-   file L3, then ``reset_prefix_cache()`` and the prompt again (served by the connector);
+   GDN + full attention, a Gemma 3 with sliding-window layers beside a full-attention one) and
+   run the dense model without a connector (the reference tokens);
+1. the hybrid and sliding-window models without a connector; each model with the connector
+   storing its prompt in a file L3, then ``reset_prefix_cache()`` and the prompt again (served by
+   the connector);
 2. fresh processes on the same L3: each model restores its prompt and a prompt sharing part of
    it; the second Llama (another model) asks for the dense prompt;
 3. every stored object gets a flipped byte; fresh processes ask again.
@@ -68,6 +70,9 @@ DENSE_PART = _diverging(DENSE, 1, DENSE_BLOCK, 260, 2)
 SALTED = _prompt(5, 2 * DENSE_BLOCK)  # exactly two blocks: the last one is always computed
 HYBRID = _prompt(3, 900)  # 3 full blocks of 256, and a partial one
 HYBRID_PART = _diverging(HYBRID, 2, HYBRID_BLOCK, 700, 4)
+SWA = _prompt(6, 700)  # 5 full blocks of 128, and a partial one; the window covers two blocks
+SWA_PART = _diverging(SWA, 3, DENSE_BLOCK, 600, 7)
+SWA_GROUPS, SWA_WINDOW_BLOCKS = 3, 2  # vLLM puts each sliding layer in a KV cache group of its own
 
 # The crowded batch: eight prompts of one full hybrid block and a partial one, every other one
 # sharing the first prompt's block; each crosses a block boundary while decoding, so a running
@@ -108,8 +113,8 @@ def _run_engines(tmp: Path, jobs: dict[str, dict[str, Any]]) -> dict[str, dict[s
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm")
-    models = {name: str(tmp / name) for name in ("llama", "llama_other", "qwen")}
-    l3 = {"dense": tmp / "l3-dense", "hybrid": tmp / "l3-hybrid", "crowded": tmp / "l3-crowded"}
+    models = {name: str(tmp / name) for name in ("llama", "llama_other", "qwen", "gemma")}
+    l3 = {name: tmp / f"l3-{name}" for name in ("dense", "hybrid", "swa", "crowded")}
 
     def connector(which: str) -> dict[str, Any]:
         return {"config": {"tiers": {"storage": {"l3": {"type": "file", "path": str(l3[which])}}}}}
@@ -135,6 +140,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                     {"kind": "llama", "path": models["llama"], "seed": 1},
                     {"kind": "llama", "path": models["llama_other"], "seed": 2},
                     {"kind": "qwen3_5", "path": models["qwen"], "seed": 3},
+                    {"kind": "gemma3", "path": models["gemma"], "seed": 4},
                 ],
                 "model": models["llama"],
                 "connector": None,
@@ -165,6 +171,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                 **hybrid,
                 "connector": connector("hybrid"),
                 "steps": [gen(HYBRID), {"op": "reset"}, gen(HYBRID)],
+            },
+            "swa_ref": {"model": models["gemma"], "connector": None, "steps": [gen(SWA), gen(SWA_PART)]},
+            "swa_store": {
+                "model": models["gemma"],
+                "connector": connector("swa"),
+                "steps": [gen(SWA), {"op": "reset"}, gen(SWA)],
             },
             # the batch, then each prompt alone (batching and preemption change no token)
             "crowded_ref": {
@@ -213,6 +225,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                 "connector": connector("dense"),
                 "steps": [gen(DENSE)],
             },
+            "swa_restore": {
+                "model": models["gemma"],
+                "connector": connector("swa"),
+                "spy": True,
+                "steps": [gen(SWA), {"op": "reset"}, gen(SWA_PART)],
+            },
             "crowded_restore": {**crowded, "connector": connector("crowded"), "steps": [crowd]},
         },
     )
@@ -226,10 +244,12 @@ def _hit_blocks(step: dict[str, Any], block: int) -> float:
 def test_engines_report_the_block_sizes_the_prompts_assume(runs: dict[str, dict[str, Any]]) -> None:
     assert runs["dense_store"]["block_size"] == DENSE_BLOCK
     assert runs["hybrid_store"]["block_size"] == HYBRID_BLOCK
+    assert runs["swa_store"]["block_size"] == DENSE_BLOCK
 
 
 @pytest.mark.parametrize(
-    ("kind", "prompt", "block"), [("dense", DENSE, DENSE_BLOCK), ("hybrid", HYBRID, HYBRID_BLOCK)]
+    ("kind", "prompt", "block"),
+    [("dense", DENSE, DENSE_BLOCK), ("hybrid", HYBRID, HYBRID_BLOCK), ("swa", SWA, DENSE_BLOCK)],
 )
 def test_a_new_process_restores_every_full_block_with_identical_tokens(
     runs: dict[str, dict[str, Any]], kind: str, prompt: list[int], block: int
@@ -246,7 +266,8 @@ def test_a_new_process_restores_every_full_block_with_identical_tokens(
 
 
 @pytest.mark.parametrize(
-    ("kind", "shared", "block"), [("dense", 1, DENSE_BLOCK), ("hybrid", 2, HYBRID_BLOCK)]
+    ("kind", "shared", "block"),
+    [("dense", 1, DENSE_BLOCK), ("hybrid", 2, HYBRID_BLOCK), ("swa", 3, DENSE_BLOCK)],
 )
 def test_a_prompt_sharing_a_prefix_hits_only_the_shared_blocks(
     runs: dict[str, dict[str, Any]], kind: str, shared: int, block: int
@@ -302,7 +323,8 @@ def test_stats_and_kv_events_reach_vllm(runs: dict[str, dict[str, Any]], kind: s
 
 
 @pytest.mark.parametrize(
-    ("kind", "prompt", "block"), [("dense", DENSE, DENSE_BLOCK), ("hybrid", HYBRID, HYBRID_BLOCK)]
+    ("kind", "prompt", "block"),
+    [("dense", DENSE, DENSE_BLOCK), ("hybrid", HYBRID, HYBRID_BLOCK), ("swa", SWA, DENSE_BLOCK)],
 )
 def test_after_reset_prefix_cache_the_connector_serves_the_prompt(
     runs: dict[str, dict[str, Any]], kind: str, prompt: list[int], block: int
@@ -340,6 +362,17 @@ def test_the_readme_serve_line_is_a_valid_kv_transfer_config(tmp_path: Path) -> 
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["KvstrataConnector", "kvstrata.adapters.vllm", "recompute", "['l3']"]
+
+
+def test_sliding_window_groups_load_only_the_window(runs: dict[str, dict[str, Any]]) -> None:
+    """A restore of ``n`` blocks reads all ``n`` of the full-attention group and only the blocks a
+    sliding layer still attends to of each window group (what vLLM itself keeps of them), yet
+    computes the reference tokens (tested above): two restores, of 5 and of 3 blocks."""
+    stats = runs["swa_restore"]["connector"]["stats"]
+    restored = [(len(SWA) - 1) // DENSE_BLOCK, 3]
+    window = sum(min(n, SWA_WINDOW_BLOCKS) for n in restored)
+    assert stats["loaded_blocks"] == sum(restored) + SWA_GROUPS * window
+    assert stats.get("load_failures", 0) == 0
 
 
 def test_a_request_hits_only_what_its_own_cache_salt_stored(runs: dict[str, dict[str, Any]]) -> None:
