@@ -219,7 +219,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KvstrataConnector",
             "kv_connector_module_path": "kvstrata.adapters.vllm",
-            "kv_role": "kv_both",
+            "kv_role": job.get("kv_role", "kv_both"),
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": job["connector"],
         }

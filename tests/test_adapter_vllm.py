@@ -73,6 +73,7 @@ HYBRID_PART = _diverging(HYBRID, 2, HYBRID_BLOCK, 700, 4)
 SWA = _prompt(6, 700)  # 5 full blocks of 128, and a partial one; the window covers two blocks
 SWA_PART = _diverging(SWA, 3, DENSE_BLOCK, 600, 7)
 SWA_GROUPS, SWA_WINDOW_BLOCKS = 3, 2  # vLLM puts each sliding layer in a KV cache group of its own
+UNSEEN, UNSEEN_TOO = _prompt(8, 400), _prompt(9, 400)  # stored by no other engine
 
 # The crowded batch: eight prompts of one full hybrid block and a partial one, every other one
 # sharing the first prompt's block; each crosses a block boundary while decoding, so a running
@@ -231,6 +232,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                 "spy": True,
                 "steps": [gen(SWA), {"op": "reset"}, gen(SWA_PART)],
             },
+            # vLLM's kv_role on the sliding-window model's L3: a consumer finds the stored prompt
+            # and stores nothing (asked again after a reset, its own prompt is not there); a
+            # producer stores and never looks up
+            "swa_consumer": {
+                "model": models["gemma"],
+                "connector": connector("swa"),
+                "kv_role": "kv_consumer",
+                "spy": True,
+                "steps": [gen(SWA), gen(UNSEEN), {"op": "reset"}, gen(UNSEEN)],
+            },
+            "swa_producer": {
+                "model": models["gemma"],
+                "connector": connector("swa"),
+                "kv_role": "kv_producer",
+                "spy": True,
+                "steps": [gen(SWA), gen(UNSEEN_TOO), {"op": "reset"}, gen(UNSEEN_TOO)],
+            },
             "crowded_restore": {**crowded, "connector": connector("crowded"), "steps": [crowd]},
         },
     )
@@ -373,6 +391,28 @@ def test_sliding_window_groups_load_only_the_window(runs: dict[str, dict[str, An
     window = sum(min(n, SWA_WINDOW_BLOCKS) for n in restored)
     assert stats["loaded_blocks"] == sum(restored) + SWA_GROUPS * window
     assert stats.get("load_failures", 0) == 0
+
+
+def test_a_consumer_only_loads_and_a_producer_only_saves(runs: dict[str, dict[str, Any]]) -> None:
+    """``kv_role: kv_consumer`` reads a shared L3 and writes nothing to it; ``kv_producer`` writes
+    and never reads, as vLLM's own ``is_kv_consumer`` / ``is_kv_producer`` read the roles."""
+    reference = runs["swa_ref"]["steps"][0]["tokens"][0]
+    offered = (len(SWA) - 1) // DENSE_BLOCK * DENSE_BLOCK
+    consumer = runs["swa_consumer"]
+    found, computed, _, again = consumer["steps"]
+    assert found["external_hits"] == offered and found["tokens"][0] == reference
+    assert computed["external_hits"] == 0 and again["external_hits"] == 0  # never stored
+    assert again["local_hits"] == 0 and again["tokens"] == computed["tokens"]
+    stats = consumer["connector"]["stats"]
+    assert stats["loaded_blocks"] > 0
+    assert stats.get("saved_blocks", 0) == 0 and stats.get("bytes_written", 0) == 0
+    producer = runs["swa_producer"]
+    stored, computed, _, again = producer["steps"]
+    assert stored["external_hits"] == 0 and stored["tokens"][0] == reference  # stored, not asked
+    assert again["external_hits"] == 0 and again["local_hits"] == 0
+    stats = producer["connector"]["stats"]
+    assert stats.get("lookups", 0) == 0 and stats.get("loaded_blocks", 0) == 0
+    assert stats["saved_blocks"] > 0  # both prompts' blocks, every group
 
 
 def test_a_request_hits_only_what_its_own_cache_salt_stored(runs: dict[str, dict[str, Any]]) -> None:

@@ -19,6 +19,9 @@ Keys are chained hashes of token ids (vLLM's block hashes are salted per process
 namespace of model, weights digest, dtype, KV cache groups, block size and parallel sizes, and
 in the request's ``cache_salt``. A damaged, foreign or missing object fails the request's load,
 which vLLM recomputes (set ``kv_load_failure_policy: recompute``); never wrong tokens.
+
+``kv_role``: ``kv_both`` loads and saves; ``kv_consumer`` only loads (a read-only instance of a
+shared L3, e.g. the decode side of a disaggregated deployment); ``kv_producer`` only saves.
 """
 
 from __future__ import annotations
@@ -183,13 +186,20 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         self._counters = CounterDelta()
         self._events = EventLog(self.layout.block_size)
+        # kv_both loads and saves; kv_consumer only loads (nothing is written to the L3), kv_producer
+        # only saves (vLLM's own reading of the roles: ``is_kv_consumer`` / ``is_kv_producer``)
+        loads = bool(getattr(transfer, "is_kv_consumer", True))
+        saves = bool(getattr(transfer, "is_kv_producer", True))
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._storage.engine, self.layout, self.identity)
+            self._scheduler = SchedulerSide(
+                self._storage.engine, self.layout, self.identity, loads=loads, saves=saves
+            )
         else:
             self._worker = WorkerSide(self._storage.engine, self.layout)
         log.info(
-            "kvstrata connector (%s): namespace %s, groups %s",
+            "kvstrata connector (%s, %s): namespace %s, groups %s",
             role.name,
+            "loads and saves" if loads and saves else "loads only" if loads else "saves only",
             self.namespace,
             [(g.group_id, g.kind, len(g.layer_names)) for g in self.layout.groups],
         )
