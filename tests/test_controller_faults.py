@@ -5,12 +5,15 @@ leaks no host slot."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
 from controller_support import host_units_held_by_tree, host_units_in_use, open_cache, serve, tokens
+from kvstrata.engine_kit import open_storage
 from kvstrata.plugins import PluginHost
-from kvstrata.testing.faults import FaultyBackend
+from kvstrata.plugins.errors import StorageError
+from kvstrata.testing.faults import FaultyBackend, InjectedFault
 
 
 @pytest.mark.parametrize("stack", ["kv", "swa-mamba"])
@@ -79,3 +82,47 @@ def test_write_through_waits_for_in_flight_l3_writes_instead_of_skipping_backups
         else:  # the control: without waiting, the same run skips (and says so, apart from failures)
             assert ops["backups_skipped"] >= 1 and ops["backups"] < 3
         cache.flush()
+
+
+def test_a_backend_that_cannot_open_is_named_by_its_config_entry(tmp_path: Path) -> None:
+    """A file L3 whose directory cannot be created (its parent is a file) fails the open with an
+    error naming the config entry, the backend and the path, the OSError kept as its cause."""
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    with pytest.raises(StorageError) as caught:
+        open_cache("kv", l3=blocker / "l3")
+    message = str(caught.value)
+    assert "tiers.storage.l3" in message and "'file'" in message
+    assert f"cannot create {blocker / 'l3'}" in message
+    assert isinstance(caught.value.__cause__, StorageError)
+    assert isinstance(caught.value.__cause__.__cause__, NotADirectoryError)
+
+
+@pytest.mark.parametrize("entry", ["cache", "engine_kit"])
+def test_a_plugin_raising_anything_at_open_is_a_storage_error_and_closed(entry: str) -> None:
+    """Fault injection: a backend plugin's ``open`` raises a plain RuntimeError. The cache, and the
+    adapters' path (``engine_kit.open_storage``), report it as a StorageError naming the instance
+    and type (the plugin's error as the cause), after closing the half-opened backend."""
+    opened: list[FaultyBackend] = []
+
+    class RecordedFaultyBackend(FaultyBackend):
+        def open(self) -> None:
+            opened.append(self)
+            super().open()
+
+    host = PluginHost()
+    host.storage_backends.register(RecordedFaultyBackend)
+    with pytest.raises(StorageError) as caught:
+        if entry == "cache":
+            open_cache(
+                "kv", overrides=["tiers.storage={broken: {type: faults, operations: [open]}}"], host=host
+            )
+        else:
+            config = RecordedFaultyBackend.Config(type="faults", operations=["open"])
+            open_storage("broken", config, namespace="test", plugins=host)
+    assert "storage instance 'broken' (tiers.storage.broken, type 'faults') could not be opened" in str(
+        caught.value
+    )
+    assert "InjectedFault: injected open failure (broken)" in str(caught.value)
+    assert isinstance(caught.value.__cause__, InjectedFault)
+    assert len(opened) == 1 and opened[0].closed.is_set()

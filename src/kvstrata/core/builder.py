@@ -49,6 +49,7 @@ from kvstrata.core.tree import PrefixTree
 from kvstrata.core.unit_digests import UnitDigests
 from kvstrata.core.writer import Writer
 from kvstrata.plugins import PluginHost
+from kvstrata.plugins.errors import PluginError, StorageError
 from kvstrata.plugins.pool_type import PoolSpec
 from kvstrata.plugins.storage_backend import StorageBackend
 
@@ -231,10 +232,35 @@ def _open_backend(config: KvstrataConfig, plugins: PluginHost) -> tuple[StorageB
 
 
 def open_storage_backend(plugins: PluginHost, instance: str, backend_config: Any) -> StorageBackend:
-    """The configured backend plugin, opened (shared with the adapters that drive L3 directly)."""
+    """The configured backend plugin, opened (shared with the adapters that drive L3 directly).
+
+    A backend that cannot open (a path that cannot be created, a server that does not answer) is
+    a :class:`StorageError` naming the config entry, whatever the plugin raised (kept as the
+    cause): a user reads which instance of which backend failed, not an ``OSError`` from deep in
+    a plugin. Plugin errors (a missing extra, a 3FS mount that is not there) pass as they are:
+    they already say what to do."""
     backend = plugins.storage_backends.require(backend_config.type)(instance, backend_config)
-    backend.open()
+    try:
+        backend.open()
+    except PluginError:
+        _close_quietly(backend)
+        raise
+    except Exception as exc:
+        _close_quietly(backend)
+        what = str(exc) if isinstance(exc, StorageError) else f"{type(exc).__name__}: {exc}"
+        raise StorageError(
+            f"storage instance {instance!r} (tiers.storage.{instance}, type {backend_config.type!r}) "
+            f"could not be opened: {what}"
+        ) from exc
     return backend
+
+
+def _close_quietly(backend: StorageBackend) -> None:
+    """Release what a failed ``open`` may have taken; the open's error is the one to report."""
+    try:
+        backend.close()
+    except Exception:  # the open's error is the one reported
+        log.debug("closing backend %r after a failed open failed too", backend.instance, exc_info=True)
 
 
 def new_storage_engine(

@@ -46,6 +46,7 @@ import shutil
 from pathlib import Path
 from typing import Literal
 
+from kvstrata.plugins.errors import StorageError
 from kvstrata.plugins.storage_backend import (
     ANY_POOL,
     BackendCapabilities,
@@ -92,7 +93,12 @@ class FileBackend(FileIO, StorageBackend):
         self._read_threads = min(self.config.io_threads, _usable_cpus())
 
     def open(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # say which directory and why, not a bare errno from pathlib
+            raise StorageError(
+                f"file backend {self.instance!r}: cannot create {self.root}: {exc.strerror or exc}"
+            ) from exc
         self._adopt_existing()
         self._pool = IOThreads(self.config.io_threads, f"kvstrata-file-{self.instance}")
 

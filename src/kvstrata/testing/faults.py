@@ -32,7 +32,9 @@ class FaultsConfig(BackendConfig):
     fail: Literal["raise", "refuse"] = Field(
         default="raise", description="raise an exception, or answer 'not stored' / 'missing'"
     )
-    operations: list[Literal["exists", "put", "get"]] = Field(default=["exists", "put", "get"])
+    operations: list[Literal["open", "exists", "put", "get"]] = Field(
+        default=["exists", "put", "get"], description="calls that fail ('open' only when named)"
+    )
     delay_s: float = Field(default=0.0, ge=0, description="sleep this long in every call (a slow store)")
     stall: list[Literal["exists", "put", "get"]] = Field(
         default=[], description="block these calls until the test calls `unstall()` (a stuck store)"
@@ -54,7 +56,7 @@ class FaultyBackend(StorageBackend):
 
     def __init__(self, instance: str, config: BackendConfig) -> None:
         super().__init__(instance, config)
-        self.calls = {"exists": 0, "put": 0, "get": 0}
+        self.calls = {"open": 0, "exists": 0, "put": 0, "get": 0}
         self._lock = threading.Lock()
         self._gate = threading.Event()  # stalled calls wait for it
         self.closed = threading.Event()
@@ -62,6 +64,9 @@ class FaultyBackend(StorageBackend):
     def unstall(self) -> None:
         """Let every stalled call (and every later one) go on."""
         self._gate.set()
+
+    def open(self) -> None:
+        self._fails("open")  # with fail: raise, a plugin error the core must name by instance
 
     def close(self) -> None:
         self.closed.set()
