@@ -80,7 +80,7 @@ UNSEEN, UNSEEN_TOO = _prompt(8, 400), _prompt(9, 400)  # stored by no other engi
 # request needs a block another holds: vLLM preempts (and later resumes) requests throughout.
 CROWDED = [_prompt(100 + i, 500) for i in range(8)]
 CROWDED[1::2] = [_diverging(CROWDED[0], 1, HYBRID_BLOCK, 500, 200 + i) for i in range(1, 8, 2)]
-CROWDED_TOKENS = 60
+CROWDED_TOKENS = 24
 CROWDED_KV_BYTES = 3 << 20  # about 832 tokens of this hybrid model's cache: preemption from the start
 
 
