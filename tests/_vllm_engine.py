@@ -20,6 +20,17 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+#: what every test model shares: a small vocabulary and width, long positions, and weights large
+#: enough that the tokens depend on the context (a wrong restore shows)
+TINY: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "max_position_embeddings": 8192,
+    "initializer_range": 0.06,
+}
+
+
 def make_model(kind: str, path: str, seed: int, overrides: dict[str, Any] | None = None) -> None:
     """A tiny bf16 model with seeded weights, written as a Hugging Face checkpoint
     (``overrides``: config fields, e.g. a larger model for the benchmark)."""
@@ -30,15 +41,11 @@ def make_model(kind: str, path: str, seed: int, overrides: dict[str, Any] | None
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(
-            vocab_size=512,
-            hidden_size=128,
-            intermediate_size=256,
+            **TINY,
             num_hidden_layers=2,
             num_attention_heads=2,
             num_key_value_heads=1,
             head_dim=64,
-            max_position_embeddings=8192,
-            initializer_range=0.06,
         )
         for key, value in (overrides or {}).items():
             setattr(config, key, value)
@@ -47,9 +54,7 @@ def make_model(kind: str, path: str, seed: int, overrides: dict[str, Any] | None
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
         config = Qwen3_5TextConfig(
-            vocab_size=512,
-            hidden_size=128,
-            intermediate_size=256,
+            **TINY,
             num_hidden_layers=4,
             num_attention_heads=2,
             num_key_value_heads=2,
@@ -58,8 +63,6 @@ def make_model(kind: str, path: str, seed: int, overrides: dict[str, Any] | None
             linear_num_value_heads=2,
             linear_key_head_dim=128,
             linear_value_head_dim=128,
-            max_position_embeddings=8192,
-            initializer_range=0.06,
         )
         config.architectures = ["Qwen3_5ForCausalLM"]
         model = Qwen3_5ForCausalLM(config)
@@ -71,15 +74,11 @@ def make_model(kind: str, path: str, seed: int, overrides: dict[str, Any] | None
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
         config = Gemma3TextConfig(
-            vocab_size=512,
-            hidden_size=128,
-            intermediate_size=256,
+            **TINY,
             num_hidden_layers=4,
             num_attention_heads=2,
             num_key_value_heads=1,
             head_dim=64,
-            max_position_embeddings=8192,
-            initializer_range=0.06,
             sliding_window=200,  # two 128-token blocks before the next token
             layer_types=["sliding_attention"] * 3 + ["full_attention"],
             # Gemma normalises q and k, so a random model's attention is near uniform at the usual

@@ -63,14 +63,14 @@ class SchedulerSide:
         layout: StoreLayout,
         identity: EngineIdentity,
         *,
-        loads: bool = True,
-        saves: bool = True,
+        may_load: bool = True,
+        may_save: bool = True,
     ) -> None:
         self.engine = engine
         self.layout = layout
         self.identity = identity
         #: vLLM's ``kv_role``: a consumer (``kv_consumer``) only loads, a producer only saves
-        self.loads, self.saves = loads, saves
+        self.may_load, self.may_save = may_load, may_save
         self.block_size = layout.block_size
         self.requests: dict[str, _Request] = {}
         self.kv_cache_manager: Any = None
@@ -105,7 +105,7 @@ class SchedulerSide:
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """``get_num_new_matched_tokens``: tokens loadable beyond vLLM's local hit, async."""
         state = self._state(request)  # a producer too: its saves are planned from this state
-        if not self.loads:
+        if not self.may_load:
             return 0, False
         self.stats["lookups"] += 1
         if state.load_failed:  # the backend's existence answers may lag its removal of bad objects
@@ -182,7 +182,7 @@ class SchedulerSide:
                 plan.loads[req_id] = transfers
                 self._loading[req_id] = transfers[0].hashes
                 self.stats["loads_planned"] += 1
-        if not self.saves:
+        if not self.may_save:
             return plan
         saves: dict[int, GroupTransfer] = {}
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():

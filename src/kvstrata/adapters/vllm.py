@@ -186,13 +186,12 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         self._counters = CounterDelta()
         self._events = EventLog(self.layout.block_size)
-        # kv_both loads and saves; kv_consumer only loads (nothing is written to the L3), kv_producer
-        # only saves (vLLM's own reading of the roles: ``is_kv_consumer`` / ``is_kv_producer``)
+        # kv_role (module docstring), read as vLLM reads it
         loads = bool(getattr(transfer, "is_kv_consumer", True))
         saves = bool(getattr(transfer, "is_kv_producer", True))
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
-                self._storage.engine, self.layout, self.identity, loads=loads, saves=saves
+                self._storage.engine, self.layout, self.identity, may_load=loads, may_save=saves
             )
         else:
             self._worker = WorkerSide(self._storage.engine, self.layout)
