@@ -40,7 +40,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 import sglang_support as support
 from kvstrata.adapters.sglang import KvstrataHiCacheStorage
-from kvstrata.plugins import ConfigError
+from kvstrata.plugins import ConfigError, StorageError
 
 TESTS = Path(__file__).parent
 PAGE = support.MHA["page_size"]
@@ -330,6 +330,19 @@ def test_calls_before_any_pool_is_registered_answer_a_miss(l3: dict[str, Any]) -
         assert storage.batch_exists_v2(keys).kv_hit_pages == 0
     finally:
         storage.close()
+
+
+def test_a_backend_that_cannot_open_names_the_key_the_user_wrote(tmp_path: Path) -> None:
+    """An L3 directory that cannot be created stops the adapter with an error naming the entry as
+    written in SGLang's extra config (``kvstrata_config.tiers.storage.l3``), not a bare OSError."""
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    extra = {**support.ADAPTER, "kvstrata_config": file_config(blocker / "l3")}
+    with pytest.raises(StorageError) as caught:
+        KvstrataHiCacheStorage(support.storage_config(extra_config=extra))
+    message = str(caught.value)
+    assert "(kvstrata_config.tiers.storage.l3, type 'file') could not be opened" in message
+    assert f"cannot create {blocker / 'l3'}" in message
 
 
 # --- hybrid stacks: the v2 calls ------------------------------------------------------------------

@@ -382,6 +382,39 @@ def test_the_readme_serve_line_is_a_valid_kv_transfer_config(tmp_path: Path) -> 
     assert out.stdout.split() == ["KvstrataConnector", "kvstrata.adapters.vllm", "recompute", "['l3']"]
 
 
+def test_a_backend_that_cannot_open_names_the_key_the_user_wrote(tmp_path: Path) -> None:
+    """An L3 directory that cannot be created stops the connector's start with an error naming the
+    entry as written in ``kv_connector_extra_config`` (``config.tiers.storage.l3``), not a bare
+    OSError from deep in the backend (no engine: the failure comes before any group is planned)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    extra = {"config": {"tiers": {"storage": {"l3": {"type": "file", "path": str(blocker / "l3")}}}}}
+    check = (
+        "import json, sys, types\n"
+        "from kvstrata.adapters._shared import EngineIdentity\n"
+        "from kvstrata.adapters.vllm import load_connector_config, open_storage\n"
+        "from kvstrata.plugins import PluginHost, StorageError\n"
+        "settings = load_connector_config(json.loads(sys.argv[1]), PluginHost())\n"
+        "identity = EngineIdentity(engine='vllm', model='m')\n"
+        "try:\n"
+        "    open_storage(identity, types.SimpleNamespace(groups=[]), settings)\n"
+        "except StorageError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "VLLM_TARGET_DEVICE": "cpu"}
+    out = subprocess.run(
+        [str(VENV_PYTHON), "-c", check, json.dumps(extra)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "(config.tiers.storage.l3, type 'file') could not be opened" in out.stdout
+    assert f"cannot create {blocker / 'l3'}" in out.stdout
+
+
 def test_sliding_window_groups_load_only_the_window(runs: dict[str, dict[str, Any]]) -> None:
     """A restore of ``n`` blocks reads all ``n`` of the full-attention group and only the blocks a
     sliding layer still attends to of each window group (what vLLM itself keeps of them), yet

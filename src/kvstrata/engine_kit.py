@@ -40,14 +40,17 @@ def open_storage(
     parallel: ParallelConfig | None = None,
     checksum: ChecksumPolicy = "xxh3",
     plugins: PluginHost,
+    config_path: str = "tiers.storage",
 ) -> StorageEngine:
     """The backend plugin ``backend_config.type`` opened as ``instance``, and a storage engine over
     it with no pools yet, its keys namespaced by ``namespace`` and ``cache_salt``.
 
     ``backend_config``: the backend's validated config (a ``PluginBackendConfig``). The backend
     is ``engine.backend``; the caller closes it. The plugins hear ``kvstrata_backend_opened``.
+    A backend that cannot open is a :class:`~kvstrata.plugins.StorageError` naming
+    ``{config_path}.{instance}``: where the engine's user wrote it.
     """
-    backend = open_storage_backend(plugins, instance, backend_config)
+    backend = open_storage_backend(plugins, instance, backend_config, config_path=config_path)
     try:
         return new_storage_engine(
             backend,

@@ -235,7 +235,8 @@ class EngineStorage:
 
     ``backend_config``: a validated backend config (``PluginBackendConfig`` of the backend
     plugin). Pools are added as the engine describes them (:meth:`add_pool`); the engine's
-    ``put`` / ``get`` / ``exists`` calls are then :attr:`engine`'s.
+    ``put`` / ``get`` / ``exists`` calls are then :attr:`engine`'s. ``config_path``: where the
+    engine's user wrote the storage instances, named by an error opening the backend.
     """
 
     def __init__(
@@ -246,6 +247,7 @@ class EngineStorage:
         *,
         checksum: ChecksumPolicy = "xxh3",
         plugins: PluginHost | None = None,
+        config_path: str = "tiers.storage",
     ) -> None:
         self.identity = identity.model_copy(
             update={
@@ -263,6 +265,7 @@ class EngineStorage:
             parallel=self.parallel,
             checksum=checksum,
             plugins=self.plugins,
+            config_path=config_path,
         )
         self.backend: StorageBackend = self.engine.backend
         self.capabilities = self.backend.instance_capabilities()

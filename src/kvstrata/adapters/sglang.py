@@ -140,6 +140,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             backend_config,
             checksum=self.settings.policy.checksum,
             plugins=self.plugins,
+            config_path=f"{CONFIG_KEY}.tiers.storage",
         )
         self.backend: StorageBackend = self.storage.backend
         self.engine = self.storage.engine

@@ -142,7 +142,13 @@ def open_storage(
 ) -> EngineStorage:
     """The configured backend with one pool per KV cache group (every group must be storable)."""
     ((instance, backend_config),) = settings.tiers.storage.items()
-    storage = EngineStorage(identity, instance, backend_config, checksum=settings.policy.checksum)
+    storage = EngineStorage(
+        identity,
+        instance,
+        backend_config,
+        checksum=settings.policy.checksum,
+        config_path=f"{CONFIG_KEY}.tiers.storage",
+    )
     try:
         for group in layout.groups:
             plan = storage.add_pool(group.pool, group.spec)

@@ -231,14 +231,17 @@ def _open_backend(config: KvstrataConfig, plugins: PluginHost) -> tuple[StorageB
     return backend, (backend.allocate_host_memory if caps.host_allocator else None)
 
 
-def open_storage_backend(plugins: PluginHost, instance: str, backend_config: Any) -> StorageBackend:
+def open_storage_backend(
+    plugins: PluginHost, instance: str, backend_config: Any, *, config_path: str = "tiers.storage"
+) -> StorageBackend:
     """The configured backend plugin, opened (shared with the adapters that drive L3 directly).
 
     A backend that cannot open (a path that cannot be created, a server that does not answer) is
     a :class:`StorageError` naming the config entry, whatever the plugin raised (kept as the
     cause): a user reads which instance of which backend failed, not an ``OSError`` from deep in
     a plugin. Plugin errors (a missing extra, a 3FS mount that is not there) pass as they are:
-    they already say what to do."""
+    they already say what to do. ``config_path``: where the user wrote the storage instances
+    (an engine adapter's config sits under its own key: ``config.tiers.storage``)."""
     backend = plugins.storage_backends.require(backend_config.type)(instance, backend_config)
     try:
         backend.open()
@@ -249,7 +252,7 @@ def open_storage_backend(plugins: PluginHost, instance: str, backend_config: Any
         _close_quietly(backend)
         what = str(exc) if isinstance(exc, StorageError) else f"{type(exc).__name__}: {exc}"
         raise StorageError(
-            f"storage instance {instance!r} (tiers.storage.{instance}, type {backend_config.type!r}) "
+            f"storage instance {instance!r} ({config_path}.{instance}, type {backend_config.type!r}) "
             f"could not be opened: {what}"
         ) from exc
     return backend
