@@ -161,3 +161,75 @@ def test_engine_exists_and_get_agree_with_the_index_after_corruption_removal(tmp
     assert engine.metrics.corrupt_removed == 1
     assert engine.exists("index", hashes).ok == [True, False, True]
     backend.close()
+
+
+# --- files this process may not touch (FAULT INJECTION: the tests run as root, whom permission
+# bits do not stop, so the failing call is wrapped to raise what another user's file raises) ------
+
+
+def test_an_evicted_file_that_cannot_be_removed_fails_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another user's object in a shared (sticky) directory cannot be unlinked: the put that
+    evicts it still stores its object, the capacity accounting stays the index's, the failure is
+    counted and said, and later puts evict only what they must."""
+    blobs = Blobs()
+    writer = open_backend(tmp_path, fanout_chars=0)
+    assert all(writer.put([blobs.obj(f"theirs-{i}", bytes([i]) * 100) for i in range(4)]))
+    writer.close()
+    backend = open_backend(tmp_path, fanout_chars=0, capacity_bytes=4 * 104)  # adopts theirs-*
+    real_unlink = os.unlink
+
+    def unlink(path: str, *args: object, **kwargs: object) -> None:
+        if "theirs-" in os.fspath(path):
+            raise PermissionError(1, "Operation not permitted", os.fspath(path))
+        real_unlink(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    for i in range(4):
+        assert backend.put([blobs.obj(f"mine-{i}", bytes([i]) * 100)]) == [True]
+    assert backend.unlink_failures == 4
+    assert backend.used_bytes == sum(entry.size for entry in backend._index.values()) == 4 * 104
+    assert "cannot remove evicted object" in caplog.text
+    assert backend.put([blobs.obj("mine-4", b"x" * 100)]) == [True]  # evicts mine-0 only
+    assert backend.exists([f"mine-{i}" for i in range(5)]) == [False, True, True, True, True]
+    backend.close()
+
+
+def test_a_directory_this_process_may_not_read_fails_only_its_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fan-out directory another user keeps private: open skips it (said once), and ``exists``
+    and ``put`` fail its keys alone -- never the whole batch, and never the process."""
+    blobs = Blobs()
+    backend = open_backend(tmp_path)
+    keys = [f"key-{i}" for i in range(32)]
+    assert all(backend.put([blobs.obj(key, b"x" * 100) for key in keys]))
+    backend.close()
+    private = backend._locate(keys[0])[0]
+    inside = [key for key in keys if backend._locate(key)[0] == private]
+    real_scandir, real_stat = os.scandir, os.stat
+
+    def refused(path: object) -> bool:
+        return os.fspath(path).startswith(private)  # type: ignore[arg-type]
+
+    def scandir(path: object = ".") -> object:
+        if refused(path):
+            raise PermissionError(13, "Permission denied", os.fspath(path))  # type: ignore[arg-type]
+        return real_scandir(path)  # type: ignore[arg-type]
+
+    def stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if refused(path):
+            raise PermissionError(13, "Permission denied", os.fspath(path))  # type: ignore[arg-type]
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    monkeypatch.setattr(os, "stat", stat)
+    backend = open_backend(tmp_path)
+    assert f"skipping {private} at open" in caplog.text
+    assert backend.exists(keys) == [key not in inside for key in keys]
+    candidates = [f"new-{i}" for i in range(4096)]
+    there = [key for key in candidates if backend._locate(key)[0] == private][:4]
+    new = [key for key in candidates if key not in there][:4] + there
+    assert backend.put([blobs.obj(key, b"y" * 100) for key in new]) == [True] * 4 + [False] * 4
+    backend.close()

@@ -1,12 +1,18 @@
 """The file backend rewrites an evicted file of the new object's size instead of unlinking it and
 creating one (its page-cache memory is reused), only while every read is checksum-verified, and
-never a file this process is reading."""
+never a file this process is reading or an unverified reader anywhere holds (its ``flock``).
+
+The "other process" below is a second open file description on the same file (``flock`` locks
+conflict between those as between processes): deterministic, where two real processes would race."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Sequence
 from pathlib import Path
+
+import pytest
 
 from kvstrata.core.integrity import HEADER_BYTES
 from kvstrata.plugins.storage_backend import OBJECT_MAGIC, ReadCheck, StorageObject
@@ -59,9 +65,11 @@ def test_no_recycling_unless_every_read_is_verified(tmp_path: Path) -> None:
     backend.close()
 
 
-def test_a_file_being_read_is_never_recycled(tmp_path: Path) -> None:
+@pytest.mark.parametrize("key", ["a", "a" * 201], ids=["named-by-key", "named-by-digest"])
+def test_a_file_being_read_is_never_recycled(tmp_path: Path, key: str) -> None:
     """A put that evicts the very object a get of this process is reading (from inside that
-    read) unlinks it -- the reader keeps its bytes -- instead of rewriting it under the reader."""
+    read) unlinks it -- the reader keeps its bytes -- instead of rewriting it under the reader;
+    also for a key too long to be a file name (stored under its digest)."""
     blobs = Blobs()
 
     class ReadThenPut(FileBackend):
@@ -74,10 +82,58 @@ def test_a_file_being_read_is_never_recycled(tmp_path: Path) -> None:
     backend = ReadThenPut("l3", FileConfig(path=tmp_path, capacity_bytes=104))
     backend.set_read_verification(True)
     backend.open()
-    assert backend.put([blobs.obj("a", b"A" * 100)]) == [True]
-    obj, buffer = blobs.target("a", 104)
+    assert backend.put([blobs.obj(key, b"A" * 100)]) == [True]
+    obj, buffer = blobs.target(key, 104)
     assert backend.get([obj]) == [104]
     assert bytes(buffer) == OBJECT_MAGIC + b"A" * 100
     assert backend.recycled_files == 0
     assert files_of(tmp_path) == {"b"}
+    backend.close()
+
+
+def test_a_file_an_unverified_reader_holds_is_unlinked_not_recycled(tmp_path: Path) -> None:
+    """A reader with ``checksum: none`` (another process) holds a shared lock on the file it
+    reads: a verified put that evicts that object unlinks it (the reader still reads its bytes,
+    whole) instead of rewriting it under the reader, which would hand it a mix of two objects."""
+    blobs = Blobs()
+    backend = FileBackend("l3", FileConfig(path=tmp_path, capacity_bytes=104, fanout_chars=0))
+    backend.set_read_verification(True)
+    backend.open()
+    assert backend.put([blobs.obj("a", b"A" * 100)]) == [True]
+    reader = os.open(tmp_path / "a", os.O_RDONLY)
+    try:
+        fcntl.flock(reader, fcntl.LOCK_SH | fcntl.LOCK_NB)  # what an unverified get takes
+        assert backend.put([blobs.obj("b", b"B" * 100)]) == [True]  # evicts "a"
+        assert backend.recycled_files == 0
+        assert files_of(tmp_path) == {"b"}
+        assert os.pread(reader, 104, 0) == OBJECT_MAGIC + b"A" * 100
+    finally:
+        os.close(reader)
+    assert backend.put([blobs.obj("c", b"C" * 100)]) == [True]  # nobody holds "b": recycled
+    assert backend.recycled_files == 1
+    backend.close()
+
+
+def test_an_unverified_read_of_a_file_being_recycled_is_a_miss(tmp_path: Path) -> None:
+    """While a put in another process rewrites an evicted file (holding its exclusive lock) an
+    unverified get of the object that file held misses, rather than read what is being written;
+    a verified one reads it (its checksum judges the bytes)."""
+    blobs = Blobs()
+    backend = FileBackend("l3", FileConfig(path=tmp_path, fanout_chars=0))
+    backend.open()
+    assert backend.put([blobs.obj("a", b"A" * 100)]) == [True]
+    writer = os.open(tmp_path / "a", os.O_WRONLY)
+    try:
+        fcntl.flock(writer, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a recycling put holds
+        for verified, expected in ((False, [-1]), (True, [104])):
+            backend.set_read_verification(verified)
+            obj, buffer = blobs.target("a", 104)
+            assert backend.get([obj]) == expected
+            assert bytes(buffer) == (OBJECT_MAGIC + b"A" * 100 if verified else bytes(104))
+    finally:
+        os.close(writer)
+    backend.set_read_verification(False)
+    obj, buffer = blobs.target("a", 104)
+    assert backend.get([obj]) == [104]  # the lock is gone: read as usual
+    assert bytes(buffer) == OBJECT_MAGIC + b"A" * 100
     backend.close()

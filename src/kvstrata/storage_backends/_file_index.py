@@ -7,7 +7,6 @@ adoption at open and on first touch, and other writers' temp files.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -81,12 +80,17 @@ class FileIndex:
         self._tmp_prefix = f"{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
         #: Abandoned temp files (of writers that died) removed at open or under capacity pressure.
         self.stale_temps_removed = 0
-        #: Object names being read by this process: never recycled while a read may be under way.
+        #: Evicted objects whose file could not be removed (they stay on disk, out of the index).
+        self.unlink_failures = 0
+        #: Object file names (a key, or its digest) being read by this process: never recycled
+        #: while a read may be under way.
         self._reading: dict[str, int] = {}
         #: Whether every read of this instance is checksum-verified (the core says so through
-        #: ``set_read_verification``): the condition for recycling evicted files, since a reader
-        #: in another process that opened a file before it was recycled may read a mix of two
-        #: objects, which only the checksum turns into a miss.
+        #: ``set_read_verification``): the condition for recycling evicted files. A reader that
+        #: opened a file before it was recycled may read a mix of two objects: a verified read
+        #: turns that into a miss; an unverified one (``checksum: none``, in any process sharing
+        #: the directory) holds a shared ``flock`` while it reads, and a file is recycled only
+        #: under an exclusive one (see ``_open_temp``), so it reads one whole object or misses.
         self._reads_verified = False
 
     def _layout_dirs(self) -> list[tuple[str, str]]:
@@ -99,6 +103,8 @@ class FileIndex:
             entries = list(os.scandir(self._root))
         except FileNotFoundError:
             return []
+        except OSError as exc:  # the backend's own directory: nothing works without it
+            raise OSError(exc.errno, f"cannot list {self._root}: {exc.strerror or exc}") from exc
         return [
             (f"{self._root}/{entry.name}", entry.name)
             for entry in entries
@@ -128,13 +134,16 @@ class FileIndex:
                 entries = list(os.scandir(directory))
             except FileNotFoundError:
                 continue
+            except OSError as exc:  # e.g. another user's private fan-out directory: not ours to count
+                log.warning("file backend %r: skipping %s at open: %s", self.instance, directory, exc)
+                continue
             directory = sys.intern(directory)  # one string per directory, shared by its entries
             for entry in entries:
                 try:
                     if not entry.is_file(follow_symlinks=False):
                         continue
                     info = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
+                except OSError:  # removed meanwhile, or not ours to read
                     continue
                 temp = _TMP_NAME.match(entry.name)
                 if temp is not None:
@@ -282,9 +291,22 @@ class FileIndex:
                     victims.append(f"{entry.directory}/{name}")
             self._used += nbytes  # reserved; corrected by _release on failure
         for path in victims:
-            with contextlib.suppress(FileNotFoundError):  # another process may have removed it
-                os.unlink(path)
+            self._unlink_victim(path)
         return True, recycled
+
+    def _unlink_victim(self, path: str) -> None:
+        """Remove an evicted object's file. It has left the index (this process no longer counts
+        or serves it) whatever happens here: one another process removed first is gone already;
+        one that cannot be removed (another user's file in a shared directory, a read-only file
+        system) stays on disk, said once per failure, and never fails the put that evicted it."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # another process removed it
+            return
+        except OSError as exc:
+            with self._lock:
+                self.unlink_failures += 1
+            log.warning("file backend %r: cannot remove evicted object %s: %s", self.instance, path, exc)
 
     def _release(self, nbytes: int) -> None:
         with self._lock:

@@ -4,6 +4,7 @@ spread over the backend's I/O threads, and the ``readv`` / ``writev`` loops unde
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import os
 import time
@@ -27,6 +28,11 @@ _MIN_CHUNK = 8
 #: 7.7; 256 pages: 10.1 / 7.7).
 _PLACE_FROM_BYTES = 32 << 20
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+_WRITE_FLAGS = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)
+#: an unverified read's lock on its file, and a recycling put's: never both at once (see
+#: ``FileIndex._reads_verified``); non-blocking, so a reader misses rather than waits
+_SHARED = fcntl.LOCK_SH | fcntl.LOCK_NB
+_EXCLUSIVE = fcntl.LOCK_EX | fcntl.LOCK_NB
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -174,6 +180,8 @@ class FileIO(FileIndex):
             if entry is not None:
                 self._forget(name)  # removed by another process
             return False
+        except OSError:  # e.g. a directory this process may not search: not provably there
+            return False
         if entry is None:
             self._adopt(directory, name, size)
         else:
@@ -206,6 +214,8 @@ class FileIO(FileIndex):
         except FileNotFoundError:
             if entry is not None:
                 self._forget(name)
+        except OSError:  # e.g. a directory this process may not search: this object fails alone
+            return False
         else:
             if entry is None:
                 self._adopt(directory, name, size)
@@ -236,20 +246,26 @@ class FileIO(FileIndex):
 
     def _open_temp(self, tmp: str, directory: str, recycled: str | None) -> int:
         """A write descriptor on the new temp file ``tmp``: the ``recycled`` evicted file renamed
-        there (same size: the write covers every byte), else a file created."""
+        there (same size: the write covers every byte), else a file created. A file is recycled
+        only under an exclusive ``flock``, held until the caller closes the descriptor: an
+        unverified reader (any process) holds a shared one, so a file it reads is unlinked
+        instead, and it cannot start reading one being rewritten."""
         if recycled is not None:
-            for attempt in range(2):
-                try:
-                    os.rename(recycled, tmp)
-                except FileNotFoundError:  # no fan-out directory yet, or removed by another process
-                    if attempt or os.path.isdir(directory):
+            fd = self._lock_for_recycling(recycled)
+            if fd is not None:
+                for attempt in range(2):
+                    try:
+                        os.rename(recycled, tmp)
+                    except FileNotFoundError:  # no fan-out directory yet, or removed by another process
+                        if attempt or os.path.isdir(directory):
+                            break
+                        self._make_directory(directory)
+                        continue
+                    except OSError:
                         break
-                    self._make_directory(directory)
-                    continue
-                except OSError:
-                    break
-                self.recycled_files += 1  # += is not atomic across threads: a statistic only
-                return os.open(tmp, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+                    self.recycled_files += 1  # += is not atomic across threads: a statistic only
+                    return fd
+                os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(recycled)
         try:
@@ -257,6 +273,25 @@ class FileIO(FileIndex):
         except FileNotFoundError:  # first object of this fan-out directory
             self._make_directory(directory)
             return os.open(tmp, _CREATE_FLAGS, 0o644)
+
+    def _lock_for_recycling(self, path: str) -> int | None:
+        """A write descriptor on the evicted file ``path`` holding its exclusive ``flock``, or
+        None: gone, a reader holds it (here or in another process), or the file system has no
+        ``flock`` (then nothing is recycled there)."""
+        name = path.rpartition("/")[2]
+        with self._lock:  # a read that started here after the eviction chose this file
+            if name in self._reading:
+                return None
+        try:
+            fd = os.open(path, _WRITE_FLAGS)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, _EXCLUSIVE)
+        except OSError:
+            os.close(fd)
+            return None
+        return fd
 
     def _make_directory(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -266,11 +301,12 @@ class FileIO(FileIndex):
     def get(self, objects: Sequence[StorageObject], check: ReadCheck | None = None) -> list[int]:
         """Read each object into its regions; ``check(row, nbytes)`` (see the plugin API) runs in
         the I/O thread that read object ``row``, right after it was read."""
-        keys = [obj.key for obj in objects]
-        reading = self._reading
+        index, reading = self._index, self._reading
+        # the files' names (a key, or its digest): what an eviction picks a file to recycle by
+        names = [key if key in index else self._locate(key)[1] for key in (obj.key for obj in objects)]
         with self._lock:  # a file being read here is not recycled meanwhile (see _reserve)
-            for key in keys:
-                reading[key] = reading.get(key, 0) + 1
+            for name in names:
+                reading[name] = reading.get(name, 0) + 1
         try:
             return self._map_rows(
                 lambda start, stop: self._get_rows(objects, start, stop, check),
@@ -280,10 +316,10 @@ class FileIO(FileIndex):
             )
         finally:
             with self._lock:
-                for key in keys:
-                    left = reading.pop(key) - 1
+                for name in names:
+                    left = reading.pop(name) - 1
                     if left:
-                        reading[key] = left
+                        reading[name] = left
 
     def _get_rows(
         self, objects: Sequence[StorageObject], start: int, stop: int, check: ReadCheck | None
@@ -299,6 +335,7 @@ class FileIO(FileIndex):
         results: list[int] = []
         known: list[str] = []
         open_, readv, close = os.open, os.readv, os.close
+        share = None if self._reads_verified else _share  # an unverified read locks its file
         for row in range(start, stop):
             obj = objects[row]
             key = obj.key
@@ -318,10 +355,13 @@ class FileIO(FileIndex):
                     got = -(exc.errno or 1)
                 else:
                     try:
-                        got = readv(fd, views) if len(views) <= _IOV_MAX else _read_all(fd, views)
-                        if 0 < got < entry.size:  # short: another size, or the kernel stopped early
-                            got += _read_all(fd, _advance(views, got))  # regions full: reads nothing
-                        known.append(key)
+                        if share is not None and not share(fd):
+                            got = MISS  # being recycled: another object's bytes by now
+                        else:
+                            got = readv(fd, views) if len(views) <= _IOV_MAX else _read_all(fd, views)
+                            if 0 < got < entry.size:  # short: another size, or the kernel stopped early
+                                got += _read_all(fd, _advance(views, got))  # regions full: reads nothing
+                            known.append(key)
                     except OSError as exc:
                         got = -(exc.errno or 1)
                     finally:
@@ -344,6 +384,8 @@ class FileIO(FileIndex):
         except OSError as exc:
             return -(exc.errno or 1)
         try:
+            if not self._reads_verified and not _share(fd):
+                return MISS  # being recycled (see _get_rows)
             got = _read_all(fd, views)
             if entry is None:  # written by another process after open: adopt, real size
                 self._adopt(directory, name, os.fstat(fd).st_size, fd)
@@ -369,6 +411,19 @@ class FileIO(FileIndex):
         except OSError:
             return False
         return True
+
+
+def _share(fd: int) -> bool:
+    """Take a shared ``flock`` on a file about to be read unverified (released when it is closed):
+    False while a put recycles it (an exclusive one); True where the file system has no ``flock``
+    (nothing is recycled there)."""
+    try:
+        fcntl.flock(fd, _SHARED)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _batch_bytes(objects: Sequence[StorageObject]) -> int:
