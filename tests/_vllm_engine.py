@@ -92,6 +92,48 @@ def make_model(kind: str, path: str, seed: int, overrides: dict[str, Any] | None
     model.to(torch.bfloat16).save_pretrained(path)
 
 
+def make_lora(path: str, base: str, seed: int) -> None:
+    """A seeded LoRA adapter (rank 8, on the k and v projections) for the tiny llama at ``base``:
+    its KV differs from the base model's for the same tokens."""
+    import torch
+    from safetensors.torch import save_file
+
+    target = Path(path)
+    target.mkdir(parents=True, exist_ok=True)
+    config = json.loads((Path(base) / "config.json").read_text())
+    kv_width = config["num_key_value_heads"] * config["head_dim"]
+    (target / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": 8,
+                "lora_alpha": 16,
+                "target_modules": ["k_proj", "v_proj"],
+                "bias": "none",
+                "base_model_name_or_path": base,
+                "task_type": "CAUSAL_LM",
+            }
+        )
+    )
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    hidden = config["hidden_size"]
+    for layer in range(config["num_hidden_layers"]):
+        for name in ("k_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(8, hidden, generator=generator) * 0.5
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(kv_width, 8, generator=generator) * 0.5
+    save_file(weights, str(target / "adapter_model.safetensors"))
+
+
+def _embeds(spec: dict[str, Any], hidden: int) -> Any:
+    """Seeded prompt embeddings (bf16, ``spec["length"]`` x the model's width)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(spec["seed"])
+    return torch.randn(spec["length"], hidden, generator=generator).to(torch.bfloat16)
+
+
 def _counters(llm: Any) -> dict[str, float]:
     out: dict[str, float] = {}
     for metric in llm.get_metrics():
@@ -198,6 +240,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     for spec in job.get("make", []):
         if not (Path(spec["path"]) / "config.json").exists():
             make_model(spec["kind"], spec["path"], spec["seed"], spec.get("config"))
+    for spec in job.get("make_lora", []):
+        if not (Path(spec["path"]) / "adapter_config.json").exists():
+            make_lora(spec["path"], spec["base"], spec["seed"])
     if not job.get("model"):
         return {"steps": []}
     from vllm import LLM, SamplingParams
@@ -214,6 +259,10 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     }
     if job.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = job["max_num_batched_tokens"]
+    if job.get("lora"):  # requests may name the adapter (a step's "lora")
+        kwargs |= {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    if job.get("prompt_embeds"):  # requests may be embeddings (a step's "embeds")
+        kwargs["enable_prompt_embeds"] = True
     if job.get("connector") is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KvstrataConnector",
@@ -239,11 +288,22 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         elif step["op"] == "generate":
             params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
             salts = step.get("salts") or [None] * len(step["prompts"])  # vLLM's per-request cache_salt
+            hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+            # a prompt is token ids, or {"seed", "length"} of prompt embeddings
             prompts = [
-                {"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
+                {
+                    **({"prompt_embeds": _embeds(ids, hidden)} if isinstance(ids, dict) else {}),
+                    **({} if isinstance(ids, dict) else {"prompt_token_ids": ids}),
+                    **({"cache_salt": salt} if salt else {}),
+                }
                 for ids, salt in zip(step["prompts"], salts, strict=True)
             ]
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+            lora = None
+            if step.get("lora"):
+                from vllm.lora.request import LoRARequest
+
+                lora = LoRARequest("adapter", 1, step["lora"])
+            outputs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
             tokens = [list(out.outputs[0].token_ids) for out in outputs]
         else:
             raise ValueError(f"unknown step {step['op']!r}")

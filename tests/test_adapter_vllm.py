@@ -74,6 +74,8 @@ SWA = _prompt(6, 700)  # 5 full blocks of 128, and a partial one; the window cov
 SWA_PART = _diverging(SWA, 3, DENSE_BLOCK, 600, 7)
 SWA_GROUPS, SWA_WINDOW_BLOCKS = 3, 2  # vLLM puts each sliding layer in a KV cache group of its own
 UNSEEN, UNSEEN_TOO = _prompt(8, 400), _prompt(9, 400)  # stored by no other engine
+# prompt embeddings of one length: their token ids are alike placeholders, their KV is not
+EMBEDS, EMBEDS_TOO = {"seed": 10, "length": 300}, {"seed": 11, "length": 300}
 
 # The crowded batch: eight prompts of one full hybrid block and a partial one, every other one
 # sharing the first prompt's block; each crosses a block boundary while decoding, so a running
@@ -115,14 +117,16 @@ def _run_engines(tmp: Path, jobs: dict[str, dict[str, Any]]) -> dict[str, dict[s
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm")
     models = {name: str(tmp / name) for name in ("llama", "llama_other", "qwen", "gemma")}
-    l3 = {name: tmp / f"l3-{name}" for name in ("dense", "hybrid", "swa", "crowded")}
+    l3 = {name: tmp / f"l3-{name}" for name in ("dense", "hybrid", "swa", "crowded", "extras")}
+    lora = str(tmp / "lora")
 
     def connector(which: str) -> dict[str, Any]:
         return {"config": {"tiers": {"storage": {"l3": {"type": "file", "path": str(l3[which])}}}}}
 
-    def gen(*prompts: list[int], salt: str | None = None) -> dict[str, Any]:
-        salts = {"salts": [salt] * len(prompts)} if salt else {}
-        return {"op": "generate", "prompts": list(prompts), "max_tokens": MAX_TOKENS, **salts}
+    def gen(*prompts: Any, salt: str | None = None, adapter: str | None = None) -> dict[str, Any]:
+        extra = {"salts": [salt] * len(prompts)} if salt else {}
+        extra |= {"lora": adapter} if adapter else {}
+        return {"op": "generate", "prompts": list(prompts), "max_tokens": MAX_TOKENS, **extra}
 
     # the hybrid model prefills in chunks of two blocks: a state checkpoint at every chunk end
     hybrid = {"model": models["qwen"], "max_num_batched_tokens": 2 * HYBRID_BLOCK}
@@ -250,6 +254,30 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                 "steps": [gen(SWA), gen(UNSEEN_TOO), {"op": "reset"}, gen(UNSEEN_TOO)],
             },
             "crowded_restore": {**crowded, "connector": connector("crowded"), "steps": [crowd]},
+            # requests whose KV depends on more than their token ids: a LoRA adapter's, and prompt
+            # embeddings' (placeholder ids); each reference computed first under a salt of its own
+            "extras": {
+                "make_lora": [{"path": lora, "base": models["llama"], "seed": 12}],
+                "model": models["llama"],
+                "connector": connector("extras"),
+                "lora": True,
+                "prompt_embeds": True,
+                "steps": [
+                    gen(DENSE, adapter=lora, salt="reference"),
+                    gen(DENSE),  # the base model stores the prompt
+                    {"op": "reset"},
+                    gen(DENSE, adapter=lora),  # never the base model's KV; stores the adapter's
+                    {"op": "reset"},
+                    gen(DENSE, adapter=lora),  # the adapter's own
+                    gen(EMBEDS_TOO, salt="reference"),
+                    {"op": "reset"},
+                    gen(EMBEDS),
+                    {"op": "reset"},
+                    gen(EMBEDS_TOO),  # never the other embeddings' KV; stores its own
+                    {"op": "reset"},
+                    gen(EMBEDS_TOO),
+                ],
+            },
         },
     )
     return out
@@ -460,6 +488,25 @@ def test_a_request_hits_only_what_its_own_cache_salt_stored(runs: dict[str, dict
     assert same["local_hits"] == 0  # vLLM's own cache holds only the other two salts' blocks
     assert same["external_hits"] == DENSE_BLOCK  # 2 blocks: the last one is computed
     assert [step["tokens"][0] for step in (stored, other, unsalted, same)] == [reference] * 4
+
+
+def test_lora_and_prompt_embeds_requests_hit_only_their_own_kv(runs: dict[str, dict[str, Any]]) -> None:
+    """vLLM keys a block by more than its token ids where the KV depends on more: the LoRA adapter
+    (name and path), multimodal inputs, prompt embeddings. The connector does too: a LoRA request
+    never loads the base model's blocks of the same tokens, nor prompt embeddings another's of the
+    same length (their ids are placeholders), yet each hits what it stored itself."""
+    steps = runs["extras"]["steps"]
+    lora_reference, base, _, lora_first, _, lora_again = steps[:6]
+    embeds_reference, _, other, _, embeds_first, _, embeds_again = steps[6:]
+    assert base["tokens"][0] == runs["dense_ref"]["steps"][0]["tokens"][0]
+    assert lora_reference["tokens"][0] != base["tokens"][0], "the adapter must change the tokens"
+    assert lora_first["external_hits"] == 0 and lora_first["local_hits"] == 0
+    assert lora_again["external_hits"] == 2 * DENSE_BLOCK
+    assert lora_first["tokens"] == lora_again["tokens"] == lora_reference["tokens"]
+    assert other["tokens"][0] != embeds_reference["tokens"][0], "other embeddings, other tokens"
+    assert embeds_first["external_hits"] == 0 and embeds_first["local_hits"] == 0
+    assert embeds_again["external_hits"] == 2 * DENSE_BLOCK
+    assert embeds_first["tokens"] == embeds_again["tokens"] == embeds_reference["tokens"]
 
 
 def test_a_crowded_engine_preempts_and_batching_changes_no_token(runs: dict[str, dict[str, Any]]) -> None:

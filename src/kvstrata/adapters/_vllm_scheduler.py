@@ -11,7 +11,9 @@ errors are not supported by vLLM for models with several KV cache groups).
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,49 @@ log = logging.getLogger(__name__)
 
 #: Second chunk of a prefix existence query (after one probe block); each further chunk doubles.
 FIRST_EXISTS_CHUNK = 16
+#: BLAKE2b personalisation of a chain link that mixes a block's extra keys into its parent hash
+_EXTRA_PERSON = b"kvs-vllm-extra"
+
+ExtraKeys = Callable[[Any, int, int], tuple[Any, ...] | None]
+
+
+def vllm_extra_keys() -> ExtraKeys | None:
+    """A block's extra keys as vLLM's own prefix cache has them (LoRA name and path, multimodal
+    item hashes and offsets, a hash of prompt embeddings), or None where this vLLM does not
+    offer the function: then requests that carry any are neither looked up nor saved. The
+    cache salt vLLM adds to the first block is left out: it is in the chain's root already."""
+    try:
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+    except ImportError:  # another vLLM: refuse what cannot be keyed, never serve it unkeyed
+        return None
+
+    def extra_keys(request: Any, start: int, end: int) -> tuple[Any, ...] | None:
+        keys, _ = generate_block_hash_extra_keys(request, start, end, 0)
+        kept = tuple(key for key in keys or () if not (isinstance(key, tuple) and key[:1] == ("cache_salt",)))
+        return kept or None
+
+    return extra_keys
+
+
+def _has_extra_keys(request: Any) -> bool:
+    """Whether a request's KV depends on more than its token ids and salt: a LoRA adapter,
+    multimodal inputs (their placeholder ids are alike for different images) or prompt
+    embeddings (their token ids are placeholders)."""
+    return bool(
+        getattr(request, "lora_request", None)
+        or getattr(request, "mm_features", None)
+        or getattr(request, "prompt_embeds", None) is not None
+    )
+
+
+def _mixed_parent(parent: str, extras: tuple[Any, ...]) -> str:
+    """``parent`` (a chain hash) with a block's extra keys mixed in: the block's hash then differs
+    from the same tokens' without them, or with others. ``repr`` of vLLM's keys (str, int, bytes
+    tuples) is the same in every process."""
+    raw = bytes.fromhex(parent)
+    digest = hashlib.blake2b(raw, digest_size=len(raw), person=_EXTRA_PERSON)
+    digest.update(repr(extras).encode())
+    return digest.hexdigest()
 
 
 @dataclass
@@ -52,6 +97,8 @@ class _Request:
     lookup_from: int = 0  # blocks vLLM had locally at the last lookup
     pending_load: tuple[int, int] | None = None  # (first block, end block) to load
     load_failed: bool = False  # a load of this request failed: it recomputes, never asks again
+    extras: bool = False  # its blocks carry extra keys (LoRA, multimodal, prompt embeddings)
+    uncacheable: bool = False  # extra keys this vLLM cannot tell: never looked up nor saved
 
 
 class SchedulerSide:
@@ -65,8 +112,11 @@ class SchedulerSide:
         *,
         may_load: bool = True,
         may_save: bool = True,
+        extra_keys: ExtraKeys | None = None,
     ) -> None:
         self.engine = engine
+        #: a block's extra keys (see :func:`vllm_extra_keys`); None: requests with any are skipped
+        self.extra_keys = extra_keys
         self.layout = layout
         self.identity = identity
         #: vLLM's ``kv_role``: a consumer (``kv_consumer``) only loads, a producer only saves
@@ -88,16 +138,31 @@ class SchedulerSide:
         if state is None:
             salt = getattr(request, "cache_salt", None) or ""
             state = _Request(request, self.identity.chain_root(salt))
+            state.extras = _has_extra_keys(request)
+            state.uncacheable = state.extras and self.extra_keys is None
             self.requests[request.request_id] = state
         return state
 
     def _hashes(self, state: _Request, blocks: int) -> list[str]:
-        """Chain hashes of the first ``blocks`` blocks of the request's tokens (extended lazily)."""
+        """Chain hashes of the first ``blocks`` blocks of the request's tokens (extended lazily);
+        a block with extra keys (LoRA, multimodal, prompt embeddings) has them mixed into its
+        link, as vLLM's own block hashes do: token ids alone would serve another adapter's,
+        image's or embedding's KV."""
         have = len(state.hashes)
-        if blocks > have:
-            tokens = state.request.all_token_ids[have * self.block_size : blocks * self.block_size]
+        if blocks <= have:
+            return state.hashes[:blocks]
+        bs, tokens = self.block_size, state.request.all_token_ids
+        if not state.extras:
             parent = state.hashes[-1] if have else state.root
-            state.hashes.extend(hash_pages(list(tokens), self.block_size, parent))
+            state.hashes.extend(hash_pages(list(tokens[have * bs : blocks * bs]), bs, parent))
+            return state.hashes[:blocks]
+        assert self.extra_keys is not None, "a request with extra keys this vLLM cannot tell is never hashed"
+        for block in range(have, blocks):
+            parent = state.hashes[-1] if block else state.root
+            extras = self.extra_keys(state.request, block * bs, (block + 1) * bs)
+            if extras:
+                parent = _mixed_parent(parent, extras)
+            state.hashes.extend(hash_pages(list(tokens[block * bs : (block + 1) * bs]), bs, parent))
         return state.hashes[:blocks]
 
     # --- lookup -------------------------------------------------------------------------------
@@ -108,7 +173,7 @@ class SchedulerSide:
         if not self.may_load:
             return 0, False
         self.stats["lookups"] += 1
-        if state.load_failed:  # the backend's existence answers may lag its removal of bad objects
+        if state.load_failed or state.uncacheable:  # (existence answers may lag removal of bad objects)
             return 0, False
         # at least one token is always computed (vLLM samples from it)
         most = (request.num_tokens - 1) // self.block_size
@@ -187,7 +252,7 @@ class SchedulerSide:
         saves: dict[int, GroupTransfer] = {}
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
-            if state is None or scheduled <= 0:
+            if state is None or scheduled <= 0 or state.uncacheable:
                 continue
             self._plan_saves(req_id, state, state.request.num_computed_tokens, scheduled, saves)
         plan.saves = list(saves.values())

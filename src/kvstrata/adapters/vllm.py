@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstrata.adapters._shared import EngineIdentity, EngineStorage
 from kvstrata.adapters._vllm_layout import StoreLayout, build_layout, identity_of
-from kvstrata.adapters._vllm_scheduler import SchedulerSide, StepPlan
+from kvstrata.adapters._vllm_scheduler import SchedulerSide, StepPlan, vllm_extra_keys
 from kvstrata.adapters._vllm_telemetry import CounterDelta, EventLog, KvstrataConnectorStats
 from kvstrata.adapters._vllm_worker import WorkerSide
 from kvstrata.engine_kit import (
@@ -197,7 +197,12 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
         saves = bool(getattr(transfer, "is_kv_producer", True))
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
-                self._storage.engine, self.layout, self.identity, may_load=loads, may_save=saves
+                self._storage.engine,
+                self.layout,
+                self.identity,
+                may_load=loads,
+                may_save=saves,
+                extra_keys=vllm_extra_keys(),
             )
         else:
             self._worker = WorkerSide(self._storage.engine, self.layout)
