@@ -270,9 +270,14 @@ def test_a_layout_change_gets_its_own_keys_and_leaves_the_other_layouts_objects_
     backend.close()
 
 
-def test_an_object_of_another_layout_under_this_key_is_foreign_and_removed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("keep_foreign", [False, True], ids=["removed", "kept-by-a-reader"])
+def test_an_object_of_another_layout_under_this_key_is_foreign_and_removed(
+    tmp_path: Path, keep_foreign: bool
+) -> None:
     """What still reaches the header check (a copied or crafted object): counted apart from
-    damage, and removed so the page can be stored again."""
+    damage, and removed so the page can be stored again -- unless the engine keeps foreign
+    objects (a read-only reader of a shared store: they are another writer's), which misses
+    them and leaves them, while a damaged object is removed either way."""
     backend = FileBackend("l3", FileConfig(path=tmp_path))
     backend.open()
     old_specs, new_specs = conformance_specs(), conformance_specs(dtype="bfloat16")
@@ -287,12 +292,27 @@ def test_an_object_of_another_layout_under_this_key_is_foreign_and_removed(tmp_p
             backend.path_for(new_key).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(backend.path_for(old_key), backend.path_for(new_key))
     target = KIT.pools(new_specs, 2, seed=None)
+    engine.keep_foreign = keep_foreign
     assert engine.get("attn", hashes, target["attn"].units(range(2))).ok == [False, False]
     metrics = engine.metrics
     assert metrics.foreign_objects == 4 and set(metrics.foreign_reasons) <= {
         "fingerprint_mismatch",
         "key_mismatch",
     }
+    if keep_foreign:
+        assert metrics.foreign_removed == 0 and metrics.corrupt_detected == 0
+        assert engine.exists("attn", hashes).ok == [True, True], "another writer's objects stay"
+        own = page_hashes(3, seed=36)[2:]
+        assert all(engine.put("attn", own, KIT.pools(new_specs, 1, seed=36)["attn"].units(range(1))).ok)
+        ((key,), *_) = engine.object_keys("attn", own)  # per object of the unit: its keys
+        data = bytearray(backend.path_for(key).read_bytes())
+        data[-1] ^= 0xFF  # a damaged object of this layout: useless to every reader
+        backend.path_for(key).write_bytes(bytes(data))
+        assert engine.get("attn", own, target["attn"].units(range(1))).ok == [False]
+        assert metrics.corrupt_detected == 1 and metrics.corrupt_removed == 1
+        assert engine.exists("attn", own).ok == [False], "removed all the same"
+        backend.close()
+        return
     assert metrics.foreign_removed == 4 and metrics.corrupt_detected == 0
     assert engine.exists("attn", hashes).ok == [False, False], "the foreign objects are gone"
     source = KIT.pools(new_specs, 2, seed=35)

@@ -95,7 +95,9 @@ class _Request:
     stored_blocks: int = 0  # blocks known stored (found by the lookup, loaded, or saved)
     hit_blocks: int = 0  # last lookup's answer
     lookup_from: int = 0  # blocks vLLM had locally at the last lookup
-    pending_load: tuple[int, int] | None = None  # (first block, end block) to load
+    last_lookup: tuple[int, int] | None = None  # (computed tokens, tokens) the last lookup was of
+    save_from: int | None = None  # blocks vLLM had when the request was first scheduled
+    pending_load: tuple[int, int] | None = None  # (first block, end block) to load; end < 0: fail it
     load_failed: bool = False  # a load of this request failed: it recomputes, never asks again
     extras: bool = False  # its blocks carry extra keys (LoRA, multimodal, prompt embeddings)
     uncacheable: bool = False  # extra keys this vLLM cannot tell: never looked up nor saved
@@ -172,34 +174,48 @@ class SchedulerSide:
         state = self._state(request)  # a producer too: its saves are planned from this state
         if not self.may_load:
             return 0, False
-        self.stats["lookups"] += 1
         if state.load_failed or state.uncacheable:  # (existence answers may lag removal of bad objects)
             return 0, False
+        # A request waiting for blocks is asked about at every step: each answer is fresh (its
+        # own saves or another request's may have added blocks), but the stats count a lookup
+        # once per (computed tokens, prompt length) -- not once per step it waits.
+        asked = (num_computed_tokens, request.num_tokens)
+        counted = state.last_lookup != asked
+        state.last_lookup = asked
+        if counted:
+            self.stats["lookups"] += 1
         # at least one token is always computed (vLLM samples from it)
         most = (request.num_tokens - 1) // self.block_size
         local = num_computed_tokens // self.block_size
         if most <= local:
             return 0, False
         hashes = self._hashes(state, most)
-        blocks = self._usable_blocks(hashes)
+        blocks = self._usable_blocks(hashes, local)
         state.hit_blocks, state.lookup_from = blocks, local
         state.stored_blocks = max(state.stored_blocks, blocks)
         if blocks <= local:
             return 0, False
-        self.stats["offered_blocks"] += blocks - local
+        if counted:
+            self.stats["offered_blocks"] += blocks - local
         return blocks * self.block_size - num_computed_tokens, True
 
-    def _usable_blocks(self, hashes: list[str]) -> int:
-        """Longest prefix every group can restore (anchor prefix, then each group's rule)."""
+    def _usable_blocks(self, hashes: list[str], local: int = 0) -> int:
+        """Longest prefix every group can restore on top of the ``local`` blocks vLLM holds itself
+        (anchor blocks from there on, then each group's rule), or 0 if none beyond them. Keys are
+        chained, so a block's object stands for its whole prefix: blocks below ``local`` need not
+        be stored (L3 may have evicted a prefix vLLM keeps serving from its own cache), and each
+        group's blocks below it are vLLM's (its own hit at ``local`` holds every group's)."""
         anchor = self.layout.anchor
-        count = self._leading(anchor.pool, hashes) if anchor.kind != STATE else len(hashes)
-        if count == 0:
+        stateful = anchor.kind == STATE  # (no attention group: the state groups' rule decides)
+        count = len(hashes) if stateful else local + self._leading(anchor.pool, hashes[local:])
+        if count <= local:
             return 0
         present: dict[int, list[bool]] = {}
         for group in self.layout.groups[1:]:
-            result = self.engine.exists(group.pool, hashes[:count])
-            present[group.group_id] = list(result.ok) if result.error is None else [False] * count
-        for n in range(count, 0, -1):
+            result = self.engine.exists(group.pool, hashes[local:count])
+            found = list(result.ok) if result.error is None else [False] * (count - local)
+            present[group.group_id] = [True] * local + found
+        for n in range(count, local, -1):
             if all(all(present[g.group_id][i] for i in g.needed_blocks(n)) for g in self.layout.groups[1:]):
                 return n
         return 0
@@ -225,11 +241,14 @@ class SchedulerSide:
         end = first + num_external_tokens // self.block_size
         if end > state.hit_blocks or num_external_tokens % self.block_size:
             log.warning(
-                "kvstrata: vLLM accepted %d external tokens for %s, beyond the %d blocks found; not loading",
+                "kvstrata: vLLM accepted %d external tokens for %s, beyond the %d blocks found; "
+                "failing the load (vLLM recomputes)",
                 num_external_tokens,
                 request.request_id,
                 state.hit_blocks,
             )
+            # the request waits for a load report: a failed one, never none (it would wait forever)
+            state.pending_load = (first, -1)
             return
         state.pending_load = (first, end)
 
@@ -242,7 +261,11 @@ class SchedulerSide:
                 continue
             first, end = state.pending_load
             state.pending_load = None
-            transfers = self._load_transfers(req_id, state, first, end)
+            transfers = (
+                self._load_transfers(req_id, state, first, end)
+                if end >= 0
+                else [GroupTransfer(self.layout.anchor.group_id, [], [])]  # the worker fails it
+            )
             if transfers is not None:
                 plan.loads[req_id] = transfers
                 self._loading[req_id] = transfers[0].hashes
@@ -288,9 +311,13 @@ class SchedulerSide:
         """Blocks this step completes; a Mamba state only where the step ends on a block boundary
         (align mode writes the checkpoint there, in this step: it is saved before vLLM reuses it)."""
         bs = self.block_size
+        if state.save_from is None:  # what vLLM held itself (or loaded) when it first ran it
+            state.save_from = computed // bs
+        # a block whose last token id is not known yet (vLLM's async scheduling appends a sampled
+        # token a step late) is saved in the next step: ``first`` is where saving stopped
         end_tokens = min(computed + scheduled, len(state.request.all_token_ids))
         end = end_tokens // bs
-        first = max(computed // bs, state.stored_blocks)
+        first = max(state.save_from, state.stored_blocks)
         if end <= first:
             return
         ids = self._block_ids(req_id)

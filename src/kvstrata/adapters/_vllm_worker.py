@@ -184,7 +184,8 @@ class WorkerSide:
         self.in_place = True
         self.finished_loads: set[str] = set()
         self.failed_loads: set[str] = set()
-        self.stats = {"loaded_blocks": 0, "load_failures": 0, "saved_blocks": 0, "save_failures": 0}
+        # a failed load is counted once, by the scheduler (vLLM sums the roles' and ranks' stats)
+        self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "save_failures": 0}
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """vLLM's tensors per layer become the groups' L1 (checked against the spec once)."""
@@ -308,7 +309,6 @@ class WorkerSide:
             self.finished_loads.add(req_id)
             if not ok:
                 self.failed_loads.add(req_id)
-                self.stats["load_failures"] += 1
 
     def save(self, plan: StepPlan) -> None:
         """The blocks this step completed, components before the anchor (its object commits)."""

@@ -97,12 +97,19 @@ class VllmConnectorConfig(_Strict):
 
 
 def load_connector_config(extra: Mapping[str, Any] | None, plugins: PluginHost) -> VllmConnectorConfig:
-    """Validate ``config`` + ``overrides`` of vLLM's extra config; errors name the dotted path."""
+    """Validate ``config`` + ``overrides`` of vLLM's extra config. Every error names what the user
+    wrote: ``config.<dotted path>`` of an inline mapping, ``<dotted path> in <file>`` of a config
+    file, ``overrides[<entry>]`` of an override, ``kv_connector_extra_config.<key>`` of a key the
+    connector does not read (a misspelt ``overrides`` would otherwise be silently ignored)."""
     extra = dict(extra or {})
+    unknown = sorted(set(extra) - {CONFIG_KEY, OVERRIDES_KEY})
+    if unknown:
+        reason = f"unknown key: the kvstrata connector reads {CONFIG_KEY!r} and {OVERRIDES_KEY!r}"
+        raise ConfigError([(f"kv_connector_extra_config.{key}", reason) for key in unknown])
     value = extra.get(CONFIG_KEY)
-    source = None
+    source, prefix = None, f"{CONFIG_KEY}."
     if isinstance(value, (str, Path)):
-        source = str(value)
+        source, prefix = str(value), ""
         data: dict[str, Any] = load_file(value)
     elif isinstance(value, Mapping):
         data = _plain(value)
@@ -110,20 +117,47 @@ def load_connector_config(extra: Mapping[str, Any] | None, plugins: PluginHost) 
         raise ConfigError(
             [(CONFIG_KEY, "give a kvstrata config path or mapping in kv_connector_extra_config")]
         )
-    overrides = extra.get(OVERRIDES_KEY) or {}
-    if isinstance(overrides, Mapping):
-        pairs = [(key.split("."), item) for key, item in overrides.items()]
-    elif isinstance(overrides, Sequence) and not isinstance(overrides, str):
-        pairs = [parse_override(text) for text in overrides]
-    else:
-        raise ConfigError([(OVERRIDES_KEY, "give a {'a.b': value} mapping or a list of 'a.b=value' strings")])
-    for path, item in pairs:
-        set_path(data, list(path), item)
+    overrides = _overrides(extra.get(OVERRIDES_KEY) or {})
+    for _label, path, item in overrides:
+        set_path(data, path, item)
     try:
         return VllmConnectorConfig.model_validate(data, context={"plugins": plugins})
     except ValidationError as exc:
-        errors = [(f"{CONFIG_KEY}.{dotted(err['loc'])}", err["msg"]) for err in exc.errors()]
-        raise ConfigError(errors, source) from None
+        errors, from_overrides = [], False
+        for err in exc.errors():
+            where = dotted(err["loc"])
+            label = _overridden_by(overrides, where)
+            from_overrides |= label is not None
+            errors.append((f"{label}: {where}" if label else f"{prefix}{where}", err["msg"]))
+        raise ConfigError(errors, None if from_overrides else source) from None
+
+
+def _overrides(raw: Any) -> list[tuple[str, list[str], Any]]:
+    """``overrides`` as (label naming the entry, dotted path, value) triples, in order."""
+    if isinstance(raw, Mapping):
+        return [(f"{OVERRIDES_KEY}[{key!r}]", str(key).split("."), item) for key, item in raw.items()]
+    if not isinstance(raw, Sequence) or isinstance(raw, str):
+        raise ConfigError([(OVERRIDES_KEY, "give a {'a.b': value} mapping or a list of 'a.b=value' strings")])
+    out = []
+    for position, text in enumerate(raw):
+        label = f"{OVERRIDES_KEY}[{position}]"
+        if not isinstance(text, str):
+            raise ConfigError([(label, f"expected an 'a.b=value' string, got {type(text).__name__}")])
+        try:
+            path, item = parse_override(text)
+        except ConfigError as exc:
+            raise ConfigError([(label, reason) for _, reason in exc.errors]) from None
+        out.append((label, path, item))
+    return out
+
+
+def _overridden_by(overrides: list[tuple[str, list[str], Any]], where: str) -> str | None:
+    """The last override that set ``where`` or a field above or below it (its label), or None."""
+    for label, path, _item in reversed(overrides):
+        dotted_path = ".".join(path)
+        if where == dotted_path or where.startswith(dotted_path + ".") or dotted_path.startswith(where + "."):
+            return label
+    return None
 
 
 def _plain(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -195,6 +229,9 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
         # kv_role (module docstring), read as vLLM reads it
         loads = bool(getattr(transfer, "is_kv_consumer", True))
         saves = bool(getattr(transfer, "is_kv_producer", True))
+        # a consumer never removes another writer's objects (another layout or format: valid to
+        # its readers, e.g. during a rolling upgrade); damaged ones help nobody and still go
+        self._storage.engine.keep_foreign = not saves
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 self._storage.engine,

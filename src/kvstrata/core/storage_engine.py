@@ -98,6 +98,9 @@ class StorageEngine(BackendCalls):
         if missing:
             raise ValueError(f"no I/O plan for pools {sorted(missing)}")
         self.backend = backend
+        #: leave objects of another layout or format where they are (a read-only reader of a shared
+        #: store: they are another writer's, valid for its readers); damaged ones are still removed
+        self.keep_foreign = False
         self._checksum: ChecksumPolicy = checksum
         backend.set_read_verification(checksum == "xxh3")
         self.metrics = StorageMetrics()
@@ -323,6 +326,10 @@ class StorageEngine(BackendCalls):
         """Drop objects that failed verification, where the backend can remove (one call)."""
         if not self._removable:
             return
+        if self.keep_foreign:
+            rejected = {verdict: keys for verdict, keys in rejected.items() if verdict not in FOREIGN}
+            if not rejected:
+                return
         keys = [key for keys in rejected.values() for key in keys]
         is_foreign = [verdict in FOREIGN for verdict, keys in rejected.items() for _ in keys]
         removed, _error = self._call_backend(StorageOperation.REMOVE, pool, keys)

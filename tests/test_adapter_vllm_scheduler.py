@@ -1,0 +1,246 @@
+"""The scheduler role of the vLLM connector, driven without vLLM: requests and vLLM's scheduler
+output as plain objects with the fields the connector reads, the real storage engine and file
+backend under it, and a worker saving real blocks from a paged tensor where a test needs objects.
+
+What vLLM itself shows (tests/test_adapter_vllm.py, real engines) is not repeated here; these are
+the paths a CPU engine does not take: vLLM's async scheduling (its GPU default), a prefix vLLM
+keeps locally after L3 evicted it, a lookup asked again while a request waits for blocks, a load
+vLLM accepts beyond what was found, and requests whose KV depends on more than token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvstrata.adapters._shared import EngineStorage
+from kvstrata.adapters._vllm_layout import StoreLayout, build_layout, identity_of
+from kvstrata.adapters._vllm_scheduler import SchedulerSide
+from kvstrata.adapters._vllm_worker import WorkerSide
+from kvstrata.core.config import load
+from kvstrata.engine_kit import ParallelConfig
+
+REPO = Path(__file__).resolve().parents[1]
+BS, BLOCKS, HEADS, HEAD_DIM = 16, 16, 1, 8
+
+
+class FullAttentionSpec(SimpleNamespace):
+    pass
+
+
+def _layout() -> StoreLayout:
+    spec = FullAttentionSpec(
+        block_size=BS, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype="bfloat16",
+        real_page_size_bytes=2 * BS * HEADS * HEAD_DIM * 2,
+    )  # fmt: skip
+    kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["layers.0.self_attn"])],
+        prefix_cacheable_group_ids=(0,),
+        kv_cache_layout=None,
+        num_blocks=BLOCKS,
+    )
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(model="m", served_model_name="m", revision=None, dtype="bfloat16"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+    )
+    return build_layout(vllm_config, kv_cache_config, model_name="m", weights="w")
+
+
+class Engine:
+    """One scheduler and one worker over a file L3, and a request's lifecycle as vLLM drives it."""
+
+    def __init__(self, l3: Path, **scheduler: Any) -> None:
+        config = load([REPO / "tests" / "stacks" / "kv.yaml"], overrides=[f"tiers.storage.l3.path={l3}"])
+        self.layout = _layout()
+        self.storage = EngineStorage(
+            identity_of(self.layout, ParallelConfig()), "l3", config.tiers.storage["l3"]
+        )
+        for group in self.layout.groups:
+            assert self.storage.add_pool(group.pool, group.spec).enabled
+        self.engine = self.storage.engine
+        identity = identity_of(self.layout, ParallelConfig())
+        self.scheduler = SchedulerSide(self.engine, self.layout, identity, **scheduler)
+        self.block_ids: dict[str, list[int]] = {}
+        self.scheduler.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (self.block_ids[rid],))
+        self.worker = WorkerSide(self.engine, self.layout)
+        cache = torch.randint(-100, 100, (BLOCKS, 2, BS, HEADS, HEAD_DIM)).to(torch.bfloat16)
+        self.worker.register({"layers.0.self_attn": cache})
+        self.exists_calls = 0
+        real_exists, real_prefix = self.engine.exists, self.engine.exists_prefix
+
+        def counted(real: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                self.exists_calls += 1
+                return real(*args, **kwargs)
+
+            return call
+
+        self.engine.exists, self.engine.exists_prefix = counted(real_exists), counted(real_prefix)
+
+    def request(self, rid: str, tokens: list[int], **fields: Any) -> Any:
+        self.block_ids[rid] = list(range(1, BLOCKS))  # block 0 is vLLM's null block
+        return SimpleNamespace(
+            request_id=rid, all_token_ids=list(tokens), num_tokens=len(tokens), num_computed_tokens=0,
+            cache_salt=None, lora_request=None, mm_features=[], prompt_embeds=None, **fields,
+        )  # fmt: skip
+
+    def step(self, scheduled: dict[str, int]) -> Any:
+        """One engine step: the plan built after scheduling, the worker's saves and loads."""
+        plan = self.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens=scheduled))
+        self.worker.save(plan)
+        for transfers in plan.loads.values():
+            self.worker.load(SimpleNamespace(loads={"r": transfers}, saves=[]))
+        return plan
+
+    def saved_blocks(self, request: Any) -> list[int]:
+        """Which blocks of ``request`` the scheduler planned to store (from its event log)."""
+        hashes = self.scheduler._hashes(
+            self.scheduler.requests[request.request_id], len(request.all_token_ids) // BS
+        )
+        return sorted({hashes.index(h) for logged, _, _ in self.scheduler.stored_log for h in logged})
+
+    def close(self) -> None:
+        self.storage.close()
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[Any]:
+    made: list[Engine] = []
+
+    def make(**scheduler: Any) -> Engine:
+        made.append(Engine(tmp_path / "l3", **scheduler))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def _decode(engine: Engine, request: Any, steps: int, *, async_output: bool) -> None:
+    """A prefill, then one token per step. vLLM advances ``num_computed_tokens`` when it schedules;
+    a sampled token joins ``all_token_ids`` when its step's output is processed: before the next
+    step is scheduled (sync), or after it (async scheduling, one step late)."""
+    if request.request_id not in engine.scheduler.requests:  # vLLM looks every new request up
+        engine.scheduler.matched_tokens(request, 0)
+    late: list[int] = []
+    scheduled = len(request.all_token_ids)
+    for token in range(1000, 1000 + steps):
+        engine.step({request.request_id: scheduled})
+        request.num_computed_tokens += scheduled
+        if async_output:
+            request.all_token_ids.extend(late)
+            late = [token]
+        else:
+            request.all_token_ids.append(token)
+        request.num_tokens = len(request.all_token_ids)
+        scheduled = 1
+
+
+@pytest.mark.parametrize("async_output", [False, True], ids=["sync", "async"])
+def test_blocks_completed_while_decoding_are_saved_with_async_scheduling_too(
+    engines: Any, async_output: bool
+) -> None:
+    """A 20-token prompt decoding 30 tokens fills blocks 0-2: each is saved, also when the token
+    that completes a block reaches the connector a step after the block's KV was computed."""
+    engine = engines()
+    request = engine.request("r", list(range(1, 21)))
+    assert engine.scheduler.matched_tokens(request, 0) == (0, False)
+    _decode(engine, request, 31, async_output=async_output)
+    assert engine.saved_blocks(request) == [0, 1, 2]
+    assert engine.worker.stats["saved_blocks"] == 3
+
+
+def test_blocks_beyond_a_local_hit_are_found_when_l3_lost_the_prefix(engines: Any) -> None:
+    """vLLM holds block 0 itself and L3 evicted it (a prefix served locally is never read from
+    L3, so it is what an LRU drops first): block 1, still stored, is offered on top of the local
+    hit -- keys are chained, so block 1's object stands for its whole prefix."""
+    engine = engines()
+    prompt = list(range(1, 3 * BS + 5))
+    writer = engine.request("w", prompt)
+    _decode(engine, writer, 1, async_output=False)
+    assert engine.saved_blocks(writer) == [0, 1, 2]
+    hashes = engine.scheduler._hashes(engine.scheduler.requests["w"], 3)
+    (keys,) = engine.engine.object_keys(engine.layout.anchor.pool, hashes[:1])
+    assert engine.engine.backend.remove(keys) == [True]
+    reader = engines().request("r", prompt)
+    other = engine.scheduler.__class__(engine.engine, engine.layout, engine.scheduler.identity)
+    assert other.matched_tokens(reader, 0) == (0, False), "nothing from block 0 without it"
+    local = engine.scheduler.__class__(engine.engine, engine.layout, engine.scheduler.identity)
+    assert local.matched_tokens(reader, BS) == (2 * BS, True), "blocks 1 and 2 on top of vLLM's block 0"
+
+
+def test_a_lookup_asked_again_is_answered_fresh_and_counted_once(engines: Any) -> None:
+    """vLLM looks a request up at every step while it waits for blocks: each answer is fresh
+    (blocks stored meanwhile count), the lookup and its offered blocks are counted once; a new
+    local hit (after a preemption) is a new lookup."""
+    engine = engines()
+    prompt = list(range(1, 3 * BS + 5))
+    writer = engine.request("w", prompt[: 2 * BS + 1])
+    _decode(engine, writer, 1, async_output=False)  # stores blocks 0 and 1
+    reader = engine.request("r", prompt)
+    stats = dict(engine.scheduler.stats)
+    assert engine.scheduler.matched_tokens(reader, 0) == (2 * BS, True)
+    assert [engine.scheduler.matched_tokens(reader, 0) for _ in range(3)] == [(2 * BS, True)] * 3
+    _decode(engine, engine.request("w2", prompt), 1, async_output=False)  # block 2 stored meanwhile
+    assert engine.scheduler.matched_tokens(reader, 0) == (3 * BS, True), "answered fresh"
+    assert engine.scheduler.stats["lookups"] - stats["lookups"] == 2  # the reader's, and w2's
+    assert engine.scheduler.stats["offered_blocks"] - stats["offered_blocks"] == 2 + 2
+    assert engine.scheduler.matched_tokens(reader, BS) == (2 * BS, True)
+    assert engine.scheduler.stats["lookups"] - stats["lookups"] == 3
+
+
+def test_a_load_accepted_beyond_what_was_found_fails_rather_than_hangs(engines: Any) -> None:
+    """vLLM waits for a report of every load it accepted: one the connector cannot plan is sent
+    to the worker as a load that fails (vLLM recomputes), never left unplanned."""
+    engine = engines()
+    prompt = list(range(1, 3 * BS + 5))
+    _decode(engine, engine.request("w", prompt), 1, async_output=False)
+    reader = engine.request("r", prompt)
+    assert engine.scheduler.matched_tokens(reader, 0) == (3 * BS, True)
+    engine.scheduler.after_alloc(reader, 4 * BS)  # more than the three blocks found
+    plan = engine.step({})
+    assert list(plan.loads) == ["r"]
+    assert engine.worker.take_finished() == ({"r"}, {"r"})  # finished, and failed
+
+
+def test_extra_keys_separate_requests_of_the_same_tokens(engines: Any) -> None:
+    """A block whose KV depends on more than its token ids (a LoRA adapter, images, prompt
+    embeddings) hashes its extra keys in, as vLLM's own prefix cache does; where vLLM cannot say
+    what they are, such a request is neither looked up nor saved."""
+
+    def extra_keys(request: Any, start: int, end: int) -> tuple[Any, ...] | None:
+        return ("lora", request.lora_request.lora_name) if request.lora_request else None
+
+    engine = engines(extra_keys=extra_keys)
+    prompt = list(range(1, 2 * BS + 5))
+    base, adapted = (
+        engine.request("base", prompt),
+        engine.request(
+            "lora",
+            prompt,
+        ),
+    )
+    adapted.lora_request = SimpleNamespace(lora_name="a", lora_path="/a")
+    _decode(engine, base, 1, async_output=False)
+    assert engine.scheduler.matched_tokens(adapted, 0) == (0, False), "never the base model's blocks"
+    _decode(engine, adapted, 1, async_output=False)
+    again = engine.request("again", prompt)
+    again.lora_request = SimpleNamespace(lora_name="a", lora_path="/a")
+    assert engine.scheduler.matched_tokens(again, 0) == (2 * BS, True), "its own blocks"
+    other = engine.request("other", prompt)
+    other.lora_request = SimpleNamespace(lora_name="b", lora_path="/b")
+    assert engine.scheduler.matched_tokens(other, 0) == (0, False), "nor another adapter's"
+
+    blind = engines()  # a vLLM without generate_block_hash_extra_keys
+    refused = blind.request("x", prompt)
+    refused.lora_request = SimpleNamespace(lora_name="a", lora_path="/a")
+    assert blind.scheduler.matched_tokens(refused, 0) == (0, False)
+    saved = blind.worker.stats["saved_blocks"]
+    _decode(blind, refused, 1, async_output=False)
+    assert blind.worker.stats["saved_blocks"] == saved and not blind.scheduler.stored_log
