@@ -7,6 +7,7 @@ adoption at open and on first touch, and other writers' temp files.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -29,6 +30,9 @@ _TMP_NAME = re.compile(r"^\.(?P<name>[A-Za-z0-9_.-]{1,200})\.tmp-\d+-[0-9a-f]{8}
 _DIGEST_NAME = re.compile(r"^[0-9a-f]{32}$")
 _HEX = frozenset("0123456789abcdef")
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)  # no O_NOATIME: atime seeds the LRU
+_RECYCLE_FLAGS = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)
+#: a recycling put's lock on the evicted file: never while a reader holds its shared one
+_RECYCLE_LOCK = fcntl.LOCK_EX | fcntl.LOCK_NB
 log = logging.getLogger("kvstrata.storage_backends.file")
 
 
@@ -307,6 +311,25 @@ class FileIndex:
             with self._lock:
                 self.unlink_failures += 1
             log.warning("file backend %r: cannot remove evicted object %s: %s", self.instance, path, exc)
+
+    def _lock_for_recycling(self, path: str) -> int | None:
+        """A write descriptor on the evicted file ``path`` holding its exclusive ``flock``, or
+        None: gone, a reader holds it (here or in another process), or the file system has no
+        ``flock`` (then nothing is recycled there)."""
+        name = path.rpartition("/")[2]
+        with self._lock:  # a read that started here after the eviction chose this file
+            if name in self._reading:
+                return None
+        try:
+            fd = os.open(path, _RECYCLE_FLAGS)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, _RECYCLE_LOCK)
+        except OSError:
+            os.close(fd)
+            return None
+        return fd
 
     def _release(self, nbytes: int) -> None:
         with self._lock:

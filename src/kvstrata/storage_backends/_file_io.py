@@ -28,11 +28,9 @@ _MIN_CHUNK = 8
 #: 7.7; 256 pages: 10.1 / 7.7).
 _PLACE_FROM_BYTES = 32 << 20
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-_WRITE_FLAGS = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)
-#: an unverified read's lock on its file, and a recycling put's: never both at once (see
+#: an unverified read's lock on its file: never while a put recycles it (see
 #: ``FileIndex._reads_verified``); non-blocking, so a reader misses rather than waits
 _SHARED = fcntl.LOCK_SH | fcntl.LOCK_NB
-_EXCLUSIVE = fcntl.LOCK_EX | fcntl.LOCK_NB
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -273,25 +271,6 @@ class FileIO(FileIndex):
         except FileNotFoundError:  # first object of this fan-out directory
             self._make_directory(directory)
             return os.open(tmp, _CREATE_FLAGS, 0o644)
-
-    def _lock_for_recycling(self, path: str) -> int | None:
-        """A write descriptor on the evicted file ``path`` holding its exclusive ``flock``, or
-        None: gone, a reader holds it (here or in another process), or the file system has no
-        ``flock`` (then nothing is recycled there)."""
-        name = path.rpartition("/")[2]
-        with self._lock:  # a read that started here after the eviction chose this file
-            if name in self._reading:
-                return None
-        try:
-            fd = os.open(path, _WRITE_FLAGS)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(fd, _EXCLUSIVE)
-        except OSError:
-            os.close(fd)
-            return None
-        return fd
 
     def _make_directory(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
