@@ -397,3 +397,103 @@ def test_a_request_shorter_than_a_page_has_no_pages_and_no_hashes() -> None:
         cache.admit(lease)
         assert cache.allocate(lease)["kv"].numel() == 0
         cache.insert(lease)
+
+
+# --- a state pool's working slot and partial pages ------------------------------------------------
+
+_STATE_STACK = {
+    "model": {
+        "name": "partial-state",
+        "page_size": 16,
+        "pools": {
+            "kv": {"type": "kv", "layers": 1, "kv_heads": 1, "head_dim": 8},
+            "mamba": {"type": "mamba", "layers": 1, "states": {"ssm": {"shape": [1], "dtype": "float32"}}},
+        },
+    },
+    "tiers": {"device": {"capacity_tokens": 2048}, "host": {"capacity_tokens": 4096}, "storage": {}},
+}
+
+
+class _RecurrentEngine:
+    """A model whose state after ``n`` tokens is ``n``, advanced in place in the working slot
+    ``fork_state`` handed out (what engines do: they have no other slot while decoding)."""
+
+    def __init__(self, cache: kvstrata.CacheController) -> None:
+        self.cache, self.slot = cache, None
+
+    def fork(self, lease: kvstrata.Lease) -> None:
+        self.slot = self.cache.fork_state(lease)["mamba"]
+
+    def run_to(self, tokens: int) -> None:
+        self.cache.write_units("mamba", self.slot, {"ssm": torch.full((1, 1, 1), float(tokens))})
+
+    def restored_state(self, prompt: torch.Tensor) -> tuple[int, float]:
+        """(cached tokens, the state restored with them) of a later request for ``prompt``."""
+        again = self.cache.lookup(prompt)
+        self.cache.admit(again)
+        state = self.cache.read_units("mamba", again.prefix_units("mamba"))["ssm"].item()
+        self.cache.release(again)
+        return again.cached_tokens, state
+
+
+def _prefill(engine: _RecurrentEngine, prompt: torch.Tensor, *, insert_last: bool) -> kvstrata.Lease:
+    """Two-page chunks, each inserted as a checkpoint (the last one too with ``insert_last``)."""
+    cache = engine.cache
+    lease = cache.lookup(prompt[:32])
+    cache.admit(lease)
+    while True:
+        cache.allocate(lease)
+        engine.fork(lease)
+        engine.run_to(lease.pages * 16)
+        last = lease.pages * 16 >= len(prompt)
+        if last and not insert_last:
+            return lease
+        cache.insert(lease, close=False)
+        if last:
+            return lease
+        lease.extend(prompt[lease.pages * 16 : lease.pages * 16 + 32])
+
+
+@pytest.mark.parametrize("insert_last", [False, True], ids=["decode-right-away", "checkpoint-first"])
+def test_a_working_slot_run_past_a_page_is_never_its_checkpoint(insert_last: bool) -> None:
+    """Once a partial page is allocated the engine's state runs on into it, in the one working
+    slot: the closing insert must not record that slot as the state after the last whole page
+    (a later request would resume from tokens it never had). Inserting before decoding keeps
+    that checkpoint; decoding right away leaves the prompt's end without one (the chunk before
+    it serves)."""
+    with kvstrata.open(_STATE_STACK, environ={}) as cache:
+        engine = _RecurrentEngine(cache)
+        prompt = torch.arange(96)  # 6 pages
+        lease = _prefill(engine, prompt, insert_last=insert_last)
+        processed = len(prompt)
+        for token in range(5):  # decode into page 7, the state advanced in place
+            lease.extend([token])
+            units = cache.allocate(lease, partial_page=True)
+            if len(units["mamba"]):  # a new working slot: continue from the checkpoint
+                engine.fork(lease)
+            processed += 1
+            engine.run_to(processed)
+        cache.insert(lease)
+        cached, state = engine.restored_state(torch.cat([prompt, torch.tensor([7, 7, 7])]))
+        assert state == cached, f"{cached} tokens restored with the state after {state:.0f}"
+        assert cached == (96 if insert_last else 64)
+
+
+def test_a_page_completed_while_decoding_is_checkpointed_when_inserted_at_its_end() -> None:
+    """Decoding fills the partial page; inserted as it completes (the allocation ends there),
+    the working slot holds exactly the state after it: a checkpoint a later request resumes from."""
+    with kvstrata.open(_STATE_STACK, environ={}) as cache:
+        engine = _RecurrentEngine(cache)
+        prompt = torch.arange(96)
+        lease = _prefill(engine, prompt, insert_last=True)
+        decoded = list(range(16))
+        for count, token in enumerate(decoded, start=1):
+            lease.extend([token])
+            units = cache.allocate(lease, partial_page=lease.pages * 16 < len(prompt) + count)
+            if len(units["mamba"]):
+                engine.fork(lease)
+            engine.run_to(len(prompt) + count)
+        assert lease.pages == 7 and lease.allocated_pages == 7  # page 7 whole, nothing beyond
+        cache.insert(lease)
+        cached, state = engine.restored_state(torch.cat([prompt, torch.tensor(decoded), torch.tensor([9])]))
+        assert (cached, state) == (112, 112.0)

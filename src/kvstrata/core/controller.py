@@ -251,7 +251,9 @@ class CacheController(UnitMemory, ClosingApi):
         """Index the pages the engine computed (through the last whole page), back them up per
         write policy and queue their L3 write; then close the lease, or with ``close=False``
         keep it (and its place in the tree) for the next chunk. A state pool's slot must hold
-        the state after the last inserted page: each insert is a checkpoint."""
+        the state after the last inserted page: each insert is a checkpoint -- where the last
+        ``allocate`` ended there; one that ran on into a partial page records none (its slot
+        holds a later state: see :func:`~kvstrata.core.lease.take_for_insert`)."""
         self._check_lease(lease)
         self._drain()
         end = lease.pages

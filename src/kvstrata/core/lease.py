@@ -157,7 +157,8 @@ class Lease:
     def allocated_first_page(self, pool: str) -> int:
         """The page the first unit of the last ``allocate`` holds: its first new page for
         all-pages pools, the first page of the trailing window for window pools; a node-state
-        pool's slot is for the state after the last page to be inserted."""
+        pool's working slot is for the state after the last page allocated (a partial page
+        included: the slot runs on into it)."""
         return self._allocated_first[self._owner(pool)]
 
     # --- what the controller and its parts read -------------------------------------------------
@@ -267,6 +268,8 @@ class Lease:
                 if new:
                     pending[tp.name], self._slot_tensors[tp.name] = new, handed[tp.name]
                 first = end - 1
+                if pending.get(tp.name):  # the working slot now runs to the new end (see take_for_insert)
+                    self._allocated_first[tp.name] = first
             if new:  # a pool that got nothing keeps saying where its last units start
                 self._allocated_first[tp.name] = first
         self._allocated = pending
@@ -432,7 +435,14 @@ def unit_arrays(raw: Mapping[str, bytes]) -> dict[str, np.ndarray]:
 
 def take_for_insert(layout: StackLayout, lease: Lease, end: int) -> tuple[dict[str, bytes], dict[str, bytes]]:
     """Split the pending units into the values of pages ``[committed_pages, end)`` (what the tree
-    gets) and the rest (units of pages at or after ``end``, kept for the next insert)."""
+    gets) and the rest (units of pages at or after ``end``, kept for the next insert).
+
+    A state pool's working slot becomes the checkpoint at ``end`` only where the allocation ends
+    there too: once a partial page is allocated beyond ``end`` the engine runs its state on into
+    that page (in place: it has no other slot), so the slot no longer holds the state after
+    ``end`` -- committed there, it would serve a later request the state of tokens it never
+    had. It stays pending instead (freed at close): the node at ``end`` has no checkpoint, and a
+    match never ends there (insert before allocating a partial page to keep one)."""
     new = end - lease.committed_pages
     after = lease.allocated_pages - end  # pages allocated beyond ``end`` (a partial page)
     pending_all = lease._allocated or {}
@@ -449,6 +459,8 @@ def take_for_insert(layout: StackLayout, lease: Lease, end: int) -> tuple[dict[s
         elif tp.kind is _WINDOW:
             keep = max(len(pending) - after * UNIT, 0)
             values[tp.name], rest[tp.name] = pending[:keep], pending[keep:]
+        elif after:  # the working slot runs past ``end`` (see above): not a checkpoint of it
+            values[tp.name], rest[tp.name] = b"", pending
         else:
             values[tp.name], rest[tp.name] = pending, b""
     return {name: v for name, v in values.items() if v}, rest
