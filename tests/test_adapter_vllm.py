@@ -283,6 +283,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _in_vllm(script: str, *args: str) -> str:
+    """Run ``script`` under the vLLM environment's python (no engine); its stdout."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "VLLM_TARGET_DEVICE": "cpu"}
+    proc = subprocess.run(
+        [str(VENV_PYTHON), "-c", script, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def _hit_blocks(step: dict[str, Any], block: int) -> float:
     return step["external_hits"] / block
 
@@ -397,17 +412,8 @@ def test_the_readme_serve_line_is_a_valid_kv_transfer_config(tmp_path: Path) -> 
         "print(config.kv_connector, config.kv_connector_module_path, config.kv_load_failure_policy,\n"
         "      list(settings.tiers.storage))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "VLLM_TARGET_DEVICE": "cpu"}
-    out = subprocess.run(
-        [str(VENV_PYTHON), "-c", check, text],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["KvstrataConnector", "kvstrata.adapters.vllm", "recompute", "['l3']"]
+    out = _in_vllm(check, text)
+    assert out.split() == ["KvstrataConnector", "kvstrata.adapters.vllm", "recompute", "['l3']"]
 
 
 def test_a_backend_that_cannot_open_names_the_key_the_user_wrote(tmp_path: Path) -> None:
@@ -429,18 +435,9 @@ def test_a_backend_that_cannot_open_names_the_key_the_user_wrote(tmp_path: Path)
         "except StorageError as exc:\n"
         "    print(exc)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "VLLM_TARGET_DEVICE": "cpu"}
-    out = subprocess.run(
-        [str(VENV_PYTHON), "-c", check, json.dumps(extra)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "(config.tiers.storage.l3, type 'file') could not be opened" in out.stdout
-    assert f"cannot create {blocker / 'l3'}" in out.stdout
+    out = _in_vllm(check, json.dumps(extra))
+    assert "(config.tiers.storage.l3, type 'file') could not be opened" in out
+    assert f"cannot create {blocker / 'l3'}" in out
 
 
 def test_config_mistakes_name_what_the_user_wrote(tmp_path: Path) -> None:
@@ -471,17 +468,8 @@ def test_config_mistakes_name_what_the_user_wrote(tmp_path: Path) -> None:
         "        out[name] = str(exc)\n"
         "print(json.dumps(out))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "VLLM_TARGET_DEVICE": "cpu"}
-    proc = subprocess.run(
-        [str(VENV_PYTHON), "-c", check, json.dumps(cases)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    said = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _in_vllm(check, json.dumps(cases))
+    said = json.loads(out.strip().splitlines()[-1])
     assert said["inline"].endswith(": config.tiers.storage.l3.pathh: Extra inputs are not permitted")
     assert said["file"] == (
         f"invalid configuration in {config_file}: tiers.storage.l3.pathh: Extra inputs are not permitted"
