@@ -281,8 +281,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         started, cpu_started = time.perf_counter(), time.process_time()
         spent_before = dict(spent) if spent is not None else {}
         tokens: list[list[int]] = []
-        if step["op"] == "reset":
-            llm.reset_prefix_cache()
+        if step["op"] == "reset":  # "connector": also the connector's (what a weight update does)
+            llm.reset_prefix_cache(reset_connector=bool(step.get("connector")))
         elif step["op"] == "damage":
             result["damaged_objects"] = _damage(step["path"])
         elif step["op"] == "generate":

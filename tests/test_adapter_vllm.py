@@ -276,6 +276,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                     gen(EMBEDS_TOO),  # never the other embeddings' KV; stores its own
                     {"op": "reset"},
                     gen(EMBEDS_TOO),
+                    # what vLLM does after a weight update: the connector's cache is reset too
+                    {"op": "reset", "connector": True},
+                    gen(DENSE),
+                    {"op": "reset"},
+                    gen(DENSE),
                 ],
             },
         },
@@ -534,7 +539,7 @@ def test_lora_and_prompt_embeds_requests_hit_only_their_own_kv(runs: dict[str, d
     same length (their ids are placeholders), yet each hits what it stored itself."""
     steps = runs["extras"]["steps"]
     lora_reference, base, _, lora_first, _, lora_again = steps[:6]
-    embeds_reference, _, other, _, embeds_first, _, embeds_again = steps[6:]
+    embeds_reference, _, other, _, embeds_first, _, embeds_again = steps[6:13]
     assert base["tokens"][0] == runs["dense_ref"]["steps"][0]["tokens"][0]
     assert lora_reference["tokens"][0] != base["tokens"][0], "the adapter must change the tokens"
     assert lora_first["external_hits"] == 0 and lora_first["local_hits"] == 0
@@ -544,6 +549,18 @@ def test_lora_and_prompt_embeds_requests_hit_only_their_own_kv(runs: dict[str, d
     assert embeds_first["external_hits"] == 0 and embeds_first["local_hits"] == 0
     assert embeds_again["external_hits"] == 2 * DENSE_BLOCK
     assert embeds_first["tokens"] == embeds_again["tokens"] == embeds_reference["tokens"]
+
+
+def test_a_connector_reset_serves_nothing_stored_before(runs: dict[str, dict[str, Any]]) -> None:
+    """``reset_prefix_cache(reset_connector=True)``, what vLLM issues after a weight update: what
+    L3 held from before is never served again (it is another model's KV then); what the engine
+    stores afterwards is."""
+    steps = runs["extras"]["steps"]
+    base = steps[1]
+    _, after_reset, _, again = steps[13:]
+    assert after_reset["external_hits"] == 0 and after_reset["local_hits"] == 0
+    assert again["external_hits"] == 2 * DENSE_BLOCK
+    assert after_reset["tokens"] == again["tokens"] == base["tokens"]
 
 
 def test_a_crowded_engine_preempts_and_batching_changes_no_token(runs: dict[str, dict[str, Any]]) -> None:

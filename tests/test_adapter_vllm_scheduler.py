@@ -244,3 +244,24 @@ def test_extra_keys_separate_requests_of_the_same_tokens(engines: Any) -> None:
     saved = blind.worker.stats["saved_blocks"]
     _decode(blind, refused, 1, async_output=False)
     assert blind.worker.stats["saved_blocks"] == saved and not blind.scheduler.stored_log
+
+
+def test_a_reset_serves_nothing_stored_before_and_keys_anew(engines: Any) -> None:
+    """vLLM resets the connector after a weight update: this instance neither finds what was
+    stored before nor stores under those keys again (an instance still on the old weights keeps
+    its objects); what it stores afterwards it finds."""
+    engine = engines()
+    prompt = list(range(1, 3 * BS + 5))
+    _decode(engine, engine.request("before", prompt), 1, async_output=False)
+    waiting = engine.request("waiting", prompt)
+    assert engine.scheduler.matched_tokens(waiting, 0) == (3 * BS, True)
+    old_hashes = list(engine.scheduler.requests["waiting"].hashes)
+    engine.scheduler.reset()
+    assert engine.scheduler.matched_tokens(waiting, 0) == (0, False), "a request known before too"
+    assert not set(engine.scheduler.requests["waiting"].hashes) & set(old_hashes)
+    assert engine.scheduler.matched_tokens(engine.request("after", prompt), 0) == (0, False)
+    _decode(engine, engine.request("stores", prompt), 1, async_output=False)
+    assert engine.scheduler.matched_tokens(engine.request("finds", prompt), 0) == (3 * BS, True)
+    other = SchedulerSide(engine.engine, engine.layout, engine.scheduler.identity)  # old weights
+    assert other.matched_tokens(engine.request("elsewhere", prompt), 0) == (3 * BS, True)
+    assert other._hashes(other.requests["elsewhere"], 3) == old_hashes[:3]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,18 +133,36 @@ class SchedulerSide:
         self.stored_log: list[tuple[list[str], str | None, list[int]]] = []
         self.removed_log: list[list[str]] = []
         self._loading: dict[str, list[str]] = {}  # req id -> anchor hashes of its load in flight
+        #: mixed into every chain root after ``reset``: "" until the first
+        self._generation = ""
 
     # --- keys ---------------------------------------------------------------------------------
 
     def _state(self, request: Any) -> _Request:
         state = self.requests.get(request.request_id)
         if state is None:
-            salt = getattr(request, "cache_salt", None) or ""
-            state = _Request(request, self.identity.chain_root(salt))
+            state = _Request(request, self._root(request))
             state.extras = _has_extra_keys(request)
             state.uncacheable = state.extras and self.extra_keys is None
             self.requests[request.request_id] = state
         return state
+
+    def _root(self, request: Any) -> str:
+        """The chain root of a request: the namespace, its cache salt, the reset generation."""
+        salt = getattr(request, "cache_salt", None) or ""
+        return self.identity.chain_root(f"{salt}\x00reset:{self._generation}" if self._generation else salt)
+
+    def reset(self) -> None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``, which it issues after a weight
+        update: nothing stored before may be served again (it is another model's state now).
+        The shared L3 is not emptied (other instances still run the old weights): this
+        instance keys everything under a fresh generation from now on, its requests' hashes
+        included, so it neither reads the old objects nor writes new KV under their keys."""
+        self._generation = uuid.uuid4().hex
+        for state in self.requests.values():
+            state.root, state.hashes = self._root(state.request), []
+            state.stored_blocks = state.hit_blocks = 0
+            state.save_from, state.last_lookup, state.pending_load = None, None, None
 
     def _hashes(self, state: _Request, blocks: int) -> list[str]:
         """Chain hashes of the first ``blocks`` blocks of the request's tokens (extended lazily);

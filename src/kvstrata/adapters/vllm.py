@@ -286,6 +286,15 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.loads_failed(failed)
         self._scheduler.loads_done(set(connector_output.finished_recving or ()) - failed)
 
+    def reset_cache(self) -> bool:
+        """vLLM resets the connector's cache after a weight update: from now on this instance
+        neither serves nor overwrites what was stored before (see ``SchedulerSide.reset``).
+        The workers hold nothing across steps."""
+        if self._scheduler is not None:
+            self._scheduler.reset()
+            log.info("kvstrata connector: cache reset; earlier L3 objects are no longer served here")
+        return True
+
     def take_events(self) -> list[Any]:
         """``BlockStored`` / ``BlockRemoved`` with medium ``STORAGE`` (kvstrata's L3)."""
         if self._scheduler is None:
