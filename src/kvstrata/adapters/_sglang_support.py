@@ -60,14 +60,12 @@ class SGLangL3Config(_Strict):
 
 
 def load_l3_config(value: Any, plugins: PluginHost) -> SGLangL3Config:
-    """Validate ``kvstrata_config`` (path or mapping); errors name ``kvstrata_config.<dotted path>``."""
+    """Validate ``kvstrata_config`` (path or mapping); errors name ``kvstrata_config.<dotted path>``
+    of an inline mapping, ``<dotted path> in <file>`` of a config file (the file has no such key)."""
     source: str | None = None
     if isinstance(value, (str, Path)):
         source = str(value)
-        try:
-            data: Any = load_file(value)
-        except ConfigError as exc:
-            raise ConfigError([(_prefixed(path), reason) for path, reason in exc.errors], source) from None
+        data: Any = load_file(value)  # its errors name the file and the path within it
     elif isinstance(value, Mapping):
         data = dict(value)
     elif value is None:
@@ -84,7 +82,8 @@ def load_l3_config(value: Any, plugins: PluginHost) -> SGLangL3Config:
     try:
         return SGLangL3Config.model_validate(data, context={"plugins": plugins})
     except ValidationError as exc:
-        errors = [(_prefixed(dotted(err["loc"])), err["msg"]) for err in exc.errors()]
+        where = (lambda path: path) if source is not None else _prefixed
+        errors = [(where(dotted(err["loc"])), err["msg"]) for err in exc.errors()]
         raise ConfigError(errors, source) from None
 
 
