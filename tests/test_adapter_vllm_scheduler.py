@@ -44,12 +44,16 @@ def _layout() -> StoreLayout:
         kv_cache_layout=None,
         num_blocks=BLOCKS,
     )
-    vllm_config = SimpleNamespace(
+    return build_layout(_layout_config(), kv_cache_config, model_name="m", weights="w")
+
+
+def _layout_config() -> Any:
+    """The parts of vLLM's config the layout reads."""
+    return SimpleNamespace(
         model_config=SimpleNamespace(model="m", served_model_name="m", revision=None, dtype="bfloat16"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         cache_config=SimpleNamespace(cache_dtype="auto"),
     )
-    return build_layout(vllm_config, kv_cache_config, model_name="m", weights="w")
 
 
 class Engine:
@@ -265,3 +269,36 @@ def test_a_reset_serves_nothing_stored_before_and_keys_anew(engines: Any) -> Non
     other = SchedulerSide(engine.engine, engine.layout, engine.scheduler.identity)  # old weights
     assert other.matched_tokens(engine.request("elsewhere", prompt), 0) == (3 * BS, True)
     assert other._hashes(other.requests["elsewhere"], 3) == old_hashes[:3]
+
+
+class MambaSpec(SimpleNamespace):
+    pass
+
+
+def test_a_model_of_state_groups_only_is_offered_only_stored_checkpoints(tmp_path: Path) -> None:
+    """With no attention group the anchor is a state group: its own rule (the checkpoint at the
+    prefix end) decides what is offered -- nothing stored, nothing offered (a load that cannot
+    succeed costs the request a failed load and a recompute)."""
+    spec = MambaSpec(
+        block_size=BS, shapes=((3, 50),), dtypes=("int8",), mamba_cache_mode="align", real_page_size_bytes=150
+    )
+    kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["layers.0.mixer"])],
+        prefix_cacheable_group_ids=(0,),
+        kv_cache_layout=None,
+        num_blocks=BLOCKS,
+    )
+    layout = build_layout(_layout_config(), kv_cache_config, model_name="m", weights="w")
+    config = load([REPO / "tests" / "stacks" / "kv.yaml"], overrides=[f"tiers.storage.l3.path={tmp_path}"])
+    storage = EngineStorage(identity_of(layout, ParallelConfig()), "l3", config.tiers.storage["l3"])
+    try:
+        for group in layout.groups:
+            assert storage.add_pool(group.pool, group.spec).enabled
+        scheduler = SchedulerSide(storage.engine, layout, identity_of(layout, ParallelConfig()))
+        request = SimpleNamespace(
+            request_id="r", all_token_ids=list(range(1, 3 * BS + 5)), num_tokens=3 * BS + 4,
+            num_computed_tokens=0, cache_salt=None, lora_request=None, mm_features=[], prompt_embeds=None,
+        )  # fmt: skip
+        assert scheduler.matched_tokens(request, 0) == (0, False)
+    finally:
+        storage.close()

@@ -229,13 +229,15 @@ class SchedulerSide:
         count = len(hashes) if stateful else local + self._leading(anchor.pool, hashes[local:])
         if count <= local:
             return 0
+        # the groups whose rule decides beyond the anchor's run (a state anchor's own included)
+        ruled = self.layout.groups if stateful else self.layout.groups[1:]
         present: dict[int, list[bool]] = {}
-        for group in self.layout.groups[1:]:
+        for group in ruled:
             result = self.engine.exists(group.pool, hashes[local:count])
             found = list(result.ok) if result.error is None else [False] * (count - local)
             present[group.group_id] = [True] * local + found
         for n in range(count, local, -1):
-            if all(all(present[g.group_id][i] for i in g.needed_blocks(n)) for g in self.layout.groups[1:]):
+            if all(all(present[g.group_id][i] for i in g.needed_blocks(n)) for g in ruled):
                 return n
         return 0
 
