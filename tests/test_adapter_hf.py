@@ -399,6 +399,24 @@ def test_prefill_restores_runs_page_aligned_chunks_and_commits() -> None:
         assert torch.equal(again.logits, first.logits)
 
 
+def test_a_cache_passed_under_the_keyword_the_model_ignores_is_refused() -> None:
+    """Mamba2 reads its cache from ``cache_params`` and swallows ``past_key_values``: a forward
+    given the adapter's cache under the wrong keyword runs without it, and committing that cache
+    would store a state that never saw those tokens (a wrong checkpoint for every later restore,
+    in any process). The forward is refused with the keyword to use; the right one works."""
+    with HFStateCache(tiny_model("mamba2"), page_size=PAGE, state_slots=8) as cache:
+        assert cache.layout.cache_argument == "cache_params"
+        ids = hf.tokens(91, 2 * PAGE + 1)
+        past, _ = cache.restore(ids)
+        with torch.no_grad():
+            cache.model(input_ids=ids[None, :PAGE], cache_params=past, use_cache=True)
+            assert cache.commit(ids, PAGE, past) == PAGE
+            with pytest.raises(TypeError, match=r"reads its cache from cache_params=, not past_key_values="):
+                cache.model(input_ids=ids[None, PAGE : 2 * PAGE], past_key_values=past, use_cache=True)
+            cache.model(input_ids=ids[None, PAGE : 2 * PAGE], cache_params=past, use_cache=True)
+        assert cache.commit(ids, 2 * PAGE, past) == 2 * PAGE
+
+
 # --- the README example and the demo ------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]

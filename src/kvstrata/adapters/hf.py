@@ -79,6 +79,10 @@ class PrefillResult:
     committed_tokens: int  # held by kvstrata for this prompt afterwards
 
 
+#: the forward keywords transformers models take a cache under (the layout knows which one)
+_CACHE_KEYWORDS = ("past_key_values", "cache_params")
+
+
 class HFStateCache:
     """A kvstrata cache for one Hugging Face model (see the module docstring).
 
@@ -255,11 +259,25 @@ class HFStateCache:
             raise RuntimeError("HFStateCache is closed")
 
     def _count_tokens(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Forward pre-hook: advance the token count of a cache this adapter handed out."""
-        cache = kwargs.get("past_key_values", kwargs.get("cache_params"))
-        if not isinstance(cache, KvstrataDynamicCache) or cache.kvstrata_owner is not self._owner:
+        """Forward pre-hook: advance the token count of a cache this adapter handed out, passed
+        under the keyword the model reads it from. Under the other one the model ignores it
+        (Mamba2 takes ``cache_params`` and swallows ``past_key_values``): the forward is refused,
+        or the cache would be committed as holding tokens it never ran."""
+        argument = self.layout.cache_argument
+        cache = kwargs.get(argument)
+        if not self._owns(cache):
+            strays = (key for key in _CACHE_KEYWORDS if key != argument and self._owns(kwargs.get(key)))
+            other = next(strays, None)
+            if other is not None:
+                raise TypeError(
+                    f"{type(module).__name__} reads its cache from {argument}=, not {other}=: it would "
+                    f"run without the cache HFStateCache handed out (pass {argument}=past)"
+                )
             return
         cache.saw(kwargs.get("input_ids", args[0] if args else None), kwargs.get("inputs_embeds"))
+
+    def _owns(self, cache: Any) -> bool:
+        return isinstance(cache, KvstrataDynamicCache) and cache.kvstrata_owner is self._owner
 
     def _check_cache(self, past: Any) -> None:
         if isinstance(past, KvstrataDynamicCache) and past.kvstrata_owner is not self._owner:
