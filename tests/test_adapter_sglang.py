@@ -346,18 +346,80 @@ def test_a_backend_that_cannot_open_names_the_key_the_user_wrote(tmp_path: Path)
     assert f"cannot create {blocker / 'l3'}" in message
 
 
+@pytest.mark.parametrize(("written_as", "read_as"), [("fp8_e4m3", "fp8_e4m3"), ("fp8_e4m3", "fp8_e5m2")])
+def test_fp8_variants_are_told_apart_by_the_configured_kv_cache_dtype(
+    l3: dict[str, Any], caplog: pytest.LogCaptureFixture, written_as: str, read_as: str
+) -> None:
+    """SGLang hands host pools every fp8 KV cache as ``uint8``: the pages of an fp8_e4m3 server and
+    an fp8_e5m2 one look alike, so ``model.kv_cache_dtype`` (SGLang's ``--kv-cache-dtype``) keys
+    them apart; without it the adapter warns that they would share pages."""
+    keys = support.page_keys(2, seed=6)
+    indices = torch.arange(2 * PAGE)
+    unset = support.open_adapter(l3, support.new_mha_pool("page_first", dtype=torch.uint8))
+    assert "model.kv_cache_dtype" in caplog.text
+    unset.close()
+    writer_pool = support.new_mha_pool("page_first", dtype=torch.uint8)
+    flat = writer_pool.kv_buffer.view(-1)
+    flat.copy_(torch.randint(0, 255, flat.shape, dtype=torch.uint8))
+    writer = support.open_adapter({**l3, "model": {"kv_cache_dtype": written_as}}, writer_pool)
+    assert writer.batch_set_v1(keys, indices) == [True, True]
+    writer.close()
+    reader_pool = support.new_mha_pool("page_first", dtype=torch.uint8)
+    reader = support.open_adapter({**l3, "model": {"kv_cache_dtype": read_as}}, reader_pool)
+    same = written_as == read_as
+    assert reader.batch_exists(keys) == (2 if same else 0)
+    assert reader.batch_get_v1(keys, indices) == [same, same]
+    reader.close()
+
+
 # --- hybrid stacks: the v2 calls ------------------------------------------------------------------
 
 
-def mamba_pool(layout: str = "page_first") -> Any:
+def mamba_pool(
+    layout: str = "page_first", temporal: tuple[int, ...] = (2, 4, 4, 8), dtype: torch.dtype = torch.float32
+) -> Any:
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
     info = MambaStateBufferInfo(
-        temporal=torch.zeros(2, 4, 4, 8, dtype=torch.float32),
+        temporal=torch.zeros(*temporal, dtype=dtype),
         conv=(torch.zeros(2, 4, 16, 3, dtype=torch.bfloat16),),
     )
     return MambaPoolHost(info, 2.0, 0, device_capacity=4, pin_memory=False, device="cpu", layout=layout)
+
+
+@pytest.mark.parametrize(
+    ("temporal", "dtype", "hit"),
+    [
+        ((2, 4, 4, 8), torch.bfloat16, True),  # the same format: served
+        ((2, 4, 4, 8), torch.float16, False),  # --mamba-ssm-dtype float16 against bfloat16
+        ((2, 4, 8, 4), torch.bfloat16, False),  # another state shape of the same byte count
+    ],
+    ids=["same", "other-dtype", "other-shape"],
+)
+def test_a_mamba_state_of_another_dtype_or_shape_is_a_miss(
+    l3: dict[str, Any], temporal: tuple[int, ...], dtype: torch.dtype, hit: bool
+) -> None:
+    """SGLang's Mamba host pool hands kvstrata its state as an opaque ``uint8`` page: the key must
+    still say what the bytes are, or a server with fp16 SSM state reads a bf16 server's bits
+    (1.5 came back as 1.9375)."""
+    keys = support.page_keys(1, seed=9)
+    writer = support.open_adapter(l3, support.new_mha_pool("page_first"))
+    written = mamba_pool(dtype=torch.bfloat16)
+    writer.register_mem_host_pool_v2(written, PoolName.MAMBA)
+    written.temporal_buffer.copy_(torch.full(written.temporal_buffer.shape, 1.5).to(torch.bfloat16))
+    assert writer.batch_set_v2(
+        [PoolTransfer(name=PoolName.MAMBA, keys=keys, host_indices=torch.tensor([1]))]
+    ) == {PoolName.MAMBA: [True]}
+    writer.close()
+    reader = support.open_adapter(l3, support.new_mha_pool("page_first"))
+    read = mamba_pool(temporal=temporal, dtype=dtype)
+    reader.register_mem_host_pool_v2(read, PoolName.MAMBA)
+    got = reader.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys, host_indices=torch.tensor([2]))])
+    assert got == {PoolName.MAMBA: [hit]}
+    if hit:
+        assert torch.equal(read.temporal_buffer[2], written.temporal_buffer[1])  # page_first: slot-major
+    reader.close()
 
 
 def test_hybrid_v2_transfers_exists_policies_and_bit_exact_reads(l3: dict[str, Any]) -> None:

@@ -438,7 +438,8 @@ def describe_host_pool(pool: Any, sglang_name: str, plugins: PluginHost, *, repl
     layout = getattr(pool, "layout", "?")
     slots = int(getattr(pool, "page_size", 1) or 1)
     nbytes = dummy.numel() * dummy.element_size()
-    instance = f"{sglang_name}-{digest(class_id(pool), layout, slots, dtype_name(dummy.dtype), nbytes)}"
+    identity = digest(class_id(pool), layout, slots, dtype_name(dummy.dtype), nbytes, *state_format(pool))
+    instance = f"{sglang_name}-{identity}"
     spec = PoolSpec(
         name=instance,
         pool_type=OPAQUE_POOL_TYPE,
@@ -453,6 +454,44 @@ def describe_host_pool(pool: Any, sglang_name: str, plugins: PluginHost, *, repl
     )
     why = "layout-specific bytes" if class_id(pool) in (MHA_CLASS, MLA_CLASS) else "SGLang flat data page"
     return FlatPages(pool, spec, dummy, why)
+
+
+#: host-pool attributes that say what an opaque page's bytes mean (SGLang's flat data page is
+#: ``uint8`` whatever it holds): a Mamba pool's state dtypes and shapes, its layer count
+_FORMAT_ATTRIBUTES = (
+    "conv_dtype",
+    "temporal_dtype",
+    "conv_state_shapes",
+    "temporal_state_shape",
+    "num_mamba_layers",
+    "layer_num",
+    "head_num",
+    "head_dim",
+    "v_head_dim",
+    "kv_cache_dim",
+    "index_head_dim",
+)
+
+
+def state_format(pool: Any) -> list[str]:
+    """What an opaque pool's bytes mean beyond their count, as ``name=value`` strings for its key:
+    two pools of one byte size but other state dtypes or shapes (``--mamba-ssm-dtype bfloat16``
+    vs ``float16``) must never read each other's pages."""
+    facts = []
+    for name in _FORMAT_ATTRIBUTES:
+        value = getattr(pool, name, None)
+        if value is not None:
+            facts.append(f"{name}={_plain_fact(value)}")
+    return facts
+
+
+def _plain_fact(value: Any) -> str:
+    """A stable text of a dtype, a shape or a (nested) list of them."""
+    if isinstance(value, torch.dtype):
+        return dtype_name(value)
+    if isinstance(value, (list, tuple, torch.Size)):
+        return "(" + ",".join(_plain_fact(item) for item in value) + ")"
+    return str(value)
 
 
 def _dummy(pool: Any) -> torch.Tensor:

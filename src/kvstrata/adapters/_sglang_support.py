@@ -36,6 +36,12 @@ class SGLangModelSettings(_Strict):
         description="identifies the exact weights (a digest or revision); set it when the served "
         "name stays while the weights change -- the adapter cannot read SGLang's weights",
     )
+    kv_cache_dtype: str | None = Field(
+        default=None,
+        min_length=1,
+        description="SGLang's --kv-cache-dtype (e.g. fp8_e4m3, fp8_e5m2): SGLang hands host pools "
+        "every fp8 cache as uint8, so only this tells the fp8 variants' pages apart",
+    )
 
 
 class SGLangTiersSettings(_Strict):

@@ -130,6 +130,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             engine="sglang",
             model=model_name,
             weights=self.settings.model.weights_digest,
+            dtypes=(self.settings.model.kv_cache_dtype,) if self.settings.model.kv_cache_dtype else (),
             parallel=self.parallel,
             cache_salt=self.settings.model.cache_salt,
         )
@@ -174,6 +175,13 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                 page_format.name, page_format.spec, host_region=page_format.host_region(), owner=pool
             )
             self._pools[sglang_name] = page_format
+        if getattr(pool, "dtype", None) is torch.uint8 and not self.settings.model.kv_cache_dtype:
+            log.warning(
+                "kvstrata L3: SGLang pool %r holds uint8 pages (an fp8 KV cache is handed to host pools "
+                "as uint8): set kvstrata_config.model.kv_cache_dtype to SGLang's --kv-cache-dtype, or "
+                "servers of another fp8 variant under this model name read these pages",
+                sglang_name,
+            )
         log.info(
             "kvstrata L3: SGLang pool %r -> %s; plan %s (%s)",
             sglang_name,
