@@ -71,6 +71,7 @@ class Engine:
         identity = identity_of(self.layout, ParallelConfig())
         self.scheduler = SchedulerSide(self.engine, self.layout, identity, **scheduler)
         self.block_ids: dict[str, list[int]] = {}
+        self.planned_stores: list[tuple[list[str], str | None, list[int]]] = []  # every plan's
         self.scheduler.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (self.block_ids[rid],))
         self.worker = WorkerSide(self.engine, self.layout)
         cache = torch.randint(-100, 100, (BLOCKS, 2, BS, HEADS, HEAD_DIM)).to(torch.bfloat16)
@@ -97,6 +98,7 @@ class Engine:
     def step(self, scheduled: dict[str, int]) -> Any:
         """One engine step: the plan built after scheduling, the worker's saves and loads."""
         plan = self.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens=scheduled))
+        self.planned_stores += plan.stored
         self.worker.save(plan)
         for transfers in plan.loads.values():
             self.worker.load(SimpleNamespace(loads={"r": transfers}, saves=[]))
@@ -107,7 +109,7 @@ class Engine:
         hashes = self.scheduler._hashes(
             self.scheduler.requests[request.request_id], len(request.all_token_ids) // BS
         )
-        return sorted({hashes.index(h) for logged, _, _ in self.scheduler.stored_log for h in logged})
+        return sorted({hashes.index(h) for logged, _, _ in self.planned_stores for h in logged})
 
     def close(self) -> None:
         self.storage.close()
@@ -247,7 +249,7 @@ def test_extra_keys_separate_requests_of_the_same_tokens(engines: Any) -> None:
     assert blind.scheduler.matched_tokens(refused, 0) == (0, False)
     saved = blind.worker.stats["saved_blocks"]
     _decode(blind, refused, 1, async_output=False)
-    assert blind.worker.stats["saved_blocks"] == saved and not blind.scheduler.stored_log
+    assert blind.worker.stats["saved_blocks"] == saved and not blind.planned_stores
 
 
 def test_a_reset_serves_nothing_stored_before_and_keys_anew(engines: Any) -> None:
@@ -302,3 +304,28 @@ def test_a_model_of_state_groups_only_is_offered_only_stored_checkpoints(tmp_pat
         assert scheduler.matched_tokens(request, 0) == (0, False)
     finally:
         storage.close()
+
+
+def test_the_workers_announce_only_the_blocks_they_stored(engines: Any) -> None:
+    """vLLM's ``BlockStored`` events come from the workers after their saves: a range whose anchor
+    objects were stored is announced (hashes, parent, tokens), one whose save failed is not, and a
+    range stored only up to a failed block is announced up to it."""
+    engine = engines()
+    prompt = list(range(1, 3 * BS + 5))
+    _decode(engine, engine.request("ok", prompt), 1, async_output=False)
+    ((hashes, parent, tokens),) = engine.worker.stored_ranges
+    assert len(hashes) == 3 and parent is None and tokens == prompt[: 3 * BS]
+    assert engine.planned_stores == [(hashes, parent, tokens)]
+
+    failing = engines()
+    real_put = failing.engine.put
+
+    def put(pool: str, keys: list[str], units: Any) -> Any:  # FAULT INJECTION: block 1 not stored
+        result = real_put(pool, keys, units)
+        result.ok[1:2] = [False] * len(result.ok[1:2])
+        return result
+
+    failing.engine.put = put
+    _decode(failing, failing.request("partly", [t + 1000 for t in prompt]), 1, async_output=False)
+    ((hashes, _, tokens),) = failing.worker.stored_ranges
+    assert len(hashes) == 1 and tokens == [t + 1000 for t in prompt[:BS]]

@@ -86,6 +86,9 @@ class StepPlan:
 
     loads: dict[str, list[GroupTransfer]] = field(default_factory=dict)  # req id -> transfers
     saves: list[GroupTransfer] = field(default_factory=list)
+    #: per request range saved: (its block hashes, the parent hash, its token ids), for the
+    #: ``BlockStored`` events the workers publish once the anchor objects are stored
+    stored: list[tuple[list[str], str | None, list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -128,8 +131,9 @@ class SchedulerSide:
         self.requests: dict[str, _Request] = {}
         self.kv_cache_manager: Any = None
         self.stats = {"lookups": 0, "offered_blocks": 0, "loads_planned": 0, "save_blocks_planned": 0}
-        #: for KV events: (hashes, parent hash, tokens) of blocks planned to be stored, and hashes of
-        #: blocks found unusable; drained by the connector's ``take_events``
+        #: for KV events: (hashes, parent hash, tokens) of the blocks the last plan saves (the
+        #: workers announce those stored), and hashes of blocks found unusable (drained by the
+        #: connector's ``take_events``)
         self.stored_log: list[tuple[list[str], str | None, list[int]]] = []
         self.removed_log: list[list[str]] = []
         self._loading: dict[str, list[str]] = {}  # req id -> anchor hashes of its load in flight
@@ -293,13 +297,14 @@ class SchedulerSide:
                 self.stats["loads_planned"] += 1
         if not self.may_save:
             return plan
+        self.stored_log = []
         saves: dict[int, GroupTransfer] = {}
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
             if state is None or scheduled <= 0 or state.uncacheable:
                 continue
             self._plan_saves(req_id, state, state.request.num_computed_tokens, scheduled, saves)
-        plan.saves = list(saves.values())
+        plan.saves, plan.stored = list(saves.values()), list(self.stored_log)
         return plan
 
     def _block_ids(self, req_id: str) -> tuple[list[int], ...] | None:

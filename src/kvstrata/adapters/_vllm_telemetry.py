@@ -15,7 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+    KVEventAggregator,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 #: vLLM's medium of a storage tier (``vllm.distributed.kv_events.MEDIUM_STORAGE``).
@@ -65,6 +71,38 @@ class CounterDelta:
         return None if stats.is_empty() else stats
 
 
+class KvstrataKVEvents(KVConnectorKVEvents):
+    """The ``BlockStored`` events of one worker's saves, as vLLM carries them to the scheduler
+    (summed over the workers: an event counts once every rank published it, so a block is
+    announced only when every TP rank stored its shard)."""
+
+    def __init__(self, num_workers: int = 1) -> None:
+        self._aggregator = KVEventAggregator(num_workers)
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._aggregator.add_events(events)
+
+    def aggregate(self) -> KvstrataKVEvents:
+        common = self._aggregator.get_common_events()
+        self._aggregator.clear_events()
+        self._aggregator.add_events(common)
+        self._aggregator.reset_workers()
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._aggregator.increment_workers(count)
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return self._aggregator.get_all_events()
+
+    def get_number_of_workers(self) -> int:
+        return self._aggregator.get_number_of_workers()
+
+    def clear_events(self) -> None:
+        self._aggregator.clear_events()
+        self._aggregator.reset_workers()
+
+
 class EventLog:
     """KV events collected by the scheduler role, drained by vLLM each step (``take_events``)."""
 
@@ -93,3 +131,7 @@ class EventLog:
     def take(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
         return events
+
+    def add(self, events: list[KVCacheEvent]) -> None:
+        """Events the workers published (see :class:`KvstrataKVEvents`)."""
+        self._events.extend(events)

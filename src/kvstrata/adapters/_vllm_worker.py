@@ -186,6 +186,9 @@ class WorkerSide:
         self.failed_loads: set[str] = set()
         # a failed load is counted once, by the scheduler (vLLM sums the roles' and ranks' stats)
         self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "save_failures": 0}
+        #: (hashes, parent hash, token ids) of block ranges whose anchor objects this rank stored:
+        #: vLLM's ``BlockStored`` events (kept where every rank stored its shard)
+        self.stored_ranges: list[tuple[list[str], str | None, list[int]]] = []
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """vLLM's tensors per layer become the groups' L1 (checked against the spec once)."""
@@ -311,8 +314,10 @@ class WorkerSide:
                 self.failed_loads.add(req_id)
 
     def save(self, plan: StepPlan) -> None:
-        """The blocks this step completed, components before the anchor (its object commits)."""
+        """The blocks this step completed, components before the anchor (its object commits);
+        then the ranges whose anchor objects are stored, for vLLM's KV events."""
         by_group = {t.group_id: t for t in plan.saves}
+        anchor_stored: set[str] = set()
         for group in self.layout.save_order():
             transfer = by_group.get(group.group_id)
             if transfer is None or not transfer.hashes:
@@ -325,6 +330,8 @@ class WorkerSide:
                     staging = self._staged(group.group_id, transfer.block_ids)
                     result = self.engine.put(group.pool, transfer.hashes, self._rows(staging))
                 stored = sum(result.ok)
+                if group is self.layout.anchor:
+                    anchor_stored.update(h for h, ok in zip(transfer.hashes, result.ok, strict=True) if ok)
             except Exception:
                 log.exception(
                     "kvstrata: saving %d blocks of group %d failed", len(transfer.hashes), group.group_id
@@ -332,6 +339,11 @@ class WorkerSide:
                 stored = 0
             self.stats["saved_blocks"] += stored
             self.stats["save_failures"] += len(transfer.hashes) - stored
+        block = self.layout.block_size
+        for hashes, parent, tokens in plan.stored:
+            done = next((i for i, h in enumerate(hashes) if h not in anchor_stored), len(hashes))
+            if done:  # the leading run stored: a chain from ``parent`` a router can follow
+                self.stored_ranges.append((hashes[:done], parent, tokens[: done * block]))
 
     def take_finished(self) -> tuple[set[str], set[str]]:
         done, failed = self.finished_loads, self.failed_loads

@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstrata.adapters._shared import EngineIdentity, EngineStorage
 from kvstrata.adapters._vllm_layout import StoreLayout, build_layout, identity_of
 from kvstrata.adapters._vllm_scheduler import SchedulerSide, StepPlan, vllm_extra_keys
-from kvstrata.adapters._vllm_telemetry import CounterDelta, EventLog, KvstrataConnectorStats
+from kvstrata.adapters._vllm_telemetry import CounterDelta, EventLog, KvstrataConnectorStats, KvstrataKVEvents
 from kvstrata.adapters._vllm_worker import WorkerSide
 from kvstrata.engine_kit import (
     ParallelConfig,
@@ -281,6 +281,9 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is None:
             return
+        published = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(published, KvstrataKVEvents):  # the workers' stores, kept where every rank stored
+            self._events.add(published.aggregate().get_all_events())
         failed = set(connector_output.failed_recving or ())
         if failed:
             self._scheduler.loads_failed(failed)
@@ -296,16 +299,27 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
         return True
 
     def take_events(self) -> list[Any]:
-        """``BlockStored`` / ``BlockRemoved`` with medium ``STORAGE`` (kvstrata's L3)."""
+        """``BlockStored`` (the blocks the workers stored, published by them) / ``BlockRemoved``
+        with medium ``STORAGE`` (kvstrata's L3)."""
         if self._scheduler is None:
             return []
-        for hashes, parent, tokens in self._scheduler.stored_log:
-            self._events.stored(hashes, parent, tokens)
         for hashes in self._scheduler.removed_log:
             self._events.removed(hashes)
-        self._scheduler.stored_log.clear()
         self._scheduler.removed_log.clear()
         return self._events.take()
+
+    def get_kv_connector_kv_cache_events(self) -> KvstrataKVEvents | None:
+        """Worker role: ``BlockStored`` for the block ranges whose anchor objects this rank stored
+        since the last call (a failed save is never announced)."""
+        if self._worker is None or not self._worker.stored_ranges:
+            return None
+        ranges, self._worker.stored_ranges = self._worker.stored_ranges, []
+        events = EventLog(self.layout.block_size)
+        for hashes, parent, tokens in ranges:
+            events.stored(hashes, parent, tokens)
+        published = KvstrataKVEvents(num_workers=1)
+        published.add_events(events.take())
+        return published
 
     def get_kv_connector_stats(self) -> KvstrataConnectorStats | None:
         side = self._scheduler if self._scheduler is not None else self._worker
