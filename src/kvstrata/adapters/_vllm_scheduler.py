@@ -131,10 +131,8 @@ class SchedulerSide:
         self.requests: dict[str, _Request] = {}
         self.kv_cache_manager: Any = None
         self.stats = {"lookups": 0, "offered_blocks": 0, "loads_planned": 0, "save_blocks_planned": 0}
-        #: for KV events: (hashes, parent hash, tokens) of the blocks the last plan saves (the
-        #: workers announce those stored), and hashes of blocks found unusable (drained by the
-        #: connector's ``take_events``)
-        self.stored_log: list[tuple[list[str], str | None, list[int]]] = []
+        #: for KV events: hashes of blocks found unusable (drained by the connector's
+        #: ``take_events``; stored blocks are announced by the workers, see ``StepPlan.stored``)
         self.removed_log: list[list[str]] = []
         self._loading: dict[str, list[str]] = {}  # req id -> anchor hashes of its load in flight
         #: mixed into every chain root after ``reset``: "" until the first
@@ -297,14 +295,13 @@ class SchedulerSide:
                 self.stats["loads_planned"] += 1
         if not self.may_save:
             return plan
-        self.stored_log = []
         saves: dict[int, GroupTransfer] = {}
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
             if state is None or scheduled <= 0 or state.uncacheable:
                 continue
-            self._plan_saves(req_id, state, state.request.num_computed_tokens, scheduled, saves)
-        plan.saves, plan.stored = list(saves.values()), list(self.stored_log)
+            self._plan_saves(req_id, state, state.request.num_computed_tokens, scheduled, saves, plan.stored)
+        plan.saves = list(saves.values())
         return plan
 
     def _block_ids(self, req_id: str) -> tuple[list[int], ...] | None:
@@ -332,10 +329,17 @@ class SchedulerSide:
         return transfers
 
     def _plan_saves(
-        self, req_id: str, state: _Request, computed: int, scheduled: int, saves: dict[int, GroupTransfer]
+        self,
+        req_id: str,
+        state: _Request,
+        computed: int,
+        scheduled: int,
+        saves: dict[int, GroupTransfer],
+        stored: list[tuple[list[str], str | None, list[int]]],
     ) -> None:
         """Blocks this step completes; a Mamba state only where the step ends on a block boundary
-        (align mode writes the checkpoint there, in this step: it is saved before vLLM reuses it)."""
+        (align mode writes the checkpoint there, in this step: it is saved before vLLM reuses it).
+        The range goes to ``stored`` too (the workers announce it once stored)."""
         bs = self.block_size
         if state.save_from is None:  # what vLLM held itself (or loaded) when it first ran it
             state.save_from = computed // bs
@@ -364,7 +368,7 @@ class SchedulerSide:
         state.stored_blocks = end
         self.stats["save_blocks_planned"] += end - first
         tokens = state.request.all_token_ids[first * bs : end * bs]
-        self.stored_log.append((hashes[first:end], hashes[first - 1] if first else None, list(tokens)))
+        stored.append((hashes[first:end], hashes[first - 1] if first else None, list(tokens)))
 
     def loads_failed(self, req_ids: set[str]) -> None:
         """The workers could not load these requests (damaged, foreign or missing objects)."""

@@ -270,6 +270,7 @@ class Lease:
                 first = end - 1
                 if pending.get(tp.name):  # the working slot now runs to the new end (see take_for_insert)
                     self._allocated_first[tp.name] = first
+                continue
             if new:  # a pool that got nothing keeps saying where its last units start
                 self._allocated_first[tp.name] = first
         self._allocated = pending
