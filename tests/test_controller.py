@@ -283,8 +283,35 @@ def test_a_draft_pool_added_at_runtime_is_stored_and_restored(tmp_path: Path) ->
 
 
 def test_a_late_pool_must_be_a_sidecar() -> None:
-    with open_cache("kv") as cache, pytest.raises(ValueError, match="only sidecars"):
-        cache.add_pool("swa2", {"type": "swa", "layers": 1, "kv_heads": 1, "head_dim": 8, "window": 64})
+    with open_cache("kv") as cache:
+        with pytest.raises(ValueError, match="only sidecars"):
+            cache.add_pool("swa2", {"type": "swa", "layers": 1, "kv_heads": 1, "head_dim": 8, "window": 64})
+        assert "swa2" not in cache.pools.pools, "a refused pool was left in the group"
+        cache.add_pool("swa2", DRAFT)  # the name is still free
+        _, bad = serve(cache, tokens(13, 3))
+        assert bad == 0
+
+
+def test_a_late_pool_drops_write_back_nodes_whose_children_left_first() -> None:
+    # write-back keeps a node's only copy: a device node with host-only children cannot leave
+    # until they have; one device pass then one host pass left it cached, and a lookup then
+    # served the new pool's units for it, which no one wrote
+    overrides = [
+        "policy.write=write_back",
+        "tiers.device.capacity_tokens=256",
+        "tiers.host.capacity_tokens=1024",
+    ]
+    with open_cache("kv", overrides=overrides) as cache:
+        shared = tokens(14, 1)
+        serve(cache, torch.cat([shared, tokens(15, 1)]))
+        serve(cache, torch.cat([shared, tokens(16, 1)]))  # splits: the shared page, two children
+        serve(cache, tokens(17, 3))  # device pressure: the leaves are backed up and leave the device
+        cache.add_pool("draft", DRAFT)
+        lease = cache.lookup(shared)
+        cache.admit(lease)
+        assert lease.cached_pages == 0, "a page cached before the draft pool existed was served"
+        cache.release(lease)
+        assert cache.tree.units("kv", "device") == 0 and cache.tree.units("kv", "host") == 0
 
 
 def test_selective_write_through_backs_up_on_the_second_hit() -> None:

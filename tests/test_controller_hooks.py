@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from controller_support import open_cache, serve, tokens
+from controller_support import host_units_held_by_tree, host_units_in_use, open_cache, serve, tokens
 from kvstrata import hookimpl
 from kvstrata.plugins import PluginHost
 
@@ -56,3 +56,67 @@ def test_hooks_see_configure_store_prefetch_eviction_and_close(tmp_path: Path) -
     assert sum(e["pages"] for e in stored) == 24 and len(stored) == 6, "one event per batch, not per page"
     assert ("evicted", {"tier": "device", "pool": "kv"}) in recorder.events
     assert ("prefetched", {"tokens": 256}) in recorder.events
+
+
+class Broken:
+    """An observer that raises in every event (a metrics plugin with a bug)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def _fail(self, event: str) -> None:
+        self.calls.append(event)
+        raise RuntimeError(f"observer bug in {event}")
+
+    @hookimpl
+    def kvstrata_backend_opened(self, instance, backend, capabilities) -> None:
+        self._fail("opened")
+
+    @hookimpl
+    def kvstrata_prefetch_committed(self, request_id, tokens, pools) -> None:
+        self._fail("prefetched")
+
+    @hookimpl
+    def kvstrata_eviction(self, tier, pool, units) -> None:
+        self._fail("evicted")
+
+    @hookimpl
+    def kvstrata_backend_closing(self, instance, backend) -> None:
+        self._fail("closing")
+
+
+def device_units_in_use(cache) -> dict[str, int]:
+    return {
+        name: pool.device_allocator.used
+        for name, pool in cache.pools.pools.items()
+        if pool.device_allocator is not None and pool.index_owner == name
+    }
+
+
+def test_an_observer_that_raises_fails_no_operation_and_leaks_nothing(tmp_path: Path) -> None:
+    # a raising eviction observer once escaped from allocate() after its units were taken
+    # (window extras evict out-of-window data): they were in no lease and no node, for good
+    broken = Broken()
+    closed: list[str] = []
+    for example, overrides in (("swa", ["tiers.device.capacity_tokens=512"]), ("hybrid-mamba", [])):
+        host = PluginHost()
+        host.register_plugin(broken, "broken")
+        with open_cache(example, tmp_path / example, overrides, host=host) as cache:
+            for i in range(8):
+                _, bad = serve(cache, tokens(90 + i, 4))  # more pages than the device holds
+                assert bad == 0
+            cache.flush()
+            held = {name: cache.tree.units(name, "device") for name in cache.tree_pools}
+            assert device_units_in_use(cache) == held, "every device unit in use is the tree's"
+            assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+            backend = cache.parts.backend
+            backend.close = lambda backend=backend, example=example: closed.append(example)  # type: ignore[method-assign]
+        cold_host = PluginHost()
+        cold_host.register_plugin(broken, "broken")
+        with open_cache(
+            example, tmp_path / example, ["policy.prefetch.policy=wait_complete"], host=cold_host
+        ) as cold:
+            lease, bad = serve(cold, tokens(97, 4))
+            assert lease.hit_pages["storage"] == 4 and bad == 0
+    assert {"opened", "evicted", "prefetched", "closing"} <= set(broken.calls)
+    assert closed == ["swa", "hybrid-mamba"], "a raising backend_closing observer skipped backend.close()"

@@ -306,7 +306,8 @@ class EngineStorage:
             return
         self._closed = True
         try:
-            self.plugins.hook.kvstrata_backend_closing(instance=self.backend.instance, backend=self.backend)
+            backend = self.backend
+            self.plugins.notify("kvstrata_backend_closing", instance=backend.instance, backend=backend)
         finally:
             self.backend.close()
             self.plugins.close()

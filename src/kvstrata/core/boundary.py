@@ -168,7 +168,7 @@ class ClosingApi:
                 self.prefetcher.shutdown(wait=True)
             backend = self.parts.backend
             if backend is not None:
-                self.plugins.hook.kvstrata_backend_closing(instance=backend.instance, backend=backend)
+                self.plugins.notify("kvstrata_backend_closing", instance=backend.instance, backend=backend)
                 backend.close()
         except BaseException as exc:  # handed to close()'s caller when it is still waiting
             failed.append(exc)

@@ -182,10 +182,10 @@ def build_cache(
 
 def _wire(parts: CacheParts) -> None:
     """The controller's working parts, sharing the pools, tree, layout, metrics and engine."""
-    policy, hook = parts.config.policy, parts.plugins.hook
+    policy, notify = parts.config.policy, parts.plugins.notify
 
-    def on_eviction(tier: str, pool: str, units: Any) -> None:
-        hook.kvstrata_eviction(tier=tier, pool=pool, units=units)
+    def on_eviction(tier: str, pool: str, units: int) -> None:
+        notify("kvstrata_eviction", tier=tier, pool=pool, units=units)
 
     if policy.eviction is not None:  # else the tree's own LRU order
         install_policies(parts.plugins, policy.eviction, parts.pools, parts.tree)
@@ -213,7 +213,7 @@ def _wire(parts: CacheParts) -> None:
     parts.load_back = LoadBack(parts.context)
     parts.writer = Writer(parts.context, parts.engine)
     if parts.engine is not None:
-        parts.prefetcher = Prefetcher(parts.context, parts.engine, hook)
+        parts.prefetcher = Prefetcher(parts.context, parts.engine, notify)
     if parts.config.debug.unit_digests:
         parts.writer.digests = UnitDigests(parts.pools, parts.layout)
         if parts.prefetcher is not None:
@@ -289,8 +289,11 @@ def new_storage_engine(
         checksum=checksum,
         hook=plugins.hook,
     )
-    plugins.hook.kvstrata_backend_opened(
-        instance=backend.instance, backend=backend, capabilities=backend.instance_capabilities()
+    plugins.notify(
+        "kvstrata_backend_opened",
+        instance=backend.instance,
+        backend=backend,
+        capabilities=backend.instance_capabilities(),
     )
     return engine
 

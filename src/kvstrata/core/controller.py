@@ -63,7 +63,6 @@ from kvstrata.core.tokens import token_ids
 from kvstrata.core.tree import MatchResult, Tier, page_keys
 from kvstrata.core.unit_memory import UnitMemory
 from kvstrata.plugins import PluginHost
-from kvstrata.plugins.pool_type import PoolRole
 
 #: ``Tier.DEVICE`` without the enum's descriptor lookup (~0.1 us): the per-chunk calls read it
 _DEVICE = Tier.DEVICE
@@ -359,12 +358,7 @@ class CacheController(UnitMemory, ClosingApi):
         if self._leases:
             raise RuntimeError(f"add_pool({name!r}) needs no open leases ({len(self._leases)} open)")
         self.flush()
-        pool = self.pools.add_pool(name, config)
-        if pool.role is not PoolRole.SIDECAR:
-            raise ValueError(
-                f"pool {name!r} is a {pool.role.value}: only sidecars (pools with an index_source) "
-                "can be added after start"
-            )
+        pool = self.pools.add_pool(name, config)  # refuses anything but a sidecar, adding nothing
         self.units.drop_everything()
         self.layout.refresh(self.pools, self.tree)
         plan_late_pool(self.parts, pool)

@@ -418,7 +418,12 @@ def allocate_units(
         return None
     extras = window_extras(layout, lease, end) if layout.windowed and not window_only else None
     if extras:
-        for name, spare in units.alloc_spare(_DEVICE, extras).items():
+        try:  # the spare units evict out-of-window data: anything raising there frees ``got``
+            spares = units.alloc_spare(_DEVICE, extras)
+        except BaseException:
+            units.free(_DEVICE, got)  # type: ignore[arg-type]
+            raise
+        for name, spare in spares.items():
             got[name] = np.concatenate([spare.numpy(), got[name]])
     tensors: dict[str, torch.Tensor] = {}
     raw: dict[str, bytes] = {}

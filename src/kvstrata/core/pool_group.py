@@ -350,6 +350,11 @@ class PoolGroup:
         spec = plugin.spec()
         if spec.role is PoolRole.ANCHOR:
             raise ValueError(f"pool {instance!r} would be a second anchor (anchor: {self.anchor_name!r})")
+        if spec.role is not PoolRole.SIDECAR:  # the tree holds no values of a pool it never saw
+            raise ValueError(
+                f"pool {instance!r} is a {spec.role.value}: only sidecars (pools with an index_source) "
+                "can be added after start"
+            )
         if spec.index_source is not None and spec.index_source not in self.pools:
             raise ValueError(f"pool {instance!r}: index_source {spec.index_source!r} is not in the group")
         units = self._units(spec, plugin.config, {})

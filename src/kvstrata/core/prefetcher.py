@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
 from functools import cached_property
 
 import torch
-from pluggy import HookRelay
 
 from kvstrata.core.metrics import Operation, SkipReason, count_failure
 from kvstrata.core.part_context import PartContext
@@ -48,6 +47,9 @@ from kvstrata.core.unit_digests import UnitDigests, check_span
 from kvstrata.plugins.pool_type import PartialHit
 
 log = logging.getLogger(__name__)
+
+#: an event hook's call by name, which never raises (``PluginHost.notify``)
+Notify = Callable[..., None]
 
 
 class PrefetchMode(StrEnum):
@@ -81,13 +83,13 @@ def _all_of(per_pool: Sequence[Sequence[bool]]) -> list[bool]:
 class Prefetcher:
     """L3 -> L2 reads for leases (see the module docstring for the decision steps)."""
 
-    def __init__(self, context: PartContext, engine: StorageEngine, hook: HookRelay) -> None:
+    def __init__(self, context: PartContext, engine: StorageEngine, notify: Notify) -> None:
         self.context = context
         self.pools, self.tree, self.layout = context.pools, context.tree, context.layout
         self.units, self.metrics = context.units, context.metrics
         self.engine = engine
         self.policy = context.policy.prefetch
-        self.hook = hook
+        self.notify = notify  # an event hook's call that never raises (PluginHost.notify)
         self.page_size = context.page_size
         self.orphans: list[PrefetchOp] = []  # revoked prefetches whose worker has not finished
         self.reserved_pages = 0  # pages in flight (the rate limit counts them)
@@ -329,8 +331,11 @@ class Prefetcher:
         self.units.free(Tier.HOST, spare)
         self.units.free(Tier.HOST, result.duplicates)
         self.metrics.count(Operation.PREFETCHES_COMMITTED)
-        self.hook.kvstrata_prefetch_committed(
-            request_id=request_id, tokens=pages * self.page_size, pools=list(self.pools.pools)
+        self.notify(
+            "kvstrata_prefetch_committed",
+            request_id=request_id,
+            tokens=pages * self.page_size,
+            pools=list(self.pools.pools),
         )
         return pages
 

@@ -40,7 +40,7 @@ class TierUnits:
         tree: PrefixTree,
         *,
         delete_unbacked: bool,
-        on_eviction: Callable[[str, str, torch.Tensor], None],
+        on_eviction: Callable[[str, str, int], None],
         metrics: CacheMetrics | None = None,
     ) -> None:
         """``delete_unbacked``: whether device eviction may delete a node with no host copy
@@ -168,7 +168,12 @@ class TierUnits:
             self.tree.unlock(guard)
 
     def drop_everything(self) -> None:
-        """Evict every unlocked node from both tiers (a late pool has no data for them)."""
+        """Evict every unlocked node from both tiers (a late pool has no data for them). In
+        rounds until one frees nothing: a device node with host-only children (write-back keeps
+        a node's only copy) can leave only after the host pass took them."""
         everything = {name: 1 << 62 for name in (spec.name for spec in self.tree.pools)}
-        self.tree.evict_device(everything, self.freer(Tier.DEVICE))
-        self.tree.evict_host(everything, self.freer(Tier.HOST))
+        while True:
+            device = self.tree.evict_device(everything, self.freer(Tier.DEVICE))
+            host = self.tree.evict_host(everything, self.freer(Tier.HOST))
+            if not any(device.units.values()) and not any(host.units.values()):
+                return

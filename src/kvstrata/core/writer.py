@@ -178,9 +178,14 @@ class Writer:
         allocated: list[Units] = []
         for node in candidates:
             needs = unit_counts(node, index)
-            got = self.units.alloc_protecting(node, Tier.HOST, needs)
-            if got is None and self.pending:
-                got = self._wait_for_room(node, needs)
+            try:
+                got = self.units.alloc_protecting(node, Tier.HOST, needs)
+                if got is None and self.pending:
+                    got = self._wait_for_room(node, needs)
+            except BaseException:  # the units taken for earlier nodes are no one's yet
+                for taken in allocated:
+                    self.units.free(Tier.HOST, taken)
+                raise
             if got is None:  # the host tier is full of pages other requests hold
                 self.metrics.count(Operation.BACKUPS_SKIPPED)
                 break

@@ -7,6 +7,7 @@ hosts in one process never see each other's in-process registrations.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ POOL_TYPES_GROUP = "kvstrata.pool_types"
 STORAGE_BACKENDS_GROUP = "kvstrata.storage_backends"
 EVICTION_POLICIES_GROUP = "kvstrata.eviction_policies"
 HOOK_PLUGINS_GROUP = "kvstrata.plugins"
+
+log = logging.getLogger(__name__)
 
 
 class PluginSettings(BaseSettings):
@@ -186,8 +189,17 @@ class PluginHost:
 
     @property
     def hook(self) -> Any:
-        """The pluggy hook relay (``host.hook.kvstrata_backend_opened(...)``)."""
+        """The pluggy hook relay (``host.hook.kvstrata_configure(...)``; events go through :meth:`notify`)."""
         return self.pm.hook
+
+    def notify(self, event: str, **kwargs: Any) -> None:
+        """Call the event hook ``event`` (an observer: eviction, prefetch, backend open/close).
+        An observer that raises is logged and ignored: a metrics plugin must never fail the
+        operation it watches half-way (units taken before an eviction's event would leak)."""
+        try:
+            getattr(self.pm.hook, event)(**kwargs)
+        except Exception:
+            log.exception("kvstrata hook %s raised; ignored", event)
 
     def register_plugin(self, plugin: object, name: str | None = None) -> None:
         """Register a hook plugin (module or object) in-process."""
