@@ -180,3 +180,19 @@ def test_a_single_config_error_is_one_line_for_engine_logs() -> None:
     assert one == "invalid configuration in SGLang extra_config: kvstrata.model.name: required"
     two = str(ConfigError([("a", "x"), ("b", "y")])).splitlines()
     assert two == ["invalid configuration:", "  a: x", "  b: y"]
+
+
+def test_a_config_object_keeps_what_was_set_on_its_default_sections(kvstrata_host: PluginHost) -> None:
+    # load(config object) re-validated only the fields pydantic saw set: a value assigned on a
+    # section that came from defaults was dropped (rank 1 of 2 then stored under rank 0's keys)
+    config = load(BASE, plugins=kvstrata_host, environ={})
+    config.parallel.tp_size, config.parallel.tp_rank = 2, 1
+    config.tiers.device.capacity_tokens = 128
+    config.policy.prefetch.policy = "wait_complete"
+    again = load(config, plugins=kvstrata_host, environ={"KVSTRATA_POLICY__WRITE": "write_back"})
+    assert (again.parallel.tp_size, again.parallel.tp_rank) == (2, 1)
+    assert again.tiers.device.capacity_tokens == 128 and again.policy.prefetch.policy == "wait_complete"
+    assert again.policy.write == "write_back", "the environment still applies on top"
+    config.parallel.tp_rank = 2
+    with pytest.raises(ConfigError, match="parallel"):
+        load(config, plugins=kvstrata_host, environ={})  # and is validated again

@@ -99,30 +99,42 @@ def test_a_backend_that_cannot_open_is_named_by_its_config_entry(tmp_path: Path)
 
 
 @pytest.mark.parametrize("entry", ["cache", "engine_kit"])
-def test_a_plugin_raising_anything_at_open_is_a_storage_error_and_closed(entry: str) -> None:
-    """Fault injection: a backend plugin's ``open`` raises a plain RuntimeError. The cache, and the
-    adapters' path (``engine_kit.open_storage``), report it as a StorageError naming the instance
-    and type (the plugin's error as the cause), after closing the half-opened backend."""
+@pytest.mark.parametrize("where", ["open", "constructor", "capabilities"])
+def test_a_plugin_raising_anything_at_open_is_a_storage_error_and_closed(entry: str, where: str) -> None:
+    """Fault injection: a backend plugin's constructor, ``open`` or ``instance_capabilities``
+    raises. The cache, and the adapters' path (``engine_kit.open_storage``), report it as a
+    StorageError naming the instance and type (the plugin's error as the cause), after closing
+    the half-opened backend (a raising ``instance_capabilities`` once left it open, unreported)."""
     opened: list[FaultyBackend] = []
 
     class RecordedFaultyBackend(FaultyBackend):
+        def __init__(self, instance: str, config: FaultyBackend.Config) -> None:
+            if where == "constructor":
+                raise InjectedFault(f"injected open failure ({instance})")
+            super().__init__(instance, config)
+
         def open(self) -> None:
             opened.append(self)
             super().open()
 
+        def instance_capabilities(self):  # type: ignore[no-untyped-def]
+            if where == "capabilities":
+                raise InjectedFault(f"injected open failure ({self.instance})")
+            return super().instance_capabilities()
+
     host = PluginHost()
     host.storage_backends.register(RecordedFaultyBackend)
+    operations = ["open"] if where == "open" else []
     with pytest.raises(StorageError) as caught:
         if entry == "cache":
-            open_cache(
-                "kv", overrides=["tiers.storage={broken: {type: faults, operations: [open]}}"], host=host
-            )
+            storage = f"tiers.storage={{broken: {{type: faults, operations: {operations}}}}}"
+            open_cache("kv", overrides=[storage], host=host)
         else:
-            config = RecordedFaultyBackend.Config(type="faults", operations=["open"])
+            config = RecordedFaultyBackend.Config(type="faults", operations=operations)
             open_storage("broken", config, namespace="test", plugins=host)
     assert "storage instance 'broken' (tiers.storage.broken, type 'faults') could not be opened" in str(
         caught.value
     )
     assert "InjectedFault: injected open failure (broken)" in str(caught.value)
     assert isinstance(caught.value.__cause__, InjectedFault)
-    assert len(opened) == 1 and opened[0].closed.is_set()
+    assert len(opened) == (where != "constructor") and all(backend.closed.is_set() for backend in opened)

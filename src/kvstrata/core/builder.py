@@ -236,15 +236,18 @@ def open_storage_backend(
 ) -> StorageBackend:
     """The configured backend plugin, opened (shared with the adapters that drive L3 directly).
 
-    A backend that cannot open (a path that cannot be created, a server that does not answer) is
-    a :class:`StorageError` naming the config entry, whatever the plugin raised (kept as the
-    cause): a user reads which instance of which backend failed, not an ``OSError`` from deep in
-    a plugin. Plugin errors (a missing extra, a 3FS mount that is not there) pass as they are:
+    A backend that cannot open (a path that cannot be created, a server that does not answer, a
+    plugin whose constructor or ``instance_capabilities`` raises) is a :class:`StorageError`
+    naming the config entry, whatever the plugin raised (kept as the cause): a user reads which
+    instance of which backend failed, not an ``OSError`` from deep in a plugin. Plugin errors (a missing extra, a 3FS mount that is not there) pass as they are:
     they already say what to do. ``config_path``: where the user wrote the storage instances
     (an engine adapter's config sits under its own key: ``config.tiers.storage``)."""
-    backend = plugins.storage_backends.require(backend_config.type)(instance, backend_config)
-    try:
+    backend_class = plugins.storage_backends.require(backend_config.type)
+    backend: StorageBackend | None = None
+    try:  # the constructor and the capabilities are the plugin's code too: the same error
+        backend = backend_class(instance, backend_config)
         backend.open()
+        backend.instance_capabilities()  # what the caller asks next: an open backend answers it
     except PluginError:
         _close_quietly(backend)
         raise
@@ -258,8 +261,10 @@ def open_storage_backend(
     return backend
 
 
-def _close_quietly(backend: StorageBackend) -> None:
+def _close_quietly(backend: StorageBackend | None) -> None:
     """Release what a failed ``open`` may have taken; the open's error is the one to report."""
+    if backend is None:  # its constructor failed: nothing was opened
+        return
     try:
         backend.close()
     except Exception:  # the open's error is the one reported

@@ -413,7 +413,7 @@ def load(
     source: str | None = None
     if isinstance(config, KvstrataConfig | Mapping):
         if isinstance(config, KvstrataConfig):
-            data = config.model_dump(mode="json", exclude_unset=True)
+            data = config.model_dump(mode="json")  # every field: one set on a default section too
         else:
             data = _plain(config)
         for path, value in env_overrides(environ):
