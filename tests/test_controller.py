@@ -336,6 +336,19 @@ def test_bad_use_is_refused_clearly() -> None:
         cache.release(lease)
         with pytest.raises(RuntimeError, match="closed"):
             cache.admit(lease)
+        before = cache.pools.pools["kv"].device_allocator.used
+        with pytest.raises(TypeError, match="RetentionHint"):  # not at insert, after the pages
+            cache.lookup(tokens(13, 2), retention="pin")  # type: ignore[arg-type]
+        assert cache.open_leases == 0 and cache.pools.pools["kv"].device_allocator.used == before
+        units = torch.tensor([0])
+        rows = cache.read_units("kv", units)
+    for call in (
+        lambda: cache.read_units("kv", units),
+        lambda: cache.write_units("kv", units, rows),
+        lambda: cache.device_view("kv", "k"),
+    ):
+        with pytest.raises(RuntimeError, match="cache is closed"):  # its memory is no longer the engine's
+            call()
 
 
 @pytest.mark.mooncake

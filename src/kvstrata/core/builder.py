@@ -239,9 +239,10 @@ def open_storage_backend(
     A backend that cannot open (a path that cannot be created, a server that does not answer, a
     plugin whose constructor or ``instance_capabilities`` raises) is a :class:`StorageError`
     naming the config entry, whatever the plugin raised (kept as the cause): a user reads which
-    instance of which backend failed, not an ``OSError`` from deep in a plugin. Plugin errors (a missing extra, a 3FS mount that is not there) pass as they are:
-    they already say what to do. ``config_path``: where the user wrote the storage instances
-    (an engine adapter's config sits under its own key: ``config.tiers.storage``)."""
+    instance of which backend failed, not an ``OSError`` from deep in a plugin. Plugin errors
+    (a missing extra, a 3FS mount that is not there) pass as they are: they already say what to
+    do. ``config_path``: where the user wrote the storage instances (an engine adapter's config
+    sits under its own key: ``config.tiers.storage``)."""
     backend_class = plugins.storage_backends.require(backend_config.type)
     backend: StorageBackend | None = None
     try:  # the constructor and the capabilities are the plugin's code too: the same error

@@ -412,10 +412,8 @@ def load(
     )
     source: str | None = None
     if isinstance(config, KvstrataConfig | Mapping):
-        if isinstance(config, KvstrataConfig):
-            data = config.model_dump(mode="json")  # every field: one set on a default section too
-        else:
-            data = _plain(config)
+        # a config object: every field, also one assigned on a section that came from defaults
+        data = config.model_dump(mode="json") if isinstance(config, KvstrataConfig) else _plain(config)
         for path, value in env_overrides(environ):
             set_path(data, path, value)
     else:

@@ -134,6 +134,8 @@ class CacheController(UnitMemory, ClosingApi):
         self._check_open()
         tokens = token_ids(tokens)  # before anything is matched or locked
         mode = PrefetchMode(prefetch)
+        if retention is not None and not isinstance(retention, RetentionHint):
+            raise TypeError(f"retention must be a kvstrata.RetentionHint or None, got {retention!r}")
         self.poll()
         started = time.perf_counter()
         # the lease grows its keys page by page (chunked prefill, decode): a list of page keys

@@ -11,7 +11,7 @@ controller inherits them and supplies ``pools``, ``tree`` and ``layout``.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -46,6 +46,8 @@ class UnitMemory:
     _slot_index: dict[bytes, torch.Tensor]
     #: fork_state's plan per layout (see ``_state_pools``)
     _forks: tuple[object, list[StatePlan]] | None
+    #: raises once the cache is closed (the controller's)
+    _check_open: Callable[[], None]
 
     @exclusive
     def fork_state(self, lease: Lease) -> dict[str, torch.Tensor]:
@@ -129,5 +131,6 @@ class UnitMemory:
         return buffers.buffer_view(buffer, layer=None if layer is None else spec.layer_index(layer))
 
     def _device(self, pool: str) -> tuple[PoolSpec, PoolBuffers]:
+        self._check_open()  # a closed cache's memory is no longer the engine's to use
         found = self.pools.pool(pool)
         return found.spec, found.device
