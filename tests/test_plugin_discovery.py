@@ -214,6 +214,7 @@ def test_in_process_registration_colliding_with_an_entry_point_is_an_error(kvstr
         ("Config = None", "Literal"),
         ("api_version = 99", "backend API"),
         ("capabilities = {'pools': {}}", "BackendCapabilities"),
+        ("requires = ['somemodule']", "requires must map module names"),
     ],
 )
 def test_contract_violations_are_load_errors(make_distribution, patch: str, expected: str) -> None:
@@ -271,3 +272,93 @@ def test_hook_plugin_from_entry_point_receives_events(make_distribution) -> None
     import kvstrata_observer  # type: ignore[import-not-found]
 
     assert kvstrata_observer.seen == [("device", "kv", 3)]
+
+
+def test_a_hook_plugin_registering_a_bad_class_is_reported_alone(make_distribution) -> None:
+    # its registration hook once raised out of PluginHost(): every command failed, `kvstrata
+    # plugins` (the tool that diagnoses it) too
+    make_distribution(
+        "kvstrata-registrar",
+        "1.0",
+        {"kvstrata.plugins": {"registrar": "kvstrata_registrar"}},
+        {
+            "kvstrata_registrar": """
+            import kvstrata
+
+            class NotABackend:
+                name = "notabackend"
+
+            @kvstrata.hookimpl
+            def kvstrata_register_storage_backends(register):
+                register(NotABackend)
+        """
+        },
+    )
+    with pytest.warns(UserWarning, match="registrar"):
+        host = PluginHost(autoload=True, disabled=set())
+    [error] = host.hook_plugin_errors
+    assert error.distribution == "kvstrata-registrar" and "not a kvstrata StorageBackend" in error.error
+    assert "notabackend" not in host.storage_backends.names() and "file" in host.storage_backends.names()
+    assert host.pm.get_plugin("registrar") is None, "its other hooks are not called either"
+
+
+def test_cli_plugins_lists_misbehaving_backends_with_the_right_fix(make_distribution, tmp_path: Path) -> None:
+    site = make_distribution(
+        "kvstrata-odd",
+        "1.0",
+        {BACKENDS: {"odd": "kvstrata_odd:EchoBackend", "file": "kvstrata_odd:FileTwin"}},
+        {
+            "kvstrata_odd": backend_module("odd")
+            + """
+def _boom(cls, config=None):
+    raise RuntimeError("boom in unavailable_reason")
+
+EchoBackend.unavailable_reason = classmethod(_boom)
+FileTwin = type("FileTwin", (EchoBackend,), {"name": "file"})
+"""
+        },
+    )
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{src}", "XDG_CACHE_HOME": str(tmp_path / "c")}
+    env.pop("KVSTRATA_DISABLED_PLUGINS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstrata", "plugins", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {(row["distribution"], row["name"]): row for row in json.loads(result.stdout)}
+    odd = rows[("kvstrata-odd", "odd")]
+    assert odd["status"] == "unavailable" and "boom in unavailable_reason" in odd["error"]
+    twin = rows[("kvstrata-odd", "file")]
+    assert twin["status"] == "load error" and "KVSTRATA_DISABLED_PLUGINS" in twin["error"]
+    assert twin["install"] is None, "a reinstall does not mend a name collision"
+
+
+def test_cli_doctor_reports_a_backend_that_raises_as_a_problem(make_distribution, tmp_path: Path) -> None:
+    site = make_distribution(
+        "kvstrata-fragile",
+        "1.0",
+        {BACKENDS: {"fragile": "kvstrata_fragile:EchoBackend"}},
+        {
+            "kvstrata_fragile": backend_module("fragile")
+            + """
+def _boom(self):
+    raise RuntimeError("boom in instance_capabilities")
+
+EchoBackend.instance_capabilities = _boom
+"""
+        },
+    )
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{src}", "XDG_CACHE_HOME": str(tmp_path / "c")}
+    env.pop("KVSTRATA_DISABLED_PLUGINS", None)
+    config = Path(__file__).resolve().parents[1] / "examples" / "configs" / "demo.yaml"
+    command = ["doctor", "-c", str(config), "--set", "tiers.storage={l3: {type: fragile}}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstrata", *command], capture_output=True, text=True, env=env, check=False
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "backend 'l3' (fragile): RuntimeError: boom in instance_capabilities" in result.stderr

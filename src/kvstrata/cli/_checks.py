@@ -145,11 +145,14 @@ def backend_problem(instance: str, backend_config: BackendConfig, host: PluginHo
         cls = host.storage_backends.require(backend_config.type)
     except PluginError as exc:
         return str(exc)
-    reason = cls.unavailable_reason(backend_config)
+    try:  # a plugin's check or probe must not crash the command
+        reason = cls.unavailable_reason(backend_config)
+    except Exception as exc:
+        return f"unavailable_reason() raised {type(exc).__name__}: {exc}"
     if reason is None:
         try:
             reason = cls(instance, backend_config).probe()
-        except Exception as exc:  # a probe must not crash the command
+        except Exception as exc:
             reason = f"probe failed: {exc!r}"
     return reason
 

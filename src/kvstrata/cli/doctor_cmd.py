@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from kvstrata.cli._app import (
@@ -69,8 +70,13 @@ def doctor(files: ConfigFiles = None, config_option: ConfigOption = None, set_: 
             reach_table.add_row(instance, backend_config.type, "[red]missing[/]", str(exc))
             problems.append(f"backend {instance!r}: {exc}")
             continue
-        backend = cls(instance, backend_config)
-        caps = backend.instance_capabilities()
+        try:  # a third-party plugin's bug is this backend's problem, not a traceback
+            caps = cls(instance, backend_config).instance_capabilities()
+        except Exception as exc:
+            broken = f"{type(exc).__name__}: {exc}"
+            reach_table.add_row(instance, backend_config.type, "[red]broken[/]", escape(broken))
+            problems.append(f"backend {instance!r} ({backend_config.type}): {broken}")
+            continue
         plans = plan_backend(instance, caps, specs.values(), parallel=config.parallel)
         for name, plan in plans.items():
             style = {IOMode.ZERO_COPY: "green", IOMode.COPY: "yellow"}.get(plan.mode, "red")

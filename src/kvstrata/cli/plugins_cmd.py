@@ -15,6 +15,7 @@ from kvstrata.cli._app import (
     app,
     out,
 )
+from kvstrata.plugins.errors import PluginLoadError
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.registry import UNKNOWN_DISTRIBUTION, PluginEntry, disabled_item, missing_requirements
 
@@ -65,16 +66,11 @@ def plugin_rows(host: PluginHost) -> list[dict[str, Any]]:
         for entry in registry.entries():
             error = registry.load_error(entry.name)
             if error is not None:
-                missing_module = getattr(error, "missing_module", None)
-                rows.append(
-                    _row(
-                        entry,
-                        registry.kind,
-                        "load error",
-                        error=str(error),
-                        install=install_hint(entry.provider, missing_module),
-                    )
-                )
+                # a reinstall may mend a failed import, never a collision (the error names the
+                # fix) or a class that breaks the contract (the plugin's authors must)
+                failed_import = isinstance(error, PluginLoadError) and error.import_failed
+                fix = install_hint(entry.provider, error.missing_module) if failed_import else None
+                rows.append(_row(entry, registry.kind, "load error", error=str(error), install=fix))
                 continue
             cls = registry.get(entry.name)
             row = _row(entry, registry.kind, "available")
@@ -83,9 +79,12 @@ def plugin_rows(host: PluginHost) -> list[dict[str, Any]]:
                 row["missing"] = [{"module": m, "install": i} for m, i in missing]
                 row.update(status="missing dependency", install=missing[0][1])
             else:
-                reason = getattr(cls, "unavailable_reason", lambda: None)()
+                try:
+                    reason = getattr(cls, "unavailable_reason", lambda: None)()
+                except Exception as exc:  # a plugin's bug: listed, the others still are
+                    reason = f"unavailable_reason() raised {type(exc).__name__}: {exc}"
                 if reason:
-                    row.update(status="unavailable", error=reason)
+                    row.update(status="unavailable", error=str(reason))
             caps = getattr(cls, "capabilities", None)
             if caps is not None:
                 row["capabilities"] = caps.model_dump(mode="json")

@@ -40,9 +40,11 @@ class PluginLoadError(PluginError):
             version,
             reason,
         )
-        origin = f"{distribution} {version}" if distribution else "an unknown distribution"
+        origin = " ".join(filter(None, (distribution, version))) or "an unknown distribution"
         #: the module whose absence made the import fail, when that was the cause
         self.missing_module: str | None = None
+        #: whether importing it failed (a reinstall may mend that; a broken contract it cannot)
+        self.import_failed = False
         super().__init__(f"{kind} {name!r} from {origin} failed to load: {reason}")
 
 

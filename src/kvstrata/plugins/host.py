@@ -175,11 +175,13 @@ class PluginHost:
             for attribute in PLUGIN_KINDS:
                 registry = getattr(self, attribute)
                 registry.discover(installed.select(group=registry.group), distributions)
-            self._load_hook_plugins(installed.select(group=HOOK_PLUGINS_GROUP))
         # Historic calls: every plugin registered now or later feeds the same registries.
         for attribute, kind in PLUGIN_KINDS.items():
             hook = getattr(self.pm.hook, kind.register_hook)
             hook.call_historic(kwargs={"register": getattr(self, attribute).register})
+        if self.autoload:  # after the historic calls: each plugin's registrations run as it is
+            # registered, so one whose hook registers a bad class is reported alone
+            self._load_hook_plugins(installed.select(group=HOOK_PLUGINS_GROUP))
         for plugin in plugins:
             self.register_plugin(plugin)
 
@@ -213,8 +215,10 @@ class PluginHost:
                 continue
             dist = getattr(ep, "dist", None)
             try:
-                self.pm.register(ep.load(), name=ep.name)
-            except Exception as exc:
+                self.pm.register(ep.load(), name=ep.name)  # runs its registration hooks too
+            except (Exception, SystemExit) as exc:  # (a plugin calling sys.exit at import)
+                if self.pm.get_plugin(ep.name) is not None:
+                    self.pm.unregister(name=ep.name)
                 error = HookPluginError(
                     ep.name,
                     dist.name if dist else None,

@@ -233,7 +233,7 @@ class Registry(Generic[T]):
         except PluginLoadError as exc:
             self._errors[name] = exc
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # (a plugin calling sys.exit at import)
             error = PluginLoadError(self.kind, name, entry.provider, entry.version, str(exc))
             self._errors[name] = error
             raise error from exc
@@ -245,9 +245,10 @@ class Registry(Generic[T]):
         find every distribution's entry of that name, including one the user blocked."""
         try:
             cls = self._entry_point(entry).load()
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             reason = f"{type(exc).__name__}: {exc}"
             error = PluginLoadError(self.kind, entry.name, entry.provider, entry.version, reason)
+            error.import_failed = True
             if isinstance(exc, ModuleNotFoundError):
                 error.missing_module = exc.name
             raise error from exc
@@ -290,6 +291,14 @@ def check_name(kind: str, entry_name: str, cls: type) -> None:
         raise ValueError(f"class {cls.__qualname__} has name {name!r}, entry point says {entry_name!r}")
     if not NAME_PATTERN.match(entry_name):
         raise ValueError(f"{kind} names are lowercase [a-z0-9_]+, got {entry_name!r}")
+    requires = getattr(cls, "requires", {})
+    if not isinstance(requires, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in requires.items()
+    ):
+        raise ValueError(
+            f"{cls.__qualname__}.requires must map module names to install commands "
+            f"({{'mooncake': \"pip install 'kvstrata[mooncake]'\"}}), got {requires!r}"
+        )
     config = getattr(cls, "Config", None)
     if literal_type_name(config) != entry_name:
         raise ValueError(
