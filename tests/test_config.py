@@ -196,3 +196,22 @@ def test_a_config_object_keeps_what_was_set_on_its_default_sections(kvstrata_hos
     config.parallel.tp_rank = 2
     with pytest.raises(ConfigError, match="parallel"):
         load(config, plugins=kvstrata_host, environ={})  # and is validated again
+
+
+def test_unreadable_text_and_bad_environment_values_are_config_errors(
+    tmp_path: Path, kvstrata_host: PluginHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00model: {}\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text") as info:  # was a UnicodeDecodeError
+        load(binary, plugins=kvstrata_host, environ={})
+    assert info.value.source == str(binary)
+    environ = {"KVSTRATA_TIERS__DEVICE__CAPACITY_TOKENS": "[1"}
+    with pytest.raises(ConfigError) as info:
+        load(BASE, plugins=kvstrata_host, environ=environ)
+    assert info.value.errors[0][0] == "tiers.device.capacity_tokens", "the field, not 'x'"
+    assert info.value.source == "environment variable KVSTRATA_TIERS__DEVICE__CAPACITY_TOKENS"
+    monkeypatch.setenv("KVSTRATA_DISABLE_PLUGIN_AUTOLOAD", "banana")
+    with pytest.raises(ConfigError, match="KVSTRATA_DISABLE_PLUGIN_AUTOLOAD") as info:
+        PluginHost()  # every command builds one: a pydantic traceback stopped them all
+    assert info.value.source == "the environment"

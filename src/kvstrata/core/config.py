@@ -255,9 +255,12 @@ class KvstrataConfig(_Strict):
 
 def _read_file(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([("", f"cannot read {path}: {exc.strerror or exc}")], str(path)) from None
+    except UnicodeDecodeError as exc:
+        reason = f"not UTF-8 text (byte {exc.start}: {exc.reason})"
+        raise ConfigError([("", reason)], str(path)) from None
     try:
         if path.suffix == ".toml":
             data = tomllib.loads(text)
@@ -347,7 +350,11 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> list[tuple[list[s
         if not name.startswith(ENV_PREFIX) or ENV_NESTING not in name:
             continue
         path = [part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTING)]
-        _, value = parse_override(f"x={environ[name]}")
+        try:
+            _, value = parse_override(f"x={environ[name]}")
+        except ConfigError as exc:  # the field and the variable the user set, not "x"
+            errors = [(".".join(path), message) for _, message in exc.errors]
+            raise ConfigError(errors, f"environment variable {name}") from None
         result.append((path, value))
     return result
 

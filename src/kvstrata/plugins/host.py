@@ -15,10 +15,11 @@ from types import MappingProxyType
 from typing import Any
 
 import pluggy
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvstrata.plugins import hookspecs
+from kvstrata.plugins.errors import ConfigError
 from kvstrata.plugins.eviction_policy import (
     EVICTION_API_VERSION,
     EvictionPolicy,
@@ -55,6 +56,19 @@ class PluginSettings(BaseSettings):
     @property
     def disabled(self) -> set[str]:
         return {name.strip() for name in self.disabled_plugins.split(",") if name.strip()}
+
+
+def plugin_settings() -> PluginSettings:
+    """The switches from the environment; a bad value is a :class:`ConfigError` naming the
+    variable (every command reads them: a traceback there would stop all of them)."""
+    try:
+        return PluginSettings()
+    except ValidationError as exc:
+        errors = [
+            (f"KVSTRATA_{'_'.join(str(part) for part in error['loc']).upper()}", error["msg"])
+            for error in exc.errors()
+        ]
+        raise ConfigError(errors, "the environment") from None
 
 
 def _pool_role(cls: type) -> None:
@@ -158,7 +172,7 @@ class PluginHost:
         disabled: set[str] | None = None,
         plugins: list[Any] | tuple[Any, ...] = (),
     ) -> None:
-        settings = PluginSettings()
+        settings = plugin_settings()
         self.autoload = (not settings.disable_plugin_autoload) if autoload is None else autoload
         self.disabled = settings.disabled if disabled is None else set(disabled)
         self.pm = pluggy.PluginManager("kvstrata")
