@@ -50,10 +50,15 @@ def test_belady_is_the_offline_reference() -> None:
         (["--eviction", "{type: arc, speed: 1}"], "--eviction.speed"),
         (["--sweep", "x.png", "--capacities", "a,b"], "--capacities"),
         (["--sweep", "x.png", "--policies", "lru,nope"], "unknown eviction policy 'nope'"),
+        # checked before the sweep runs (they ran it whole, then failed with a traceback)
+        (["--sweep", "x.png", "--capacities", "-1"], "--capacities: expected positive numbers"),
+        (["--sweep", "x.png", "--capacities", "inf"], "--capacities: expected positive numbers"),
+        (["--sweep", "x.xyz"], "matplotlib cannot write '.xyz' files"),
+        (["--sweep", "missing/x.png"], "does not exist"),
     ],
 )
 def test_bad_input_is_a_one_line_error(args: list[str], message: str, tmp_path: Path) -> None:
-    args = [str(tmp_path / a) if a.endswith(".png") else a for a in args]
+    args = [str(tmp_path / a) if a.endswith((".png", ".xyz")) else a for a in args]
     out = runner.invoke(app, ["simulate", "--limit", "20", *args])
     assert out.exit_code == 2 and message in out.output
     assert "Traceback" not in out.output

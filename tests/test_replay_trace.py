@@ -45,6 +45,7 @@ def test_limit_and_blank_lines(tmp_path: Path) -> None:
         (json.dumps({**GOOD, "input_length": 10.5}), "input_length must be a positive integer"),
         (json.dumps({**GOOD, "output_length": -1}), "output_length"),
         (json.dumps({**GOOD, "timestamp": -5}), "timestamp"),
+        (json.dumps({**GOOD, "timestamp": 10**400}), "must be a non-negative number of ms, got 1000"),
         (json.dumps({**GOOD, "hash_ids": []}), "non-empty list"),
         (json.dumps({**GOOD, "hash_ids": [1, "x"]}), "non-negative integers"),
         (json.dumps({**GOOD, "hash_ids": [1, 2, 3]}), "expected ceil(1000/512) = 2"),

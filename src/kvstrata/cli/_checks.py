@@ -107,7 +107,7 @@ def _open_problem(path: Path) -> str | None:
     return None
 
 
-def check_plot_format(path: Path | None) -> None:
+def check_plot_format(path: Path | None, option: str = "--plot") -> None:
     """The plot's format comes from its suffix: refuse one matplotlib cannot write (exit 2)."""
     if path is None or not path.suffix:
         return
@@ -116,7 +116,7 @@ def check_plot_format(path: Path | None) -> None:
     formats = FigureCanvasBase.get_supported_filetypes()
     if path.suffix[1:].lower() not in formats:
         raise _fail(
-            f"--plot {path}: matplotlib cannot write {path.suffix!r} files; use one of "
+            f"{option} {path}: matplotlib cannot write {path.suffix!r} files; use one of "
             f"{', '.join('.' + f for f in sorted(formats))}",
             EXIT_INVALID,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,6 +18,7 @@ from kvstrata.cli._app import (
     err,
     out,
 )
+from kvstrata.cli._checks import check_output_path, check_plot_format
 from kvstrata.core.config import (
     DEFAULT_MAX_REQUEST_TOKENS,
 )
@@ -84,6 +86,7 @@ def simulate(
     from kvstrata.replay.trace import TraceError, read_trace
 
     host = PluginHost()
+    sizes = _sweep_sizes(sweep_out, capacities) if sweep_out is not None else None  # before any work
     try:
         config = SimulationConfig(
             block_size=block_size,
@@ -102,8 +105,8 @@ def simulate(
         raise _fail(ValueError(reasons), EXIT_INVALID) from None
     except (TraceError, PluginError, ValueError) as exc:
         raise _fail(exc, EXIT_INVALID) from None
-    if sweep_out is not None:
-        _simulate_sweep(requests, host, sweep_out, policies, capacities, block_size, trace, as_json)
+    if sweep_out is not None and sizes is not None:
+        _simulate_sweep(requests, host, sweep_out, policies, sizes, block_size, trace, as_json)
         return
     _simulate_one(requests, host, config, trace, as_json)
 
@@ -148,36 +151,49 @@ def _simulate_one(
     out.print(table)
 
 
+def _sweep_sizes(png: Path, capacities: str | None) -> list[int]:
+    """What ``--sweep`` needs, checked before the trace is read: matplotlib, a plot file it can
+    write, and capacities that are positive numbers (tokens per point of the sweep)."""
+    import importlib.util
+
+    from kvstrata.replay.report import PLOT_INSTALL
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise _fail(ValueError(f"--sweep needs matplotlib: run `{PLOT_INSTALL}`"), EXIT_INVALID)
+    check_output_path("--sweep", png)
+    check_plot_format(png, "--sweep")
+    if not capacities:
+        return [int(c * 1e6) for c in SWEEP_CAPACITIES_M]
+    try:
+        values = [float(c) for c in capacities.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) and v * 1e6 >= 1 for v in values):
+        raise _fail(
+            ValueError(f"--capacities: expected positive numbers (million tokens), got {capacities!r}"),
+            EXIT_INVALID,
+        )
+    return [int(v * 1e6) for v in values]
+
+
 def _simulate_sweep(
     requests: list[Any],
     host: PluginHost,
     png: Path,
     policies: str | None,
-    capacities: str | None,
+    sizes: list[int],
     block_size: int,
     trace: Path | None,
     as_json: bool,
 ) -> None:
-    import importlib.util
-
-    from kvstrata.replay.report import PLOT_INSTALL
     from kvstrata.replay.simulate import plot_sweep, sweep
 
-    if importlib.util.find_spec("matplotlib") is None:
-        raise _fail(ValueError(f"--sweep needs matplotlib: run `{PLOT_INSTALL}`"), EXIT_INVALID)
     installed = host.eviction_policies.names()
     names = (
         [p.strip() for p in policies.split(",") if p.strip()]
         if policies
         else [p for p in SWEEP_POLICIES if p in installed]
     )
-    try:
-        sizes = [int(float(c) * 1e6) for c in capacities.split(",")] if capacities else None
-    except ValueError:
-        raise _fail(
-            ValueError(f"--capacities: expected numbers (million tokens), got {capacities!r}"), 2
-        ) from None
-    sizes = sizes or [int(c * 1e6) for c in SWEEP_CAPACITIES_M]
     try:
         rates = sweep(requests, names, sizes, block_size=block_size, host=host)
     except PluginError as exc:

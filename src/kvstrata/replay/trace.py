@@ -96,6 +96,14 @@ def _json_problem(line: str, exc: json.JSONDecodeError) -> str:
     return f"not valid JSON: {exc.msg} at column {exc.colno}"
 
 
+def _finite(value: int | float) -> bool:
+    """Whether a JSON number is a finite float (an integer beyond float range is not a time)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def parse_request(
     line: str, block_size: int = MOONCAKE_BLOCK_SIZE, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
 ) -> TraceRequest:
@@ -112,8 +120,8 @@ def parse_request(
     if missing:
         raise ValueError(f"missing key(s) {', '.join(missing)}")
     ts = obj["timestamp"]
-    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
-        raise ValueError(f"timestamp must be a non-negative number of ms, got {ts!r}")
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not _finite(ts) or ts < 0:
+        raise ValueError(f"timestamp must be a non-negative number of ms, got {_show(ts)}")
     n_in, n_out = obj["input_length"], obj["output_length"]
     if not _is_int(n_in) or n_in < 1:
         raise ValueError(f"input_length must be a positive integer, got {_show(n_in)}")
