@@ -210,6 +210,73 @@ def test_read_from_a_second_process_is_bit_exact(
     assert f"READ-OK {count}" in completed.stdout
 
 
+def test_close_while_other_threads_read_and_write_ends_them_cleanly(mooncake_master: MooncakeMaster) -> None:
+    """An adapter closes its backend while its I/O thread works: closing the native store under a
+    running call killed the process (SIGSEGV). Now close waits for running calls, and later
+    calls fail with StorageError. In a child process: a crash must not take pytest with it."""
+    child = textwrap.dedent(
+        f"""
+        import ctypes, threading, time
+        from kvstrata.plugins.errors import StorageError
+        from kvstrata.plugins.storage_backend import BufferRegion, StorageObject
+        from kvstrata.storage_backends.mooncake import MooncakeBackend, MooncakeConfig
+        def round_(r):
+            backend = MooncakeBackend("closing", MooncakeConfig(
+                master={mooncake_master.address!r}, metadata_server={mooncake_master.metadata_url!r},
+                segment_bytes=64 << 20, local_buffer_bytes=0))
+            backend.open()
+            count, size = 32, 256 << 10
+            source = ctypes.create_string_buffer(count * size)
+            target = ctypes.create_string_buffer(count * size)
+            def objects(buffer, suffix=""):
+                base = ctypes.addressof(buffer)
+                return [StorageObject(f"closing/{{r}}/{{i}}{{suffix}}",
+                                      (BufferRegion(base + i * size, size),)) for i in range(count)]
+            backend.put(objects(source))
+            stop, errors, calls = threading.Event(), [], [0]
+            def work(kind):
+                n = 0
+                while not stop.is_set():
+                    try:
+                        if kind == "get":
+                            backend.get(objects(target))
+                        else:
+                            backend.put(objects(source, f"/{{n}}")[:8])
+                        calls[0] += 1
+                    except StorageError as exc:
+                        errors.append(str(exc))
+                    n += 1
+            threads = [threading.Thread(target=work, args=(kind,)) for kind in ("get", "get", "put")]
+            for thread in threads:
+                thread.start()
+            time.sleep(1.0)
+            backend.close()
+            time.sleep(0.3)
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+            assert calls[0] > 0 and errors and all("is not open" in e for e in errors), errors[:3]
+        for r in range(3):  # a crash came in most rounds, not all
+            round_(r)
+        print("SURVIVED")
+        """
+    )
+    src_dir = Path(__file__).resolve().parents[1] / "src"
+    completed = subprocess.run(
+        [sys.executable, "-c", child],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**_clean_env(), "PYTHONPATH": str(src_dir)},
+    )
+    assert completed.returncode == 0, (
+        completed.returncode,
+        completed.stdout[-2000:],
+        completed.stderr[-4000:],
+    )
+    assert "SURVIVED" in completed.stdout
+
+
 def _clean_env() -> dict[str, str]:
     import os
 

@@ -91,7 +91,8 @@ class MooncakeIO(MooncakeMemory):
             if code == TRANSFER_FAIL and len(objects[index].regions) > 1
         ]
         if short:
-            sizes = [int(self._live_store().get_size(objects[index].key)) for index in short]
+            with self._store_call() as store:
+                sizes = [int(store.get_size(objects[index].key)) for index in short]
             retry = [
                 (index, StorageObject(objects[index].key, leading_regions(objects[index].regions, size)))
                 for index, size in zip(short, sizes, strict=True)
@@ -132,17 +133,18 @@ class MooncakeIO(MooncakeMemory):
         return [code in (0, OBJECT_NOT_FOUND) for code in codes]
 
     def _call(self, method: str, *args: Any) -> list[int]:
-        store = self._live_store()
+        self._live_store()  # not open: fail before probing
         if self._rpc_failing:
             # The last call failed with RPC errors (each costs Mooncake's ~4 s timeout): while the
             # endpoint does not even accept TCP, fail in milliseconds instead.
             reason = self.probe()
             if reason is not None:
                 raise StorageError(f"mooncake backend {self.instance!r}: {reason}; failing {method} fast")
-        try:
-            codes = list(getattr(store, method)(*args))
-        except Exception as exc:  # a pybind error fails this operation, never the process
-            raise StorageError(f"mooncake backend {self.instance!r}: {method} raised {exc!r}") from exc
+        with self._store_call() as store:
+            try:
+                codes = list(getattr(store, method)(*args))
+            except Exception as exc:  # a pybind error fails this operation, never the process
+                raise StorageError(f"mooncake backend {self.instance!r}: {method} raised {exc!r}") from exc
         self._rpc_failing = bool(codes) and all(code <= RPC_FAIL for code in codes)
         if self._rpc_failing:
             self.code_counts.update(codes)

@@ -79,9 +79,38 @@ class MooncakeMemory:
         self._staging_keepalive: Any = None  # owner of in-process staging memory
         self._staging_lock = threading.Lock()
         self._state_lock = threading.Lock()
+        #: native calls running on the store: ``close`` waits for them (closing the store under
+        #: a running call crashed the process: an adapter closes while its I/O thread works)
+        self._calls_running = 0
+        self._calls_done = threading.Condition()
 
     def _live_store(self) -> Any:
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _store_call(self) -> Iterator[Any]:
+        """The open store for one native call, counted so ``close`` can wait for it to end."""
+        with self._calls_done:
+            store = self._live_store()  # raises once closed: no new call starts after close
+            self._calls_running += 1
+        try:
+            yield store
+        finally:
+            with self._calls_done:
+                self._calls_running -= 1
+                if not self._calls_running:
+                    self._calls_done.notify_all()
+
+    def _detach_store(self) -> Any:
+        """The store, no longer this backend's: every later call fails as not open."""
+        with self._calls_done:
+            store, self._store = self._store, None
+        return store
+
+    def _calls_ended(self, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` for the native calls still running on a detached store."""
+        with self._calls_done:
+            return self._calls_done.wait_for(lambda: not self._calls_running, timeout=wait_s)
 
     @property
     def _needs_registered_memory(self) -> bool:
@@ -113,8 +142,7 @@ class MooncakeMemory:
             )
         if nbytes <= 0:
             raise StorageError(f"cannot allocate {nbytes} bytes of host memory: size must be positive")
-        store = self._live_store()
-        with self._state_lock:
+        with self._store_call() as store, self._state_lock:
             limit = cfg.host_memory_limit_bytes
             if count_against_limit and limit is not None and self._allocated_bytes + nbytes > limit:
                 raise StorageError(
@@ -145,8 +173,7 @@ class MooncakeMemory:
         """Register a host pool; already-registered parts are skipped, so overlaps are harmless."""
         if region.nbytes <= 0:
             raise StorageError(f"cannot register an empty host-memory region at {region.ptr:#x}")
-        store = self._live_store()
-        with self._state_lock:
+        with self._store_call() as store, self._state_lock:
             if self._registered.covers(region.ptr, region.nbytes):
                 return
             if self.config.standalone:

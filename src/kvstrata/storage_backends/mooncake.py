@@ -110,6 +110,9 @@ def _installed(*distributions: str) -> list[str]:
 
 _log = logging.getLogger(__name__)
 
+#: how long ``close`` waits for native calls still running (each ends by its RPC deadline)
+CLOSE_WAIT_S = 30.0
+
 
 class MooncakeBackend(MooncakeIO, StorageBackend):
     name = "mooncake"
@@ -243,15 +246,22 @@ class MooncakeBackend(MooncakeIO, StorageBackend):
         deadline), so the store is deliberately leaked with a warning, its destructor included
         (one extra reference), and the process goes on; the master drops it once the process
         exits and its heartbeats stop."""
-        with self._state_lock:
-            store, self._store = self._store, None
+        store = self._detach_store()
         if store is not None:
             role, address = self._endpoint
             # A refused connection makes close fail fast; only a silent endpoint makes it block.
             state, reason = check_endpoint(address, self.config.connect_timeout_s)
             if state is Endpoint.SILENT:
-                ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
-                _log.warning("mooncake backend %r: not closed cleanly: %s %s", self.instance, role, reason)
+                problem: str | None = f"{role} {reason}"
+            elif not self._calls_ended(CLOSE_WAIT_S):  # closing under a running call crashes
+                problem = f"native calls still running after {CLOSE_WAIT_S:g} s"
+            else:
+                problem = None
+            if problem is not None:
+                for leaked in (store, self._staging_keepalive):  # (a running call may still use both)
+                    if leaked is not None:
+                        ctypes.pythonapi.Py_IncRef(ctypes.py_object(leaked))
+                _log.warning("mooncake backend %r: not closed cleanly: %s", self.instance, problem)
             else:
                 try:
                     store.close()
