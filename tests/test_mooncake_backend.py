@@ -142,6 +142,36 @@ def test_partial_batch_reports_misses_per_key(inprocess: MooncakeBackend) -> Non
     assert stored == [keys[0], keys[2]]
 
 
+def test_a_key_named_twice_in_one_get_fills_both_targets(inprocess: MooncakeBackend) -> None:
+    # Mooncake fills only the last target of a repeated key and reports both as read: the first
+    # kept stale bytes, which the storage engine counted as damage and removed from the store
+    source = torch.randint(0, 256, (2, PAGE_BYTES), dtype=torch.uint8)
+    inprocess.register_host_memory(region_of(source))
+    keys = fresh_keys(2)
+    assert (
+        inprocess.put([StorageObject(k, (region_of(source[i]),)) for i, k in enumerate(keys)]) == [True] * 2
+    )
+    target = torch.zeros((3, PAGE_BYTES), dtype=torch.uint8)
+    inprocess.register_host_memory(region_of(target))
+    order = [keys[0], keys[0], keys[1]]
+    read = inprocess.get([StorageObject(k, (region_of(target[i]),)) for i, k in enumerate(order)])
+    assert read == [PAGE_BYTES] * 3
+    assert torch.equal(target[0], source[0]) and torch.equal(target[1], source[0])
+    assert torch.equal(target[2], source[1])
+
+
+def test_an_object_longer_than_its_regions_is_reported_by_its_length(inprocess: MooncakeBackend) -> None:
+    # another layout under our key: Mooncake refuses the read (-600), which was a plain miss on
+    # every read, never counted nor replaced; now the caller sees its length and leading bytes,
+    # so its verification rejects the object (and removes it)
+    longer = torch.randint(0, 256, (PAGE_BYTES + 512,), dtype=torch.uint8)
+    [key] = fresh_keys(1)
+    assert inprocess.put([StorageObject(key, (region_of(longer),))]) == [True]
+    target = torch.zeros((PAGE_BYTES,), dtype=torch.uint8)
+    assert inprocess.get([StorageObject(key, (region_of(target),))]) == [PAGE_BYTES + 512]
+    assert torch.equal(target, longer[:PAGE_BYTES])
+
+
 def test_existing_key_is_not_rewritten(inprocess: MooncakeBackend) -> None:
     first = torch.randint(0, 256, (PAGE_BYTES,), dtype=torch.uint8)
     second = first.flip(0).clone() + 1

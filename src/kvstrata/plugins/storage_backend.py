@@ -310,6 +310,8 @@ class StorageBackend(ABC):
     @abstractmethod
     def get(self, objects: Sequence[StorageObject]) -> list[int]:
         """Read each object into its regions; per key the bytes read, or a negative code on a miss.
+        An object longer than its regions may be reported by its whole length, its leading bytes
+        read (the core rejects it by its header and length, and can replace it).
 
         Optional extension: a backend whose ``get`` also takes ``check: ReadCheck | None = None``
         (declared by ``capabilities.checks_reads``; the core also reads the signature) is handed

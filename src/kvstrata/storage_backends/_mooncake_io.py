@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from kvstrata.plugins.errors import StorageError
-from kvstrata.plugins.storage_backend import StorageObject, leading_regions
+from kvstrata.plugins.storage_backend import BufferRegion, StorageObject, leading_regions
 from kvstrata.storage_backends._mooncake_memory import MooncakeMemory
 from kvstrata.storage_backends._mooncake_protocol import (
+    INVALID_PARAMS,
     NOT_READY_BACKOFF_S,
     OBJECT_NOT_FOUND,
     REPLICA_NOT_READY,
@@ -69,6 +70,27 @@ class MooncakeIO(MooncakeMemory):
     def get(self, objects: Sequence[StorageObject]) -> list[int]:
         """Read objects into their regions; per key the bytes read, or the negative Mooncake code.
 
+        A key named twice in one batch is read once per occurrence, in separate calls: Mooncake
+        fills only the last target of a repeated key yet reports a full read for each (the first
+        then held stale bytes, which the engine counted as damage and removed from the store)."""
+        rounds: list[list[int]] = []  # round r: the r-th occurrence of each key
+        seen: dict[str, int] = {}
+        for index, obj in enumerate(objects):
+            occurrence = seen[obj.key] = seen.get(obj.key, -1) + 1
+            if occurrence == len(rounds):
+                rounds.append([])
+            rounds[occurrence].append(index)
+        if len(rounds) <= 1:
+            return self._get_distinct(objects)
+        results = [0] * len(objects)
+        for indexes in rounds:
+            for index, code in zip(indexes, self._get_distinct([objects[i] for i in indexes]), strict=True):
+                results[index] = code
+        return results
+
+    def _get_distinct(self, objects: Sequence[StorageObject]) -> list[int]:
+        """``get`` of a batch naming each key once.
+
         ``-703`` (the replica is still being written, typically by a concurrent put of the same key
         whose second writer was already told "stored") is re-read after short waits, so a put that
         returned True is readable; only if it persists does the key report ``-703`` (a miss).
@@ -102,7 +124,29 @@ class MooncakeIO(MooncakeMemory):
                 codes = self._get([obj for _, obj in retry])
                 for (index, _), code in zip(retry, codes, strict=True):
                     results[index] = code
+        longer = [index for index, code in enumerate(results) if code == INVALID_PARAMS]
+        if longer and not self._needs_registered_memory:
+            with self._store_call() as store:
+                sizes = [int(store.get_size(objects[index].key)) for index in longer]
+            for index, size in zip(longer, sizes, strict=True):
+                if size > objects[index].nbytes:
+                    results[index] = self._read_longer(objects[index], size)
         return results
+
+    def _read_longer(self, obj: StorageObject, size: int) -> int:
+        """An object longer than its regions (another layout under our key; Mooncake refuses
+        the read): read whole into scratch memory, its leading bytes into the regions, and report
+        its length, so the caller's verification classifies it (and can replace it) instead of
+        meeting the same unexplained miss on every read."""
+        scratch = ctypes.create_string_buffer(size)
+        [code] = self._get([StorageObject(obj.key, (BufferRegion(ctypes.addressof(scratch), size),))])
+        if code < 0:
+            return code
+        offset = 0
+        for region in obj.regions:
+            ctypes.memmove(region.ptr, ctypes.addressof(scratch) + offset, region.nbytes)
+            offset += region.nbytes
+        return size
 
     def _get(self, objects: Sequence[StorageObject]) -> list[int]:
         results = [STAGING_TOO_SMALL] * len(objects)

@@ -22,8 +22,9 @@ TRANSFER_FAIL = -800  # e.g. a multi-buffer read whose regions do not match the 
 RPC_FAIL = -900  # -9xx (<= -900): master / client RPC failed
 #: Mooncake refuses smaller segments ("Total size must be at least 16777216").
 MIN_SEGMENT_BYTES = 16 << 20
-#: Returned by :meth:`MooncakeBackend.get` for an object the backend could not even try to read.
-STAGING_TOO_SMALL = -600
+#: Returned by :meth:`MooncakeBackend.get` for an object the backend could not even try to read
+#: (kvstrata's own code: Mooncake's -600 means a target smaller than the object).
+STAGING_TOO_SMALL = -1600
 
 
 def _split_address(address: str) -> tuple[str, int]:
