@@ -64,3 +64,25 @@ def test_unreachable_server_fails_open_with_the_address(tmp_path: Path) -> None:
     assert "unreachable" in (backend.probe() or "")
     with pytest.raises(StorageError, match="unreachable"):
         backend.open()
+
+
+def test_a_value_of_another_type_under_a_key_is_found_short_and_removable(server: ValkeyServer) -> None:
+    # a list under our key: GET fails with WRONGTYPE, which was a plain miss on every read while
+    # puts (SET NX) left the key alone and reported it stored: the page was never cached again
+    import ctypes
+
+    import valkey
+
+    from kvstrata.plugins import BufferRegion, StorageObject
+
+    backend = opened("wrongtype", server.url)
+    try:
+        raw = valkey.Valkey.from_url(server.url)
+        raw.rpush(backend._key("page-0"), b"not an object")
+        target = ctypes.create_string_buffer(64)
+        region = BufferRegion(ctypes.addressof(target), 64)
+        assert backend.get([StorageObject("page-0", (region,))]) == [0], "found, zero bytes of an object"
+        assert backend.remove(["page-0"]) == [True] and raw.type(backend._key("page-0")) == b"none"
+        raw.close()
+    finally:
+        backend.close()

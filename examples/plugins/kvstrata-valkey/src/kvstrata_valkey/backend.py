@@ -167,6 +167,12 @@ class ValkeyBackend(StorageBackend):
             pipe.get(self._key(obj.key))
         results = []
         for obj, value in zip(objects, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(value, Exception) and str(value).startswith("WRONGTYPE"):
+                # another type (a list, a hash) under our key: found, zero bytes of an object, so
+                # kvstrata counts it as damage and removes it (a miss would keep it forever: puts
+                # with NX leave an existing key alone)
+                results.append(0)
+                continue
             if value is None or isinstance(value, Exception):
                 results.append(MISS)
                 continue
