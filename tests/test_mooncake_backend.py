@@ -393,6 +393,24 @@ def test_standalone_round_trip_with_backend_allocated_memory(standalone: Mooncak
     assert torch.equal(out_headers, headers)
 
 
+def test_standalone_stages_an_object_larger_than_the_staging_area(standalone: MooncakeBackend) -> None:
+    # an adapter's copy plan stages whole pages: one larger than staging_bytes (a 64-token page
+    # of an 8B model is 8 MiB, the default 4 MiB) could never be stored; the area grows instead
+    count, size = 3, 3 * 4096  # each object alone is 3x the 4 KiB staging area
+    pages = torch.randint(0, 256, (count, size), dtype=torch.uint8)  # ordinary memory: staged
+    keys = fresh_keys(count)
+    assert (
+        standalone.put([StorageObject(k, (region_of(pages[i]),)) for i, k in enumerate(keys)])
+        == [True] * count
+    )
+    target = torch.zeros_like(pages)
+    assert (
+        standalone.get([StorageObject(k, (region_of(target[i]),)) for i, k in enumerate(keys)])
+        == [size] * count
+    )
+    assert torch.equal(target, pages)
+
+
 def test_standalone_refuses_foreign_memory_and_covers_late_pools(standalone: MooncakeBackend) -> None:
     foreign = torch.zeros(4096, dtype=torch.uint8)
     with pytest.raises(StorageError, match="allocate_host_memory"):

@@ -38,7 +38,8 @@ class MooncakeConfig(BackendConfig):
     staging_bytes: int = Field(
         default=4 << 20,
         ge=4096,
-        description="registered area that unregistered regions (integrity headers) are copied through",
+        description="registered area that unregistered regions (integrity headers, a copy plan's pages) "
+        "are copied through; grows (doubling) for an object larger than it",
     )
     host_memory_limit_bytes: int | None = Field(
         default=None,

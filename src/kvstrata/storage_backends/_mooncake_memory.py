@@ -78,6 +78,7 @@ class MooncakeMemory:
         self._staging: BufferRegion | None = None
         self._staging_keepalive: Any = None  # owner of in-process staging memory
         self._staging_lock = threading.Lock()
+        self._staging_growth = threading.Lock()
         self._state_lock = threading.Lock()
         #: native calls running on the store: ``close`` waits for them (closing the store under
         #: a running call crashed the process: an adapter closes while its I/O thread works)
@@ -122,9 +123,27 @@ class MooncakeMemory:
             return self.allocate_host_memory(nbytes, count_against_limit=False)
         buffer = ctypes.create_string_buffer(nbytes)
         region = BufferRegion(ctypes.addressof(buffer), nbytes)
-        self._staging_keepalive = buffer
         self.register_host_memory(region)
+        # every area stays alive (a batch planned on an earlier one may still copy through it)
+        self._staging_keepalive = (buffer, self._staging_keepalive)
         return region
+
+    def _staging_for(self, need: int) -> BufferRegion | None:
+        """The staging area, grown (doubling) to hold ``need`` bytes where it is smaller: a copy
+        plan (an adapter's host pools in standalone mode) stages whole pages, and a 64-token page
+        of an 8B model (8 MiB) is more than the default ``staging_bytes``."""
+        staging = self._staging
+        if staging is None or need <= staging.nbytes:
+            return staging
+        with self._staging_growth:
+            staging = self._staging
+            if staging is not None and need > staging.nbytes:
+                size = staging.nbytes
+                while size < need:
+                    size *= 2
+                _log.info("mooncake backend %r: staging area grown to %d bytes", self.instance, size)
+                staging = self._staging = self._new_staging_area(size)
+        return staging
 
     # -- host memory -----------------------------------------------------------------------------
 
@@ -220,7 +239,6 @@ class MooncakeMemory:
                 )
             return
         staging = self._staging
-        capacity = staging.nbytes if staging is not None else 0
         indexes: list[int] = []
         ptrs: list[list[int]] = []
         sizes: list[list[int]] = []
@@ -237,6 +255,15 @@ class MooncakeMemory:
                 if not self._registered.covers(region.ptr, region.nbytes)
             ]
             need = sum(_aligned(nbytes) for _, nbytes in obj_staged)
+            if need and staging is not None and need > staging.nbytes:
+                if indexes:  # the batch so far copies through the area it was planned on
+                    yield indexes, ptrs, sizes, staged
+                    indexes, ptrs, sizes, staged, used = [], [], [], [], 0
+                try:
+                    staging = self._staging_for(need)
+                except StorageError as exc:  # no memory for a larger area: this object fails
+                    _log.warning("mooncake backend %r: cannot grow the staging area: %s", self.instance, exc)
+            capacity = staging.nbytes if staging is not None else 0
             if need and (staging is None or need > capacity):
                 _log.warning(
                     "mooncake backend %r: object %r has %d unregistered bytes, more than staging_bytes=%d",
