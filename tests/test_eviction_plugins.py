@@ -155,6 +155,12 @@ def test_config_takes_a_name_or_a_mapping_and_lists_the_installed_on_a_typo() ->
 def test_a_live_cache_refuses_the_offline_optimum() -> None:
     with pytest.raises(ValueError, match="simulate"):
         open_cache("kv", overrides=["policy.eviction=belady"])
+    # and `kvstrata config validate` says so before anything starts (it called the config valid)
+    command = ["config", "validate", "-c", str(EXAMPLES["kv"]), "--set", "policy.eviction=belady"]
+    result = subprocess.run([sys.executable, "-m", "kvstrata", *command], capture_output=True, text=True)
+    assert (
+        result.returncode == 2 and "policy.eviction: eviction policy 'belady' needs future" in result.stderr
+    )
 
 
 def test_every_tier_of_a_live_cache_runs_the_configured_policy_through_evictions() -> None:

@@ -240,6 +240,10 @@ def test_a_second_run_says_what_came_from_the_first_and_fresh_ignores_it(tmp_pat
     assert "from an earlier run" not in fresh.stdout
     assert "(empty, temporary, removed afterwards)" in fresh.stderr
     assert objects_in(l3) == stored  # the per-user L3 was neither read into nor written
+    # the default config with the L3 pointed at the user's directory: theirs, not a scratch one
+    own = kvstrata("replay", "--limit", "2", "--set", f"tiers.storage.l3.path={l3}", cwd=tmp_path)
+    assert own.returncode == 0, own.stderr
+    assert f"{l3}" in own.stderr and "temporary" not in own.stderr
 
 
 # --- 10: minor items ------------------------------------------------------------------------------

@@ -166,9 +166,11 @@ def replay(
                 highlight=False,
                 markup=False,
             )
+            # the scratch directory, unless a --set pointed the L3 elsewhere (the user's, kept)
+            temporary = scratch is not None and str(scratch) in config.tiers.model_dump_json()
             for line in describe_storage(config, host):
                 err.print(
-                    line + (" (empty, temporary, removed afterwards)" if scratch else ""),
+                    line + (" (empty, temporary, removed afterwards)" if temporary else ""),
                     highlight=False,
                     markup=False,
                 )

@@ -38,7 +38,7 @@ from kvstrata.core.keys import namespace_root
 from kvstrata.core.load_back import LoadBack
 from kvstrata.core.metrics import CacheMetrics
 from kvstrata.core.part_context import PartContext
-from kvstrata.core.policies import install_policies
+from kvstrata.core.policies import check_live_policy, install_policies
 from kvstrata.core.pool_group import Pool, PoolGroup
 from kvstrata.core.prefetcher import Prefetcher
 from kvstrata.core.retention import Retention
@@ -70,6 +70,11 @@ def check_startup(config: KvstrataConfig, plugins: PluginHost, *, machine: bool 
     written for another machine)."""
     _check_storage(config)
     _check_device(config, machine=machine)
+    if config.policy.eviction is not None:
+        try:
+            check_live_policy(plugins, config.policy.eviction)
+        except ValueError as exc:  # (pydantic's errors too: a bad option of the policy)
+            raise StartupError(f"policy.eviction: {exc}") from None
     sizing = _SizingOnly(config, plugins)
     _check_device_units(config, {name: units for name, (_, units) in sizing.sized.items()})
 

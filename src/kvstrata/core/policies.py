@@ -36,6 +36,18 @@ def policy_config(host: PluginHost, value: PolicySetting) -> EvictionPolicyConfi
     return host.eviction_policies.require(name).Config.model_validate(data)
 
 
+def check_live_policy(host: PluginHost, value: PolicySetting) -> EvictionPolicyConfig:
+    """The policy's config, or a ``ValueError`` for one a live cache cannot run (start-up and
+    ``kvstrata config validate`` ask the same: its declared capabilities, not its name)."""
+    config = policy_config(host, value)
+    if host.eviction_policies.get(config.type).capabilities.needs_future:
+        raise ValueError(
+            f"eviction policy {config.type!r} needs future accesses: it is an offline reference "
+            "for `kvstrata simulate --eviction`, not a policy for a live cache"
+        )
+    return config
+
+
 def make_policy(host: PluginHost, config: EvictionPolicyConfig, context: PolicyContext) -> EvictionPolicy:
     """A fresh instance of the configured policy (policies keep per-tier state: one per tier)."""
     return host.eviction_policies.require(config.type)(config, context)
@@ -65,15 +77,10 @@ def install_policies(
     host: PluginHost, value: PolicySetting, pools: PoolGroup, tree: PrefixTree
 ) -> dict[Tier, EvictionPolicy]:
     """Give every tier of ``tree`` its own instance of the configured policy."""
-    config = policy_config(host, value)
+    config = check_live_policy(host, value)
     installed = {}
     for tier in (Tier.DEVICE, Tier.HOST):
         policy = make_policy(host, config, tier_context(pools, tree, tier))
-        if policy.capabilities.needs_future:
-            raise ValueError(
-                f"eviction policy {config.type!r} needs future accesses: it is an offline reference "
-                "for `kvstrata simulate --eviction`, not a policy for a live cache"
-            )
         tree.set_eviction_order(tier, policy)
         installed[tier] = policy
     return installed
