@@ -268,7 +268,17 @@ def test_prefix_units_after_release_raises() -> None:
 
 
 @pytest.mark.parametrize(
-    "field", ["tiers.device.capacity_tokens", "tiers.host.capacity_tokens", "model.page_size"]
+    "field",
+    [
+        "tiers.device.capacity_tokens",
+        "tiers.host.capacity_tokens",
+        "model.page_size",
+        # plugins' and policies' sections too (a one-layer pool from `layers: true`)
+        "model.pools.kv.layers",
+        "model.pools.kv.host_units",
+        "tiers.storage.l3.capacity_bytes",
+        "policy.retention.max_pinned_fraction",
+    ],
 )
 def test_capacity_tokens_true_is_refused(field: str) -> None:
     with pytest.raises(kvstrata.ConfigError, match=re.escape(field) + ": .*expected a number, got true"):

@@ -25,13 +25,11 @@ import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     SerializeAsAny,
     ValidationError,
     ValidationInfo,
     WrapValidator,
-    field_validator,
     model_validator,
 )
 
@@ -41,6 +39,7 @@ from kvstrata.plugins.eviction_policy import EvictionPolicyConfig
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.pool_type import Layout, PoolConfig, PoolRole
 from kvstrata.plugins.storage_backend import BackendConfig
+from kvstrata.plugins.user_config import UserConfig
 
 ENV_PREFIX = "KVSTRATA_"
 ENV_NESTING = "__"
@@ -99,23 +98,8 @@ def anchor_instances(pools: Mapping[str, PoolConfig], host: PluginHost) -> list[
     ]
 
 
-#: annotations of number fields: ``true`` is not a number (pydantic would read it as 1)
-_NUMBERS = (int, float, int | None, float | None)
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        if (
-            isinstance(value, bool)
-            and info.field_name is not None
-            and cls.model_fields[info.field_name].annotation in _NUMBERS
-        ):
-            raise ValueError(f"expected a number, got {str(value).lower()}")
-        return value
+#: the base of every section (a misspelt key is an error, ``true`` is not a number)
+_Strict = UserConfig
 
 
 class ModelConfig(_Strict):

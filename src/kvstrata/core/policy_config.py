@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from kvstrata.plugins.user_config import UserConfig
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+#: the base of every section (a misspelt key is an error, ``true`` is not a number)
+_Strict = UserConfig
 
 
 class AdmissionFilterConfig(_Strict):

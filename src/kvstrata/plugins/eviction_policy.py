@@ -28,6 +28,8 @@ from typing import ClassVar, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from kvstrata.plugins.user_config import UserConfig
+
 #: Plugin API generation this core implements.
 EVICTION_API_VERSION = 1
 
@@ -48,7 +50,7 @@ class PolicyCapabilities(BaseModel):
     cost_aware: bool = False  # weighs recompute saved against bytes held (reads PolicyContext costs)
 
 
-class EvictionPolicyConfig(BaseModel):
+class EvictionPolicyConfig(UserConfig):
     """Base of every policy's ``Config``; a plugin narrows ``type`` to ``Literal[name]``."""
 
     model_config = ConfigDict(extra="forbid")

@@ -17,6 +17,8 @@ from typing import Annotated, ClassVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvstrata.plugins.user_config import UserConfig
+
 #: Plugin API generation this core implements; a plugin declares the one it was written against.
 POOL_API_VERSION = 1
 
@@ -308,7 +310,7 @@ class PoolSpec(BaseModel):
         return sum(by_name[name].bytes_per_unit for name in obj.buffers)
 
 
-class PoolConfig(BaseModel):
+class PoolConfig(UserConfig):
     """Base of every pool type's ``Config``; a plugin narrows ``type`` to ``Literal[name]``."""
 
     model_config = ConfigDict(extra="forbid")

@@ -20,6 +20,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from kvstrata.plugins.user_config import UserConfig
+
 #: Plugin API generation this core implements.
 BACKEND_API_VERSION = 1
 
@@ -124,7 +126,7 @@ def _is_path_field(annotation: Any) -> bool:
     return annotation is Path or any(_is_path_field(arg) for arg in typing.get_args(annotation))
 
 
-class BackendConfig(BaseModel):
+class BackendConfig(UserConfig):
     """Base of every backend's ``Config``; a plugin narrows ``type`` to ``Literal[name]``.
 
     Every ``Path`` field of a backend config expands ``$VARIABLES`` and ``~`` (see :func:`expand_path`):
