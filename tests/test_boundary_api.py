@@ -98,6 +98,9 @@ def test_a_bad_token_id_is_refused_before_anything_is_locked(bad: int, with_l3: 
             "draft", {"type": "draft", "layers": 1, "kv_heads": 1, "head_dim": 8, "index_source": "kv"}
         )
         assert refusals == [f"tokens: token ids must lie in [0, 2**32), got {bad}"] * 3
+        meta = torch.empty(PAGE, dtype=torch.int64, device="meta")  # a shape without values
+        with pytest.raises(ValueError, match="tokens: a tensor on the meta device holds no token ids"):
+            cache.lookup(meta)
 
 
 # --- 5. unlocked concurrent use ------------------------------------------------------------------

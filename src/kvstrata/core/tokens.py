@@ -78,6 +78,8 @@ def token_ids(tokens: Any, what: str = "tokens") -> torch.Tensor:
             f"{what}: expected one sequence of token ids (1-D), got {_given(tokens, ids.dtype, ids.shape)}; "
             "a batch is one lookup per sequence"
         )
+    if ids.is_meta:
+        raise ValueError(f"{what}: a tensor on the meta device holds no token ids (shape only)")
     ids = ids.to("cpu", torch.int64)  # a uint64 id past 2**63 wraps negative: refused below
     if ids.numel():
         words = ids.numpy()
