@@ -48,3 +48,18 @@ def test_host_budget_overflow_fails(tmp_path: Path) -> None:
 def test_invalid_config_exit_code() -> None:
     result = doctor("tiers.storage.l3.capacity=1")
     assert result.exit_code == 2
+
+
+def test_a_device_tier_on_the_cpu_counts_against_host_memory(tmp_path: Path) -> None:
+    # start-up counts the CPU device tier in host memory; doctor counted only the host tier and
+    # said "ok" for a config start-up refused, whose error named only tiers.host.capacity_tokens
+    sets = [f"tiers.storage.l3.path={tmp_path}", "tiers.device.capacity_tokens=100000000000"]
+    result = doctor(*sets, "tiers.host.capacity_tokens=512")
+    assert result.exit_code == 1
+    words = " ".join(result.output.split())
+    assert "does not fit" in words and "device tier is on the CPU" in words
+    start = runner.invoke(app, ["replay", "-c", str(DEMO), "--limit", "1", *(f"--set={s}" for s in sets)])
+    assert start.exit_code != 0
+    assert "lower tiers.device.capacity_tokens (the device tier is on the CPU" in " ".join(
+        start.output.split()
+    )

@@ -44,6 +44,9 @@ def doctor(files: ConfigFiles = None, config_option: ConfigOption = None, set_: 
     """Check a configuration against this machine: I/O plan per (backend, pool), host memory
     budget, backend reachability. Exits 2 for a config start-up refuses, 1 when something on this
     machine cannot work as configured."""
+    import torch
+
+    from kvstrata.core.builder import startup_host_bytes
     from kvstrata.core.io_plan import IOMode, plan_backend
     from kvstrata.core.pool_group import host_memory_budget
 
@@ -96,19 +99,20 @@ def doctor(files: ConfigFiles = None, config_option: ConfigOption = None, set_: 
     else:
         out.print("no storage tier configured (tiers.storage is empty)")
 
-    # Host budget: every pool holds capacity_tokens / page_size units in the host tier.
+    # Host budget: what start-up checks (the host tier, and the device tier when it is on the CPU)
     host_tier = config.tiers.host
-    units = host_tier.capacity_tokens // config.model.page_size
-    required = sum(spec.bytes_per_unit * units for spec in specs.values())
+    required = startup_host_bytes(config, host)
     available = host_memory_budget(host_tier)
     verdict = "[green]fits[/]" if required <= available else "[red]does not fit[/]"
+    device_on_host = torch.device(config.tiers.device.device).type == "cpu"
+    tiers = "host and device tiers (the device tier is on the CPU)" if device_on_host else "host tier"
     out.print(
-        f"host budget: {units} units per pool need {required / 2**30:.3f} GiB per rank; "
+        f"host budget: the pools' {tiers} need {required / 2**30:.3f} GiB per rank; "
         f"available {available / 2**30:.3f} GiB per rank "
         f"(available memory - reserve_bytes, / ranks_per_host {host_tier.ranks_per_host}): {verdict}"
     )
     if required > available:
-        problems.append(f"host tier needs {required} bytes per rank, {available} available")
+        problems.append(f"the pools' {tiers} need {required} bytes per rank, {available} available")
     if problems:
         for problem in problems:
             err.print(f"[bold red]problem:[/] {problem}", highlight=False, soft_wrap=True)

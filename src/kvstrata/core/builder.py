@@ -79,12 +79,18 @@ def check_startup(config: KvstrataConfig, plugins: PluginHost, *, machine: bool 
     _check_device_units(config, {name: units for name, (_, units) in sizing.sized.items()})
 
 
+def startup_host_bytes(config: KvstrataConfig, plugins: PluginHost) -> int:
+    """Host memory the pools of ``config`` take at start-up: their host tiers, and their device
+    tiers where L1 is on the CPU (the figure start-up checks against the rank's budget)."""
+    return int(_SizingOnly(config, plugins).__dict__["requested_bytes"])
+
+
 class _SizingOnly(PoolGroup):
     """The pool group's own start-up: plugins, specs, order and sizing with every check they
     make; the memory check and the allocation are skipped (``sized``: pool -> (spec, units))."""
 
     def _check_memory(self, requested: int, what: str) -> None:
-        pass
+        self.__dict__["requested_bytes"] = requested  # what start-up checks, not checked here
 
     def _add(self, name: str, plugin: Any, spec: PoolSpec, units: tuple[int, int]) -> Any:
         self.__dict__.setdefault("sized", {})[name] = (spec, units)

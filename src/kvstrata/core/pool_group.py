@@ -68,9 +68,15 @@ def host_memory_budget(tier: HostTierConfig, available_bytes: int | None = None)
 
 
 def check_host_memory(
-    requested: int, tier: HostTierConfig, available_bytes: int | None = None, what: str = ""
+    requested: int,
+    tier: HostTierConfig,
+    available_bytes: int | None = None,
+    what: str = "",
+    *,
+    device_on_host: bool = False,
 ) -> None:
-    """Fail with the requested and available bytes when ``requested`` exceeds the budget."""
+    """Fail with the requested and available bytes when ``requested`` exceeds the budget
+    (``device_on_host``: the device tier lives in host memory too, and is named as a cause)."""
     available = psutil.virtual_memory().available if available_bytes is None else available_bytes
     budget = host_memory_budget(tier, available)
     if requested > budget:
@@ -78,8 +84,13 @@ def check_host_memory(
             f"not enough host memory{' for ' + what if what else ''}: requested {requested} bytes "
             f"({requested / 2**30:.2f} GiB), available to this rank {budget} bytes "
             f"({budget / 2**30:.2f} GiB) = (available {available} - reserve_bytes {tier.reserve_bytes}) "
-            f"// ranks_per_host {tier.ranks_per_host}; lower tiers.host.capacity_tokens or the pools' "
-            "host_units"
+            f"// ranks_per_host {tier.ranks_per_host}; "
+            + (
+                "lower tiers.device.capacity_tokens (the device tier is on the CPU: host memory), "
+                "tiers.host.capacity_tokens or the pools' device_units / host_units"
+                if device_on_host
+                else "lower tiers.host.capacity_tokens or the pools' host_units"
+            )
         )
 
 
@@ -284,7 +295,9 @@ class PoolGroup:
 
     def _check_memory(self, requested: int, what: str) -> None:
         available = self._available() if self._available is not None else None
-        check_host_memory(requested, self.host_tier, available, what)
+        check_host_memory(
+            requested, self.host_tier, available, what, device_on_host=self.device.type == "cpu"
+        )
 
     def _add(self, name: str, plugin: PoolType, spec: PoolSpec, units: tuple[int, int]) -> Pool:
         device_units, host_units = units
