@@ -215,3 +215,18 @@ def test_unreadable_text_and_bad_environment_values_are_config_errors(
     with pytest.raises(ConfigError, match="KVSTRATA_DISABLE_PLUGIN_AUTOLOAD") as info:
         PluginHost()  # every command builds one: a pydantic traceback stopped them all
     assert info.value.source == "the environment"
+
+
+def test_a_storage_path_naming_an_unset_variable_is_refused(
+    kvstrata_host: PluginHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # left as written, `$L3_ROOT/l3` was a directory literally named `$L3_ROOT` in the working
+    # directory: the objects went where nobody would look
+    monkeypatch.delenv("KVSTRATA_TEST_L3_ROOT", raising=False)
+    overrides = {"tiers.storage.l3.path": "${KVSTRATA_TEST_L3_ROOT}/l3"}
+    with pytest.raises(ConfigError, match="not set: KVSTRATA_TEST_L3_ROOT") as info:
+        load(BASE, overrides=overrides, plugins=kvstrata_host, environ={})
+    assert info.value.errors[0][0] == "tiers.storage.l3"
+    monkeypatch.setenv("KVSTRATA_TEST_L3_ROOT", "/srv/cache")
+    config = load(BASE, overrides=overrides, plugins=kvstrata_host, environ={})
+    assert str(config.tiers.storage["l3"].path) == "/srv/cache/l3"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -103,11 +104,19 @@ def user_cache_dir() -> Path:
 
 def expand_path(value: str) -> str:
     """Expand environment variables and ``~`` in a path; ``$KVSTRATA_CACHE_DIR`` falls back to
-    :func:`user_cache_dir` when the variable is not set."""
+    :func:`user_cache_dir` when the variable is not set. A variable that is not set is a
+    ``ValueError`` (left as written, ``$VAR/l3`` would be a directory named ``$VAR`` here)."""
     for token in (f"${{{CACHE_DIR_ENV}}}", f"${CACHE_DIR_ENV}"):
         if token in value:
             value = value.replace(token, str(user_cache_dir()))
-    return os.path.expanduser(os.path.expandvars(value))
+    expanded = os.path.expandvars(value)
+    unset = sorted({name for pair in _VARIABLE.findall(expanded) for name in pair if name} - set(os.environ))
+    if unset:
+        raise ValueError(f"{value!r} names environment variable(s) that are not set: {', '.join(unset)}")
+    return os.path.expanduser(expanded)
+
+
+_VARIABLE = re.compile(r"\$(?:(\w+)|\{(\w+)\})")
 
 
 def _not_empty(value: object) -> object:
@@ -148,10 +157,14 @@ class BackendConfig(UserConfig):
         if not isinstance(data, dict):
             return data
         paths = {name for name, field in cls.model_fields.items() if _is_path_field(field.annotation)}
-        return {
-            key: expand_path(value) if key in paths and isinstance(value, str) else value
-            for key, value in data.items()
-        }
+        expanded = dict(data)
+        for key in paths & expanded.keys():
+            if isinstance(expanded[key], str):
+                try:
+                    expanded[key] = expand_path(expanded[key])
+                except ValueError as exc:
+                    raise ValueError(f"{key}: {exc}") from None
+        return expanded
 
 
 @dataclass(frozen=True, slots=True)
