@@ -52,6 +52,7 @@ def test_belady_is_the_offline_reference() -> None:
         (["--sweep", "x.png", "--policies", "lru,nope"], "unknown eviction policy 'nope'"),
         # checked before the sweep runs (they ran it whole, then failed with a traceback)
         (["--sweep", "x.png", "--capacities", "-1"], "--capacities: expected positive numbers"),
+        (["--limit", "-1"], "Invalid value for '--limit'"),  # was "bad trace None: limit must be"
         (["--sweep", "x.png", "--capacities", "inf"], "--capacities: expected positive numbers"),
         (["--sweep", "x.xyz"], "matplotlib cannot write '.xyz' files"),
         (["--sweep", "missing/x.png"], "does not exist"),

@@ -60,7 +60,9 @@ def simulate(
     warmup_fraction: Annotated[
         float, typer.Option("--warmup-fraction", help="leading share of requests that only warm the cache")
     ] = 0.0,
-    limit: Annotated[int | None, typer.Option("--limit", help="read only the first N requests")] = None,
+    limit: Annotated[
+        int | None, typer.Option("--limit", min=1, help="read only the first N requests")
+    ] = None,
     sweep_out: Annotated[
         Path | None,
         typer.Option("--sweep", help="plot hit rate against capacity for several policies into this PNG"),
