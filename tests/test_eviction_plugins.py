@@ -8,14 +8,23 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import pytest
+import torch
 
 from controller_support import EXAMPLES, REPO, open_cache, serve, tokens
 from kvstrata.core.config import load
 from kvstrata.core.controller import CacheController
 from kvstrata.core.tree import Tier
-from kvstrata.plugins import ConfigError, PluginHost, PluginLoadError
+from kvstrata.plugins import (
+    ConfigError,
+    EvictionPolicy,
+    EvictionPolicyConfig,
+    PluginHost,
+    PluginLoadError,
+    PolicyCapabilities,
+)
 from kvstrata.replay.simulate import SimulationConfig, simulate
 from kvstrata.replay.trace import read_trace
 
@@ -177,3 +186,48 @@ def test_every_tier_of_a_live_cache_runs_the_configured_policy_through_evictions
         lease, bad = serve(cache, hot)
         assert bad == 0 and lease.hit_pages["device"] == 2
         assert device.requests >= 21  # one access event per request  # type: ignore[attr-defined]
+
+
+class _FlakyConfig(EvictionPolicyConfig):
+    type: Literal["flaky"] = "flaky"
+
+
+class _FlakyPolicy(EvictionPolicy):
+    """LRU that raises on its second ranking (a third-party policy's bug): the first eviction
+    ranks the leaves, drops one, then ranks its parent."""
+
+    name = "flaky"
+    Config = _FlakyConfig
+    capabilities = PolicyCapabilities()
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("third-party policy bug")
+        return [(node.last_access, node.id, node) for node in entries]
+
+
+def test_a_policy_raising_mid_eviction_fails_that_call_and_loses_no_unit() -> None:
+    # the units of the nodes the eviction had already dropped were never freed: the tier shrank
+    # for good on every failure
+    host = PluginHost()
+    host.eviction_policies.register(_FlakyPolicy)
+    sets = ["tiers.device.capacity_tokens=256", "tiers.host.capacity_tokens=0", "tiers.storage={}"]
+    with open_cache("kv", overrides=[*sets, "policy.eviction=flaky"], host=host) as cache:
+        first = tokens(60, 2)
+        serve(cache, first)
+        serve(cache, torch.cat([first, tokens(61, 2)]))  # a chain of two nodes: the tier is full
+        lease = cache.lookup(tokens(62, 2))
+        cache.admit(lease)
+        with pytest.raises(RuntimeError, match="third-party policy bug"):
+            cache.allocate(lease)
+        cache.release(lease)
+        allocator = cache.pools.pools["kv"].device_allocator
+        assert allocator.available + cache.tree.units("kv", Tier.DEVICE) == allocator.units
+        cache.tree.check()
+        _, bad = serve(cache, tokens(63, 2))  # the cache goes on
+        assert bad == 0

@@ -216,13 +216,13 @@ class TreeEvictor:
                     self._evict_component(tier, p, want, result)
         finally:
             result._settle()
+            if on_free is not None:  # what left the tree is freed, also when a policy raised
+                for name, parts in result.freed.items():
+                    for value in parts:
+                        on_free(name, value)
             gone, self._gone = self._gone, None
             if gone:
                 hearing.removed(gone)  # type: ignore[union-attr]
-        if on_free is not None:
-            for name, parts in result.freed.items():
-                for value in parts:
-                    on_free(name, value)
         return result
 
     def _ranked(self, tier: Tier, nodes: list[TreeNode]) -> list[tuple[Any, int, TreeNode]]:
