@@ -148,6 +148,48 @@ def test_a_pin_with_a_ttl_lapses_on_its_own() -> None:
         assert serve(cache, tokens(1, 2))[0].hit_pages["device"] == 0
 
 
+def test_a_hint_on_a_prefix_already_cached_whole_holds() -> None:
+    # the hint was applied only where an insert added pages: pinning a cached system prompt
+    # did nothing (not pinned, not refused), and it was evicted like any other
+    overrides = ["tiers.storage={}", "tiers.host.capacity_tokens=0", *SMALL[:1]]
+    with open_cache("kv", overrides=overrides) as cache:
+        system = tokens(1, 2)
+        serve(cache, system)
+        lease = serve_hinted(cache, system, RetentionHint(pin=True))  # a full hit
+        assert lease.pinned and cache.parts.retention.pinned_pages == 2
+        _stream(cache, 100, 4)
+        assert serve(cache, system)[0].hit_pages["device"] == 2
+
+
+def test_a_lapsed_pin_leaves_room_under_the_cap() -> None:
+    now = [0.0]
+    overrides = ["tiers.storage={}", "tiers.host.capacity_tokens=0", *SMALL[:1]]
+    overrides.append("policy.retention.max_pinned_fraction=0.5")
+    with open_cache("kv", overrides=overrides) as cache:
+        cache.parts.retention.clock = lambda: now[0]
+        serve_hinted(cache, tokens(1, 2), RetentionHint(pin=True, ttl_s=5))
+        now[0] = 6.0  # no eviction since: the lapsed pin was still counted and B refused
+        second = serve_hinted(cache, tokens(2, 2), RetentionHint(pin=True))
+        assert second.pinned and ops(cache)["pins_refused"] == 0
+
+
+def test_a_timed_priority_falls_back_to_the_permanent_one() -> None:
+    # one (level, deadline) per node: a higher priority with a TTL replaced a permanent one, and
+    # after the TTL the prefix was ordinary (evicted first) instead of back at its priority
+    now = [0.0]
+    with open_cache("kv", overrides=["tiers.storage={}", *SMALL]) as cache:
+        cache.parts.retention.clock = lambda: now[0]
+        system = tokens(1, 2)
+        serve_hinted(cache, system, RetentionHint(priority=1))
+        serve_hinted(cache, torch.cat([system, tokens(2, 1)]), RetentionHint(priority=2, ttl_s=5))
+        now[0] = 6.0
+        _stream(cache, 100, 6)
+        lease = cache.lookup(system)
+        cache.admit(lease)
+        assert lease.hit_pages["device"] == 2, "back at priority 1, above ordinary traffic"
+        cache.release(lease)
+
+
 def test_hints_are_checked() -> None:
     with pytest.raises(ValueError, match="ttl_s"):
         RetentionHint(ttl_s=0)

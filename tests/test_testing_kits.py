@@ -22,6 +22,12 @@ class TestLruThroughTheKit(EvictionPolicyConformance):
     policy = "lru"
 
 
+class TestBeladyThroughTheKit(EvictionPolicyConformance):
+    """The shipped offline reference passes the shipped kit (it failed its contract check)."""
+
+    policy = "belady"
+
+
 class MruConfig(EvictionPolicyConfig):
     type: Literal["mru"] = "mru"
 

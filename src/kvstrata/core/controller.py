@@ -269,10 +269,10 @@ class CacheController(UnitMemory, ClosingApi):
             if result.has_duplicates:
                 self.units.free(_DEVICE, result.duplicates)
             lease.mark_inserted(self.tree, result.node, end, rest)
-            self._retain(lease)
             if self.policy.write == "write_through" or self.writer.digests is not None:
                 hashes, cached = lease.hashes_source, lease.cached_pages
                 self.writer.on_insert(result.node, hashes, above, cached, owner=lease, keep_open=not close)
+        self._retain(lease)  # also a request whose whole prefix was cached: its hint holds there
         if close:
             self._free_pending(lease)
             self._close_lease(lease)

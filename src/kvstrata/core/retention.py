@@ -74,7 +74,9 @@ class Retention:
         self.max_pinned_pages = max_pinned_pages
         self.metrics = metrics
         self.clock = clock
-        self._levels: dict[TreeNode, tuple[int, float | None]] = {}  # node -> (level, deadline)
+        #: node -> (its permanent level or None, its timed level, when that lapses): a timed hint
+        #: never replaces a permanent one, so the node is back at its permanent level after the TTL
+        self._levels: dict[TreeNode, tuple[int | None, int, float | None]] = {}
         self._pins: dict[int, Pin] = {}  # id(pin) -> pin, for TTL expiry
         self._pin_counts: dict[TreeNode, int] = {}
         self.pinned_pages = 0
@@ -89,19 +91,20 @@ class Retention:
         """The level of each node at this moment, or None when no node has one; releases
         pins whose TTL passed (an eviction is starting)."""
         now = self.clock()
-        for pin in [p for p in self._pins.values() if p.deadline is not None and p.deadline <= now]:
-            self.release(pin)
+        self._expire_pins(now)
         if not self._levels:
             return None
         levels = self._levels
 
         def level(node: TreeNode) -> int:
             entry = levels.get(node)
-            if entry is None or (entry[1] is not None and entry[1] <= now):
-                return 0
-            return entry[0]
+            return 0 if entry is None else _level_at(entry, now)
 
         return level
+
+    def _expire_pins(self, now: float) -> None:
+        for pin in [p for p in self._pins.values() if p.deadline is not None and p.deadline <= now]:
+            self.release(pin)
 
     def split(self, upper: TreeNode, lower: TreeNode) -> None:
         entry = self._levels.get(lower)
@@ -127,6 +130,7 @@ class Retention:
             return held
         if held is not None:
             self.release(held)
+        self._expire_pins(now)  # a lapsed pin holds no share of max_pinned_fraction
         pin = self._take(node, deadline)
         if pin is None:
             self.metrics.count(Operation.PINS_REFUSED)
@@ -135,13 +139,16 @@ class Retention:
     def _set_levels(self, node: TreeNode, level: int, deadline: float | None, now: float) -> None:
         levels = self._levels
         if len(levels) > _SWEEP_AT:
-            for stale in [n for n, (_, d) in levels.items() if d is not None and d <= now]:
+            for stale in [n for n, (p, _, d) in levels.items() if p is None and (d is None or d <= now)]:
                 del levels[stale]
         cur: TreeNode | None = node
         while cur is not None and cur is not self.tree.root:
-            old = levels.get(cur)
-            if old is None or (old[1] is not None and old[1] <= now) or _stronger(level, deadline, *old):
-                levels[cur] = (level, deadline)
+            permanent, timed, until = levels.get(cur, (None, 0, None))
+            if deadline is None:
+                permanent = level if permanent is None else max(permanent, level)
+            elif until is None or until <= now or _stronger(level, deadline, timed, until):
+                timed, until = level, deadline
+            levels[cur] = (permanent, timed, until)
             cur = cur.parent
 
     def _take(self, node: TreeNode, deadline: float | None) -> Pin | None:
@@ -177,9 +184,18 @@ class Retention:
             cur = cur.parent
 
 
-def _stronger(level: int, deadline: float | None, old_level: int, old_deadline: float | None) -> bool:
-    """Whether a new (level, deadline) should replace a live one: a higher level, or the same
-    level for longer (a hinted request renews its TTL; reads never reach here)."""
+def _level_at(entry: tuple[int | None, int, float | None], now: float) -> int:
+    """A node's level at ``now``: the higher of its permanent level and its live timed one."""
+    permanent, timed, until = entry
+    live = until is not None and until > now
+    if permanent is None:
+        return timed if live else 0
+    return max(permanent, timed) if live else permanent
+
+
+def _stronger(level: int, deadline: float, old_level: int, old_deadline: float) -> bool:
+    """Whether a new timed level should replace a live one: a higher level, or the same level
+    for longer (a hinted request renews its TTL; reads never reach here)."""
     if level != old_level:
         return level > old_level
-    return old_deadline is not None and (deadline is None or deadline > old_deadline)
+    return deadline > old_deadline

@@ -37,6 +37,8 @@ class BeladyPolicy(EvictionPolicy):
         self.future = future
 
     def ranked(self, entries: list[E]) -> list[tuple[float, int, E]]:
+        if not entries:  # nothing to rank needs no future (the contract: none in, none out)
+            return []
         if self.future is None:
             raise RuntimeError("belady needs the future accesses: only `kvstrata simulate` can run it")
         next_use = self.future.next_use
