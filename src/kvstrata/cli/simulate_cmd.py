@@ -52,7 +52,7 @@ def simulate(
         str,
         typer.Option(
             "--eviction",
-            help="eviction policy: a name (`kvstrata plugins`; `belady` is the offline optimum) or a "
+            help="eviction policy: a name (`kvstrata plugins`; `belady` is the offline reference) or a "
             "YAML mapping such as '{type: s3fifo, small_fraction: 0.2}'",
         ),
     ] = "lru",
