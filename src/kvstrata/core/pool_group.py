@@ -151,6 +151,20 @@ def describe_pool(pool: Pool) -> dict[str, Any]:
     }
 
 
+def _check_late_pool(instance: str, spec: PoolSpec, anchor: str, pools: Mapping[str, Pool]) -> None:
+    """A pool added after start must be a sidecar of a pool in the group: the tree holds values
+    of the pools it was built with only."""
+    if spec.role is PoolRole.ANCHOR:
+        raise ValueError(f"pool {instance!r} would be a second anchor (anchor: {anchor!r})")
+    if spec.role is not PoolRole.SIDECAR:
+        raise ValueError(
+            f"pool {instance!r} is a {spec.role.value}: only sidecars (pools with an index_source) "
+            "can be added after start"
+        )
+    if spec.index_source is not None and spec.index_source not in pools:
+        raise ValueError(f"pool {instance!r}: index_source {spec.index_source!r} is not in the group")
+
+
 class PoolGroup:
     """All pools of one model stack on this rank (see the module docstring for sizing)."""
 
@@ -361,15 +375,7 @@ class PoolGroup:
     def _add_late(self, instance: str, config: PoolConfig | Mapping[str, Any]) -> Pool:
         plugin = self._instantiate(instance, config)
         spec = plugin.spec()
-        if spec.role is PoolRole.ANCHOR:
-            raise ValueError(f"pool {instance!r} would be a second anchor (anchor: {self.anchor_name!r})")
-        if spec.role is not PoolRole.SIDECAR:  # the tree holds no values of a pool it never saw
-            raise ValueError(
-                f"pool {instance!r} is a {spec.role.value}: only sidecars (pools with an index_source) "
-                "can be added after start"
-            )
-        if spec.index_source is not None and spec.index_source not in self.pools:
-            raise ValueError(f"pool {instance!r}: index_source {spec.index_source!r} is not in the group")
+        _check_late_pool(instance, spec, self.anchor_name, self.pools)
         units = self._units(spec, plugin.config, {})
         self._check_memory(self._tier_bytes(spec, units), f"pool {instance!r}")
         return self._add(instance, plugin, spec, units)

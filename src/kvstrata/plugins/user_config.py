@@ -10,14 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ModelWrapValidatorHandler, ValidationError, model_validator
-from pydantic_core import InitErrorDetails, PydanticCustomError
 
 #: annotations of number fields
 _NUMBERS = (int, float, int | None, float | None)
-
-
-def _not_a_number(value: bool) -> PydanticCustomError:
-    return PydanticCustomError("bool_number", "expected a number, got {value}", {"value": str(value).lower()})
 
 
 class UserConfig(BaseModel):
@@ -28,16 +23,16 @@ class UserConfig(BaseModel):
     @model_validator(mode="wrap")
     @classmethod
     def _no_booleans_for_numbers(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
-        # a model validator, not a field one: pydantic allows none on a discriminator (``type``)
+        # a model validator, not a field one: pydantic allows none on a discriminator (``type``);
+        # the errors carry the field's name, so a config error names its dotted path
         if isinstance(data, dict):
-            errors = [
-                InitErrorDetails(
-                    type=PydanticCustomError(
-                        "bool_number", "expected a number, got {value}", {"value": str(value).lower()}
-                    ),
-                    loc=(name,),
-                    input=value,
-                )
+            errors: list[Any] = [  # pydantic_core's InitErrorDetails, as plain dicts
+                {
+                    "type": "value_error",
+                    "loc": (name,),
+                    "input": value,
+                    "ctx": {"error": ValueError(f"expected a number, got {str(value).lower()}")},
+                }
                 for name, value in data.items()
                 if isinstance(value, bool)
                 and name in cls.model_fields
