@@ -230,3 +230,29 @@ def test_a_storage_path_naming_an_unset_variable_is_refused(
     monkeypatch.setenv("KVSTRATA_TEST_L3_ROOT", "/srv/cache")
     config = load(BASE, overrides=overrides, plugins=kvstrata_host, environ={})
     assert str(config.tiers.storage["l3"].path) == "/srv/cache/l3"
+
+
+@pytest.mark.parametrize(
+    ("pool", "path", "message"),
+    [
+        # mla typed its dtype as any string: `bf16` passed validation and failed at open with a
+        # bare pydantic error about a BufferSpec
+        ({"type": "mla", "layers": 1, "dtype": "bf16"}, "model.pools.side.dtype", "bfloat16"),
+        # draft's split_heads was accepted and never read (whole shards were stored): gone
+        (
+            {"type": "draft", "layers": 1, "kv_heads": 1, "head_dim": 8, "split_heads": True},
+            "model.pools.side.split_heads",
+            "Extra inputs are not permitted",
+        ),
+    ],
+)
+def test_pool_fields_are_checked_at_load(
+    pool: dict, path: str, message: str, kvstrata_host: PluginHost
+) -> None:
+    data = json.loads(json.dumps(BASE))
+    data["model"]["pools"]["side"] = pool
+    if pool["type"] == "mla":  # an anchor of its own: the stack's only one
+        data["model"]["pools"] = {"side": pool}
+    with pytest.raises(ConfigError) as info:
+        load(data, plugins=kvstrata_host, environ={})
+    assert any(where == path and message in reason for where, reason in info.value.errors), info.value.errors

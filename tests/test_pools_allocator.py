@@ -49,6 +49,8 @@ def test_foreign_and_duplicate_indices_are_rejected() -> None:
     # the partially bad free above must not have released index 3
     assert allocator.is_allocated([3]).tolist() == [True]
     assert allocator.available == 1
+    with pytest.raises(AllocatorError, match=r"outside \[0, 4\)"):  # -1 read unit 3's state
+        allocator.is_allocated([-1])
 
 
 def test_reset_and_empty_operations() -> None:

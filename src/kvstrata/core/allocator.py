@@ -132,6 +132,8 @@ class UnitAllocator:
     def is_allocated(self, indices: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Per index: whether it is currently allocated (bool tensor)."""
         idx = _as_array(indices)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.units):  # -1 would wrap
+            raise AllocatorError(f"allocator {self.name!r}: indices outside [0, {self.units})")
         with self._lock:
             return torch.from_numpy(self._in_use[idx].copy())
 

@@ -25,7 +25,6 @@ from kvstrata.pool_types._attention import AttentionConfig, kv_buffers
 
 class DraftConfig(AttentionConfig):
     type: Literal["draft"] = "draft"
-    split_heads: bool = False  # store per-head shards (heterogeneous TP); needs backend support
 
 
 class DraftPoolType(PoolType):

@@ -13,6 +13,7 @@ from pydantic import Field
 
 from kvstrata.plugins.pool_type import (
     BufferSpec,
+    Dtype,
     Granularity,
     HitRule,
     HitRuleKind,
@@ -33,7 +34,7 @@ class MLAConfig(PoolConfig):
     layers: int = Field(ge=1)
     kv_lora_rank: int = Field(default=512, ge=1)
     qk_rope_head_dim: int = Field(default=64, ge=0)
-    dtype: str = "bfloat16"
+    dtype: Dtype = "bfloat16"
 
 
 class MLAPoolType(PoolType):
