@@ -344,6 +344,19 @@ def test_bad_engine_tensors_name_the_mismatch(change: dict[str, Any], message: s
     assert message in str(info.value)
 
 
+def test_engine_tensors_sharing_memory_are_refused() -> None:
+    # the same tensor as k and v was accepted: writing k of a unit changed its v
+    spec = KVPoolType("kv", KVConfig(layers=2, kv_heads=2, head_dim=8), CONTEXT).spec()
+    shared = good()["k"]
+    with pytest.raises(ValueError, match="buffer 'v': the same memory as buffer 'k'"):
+        PoolBuffers.from_tensors(spec, {"k": shared, "v": shared}, units=5)
+    layer = torch.zeros(5, PAGE, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="buffer 'k' layer 1: the same memory as buffer 'k' layer 0"):
+        PoolBuffers.from_tensors(spec, {"k": [layer, layer], "v": shared}, units=5)
+    both = torch.zeros(2, 2, 5, PAGE, 2, 8, dtype=torch.bfloat16)  # one allocation, k and v halves
+    PoolBuffers.from_tensors(spec, {"k": both[0], "v": both[1]}, units=5)  # fine
+
+
 def test_missing_buffer_and_wrong_device_and_layouts() -> None:
     spec = kv_spec()
     with pytest.raises(ValueError, match=r"missing \['v'\], unknown \[\]"):

@@ -145,10 +145,19 @@ def check_engine_tensors(
     found: dict[str, list[torch.Tensor]] = {}
     whole: dict[str, torch.Tensor] = {}
     first_device: torch.device | None = None
+    starts: dict[int, str] = {}  # where each buffer's memory begins: no two may share it
     for buffer in spec.buffers:
         given = tensors[buffer.name]
         parts = _check_engine_tensor(where, buffer, given, units, layout)
-        for part in parts:
+        for index, part in enumerate(parts):
+            what = f"buffer {buffer.name!r}" + (f" layer {index}" if len(parts) > 1 else "")
+            if part.numel() and part.device.type != "meta":
+                other = starts.setdefault(part.data_ptr(), what)
+                if other != what:
+                    raise ValueError(
+                        f"{where} {what}: the same memory as {other} (one tensor passed twice?): "
+                        "a write to one would change the other; each buffer and layer needs its own"
+                    )
             if part.device.type == "meta":
                 raise ValueError(
                     f"{where} buffer {buffer.name!r}: expected a tensor with memory "

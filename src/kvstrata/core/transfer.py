@@ -134,6 +134,12 @@ def _local_copy(
         dst_rows = dst_idx if dst_start is None else dst_start
         if copy_rows(src_view, src_rows, dst_view, dst_rows, count):
             return
+    if src_view.untyped_storage().data_ptr() == dst_view.untyped_storage().data_ptr():
+        # one tier into itself (rows may overlap): read every source row before writing any
+        count = src_idx.numel()
+        rows = src_view[src_start : src_start + count] if src_start is not None else src_view[src_idx]
+        src_view, src_start = rows.clone(), 0
+        src_idx = torch.arange(count, device=src_view.device)
     src_merged, dst_merged = _merge_layers(src_view), _merge_layers(dst_view)
     if src_merged is not None and dst_merged is not None:
         _copy_rows(src_merged, src_idx, src_start, dst_merged, dst_idx, dst_start)
