@@ -51,7 +51,8 @@ class CacheCollector:
             return family
 
         yield counter("kvstrata_requests", "Requests admitted", snap["requests"])
-        yield counter("kvstrata_lookup_tokens", "Tokens looked up", snap["lookup_tokens"])
+        looked_up = "Tokens looked up, in whole pages (a partial page never hits)"
+        yield counter("kvstrata_lookup_tokens", looked_up, snap["lookup_tokens"])
         hits = core.CounterMetricFamily(
             "kvstrata_hit_tokens", "Reused tokens per tier", labels=[*labels, "tier"]
         )
