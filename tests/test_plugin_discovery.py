@@ -142,19 +142,20 @@ def test_name_collision_names_both_distributions(make_distribution) -> None:
     assert "kvstrata-echo-a 1.0" in str(info.value) and "kvstrata-echo-b 1.0" in str(info.value)
 
 
-def test_cli_plugins_json_lists_fake_distribution_and_broken_one(make_distribution, tmp_path: Path) -> None:
-    site = install_echo(make_distribution)
-    install_broken(make_distribution, "import not_a_real_module_xyz\n")
+def run_cli_with(site: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m kvstrata ARGS`` in a child that sees the fake distributions under ``site``."""
     src = Path(__file__).resolve().parents[1] / "src"
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{src}", "XDG_CACHE_HOME": str(tmp_path / "c")}
     env.pop("KVSTRATA_DISABLED_PLUGINS", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "kvstrata", "plugins", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
+    return subprocess.run(
+        [sys.executable, "-m", "kvstrata", *args], capture_output=True, text=True, env=env, check=False
     )
+
+
+def test_cli_plugins_json_lists_fake_distribution_and_broken_one(make_distribution, tmp_path: Path) -> None:
+    site = install_echo(make_distribution)
+    install_broken(make_distribution, "import not_a_real_module_xyz\n")
+    result = run_cli_with(site, tmp_path, "plugins", "--json")
     assert result.returncode == 0, result.stderr
     rows = {(row["kind"], row["name"]): row for row in json.loads(result.stdout)}
     echo = rows[("storage backend", "echo")]
@@ -318,16 +319,7 @@ FileTwin = type("FileTwin", (EchoBackend,), {"name": "file"})
 """
         },
     )
-    src = Path(__file__).resolve().parents[1] / "src"
-    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{src}", "XDG_CACHE_HOME": str(tmp_path / "c")}
-    env.pop("KVSTRATA_DISABLED_PLUGINS", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "kvstrata", "plugins", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
+    result = run_cli_with(site, tmp_path, "plugins", "--json")
     assert result.returncode == 0, result.stderr
     rows = {(row["distribution"], row["name"]): row for row in json.loads(result.stdout)}
     odd = rows[("kvstrata-odd", "odd")]
@@ -352,13 +344,9 @@ EchoBackend.instance_capabilities = _boom
 """
         },
     )
-    src = Path(__file__).resolve().parents[1] / "src"
-    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{src}", "XDG_CACHE_HOME": str(tmp_path / "c")}
-    env.pop("KVSTRATA_DISABLED_PLUGINS", None)
     config = Path(__file__).resolve().parents[1] / "examples" / "configs" / "demo.yaml"
-    command = ["doctor", "-c", str(config), "--set", "tiers.storage={l3: {type: fragile}}"]
-    result = subprocess.run(
-        [sys.executable, "-m", "kvstrata", *command], capture_output=True, text=True, env=env, check=False
+    result = run_cli_with(
+        site, tmp_path, "doctor", "-c", str(config), "--set", "tiers.storage={l3: {type: fragile}}"
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "backend 'l3' (fragile): RuntimeError: boom in instance_capabilities" in result.stderr
