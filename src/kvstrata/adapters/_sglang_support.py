@@ -10,20 +10,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from kvstrata.engine_kit import PluginBackendConfig, dotted, load_file
 from kvstrata.plugins import ConfigError, PluginHost
+from kvstrata.plugins.user_config import UserConfig
 
 #: The key of SGLang's extra config that holds kvstrata's settings.
 CONFIG_KEY = "kvstrata_config"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SGLangModelSettings(_Strict):
+class SGLangModelSettings(UserConfig):
     name: str | None = Field(
         default=None,
         min_length=1,
@@ -44,19 +41,19 @@ class SGLangModelSettings(_Strict):
     )
 
 
-class SGLangTiersSettings(_Strict):
+class SGLangTiersSettings(UserConfig):
     storage: dict[str, PluginBackendConfig] = Field(
         min_length=1, max_length=1, description="one storage instance: instance name -> backend config"
     )
 
 
-class SGLangPolicySettings(_Strict):
+class SGLangPolicySettings(UserConfig):
     checksum: Literal["xxh3", "none"] = Field(
         default="xxh3", description="payload checksum in every object header (none: header checks only)"
     )
 
 
-class SGLangL3Config(_Strict):
+class SGLangL3Config(UserConfig):
     """``kvstrata_config``: the same key names as a kvstrata config file (``model``, ``tiers.storage``,
     ``policy.checksum``); the model layout and parallel coordinates come from SGLang."""
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -55,6 +55,7 @@ from kvstrata.engine_kit import (
     set_path,
 )
 from kvstrata.plugins import ConfigError, PluginHost
+from kvstrata.plugins.user_config import UserConfig
 
 if TYPE_CHECKING:
     import torch
@@ -65,11 +66,7 @@ CONFIG_KEY = "config"
 OVERRIDES_KEY = "overrides"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class VllmModelSettings(_Strict):
+class VllmModelSettings(UserConfig):
     name: str | None = Field(default=None, min_length=1, description="readable model id (default: vLLM's)")
     weights: str | None = Field(
         default=None,
@@ -78,17 +75,17 @@ class VllmModelSettings(_Strict):
     )
 
 
-class VllmTiersSettings(_Strict):
+class VllmTiersSettings(UserConfig):
     storage: dict[str, PluginBackendConfig] = Field(
         min_length=1, max_length=1, description="one storage instance: instance name -> backend config"
     )
 
 
-class VllmPolicySettings(_Strict):
+class VllmPolicySettings(UserConfig):
     checksum: Literal["xxh3", "none"] = "xxh3"
 
 
-class VllmConnectorConfig(_Strict):
+class VllmConnectorConfig(UserConfig):
     """``kv_connector_extra_config.config``: the kvstrata config keys the connector reads."""
 
     model: VllmModelSettings = VllmModelSettings()

@@ -98,11 +98,7 @@ def anchor_instances(pools: Mapping[str, PoolConfig], host: PluginHost) -> list[
     ]
 
 
-#: the base of every section (a misspelt key is an error, ``true`` is not a number)
-_Strict = UserConfig
-
-
-class ModelConfig(_Strict):
+class ModelConfig(UserConfig):
     """The model stack: its namespace, page size and pools keyed by instance name."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9._/-]+$", description="namespace of every stored object")
@@ -130,14 +126,14 @@ class ModelConfig(_Strict):
         return self
 
 
-class DeviceTierConfig(_Strict):
+class DeviceTierConfig(UserConfig):
     capacity_tokens: int = Field(
         default=65536, ge=0, description="rounded up to whole pages (`kvstrata config show` says so)"
     )
     device: str = Field(default="cpu", description="torch device of L1 pools: cpu, cuda, cuda:1 ...")
 
 
-class HostTierConfig(_Strict):
+class HostTierConfig(UserConfig):
     capacity_tokens: int = Field(
         default=262144,
         ge=0,
@@ -150,7 +146,7 @@ class HostTierConfig(_Strict):
     ranks_per_host: int = Field(default=1, ge=1)
 
 
-class TiersConfig(_Strict):
+class TiersConfig(UserConfig):
     device: DeviceTierConfig = DeviceTierConfig()
     host: HostTierConfig = HostTierConfig()
     storage: dict[str, PluginBackendConfig] = Field(
@@ -158,7 +154,7 @@ class TiersConfig(_Strict):
     )
 
 
-class PrefetchPolicyConfig(_Strict):
+class PrefetchPolicyConfig(UserConfig):
     policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
     threshold_tokens: int = Field(default=0, ge=0, description="skip L3 reads shorter than this")
     timeout_base_s: float = Field(default=1.0, ge=0)
@@ -167,7 +163,7 @@ class PrefetchPolicyConfig(_Strict):
     host_fraction_limit: float = Field(default=0.5, gt=0, le=1, description="rate limit")
 
 
-class PolicyConfig(_Strict):
+class PolicyConfig(UserConfig):
     write: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
     write_through_threshold: int = Field(default=2, ge=1, description="hits before selective backup")
     write_through_batch_pages: int = Field(
@@ -193,7 +189,7 @@ class PolicyConfig(_Strict):
     retention: RetentionConfig = RetentionConfig()
 
 
-class ParallelConfig(_Strict):
+class ParallelConfig(UserConfig):
     """Parallel coordinates of this process; they feed keys and the rank agreement."""
 
     tp_rank: int = Field(default=0, ge=0)
@@ -214,7 +210,7 @@ class ParallelConfig(_Strict):
         return self
 
 
-class DebugConfig(_Strict):
+class DebugConfig(UserConfig):
     """Checks too costly for production that find bugs where they start."""
 
     unit_digests: bool = Field(
@@ -224,7 +220,7 @@ class DebugConfig(_Strict):
     )
 
 
-class KvstrataConfig(_Strict):
+class KvstrataConfig(UserConfig):
     """Root of every kvstrata configuration."""
 
     model: ModelConfig

@@ -13,11 +13,8 @@ from pydantic import Field
 
 from kvstrata.plugins.user_config import UserConfig
 
-#: the base of every section (a misspelt key is an error, ``true`` is not a number)
-_Strict = UserConfig
 
-
-class AdmissionFilterConfig(_Strict):
+class AdmissionFilterConfig(UserConfig):
     """Base of every admission filter's config; each narrows ``type`` to its filter's name."""
 
     type: str
@@ -53,7 +50,7 @@ AdmissionConfig = Annotated[
 ]
 
 
-class AdmissionTiers(_Strict):
+class AdmissionTiers(UserConfig):
     """Admission per tier: ``host`` gates device -> host backups (write-through policies),
     ``storage`` gates host -> L3 writes (the SSD write budget). Counted as ``<tier>_admitted`` /
     ``<tier>_rejected`` pages in the metrics' operations."""
@@ -62,7 +59,7 @@ class AdmissionTiers(_Strict):
     storage: AdmissionConfig = AlwaysAdmission()
 
 
-class RetentionConfig(_Strict):
+class RetentionConfig(UserConfig):
     """Limits on the retention hints requests may carry."""
 
     max_pinned_fraction: float = Field(
