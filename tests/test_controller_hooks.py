@@ -12,6 +12,7 @@ from kvstrata.plugins import PluginHost
 class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple[str, dict]] = []
+        self.evicted: dict[tuple[str, str], int] = {}
 
     @hookimpl
     def kvstrata_configure(self, config) -> None:
@@ -32,6 +33,7 @@ class Recorder:
     @hookimpl
     def kvstrata_eviction(self, tier, pool, units) -> None:
         self.events.append(("evicted", {"tier": tier, "pool": pool}))
+        self.evicted[(tier, pool)] = self.evicted.get((tier, pool), 0) + units
 
     @hookimpl
     def kvstrata_backend_closing(self, instance, backend) -> None:
@@ -46,6 +48,9 @@ def test_hooks_see_configure_store_prefetch_eviction_and_close(tmp_path: Path) -
         for i in range(6):
             serve(cache, tokens(70 + i, 4))  # 24 pages on a 16-page device tier: evictions
         cache.flush()
+        counted = cache.metrics.snapshot()["evicted_units"]  # the metrics say what the hook heard
+        assert counted == {"device": {"kv": recorder.evicted[("device", "kv")]}, "host": {}}
+        assert counted["device"]["kv"] >= 8
     with open_cache("kv", tmp_path, ["policy.prefetch.policy=wait_complete"], host=PluginHost()) as cold:
         cold.plugins.register_plugin(recorder, "recorder")
         lease, _ = serve(cold, tokens(70, 4))

@@ -25,6 +25,18 @@ def test_exporter_reports_hits_bytes_and_operations() -> None:
     assert 'kvstrata_latency_seconds_count{cache="replay",kind="match"} 2.0' in text
 
 
+def test_exporter_reports_evictions_per_tier_and_pool() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    with open_cache("kv", overrides=["tiers.device.capacity_tokens=256"]) as cache:  # 4 pages
+        registry = CollectorRegistry()
+        register(cache.metrics, registry, cache="replay")
+        for seed in range(3):
+            serve(cache, tokens(62 + seed, 2))  # 6 pages through 4: 2 leave the device
+        text = generate_latest(registry).decode()
+    assert 'kvstrata_evicted_units_total{cache="replay",pool="kv",tier="device"} 2.0' in text
+
+
 def test_exporter_serves_http_on_loopback() -> None:
     with open_cache("kv") as cache:
         port = free_loopback_port()

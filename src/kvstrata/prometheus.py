@@ -81,6 +81,13 @@ class CacheCollector:
         for reason, value in snap["skipped_pages"].items():
             skipped.add_metric([self.cache, reason], value)
         yield skipped
+        evicted = core.CounterMetricFamily(
+            "kvstrata_evicted_units", "Units that left a tier by eviction", labels=[*labels, "tier", "pool"]
+        )
+        for tier, pools in snap["evicted_units"].items():
+            for pool, value in pools.items():
+                evicted.add_metric([self.cache, tier, pool], value)
+        yield evicted
         yield counter(
             "kvstrata_corrupt_objects", "Objects the integrity check refused", snap["corrupt_detected"]
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -103,6 +104,9 @@ class CacheMetrics:
     latency_count: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LATENCIES, 0))
     #: seconds ever recorded per kind: with ``latency_count``, a summary that only grows
     latency_sum: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LATENCIES, 0.0))
+    #: units that left a tier by eviction, per tier and pool (also what ``kvstrata_eviction``
+    #: hears): how hard each tier's capacity is pressed
+    evicted_units: dict[str, dict[str, int]] = field(default_factory=lambda: {"device": {}, "host": {}})
     #: the storage engine's counters, attached at start-up when the cache has L3 (:meth:`attach`)
     storage: StorageMetrics | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -132,6 +136,12 @@ class CacheMetrics:
             self.skipped_pages[reason] += pages
         if into is not None:
             into[reason] = into.get(reason, 0) + pages
+
+    def evicted(self, tier: str, units: Mapping[str, int]) -> None:
+        with self._lock:
+            per_pool = self.evicted_units[tier]
+            for pool, n in units.items():
+                per_pool[pool] = per_pool.get(pool, 0) + n
 
     def latency(self, kind: str, seconds: float) -> None:
         with self._lock:
@@ -163,6 +173,7 @@ class CacheMetrics:
                 "operations": {str(operation): n for operation, n in self.operations.items()},
                 "failures": self.failures,
                 "skipped_pages": {str(reason): n for reason, n in self.skipped_pages.items()},
+                "evicted_units": {tier: dict(pools) for tier, pools in self.evicted_units.items()},
                 "corrupt_detected": self.corrupt_detected,
                 "storage": self.storage.counters() if self.storage is not None else {},
                 "latency_s": {kind: list(samples) for kind, samples in self.latency_s.items()},

@@ -122,8 +122,11 @@ class TierUnits:
     def _observe(self, tier: Tier, result: EvictionResult) -> None:
         for pool, units in result.units.items():
             self.on_eviction(tier.value, pool, units)
-        if self.metrics is not None and result.out_of_window:
-            self.metrics.count(Operation.out_of_window(tier.value), sum(result.out_of_window.values()))
+        if self.metrics is not None:
+            if result.units:
+                self.metrics.evicted(tier.value, result.units)
+            if result.out_of_window:
+                self.metrics.count(Operation.out_of_window(tier.value), sum(result.out_of_window.values()))
 
     def alloc_spare(self, tier: Tier, wants: Mapping[str, int]) -> dict[str, torch.Tensor]:
         """Up to ``wants[pool]`` units per window pool, from free units and, where those fall
