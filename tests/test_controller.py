@@ -323,6 +323,23 @@ def test_selective_write_through_backs_up_on_the_second_hit() -> None:
             assert cache.metrics.snapshot()["operations"]["backups"] == expected
 
 
+def test_a_request_longer_than_the_device_tier_evicts_nothing_before_it_is_refused() -> None:
+    # the whole request sits locked on the device: 2 cached + 3 new pages never fit in 4, yet the
+    # other cached prefix was evicted for it first (the simulator did the same)
+    overrides = ["tiers.storage={}", "tiers.device.capacity_tokens=256", "tiers.host.capacity_tokens=0"]
+    with open_cache("kv", overrides=overrides) as cache:
+        first, other = tokens(20, 2), tokens(21, 2)
+        serve(cache, first)
+        serve(cache, other)
+        lease = cache.lookup(torch.cat([first, tokens(22, 3)]))
+        cache.admit(lease)
+        with pytest.raises(CacheFullError, match="even after evicting"):
+            cache.allocate(lease)
+        cache.release(lease)
+        again, _ = serve(cache, other)
+        assert again.hit_pages["device"] == 2, "the other prefix was not evicted for nothing"
+
+
 def test_bad_use_is_refused_clearly() -> None:
     with open_cache("kv") as cache:
         lease = cache.lookup(tokens(13, 2))

@@ -55,6 +55,15 @@ def test_a_request_larger_than_the_cache_is_not_inserted() -> None:
     assert sim.refused == 1 and sim.lookup(req(10, 1)) == 10  # nothing was evicted for it
 
 
+def test_a_cached_prefix_plus_new_blocks_beyond_the_cache_evicts_nothing() -> None:
+    # 2 cached + 3 new blocks in 4: refused, but the other prefix was evicted for it first
+    sim = HitRateSimulator(block_size=10, capacity_tokens=40)
+    sim.access(req(20, 1, 2))
+    sim.access(req(20, 3, 4))
+    assert sim.access(req(50, 1, 2, 5, 6, 7)) == 20 and sim.refused == 1
+    assert sim.lookup(req(20, 3, 4)) == 20 and sim.evicted_blocks == 0
+
+
 def test_warmup_requests_are_not_counted() -> None:
     trace = [req(10, 1), req(10, 1), req(10, 1), req(10, 2)]
     result = simulate(trace, SimulationConfig(block_size=10, warmup_fraction=0.5))

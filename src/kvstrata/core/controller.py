@@ -238,7 +238,10 @@ class CacheController(UnitMemory, ClosingApi):
         if not 0 <= end <= pages:
             raise ValueError(f"end_page {end} outside [0, {pages}] (the lease's whole pages)")
         end = max(end + int(partial_page and end == pages), lease.allocated_pages)
-        got = allocate_units(self.units, self.layout, lease, end, window_only)
+        # the whole request sits locked in the anchor's device tier: one longer than the tier is
+        # refused before anything is evicted for it (an eviction that cannot make room)
+        fits = end <= self.pools.anchor.device_allocator.units
+        got = allocate_units(self.units, self.layout, lease, end, window_only) if fits else None
         if got is None:
             self.metrics.fail()
             raise device_full(self.layout, lease, end, self.units)

@@ -187,7 +187,7 @@ class HitRateSimulator:
         new = len(keys) - cached
         if new:
             self._seen.update(keys[cached:])
-            if not self._make_room(new, match.device_node if cached else None):
+            if not self._make_room(new, match.device_node if cached else None, cached):
                 self.refused += 1
                 return cached * self.block_size
             if len(self._units) < new:
@@ -197,11 +197,13 @@ class HitRateSimulator:
             self.used += result.new_pages
         return cached * self.block_size
 
-    def _make_room(self, new: int, prefix: Any) -> bool:
-        """Evict until ``new`` blocks fit, with the request's prefix locked (as its lease is)."""
+    def _make_room(self, new: int, prefix: Any, cached: int) -> bool:
+        """Evict until ``new`` blocks fit, with the request's prefix locked (as its lease is); a
+        request whose ``cached`` prefix and new blocks exceed the tier is refused before anything
+        is evicted for it (as the cache's ``allocate`` refuses it)."""
         if self.capacity is None:
             return True
-        if new > self.capacity:
+        if cached + new > self.capacity:
             return False
         short = self.used + new - self.capacity
         if short <= 0:
