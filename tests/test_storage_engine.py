@@ -197,7 +197,7 @@ def test_batch_hooks_fire_and_observer_failures_are_contained(
     parallel = ParallelConfig()
     plans = plan_backend("faulty", faulty.capabilities, specs.values(), parallel=parallel)
     engine = StorageEngine(
-        faulty, specs, plans, model_name="m", parallel=parallel, hook=kvstrata_bare_host.hook
+        faulty, specs, plans, model_name="m", parallel=parallel, notify=kvstrata_bare_host.notify
     )
     source = KIT.pools(specs, 2, seed=6)
     hashes = page_hashes(2, seed=6)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.core.breaker import BreakerState, CircuitBreaker
@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstrata.core.storage_engine")
 
+#: an event hook's call by name, which never raises (``PluginHost.notify``)
+Notify = Callable[..., None]
+
 
 class BackendCalls:
     """Guarded calls and their counters; the engine sets these attributes in its ``__init__``."""
@@ -30,7 +33,7 @@ class BackendCalls:
     metrics: StorageMetrics
     breaker: CircuitBreaker
     _lock: threading.Lock
-    _hook: Any | None
+    _notify: Notify | None
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -38,13 +41,10 @@ class BackendCalls:
                 setattr(self.metrics, name, getattr(self.metrics, name) + delta)
 
     def _emit(self, name: str, **kwargs: Any) -> None:
-        """Call a per-batch hook; an observer's failure must never fail the operation."""
-        if self._hook is None:
-            return
-        try:
-            getattr(self._hook, name)(**kwargs)
-        except Exception:
-            log.exception("hook %s raised; ignored", name)
+        """Call a per-batch event hook (``PluginHost.notify`` guards it: an observer's failure
+        never fails the operation)."""
+        if self._notify is not None:
+            self._notify(name, **kwargs)
 
     def _backend_failed(self, operation: StorageOperation, pool: str, exc: BaseException) -> str:
         self._count(backend_errors=1)

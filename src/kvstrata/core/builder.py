@@ -304,7 +304,7 @@ def new_storage_engine(
         cache_salt=cache_salt,
         parallel=parallel,
         checksum=checksum,
-        hook=plugins.hook,
+        notify=plugins.notify,
     )
     plugins.notify(
         "kvstrata_backend_opened",

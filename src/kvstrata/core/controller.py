@@ -94,6 +94,8 @@ class CacheController(UnitMemory, ClosingApi):
         self.layout, self.backend, self.engine = parts.layout, parts.backend, parts.engine
         self.units, self.load_back, self.writer = parts.units, parts.load_back, parts.writer
         self.prefetcher: Prefetcher | None = parts.prefetcher
+        #: the anchor's device units: every request must fit them whole (late pools are sidecars)
+        self._device_pages = parts.pools.anchor.device_allocator.units
 
     # --- what the parts hold, under the names callers use -------------------------------------
 
@@ -240,7 +242,7 @@ class CacheController(UnitMemory, ClosingApi):
         end = max(end + int(partial_page and end == pages), lease.allocated_pages)
         # the whole request sits locked in the anchor's device tier: one longer than the tier is
         # refused before anything is evicted for it (an eviction that cannot make room)
-        fits = end <= self.pools.anchor.device_allocator.units
+        fits = end <= self._device_pages
         got = allocate_units(self.units, self.layout, lease, end, window_only) if fits else None
         if got is None:
             self.metrics.fail()

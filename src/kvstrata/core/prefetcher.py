@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
 from functools import cached_property
 
 import torch
 
+from kvstrata.core.backend_calls import Notify
 from kvstrata.core.metrics import Operation, SkipReason, count_failure
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.prefetch_end import PrefetchEnd, prefetch_end
@@ -47,9 +48,6 @@ from kvstrata.core.unit_digests import UnitDigests, check_span
 from kvstrata.plugins.pool_type import PartialHit
 
 log = logging.getLogger(__name__)
-
-#: an event hook's call by name, which never raises (``PluginHost.notify``)
-Notify = Callable[..., None]
 
 
 class PrefetchMode(StrEnum):

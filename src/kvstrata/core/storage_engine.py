@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.core.backend_calls import BackendCalls
+from kvstrata.core.backend_calls import BackendCalls, Notify
 from kvstrata.core.breaker import CircuitBreaker
 from kvstrata.core.config import ParallelConfig
 from kvstrata.core.integrity import (
@@ -91,9 +91,10 @@ class StorageEngine(BackendCalls):
         cache_salt: str = "",
         parallel: ParallelConfig,
         checksum: ChecksumPolicy = "xxh3",
-        hook: Any | None = None,
+        notify: Notify | None = None,
     ) -> None:
-        """``hook``: a pluggy hook relay (``PluginHost.hook``) for per-batch events; optional."""
+        """``notify``: calls the plugins' per-batch event hooks (``PluginHost.notify``, which
+        never lets an observer fail the operation); optional."""
         missing = set(specs) - set(plans)
         if missing:
             raise ValueError(f"no I/O plan for pools {sorted(missing)}")
@@ -104,7 +105,7 @@ class StorageEngine(BackendCalls):
         self._checksum: ChecksumPolicy = checksum
         backend.set_read_verification(checksum == "xxh3")
         self.metrics = StorageMetrics()
-        self._hook = hook
+        self._notify = notify
         self._lock = threading.Lock()
         self._key_context = {"model_name": model_name, "cache_salt": cache_salt, "parallel": parallel}
         self.specs: dict[str, PoolSpec] = {}
