@@ -24,6 +24,7 @@ from controller_support import (
     tokens,
     verify,
 )
+from kvstrata.core.buffers import torch_dtype
 from kvstrata.core.controller import CacheController, CacheFullError, PoolKind, SkipReason
 
 STACKS = sorted(EXAMPLES)
@@ -461,3 +462,27 @@ def test_write_back_eviction_of_nested_nodes_stores_the_right_hashes(tmp_path: P
     report = fresh_process("kv", tmp_path, 23, 8)
     assert report["bad"] == 0 and report["corrupt"] == 0
     assert report["hits"]["storage"] == 8
+
+
+def test_a_late_pool_can_live_in_the_engines_own_device_tensors(tmp_path: Path) -> None:
+    # a draft model the engine loads after start keeps its KV where it computes it: add_pool
+    # takes its tensors as open() does for the first pools (it used to allocate its own)
+    with open_cache("kv") as probe:
+        spec = probe.add_pool("draft", DRAFT).spec
+        units = probe.pools.pool("draft").device.units
+    engine = {
+        b.name: torch.zeros(b.layers, units, *b.unit_shape, dtype=torch_dtype(b.dtype)) for b in spec.buffers
+    }
+    with open_cache("kv", tmp_path) as cache:
+        with pytest.raises(ValueError, match=r"pool 'draft'.*buffer 'k'.*expected"):
+            cache.add_pool("draft", DRAFT, device_tensors=dict(engine, k=engine["k"][..., :-1]))
+        assert "draft" not in cache.pools.pools, "a refused pool was left in the group"
+        cache.add_pool("draft", DRAFT, device_tensors=engine)
+        serve(cache, tokens(18, 3))
+        view = cache.pools.pool("draft").device.unit_view("k")
+        same = view.untyped_storage().data_ptr() == engine["k"].untyped_storage().data_ptr()
+        assert same, "the device tier is the engine's tensor"
+        assert engine["k"].count_nonzero() > 0, "the request's draft KV landed in the engine's tensor"
+        push_off_device(cache)
+        back, bad = serve(cache, tokens(18, 3))
+        assert back.cached_pages == 3 and back.hit_pages["host"] >= 1 and bad == 0

@@ -14,7 +14,7 @@ so following a config through start-up means reading this file top to bottom:
    (``policy.eviction``) and the retention hints, unit allocation and eviction, load-back, the
    writer and (with L3) the prefetcher.
 
-A pool added later (a draft pool) goes through :func:`plan_late_pool`, the same planning step.
+A pool added later (a draft pool) goes through :func:`add_late_pool`, the same planning step.
 
 :func:`check_startup` runs the checks of steps 2-3 that a config can fail (one storage instance,
 a host tier under L3, a usable device, pool sizing, no pool without device units) without opening
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvstrata.core.config import KvstrataConfig, ParallelConfig
+from kvstrata.core.config import KvstrataConfig, ParallelConfig, PoolConfig
 from kvstrata.core.integrity import ChecksumPolicy
 from kvstrata.core.io_plan import IOMode, IOPlan, plan_backend
 from kvstrata.core.keys import namespace_root
@@ -55,8 +55,12 @@ from kvstrata.plugins.storage_backend import StorageBackend
 
 log = logging.getLogger(__name__)
 
-#: an engine's device tensors: pool -> buffer -> one tensor or one tensor per layer
-DeviceTensors = Mapping[str, Mapping[str, torch.Tensor | Sequence[torch.Tensor]]]
+#: one pool's engine tensors: ``{buffer: tensor}``, or a list per layer
+EngineTensors = Mapping[str, torch.Tensor | Sequence[torch.Tensor]]
+#: the engine's tensors per pool (``kvstrata.open(device_tensors=...)``)
+DeviceTensors = Mapping[str, EngineTensors]
+#: a pool's settings, as a model or as written in a config file
+PoolSpecs = PoolConfig | Mapping[str, Any]
 
 
 class StartupError(ValueError):
@@ -333,12 +337,18 @@ def _attach_storage(parts: CacheParts, backend: StorageBackend) -> None:
     parts.metrics.attach(engine.metrics)
 
 
-def plan_late_pool(parts: CacheParts, pool: Pool) -> None:
-    """Plan and register a pool added after start, and hand it to the storage engine."""
-    if parts.engine is None or parts.backend is None:
-        return
-    (plan,) = _plan(parts.pools, parts.backend, parts.config, [pool.spec]).values()
-    parts.engine.add_pool(pool.instance, pool.spec, plan)
+def add_late_pool(
+    parts: CacheParts, name: str, config: PoolSpecs, device_tensors: EngineTensors | None
+) -> Pool:
+    """Add a sidecar after start (anything else, or tensors that do not fit it, is refused with
+    nothing added), drop what was cached without its data, plan its storage I/O."""
+    pool = parts.pools.add_pool(name, config, device_tensors=device_tensors)
+    parts.units.drop_everything()
+    parts.layout.refresh(parts.pools, parts.tree)
+    if parts.engine is not None and parts.backend is not None:
+        (plan,) = _plan(parts.pools, parts.backend, parts.config, [pool.spec]).values()
+        parts.engine.add_pool(pool.instance, pool.spec, plan)
+    return pool
 
 
 def _plan(

@@ -37,15 +37,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 from kvstrata.core.boundary import ClosingApi, caller_origin, exclusive
-from kvstrata.core.builder import CacheParts, DeviceTensors, build_cache, plan_late_pool
+from kvstrata.core.builder import (
+    CacheParts,
+    DeviceTensors,
+    EngineTensors,
+    PoolSpecs,
+    add_late_pool,
+    build_cache,
+)
 from kvstrata.core.collective import Collective, LocalCollective, RankAgreement
-from kvstrata.core.config import KvstrataConfig, PoolConfig
+from kvstrata.core.config import KvstrataConfig
 from kvstrata.core.lease import (
     CacheFullError,
     Lease,
@@ -355,18 +361,12 @@ class CacheController(UnitMemory, ClosingApi):
     # --- late pools -----------------------------------------------------------------------------
 
     @exclusive
-    def add_pool(self, name: str, config: PoolConfig | Mapping[str, Any]) -> Pool:
-        """Add a sidecar pool at runtime (e.g. a speculative draft pool) with its own I/O plan.
-
-        Pages cached before it existed hold no data for it, so they are dropped from both tiers
-        (no request may hold a lease meanwhile); L3 entries without its objects miss by rule.
-        """
+    def add_pool(self, name: str, config: PoolSpecs, *, device_tensors: EngineTensors | None = None) -> Pool:
+        """Add a sidecar pool at runtime (e.g. a speculative draft pool) with its own I/O plan, in
+        the engine's own ``device_tensors`` (``{buffer: tensor}``, as ``open`` takes them) if given.
+        Pages cached before it hold no data for it: dropped from both tiers (no lease may be open)."""
         self._check_open()
         if self._leases:
             raise RuntimeError(f"add_pool({name!r}) needs no open leases ({len(self._leases)} open)")
         self.flush()
-        pool = self.pools.add_pool(name, config)  # refuses anything but a sidecar, adding nothing
-        self.units.drop_everything()
-        self.layout.refresh(self.pools, self.tree)
-        plan_late_pool(self.parts, pool)
-        return pool
+        return add_late_pool(self.parts, name, config, device_tensors)
