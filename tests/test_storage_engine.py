@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.core.config import ParallelConfig
+from kvstrata.core.integrity import layout_fingerprint
 from kvstrata.core.io_plan import IOMode, plan_backend
 from kvstrata.core.storage_engine import (
     PoolBatch,
@@ -369,3 +370,16 @@ def test_refused_writes_are_counted_failures(tmp_path: Path) -> None:
     assert report["put_failed"] == 3 and report["put_units"] == 9
     leftovers = [p for p in tmp_path.rglob("*") if p.is_file() and ".tmp-" in p.name]
     assert leftovers == [], "a refused write leaves no temp file"
+
+
+def test_layer_ids_are_in_the_layout_and_the_default_numbering_keeps_earlier_keys() -> None:
+    """A pool holding model layers 4..7 stores other state than one holding 0..3 (one model name
+    reused with another layer split was served the first split's bytes); naming the default
+    numbering explicitly changes nothing, so every fingerprint written before stays valid."""
+    spec = conformance_specs()["attn"]
+    layers = spec.buffers[0].layers
+    default = layout_fingerprint(spec, spec.objects[0].suffix)
+    explicit = spec.model_copy(update={"layer_ids": tuple(range(layers))})
+    shifted = spec.model_copy(update={"layer_ids": tuple(range(layers, 2 * layers))})
+    assert layout_fingerprint(explicit, spec.objects[0].suffix) == default
+    assert layout_fingerprint(shifted, spec.objects[0].suffix) != default

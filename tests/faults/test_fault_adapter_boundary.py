@@ -183,6 +183,7 @@ def test_sglang_another_models_object_under_this_models_key_is_a_counted_miss(
 API_FIELDS = {
     "dtype": ["model.pools.kv.dtype=float16"],
     "layout (kv heads)": ["model.pools.kv.kv_heads=1"],
+    "layer ids (other model layers)": ["model.pools.kv.layer_ids=[4,5,6,7]"],
     "page size": ["model.page_size=32"],
     "tenant salt": ["model.cache_salt=tenant-b"],
     "model name (the weights' identity)": ["model.name=other"],

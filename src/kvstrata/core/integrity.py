@@ -111,7 +111,8 @@ def stored_objects(spec: PoolSpec) -> tuple[tuple[str, int], ...]:
 
 
 def layout_fingerprint(spec: PoolSpec, suffix: str) -> bytes:
-    """16-byte digest of everything that shapes one object's bytes (not the host layout)."""
+    """16-byte digest of everything that shapes one object's bytes or says what they are (the
+    model layers they hold), not the host layout."""
     if not spec.objects and suffix == MARKER_SUFFIX:
         buffer_names: tuple[str, ...] = ()
     else:
@@ -127,6 +128,10 @@ def layout_fingerprint(spec: PoolSpec, suffix: str) -> bytes:
         "suffix": suffix,
         "buffers": [_buffer_description(by_name[name]) for name in buffer_names],
     }
+    if spec.layer_ids is not None and tuple(spec.layer_ids) != tuple(range(len(spec.layer_ids))):
+        # which model layers the pool's layers hold: layers 4..7 are not the state of 0..3. Named
+        # only where they are not the default numbering, so every earlier fingerprint stays
+        description["layer_ids"] = list(spec.layer_ids)
     text = json.dumps(description, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(text, digest_size=16, person=b"kvstrata-fp-v1").digest()
 
