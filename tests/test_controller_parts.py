@@ -11,7 +11,7 @@ import torch
 
 from controller_support import EXAMPLES, fill, open_cache, tokens
 from kvstrata.core.builder import build_cache
-from kvstrata.core.collective import RankAgreement
+from kvstrata.core.collective import LocalCollective, RankAgreement
 from kvstrata.core.config import load
 from kvstrata.core.controller import CacheController
 from kvstrata.core.load_back import LoadBack
@@ -141,6 +141,20 @@ def test_rank_agreement_takes_the_min_and_counts_what_this_rank_gave_up() -> Non
     agreement = RankAgreement(_OtherRankHolds(3))
     assert agreement.prefetch_pages(2) == 2 and agreement.disagreements == 0
     assert agreement.cached_pages(5) == 3 and agreement.disagreements == 1
+
+
+@pytest.mark.parametrize("axis", ["tp", "pp", "cp"])
+def test_a_rank_of_several_with_no_collective_is_refused_before_anything_opens(
+    tmp_path: Path, axis: str
+) -> None:
+    # each rank decided alone what a request reuses: with one rank's L3 object missing, rank 0
+    # served 8 pages and rank 1 two, and the engine's ranks computed from different prefixes
+    sets = [f"parallel.{axis}_size=2", f"parallel.{axis}_rank=1"]
+    with pytest.raises(ValueError, match=rf"parallel: .* one of 2 ranks .*{axis}_size=2.*collective="):
+        open_cache("kv", tmp_path / "l3", sets)
+    assert not (tmp_path / "l3").exists(), "the refusal came before the backend opened"
+    with open_cache("kv", tmp_path / "l3", sets, collective=LocalCollective()) as alone:
+        assert alone.ranks.collective.world_size == 1, "an explicit LocalCollective decides alone"
 
 
 def test_prefetcher_gates_skip_short_and_over_budget_reads_and_say_why(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ RANK = textwrap.dedent(
     sets = [f"parallel.tp_rank={rank}", "parallel.tp_size=2", "policy.prefetch.policy=wait_complete"]
     report = {}
     for case, seed in (("one_rank_misses", 21), ("both_hold", 22)):
-        with open_cache("swa", l3, sets) as writer:
+        with open_cache("swa", l3, sets, collective=TorchCollective()) as writer:
             lease, _ = serve(writer, tokens(seed, 8))
             writer.flush()
             if case == "one_rank_misses" and rank == 1:

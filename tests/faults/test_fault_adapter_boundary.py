@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from controller_support import host_units_held_by_tree, host_units_in_use, open_cache, serve, tokens
+from kvstrata.core.collective import LocalCollective
 
 pytestmark = pytest.mark.faults
 
@@ -203,13 +204,14 @@ def test_api_a_deployment_differing_in_one_field_neither_reads_nor_removes_the_o
     request = tokens(17, 4)
     wait = "policy.prefetch.policy=wait_complete"
     first_settings = [wait, "parallel.tp_size=2"] if field == "tp rank" else [wait]
-    with open_cache("kv", tmp_path, first_settings) as first:
+    alone = LocalCollective()  # one rank of two, on purpose: it reads only its own shards
+    with open_cache("kv", tmp_path, first_settings, collective=alone) as first:
         serve(first, request)
-    with open_cache("kv", tmp_path, [wait, *API_FIELDS[field]]) as second:
+    with open_cache("kv", tmp_path, [wait, *API_FIELDS[field]], collective=alone) as second:
         lease, bad = serve(second, request)
         assert (lease.cached_pages, bad) == (0, 0)
         assert second.parts.engine is not None and second.parts.engine.metrics.foreign_objects == 0
         _nothing_left_open(second)
-    with open_cache("kv", tmp_path, first_settings) as again:
+    with open_cache("kv", tmp_path, first_settings, collective=alone) as again:
         lease, bad = serve(again, request)
         assert (lease.cached_pages, lease.hit_pages["storage"], bad) == (4, 4, 0)

@@ -64,6 +64,23 @@ class TorchCollective:
         return [int(v) for v in tensor.tolist()]
 
 
+def agreement_for(collective: Collective | None, parallel: Any) -> RankAgreement:
+    """The rank agreement of a cache whose process has ``parallel``'s coordinates. A rank of
+    several (tensor, pipeline or context parallel) with no collective is refused: each rank
+    would decide alone what a request reuses and, one rank missing an object, they would serve
+    different prefix lengths. ``LocalCollective()`` passed explicitly says this process decides
+    alone on purpose (a tool reading one rank's objects)."""
+    ranks = parallel.tp_size * parallel.pp_size * parallel.cp_size
+    if collective is None and ranks > 1:
+        raise ValueError(
+            f"parallel: this process is one of {ranks} ranks (tp_size={parallel.tp_size}, "
+            f"pp_size={parallel.pp_size}, cp_size={parallel.cp_size}) that must agree on what each "
+            "request reuses: pass collective=TorchCollective(group) (kvstrata.core.collective, a gloo "
+            "group of those ranks), or collective=LocalCollective() where this process decides alone"
+        )
+    return RankAgreement(collective or LocalCollective())
+
+
 class RankAgreement:
     """The two points where ranks agree on what a request reuses, named so a reader finds them.
 

@@ -50,7 +50,7 @@ from kvstrata.core.builder import (
     add_late_pool,
     build_cache,
 )
-from kvstrata.core.collective import Collective, LocalCollective, RankAgreement
+from kvstrata.core.collective import Collective, agreement_for
 from kvstrata.core.config import KvstrataConfig
 from kvstrata.core.lease import (
     CacheFullError,
@@ -88,7 +88,7 @@ class CacheController(UnitMemory, ClosingApi):
         device_tensors: DeviceTensors | None = None,
     ) -> None:
         self.config, self.plugins, self.policy = config, plugins, config.policy
-        self.ranks = RankAgreement(collective or LocalCollective())
+        self.ranks = agreement_for(collective, config.parallel)  # refused before anything opens
         self._closed, self._leases = False, dict[int, Lease]()  # open leases, oldest first
         self._guard, self._inside = threading.RLock(), ""  # one thread at a time (boundary.exclusive)
         self._slot_index = {}  # fork_state's source slots (UnitMemory)

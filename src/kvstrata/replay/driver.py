@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kvstrata.core.buffers import PoolBuffers
+from kvstrata.core.collective import LocalCollective
 from kvstrata.core.config import KvstrataConfig
 from kvstrata.core.controller import CacheController, CacheFullError
 from kvstrata.plugins.host import PluginHost
@@ -374,7 +375,8 @@ def run_replay_detailed(
 ) -> tuple[ReplayResult, ReplayDetails]:
     """Build a controller from ``config``, replay ``requests`` through it (``options`` as for
     :func:`replay_with_cache`), close it."""
-    with CacheController(config, plugins) as cache:
+    # a replay is one process serving alone, whatever ranks the config names
+    with CacheController(config, plugins, collective=LocalCollective()) as cache:
         return replay_with_cache(cache, requests, **options)
 
 
