@@ -139,8 +139,18 @@ class _OtherRankHolds:
 
 def test_rank_agreement_takes_the_min_and_counts_what_this_rank_gave_up() -> None:
     agreement = RankAgreement(_OtherRankHolds(3))
-    assert agreement.prefetch_pages(2) == 2 and agreement.disagreements == 0
+    assert agreement.prefetch_pages(0, 2) == 2 and agreement.disagreements == 0
     assert agreement.cached_pages(5) == 3 and agreement.disagreements == 1
+
+
+def test_ranks_agree_on_where_the_prefix_they_all_hold_ends_not_on_pages_read() -> None:
+    # the other rank holds pages [0, 4) on its device and read nothing; this one reads them from
+    # L3: a MIN of the counts read (4 and 0) dropped a prefix every rank held
+    agreement = RankAgreement(_OtherRankHolds(4))
+    assert agreement.prefetch_pages(0, 4) == 4 and agreement.disagreements == 0
+    assert agreement.prefetch_pages(2, 6) == 2, "the others end at page 4: 2 of the 6 read"
+    assert agreement.prefetch_pages(6, 2) == 0, "this rank's start is past what the others hold"
+    assert agreement.disagreements == 2
 
 
 @pytest.mark.parametrize("axis", ["tp", "pp", "cp"])

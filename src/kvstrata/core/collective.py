@@ -84,7 +84,7 @@ def agreement_for(collective: Collective | None, parallel: Any) -> RankAgreement
 class RankAgreement:
     """The two points where ranks agree on what a request reuses, named so a reader finds them.
 
-    ``prefetch_pages``: after each rank ended its prefetch, the pages every rank read;
+    ``prefetch_pages``: after each rank ended its prefetch, where the prefix every rank holds ends;
     ``cached_pages``: after the load-back, the device prefix every rank holds. Each is one MIN
     over the group, reached in the same order on every rank. ``disagreements`` counts the calls
     where this rank had more than the group agreed on (pages it holds but may not serve).
@@ -100,8 +100,14 @@ class RankAgreement:
             self.disagreements += 1
         return agreed
 
-    def prefetch_pages(self, local: int) -> int:
-        return self._agree(local)
+    def prefetch_pages(self, start: int, local: int) -> int:
+        """Pages of this rank's prefetch (``local`` read from page ``start``: it holds ``[0,
+        start)`` already) that every rank holds. The ranks agree on where that prefix ends, not on
+        how many pages each read: ranks whose trees differ start their reads at different pages
+        (one holds 4 pages, another reads those 4 from L3: a MIN of the counts, 0 and 4, threw
+        away a prefix both held)."""
+        end = self._agree(start + local)
+        return min(local, max(0, end - start))
 
     def cached_pages(self, local: int) -> int:
         return self._agree(local)

@@ -178,10 +178,9 @@ class CacheController(UnitMemory, ClosingApi):
         op = lease.prefetch
         if op is not None:
             local = self.prefetcher.finish(op, lease.locked_node)  # type: ignore[union-attr]
-            agreed = self.ranks.prefetch_pages(local)
-            self._commit_prefetch(lease, agreed)
+            self._commit_prefetch(lease, self.ranks.prefetch_pages(op.start, local))
         else:
-            self.ranks.prefetch_pages(0)
+            self.ranks.prefetch_pages(lease.host_pages, 0)
         started = time.perf_counter()
         match = self.tree.match(lease.keys, count_hit=False)
         host_only = match.host_pages - match.device_pages
