@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from kvstrata.cli import plugin_rows
 from kvstrata.plugins.errors import PluginUnavailableError
@@ -129,3 +131,25 @@ def test_mock_never_returns_another_keys_bytes_under_concurrency(tmp_path: Path)
     assert not errors, errors
     assert reads[0] > 0, "no read ever hit: the test proves nothing"
     assert wrong == [], f"{len(wrong)} reads returned another key's bytes, e.g. {wrong[:3]}"
+
+
+def test_mock_settings_holding_no_slot_are_refused_at_load(tmp_path: Path) -> None:
+    # it opened, and every put failed (file_bytes // slot_bytes == 0)
+    with pytest.raises(ValidationError, match=r"file_bytes \(8192\) holds no slot of slot_bytes \(16384\)"):
+        HF3FSConfig(path=tmp_path, mock=True, file_bytes=8192, slot_bytes=16384)
+
+
+def test_mock_open_that_fails_leaves_no_descriptor_or_file(tmp_path: Path) -> None:
+    # ftruncate past the filesystem's size limit failed after the data file was created: the fd
+    # and the file were left behind (the backend did not hold the fd yet, so close freed nothing)
+    backend = HF3FSBackend("l3", HF3FSConfig(path=tmp_path, mock=True, file_bytes=1 << 62, slot_bytes=4096))
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError):
+        backend.open()
+    assert len(os.listdir("/proc/self/fd")) == fds, "a descriptor leaked"
+    assert list(tmp_path.iterdir()) == [], "the data file was left behind"
+    backend.config.file_bytes = 1 << 20
+    backend.open()  # a later open works
+    with pytest.raises(RuntimeError, match="already open"):
+        backend.open()  # a second open would have leaked the first descriptor
+    backend.close()

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvstrata.plugins.errors import PluginUnavailableError
 from kvstrata.plugins.storage_backend import (
@@ -55,6 +55,15 @@ class HF3FSConfig(BackendConfig):
     mock: bool = Field(default=False, description="use an ordinary preallocated file instead of USRBIO")
     file_bytes: int = Field(default=1 << 30, ge=4096, description="size of the preallocated data file")
     slot_bytes: int = Field(default=4 << 20, ge=128, description="fixed slot per object (max object size)")
+
+    @model_validator(mode="after")
+    def _holds_a_slot(self) -> HF3FSConfig:
+        if self.slots < 1:  # it opened, and every put failed
+            raise ValueError(
+                f"file_bytes ({self.file_bytes}) holds no slot of slot_bytes ({self.slot_bytes}): "
+                "raise file_bytes or lower slot_bytes"
+            )
+        return self
 
     @property
     def slots(self) -> int:
@@ -125,10 +134,15 @@ class HF3FSBackend(StorageBackend):
         reason = self.unavailable_reason(self.config)
         if reason is not None:
             raise PluginUnavailableError(f"storage backend {self.instance!r} (hf3fs): {reason}")
+        if self._fd is not None:
+            raise RuntimeError(f"hf3fs backend {self.instance!r} is already open")
         self.config.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.data_file, os.O_RDWR | os.O_CREAT, 0o644)
-        os.ftruncate(fd, self.config.slots * self.config.slot_bytes)
-        self._fd = fd
+        self._fd = os.open(self.data_file, os.O_RDWR | os.O_CREAT, 0o644)  # close() undoes it all
+        try:
+            os.ftruncate(self._fd, self.config.slots * self.config.slot_bytes)
+        except OSError:
+            self.close()  # no descriptor or data file left behind (a file past the filesystem's limit)
+            raise
         self._free = list(range(self.config.slots - 1, -1, -1))
         self._slots.clear()
         self._pins.clear()
