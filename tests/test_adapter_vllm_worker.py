@@ -19,6 +19,7 @@ import pytest
 import torch
 import xxhash
 
+from kvstrata.adapters import _vllm_worker
 from kvstrata.adapters._shared import EngineStorage
 from kvstrata.adapters._vllm_layout import build_layout, identity_of
 from kvstrata.adapters._vllm_scheduler import GroupTransfer, StepPlan
@@ -241,3 +242,49 @@ def test_planes_at_a_fixed_distance_move_in_one_kernel_and_byte_exact(open_worke
     for name in source:
         for src_block, dst_block in ((3, 5), (9, 1)):
             assert torch.equal(_block(source[name], src_block), _block(target[name], dst_block)), name
+
+
+@pytest.mark.parametrize("fault", ["one_block_refused", "group_raises"])
+def test_a_block_whose_state_was_not_stored_gets_no_anchor_object_or_event(open_worker, fault: str) -> None:
+    # the anchor object commits a block: it was written (and BlockStored announced) though the
+    # block's Mamba state had failed to store, so routers were told of blocks no lookup serves
+    worker = open_worker()
+    worker.register(_caches("block_first", seed=8))
+    plan = _plan(worker, [1, 2, 3], load=False)
+    hashes = plan.saves[0].hashes
+    plan.stored.append((hashes, None, list(range(3 * BLOCK_SIZE))))
+    state_pool, put = worker.layout.groups[1].pool, worker.engine.put
+
+    def failing_put(pool: str, keys: list[str], units: Any) -> Any:  # fault injection
+        if pool != state_pool:
+            return put(pool, keys, units)
+        if fault == "group_raises":
+            raise OSError("disk full")
+        result = put(pool, keys, units)
+        result.ok[1] = False  # block 1's state refused (its object stays: no anchor makes it a hit)
+        return result
+
+    worker.engine.put = failing_put  # type: ignore[method-assign]
+    worker.save(plan)
+    anchor = worker.layout.anchor.pool
+    written = worker.engine.exists(anchor, hashes).ok
+    expected = [True, False, True] if fault == "one_block_refused" else [False, False, False]
+    assert written == expected
+    leading = [ranged[0] for ranged in worker.stored_ranges]
+    assert leading == ([hashes[:1]] if fault == "one_block_refused" else [])
+    assert worker.stats["saved_blocks"] == (4 if fault == "one_block_refused" else 0)
+
+
+def test_stored_ranges_nobody_takes_are_bounded(open_worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's MultiConnector never asks its connectors for KV events: the ranges grew for the life
+    # of the engine; the newest are kept, and a take empties them
+    monkeypatch.setattr(_vllm_worker, "STORED_RANGES_KEPT", 3)
+    worker = open_worker()
+    worker.register(_caches("block_first", seed=9))
+    for step in range(5):
+        plan = _plan(worker, [1 + step], load=False)
+        plan.stored.append((plan.saves[0].hashes, None, [step] * BLOCK_SIZE))
+        worker.save(plan)
+    taken = worker.take_stored_ranges()
+    assert [tokens[0] for _, _, tokens in taken] == [2, 3, 4]
+    assert worker.take_stored_ranges() == []

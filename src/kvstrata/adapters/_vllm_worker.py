@@ -15,6 +15,7 @@ DMA and are scattered on the device.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,9 @@ from kvstrata.engine_kit import StorageEngine, cuda_alias
 from kvstrata.plugins import BufferRegion
 
 log = logging.getLogger(__name__)
+
+#: stored ranges kept for vLLM's events between two takes (a step saves one per request)
+STORED_RANGES_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -187,8 +191,10 @@ class WorkerSide:
         # a failed load is counted once, by the scheduler (vLLM sums the roles' and ranks' stats)
         self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "save_failures": 0}
         #: (hashes, parent hash, token ids) of block ranges whose anchor objects this rank stored:
-        #: vLLM's ``BlockStored`` events (kept where every rank stored its shard)
-        self.stored_ranges: list[tuple[list[str], str | None, list[int]]] = []
+        #: vLLM's ``BlockStored`` events (kept where every rank stored its shard). vLLM takes them
+        #: every step; the oldest go where nothing does (under ``MultiConnector``, which never
+        #: asks its connectors for events: the list grew for the life of the engine)
+        self.stored_ranges: deque[tuple[list[str], str | None, list[int]]] = deque(maxlen=STORED_RANGES_KEPT)
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """vLLM's tensors per layer become the groups' L1 (checked against the spec once)."""
@@ -314,14 +320,23 @@ class WorkerSide:
                 self.failed_loads.add(req_id)
 
     def save(self, plan: StepPlan) -> None:
-        """The blocks this step completed, components before the anchor (its object commits);
-        then the ranges whose anchor objects are stored, for vLLM's KV events."""
+        """The blocks this step completed, components before the anchor (its object commits, so
+        a block some component did not store gets none); then the ranges whose anchor objects
+        are stored, for vLLM's KV events."""
         by_group = {t.group_id: t for t in plan.saves}
         anchor_stored: set[str] = set()
+        missing: set[str] = set()  # blocks some component did not store: their anchor must not commit
         for group in self.layout.save_order():
             transfer = by_group.get(group.group_id)
             if transfer is None or not transfer.hashes:
                 continue
+            if group is self.layout.anchor and missing:
+                kept = [i for i, h in enumerate(transfer.hashes) if h not in missing]
+                self.stats["save_failures"] += len(transfer.hashes) - len(kept)
+                hashes, block_ids = [transfer.hashes[i] for i in kept], [transfer.block_ids[i] for i in kept]
+                transfer = GroupTransfer(transfer.group_id, hashes, block_ids)
+                if not kept:
+                    continue
             try:
                 if self.in_place:
                     units = self._regions(group.group_id, transfer.block_ids)
@@ -332,11 +347,14 @@ class WorkerSide:
                 stored = sum(result.ok)
                 if group is self.layout.anchor:
                     anchor_stored.update(h for h, ok in zip(transfer.hashes, result.ok, strict=True) if ok)
+                else:
+                    missing.update(h for h, ok in zip(transfer.hashes, result.ok, strict=True) if not ok)
             except Exception:
                 log.exception(
                     "kvstrata: saving %d blocks of group %d failed", len(transfer.hashes), group.group_id
                 )
                 stored = 0
+                missing.update(transfer.hashes)
             self.stats["saved_blocks"] += stored
             self.stats["save_failures"] += len(transfer.hashes) - stored
         block = self.layout.block_size
@@ -344,6 +362,12 @@ class WorkerSide:
             done = next((i for i, h in enumerate(hashes) if h not in anchor_stored), len(hashes))
             if done:  # the leading run stored: a chain from ``parent`` a router can follow
                 self.stored_ranges.append((hashes[:done], parent, tokens[: done * block]))
+
+    def take_stored_ranges(self) -> list[tuple[list[str], str | None, list[int]]]:
+        """The ranges stored since the last call (the worker's ``BlockStored`` events)."""
+        ranges = list(self.stored_ranges)
+        self.stored_ranges.clear()
+        return ranges
 
     def take_finished(self) -> tuple[set[str], set[str]]:
         done, failed = self.finished_loads, self.failed_loads

@@ -310,7 +310,7 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
         since the last call (a failed save is never announced)."""
         if self._worker is None or not self._worker.stored_ranges:
             return None
-        ranges, self._worker.stored_ranges = self._worker.stored_ranges, []
+        ranges = self._worker.take_stored_ranges()
         events = EventLog(self.layout.block_size)
         for hashes, parent, tokens in ranges:
             events.stored(hashes, parent, tokens)
