@@ -464,6 +464,21 @@ def test_write_back_eviction_of_nested_nodes_stores_the_right_hashes(tmp_path: P
     assert report["hits"]["storage"] == 8
 
 
+@pytest.mark.parametrize("stack", ["kv", "hybrid-mamba"])
+def test_write_back_writes_a_hot_prefix_to_l3_with_the_pages_below_it(tmp_path: Path, stack: str) -> None:
+    # a shared prefix every request reuses never leaves the device, so write-back never backed it
+    # up; the pages below it were evicted and written to L3, where no later cache could reach them
+    shared = tokens(25, 2)
+    requests = [torch.cat([shared, tokens(600 + i, 3)]) for i in range(12)]
+    with open_cache(stack, tmp_path, ["policy.write=write_back"]) as cache:
+        for request in requests:
+            serve(cache, request)
+        assert cache.pools.device_pages < 2 + 3 * len(requests), "the first requests left the device"
+    with open_cache(stack, tmp_path, WAIT) as cold:
+        lease, bad = serve(cold, requests[0])
+        assert (lease.cached_pages, lease.hit_pages["storage"], bad) == (5, 5, 0)
+
+
 def test_a_late_pool_can_live_in_the_engines_own_device_tensors(tmp_path: Path) -> None:
     # a draft model the engine loads after start keeps its KV where it computes it: add_pool
     # takes its tensors as open() does for the first pools (it used to allocate its own)

@@ -106,6 +106,22 @@ def eviction_backups(tree: PrefixTree, layout: StackLayout, shortfall: Mapping[s
     return sorted(chosen, key=lambda n: n.depth_end)
 
 
+def device_only_ancestors(tree: PrefixTree, nodes: Sequence[TreeNode]) -> list[TreeNode]:
+    """The ancestors of ``nodes`` with no host copy, root first: write-back backs them up with
+    the nodes it evicts, so what reaches L3 has its prefix there too (one walk per path, each
+    node once)."""
+    seen: set[TreeNode] = set(nodes)
+    found: list[TreeNode] = []
+    for node in nodes:
+        parent = node.parent
+        while parent is not None and parent is not tree.root and parent not in seen:
+            seen.add(parent)
+            if parent.host_raw[0] is None and parent.device_raw[0] is not None:
+                found.append(parent)
+            parent = parent.parent
+    return sorted(found, key=lambda n: n.depth_end)
+
+
 def _evictable_leaves(tree: PrefixTree, layout: StackLayout, want: int) -> list[TreeNode]:
     """Unbacked device nodes to back up so that ``want`` pages can leave the device.
 

@@ -36,7 +36,14 @@ from kvstrata.core.storage_metrics import StorageOperation
 from kvstrata.core.tree import MatchResult, PageKey, PrefixTree, Tier, TreeNode
 from kvstrata.core.tree_bytes import UNIT, unit_tensor
 from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
-from kvstrata.core.write_back import OpenBackups, OpenChain, SharedLock, eviction_backups, host_locks
+from kvstrata.core.write_back import (
+    OpenBackups,
+    OpenChain,
+    SharedLock,
+    device_only_ancestors,
+    eviction_backups,
+    host_locks,
+)
 
 #: A request's page hashes, computed on demand: only an L3 write needs them.
 PageHashes = Callable[[], Sequence[str]]
@@ -255,7 +262,12 @@ class Writer:
     def back_up_for_eviction(self, shortfall: Mapping[str, int]) -> None:
         """Write-back: back up the device nodes the eviction then drops (see
         :func:`kvstrata.core.write_back.eviction_backups`)."""
-        self.back_up(eviction_backups(self.tree, self.layout, shortfall))
+        nodes = eviction_backups(self.tree, self.layout, shortfall)
+        self.back_up(nodes)
+        if self.engine is not None and nodes:
+            # their L3 objects are reachable only below their prefix's: a hot shared prefix never
+            # left the device, so it was never written, and after close no page below it was found
+            self.back_up(device_only_ancestors(self.tree, nodes))
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
 
