@@ -590,3 +590,29 @@ def test_preempted_requests_store_and_restore_identical_tokens(
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-x", "-q"]))
+
+
+def test_worker_events_sum_stored_where_every_rank_stored_and_removed_where_any_did() -> None:
+    """Two TP ranks' KV events, combined as vLLM combines worker outputs: a block is announced
+    stored once every rank stored its shard, removed once any rank removed its own (one rank's
+    loss makes the block unusable on all)."""
+    check = (
+        "import json\n"
+        "from kvstrata.adapters._vllm_telemetry import EventLog, KvstrataKVEvents\n"
+        "both, only_one, lost = 'aa' * 16, 'cc' * 16, 'bb' * 16\n"
+        "ranks = []\n"
+        "for stores, removes in (([both, only_one], [lost]), ([both], [])):\n"
+        "    log = EventLog(16)\n"
+        "    for h in stores:\n"
+        "        log.stored([h], None, list(range(16)))\n"
+        "    log.removed(removes)\n"
+        "    events = KvstrataKVEvents()\n"
+        "    events.add_events(log.take())\n"
+        "    ranks.append(events)\n"
+        "ranks[0].increment_workers(1)\n"
+        "ranks[0].add_events(ranks[1].get_all_events())\n"
+        "out = ranks[0].aggregate().get_all_events()\n"
+        "print(json.dumps(sorted([type(e).__name__, e.block_hashes[0].hex()] for e in out)))\n"
+    )
+    out = json.loads(_in_vllm(check).strip().splitlines()[-1])
+    assert out == [["BlockRemoved", "bb" * 16], ["BlockStored", "aa" * 16]]

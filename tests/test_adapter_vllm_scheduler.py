@@ -329,3 +329,36 @@ def test_the_workers_announce_only_the_blocks_they_stored(engines: Any) -> None:
     _decode(failing, failing.request("partly", [t + 1000 for t in prompt]), 1, async_output=False)
     ((hashes, _, tokens),) = failing.worker.stored_ranges
     assert len(hashes) == 1 and tokens == [t + 1000 for t in prompt[:BS]]
+
+
+@pytest.mark.parametrize("fault", ["block_1_damaged", "backend_outage"])
+def test_a_failed_load_names_removed_only_the_blocks_l3_no_longer_serves(engines: Any, fault: str) -> None:
+    # every block of a failed load was announced removed: a router dropped blocks still served
+    # (those below the damaged one; all of them after an outage, which removes nothing). The
+    # worker names what it refused and removed, and the blocks after it (keys are chained)
+    engine = engines()
+    prompt = list(range(1, 3 * BS + 5))
+    _decode(engine, engine.request("w", prompt), 1, async_output=False)
+    reader = engine.request("r", prompt)
+    assert engine.scheduler.matched_tokens(reader, 0) == (3 * BS, True)
+    hashes = engine.scheduler._hashes(engine.scheduler.requests["r"], 3)
+    anchor = engine.layout.anchor.pool
+    real_get = engine.engine.get
+    if fault == "block_1_damaged":
+        (keys,) = engine.engine.object_keys(anchor, hashes[1:2])
+        path = engine.storage.backend.path_for(keys[0])
+        path.write_bytes(path.read_bytes()[:-8] + b"damaged!")
+    else:
+
+        def get(*args: Any, **kwargs: Any) -> Any:  # FAULT INJECTION: the backend is down once
+            engine.engine.get = real_get
+            raise OSError("connection refused")
+
+        engine.engine.get = get
+    engine.scheduler.after_alloc(reader, 3 * BS)
+    engine.step({})
+    assert engine.worker.take_finished() == ({"r"}, {"r"})
+    expected = [hashes[1:]] if fault == "block_1_damaged" else []  # a miss or a failed call: none
+    assert engine.worker.take_removed_ranges() == expected
+    assert engine.worker.take_removed_ranges() == []
+    assert engine.engine.exists(anchor, hashes).ok == [True, fault != "block_1_damaged", True]

@@ -27,6 +27,7 @@ from kvstrata.core.integrity import ChecksumPolicy, layout_fingerprint, stored_o
 from kvstrata.core.io_plan import IOMode, IOPlan, plan_pool
 from kvstrata.core.keys import hash_pages, namespace_root
 from kvstrata.core.pinned_alias import cuda_alias
+from kvstrata.core.storage_batch import BatchResult
 from kvstrata.core.storage_engine import StorageEngine, StorageMetrics, longest_present_prefix
 from kvstrata.plugins import PluginHost
 
@@ -68,6 +69,7 @@ def open_storage(
 
 
 __all__ = [
+    "BatchResult",
     "ChecksumPolicy",
     "DeviceTensors",
     "IOMode",

@@ -131,10 +131,6 @@ class SchedulerSide:
         self.requests: dict[str, _Request] = {}
         self.kv_cache_manager: Any = None
         self.stats = {"lookups": 0, "offered_blocks": 0, "loads_planned": 0, "save_blocks_planned": 0}
-        #: for KV events: hashes of blocks found unusable (drained by the connector's
-        #: ``take_events``; stored blocks are announced by the workers, see ``StepPlan.stored``)
-        self.removed_log: list[list[str]] = []
-        self._loading: dict[str, list[str]] = {}  # req id -> anchor hashes of its load in flight
         #: mixed into every chain root after ``reset``: "" until the first
         self._generation = ""
 
@@ -291,7 +287,6 @@ class SchedulerSide:
             )
             if transfers is not None:
                 plan.loads[req_id] = transfers
-                self._loading[req_id] = transfers[0].hashes
                 self.stats["loads_planned"] += 1
         if not self.may_save:
             return plan
@@ -371,9 +366,9 @@ class SchedulerSide:
         stored.append((hashes[first:end], hashes[first - 1] if first else None, list(tokens)))
 
     def loads_failed(self, req_ids: set[str]) -> None:
-        """The workers could not load these requests (damaged, foreign or missing objects)."""
+        """The workers could not load these requests (damaged, foreign or missing objects; the
+        workers announce the blocks they removed)."""
         for req_id in req_ids:
-            self.removed_log.append(self._loading.pop(req_id, []))
             state = self.requests.get(req_id)
             if state is not None:
                 state.load_failed = True
@@ -381,10 +376,5 @@ class SchedulerSide:
                 state.hit_blocks = 0
         self.stats["load_failures"] = self.stats.get("load_failures", 0) + len(req_ids)
 
-    def loads_done(self, req_ids: set[str]) -> None:
-        for req_id in req_ids:
-            self._loading.pop(req_id, None)
-
     def finished(self, request: Any) -> None:
         self.requests.pop(request.request_id, None)
-        self._loading.pop(request.request_id, None)

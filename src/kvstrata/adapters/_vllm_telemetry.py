@@ -72,9 +72,10 @@ class CounterDelta:
 
 
 class KvstrataKVEvents(KVConnectorKVEvents):
-    """The ``BlockStored`` events of one worker's saves, as vLLM carries them to the scheduler
-    (summed over the workers: an event counts once every rank published it, so a block is
-    announced only when every TP rank stored its shard)."""
+    """The KV events of one worker's saves and loads, as vLLM carries them to the scheduler,
+    summed over the workers: ``BlockStored`` counts once every rank published it (a block is
+    announced only when every TP rank stored its shard), ``BlockRemoved`` once any rank did (a
+    block one rank lost is served by none)."""
 
     def __init__(self, num_workers: int = 1) -> None:
         self._aggregator = KVEventAggregator(num_workers)
@@ -83,9 +84,10 @@ class KvstrataKVEvents(KVConnectorKVEvents):
         self._aggregator.add_events(events)
 
     def aggregate(self) -> KvstrataKVEvents:
-        common = self._aggregator.get_common_events()
+        common = [e for e in self._aggregator.get_common_events() if not isinstance(e, BlockRemoved)]
+        removed = [e for e in dict.fromkeys(self._aggregator.get_all_events()) if isinstance(e, BlockRemoved)]
         self._aggregator.clear_events()
-        self._aggregator.add_events(common)
+        self._aggregator.add_events(common + removed)
         self._aggregator.reset_workers()
         return self
 

@@ -23,7 +23,7 @@ import torch
 
 from kvstrata.adapters._vllm_layout import GroupLayout, StoreLayout
 from kvstrata.adapters._vllm_scheduler import GroupTransfer, StepPlan
-from kvstrata.engine_kit import StorageEngine, cuda_alias
+from kvstrata.engine_kit import BatchResult, StorageEngine, cuda_alias
 from kvstrata.plugins import BufferRegion
 
 log = logging.getLogger(__name__)
@@ -195,6 +195,10 @@ class WorkerSide:
         #: every step; the oldest go where nothing does (under ``MultiConnector``, which never
         #: asks its connectors for events: the list grew for the life of the engine)
         self.stored_ranges: deque[tuple[list[str], str | None, list[int]]] = deque(maxlen=STORED_RANGES_KEPT)
+        #: hashes of loaded blocks whose objects were refused as damaged or foreign (removed),
+        #: and the blocks after them: vLLM's ``BlockRemoved`` events (a miss or a failed call
+        #: removes nothing: those blocks were announced and may still be served)
+        self.removed_ranges: deque[list[str]] = deque(maxlen=STORED_RANGES_KEPT)
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """vLLM's tensors per layer become the groups' L1 (checked against the spec once)."""
@@ -287,37 +291,45 @@ class WorkerSide:
 
     # --- loads and saves ------------------------------------------------------------------------
 
-    def _get(self, transfer: GroupTransfer) -> bool:
+    def _get(self, transfer: GroupTransfer) -> BatchResult:
         pool = self.groups[transfer.group_id].pool
         if self.in_place:
-            result = self.engine.get(
+            return self.engine.get(
                 pool, transfer.hashes, self._regions(transfer.group_id, transfer.block_ids)
             )
-            return all(result.ok)
         index = self._index(transfer.block_ids)  # checked before anything is read
         staging = self._staging(transfer.group_id, len(transfer.block_ids))
         result = self.engine.get(pool, transfer.hashes, self._rows(staging))
         if all(result.ok):  # a request restores all of its blocks or none (vLLM recomputes)
             self._scatter(transfer.group_id, index, staging)
-        return all(result.ok)
+        return result
 
     def load(self, plan: StepPlan) -> None:
-        """Every load of the step, request by request, all groups or the request fails."""
+        """Every load of the step, request by request, all groups or the request fails; the
+        blocks whose objects were refused (and removed) are kept for vLLM's ``BlockRemoved``."""
         for req_id, transfers in plan.loads.items():
             ok = True
+            refused: set[str] = set()
             try:
                 for transfer in transfers:  # anchor first; on a failure every group is still
                     # read, so each damaged object is found (and removed) now, not on a later try
-                    if not transfer.hashes or not self._get(transfer):
+                    result = self._get(transfer) if transfer.hashes else None
+                    if result is None or not all(result.ok):
                         ok = False
                     else:
                         self.stats["loaded_blocks"] += len(transfer.hashes)
+                    if result is not None:
+                        refused.update(transfer.hashes[i] for i in result.rejected)
             except Exception:  # a failing backend fails this load, never the engine
                 log.exception("kvstrata: loading %s failed; vLLM recomputes it", req_id)
                 ok = False
             self.finished_loads.add(req_id)
             if not ok:
                 self.failed_loads.add(req_id)
+            anchor = transfers[0].hashes if transfers else []
+            first = next((k for k, h in enumerate(anchor) if h in refused), len(anchor))
+            if first < len(anchor):  # no lookup finds the blocks from there on (keys are chained)
+                self.removed_ranges.append(anchor[first:])
 
     def save(self, plan: StepPlan) -> None:
         """The blocks this step completed, components before the anchor (its object commits, so
@@ -367,6 +379,12 @@ class WorkerSide:
         """The ranges stored since the last call (the worker's ``BlockStored`` events)."""
         ranges = list(self.stored_ranges)
         self.stored_ranges.clear()
+        return ranges
+
+    def take_removed_ranges(self) -> list[list[str]]:
+        """The blocks found unusable since the last call (the worker's ``BlockRemoved`` events)."""
+        ranges = list(self.removed_ranges)
+        self.removed_ranges.clear()
         return ranges
 
     def take_finished(self) -> tuple[set[str], set[str]]:

@@ -284,7 +284,6 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
         failed = set(connector_output.failed_recving or ())
         if failed:
             self._scheduler.loads_failed(failed)
-        self._scheduler.loads_done(set(connector_output.finished_recving or ()) - failed)
 
     def reset_cache(self) -> bool:
         """vLLM resets the connector's cache after a weight update: from now on this instance
@@ -296,24 +295,24 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
         return True
 
     def take_events(self) -> list[Any]:
-        """``BlockStored`` (the blocks the workers stored, published by them) / ``BlockRemoved``
-        with medium ``STORAGE`` (kvstrata's L3)."""
+        """``BlockStored`` / ``BlockRemoved`` with medium ``STORAGE`` (kvstrata's L3): what the
+        workers stored, and the loaded blocks whose objects they refused and removed, published
+        by them."""
         if self._scheduler is None:
             return []
-        for hashes in self._scheduler.removed_log:
-            self._events.removed(hashes)
-        self._scheduler.removed_log.clear()
         return self._events.take()
 
     def get_kv_connector_kv_cache_events(self) -> KvstrataKVEvents | None:
         """Worker role: ``BlockStored`` for the block ranges whose anchor objects this rank stored
-        since the last call (a failed save is never announced)."""
-        if self._worker is None or not self._worker.stored_ranges:
+        since the last call (a failed save is never announced), ``BlockRemoved`` for loaded blocks
+        whose objects it refused as damaged or foreign and the blocks after them."""
+        if self._worker is None or not (self._worker.stored_ranges or self._worker.removed_ranges):
             return None
-        ranges = self._worker.take_stored_ranges()
         events = EventLog(self.layout.block_size)
-        for hashes, parent, tokens in ranges:
+        for hashes, parent, tokens in self._worker.take_stored_ranges():
             events.stored(hashes, parent, tokens)
+        for hashes in self._worker.take_removed_ranges():
+            events.removed(hashes)
         published = KvstrataKVEvents(num_workers=1)
         published.add_events(events.take())
         return published

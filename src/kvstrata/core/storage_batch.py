@@ -48,6 +48,9 @@ class BatchResult:
     skipped: bool = False  # nothing attempted (plan off / read-only): ``error`` says why
     failed: int = 0  # units the backend was asked for and failed (never a miss, never skipped)
     foreign: int = 0  # objects refused as another layout / format / key (not damage)
+    #: a get's units whose objects were refused (damaged or foreign: removed where the backend
+    #: can), in batch order: what left the store, unlike a miss or a failed call
+    rejected: tuple[int, ...] = ()
 
     @property
     def prefix(self) -> int:

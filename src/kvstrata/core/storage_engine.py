@@ -319,9 +319,13 @@ class StorageEngine(BackendCalls):
             log.info(
                 "pool %r: objects of another layout or format under our keys, replaced: %s", pool, foreign
             )
-        if rejected:
-            self._remove_rejected(pool, rejected)
-        return BatchResult(ok, foreign=sum(foreign.values()))
+        if not rejected:
+            return BatchResult(ok)
+        self._remove_rejected(pool, rejected)
+        refused = {key for keys in rejected.values() for key in keys}
+        per_unit = batch.n_obj
+        units_refused = sorted({i // per_unit for i, obj in enumerate(batch.objects) if obj.key in refused})
+        return BatchResult(ok, foreign=sum(foreign.values()), rejected=tuple(units_refused))
 
     def _remove_rejected(self, pool: str, rejected: Mapping[Verdict, Sequence[str]]) -> None:
         """Drop objects that failed verification, where the backend can remove (one call)."""
