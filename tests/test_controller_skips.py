@@ -4,6 +4,7 @@ refill never hangs below a device page that has no host copy."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,59 @@ def test_a_read_still_running_at_admit_counts_as_timeout() -> None:
         cache.release(lease)
         cache.flush()
         assert all(used == 0 for used in host_units_in_use(cache).values()), "revoked slots freed"
+
+
+def test_a_read_that_ends_just_after_admit_gave_up_counts_as_timeout(tmp_path: Path) -> None:
+    # admit's wait gave up (nothing to commit), then the worker finished before commit looked:
+    # the pages it read were counted as another rank's (rank_disagreement) on a cache of one
+    request = tokens(46, 4)
+    with open_cache("kv", tmp_path) as writer:
+        serve(writer, request)
+    with open_cache("kv", tmp_path, ["policy.prefetch.policy=best_effort"]) as cache:
+        prefetcher = cache.prefetcher
+        assert prefetcher is not None
+        finish = prefetcher.finish
+
+        def finish_then_the_worker_ends(op, protect):  # the race, made certain
+            got = finish(op, protect)
+            op.done.wait(10)
+            return got
+
+        prefetcher.finish = finish_then_the_worker_ends  # type: ignore[method-assign]
+        gate = threading.Event()
+        run = prefetcher._run
+        prefetcher._run = lambda op: (gate.wait(10), run(op))  # type: ignore[method-assign]
+        lease = cache.lookup(request)
+        gate.set()  # (after lookup: finish sees the read unfinished, then waits for it)
+        cache.admit(lease)
+        assert lease.cached_pages == 0 and lease.skipped == {SkipReason.TIMEOUT: 4}
+        cache.release(lease)
+
+
+@pytest.mark.parametrize("read", ["finished", "running"])
+def test_a_lease_released_with_its_prefetch_counts_its_pages_as_released(tmp_path: Path, read: str) -> None:
+    # an aborted request's read was counted as a rank disagreement (finished) or a timeout (running)
+    request = tokens(47, 4)
+    with open_cache("kv", tmp_path) as writer:
+        serve(writer, request)
+    with open_cache("kv", tmp_path, WAIT) as cache:
+        prefetcher = cache.prefetcher
+        assert prefetcher is not None
+        gate = threading.Event()
+        run = prefetcher._run
+        prefetcher._run = lambda op: (gate.wait(10), run(op))  # type: ignore[method-assign]
+        lease = cache.lookup(request)
+        op = lease.prefetch
+        assert op is not None
+        if read == "finished":
+            gate.set()
+            assert op.done.wait(10) and op.pages == 4
+        cache.release(lease)
+        gate.set()
+        cache.flush()
+        assert lease.skipped == {SkipReason.RELEASED: 4}
+        assert cache.metrics.snapshot()["skipped_pages"]["released"] == 4
+        assert all(used == 0 for used in host_units_in_use(cache).values()), "its host units were freed"
 
 
 def test_a_prefix_larger_than_the_host_tier_counts_as_host_full(tmp_path: Path) -> None:

@@ -200,7 +200,7 @@ class CacheController(UnitMemory, ClosingApi):
         self._settle(lease, match)
         return lease
 
-    def _commit_prefetch(self, lease: Lease, pages: int) -> None:
+    def _commit_prefetch(self, lease: Lease, pages: int, unused: SkipReason | None = None) -> None:
         op = lease.detach_prefetch()
         assert op is not None and self.prefetcher is not None
         if (
@@ -212,9 +212,7 @@ class CacheController(UnitMemory, ClosingApi):
             # prefix from the root" and pin that page on the device: drop the refill
             self.prefetcher.drop(op, SkipReason.UNBACKED_PARENT, lease.skipped)
             return
-        lease.prefetched(
-            self.prefetcher.commit(op, lease.keys, pages, request_id=str(id(lease)), skipped=lease.skipped)
-        )
+        lease.prefetched(self.prefetcher.commit(op, lease.keys, pages, str(id(lease)), lease.skipped, unused))
 
     def _settle(self, lease: Lease, match: MatchResult) -> None:
         lease.settle(self.tree, self.layout, match)
@@ -295,7 +293,7 @@ class CacheController(UnitMemory, ClosingApi):
             return
         self._free_pending(lease)
         if lease.prefetch is not None:
-            self._commit_prefetch(lease, 0)
+            self._commit_prefetch(lease, 0, SkipReason.RELEASED)
         self._close_lease(lease)
 
     def _free_pending(self, lease: Lease) -> None:

@@ -85,6 +85,7 @@ class SkipReason(StrEnum):
     UNBACKED_PARENT = "unbacked_parent"  # the refill would sit below a device page with no host copy
     DEVICE_FULL = "device_full"  # host pages could not be loaded back: no room on the device
     BELOW_LOAD_BACK_THRESHOLD = "below_load_back_threshold"  # policy.load_back_threshold_tokens
+    RELEASED = "released"  # the request was released (aborted) before its prefetch was used
 
 
 @dataclass

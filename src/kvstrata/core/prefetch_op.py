@@ -35,4 +35,6 @@ class PrefetchOp:
     #: anchor pages found but not usable, by reason (filled by the worker)
     lost: dict[SkipReason, int] = field(default_factory=dict)
     cancelled: bool = False
+    #: ``finish`` gave up waiting (what was read after that is a timeout's loss, not a rank's)
+    timed_out: bool = False
     done: threading.Event = field(default_factory=threading.Event)

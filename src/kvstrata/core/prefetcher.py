@@ -276,6 +276,7 @@ class Prefetcher:
         lease's locked node, kept while the owner makes room for a read the worker left to it."""
         op.done.wait(None if op.blocking else self.end.wait_s(len(op.hashes) * self.page_size))
         if not op.done.is_set():
+            op.timed_out = True
             return 0
         if op.short is not None:
             # L3 has the pages but the host tier is full: make room (owner thread) and read now
@@ -291,25 +292,32 @@ class Prefetcher:
         return op.pages
 
     def commit(
-        self, op: PrefetchOp, keys: Sequence[PageKey], pages: int, request_id: str, skipped: dict[str, int]
+        self,
+        op: PrefetchOp,
+        keys: Sequence[PageKey],
+        pages: int,
+        request_id: str,
+        skipped: dict[str, int],
+        unused: SkipReason | None = None,
     ) -> int:
         """Insert the first ``pages`` prefetched pages as host-only nodes under ``keys[:op.start]``;
         free every other unit. Returns the pages committed (0 when dropped or still reading).
-        Pages found but not committed are counted in ``skipped`` by reason."""
+        Pages found but not committed are counted in ``skipped`` by reason: ``unused`` (the
+        request was released), else a timeout where ``finish`` gave up waiting, else another
+        rank holding less."""
         if not op.done.is_set():  # still reading into the slots: free them when it finishes
             op.cancelled = True
             self.orphans.append(op)
             self.metrics.count(Operation.PREFETCHES_REVOKED)
-            self.metrics.skip(SkipReason.TIMEOUT, len(op.hashes), skipped)
+            self.metrics.skip(unused or SkipReason.TIMEOUT, len(op.hashes), skipped)
             return 0
         self.reserved_pages -= len(op.hashes)
         for reason, lost in op.lost.items():
             self.metrics.skip(reason, lost, skipped)
         if pages < op.pages:
             partial = pages > 0 and self.layout.clampable
-            self.metrics.skip(
-                SkipReason.RANK_DISAGREEMENT, op.pages - pages if partial else op.pages, skipped
-            )
+            why = unused or (SkipReason.TIMEOUT if op.timed_out else SkipReason.RANK_DISAGREEMENT)
+            self.metrics.skip(why, op.pages - pages if partial else op.pages, skipped)
         if not (pages > 0 and (pages == op.pages or self.layout.clampable)):
             if op.found:
                 self.metrics.count(Operation.PREFETCHES_DROPPED)
