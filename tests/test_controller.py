@@ -3,6 +3,7 @@ rules (state pools end a prefix, window pools drop whole, clamp pools clamp)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import subprocess
@@ -26,6 +27,8 @@ from controller_support import (
 )
 from kvstrata.core.buffers import torch_dtype
 from kvstrata.core.controller import CacheController, CacheFullError, PoolKind, SkipReason
+from kvstrata.core.storage_batch import BatchResult
+from kvstrata.core.write_back import StoredWindowEnds
 
 STACKS = sorted(EXAMPLES)
 WAIT = ["policy.prefetch.policy=wait_complete"]
@@ -501,3 +504,47 @@ def test_a_late_pool_can_live_in_the_engines_own_device_tensors(tmp_path: Path) 
         push_off_device(cache)
         back, bad = serve(cache, tokens(18, 3))
         assert back.cached_pages == 3 and back.hit_pages["host"] >= 1 and bad == 0
+
+
+@pytest.mark.parametrize("stack", [s for s in STACKS if "swa" in s])
+def test_a_window_ending_at_a_prefix_end_is_written_to_l3_once(tmp_path: Path, stack: str) -> None:
+    # every request branching at the end of a stored prefix (users of one system prompt, each
+    # turn of a conversation) wrote that prefix's last window again; each object is put once now
+    prompt = tokens(26, 8)
+    turns = [torch.cat([prompt, tokens(700 + i, 2)]) for i in range(4)]
+    turns.append(torch.cat([turns[0], tokens(710, 2)]))  # the next turn of the first
+    with open_cache(stack, tmp_path) as cache:
+        assert cache.backend is not None
+        put, puts = cache.backend.put, collections.Counter[str]()
+
+        def counted(objects, *args, **kwargs):  # type: ignore[no-untyped-def]
+            puts.update(obj.key for obj in objects)
+            return put(objects, *args, **kwargs)
+
+        cache.backend.put = counted  # type: ignore[method-assign]
+        serve(cache, prompt)
+        for request in turns:
+            serve(cache, request)
+        cache.flush()
+        assert puts and max(puts.values()) == 1, [key for key, n in puts.items() if n > 1]
+    for request in turns:  # and every branch restores from L3 alone, in a cache of its own
+        with open_cache(stack, tmp_path, WAIT) as cold:
+            lease, bad = serve(cold, request)
+            pages = len(request) // cold.page_size
+            assert (lease.cached_pages, lease.hit_pages["storage"], bad) == (pages, pages, 0)
+
+
+def test_a_window_end_whose_write_failed_is_written_again_and_gone_nodes_are_swept() -> None:
+    class Node:  # what the set reads of a tree node: whether it is still in the tree
+        parent: object = "in the tree"
+
+    ends = StoredWindowEnds(None, None)  # type: ignore[arg-type]  # (carried() is not used here)
+    kept, failed, gone = Node(), Node(), Node()
+    ends.add([kept, failed, gone])  # type: ignore[list-item]
+    ends.settled([kept], {"swa": BatchResult([True, True])})
+    ends.settled([failed], {"swa": BatchResult([True, False], failed=1)})
+    assert kept in ends and failed not in ends, "a failed write leaves the window to the next request"
+    gone.parent = None  # evicted: left the tree
+    ends.SWEEP = 0  # type: ignore[misc]
+    ends.add([])
+    assert gone not in ends and kept in ends

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvstrata.core.stack import PoolKind, StackLayout
 from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
@@ -29,6 +30,45 @@ class SharedLock:
 
     handle: LockHandle
     refs: int = 1
+
+
+class StoredWindowEnds:
+    """Nodes whose last window (every window pool's objects of the pages ending at the node's
+    end) is queued or written to L3: a request branching at a prefix end writes that window only
+    where it is not (each branch at one system prompt, each turn of a conversation, wrote it
+    again). A split's upper half is a new node, so it is never taken for its lower's. Nodes that
+    left the tree are swept out as the set grows; a failed write takes its nodes out again."""
+
+    SWEEP = 8192
+
+    def __init__(self, tree: PrefixTree, layout: StackLayout) -> None:
+        self._tree, self._layout = tree, layout
+        self._nodes: dict[TreeNode, None] = {}
+
+    def __contains__(self, node: TreeNode) -> bool:
+        return node in self._nodes
+
+    def carried(self, nodes: Sequence[TreeNode]) -> list[TreeNode]:
+        """Which of ``nodes`` a write of their host units stores the last window of: those whose
+        every window pool has host units (none in a stack without window pools)."""
+        if not self._layout.windowed:
+            return []
+        pools = [self._tree.index[tp.name] for tp in self._layout.windowed]
+        return [n for n in nodes if all(n.host_raw[p] is not None for p in pools)]
+
+    def settled(self, ends: Sequence[TreeNode], results: Mapping[str, Any]) -> None:
+        """A write of ``ends``' windows finished: if any unit of it failed, they are not stored."""
+        if ends and (not results or not all(all(r.ok) for r in results.values())):
+            self.discard(ends)
+
+    def add(self, nodes: Sequence[TreeNode]) -> None:
+        if len(self._nodes) > self.SWEEP:
+            self._nodes = {n: None for n in self._nodes if n.parent is not None}
+        self._nodes.update(dict.fromkeys(nodes))
+
+    def discard(self, nodes: Sequence[TreeNode]) -> None:
+        for node in nodes:
+            self._nodes.pop(node, None)
 
 
 def host_locks(

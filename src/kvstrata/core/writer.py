@@ -28,7 +28,7 @@ import torch
 from kvstrata.core.admission import make_admission
 from kvstrata.core.backup_plan import Units, backup_candidates, device_units, joined, unit_counts
 from kvstrata.core.keys import hash_pages
-from kvstrata.core.metrics import Operation, count_failure
+from kvstrata.core.metrics import CacheMetrics, Operation, count_failure
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.stack import PoolKind, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
@@ -40,6 +40,7 @@ from kvstrata.core.write_back import (
     OpenBackups,
     OpenChain,
     SharedLock,
+    StoredWindowEnds,
     device_only_ancestors,
     eviction_backups,
     host_locks,
@@ -63,6 +64,8 @@ class PendingWrite:
 
     locks: list[SharedLock]
     future: Future[dict[str, BatchResult]]
+    #: nodes whose last window this write stores (window stacks): unmarked if it fails
+    ends: Sequence[TreeNode] = ()
     #: set by the future's done callback (or by whoever waited on the future): ``drain`` runs at
     #: every call and reads this plain flag instead of ``future.done()``, which takes the
     #: future's lock (contended by the writer thread)
@@ -86,6 +89,7 @@ class Writer:
         self.host_admission = make_admission(policy.admission.host)
         self.storage_admission = make_admission(policy.admission.storage)
         self._refused: dict[TreeNode, None] = {}  # on host, refused by the storage filter
+        self.window_ends = StoredWindowEnds(self.tree, self.layout)
         if self.storage_admission.selective:
             self.tree.on_split(self._split)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
@@ -261,12 +265,12 @@ class Writer:
 
     def back_up_for_eviction(self, shortfall: Mapping[str, int]) -> None:
         """Write-back: back up the device nodes the eviction then drops (see
-        :func:`kvstrata.core.write_back.eviction_backups`)."""
+        :func:`~kvstrata.core.write_back.eviction_backups`) and, with an L3, their device-only
+        ancestors: what L3 holds is found only below its prefix (a hot shared prefix never left
+        the device, and after close no page written below it was found)."""
         nodes = eviction_backups(self.tree, self.layout, shortfall)
         self.back_up(nodes)
         if self.engine is not None and nodes:
-            # their L3 objects are reachable only below their prefix's: a hot shared prefix never
-            # left the device, so it was never written, and after close no page below it was found
             self.back_up(device_only_ancestors(self.tree, nodes))
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
@@ -297,18 +301,15 @@ class Writer:
             self.metrics.count(Operation.STORAGE_ADMITTED, sum(n.pages for n in nodes))
         else:
             nodes = self._admit_writes(nodes)
-        request_hashes = hashes() if hashes is not None and nodes else None
-        self._submit(nodes, _host_values_per_pool(self, nodes, request_hashes))
+        per_pool = _host_values_per_pool(self, nodes, hashes() if hashes is not None and nodes else None)
+        self._submit(nodes, per_pool, self.window_ends.carried(nodes))
 
-    def _submit(self, nodes: Sequence[TreeNode], per_pool: PerPool) -> None:
-        """Queue the L3 write of ``per_pool`` (host units of ``nodes``, host-locked meanwhile)."""
+    def _submit(self, nodes: Sequence[TreeNode], per_pool: PerPool, ends: Sequence[TreeNode] = ()) -> None:
+        """Queue the L3 write of ``per_pool`` (host units of ``nodes``, locked meanwhile; ``ends``
+        the nodes whose last window it stores)."""
         assert self.engine is not None
         if self.engine.breaker.refusing():
-            # L3 is down: count the refused write without the batch copies, host locks and
-            # worker hop it would cost (a dead L3 must not slow L1/L2; benchmarks/faults.py)
-            for name, (page_hashes, _values) in per_pool.items():
-                if self.engine.plans[name].writes:
-                    count_failure(self.metrics, self.engine.refused(StorageOperation.PUT, len(page_hashes)))
+            _count_refused(self.engine, self.metrics, per_pool)
             return
         batches: dict[str, PoolBatch] = {}
         for name, (page_hashes, values) in per_pool.items():
@@ -321,7 +322,8 @@ class Writer:
             future = self._thread.submit(_checked_put, self.engine, self.digests, batches, per_pool)
         else:
             future = self._thread.submit(self.engine.put_group, batches)
-        write = PendingWrite(locks, future)
+        write = PendingWrite(locks, future, ends)
+        self.window_ends.add(ends)
         self.pending.append(write)
         future.add_done_callback(write.mark_finished)
         self.metrics.count(Operation.STORAGE_WRITES)
@@ -345,6 +347,7 @@ class Writer:
         for name, result in results.items():
             count_failure(self.metrics, result)
             nbytes += sum(result.ok) * self.pools.pools[name].spec.bytes_per_unit
+        self.window_ends.settled(write.ends, results)  # failed: the next request ending there writes it
         self.metrics.add_bytes("host_to_storage", nbytes)
         for shared in write.locks:
             shared.refs -= 1
@@ -372,6 +375,14 @@ class Writer:
         self._thread.shutdown(wait=wait, cancel_futures=not wait)
 
 
+def _count_refused(engine: StorageEngine, metrics: CacheMetrics, per_pool: PerPool) -> None:
+    """L3 is down: count the refused write without the batch copies, host locks and worker hop
+    it would cost (a dead L3 must not slow L1/L2; benchmarks/faults.py)."""
+    for name, (page_hashes, _values) in per_pool.items():
+        if engine.plans[name].writes:
+            count_failure(metrics, engine.refused(StorageOperation.PUT, len(page_hashes)))
+
+
 def _back_up_chain(writer: Writer, chain: OpenChain) -> None:
     """Write-through of the nodes of ``chain`` (one insert's, or an open lease's batch)."""
     path = _path(writer.tree, chain.node, chain.since)
@@ -379,8 +390,13 @@ def _back_up_chain(writer: Writer, chain: OpenChain) -> None:
     writer.storage_admission.seen(path)
     writer.back_up(path, hashes=chain.hashes, admit=True)
     since = chain.since
-    if since is not None and since.depth_end == chain.cached and writer.engine is not None:
-        writer._submit([since], _trailing_windows(writer, since, chain.hashes))
+    if (
+        since is not None
+        and since.depth_end == chain.cached
+        and writer.engine is not None
+        and since not in writer.window_ends
+    ):
+        writer._submit([since], _trailing_windows(writer, since, chain.hashes), [since])
 
 
 def _host_values_per_pool(
