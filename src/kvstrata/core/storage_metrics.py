@@ -47,6 +47,8 @@ class StorageMetrics:
     backend_errors: int = 0
     breaker_trips: int = 0  # times the circuit breaker opened
     breaker_rejected: int = 0  # calls refused at once while it was open (failed, not attempted)
+    #: bytes of the objects a put reported stored: a backend keeping an object already present
+    #: (``overwrite: skip_existing``: file, hf3fs, Mooncake) reports it stored, so it counts too
     bytes_written: int = 0
     bytes_read: int = 0
 
