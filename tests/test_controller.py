@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from controller_support import (
     DEVICE,
     EXAMPLES,
     REPO,
+    fill,
     host_units_held_by_tree,
     host_units_in_use,
     open_cache,
@@ -548,3 +550,38 @@ def test_a_window_end_whose_write_failed_is_written_again_and_gone_nodes_are_swe
     ends.SWEEP = 0  # type: ignore[misc]
     ends.add([])
     assert gone not in ends and kept in ends
+
+
+@pytest.mark.parametrize("writes", ["finished_not_drained", "finish_while_the_backup_waits"])
+@pytest.mark.parametrize("stack", ["swa-mamba", "kv"])
+def test_write_back_backups_for_an_eviction_keep_the_other_device_pages_copies(
+    tmp_path: Path, stack: str, writes: str
+) -> None:
+    # backing up the page an eviction needed made host room by dropping the host copy of another
+    # device page, which then could not leave the device either: allocate refused a request that
+    # fit, with one lease open (host units held by L3 writes not yet drained)
+    prompt = tokens(27, 6)
+    with open_cache(stack, tmp_path, ["policy.write=write_through"]) as first_run:
+        serve(first_run, prompt)
+    with open_cache(stack, tmp_path, ["policy.write=write_back", *WAIT]) as cache:
+        assert cache.engine is not None
+        gate = threading.Event()  # L3 writes held back: their host sources stay locked
+        put_group = cache.engine.put_group
+        cache.engine.put_group = lambda batches: (gate.wait(60), put_group(batches))[1]  # type: ignore[method-assign]
+        serve(cache, prompt)  # restored from L3: on the device with a host copy
+        for seed in (28, 29, 30):  # each evicts the one before: backed up, its write held
+            serve(cache, prompt)
+            serve(cache, tokens(seed, 10))
+        serve(cache, prompt)
+        lease = cache.lookup(tokens(31, 12))
+        cache.admit(lease)
+        if writes == "finished_not_drained":
+            gate.set()
+            for write in list(cache.writer.pending):
+                write.future.result(30)
+        else:
+            threading.Timer(0.3, gate.set).start()  # well inside policy.backup_wait_s
+        fill(cache, lease, cache.allocate(lease))
+        cache.insert(lease)
+        cache.tree.check()
+        gate.set()

@@ -256,7 +256,7 @@ def test_the_tree_sends_one_access_per_request_and_the_other_events() -> None:
 def test_a_policy_without_events_hears_nothing() -> None:
     tree = PrefixTree([kv_spec()])
     tree.set_eviction_order(Tier.DEVICE, policy("lru"))
-    assert tree._evictor.hears is False  # match and insert pay one attribute check
+    assert tree.evictor.hears is False  # match and insert pay one attribute check
 
 
 def test_retention_levels_rank_above_the_policy_and_ttl_decays() -> None:

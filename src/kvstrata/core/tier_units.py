@@ -9,7 +9,8 @@ pools appear here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -118,6 +119,19 @@ class TierUnits:
             result = self.tree.evict_host(shortfall, self.freer(Tier.HOST))
         self._observe(tier, result)
         return self.try_alloc(tier, needs, arrays=arrays)
+
+    @contextlib.contextmanager
+    def keeping_copies(self) -> Iterator[None]:
+        """While write-back backs up device nodes so a device eviction can drop them: host room
+        made by dropping another device node's host copy un-backs that node up, so the eviction
+        frees no more than before (``allocate`` refused a request that fit; the backup waits for
+        in-flight L3 writes to release host units instead)."""
+        evictor = self.tree.evictor
+        before, evictor.keep_copies = evictor.keep_copies, True
+        try:
+            yield
+        finally:
+            evictor.keep_copies = before
 
     def _observe(self, tier: Tier, result: EvictionResult) -> None:
         for pool, units in result.units.items():

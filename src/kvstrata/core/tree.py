@@ -102,7 +102,8 @@ class PrefixTree:
 
     Owns the nodes (``root``), the per-tier membership sets and the one setter that keeps them
     in step with the nodes' values; matching, insertion, locks and eviction are parts it builds
-    once and hands that shared state to. Every public operation is a method here.
+    once and hands that shared state to. Every public operation is a method here (the
+    ``evictor``'s modes, such as ``keep_copies``, are set on it).
     """
 
     def __init__(self, specs: Iterable[PoolSpec]) -> None:
@@ -132,8 +133,8 @@ class PrefixTree:
             layout, self.root, ids, clock, self._set, self._matcher.walk, self._matcher.split, self._node_type
         )
         self._locks = TreeLocks(layout, self.root)
-        self._evictor = TreeEvictor(layout, self.root, self._lru, self._set, split=self._matcher.split)
-        self._matcher.on_split = self._evictor.split
+        self.evictor = TreeEvictor(layout, self.root, self._lru, self._set, split=self._matcher.split)
+        self._matcher.on_split = self.evictor.split
 
     # ------------------------------------------------------------------ helpers
     def keys_of(self, tokens: Sequence[int] | array | torch.Tensor) -> PagedKeys:
@@ -196,8 +197,8 @@ class PrefixTree:
         nodes end exactly at the matched length; without it the partial node is ignored.
         """
         result = self._matcher.match(keys, split, count_hit)
-        if count_hit and self._evictor.hears:  # one access event per request, not per page
-            self._evictor.accessed(result.path)
+        if count_hit and self.evictor.hears:  # one access event per request, not per page
+            self.evictor.accessed(result.path)
         return result
 
     def window_nodes(self, node: TreeNode, name: str) -> list[TreeNode]:
@@ -248,15 +249,15 @@ class PrefixTree:
         if at is not None and at is not self.root:
             self._require_node(at)
         result = self._inserter.insert(keys, values, _DEVICE, at)
-        if self._evictor.hears:
-            self._evictor.inserted(_DEVICE, result.node, result.new_pages)
+        if self.evictor.hears:
+            self.evictor.inserted(_DEVICE, result.node, result.new_pages)
         return result
 
     def insert_host(self, keys: Sequence[PageKey], values: Mapping[str, Units]) -> InsertResult:
         """Insert a host-resident prefix (a committed prefetch): new nodes exist only on host."""
         result = self._inserter.insert(keys, values, _HOST)
-        if self._evictor.hears:
-            self._evictor.inserted(_HOST, result.node, result.new_pages)
+        if self.evictor.hears:
+            self.evictor.inserted(_HOST, result.node, result.new_pages)
         return result
 
     # ------------------------------------------------------------------ tier values
@@ -352,19 +353,19 @@ class PrefixTree:
     def set_eviction_order(self, tier: Tier | str, order: EvictionOrder) -> None:
         """Rank ``tier``'s candidates with ``order`` (an eviction policy); its declared
         capabilities decide which events it hears and whether leaves may be trimmed."""
-        self._evictor.use(Tier(tier), order)
+        self.evictor.use(Tier(tier), order)
 
     def eviction_order(self, tier: Tier | str) -> EvictionOrder:
-        return self._evictor.orders[Tier(tier)]
+        return self.evictor.orders[Tier(tier)]
 
     def on_split(self, listener: Callable[[TreeNode, TreeNode], None]) -> None:
         """Call ``listener(upper, lower)`` whenever a node is cut in two (per-node state kept
         outside the tree follows its node)."""
-        self._evictor.split_listeners.append(listener)
+        self.evictor.split_listeners.append(listener)
 
     def set_retention(self, retention: RetentionLevels | None) -> None:
         """Retention hints the evictor ranks above every order (see ``core.retention``)."""
-        self._evictor.retention = retention
+        self.evictor.retention = retention
 
     def evict_device(
         self,
@@ -383,14 +384,14 @@ class PrefixTree:
         component drops its value on inner nodes (tombstone); on a device leaf the whole node
         goes. Locked nodes are skipped. ``on_free`` is called per freed value (as well as
         returned). ``delete_unbacked=False`` (write-back): only backed-up nodes leave."""
-        return self._evictor.evict_device(needs, on_free, delete_unbacked, out_of_window_only)
+        return self.evictor.evict_device(needs, on_free, delete_unbacked, out_of_window_only)
 
     def evict_host(
         self, needs: Mapping[str, int], on_free: OnFree | None = None, *, out_of_window_only: bool = False
     ) -> EvictionResult:
         """Free host units; only nodes whose (pool) data is not on device and not host-locked
         (window pools: out-of-window data first, as on the device)."""
-        return self._evictor.evict_host(needs, on_free, out_of_window_only)
+        return self.evictor.evict_host(needs, on_free, out_of_window_only)
 
     # ------------------------------------------------------------------ sanity
     def check(self) -> None:

@@ -118,6 +118,8 @@ class TreeEvictor:
         self._gone: list[TreeNode] | None = None  # nodes leaving the tier in this eviction
         self._level: Callable[[TreeNode], int] | None = None  # retention levels of this eviction
         self._delete_unbacked = True  # see evict_device
+        #: host eviction leaves device pages their host copies (``TierUnits.keeping_copies``)
+        self.keep_copies = False
         for tier, order in (orders or {}).items():
             self.use(tier, order)
 
@@ -250,16 +252,6 @@ class TreeEvictor:
             return node.host_raw[0] is not None or (self._delete_unbacked and not node.children)
         return node.device_raw[0] is None and node.host_raw[0] is not None and not any(node.host_lock)
 
-    def _copy_droppable(self, node: TreeNode) -> bool:
-        """Whether the host copy of a device-resident node may go (the second host pass): not
-        locked (an L3 write reads it), and no child holds a host copy (backups stay a prefix)."""
-        return (
-            node.device_raw[0] is not None
-            and node.host_raw[0] is not None
-            and not any(node.host_lock)
-            and not node.host_children
-        )
-
     def _drop_copy(self, node: TreeNode, result: EvictionResult) -> None:
         """Drop the host copy of a node that stays on the device (it is no longer backed up)."""
         for p, value in enumerate(node.host_raw):
@@ -315,22 +307,22 @@ class TreeEvictor:
             parent = self._drop_node(node, tier, result)
             if self._node_evictable(parent, tier):
                 heapq.heappush(heap, self._ranked(tier, [parent])[0])
-        if tier is _HOST and result.units.get(name, 0) < want:
+        if tier is _HOST and not self.keep_copies and result.units.get(name, 0) < want:
             self._drop_copies(want, result)
 
     def _drop_copies(self, want: int, result: EvictionResult) -> None:
         """Second host pass: host copies of pages that stay on the device go, deepest first in
         the order (their pages are still served from L1; the host tier needs the room)."""
         name = self.pools[0].name
-        heap = self._ranked(_HOST, [n for n in self._members[_HOST][0] if self._copy_droppable(n)])
+        heap = self._ranked(_HOST, [n for n in self._members[_HOST][0] if _copy_droppable(n)])
         heapq.heapify(heap)
         while heap and result.units.get(name, 0) < want:
             _, _, node = heapq.heappop(heap)
-            if not self._copy_droppable(node):
+            if not _copy_droppable(node):
                 continue
             self._drop_copy(node, result)
             parent = node.parent
-            if parent is not None and parent is not self.root and self._copy_droppable(parent):
+            if parent is not None and parent is not self.root and _copy_droppable(parent):
                 heapq.heappush(heap, self._ranked(_HOST, [parent])[0])
 
     def _component_candidates(self, tier: Tier, p: int) -> list[tuple[Any, int, TreeNode]]:
@@ -408,3 +400,14 @@ def window_tail(node: TreeNode, tier: Tier, window: int) -> int:
             continue
         stack.extend(c for c in below if c.depth_end < limit)
     return min(node.pages, window - nearest)
+
+
+def _copy_droppable(node: TreeNode) -> bool:
+    """Whether the host copy of a device-resident node may go (the second host pass): not
+    locked (an L3 write reads it), and no child holds a host copy (backups stay a prefix)."""
+    return (
+        node.device_raw[0] is not None
+        and node.host_raw[0] is not None
+        and not any(node.host_lock)
+        and not node.host_children
+    )

@@ -269,9 +269,10 @@ class Writer:
         ancestors: what L3 holds is found only below its prefix (a hot shared prefix never left
         the device, and after close no page written below it was found)."""
         nodes = eviction_backups(self.tree, self.layout, shortfall)
-        self.back_up(nodes)
-        if self.engine is not None and nodes:
-            self.back_up(device_only_ancestors(self.tree, nodes))
+        with self.units.keeping_copies():  # the other device pages' host copies let them leave
+            self.back_up(nodes)
+            if self.engine is not None and nodes:
+                self.back_up(device_only_ancestors(self.tree, nodes))
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
 
