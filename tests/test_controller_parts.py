@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from controller_support import EXAMPLES, fill, open_cache, tokens
+from controller_support import EXAMPLES, fill, open_cache, tokens, verify
 from kvstrata.core.builder import build_cache
 from kvstrata.core.collective import LocalCollective, RankAgreement
 from kvstrata.core.config import load
@@ -87,6 +87,36 @@ def test_load_back_plan_names_every_host_only_unit_and_run_restores_bytes() -> N
             unit = after.device_state[name] if name == "mamba" else cache.tree.values(after.device_path, name)
             view = pool.device.unit_view(pool.spec.buffers[0].name)
             assert torch.equal(view[unit], old)
+
+
+@pytest.mark.parametrize("stack", ["swa", "kv"])
+def test_load_back_reads_its_plan_again_after_making_room(stack: str) -> None:
+    """Making room on the device may split a planned node (write-back's backups evict a window
+    pool's out-of-window head on the host, on a node of its own): the copy read the planned
+    nodes' host units, now fewer, and admit raised "index lists differ in length"."""
+    with open_cache(stack, overrides=["tiers.storage={}"]) as cache:
+        request = tokens(3, 6)
+        lease = cache.lookup(request)
+        fill(cache, lease, cache.allocate(lease))
+        cache.insert(lease)  # write-through: host copies of every page
+        cache.tree.evict_device({name: 1 << 30 for name in cache.tree_pools}, cache.units.freer(Tier.DEVICE))
+        plan = cache.load_back.plan(cache.tree.match(page_keys(request, cache.page_size), count_hit=False))
+        (node,) = plan.nodes[cache.layout.anchor]
+        alloc = cache.units.alloc_protecting
+
+        def alloc_then_split(*args, **kwargs):  # what the eviction making room did
+            got = alloc(*args, **kwargs)
+            cache.tree.split(node, 2)
+            return got
+
+        cache.units.alloc_protecting = alloc_then_split  # type: ignore[method-assign]
+        assert cache.load_back.run(plan).loaded
+        del cache.units.alloc_protecting
+        cache.tree.check()
+        again = cache.lookup(request)
+        cache.admit(again)
+        assert (again.cached_pages, again.hit_pages["device"], verify(cache, again)) == (6, 6, 0)
+        cache.release(again)
 
 
 def test_the_parts_share_one_frozen_context(tmp_path: Path) -> None:

@@ -49,17 +49,28 @@ class LoadBack:
 
     def plan(self, match: MatchResult) -> LoadBackPlan:
         """The copies that make the host part of ``match`` usable on the device."""
-        host_only = match.path[match.device_nodes : match.host_nodes]
-        end = match.host_node
+        return self._plan(match.host_node)
+
+    def _plan(self, end: TreeNode) -> LoadBackPlan:
+        """The copies for the prefix ending at ``end``: read from the tree as it is now (a node
+        split since is read as its two halves)."""
+        path: list[TreeNode] = []
+        node: TreeNode | None = end
+        while node is not None and node is not self.tree.root:
+            path.append(node)
+            node = node.parent
+        path.reverse()
         wanted: dict[str, list[TreeNode]] = {}
         for tp in self.layout.tree_pools.values():
             p = self.tree.index[tp.name]
-            if tp.kind is PoolKind.STATE:
+            if not path:
+                candidates = []
+            elif tp.kind is PoolKind.STATE:
                 candidates = [end]
             elif tp.kind is PoolKind.WINDOW:
                 candidates = list(reversed(self.tree.window_nodes(end, tp.name)))
-            else:  # components may have dropped pages the anchor keeps on the device
-                candidates = list(match.path[: match.host_nodes]) if p else host_only
+            else:  # every page the device lacks (components may have dropped pages the anchor keeps)
+                candidates = path
             wanted[tp.name] = [n for n in candidates if n.device[p] is None and n.host[p] is not None]
         needs = {
             name: sum(len(n.host[self.tree.index[name]]) for n in nodes)  # type: ignore[arg-type]
@@ -81,6 +92,15 @@ class LoadBack:
         if got is None:
             self.metrics.fail()
             return LoadBackResult(False, device_full=True)
+        # making room may have split a planned node (a window pool's out-of-window head is
+        # tombstoned on its own node): read the plan again, the units it no longer needs freed
+        plan, surplus = self._plan(plan.end), got
+        if any(plan.units[name] > units.shape[0] for name, units in surplus.items()):
+            self.units.free(Tier.DEVICE, surplus)  # (eviction dropped a unit the copy needs: none is made)
+            self.metrics.fail()
+            return LoadBackResult(False, device_full=True)
+        got = {name: units[: plan.units[name]] for name, units in surplus.items()}
+        self.units.free(Tier.DEVICE, {name: units[plan.units[name] :] for name, units in surplus.items()})
         handles = []
         nbytes = 0
         for name, nodes in plan.nodes.items():
