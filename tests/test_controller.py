@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -585,3 +586,29 @@ def test_write_back_backups_for_an_eviction_keep_the_other_device_pages_copies(
         cache.insert(lease)
         cache.tree.check()
         gate.set()
+
+
+@pytest.mark.parametrize("backup_wait_s", ["0", "5"])
+def test_write_back_writes_a_page_to_l3_only_with_its_prefix(tmp_path: Path, backup_wait_s: str) -> None:
+    # the evicted leaf was queued to L3 first; where the host tier then had no room for its
+    # device-only prefix (in-flight writes hold it), the prefix was skipped: objects no later
+    # cache could reach. Now a page goes to L3 only with its prefix (else L2 only)
+    overrides = [
+        "policy.write=write_back",
+        "tiers.device.capacity_tokens=512",
+        "tiers.host.capacity_tokens=256",
+        f"policy.backup_wait_s={backup_wait_s}",
+    ]
+    shared = tokens(32, 2)
+    requests = [torch.cat([shared, tokens(800 + i, 3)]) for i in range(4)]
+    with open_cache("kv", tmp_path, overrides) as cache:
+        assert cache.engine is not None
+        put_group = cache.engine.put_group
+        cache.engine.put_group = lambda batches: (time.sleep(0.3), put_group(batches))[1]  # type: ignore[method-assign]
+        hashes = [serve(cache, request)[0].page_hashes for request in requests]
+    with open_cache("kv", tmp_path, WAIT) as cold:
+        assert cold.engine is not None
+        for page_hashes in hashes:
+            stored = cold.engine.exists("kv", page_hashes).ok
+            first_missing = stored.index(False) if False in stored else len(stored)
+            assert not any(stored[first_missing:]), f"objects below a page L3 lacks: {stored}"

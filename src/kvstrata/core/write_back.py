@@ -162,6 +162,19 @@ def device_only_ancestors(tree: PrefixTree, nodes: Sequence[TreeNode]) -> list[T
     return sorted(found, key=lambda n: n.depth_end)
 
 
+def with_backed_up_prefix(tree: PrefixTree, nodes: Sequence[TreeNode]) -> list[TreeNode]:
+    """Those of ``nodes`` whose every ancestor has a host copy, root first: what write-back may
+    write to L3 (an object below a page L3 never gets is found by no later cache)."""
+    kept = []
+    for node in sorted(nodes, key=lambda n: n.depth_end):
+        parent = node.parent
+        while parent is not None and parent is not tree.root and parent.host_raw[0] is not None:
+            parent = parent.parent
+        if parent is None or parent is tree.root:
+            kept.append(node)
+    return kept
+
+
 def _evictable_leaves(tree: PrefixTree, layout: StackLayout, want: int) -> list[TreeNode]:
     """Unbacked device nodes to back up so that ``want`` pages can leave the device.
 

@@ -18,23 +18,29 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvstrata.core.admission import make_admission
 from kvstrata.core.backup_plan import Units, backup_candidates, device_units, joined, unit_counts
-from kvstrata.core.keys import hash_pages
+from kvstrata.core.l3_values import (
+    PageHashes,
+    PerPool,
+    host_values_per_pool,
+    node_hashes_from_path,
+    trailing_windows,
+    tree_path,
+)
 from kvstrata.core.metrics import CacheMetrics, Operation, count_failure
 from kvstrata.core.part_context import PartContext
-from kvstrata.core.stack import PoolKind, pool_batch, unit_bytes
+from kvstrata.core.stack import pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.storage_metrics import StorageOperation
-from kvstrata.core.tree import MatchResult, PageKey, PrefixTree, Tier, TreeNode
-from kvstrata.core.tree_bytes import UNIT, unit_tensor
+from kvstrata.core.tree import MatchResult, PageKey, Tier, TreeNode
+from kvstrata.core.tree_bytes import unit_tensor
 from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
 from kvstrata.core.write_back import (
     OpenBackups,
@@ -44,13 +50,8 @@ from kvstrata.core.write_back import (
     device_only_ancestors,
     eviction_backups,
     host_locks,
+    with_backed_up_prefix,
 )
-
-#: A request's page hashes, computed on demand: only an L3 write needs them.
-PageHashes = Callable[[], Sequence[str]]
-#: per pool to write: the page hashes and, per node, its host units as the tree stores them
-#: (int64 bytes: joined into one index tensor per pool, no tensor per node)
-PerPool = dict[str, tuple[list[str], list[bytes]]]
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class Writer:
         open (``keep_open``) in batches (:class:`~kvstrata.core.write_back.OpenBackups`). ``since``
         ending at ``cached`` (the cached prefix) is a new node end: its last window goes to L3."""
         if self.digests is not None:
-            record_nodes(self.digests, self.tree.index, _path(self.tree, node, since), hashes())
+            record_nodes(self.digests, self.tree.index, tree_path(self.tree, node, since), hashes())
         if self.policy.write == "write_through":
             chain = self.open_backups.insert(owner, node, since, cached, hashes, keep_open)
             if chain is not None:
@@ -151,11 +152,17 @@ class Writer:
     def back_up(
         self, nodes: Iterable[TreeNode], *, hashes: PageHashes | None = None, admit: bool = False
     ) -> None:
+        """:meth:`copy_to_host`, then queue the L3 write of what was copied."""
+        todo = self.copy_to_host(nodes, admit=admit)
+        if todo and self.engine is not None:
+            self._queue_write(todo, hashes)
+
+    def copy_to_host(self, nodes: Iterable[TreeNode], *, admit: bool = False) -> list[TreeNode]:
         """Copy device-only nodes to host, root first, stopping at the first that does not fit,
         whose parent has no backup (backups stay a contiguous prefix) or, with ``admit``, that the
-        host admission filter refuses; queue their L3 write."""
+        host admission filter refuses. Returns the nodes copied."""
         if not self.pools.host_enabled:
-            return
+            return []
         candidates, refused = backup_candidates(
             self.tree,
             nodes,
@@ -166,12 +173,11 @@ class Writer:
         if refused is not None and len(todo) == len(candidates):
             self.metrics.count(Operation.HOST_REJECTED, refused.pages)
         if not todo:
-            return
+            return []
         if admit:  # the anchor holds one unit per page
             self.metrics.count(Operation.HOST_ADMITTED, device[self.layout.anchor].shape[0])
         self._copy_down(todo, device, host)
-        if self.engine is not None:
-            self._queue_write(todo, hashes)
+        return todo
 
     def _host_units(self, candidates: list[TreeNode]) -> tuple[list[TreeNode], Units, Units]:
         """Host units for the leading candidates: the nodes, and per tree pool their device units
@@ -192,7 +198,7 @@ class Writer:
             try:
                 got = self.units.alloc_protecting(node, Tier.HOST, needs)
                 if got is None and self.pending:
-                    got = self._wait_for_room(node, needs)
+                    got = _wait_for_room(self, node, needs)
             except BaseException:  # the units taken for earlier nodes are no one's yet
                 for taken in allocated:
                     self.units.free(Tier.HOST, taken)
@@ -205,28 +211,6 @@ class Writer:
         if len(todo) < len(candidates):
             device = device_units(todo, index)
         return todo, device, joined(allocated)
-
-    def _wait_for_room(self, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None:
-        """Backpressure: the host units may be held by in-flight L3 writes. Wait for them, oldest
-        first, up to ``policy.backup_wait_s``, so write-through persists what it promised
-        instead of skipping a backup whenever L3 is a little behind."""
-        deadline = time.monotonic() + self.policy.backup_wait_s
-        while self.pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            oldest = self.pending[0]
-            try:
-                oldest.future.exception(remaining)
-            except TimeoutError:
-                return None
-            oldest.finished = True  # done: its callback may not have run yet
-            self.drain()
-            got = self.units.alloc_protecting(node, Tier.HOST, needs)
-            if got is not None:
-                self.metrics.count(Operation.BACKUPS_WAITED)
-                return got
-        return None
 
     def back_up_prefix(self, keys: Sequence[PageKey], hashes: PageHashes) -> bool:
         """Whether every page of ``keys`` has a host copy, backing device-only ones up first
@@ -258,21 +242,22 @@ class Writer:
         self.metrics.count(Operation.BACKUPS, len(nodes))
         self.metrics.add_bytes("device_to_host", nbytes)
         if self.digests is not None:
-            known: dict[TreeNode, list[str]] = {}
-            for node in nodes:
-                node_hashes_from_path(self.tree, node, self.page_size, self.namespace_root, known)
-            check_nodes(self.digests, "backup", self.tree.index, nodes, known, Tier.HOST)
+            _check_backups(self, self.digests, nodes)
 
     def back_up_for_eviction(self, shortfall: Mapping[str, int]) -> None:
         """Write-back: back up the device nodes the eviction then drops (see
         :func:`~kvstrata.core.write_back.eviction_backups`) and, with an L3, their device-only
         ancestors: what L3 holds is found only below its prefix (a hot shared prefix never left
-        the device, and after close no page written below it was found)."""
+        the device, and after close no page written below it was found). A node goes to L3 only
+        with its whole prefix backed up (where the host tier cannot hold both, L2 only)."""
         nodes = eviction_backups(self.tree, self.layout, shortfall)
         with self.units.keeping_copies():  # the other device pages' host copies let them leave
-            self.back_up(nodes)
-            if self.engine is not None and nodes:
-                self.back_up(device_only_ancestors(self.tree, nodes))
+            if self.engine is None:
+                self.back_up(nodes)
+                return
+            nodes = self.copy_to_host(nodes)  # first: the eviction needs these
+            above = self.copy_to_host(device_only_ancestors(self.tree, nodes))
+            self._queue_write(with_backed_up_prefix(self.tree, above + nodes), None)
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
 
@@ -302,7 +287,8 @@ class Writer:
             self.metrics.count(Operation.STORAGE_ADMITTED, sum(n.pages for n in nodes))
         else:
             nodes = self._admit_writes(nodes)
-        per_pool = _host_values_per_pool(self, nodes, hashes() if hashes is not None and nodes else None)
+        request_hashes = hashes() if hashes is not None and nodes else None
+        per_pool = host_values_per_pool(self.tree, self.layout, self.namespace_root, nodes, request_hashes)
         self._submit(nodes, per_pool, self.window_ends.carried(nodes))
 
     def _submit(self, nodes: Sequence[TreeNode], per_pool: PerPool, ends: Sequence[TreeNode] = ()) -> None:
@@ -376,6 +362,37 @@ class Writer:
         self._thread.shutdown(wait=wait, cancel_futures=not wait)
 
 
+def _wait_for_room(writer: Writer, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None:
+    """Backpressure: the host units may be held by in-flight L3 writes. Wait for them, oldest
+    first, up to ``policy.backup_wait_s``, so write-through persists what it promised
+    instead of skipping a backup whenever L3 is a little behind."""
+    deadline = time.monotonic() + writer.policy.backup_wait_s
+    while writer.pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        oldest = writer.pending[0]
+        try:
+            oldest.future.exception(remaining)
+        except TimeoutError:
+            return None
+        oldest.finished = True  # done: its callback may not have run yet
+        writer.drain()
+        got = writer.units.alloc_protecting(node, Tier.HOST, needs)
+        if got is not None:
+            writer.metrics.count(Operation.BACKUPS_WAITED)
+            return got
+    return None
+
+
+def _check_backups(writer: Writer, digests: UnitDigests, nodes: Sequence[TreeNode]) -> None:
+    """``debug.unit_digests``: the host copies just made hold what the device units did."""
+    known: dict[TreeNode, list[str]] = {}
+    for node in nodes:
+        node_hashes_from_path(writer.tree, node, writer.page_size, writer.namespace_root, known)
+    check_nodes(digests, "backup", writer.tree.index, nodes, known, Tier.HOST)
+
+
 def _count_refused(engine: StorageEngine, metrics: CacheMetrics, per_pool: PerPool) -> None:
     """L3 is down: count the refused write without the batch copies, host locks and worker hop
     it would cost (a dead L3 must not slow L1/L2; benchmarks/faults.py)."""
@@ -386,7 +403,7 @@ def _count_refused(engine: StorageEngine, metrics: CacheMetrics, per_pool: PerPo
 
 def _back_up_chain(writer: Writer, chain: OpenChain) -> None:
     """Write-through of the nodes of ``chain`` (one insert's, or an open lease's batch)."""
-    path = _path(writer.tree, chain.node, chain.since)
+    path = tree_path(writer.tree, chain.node, chain.since)
     writer.host_admission.seen(path)
     writer.storage_admission.seen(path)
     writer.back_up(path, hashes=chain.hashes, admit=True)
@@ -397,56 +414,7 @@ def _back_up_chain(writer: Writer, chain: OpenChain) -> None:
         and writer.engine is not None
         and since not in writer.window_ends
     ):
-        writer._submit([since], _trailing_windows(writer, since, chain.hashes), [since])
-
-
-def _host_values_per_pool(
-    writer: Writer, nodes: Sequence[TreeNode], request_hashes: Sequence[str] | None
-) -> PerPool:
-    """Per pool to write: the page hashes and host unit indices of ``nodes`` (a state pool one
-    slot per node, under its last page; a window pool the node's last window pages, what a
-    restore of a prefix ending there needs, as SGLang stores them; a sidecar follows the pool
-    owning its units)."""
-    per_pool: PerPool = {}
-    known: dict[TreeNode, list[str]] = {}
-    tree = writer.tree
-    for node in nodes:
-        if request_hashes is not None:
-            node_hashes = list(request_hashes[node.depth_start : node.depth_end])
-        else:
-            node_hashes = node_hashes_from_path(tree, node, writer.page_size, writer.namespace_root, known)
-        for name, tp in writer.layout.tree_pools.items():
-            value = node.host_raw[tree.index[name]]
-            if value is None:
-                continue
-            page_hashes = node_hashes[-1:] if tp.kind is PoolKind.STATE else node_hashes
-            if tp.kind is PoolKind.WINDOW and tp.window * UNIT < len(value):
-                page_hashes, value = node_hashes[-tp.window :], value[-tp.window * UNIT :]
-            for follower in tp.followers:
-                entry = per_pool.setdefault(follower, ([], []))
-                entry[0].extend(page_hashes)
-                entry[1].append(value)
-    return per_pool
-
-
-def _trailing_windows(writer: Writer, node: TreeNode, hashes: PageHashes) -> PerPool:
-    """Per window pool (and its sidecars), the page hashes and host units of the last window
-    ending at ``node``, where the host tier holds it whole (for a prefix end that was inside a
-    node when that node was written to L3)."""
-    per_pool: PerPool = {}
-    tree = writer.tree
-    for name, tp in writer.layout.tree_pools.items():
-        if tp.kind is not PoolKind.WINDOW:
-            continue
-        p = tree.index[name]
-        nodes = tree.window_nodes(node, name)[::-1]
-        if not nodes or any(n.host_raw[p] is None for n in nodes):
-            continue
-        value = b"".join(n.host_raw[p] for n in nodes)[-tp.window * UNIT :]  # type: ignore[misc]
-        page_hashes = list(hashes()[node.depth_end - len(value) // UNIT : node.depth_end])
-        for follower in tp.followers:
-            per_pool[follower] = (page_hashes, [value])
-    return per_pool
+        writer._submit([since], trailing_windows(writer.tree, writer.layout, since, chain.hashes), [since])
 
 
 def _checked_put(
@@ -462,38 +430,3 @@ def _checked_put(
         if not digests.check("l3_write", name, page_hashes, unit_tensor(b"".join(values)), Tier.HOST):
             del batches[name]
     return engine.put_group(batches)
-
-
-def _path(tree: PrefixTree, node: TreeNode, since: TreeNode | None = None) -> list[TreeNode]:
-    """The nodes from the root's child (or ``since``'s) down to ``node``."""
-    path = []
-    cur: TreeNode | None = node
-    while cur is not None and cur is not tree.root and cur is not since:
-        path.append(cur)
-        cur = cur.parent
-    path.reverse()
-    return path
-
-
-def node_hashes_from_path(
-    tree: PrefixTree, node: TreeNode, page_size: int, namespace_root: str, known: dict[TreeNode, list[str]]
-) -> list[str]:
-    """Page hashes of ``node``'s pages, rebuilt from the keys of its path (token pages) when no
-    request's hashes came with it (write-back eviction). ``known`` holds the nodes of this batch
-    already hashed: the chain continues from the nearest of them instead of the root, so a batch
-    of nested nodes hashes each page once."""
-    path = _path(tree, node)
-    start, parent = 0, namespace_root
-    for index in range(len(path) - 2, -1, -1):
-        if known.get(path[index]):
-            start, parent = index + 1, known[path[index]][-1]
-            break
-    tail = path[start:]
-    keys = [k for n in tail for k in n.keys]
-    tokens = np.frombuffer(b"".join(keys), dtype=np.int64)
-    hashes = hash_pages(tokens, page_size, parent)
-    offset = 0
-    for n in tail:  # every node of the walk is hashed now: remember each
-        known[n] = hashes[offset : offset + n.pages]
-        offset += n.pages
-    return known[node]
