@@ -208,3 +208,41 @@ def test_a_refused_prefix_split_by_a_shorter_request_is_written_whole_once_reuse
         cache.flush()
         assert ops(cache)["storage_admitted"] == 4
     assert storage_pages(tmp_path, request) == 4
+
+
+@pytest.mark.parametrize("stack", ["kv", "swa"])
+def test_storage_admission_takes_no_page_below_a_prefix_it_still_refuses(tmp_path: Path, stack: str) -> None:
+    # a split's new upper half starts unseen by tinylfu: a reuse admitted the lower half while the
+    # upper (its prefix) stayed refused, and L3 held pages no later cache could reach
+    first = tokens(33, 4)
+    branch = torch.cat([first[: 2 * 64], tokens(34, 2)])  # splits the first request's node at 2
+    overrides = ["policy.admission.storage={type: tinylfu, min_count: 3}"]
+    with open_cache(stack, tmp_path, overrides) as cache:
+        serve(cache, first)
+        cache.release(cache.lookup(first))
+        serve(cache, branch)
+        reuse = cache.lookup(first)
+        hashes = reuse.page_hashes
+        cache.release(reuse)
+        cache.flush()
+    with open_cache(stack, tmp_path, WAIT) as cold:
+        assert cold.engine is not None
+        stored = cold.engine.exists(cold.layout.anchor, hashes).ok
+    first_missing = stored.index(False) if False in stored else len(stored)
+    assert not any(stored[first_missing:]), f"objects below a page L3 lacks: {stored}"
+
+
+def test_a_branch_at_a_refused_prefix_writes_none_of_its_window(tmp_path: Path) -> None:
+    # write-through stored the last window of the prefix a request branched at, with no check
+    # that storage admission had taken that prefix: window objects with no anchor pages in L3
+    first = tokens(35, 4)
+    branch = torch.cat([first[: 2 * 64], tokens(36, 2)])
+    overrides = ["policy.admission.storage={type: reuse, min_hits: 5}"]  # refuses everything here
+    with open_cache("swa", tmp_path, overrides) as cache:
+        assert cache.engine is not None
+        put_group, pages = cache.engine.put_group, []
+        cache.engine.put_group = lambda batches: (pages.extend(batches), put_group(batches))[1]  # type: ignore[method-assign]
+        serve(cache, first)
+        serve(cache, branch)
+        cache.flush()
+        assert ops(cache)["storage_admitted"] == 0 and pages == []

@@ -138,9 +138,11 @@ class Writer:
             unbacked = [n for n in match.device_path if not self.tree.backed_up(n)]
             self.back_up(unbacked, hashes=hashes, admit=True)
         if self._refused and self.engine is not None:
-            ready = [n for n in match.host_path if n in self._refused and storage.admit(n)]
-            for n in ready:
-                del self._refused[n]
+            ready = []
+            for n in match.host_path:  # root first: a node goes only once its parent has gone
+                if n in self._refused and n.parent not in self._refused and storage.admit(n):
+                    del self._refused[n]
+                    ready.append(n)
             ready = [n for n in ready if n.host[0] is not None]
             if ready:
                 self._queue_write(ready, hashes, admitted=True)
@@ -262,19 +264,24 @@ class Writer:
     # --- L2 -> L3 -----------------------------------------------------------------------------
 
     def _admit_writes(self, nodes: Sequence[TreeNode]) -> Sequence[TreeNode]:
-        """The nodes the storage filter takes now; the others wait for a reuse (``on_lookup``)."""
+        """The nodes the storage filter takes now; the others wait for a reuse (``on_lookup``).
+        Root first, and nothing below a node still waiting: L3 would hold pages no later cache
+        reaches (a split's new upper half starts unseen by a frequency filter)."""
         admission = self.storage_admission
         if not admission.selective:
             self.metrics.count(Operation.STORAGE_ADMITTED, sum(n.pages for n in nodes))
             return nodes
-        verdicts = [admission.admit(n) for n in nodes]
-        taken = [n for n, ok in zip(nodes, verdicts, strict=True) if ok]
-        refused = [n for n, ok in zip(nodes, verdicts, strict=True) if not ok]
-        self.metrics.count(Operation.STORAGE_ADMITTED, sum(n.pages for n in taken))
-        self.metrics.count(Operation.STORAGE_REJECTED, sum(n.pages for n in refused))
         if len(self._refused) > _REFUSED_SWEEP:
             self._refused = {n: None for n in self._refused if n.host[0] is not None and n.parent}
-        self._refused.update(dict.fromkeys(refused))
+        taken, refused = [], 0
+        for n in nodes:
+            if n.parent in self._refused or not admission.admit(n):
+                self._refused[n] = None
+                refused += n.pages
+            else:
+                taken.append(n)
+        self.metrics.count(Operation.STORAGE_ADMITTED, sum(n.pages for n in taken))
+        self.metrics.count(Operation.STORAGE_REJECTED, refused)
         return taken
 
     def _queue_write(
@@ -413,6 +420,7 @@ def _back_up_chain(writer: Writer, chain: OpenChain) -> None:
         and since.depth_end == chain.cached
         and writer.engine is not None
         and since not in writer.window_ends
+        and since not in writer._refused  # storage admission refused the prefix: its own write carries it
     ):
         writer._submit([since], trailing_windows(writer.tree, writer.layout, since, chain.hashes), [since])
 
