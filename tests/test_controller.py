@@ -541,7 +541,7 @@ def test_a_window_end_whose_write_failed_is_written_again_and_gone_nodes_are_swe
     class Node:  # what the set reads of a tree node: whether it is still in the tree
         parent: object = "in the tree"
 
-    ends = StoredWindowEnds(None, None)  # type: ignore[arg-type]  # (carried() is not used here)
+    ends = StoredWindowEnds()
     kept, failed, gone = Node(), Node(), Node()
     ends.add([kept, failed, gone])  # type: ignore[list-item]
     ends.settled([kept], {"swa": BatchResult([True, True])})
@@ -612,3 +612,36 @@ def test_write_back_writes_a_page_to_l3_only_with_its_prefix(tmp_path: Path, bac
             stored = cold.engine.exists("kv", page_hashes).ok
             first_missing = stored.index(False) if False in stored else len(stored)
             assert not any(stored[first_missing:]), f"objects below a page L3 lacks: {stored}"
+
+
+@pytest.mark.parametrize(
+    ("stack", "write"),
+    [
+        ("swa", "write_back"),
+        ("swa", "write_through_selective"),
+        ("logical-swa", "write_through_selective"),
+        ("swa-mamba", "write_through"),
+    ],
+)
+def test_a_branch_inside_a_stored_node_is_restored_whole_by_a_fresh_cache(
+    tmp_path: Path, stack: str, write: str
+) -> None:
+    # the branch's node (shorter than a window) was written with its own pages only: the window
+    # ending at it spans the page above the branch point, which L3 never got (it lay outside the
+    # first node's last window), so a fresh cache restored nothing of the branch
+    overrides = [f"policy.write={write}", "policy.write_through_threshold=1"]
+    first = tokens(37, 6)
+    branch = torch.cat([first[: 3 * 64], tokens(38, 1)])
+    with open_cache(stack, tmp_path, overrides) as cache:
+        serve(cache, first)
+        serve(cache, first)  # a reuse: selective write-through writes it
+        if write == "write_back":  # the first request reaches L3 before the branch: it leaves the device
+            push_off_device(cache, seed=1100)
+            cache.flush()
+        serve(cache, branch)
+        serve(cache, branch)
+        push_off_device(cache, seed=1200)  # write-back writes what leaves the device
+        cache.flush()
+    with open_cache(stack, tmp_path, WAIT) as cold:
+        lease, bad = serve(cold, branch)
+        assert (lease.cached_pages, lease.hit_pages["storage"], bad) == (4, 4, 0)

@@ -8,7 +8,7 @@ came with the nodes (write-back eviction) they are rebuilt from the keys of thei
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 import numpy as np
 
@@ -30,30 +30,71 @@ def host_values_per_pool(
     namespace_root: str,
     nodes: Sequence[TreeNode],
     request_hashes: Sequence[str] | None,
-) -> PerPool:
+    stored_ends: Container[TreeNode] = (),
+) -> tuple[PerPool, list[TreeNode]]:
     """Per pool to write: the page hashes and host unit indices of ``nodes`` (a state pool one
-    slot per node, under its last page; a window pool the node's last window pages, what a
+    slot per node, under its last page; a window pool the last window ending at the node, what a
     restore of a prefix ending there needs, as SGLang stores them; a sidecar follows the pool
-    owning its units)."""
+    owning its units); and the nodes whose last window goes whole. A node shorter than a window
+    takes the rest from its ancestors' host units, unless its parent's own last window is
+    written too (in this batch, or before: ``stored_ends``), which holds those pages."""
     per_pool: PerPool = {}
     known: dict[TreeNode, list[str]] = {}
+    batch = set(nodes)
+    whole: list[TreeNode] = []
     for node in nodes:
         if request_hashes is not None:
             node_hashes = list(request_hashes[node.depth_start : node.depth_end])
         else:
             node_hashes = node_hashes_from_path(tree, node, tree.page_size, namespace_root, known)
+        ends_whole = True
         for name, tp in layout.tree_pools.items():
             value = node.host_raw[tree.index[name]]
             if value is None:
+                ends_whole &= tp.kind is not PoolKind.WINDOW
                 continue
             page_hashes = node_hashes[-1:] if tp.kind is PoolKind.STATE else node_hashes
             if tp.kind is PoolKind.WINDOW and tp.window * UNIT < len(value):
                 page_hashes, value = node_hashes[-tp.window :], value[-tp.window * UNIT :]
+            elif tp.kind is PoolKind.WINDOW and len(value) < tp.window * UNIT and node.depth_start:
+                parent = node.parent
+                if parent in batch or parent in stored_ends:
+                    pass  # the parent's write holds the rest of this window
+                else:
+                    head = _window_head(tree, node, tree.index[name], tp.window - len(value) // UNIT)
+                    if head:
+                        hashes = (
+                            list(request_hashes[node.depth_start - len(head) // UNIT : node.depth_start])
+                            if request_hashes is not None
+                            else node_hashes_from_path(tree, parent, tree.page_size, namespace_root, known)[
+                                -(len(head) // UNIT) :
+                            ]
+                        )
+                        page_hashes, value = hashes + page_hashes, head + value
+                    ends_whole &= len(value) // UNIT >= min(tp.window, node.depth_end)
             for follower in tp.followers:
                 entry = per_pool.setdefault(follower, ([], []))
                 entry[0].extend(page_hashes)
                 entry[1].append(value)
-    return per_pool
+        if ends_whole:
+            whole.append(node)
+    return per_pool, whole
+
+
+def _window_head(tree: PrefixTree, node: TreeNode, p: int, pages: int) -> bytes:
+    """Up to ``pages`` host units of pool ``p`` from the pages just above ``node`` (its
+    ancestors', nearest last), as far as the host tier holds them without a gap."""
+    parts: list[bytes] = []
+    held = 0
+    ancestor = node.parent
+    while held < pages and ancestor is not None and ancestor is not tree.root:
+        value = ancestor.host_raw[p]
+        if value is None:
+            break
+        parts.append(value)
+        held += len(value) // UNIT
+        ancestor = ancestor.parent
+    return b"".join(reversed(parts))[-pages * UNIT :] if parts else b""
 
 
 def trailing_windows(tree: PrefixTree, layout: StackLayout, node: TreeNode, hashes: PageHashes) -> PerPool:

@@ -41,20 +41,11 @@ class StoredWindowEnds:
 
     SWEEP = 8192
 
-    def __init__(self, tree: PrefixTree, layout: StackLayout) -> None:
-        self._tree, self._layout = tree, layout
+    def __init__(self) -> None:
         self._nodes: dict[TreeNode, None] = {}
 
     def __contains__(self, node: TreeNode) -> bool:
         return node in self._nodes
-
-    def carried(self, nodes: Sequence[TreeNode]) -> list[TreeNode]:
-        """Which of ``nodes`` a write of their host units stores the last window of: those whose
-        every window pool has host units (none in a stack without window pools)."""
-        if not self._layout.windowed:
-            return []
-        pools = [self._tree.index[tp.name] for tp in self._layout.windowed]
-        return [n for n in nodes if all(n.host_raw[p] is not None for p in pools)]
 
     def settled(self, ends: Sequence[TreeNode], results: Mapping[str, Any]) -> None:
         """A write of ``ends``' windows finished: if any unit of it failed, they are not stored."""

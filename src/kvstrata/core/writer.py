@@ -90,7 +90,7 @@ class Writer:
         self.host_admission = make_admission(policy.admission.host)
         self.storage_admission = make_admission(policy.admission.storage)
         self._refused: dict[TreeNode, None] = {}  # on host, refused by the storage filter
-        self.window_ends = StoredWindowEnds(self.tree, self.layout)
+        self.window_ends = StoredWindowEnds()
         if self.storage_admission.selective:
             self.tree.on_split(self._split)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
@@ -295,8 +295,10 @@ class Writer:
         else:
             nodes = self._admit_writes(nodes)
         request_hashes = hashes() if hashes is not None and nodes else None
-        per_pool = host_values_per_pool(self.tree, self.layout, self.namespace_root, nodes, request_hashes)
-        self._submit(nodes, per_pool, self.window_ends.carried(nodes))
+        per_pool, ends = host_values_per_pool(
+            self.tree, self.layout, self.namespace_root, nodes, request_hashes, self.window_ends
+        )
+        self._submit(nodes, per_pool, ends if self.layout.windowed else ())
 
     def _submit(self, nodes: Sequence[TreeNode], per_pool: PerPool, ends: Sequence[TreeNode] = ()) -> None:
         """Queue the L3 write of ``per_pool`` (host units of ``nodes``, locked meanwhile; ``ends``
