@@ -75,11 +75,20 @@ def test_host_admission_backs_up_only_reused_prefixes(tmp_path: Path) -> None:
         assert cache.tree.units("kv", "host") == 3 and ops(cache)["host_admitted"] == 3
 
 
-def test_by_default_every_page_is_admitted_and_counted(tmp_path: Path) -> None:
-    with open_cache("kv", tmp_path) as cache:
-        serve(cache, tokens(7, 3))
+@pytest.mark.parametrize("write", ["write_through", "write_through_selective", "write_back"])
+def test_by_default_every_page_is_admitted_and_counted(tmp_path: Path, write: str) -> None:
+    # host_admitted counted write-through's backups only: the other policies' were not counted
+    overrides = [f"policy.write={write}", "policy.write_through_threshold=1", *SMALL]
+    with open_cache("kv", tmp_path, overrides) as cache:
+        request = tokens(7, 3)
+        serve(cache, request)
+        serve(cache, request)  # a reuse: selective write-through backs it up
+        for seed in range(40, 44):  # device pressure: write-back backs it up to evict it
+            serve(cache, tokens(seed, 2))
         cache.flush()
-        assert ops(cache)["storage_admitted"] == 3 and ops(cache)["storage_rejected"] == 0
+        counted = ops(cache)
+        assert counted["host_admitted"] >= 3 and counted["host_rejected"] == 0
+        assert counted["storage_admitted"] == counted["host_admitted"] and counted["storage_rejected"] == 0
 
 
 def _stream(cache: CacheController, first_seed: int, count: int) -> None:

@@ -176,8 +176,8 @@ class Writer:
             self.metrics.count(Operation.HOST_REJECTED, refused.pages)
         if not todo:
             return []
-        if admit:  # the anchor holds one unit per page
-            self.metrics.count(Operation.HOST_ADMITTED, device[self.layout.anchor].shape[0])
+        # every page entering the host tier (the filter's or not: write-back, a refill's prefix)
+        self.metrics.count(Operation.HOST_ADMITTED, device[self.layout.anchor].shape[0])
         self._copy_down(todo, device, host)
         return todo
 
