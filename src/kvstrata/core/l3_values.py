@@ -42,36 +42,33 @@ def host_values_per_pool(
     known: dict[TreeNode, list[str]] = {}
     batch = set(nodes)
     whole: list[TreeNode] = []
-    for node in nodes:
+
+    def hashes_of(node: TreeNode) -> list[str]:
         if request_hashes is not None:
-            node_hashes = list(request_hashes[node.depth_start : node.depth_end])
-        else:
-            node_hashes = node_hashes_from_path(tree, node, tree.page_size, namespace_root, known)
+            return list(request_hashes[node.depth_start : node.depth_end])
+        return node_hashes_from_path(tree, node, tree.page_size, namespace_root, known)
+
+    for node in nodes:
+        node_hashes = hashes_of(node)
         ends_whole = True
         for name, tp in layout.tree_pools.items():
             value = node.host_raw[tree.index[name]]
             if value is None:
                 ends_whole &= tp.kind is not PoolKind.WINDOW
                 continue
-            page_hashes = node_hashes[-1:] if tp.kind is PoolKind.STATE else node_hashes
+            count = len(value) // UNIT  # a paged pool's value covers the node's last pages
+            if not count:
+                continue
+            page_hashes = node_hashes[-1:] if tp.kind is PoolKind.STATE else node_hashes[-count:]
             if tp.kind is PoolKind.WINDOW and tp.window * UNIT < len(value):
                 page_hashes, value = node_hashes[-tp.window :], value[-tp.window * UNIT :]
             elif tp.kind is PoolKind.WINDOW and len(value) < tp.window * UNIT and node.depth_start:
-                parent = node.parent
-                if parent in batch or parent in stored_ends:
-                    pass  # the parent's write holds the rest of this window
-                else:
-                    head = _window_head(tree, node, tree.index[name], tp.window - len(value) // UNIT)
-                    if head:
-                        hashes = (
-                            list(request_hashes[node.depth_start - len(head) // UNIT : node.depth_start])
-                            if request_hashes is not None
-                            else node_hashes_from_path(tree, parent, tree.page_size, namespace_root, known)[
-                                -(len(head) // UNIT) :
-                            ]
-                        )
-                        page_hashes, value = hashes + page_hashes, head + value
-                    ends_whole &= len(value) // UNIT >= min(tp.window, node.depth_end)
+                if node.parent not in batch and node.parent not in stored_ends:  # else its write holds them
+                    head, head_hashes = _window_head(
+                        tree, node, tree.index[name], tp.window - len(value) // UNIT, hashes_of
+                    )
+                    page_hashes, value = head_hashes + page_hashes, head + value
+                ends_whole &= len(value) // UNIT >= min(tp.window, node.depth_end)
             for follower in tp.followers:
                 entry = per_pool.setdefault(follower, ([], []))
                 entry[0].extend(page_hashes)
@@ -81,20 +78,35 @@ def host_values_per_pool(
     return per_pool, whole
 
 
-def _window_head(tree: PrefixTree, node: TreeNode, p: int, pages: int) -> bytes:
-    """Up to ``pages`` host units of pool ``p`` from the pages just above ``node`` (its
-    ancestors', nearest last), as far as the host tier holds them without a gap."""
-    parts: list[bytes] = []
+def _window_head(
+    tree: PrefixTree, node: TreeNode, p: int, pages: int, hashes_of: Callable[[TreeNode], list[str]]
+) -> tuple[bytes, list[str]]:
+    """Up to ``pages`` host units of pool ``p`` of the pages just above ``node``, and their page
+    hashes: its ancestors' values, nearest last, as far as they run without a gap (a node's
+    value covers its last pages: one covering fewer than all ends the run). None where ``node``'s
+    own value does not start at its first page."""
+    if len(node.host_raw[p] or b"") // UNIT != node.pages:
+        return b"", []
+    values: list[bytes] = []
+    hashes: list[list[str]] = []
     held = 0
     ancestor = node.parent
     while held < pages and ancestor is not None and ancestor is not tree.root:
         value = ancestor.host_raw[p]
         if value is None:
             break
-        parts.append(value)
-        held += len(value) // UNIT
+        count = len(value) // UNIT
+        values.append(value)
+        hashes.append(hashes_of(ancestor)[-count:])
+        held += count
+        if count < ancestor.pages:
+            break
         ancestor = ancestor.parent
-    return b"".join(reversed(parts))[-pages * UNIT :] if parts else b""
+    take = min(pages, held)
+    if not take:
+        return b"", []
+    joined = b"".join(reversed(values))
+    return joined[-take * UNIT :], [h for part in reversed(hashes) for h in part][-take:]
 
 
 def trailing_windows(tree: PrefixTree, layout: StackLayout, node: TreeNode, hashes: PageHashes) -> PerPool:

@@ -128,6 +128,8 @@ def pool_batch(pools: PoolGroup, name: str, host_units: torch.Tensor, hashes: Se
     """One pool's storage batch: per page hash, the host memory regions of its objects."""
     pool = pools.pools[name]
     assert pool.host is not None
+    if host_units.shape[0] != len(hashes):  # paired in order: a count off is another page's bytes
+        raise ValueError(f"pool {name!r}: {host_units.shape[0]} host units for {len(hashes)} page hashes")
     per_object = [object_regions(pool.host, obj.suffix, host_units) for obj in pool.spec.objects]
     if len(per_object) == 1 and len(per_object[0]) == len(hashes):  # one object per unit (most pools)
         units = [[regions] for regions in per_object[0]]
