@@ -62,12 +62,15 @@ def host_values_per_pool(
             page_hashes = node_hashes[-1:] if tp.kind is PoolKind.STATE else node_hashes[-count:]
             if tp.kind is PoolKind.WINDOW and tp.window * UNIT < len(value):
                 page_hashes, value = node_hashes[-tp.window :], value[-tp.window * UNIT :]
-            elif tp.kind is PoolKind.WINDOW and len(value) < tp.window * UNIT and node.depth_start:
-                if node.parent not in batch and node.parent not in stored_ends:  # else its write holds them
-                    head, head_hashes = _window_head(
-                        tree, node, tree.index[name], tp.window - len(value) // UNIT, hashes_of
-                    )
-                    page_hashes, value = head_hashes + page_hashes, head + value
+            elif (
+                tp.kind is PoolKind.WINDOW
+                and len(value) < tp.window * UNIT
+                and node.depth_start
+                and node.parent not in batch  # else the parent's own write holds the rest
+                and node.parent not in stored_ends
+            ):
+                head, head_hashes = _window_head(tree, node, tree.index[name], tp.window - count, hashes_of)
+                page_hashes, value = head_hashes + page_hashes, head + value
                 ends_whole &= len(value) // UNIT >= min(tp.window, node.depth_end)
             for follower in tp.followers:
                 entry = per_pool.setdefault(follower, ([], []))
