@@ -10,7 +10,7 @@ import torch
 
 import kvstrata
 from controller_support import fill, tokens, verify
-from kvstrata.core.l3_values import tree_path as _path
+from kvstrata.core.tree import tree_path as _path
 
 PAGE = 64
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from kvstrata.core.keys import hash_pages
 from kvstrata.core.stack import PoolKind, StackLayout
-from kvstrata.core.tree import PrefixTree, TreeNode
+from kvstrata.core.tree import PrefixTree, TreeNode, tree_path
 from kvstrata.core.tree_bytes import UNIT
 
 #: A request's page hashes, computed on demand: only an L3 write needs them.
@@ -35,9 +35,10 @@ def host_values_per_pool(
     """Per pool to write: the page hashes and host unit indices of ``nodes`` (a state pool one
     slot per node, under its last page; a window pool the last window ending at the node, what a
     restore of a prefix ending there needs, as SGLang stores them; a sidecar follows the pool
-    owning its units); and the nodes whose last window goes whole. A node shorter than a window
-    takes the rest from its ancestors' host units, unless its parent's own last window is
-    written too (in this batch, or before: ``stored_ends``), which holds those pages."""
+    owning its units); and the nodes whose last window goes whole (none without window pools).
+    A node shorter than a window takes the rest from its ancestors' host units, unless its
+    parent's own last window is written too (in this batch, or before: ``stored_ends``), which
+    holds those pages."""
     per_pool: PerPool = {}
     known: dict[TreeNode, list[str]] = {}
     batch = set(nodes)
@@ -69,43 +70,41 @@ def host_values_per_pool(
                 and node.parent not in batch  # else the parent's own write holds the rest
                 and node.parent not in stored_ends
             ):
-                head, head_hashes = _window_head(tree, node, tree.index[name], tp.window - count, hashes_of)
+                head, head_hashes = _window_head(tree, node, name, tp.window - count, hashes_of)
                 page_hashes, value = head_hashes + page_hashes, head + value
                 ends_whole &= len(value) // UNIT >= min(tp.window, node.depth_end)
             for follower in tp.followers:
                 entry = per_pool.setdefault(follower, ([], []))
                 entry[0].extend(page_hashes)
                 entry[1].append(value)
-        if ends_whole:
+        if ends_whole and layout.windowed:
             whole.append(node)
     return per_pool, whole
 
 
 def _window_head(
-    tree: PrefixTree, node: TreeNode, p: int, pages: int, hashes_of: Callable[[TreeNode], list[str]]
+    tree: PrefixTree, node: TreeNode, name: str, pages: int, hashes_of: Callable[[TreeNode], list[str]]
 ) -> tuple[bytes, list[str]]:
-    """Up to ``pages`` host units of pool ``p`` of the pages just above ``node``, and their page
-    hashes: its ancestors' values, nearest last, as far as they run without a gap (a node's
-    value covers its last pages: one covering fewer than all ends the run). None where ``node``'s
-    own value does not start at its first page."""
+    """Up to ``pages`` host units of window pool ``name`` of the pages just above ``node`` (the
+    rest of the window ending at it), and their page hashes: its ancestors' values, nearest
+    last, as far as they run without a gap (a node's value covers its last pages: one covering
+    fewer than all ends the run). None where ``node``'s own value does not start at its first
+    page."""
+    p = tree.index[name]
     if len(node.host_raw[p] or b"") // UNIT != node.pages:
         return b"", []
     values: list[bytes] = []
     hashes: list[list[str]] = []
-    held = 0
-    ancestor = node.parent
-    while held < pages and ancestor is not None and ancestor is not tree.root:
+    for ancestor in tree.window_nodes(node, name)[1:]:  # bottom-up, above ``node``
         value = ancestor.host_raw[p]
         if value is None:
             break
         count = len(value) // UNIT
         values.append(value)
         hashes.append(hashes_of(ancestor)[-count:])
-        held += count
         if count < ancestor.pages:
             break
-        ancestor = ancestor.parent
-    take = min(pages, held)
+    take = min(pages, sum(len(v) for v in values) // UNIT)
     if not take:
         return b"", []
     joined = b"".join(reversed(values))
@@ -129,17 +128,6 @@ def trailing_windows(tree: PrefixTree, layout: StackLayout, node: TreeNode, hash
         for follower in tp.followers:
             per_pool[follower] = (page_hashes, [value])
     return per_pool
-
-
-def tree_path(tree: PrefixTree, node: TreeNode, since: TreeNode | None = None) -> list[TreeNode]:
-    """The nodes from the root's child (or ``since``'s) down to ``node``."""
-    path = []
-    cur: TreeNode | None = node
-    while cur is not None and cur is not tree.root and cur is not since:
-        path.append(cur)
-        cur = cur.parent
-    path.reverse()
-    return path
 
 
 def node_hashes_from_path(

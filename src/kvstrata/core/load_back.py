@@ -16,7 +16,7 @@ import torch
 from kvstrata.core.metrics import Operation
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.stack import PoolKind, unit_bytes
-from kvstrata.core.tree import MatchResult, Tier, TreeNode
+from kvstrata.core.tree import MatchResult, Tier, TreeNode, tree_path
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,7 @@ class LoadBack:
     def _plan(self, end: TreeNode) -> LoadBackPlan:
         """The copies for the prefix ending at ``end``: read from the tree as it is now (a node
         split since is read as its two halves)."""
-        path: list[TreeNode] = []
-        node: TreeNode | None = end
-        while node is not None and node is not self.tree.root:
-            path.append(node)
-            node = node.parent
-        path.reverse()
+        path = tree_path(self.tree, end)
         wanted: dict[str, list[TreeNode]] = {}
         for tp in self.layout.tree_pools.values():
             p = self.tree.index[tp.name]

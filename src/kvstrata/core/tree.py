@@ -94,6 +94,7 @@ __all__ = [
     "TreeNode",
     "page_keys",
     "paged_keys_type",
+    "tree_path",
 ]
 
 
@@ -397,3 +398,14 @@ class PrefixTree:
     def check(self) -> None:
         """Assert every structural invariant; tests call it after each step."""
         check_tree(self.layout, self.root, self._lru)
+
+
+def tree_path(tree: PrefixTree, node: TreeNode, since: TreeNode | None = None) -> list[TreeNode]:
+    """The nodes from the root's child (or ``since``'s) down to ``node``."""
+    path = []
+    cur: TreeNode | None = node
+    while cur is not None and cur is not tree.root and cur is not since:
+        path.append(cur)
+        cur = cur.parent
+    path.reverse()
+    return path

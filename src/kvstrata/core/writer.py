@@ -32,14 +32,13 @@ from kvstrata.core.l3_values import (
     host_values_per_pool,
     node_hashes_from_path,
     trailing_windows,
-    tree_path,
 )
 from kvstrata.core.metrics import CacheMetrics, Operation, count_failure
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.stack import pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.storage_metrics import StorageOperation
-from kvstrata.core.tree import MatchResult, PageKey, Tier, TreeNode
+from kvstrata.core.tree import MatchResult, PageKey, Tier, TreeNode, tree_path
 from kvstrata.core.tree_bytes import unit_tensor
 from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
 from kvstrata.core.write_back import (
@@ -252,14 +251,11 @@ class Writer:
         ancestors: what L3 holds is found only below its prefix (a hot shared prefix never left
         the device, and after close no page written below it was found). A node goes to L3 only
         with its whole prefix backed up (where the host tier cannot hold both, L2 only)."""
-        nodes = eviction_backups(self.tree, self.layout, shortfall)
         with self.units.keeping_copies():  # the other device pages' host copies let them leave
-            if self.engine is None:
-                self.back_up(nodes)
-                return
-            nodes = self.copy_to_host(nodes)  # first: the eviction needs these
-            above = self.copy_to_host(device_only_ancestors(self.tree, nodes))
-            self._queue_write(with_backed_up_prefix(self.tree, above + nodes), None)
+            nodes = self.copy_to_host(eviction_backups(self.tree, self.layout, shortfall))  # first
+            if self.engine is not None and nodes:
+                above = self.copy_to_host(device_only_ancestors(self.tree, nodes))
+                self._queue_write(with_backed_up_prefix(self.tree, above + nodes), None)
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
 
@@ -298,7 +294,7 @@ class Writer:
         per_pool, ends = host_values_per_pool(
             self.tree, self.layout, self.namespace_root, nodes, request_hashes, self.window_ends
         )
-        self._submit(nodes, per_pool, ends if self.layout.windowed else ())
+        self._submit(nodes, per_pool, ends)
 
     def _submit(self, nodes: Sequence[TreeNode], per_pool: PerPool, ends: Sequence[TreeNode] = ()) -> None:
         """Queue the L3 write of ``per_pool`` (host units of ``nodes``, locked meanwhile; ``ends``
