@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import urllib.request
 
+import pytest
+
 from controller_support import open_cache, serve, tokens
 from kvstrata.prometheus import register, serve_metrics
 from kvstrata.testing.mooncake_servers import free_loopback_port
@@ -81,3 +83,35 @@ def test_latency_summary_count_and_sum_only_grow_past_the_sample_window() -> Non
         seen.append((count, total))
     assert [c for c, _ in seen] == [(LATENCY_SAMPLES // 2 + 1) * n for n in (1, 2, 3)]
     assert seen[2][1] == 0.5 * seen[2][0] > seen[1][1] > seen[0][1]
+
+
+def test_two_caches_share_one_registry_through_one_collector() -> None:
+    """A target and a draft model in one process: each family once, one sample per cache (an
+    exposition with a family twice is invalid: the OpenMetrics parser refuses it); a second
+    collector on the same registry and a name already exported are refused."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    with open_cache("kv") as target, open_cache("kv") as draft:
+        registry = CollectorRegistry()
+        collector = register(target.metrics, registry, cache="target")
+        with pytest.raises(ValueError, match=r"collector\.add\(metrics, 'draft'\)"):
+            register(draft.metrics, registry, cache="draft")
+        collector.add(draft.metrics, "draft")
+        with pytest.raises(ValueError, match="'draft' is already exported"):
+            collector.add(target.metrics, "draft")
+        serve(target, tokens(61, 2))
+        serve(draft, tokens(62, 3))
+        serve(draft, tokens(63, 1))
+        text = generate_latest(registry).decode()
+        families = {f.name: f for f in text_string_to_metric_families(openmetrics_latest(registry).decode())}
+    assert text.count("# TYPE kvstrata_requests_total counter") == 1
+    assert 'kvstrata_requests_total{cache="target"} 1.0' in text
+    assert 'kvstrata_requests_total{cache="draft"} 2.0' in text
+    lookups = {
+        s.labels["cache"]: s.value
+        for s in families["kvstrata_lookup_tokens"].samples
+        if s.name.endswith("_total")
+    }
+    assert lookups == {"target": 128.0, "draft": 256.0}
