@@ -141,10 +141,66 @@ def test_a_read_still_running_at_admit_counts_as_timeout() -> None:
     with open_cache("kv", None, slow, host=host) as cache:
         lease = cache.lookup(tokens(45, 6))
         cache.admit(lease)  # best effort: the worker is still asleep in the backend
-        assert lease.skipped == {SkipReason.TIMEOUT: 6}
+        cache.release(lease)
+        cache.flush()  # (a read revoked before L3 said what it holds is counted when it ends)
+        assert lease.skipped == {SkipReason.TIMEOUT: 6}  # (this backend says it holds every page)
+        assert all(used == 0 for used in host_units_in_use(cache).values()), "revoked slots freed"
+
+
+@pytest.mark.parametrize("answered", [True, False])
+def test_a_revoked_read_counts_the_pages_l3_holds_not_the_pages_asked_for(
+    tmp_path: Path, answered: bool
+) -> None:
+    # a timed-out read counted every page asked for (12) where L3 held 4: three times the loss
+    request = tokens(48, 12)
+    with open_cache("kv", tmp_path) as writer:
+        serve(writer, request[: 4 * writer.page_size])
+    with open_cache("kv", tmp_path, ["policy.prefetch.policy=best_effort"]) as cache:
+        prefetcher = cache.prefetcher
+        assert prefetcher is not None
+        gate, asked = threading.Event(), threading.Event()
+        engine_get, engine_exists = prefetcher.engine.get_group, prefetcher.engine.exists
+
+        def exists(*args, **kwargs):  # answered: L3 says what it holds before admit gives up
+            if not answered:
+                gate.wait(10)
+            found = engine_exists(*args, **kwargs)
+            asked.set()
+            return found
+
+        prefetcher.engine.exists = exists  # type: ignore[method-assign]
+        prefetcher.engine.get_group = lambda batches: (gate.wait(10), engine_get(batches))[1]  # type: ignore[method-assign]
+        lease = cache.lookup(request)
+        if answered:
+            assert asked.wait(10)
+        cache.admit(lease)
+        assert lease.skipped == ({SkipReason.TIMEOUT: 4} if answered else {})
+        gate.set()
         cache.release(lease)
         cache.flush()
-        assert all(used == 0 for used in host_units_in_use(cache).values()), "revoked slots freed"
+        assert lease.skipped == {SkipReason.TIMEOUT: 4}
+        assert cache.metrics.snapshot()["skipped_pages"]["timeout"] == 4
+
+
+def test_a_failed_existence_query_counts_the_pages_asked_for_as_storage_down(tmp_path: Path) -> None:
+    # L3 held the pages, its exists call raised: the pages went unserved with no reason at all
+    request = tokens(49, 5)
+    with open_cache("kv", tmp_path) as writer:
+        serve(writer, request)
+    with open_cache("kv", tmp_path, WAIT) as cache:
+        assert cache.prefetcher is not None
+
+        def broken(*args, **kwargs):
+            raise OSError("exists: connection reset (fault injection)")
+
+        cache.prefetcher.engine.backend.exists = broken  # type: ignore[method-assign]
+        lease = cache.lookup(request)
+        cache.admit(lease)
+        assert lease.cached_pages == 0 and lease.skipped == {SkipReason.STORAGE_DOWN: 5}
+        cache.release(lease)
+        snapshot = cache.metrics.snapshot()
+        assert snapshot["skipped_pages"]["storage_down"] == 5
+        assert snapshot["failures"] == 1, "one failed call, not one per page"
 
 
 def test_a_read_that_ends_just_after_admit_gave_up_counts_as_timeout(tmp_path: Path) -> None:

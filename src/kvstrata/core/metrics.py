@@ -67,15 +67,16 @@ class SkipReason(StrEnum):
     """Why pages the host tier or L3 could have served were not used (no miss goes unexplained).
 
     Counted per lease (``Lease.skipped``) and in :attr:`CacheMetrics.skipped_pages`. For the
-    gates (threshold, host fraction, rate limit, disabled) the pages are the ones the gate kept
-    from being looked up in L3; for the others, pages L3 or the host tier held.
+    gates (threshold, host fraction, rate limit, disabled) and ``storage_down`` the pages are the
+    ones asked for (L3 was not asked, or could not say what it holds); for the others, pages L3
+    or the host tier held (a read revoked before L3 answered is counted when it ends).
     """
 
     BELOW_THRESHOLD = "below_threshold"  # fewer tokens to fetch than policy.prefetch.threshold_tokens
     HOST_FRACTION = "host_fraction"  # the read alone exceeds host_fraction_limit of the host tier
     RATE_LIMIT = "rate_limit"  # reads in flight plus this one exceed host_fraction_limit
     DISABLED = "disabled"  # the caller asked for no prefetch
-    STORAGE_DOWN = "storage_down"  # L3's circuit breaker is open: not asked (it refuses every call)
+    STORAGE_DOWN = "storage_down"  # L3's breaker is open (not asked), or its existence query failed
     TIMEOUT = "timeout"  # the read had not finished at admit (timeout / best_effort policies)
     HOST_FULL = "host_full"  # no room in the host tier even after eviction
     DAMAGED_OBJECT = "damaged_object"  # an object failed verification or could not be read
@@ -95,6 +96,8 @@ class CacheMetrics:
     hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
     operations: dict[Operation, int] = field(default_factory=lambda: dict.fromkeys(Operation, 0))
+    #: failed operations: one per storage call that failed (whole or in part; the units are the
+    #: storage counters' `put_failed`), backup, load-back or allocation that could not complete
     failures: int = 0
     #: pages that could have been served but were not, by :class:`SkipReason`
     skipped_pages: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SkipReason, 0))
@@ -184,11 +187,8 @@ class CacheMetrics:
 
 
 def count_failure(metrics: CacheMetrics, result: BatchResult) -> None:
-    """Units a storage call was asked for and failed (a whole failed call counts one when it
-    says no more; a skipped call is a plan, not a failure; a get's miss is not a failure)."""
-    if result.skipped:
-        return
-    if result.failed:
-        metrics.fail(result.failed)
-    elif result.error is not None:
+    """One failure for a storage call that failed, whole or in part (the units it did not store
+    are the storage counters' ``put_failed``; a skipped call is a plan, not a failure; a get's
+    miss is not a failure)."""
+    if not result.skipped and (result.failed or result.error is not None):
         metrics.fail()

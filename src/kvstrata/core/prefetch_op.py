@@ -26,6 +26,8 @@ class PrefetchOp:
     reserved: dict[str, torch.Tensor] = field(default_factory=dict)  # host units per tree pool
     short: dict[str, int] | None = None  # units the worker could not take without eviction
     found: int = 0  # leading pages whose anchor object exists
+    found_known: bool = False  # the worker has set ``found`` (its existence query ended)
+    exists_failed: bool = False  # an existence query failed: its False answers say nothing
     pages: int = 0  # pages whose objects the worker read and verified, every pool included
     read_end: int = 0  # pages the worker tried to read (window/state objects sit at its end)
     blocking: bool = False  # admit waits for it whatever the end policy
@@ -37,4 +39,12 @@ class PrefetchOp:
     cancelled: bool = False
     #: ``finish`` gave up waiting (what was read after that is a timeout's loss, not a rank's)
     timed_out: bool = False
+    #: revoked before ``found_known``: the skip reason and the lease's ``skipped`` to count
+    #: ``found`` into when the worker ends (a count of the pages asked for would overstate it)
+    revoked: tuple[SkipReason, dict[str, int]] | None = None
     done: threading.Event = field(default_factory=threading.Event)
+
+    def revoked_loss(self, why: SkipReason) -> tuple[SkipReason, int]:
+        """What a revoked read lost: the pages L3 holds (not the pages asked for), or every page
+        asked for where L3 could not say (its existence query failed)."""
+        return (SkipReason.STORAGE_DOWN, len(self.hashes)) if self.exists_failed else (why, self.found)

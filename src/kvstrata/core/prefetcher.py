@@ -39,9 +39,10 @@ import torch
 from kvstrata.core.backend_calls import Notify
 from kvstrata.core.metrics import Operation, SkipReason, count_failure
 from kvstrata.core.part_context import PartContext
+from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.prefetch_end import PrefetchEnd, prefetch_end
 from kvstrata.core.prefetch_op import PrefetchOp
-from kvstrata.core.stack import PoolKind, pool_batch
+from kvstrata.core.stack import PoolKind, StackLayout, pool_batch
 from kvstrata.core.storage_engine import PoolBatch, StorageEngine, longest_present_prefix
 from kvstrata.core.tree import PageKey, Tier, TreeNode
 from kvstrata.core.unit_digests import UnitDigests, check_span
@@ -76,6 +77,17 @@ def _whole_windows(present: Sequence[bool], window: int) -> list[bool]:
 
 def _all_of(per_pool: Sequence[Sequence[bool]]) -> list[bool]:
     return [all(column) for column in zip(*per_pool, strict=True)]
+
+
+def _can_truncate(pools: PoolGroup, layout: StackLayout) -> bool:
+    """A verified shorter prefix is served unless an all-pages pool forbids partial hits."""
+    return all(
+        pools.pools[name].spec.partial_hit is PartialHit.CLAMP
+        for tp in layout.tree_pools.values()
+        if tp.kind is PoolKind.PAGES
+        for name in tp.followers
+        if name != layout.anchor
+    )
 
 
 class Prefetcher:
@@ -159,16 +171,22 @@ class Prefetcher:
             self.metrics.latency("prefetch", time.perf_counter() - op.started_s)
             op.done.set()
 
-    def _exists(self, pool: str, hashes: Sequence[str]) -> list[bool]:
+    def _exists(self, op: PrefetchOp, pool: str, hashes: Sequence[str]) -> list[bool]:
         result = self.engine.exists(pool, hashes)
         count_failure(self.metrics, result)
+        if result.error is not None and not result.skipped:
+            op.exists_failed = True  # what it answered False for is unknown, not absent
         return result.ok
 
     def _length(self, op: PrefetchOp) -> int:
         """Pages after ``op.start`` that every pool can serve from L3 (0 = drop)."""
         hashes = op.hashes
         anchor = self.layout.anchor
-        end = op.found = longest_present_prefix(self._exists(anchor, hashes))
+        end = op.found = longest_present_prefix(self._exists(op, anchor, hashes))
+        op.found_known = True
+        if op.exists_failed:  # L3 could not say what it holds: every page asked for is unserved
+            _lose(op, SkipReason.STORAGE_DOWN, len(hashes))
+            return 0
         pools = list(self.layout.tree_pools.values())
         for tp in pools:  # all-pages pools (and the anchor's sidecars) clamp or drop
             if tp.kind is not PoolKind.PAGES:
@@ -176,7 +194,7 @@ class Prefetcher:
             for name in tp.followers[1:] if tp.name == anchor else tp.followers:
                 if end == 0:
                     break
-                have = longest_present_prefix(self._exists(name, hashes[:end]))
+                have = longest_present_prefix(self._exists(op, name, hashes[:end]))
                 if have < end:
                     end = have if self.pools.pools[name].spec.partial_hit is PartialHit.CLAMP else 0
         # where may the prefix end? where every state pool has a state, and every window pool
@@ -185,13 +203,15 @@ class Prefetcher:
         for tp in pools:
             if tp.kind is PoolKind.PAGES or end == 0:
                 continue
-            flags = _all_of([self._exists(name, hashes[:end]) for name in tp.followers])
+            flags = _all_of([self._exists(op, name, hashes[:end]) for name in tp.followers])
             if tp.kind is PoolKind.WINDOW:
                 flags = _whole_windows(flags, tp.window)
             can_end = [a and b for a, b in zip(can_end, flags, strict=True)]
         op.checkpoints = [j + 1 for j, ok in enumerate(can_end) if ok]
         end = op.checkpoints[-1] if op.checkpoints else 0
-        _lose(op, SkipReason.INCOMPLETE_STACK, op.found - end)
+        _lose(
+            op, SkipReason.STORAGE_DOWN if op.exists_failed else SkipReason.INCOMPLETE_STACK, op.found - end
+        )
         return end
 
     def _read(self, op: PrefetchOp, end: int, *, pages_read: bool = False) -> tuple[int, int]:
@@ -247,22 +267,12 @@ class Prefetcher:
             target = 0
         if usable != target:
             target = 0
-        if target < end and not self._can_truncate():
+        if target < end and not _can_truncate(self.pools, self.layout):
             target = 0
         # objects of another layout under our keys are a layout change, not damage
         reason = SkipReason.LAYOUT_MISMATCH if op.foreign else SkipReason.DAMAGED_OBJECT
         _lose(op, reason, end - target)
         return target
-
-    def _can_truncate(self) -> bool:
-        """A verified shorter prefix is served unless an all-pages pool forbids partial hits."""
-        return all(
-            self.pools.pools[name].spec.partial_hit is PartialHit.CLAMP
-            for tp in self.layout.tree_pools.values()
-            if tp.kind is PoolKind.PAGES
-            for name in tp.followers
-            if name != self.layout.anchor
-        )
 
     # --- end and commit (owner thread) ----------------------------------------------------------
 
@@ -309,7 +319,11 @@ class Prefetcher:
             op.cancelled = True
             self.orphans.append(op)
             self.metrics.count(Operation.PREFETCHES_REVOKED)
-            self.metrics.skip(unused or SkipReason.TIMEOUT, len(op.hashes), skipped)
+            why = unused or SkipReason.TIMEOUT
+            if op.found_known:
+                self.metrics.skip(*op.revoked_loss(why), skipped)
+            else:  # still asking L3 what it holds: counted when the worker ends (``drain``)
+                op.revoked = (why, skipped)
             return 0
         self.reserved_pages -= len(op.hashes)
         for reason, lost in op.lost.items():
@@ -361,6 +375,8 @@ class Prefetcher:
             if op.done.is_set():
                 self.reserved_pages -= len(op.hashes)
                 self.units.free(Tier.HOST, op.reserved)
+                if op.revoked is not None:
+                    self.metrics.skip(*op.revoked_loss(op.revoked[0]), op.revoked[1])
             else:
                 alive.append(op)
         self.orphans = alive

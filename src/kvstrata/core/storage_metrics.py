@@ -29,9 +29,11 @@ class StorageMetrics:
     ``snapshot()["storage"]`` and the ``kvstrata_storage_events`` Prometheus family show.
     """
 
+    #: existence queries asked; like ``put_units`` and ``get_units`` it counts what the open
+    #: breaker refused too (also in ``breaker_rejected``)
     exists_calls: int = 0
-    put_units: int = 0
-    put_failed: int = 0
+    put_units: int = 0  # units asked to store
+    put_failed: int = 0  # of them, not stored (refused, failed, or the breaker open)
     put_skipped_read_only: int = 0
     get_units: int = 0
     get_hits: int = 0

@@ -192,5 +192,7 @@ class TierUnits:
         while True:
             device = self.tree.evict_device(everything, self.freer(Tier.DEVICE))
             host = self.tree.evict_host(everything, self.freer(Tier.HOST))
+            self._observe(Tier.DEVICE, device)  # evictions like any other (metrics, hooks)
+            self._observe(Tier.HOST, host)
             if not any(device.units.values()) and not any(host.units.values()):
                 return
