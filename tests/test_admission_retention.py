@@ -150,10 +150,11 @@ def test_a_pin_with_a_ttl_lapses_on_its_own() -> None:
         "kv", overrides=["tiers.storage={}", "tiers.host.capacity_tokens=0", *SMALL[:1]]
     ) as cache:
         cache.parts.retention.clock = lambda: now[0]
-        serve_hinted(cache, tokens(1, 2), RetentionHint(pin=True, ttl_s=5))
+        lease = serve_hinted(cache, tokens(1, 2), RetentionHint(pin=True, ttl_s=5))
         now[0] = 6.0
         _stream(cache, 100, 4)  # the first eviction after the TTL releases the pin
         assert cache.parts.retention.pinned_pages == 0
+        assert not lease.pinned, "the lease still said pinned after its pin lapsed"
         assert serve(cache, tokens(1, 2))[0].hit_pages["device"] == 0
 
 
@@ -255,3 +256,75 @@ def test_a_branch_at_a_refused_prefix_writes_none_of_its_window(tmp_path: Path) 
         serve(cache, branch)
         cache.flush()
         assert ops(cache)["storage_admitted"] == 0 and pages == []
+
+
+@pytest.mark.parametrize("stack", ["hybrid-mamba", "swa-mamba"])
+def test_pins_cannot_hold_every_state_slot(stack: str) -> None:
+    # the cap counted anchor pages only: 1-page pins (half the pages) held every Mamba slot, and
+    # then every allocate failed, even of 1 page on an almost empty device tier
+    with open_cache(stack, overrides=["tiers.storage={}"]) as cache:
+        slots = cache.pools.pools["mamba"].device_allocator.units
+        leases = [serve_hinted(cache, tokens(10 + i, 1), RetentionHint(pin=True)) for i in range(slots)]
+        pinned = sum(lease.pinned for lease in leases)
+        assert 0 < pinned <= slots // 2 and ops(cache)["pins_refused"] == slots - pinned
+        lease, bad = serve(cache, tokens(99, 1))
+        assert lease.cached_pages == 0 and bad == 0, "a 1-page request still gets a state slot"
+        for held in leases:
+            cache.unpin(held)
+        assert cache.parts.retention.pinned_pages == 0
+
+
+def test_a_refusal_caused_by_pins_names_them() -> None:
+    from kvstrata.core.controller import CacheFullError
+
+    overrides = ["tiers.storage={}", "tiers.host.capacity_tokens=0", "tiers.device.capacity_tokens=1024"]
+    with open_cache("kv", overrides=overrides) as cache:  # 16 pages, pins up to 8
+        pins = [serve_hinted(cache, tokens(1 + i, 4), RetentionHint(pin=True)) for i in range(2)]
+        assert all(lease.pinned for lease in pins)
+        lease = cache.lookup(tokens(9, 9))
+        cache.admit(lease)
+        with pytest.raises(CacheFullError, match=r"8 device pages are pinned .*cache\.unpin\(lease\)"):
+            cache.allocate(lease)
+        cache.release(lease)
+        for held in pins:
+            cache.unpin(held)
+        assert serve(cache, tokens(9, 9))[1] == 0
+
+
+def test_a_chunk_over_the_pin_cap_keeps_the_pin_of_the_earlier_chunks() -> None:
+    overrides = ["tiers.storage={}", "tiers.host.capacity_tokens=0", *SMALL[:1]]  # 4 pages, pins up to 2
+    with open_cache("kv", overrides=overrides) as cache:
+        request = tokens(1, 3)
+        lease = cache.lookup(request[: 2 * cache.page_size], retention=RetentionHint(pin=True))
+        cache.admit(lease)
+        fill(cache, lease, cache.allocate(lease))
+        cache.insert(lease, close=False)
+        assert lease.pinned and cache.parts.retention.pinned_pages == 2
+        lease.extend(request[2 * cache.page_size :])
+        fill(cache, lease, cache.allocate(lease))
+        cache.insert(lease)  # 3 pages: over the cap, refused
+        assert ops(cache)["pins_refused"] == 1
+        assert lease.pinned and cache.parts.retention.pinned_pages == 2, "the first chunks' pin was dropped"
+        _stream(cache, 100, 4)
+        assert serve(cache, request[: 2 * cache.page_size])[0].hit_pages["device"] == 2
+        cache.unpin(lease)
+        assert cache.parts.retention.pinned_pages == 0
+
+
+def test_a_late_pool_releases_pins_and_serves_no_pinned_page(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a pinned prefix survived add_pool: served with draft units no one wrote (and written to L3
+    # with them under write_back, where a fresh cache restored them as valid)
+    draft = {"type": "draft", "index_source": "kv", "layers": 1, "kv_heads": 1, "head_dim": 64}
+    with open_cache("kv", tmp_path, ["policy.write=write_back"]) as cache:
+        system = tokens(1, 3)
+        lease = serve_hinted(cache, system, RetentionHint(pin=True))
+        assert lease.pinned
+        cache.add_pool("draft", draft)
+        assert not lease.pinned and cache.parts.retention.pinned_pages == 0
+        assert "released 1 pin(s)" in caplog.text
+        assert cache.tree.units("kv", "device") == 0 and cache.tree.units("kv", "host") == 0
+        again, bad = serve(cache, system)
+        assert again.cached_pages == 0 and bad == 0
+        cache.unpin(lease)  # released already: a no-op

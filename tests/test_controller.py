@@ -299,6 +299,27 @@ def test_a_late_pool_must_be_a_sidecar() -> None:
         assert bad == 0
 
 
+def test_what_a_late_pool_drops_counts_as_evicted() -> None:
+    with open_cache("kv") as cache:
+        serve(cache, tokens(18, 3))
+        cache.flush()
+        before = cache.metrics.snapshot()["evicted_units"]
+        cache.add_pool("draft", DRAFT)
+        after = cache.metrics.snapshot()["evicted_units"]
+    assert after["device"].get("kv", 0) - before["device"].get("kv", 0) == 3
+    assert after["host"].get("kv", 0) - before["host"].get("kv", 0) == 3
+
+
+def test_a_late_pool_with_a_bad_config_names_the_field() -> None:
+    from kvstrata.plugins.errors import ConfigError
+
+    with open_cache("kv") as cache:
+        with pytest.raises(ConfigError, match=r"model\.pools\.draft\.layers: "):
+            cache.add_pool("draft", dict(DRAFT, layers=0))
+        assert "draft" not in cache.pools.pools
+        cache.add_pool("draft", DRAFT)
+
+
 def test_a_late_pool_drops_write_back_nodes_whose_children_left_first() -> None:
     # write-back keeps a node's only copy: a device node with host-only children cannot leave
     # until they have; one device pass then one host pass left it cached, and a lookup then

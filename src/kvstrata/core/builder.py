@@ -204,9 +204,14 @@ def _wire(parts: CacheParts) -> None:
 
     if policy.eviction is not None:  # else the tree's own LRU order
         install_policies(parts.plugins, policy.eviction, parts.pools, parts.tree)
-    device_pages = parts.pools.anchor.device_allocator.units
-    pinnable = int(policy.retention.max_pinned_fraction * device_pages)
-    parts.retention = Retention(parts.tree, pinnable, parts.metrics)
+    fraction = policy.retention.max_pinned_fraction
+    pinnable = int(fraction * parts.pools.anchor.device_allocator.units)
+    unit_caps = {  # every other tree pool: a state pool's slots can run out before the pages
+        p: int(fraction * allocator.units)
+        for name, p in parts.tree.index.items()
+        if p and (allocator := parts.pools.pools[name].device_allocator) is not None
+    }
+    parts.retention = Retention(parts.tree, pinnable, parts.metrics, unit_caps=unit_caps)
     parts.tree.set_retention(parts.retention)
     parts.units = TierUnits(
         parts.pools,
@@ -341,9 +346,17 @@ def add_late_pool(
     parts: CacheParts, name: str, config: PoolSpecs, device_tensors: EngineTensors | None
 ) -> Pool:
     """Add a sidecar after start (anything else, or tensors that do not fit it, is refused with
-    nothing added), drop what was cached without its data, plan its storage I/O."""
+    nothing added), drop what was cached without its data (pinned pages too: every pin is
+    released), plan its storage I/O."""
     pool = parts.pools.add_pool(name, config, device_tensors=device_tensors)
+    released = parts.retention.release_all()
+    if released:
+        log.warning(
+            "add_pool(%r): released %d pin(s): the pages cached before it are dropped", name, released
+        )
     parts.units.drop_everything()
+    if parts.tree.root.children:  # a locked node would be served with units no one wrote
+        raise RuntimeError(f"add_pool({name!r}): pages cached before it are still locked; none may be served")
     parts.layout.refresh(parts.pools, parts.tree)
     if parts.engine is not None and parts.backend is not None:
         (plan,) = _plan(parts.pools, parts.backend, parts.config, [pool.spec]).values()

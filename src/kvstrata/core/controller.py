@@ -249,7 +249,7 @@ class CacheController(UnitMemory, ClosingApi):
         got = allocate_units(self.units, self.layout, lease, end, window_only) if fits else None
         if got is None:
             self.metrics.fail()
-            raise device_full(self.layout, lease, end, self.units)
+            raise device_full(self.layout, lease, end, self.units, self.parts.retention.pinned_pages)
         self.units.free(_DEVICE, lease.add_allocation(self.layout, got, end))
         if self.layout.self_owned:  # the tensors are the caller's: the lease keeps bytes of its own
             return got[0]
@@ -361,7 +361,9 @@ class CacheController(UnitMemory, ClosingApi):
     def add_pool(self, name: str, config: PoolSpecs, *, device_tensors: EngineTensors | None = None) -> Pool:
         """Add a sidecar pool at runtime (e.g. a speculative draft pool) with its own I/O plan, in
         the engine's own ``device_tensors`` (``{buffer: tensor}``, as ``open`` takes them) if given.
-        Pages cached before it hold no data for it: dropped from both tiers (no lease may be open)."""
+        Pages cached before it hold no data for it: dropped from both tiers (no lease may be open),
+        pinned ones too (every pin is released: a pinned page would be served with the new pool's
+        units, which no one wrote)."""
         self._check_open()
         if self._leases:
             raise RuntimeError(f"add_pool({name!r}) needs no open leases ({len(self._leases)} open)")

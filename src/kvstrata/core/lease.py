@@ -60,7 +60,6 @@ class Lease:
     admitted: bool = False
     closed: bool = False
     retention: RetentionHint | None = None  # priority / pin / TTL of the prefix (lookup's hint)
-    pinned: bool = False  # the prefix holds a pin (cache.unpin releases it; may outlive the lease)
     _hashes: list[str] | None = None
     _prefix: dict[str, torch.Tensor] = field(default_factory=dict)  # tree pool -> device units
     _first: dict[str, int] = field(default_factory=dict)
@@ -197,6 +196,12 @@ class Lease:
         return self._pin
 
     @property
+    def pinned(self) -> bool:
+        """Whether the prefix holds a pin now (``cache.unpin`` releases it, as do its TTL and a
+        late pool; it may outlive the lease)."""
+        return self._pin is not None and not self._pin.released
+
+    @property
     def origin(self) -> tuple[str, int, str]:
         """(file, line, function) that called ``lookup``."""
         return self._origin
@@ -292,7 +297,7 @@ class Lease:
 
     def hold_pin(self, pin: Pin | None) -> None:
         """A retention pin the prefix holds now (None: none, or it was refused)."""
-        self._pin, self.pinned = pin, pin is not None
+        self._pin = pin
 
     def take_pin(self) -> Pin | None:
         """``unpin``: the pin to release (None: none held)."""
@@ -385,15 +390,23 @@ def allocation_needs(layout: StackLayout, lease: Lease, end: int) -> dict[str, i
     return needs
 
 
-def device_full(layout: StackLayout, lease: Lease, end: int, units: TierUnits) -> CacheFullError:
+def device_full(
+    layout: StackLayout, lease: Lease, end: int, units: TierUnits, pinned: int = 0
+) -> CacheFullError:
     """The error of an ``allocate`` the device tier cannot hold even after evicting: what was
-    asked per pool, what each pool has, and what to change."""
+    asked per pool, what each pool has, what pins hold, and what to change."""
     needs = allocation_needs(layout, lease, end)
     sizes = {pool: units.pools.pools[pool].device_allocator.units for pool in needs}
+    pins = (
+        f"; {pinned} device pages are pinned (RetentionHint(pin=True): cache.unpin(lease) releases "
+        "them, policy.retention.max_pinned_fraction caps them)"
+        if pinned
+        else ""
+    )
     return CacheFullError(
         f"device tier cannot hold {end - lease.allocated_pages} new pages ({needs}) even after "
         f"evicting every unlocked page (device units per pool: {sizes}; the request's own "
-        "prefix stays locked): raise tiers.device.capacity_tokens (or the pool's "
+        f"prefix stays locked{pins}): raise tiers.device.capacity_tokens (or the pool's "
         "device_units) or admit fewer requests at once"
     )
 

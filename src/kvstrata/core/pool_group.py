@@ -34,11 +34,13 @@ from typing import Any
 
 import psutil
 import torch
+from pydantic import ValidationError
 
 from kvstrata.core.allocator import UnitAllocator
 from kvstrata.core.buffers import EngineTensor, HostAllocatorFn, PoolBuffers, engine_tensor_units
-from kvstrata.core.config import HostTierConfig, KvstrataConfig, anchor_instances
+from kvstrata.core.config import HostTierConfig, KvstrataConfig, anchor_instances, dotted
 from kvstrata.core.transfer import TransferHandle, as_index, copy_units
+from kvstrata.plugins.errors import ConfigError
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.pool_type import (
     Granularity,
@@ -233,7 +235,11 @@ class PoolGroup:
             type_name = config.get("type")
             if not isinstance(type_name, str):
                 raise ValueError(f"pool {instance!r}: missing `type` (the pool type name)")
-            config = self.plugins.pool_types.get(type_name).Config.model_validate(dict(config))
+            try:
+                config = self.plugins.pool_types.get(type_name).Config.model_validate(dict(config))
+            except ValidationError as exc:  # named as the same pool in a config file would be
+                where = f"model.pools.{instance}"
+                raise ConfigError([(dotted([where, *e["loc"]]), e["msg"]) for e in exc.errors()]) from None
         cls = self.plugins.pool_types.get(config.type)
         return cls(instance, config, self.context)
 

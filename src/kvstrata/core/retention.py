@@ -10,9 +10,10 @@ request's whole prefix once it is inserted:
 - ``ttl_s``: the priority (1 when none is given) lasts this long after the insert, then the pages
   are ordinary again. Soft: reads alone never renew it, only another hinted request does;
 - ``pin``: the prefix stays on the device tier (a lock) until ``cache.unpin(lease)`` or its TTL.
-  Pinned pages are capped (``policy.retention.max_pinned_fraction`` of the device tier) so pins
-  can never starve the cache; a pin over the cap is refused and counted (``pins_refused``), the
-  lease says ``pinned=False`` and its priority / TTL still apply.
+  Pinned units are capped per pool (``policy.retention.max_pinned_fraction`` of each pool's
+  device units: pages, and a state pool's slots, one per pinned checkpoint) so pins can never
+  starve the cache; a pin over the cap is refused and counted (``pins_refused``), the lease keeps
+  the pin it held (a chunked request's earlier chunks) and its priority / TTL still apply.
 
 The evictor reads the levels (``levels()``) only while some node carries one; expired pins are
 released when an eviction starts, the only moment they matter.
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 from kvstrata.core.metrics import CacheMetrics, Operation
 from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
+from kvstrata.core.tree_bytes import UNIT
 
 #: entries kept before expired levels are swept out
 _SWEEP_AT = 4096
@@ -58,6 +60,7 @@ class Pin:
 
     lock: LockHandle
     deadline: float | None
+    released: bool = False  # by unpin, its TTL, a new pin of the same lease, or a late pool
 
 
 class Retention:
@@ -69,9 +72,13 @@ class Retention:
         max_pinned_pages: int,
         metrics: CacheMetrics,
         clock: Callable[[], float] = time.monotonic,
+        unit_caps: dict[int, int] | None = None,
     ) -> None:
         self.tree = tree
         self.max_pinned_pages = max_pinned_pages
+        #: tree pool index -> the device units pins may hold of it (pools other than the anchor,
+        #: whose cap is ``max_pinned_pages``): four 1-page pins held every Mamba slot of a stack
+        self.unit_caps = unit_caps or {}
         self.metrics = metrics
         self.clock = clock
         #: node -> (its permanent level or None, its timed level, when that lapses): a timed hint
@@ -128,12 +135,13 @@ class Retention:
             self._set_levels(node, hint.level, deadline, now)
         if not hint.pin:
             return held
-        if held is not None:
-            self.release(held)
         self._expire_pins(now)  # a lapsed pin holds no share of max_pinned_fraction
-        pin = self._take(node, deadline)
+        pin = self._take(node, deadline)  # (the nodes ``held`` pins count as pinned already)
         if pin is None:
             self.metrics.count(Operation.PINS_REFUSED)
+            return None if held is None or held.released else held  # a longer chunk keeps its pin
+        if held is not None:
+            self.release(held)
         return pin
 
     def _set_levels(self, node: TreeNode, level: int, deadline: float | None, now: float) -> None:
@@ -157,8 +165,9 @@ class Retention:
         while cur is not None and cur is not self.tree.root:
             path.append(cur)
             cur = cur.parent
-        new = sum(n.pages for n in path if not self._pin_counts.get(n))
-        if self.pinned_pages + new > self.max_pinned_pages:
+        fresh = [n for n in path if not self._pin_counts.get(n)]
+        new = sum(n.pages for n in fresh)
+        if self.pinned_pages + new > self.max_pinned_pages or self._over_unit_caps(fresh):
             return None
         for n in path:
             self._pin_counts[n] = self._pin_counts.get(n, 0) + 1
@@ -167,11 +176,23 @@ class Retention:
         self._pins[id(pin)] = pin
         return pin
 
+    def _over_unit_caps(self, fresh: list[TreeNode]) -> bool:
+        """Whether pinning ``fresh`` nodes too would hold more of a pool than its cap. Counted
+        afresh from the pinned nodes (pins are rare; a running count would drift where a pinned
+        node's units change: splits, out-of-window tombstones)."""
+        pinned = [*self._pin_counts, *fresh]
+        for p, cap in self.unit_caps.items():
+            held = sum(len(raw) for n in pinned if (raw := n.device_raw[p]) is not None) // UNIT
+            if held > cap:
+                return True
+        return False
+
     def release(self, pin: Pin) -> None:
         """Give a pin up (``cache.unpin``, its TTL, or a new pin of the same lease); a pin
         released before is a no-op."""
         if self._pins.pop(id(pin), None) is None:
             return  # expired and released before
+        pin.released = True
         self.tree.unlock(pin.lock)
         cur: TreeNode | None = pin.lock.node
         while cur is not None and cur is not self.tree.root:
@@ -182,6 +203,14 @@ class Retention:
             else:
                 self._pin_counts[cur] = count
             cur = cur.parent
+
+    def release_all(self) -> int:
+        """Release every pin (a late pool drops every cached page: a pinned one would be served
+        with the new pool's units, which no one wrote). Returns how many."""
+        pins = list(self._pins.values())
+        for pin in pins:
+            self.release(pin)
+        return len(pins)
 
 
 def _level_at(entry: tuple[int | None, int, float | None], now: float) -> int:
