@@ -186,9 +186,10 @@ class CacheController(UnitMemory, ClosingApi):
         host_only = match.host_pages - match.device_pages
         if host_only * self.page_size >= max(1, self.policy.load_back_threshold_tokens):
             result = self.load_back.run(self.load_back.plan(match))
-            if result.loaded:
-                match = self.tree.match(lease.keys, count_hit=False)
-            elif result.device_full:
+            # matched again whatever it did: making room for a load-back that then failed may
+            # have evicted device pages the first match counted (a window pool's tail)
+            match = self.tree.match(lease.keys, count_hit=False)
+            if result.device_full:
                 self.metrics.skip(SkipReason.DEVICE_FULL, host_only, lease.skipped)
             self.metrics.latency("load_back", time.perf_counter() - started)
         else:
@@ -247,6 +248,8 @@ class CacheController(UnitMemory, ClosingApi):
         # refused before anything is evicted for it (an eviction that cannot make room)
         fits = end <= self._device_pages
         got = allocate_units(self.units, self.layout, lease, end, window_only) if fits else None
+        if got is None and fits and self._drain():  # (not per chunk) finished L3 work held units
+            got = allocate_units(self.units, self.layout, lease, end, window_only)
         if got is None:
             self.metrics.fail()
             raise device_full(self.layout, lease, end, self.units, self.parts.retention.pinned_pages)
@@ -340,11 +343,11 @@ class CacheController(UnitMemory, ClosingApi):
         prefetch slots. Called at the start of every public call; cheap when nothing finished."""
         self._drain()
 
-    def _drain(self) -> None:
-        """``poll`` for calls already inside the guard (no second trip through it per chunk)."""
-        self.writer.drain()
-        if self.prefetcher is not None:
-            self.prefetcher.drain()
+    def _drain(self) -> bool:
+        """``poll`` for calls already inside the guard (no second trip through it per chunk);
+        whether any L3 write or revoked read had finished (their units and locks freed now)."""
+        took = self.writer.drain()
+        return (self.prefetcher is not None and self.prefetcher.drain()) or took
 
     @exclusive
     def flush(self, timeout: float | None = None) -> None:

@@ -366,10 +366,10 @@ class Prefetcher:
             op.pages = 0
         self.commit(op, [], 0, request_id="", skipped=skipped)
 
-    def drain(self) -> None:
-        """Free the units of revoked prefetches whose worker has finished."""
+    def drain(self) -> bool:
+        """Free the units of revoked prefetches whose worker has finished (returns whether any had)."""
         if not self.orphans:
-            return
+            return False
         alive = []
         for op in self.orphans:
             if op.done.is_set():
@@ -379,7 +379,8 @@ class Prefetcher:
                     self.metrics.skip(*op.revoked_loss(op.revoked[0]), op.revoked[1])
             else:
                 alive.append(op)
-        self.orphans = alive
+        took, self.orphans = len(alive) < len(self.orphans), alive
+        return took
 
     def wait(self, deadline: float | None) -> None:
         """Wait (up to ``deadline``, a ``time.monotonic`` value) for revoked prefetches to end."""

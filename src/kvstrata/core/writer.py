@@ -320,13 +320,16 @@ class Writer:
         future.add_done_callback(write.mark_finished)
         self.metrics.count(Operation.STORAGE_WRITES)
 
-    def drain(self) -> None:
-        """Commit finished writes: count bytes and failures, unlock their host sources."""
+    def drain(self) -> bool:
+        """Commit finished writes: count bytes and failures, unlock their host sources. Returns
+        whether any had finished."""
         # one writer thread finishes writes in order: stop at the first still running, so a
         # backlog of queued writes costs nothing per call (a chunked request queues one per chunk)
         pending = self.pending
+        took = bool(pending) and pending[0].finished
         while pending and pending[0].finished:
             self._finish(pending.popleft())
+        return took
 
     def _finish(self, write: PendingWrite) -> None:
         try:
@@ -373,14 +376,15 @@ def _wait_for_room(writer: Writer, node: TreeNode, needs: dict[str, int]) -> dic
     instead of skipping a backup whenever L3 is a little behind."""
     deadline = time.monotonic() + writer.policy.backup_wait_s
     while writer.pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None
         oldest = writer.pending[0]
-        try:
-            oldest.future.exception(remaining)
-        except TimeoutError:
-            return None
+        if not oldest.future.done():  # (with no time left, a write that finished still counts)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                oldest.future.exception(remaining)
+            except TimeoutError:
+                return None
         oldest.finished = True  # done: its callback may not have run yet
         writer.drain()
         got = writer.units.alloc_protecting(node, Tier.HOST, needs)

@@ -1,0 +1,103 @@
+"""Under pressure, with L3 work in flight: what a call finds must be what it uses, and a refusal
+must be one no drain of finished work would cure (audit 26: a crash and two false refusals)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from controller_support import fill, open_cache, serve, tokens, verify
+from kvstrata.core.controller import CacheController
+
+
+def serve_unread(cache: CacheController, request: torch.Tensor) -> None:
+    """A request that reads nothing from L3 (its prefix is new)."""
+    lease = cache.lookup(request, prefetch="off")
+    cache.admit(lease)
+    fill(cache, lease, cache.allocate(lease))
+    cache.insert(lease)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
+def test_admit_matches_again_after_a_load_back_that_failed(eviction: str) -> None:
+    # the load-back's eviction took the window tail of the device prefix the first match
+    # counted, then failed for want of room; admit settled on that match: TreeError
+    overrides = [
+        "tiers.device.capacity_tokens=512",
+        "tiers.host.capacity_tokens=2048",
+        f"policy.eviction={eviction}",
+    ]
+    with open_cache("swa", None, overrides) as cache:
+        prompt = tokens(1, 6)
+        queued = cache.lookup(prompt)  # before its prompt was cached: it locks nothing
+        serve(cache, prompt)
+        serve(cache, torch.cat([prompt[: 2 * cache.page_size], tokens(2, 2)]))  # a branch at page 2
+        serve(cache, tokens(3, 4))  # pushes [2, 6) to the host tier
+        running = cache.lookup(tokens(3, 4))
+        cache.admit(running)  # holds those 4 device pages
+        cache.admit(queued)
+        assert verify(cache, queued) == 0
+        cache.release(running)
+        fill(cache, queued, cache.allocate(queued))
+        cache.insert(queued)
+        again, bad = serve(cache, prompt)
+        assert again.cached_pages == 6 and bad == 0
+
+
+def test_allocate_drains_a_finished_revoked_read_before_refusing(tmp_path: Path) -> None:
+    # write-back: the device is full of pages with no host copy, and a released request's L3
+    # read that finished after the last call still held the host units their backups need
+    small = [
+        "tiers.device.capacity_tokens=512",
+        "tiers.host.capacity_tokens=512",
+        "policy.prefetch.threshold_tokens=64",
+    ]
+    request = tokens(7, 6)
+    with open_cache("kv", tmp_path, small) as writer:
+        serve(writer, request)
+    overrides = [*small, "policy.write=write_back", "policy.prefetch.policy=best_effort"]
+    overrides.append("policy.prefetch.host_fraction_limit=1")
+    with open_cache("kv", tmp_path, overrides) as cache:
+        assert cache.engine is not None and cache.prefetcher is not None
+        gate = threading.Event()
+        get_group = cache.engine.get_group
+        cache.engine.get_group = lambda batches: (gate.wait(10), get_group(batches))[1]  # type: ignore[method-assign]
+        for seed in (11, 12):  # 8 device pages, none backed up
+            serve_unread(cache, tokens(seed, 4))
+        reader = cache.lookup(request)
+        op = reader.prefetch
+        assert op is not None
+        cache.release(reader)  # its read goes on: an orphan holding host units
+        lease = cache.lookup(tokens(13, 4), prefetch="off")
+        cache.admit(lease)
+        gate.set()
+        assert op.done.wait(10)
+        fill(cache, lease, cache.allocate(lease))  # refused before: poll() cured it
+        cache.insert(lease)
+
+
+def test_a_finished_l3_write_counts_with_no_time_to_wait(tmp_path: Path) -> None:
+    # write-back, policy.backup_wait_s=0: a finished write nobody drained kept its host lock
+    overrides = [
+        "tiers.device.capacity_tokens=512",
+        "tiers.host.capacity_tokens=256",
+        "policy.write=write_back",
+        "policy.backup_wait_s=0",
+    ]
+    with open_cache("kv", tmp_path, overrides) as cache:
+        for seed in (1, 2):
+            serve_unread(cache, tokens(seed, 4))
+        first, second = cache.lookup(tokens(3, 4), prefetch="off"), cache.lookup(tokens(4, 4), prefetch="off")
+        cache.admit(first)
+        cache.admit(second)
+        fill(cache, first, cache.allocate(first))  # backs the oldest up: host full, L3 write queued
+        deadline = time.monotonic() + 10
+        while not all(write.future.done() for write in cache.writer.pending) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        fill(cache, second, cache.allocate(second))
+        for lease in (first, second):
+            cache.insert(lease)
