@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from controller_support import open_cache, serve, tokens
 from kvstrata.core.config import ParallelConfig
 from kvstrata.core.keys import KeySchema, hash_pages, is_writer, namespace_root
 from kvstrata.plugins.pool_type import Replication
@@ -94,3 +96,26 @@ def test_keys_differ_by_namespace_pool_and_suffix() -> None:
     h = "0f" * 16
     assert len({a.key(h, "k"), a.key(h, "v"), b.key(h, "k"), c.key(h, "k")}) == 4
     assert a.keys([h, h], "k") == [a.key(h, "k")] * 2
+
+
+def test_pool_names_that_clean_to_one_component_keep_their_own_keys(tmp_path: Path) -> None:
+    # pools "c.4" and "c-4" (both cleaned to "c-4") shared L3 objects: a second replay was
+    # served the other pool's bytes; a name that needs no cleaning keeps the key it had
+    spec = conformance_specs()["attn"]
+    parallel = ParallelConfig()
+    names = ("c.4", "c-4", "c/4", "", "x")
+    pools = {
+        n: KeySchema.for_pool(spec.model_copy(update={"name": n}), model_name="m", parallel=parallel).pool
+        for n in names
+    }
+    assert len(set(pools.values())) == len(names)
+    assert pools["c-4"].split("-")[1:3] == ["c", "4"] and pools["x"].split("-")[1] == "x"
+    for pool in pools.values():
+        assert SAFE_KEY.match(pool)
+    mla = {"type": "mla", "index_source": "kv", "layers": 1, "kv_lora_rank": 32, "qk_rope_head_dim": 0}
+    extra = [f"model.pools={{kv: {{type: kv, layers: 1, kv_heads: 1, head_dim: 8}}, c.4: {mla}, c-4: {mla}}}"]
+    for run in range(2):
+        with open_cache("kv", tmp_path, [*extra, "policy.prefetch.policy=wait_complete"]) as cache:
+            lease, bad = serve(cache, tokens(5, 3))
+            cache.flush()
+        assert bad == 0 and lease.hit_pages["storage"] == 3 * run

@@ -104,6 +104,14 @@ def safe_component(text: str) -> str:
     return cleaned or "x"
 
 
+def distinct_component(text: str) -> str:
+    """:func:`safe_component`, with a digest of ``text`` where cleaning changed it: two pools named
+    ``c.4`` and ``c-4`` shared one key and served each other's bytes."""
+    cleaned = safe_component(text)
+    digest = hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
+    return cleaned if cleaned == text else f"{cleaned}-{digest}"
+
+
 def namespace_tag(model_name: str, cache_salt: str = "") -> str:
     """Readable, collision-proof namespace component: sanitised model name + root digest."""
     return f"{KEY_VERSION}-{safe_component(model_name)[:48]}-{namespace_root(model_name, cache_salt)[:12]}"
@@ -146,7 +154,7 @@ class KeySchema(BaseModel):
     ) -> KeySchema:
         return cls(
             namespace=namespace_tag(model_name, cache_salt),
-            pool=f"{safe_component(spec.pool_type)}-{safe_component(spec.name)}-{layout_tag(spec)}",
+            pool=f"{safe_component(spec.pool_type)}-{distinct_component(spec.name)}-{layout_tag(spec)}",
             shard=shard_tag(spec, parallel),
             writer=is_writer(spec, parallel),
         )
