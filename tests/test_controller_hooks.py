@@ -125,3 +125,28 @@ def test_an_observer_that_raises_fails_no_operation_and_leaks_nothing(tmp_path: 
             assert lease.hit_pages["storage"] == 4 and bad == 0
     assert {"opened", "evicted", "prefetched", "closing"} <= set(broken.calls)
     assert closed == ["swa", "hybrid-mamba"], "a raising backend_closing observer skipped backend.close()"
+
+
+def test_an_observer_that_raises_silences_no_other_plugin(tmp_path: Path, caplog) -> None:
+    # one `try` around the whole pluggy call: the first plugin to raise ended the event for all
+    # (a working metrics plugin heard nothing); a raising configure hook failed every open
+    broken, recorder = Broken(), Recorder()
+
+    class BrokenConfigure:
+        @hookimpl
+        def kvstrata_configure(self, config) -> None:
+            raise ValueError("configure bug")
+
+    for first_broken in (True, False):  # pluggy calls the last registered first
+        host = PluginHost()
+        plugins = [("broken", broken), ("configure", BrokenConfigure()), ("recorder", recorder)]
+        for name, plugin in plugins if first_broken else plugins[::-1]:
+            host.register_plugin(plugin, name)
+        recorder.events.clear()
+        with open_cache("kv", tmp_path / str(first_broken), host=host) as cache:
+            for i in range(6):
+                serve(cache, tokens(70 + i, 4))  # evictions
+        names = [name for name, _ in recorder.events]
+        assert names[:2] == ["configure", "opened"] and "evicted" in names and "closing" in names
+    assert "kvstrata plugin 'broken': hook kvstrata_eviction raised RuntimeError: observer bug" in caplog.text
+    assert "kvstrata plugin 'configure': hook kvstrata_configure raised ValueError" in caplog.text

@@ -177,7 +177,7 @@ def build_cache(
 ) -> CacheParts:
     """Open the backend and build every part; on any failure the opened backend is closed.
     ``device_tensors``: an engine's own device memory per pool and buffer, used as L1."""
-    plugins.hook.kvstrata_configure.call_historic(kwargs={"config": config})
+    plugins.notify("kvstrata_configure", config=config)
     _check_device(config, machine=True)
     backend, host_allocator = _open_backend(config, plugins)
     try:

@@ -49,9 +49,10 @@ def kvstrata_register_eviction_policies(register: Callable[[type], None]) -> Non
 # --- lifecycle ----------------------------------------------------------------------------------
 
 
-@hookspec(historic=True)
+@hookspec
 def kvstrata_configure(config: Any) -> None:
-    """The resolved root config (``kvstrata.core.config.KvstrataConfig``) is in effect."""
+    """The resolved root config (``kvstrata.core.config.KvstrataConfig``) of a cache being
+    opened (each cache, once; a plugin registered later does not hear the earlier ones)."""
 
 
 @hookspec

@@ -209,13 +209,28 @@ class PluginHost:
         return self.pm.hook
 
     def notify(self, event: str, **kwargs: Any) -> None:
-        """Call the event hook ``event`` (an observer: eviction, prefetch, backend open/close).
-        An observer that raises is logged and ignored: a metrics plugin must never fail the
-        operation it watches half-way (units taken before an eviction's event would leak)."""
-        try:
-            getattr(self.pm.hook, event)(**kwargs)
-        except Exception:
-            log.exception("kvstrata hook %s raised; ignored", event)
+        """Call the event hook ``event`` (an observer: configure, eviction, prefetch, backend
+        open/close) on each plugin in pluggy's order, each on its own: one that raises is logged
+        by name and ignored, the others still hear the event. A metrics plugin must never fail
+        the operation it watches half-way (units taken before an eviction's event would leak),
+        nor silence another plugin."""
+        hook = getattr(self.pm.hook, event)
+        impls = hook.get_hookimpls()
+        if any(impl.wrapper or impl.hookwrapper for impl in impls):  # pluggy runs wrappers' halves
+            try:
+                hook(**kwargs)
+            except Exception:
+                log.exception("kvstrata hook %s raised; ignored", event)
+            return
+        for impl in reversed(impls):  # pluggy's order: last registered first
+            try:
+                impl.function(*(kwargs[name] for name in impl.argnames))
+            except Exception as exc:
+                log.error(
+                    "kvstrata plugin %r: hook %s raised %s: %s (ignored; traceback at DEBUG)",
+                    impl.plugin_name, event, type(exc).__name__, exc,
+                )  # fmt: skip
+                log.debug("kvstrata plugin %r: hook %s", impl.plugin_name, event, exc_info=True)
 
     def register_plugin(self, plugin: object, name: str | None = None) -> None:
         """Register a hook plugin (module or object) in-process."""
