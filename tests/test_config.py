@@ -256,3 +256,28 @@ def test_pool_fields_are_checked_at_load(
     with pytest.raises(ConfigError) as info:
         load(data, plugins=kvstrata_host, environ={})
     assert any(where == path and message in reason for where, reason in info.value.errors), info.value.errors
+
+
+def test_a_key_given_twice_in_a_file_is_refused(tmp_path: Path, kvstrata_host: PluginHost) -> None:
+    # PyYAML and json keep the last of two equal keys: a second `tiers:` block reset the first's
+    # device capacity to the default without a word
+    model = "model: {name: m, pools: {kv: {type: kv, layers: 1, kv_heads: 1, head_dim: 8}}}\n"
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(
+        model + "tiers:\n  device: {capacity_tokens: 262144}\ntiers:\n  host: {capacity_tokens: 1024}\n"
+    )
+    with pytest.raises(ConfigError, match=r"(?s)key 'tiers' given twice.*line 4") as caught:
+        load(twice, plugins=kvstrata_host, environ={})
+    assert str(twice) in str(caught.value)
+    merged = tmp_path / "merged.yaml"  # a merge key may still override what it brings in
+    merged.write_text(
+        model + "base: &base {capacity_tokens: 4096}\ntiers:\n  device: {<<: *base, capacity_tokens: 8192}\n"
+    )
+    with pytest.raises(ConfigError, match="base"):  # (an unknown top-level key, not a duplicate)
+        load(merged, plugins=kvstrata_host, environ={})
+    merged.write_text(model + "tiers:\n  device: {<<: {capacity_tokens: 4096}, capacity_tokens: 8192}\n")
+    assert load(merged, plugins=kvstrata_host, environ={}).tiers.device.capacity_tokens == 8192
+    as_json = tmp_path / "twice.json"
+    as_json.write_text('{"model": {"name": "m", "name": "n", "pools": {}}}')
+    with pytest.raises(ConfigError, match="key 'name' given twice"):
+        load(as_json, plugins=kvstrata_host, environ={})

@@ -14,7 +14,6 @@ Pool and backend configs are validated by the model their ``type`` names, looked
 
 from __future__ import annotations
 
-import json
 import os
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
@@ -33,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvstrata.core.config_text import parse_config_text
 from kvstrata.core.policy_config import AdmissionTiers, RetentionConfig
 from kvstrata.plugins.errors import ConfigError, PluginError
 from kvstrata.plugins.eviction_policy import EvictionPolicyConfig
@@ -242,13 +242,8 @@ def _read_file(path: Path) -> dict[str, Any]:
         reason = f"not UTF-8 text (byte {exc.start}: {exc.reason})"
         raise ConfigError([("", reason)], str(path)) from None
     try:
-        if path.suffix == ".toml":
-            data = tomllib.loads(text)
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = yaml.safe_load(text)
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        data = parse_config_text(text, path.suffix)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, ValueError) as exc:  # (JSONDecodeError too)
         raise ConfigError([("", f"cannot parse: {exc}")], str(path)) from None
     if data is None:
         return {}
@@ -297,7 +292,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not path.strip():
         raise ConfigError([("", f"override {text!r} is not of the form dotted.path=value")])
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = parse_config_text(raw, ".yaml") if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError([(path.strip(), f"cannot parse value {raw!r}: {exc}")]) from None
     return [part.strip() for part in path.strip().split(".")], value
