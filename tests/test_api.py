@@ -75,3 +75,28 @@ def test_one_entry_point_to_a_configuration_without_torch() -> None:
     assert out[-1] == "False" and out[0] == kvstrata.load(KV, environ={}).model.name
     with pytest.raises(ValueError, match="no config given"):
         kvstrata.load([])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            {"policy": {"eviction": "belady"}},
+            r"^policy\.eviction: eviction policy 'belady' needs future accesses",
+        ),
+        (
+            {"tiers": {"device": {"device": "meta"}}},
+            r"^tiers\.device\.device 'meta': the device tier is 'cpu'",
+        ),
+    ],
+)
+def test_open_refuses_what_startup_refuses_naming_the_setting(override: dict, message: str) -> None:
+    # `kvstrata.open` raised a bare ValueError from deep in the build for belady, and opened a
+    # meta device tier that failed at the first copy ("torch.cuda.Stream requires CUDA support")
+    from kvstrata.core.builder import StartupError
+
+    config = {
+        "model": {"name": "m", "pools": {"kv": {"type": "kv", "layers": 1, "kv_heads": 1, "head_dim": 8}}}
+    }
+    with pytest.raises(StartupError, match=message):
+        kvstrata.open(config | override, environ={})

@@ -74,11 +74,7 @@ def check_startup(config: KvstrataConfig, plugins: PluginHost, *, machine: bool 
     written for another machine)."""
     _check_storage(config)
     _check_device(config, machine=machine)
-    if config.policy.eviction is not None:
-        try:
-            check_live_policy(plugins, config.policy.eviction)
-        except ValueError as exc:  # (pydantic's errors too: a bad option of the policy)
-            raise StartupError(f"policy.eviction: {exc}") from None
+    _check_eviction(config, plugins)
     sizing = _SizingOnly(config, plugins)
     _check_device_units(config, {name: units for name, (_, units) in sizing.sized.items()})
 
@@ -119,13 +115,23 @@ def _check_device(config: KvstrataConfig, *, machine: bool) -> None:
         device = torch.device(name)
     except (RuntimeError, ValueError) as exc:
         raise StartupError(f"tiers.device.device {name!r} is not a torch device: {exc}") from None
-    if machine and device.type != "meta":
+    if device.type not in ("cpu", "cuda"):  # (copies between tiers are CPU or CUDA streams)
+        raise StartupError(f"tiers.device.device {name!r}: the device tier is 'cpu' or 'cuda[:N]'")
+    if machine:
         try:
             torch.empty(0, device=device)
         except (RuntimeError, AssertionError) as exc:  # torch asserts when not built for CUDA
             raise StartupError(
                 f"tiers.device.device {name!r} cannot be used on this machine: {exc}"
             ) from None
+
+
+def _check_eviction(config: KvstrataConfig, plugins: PluginHost) -> None:
+    if config.policy.eviction is not None:
+        try:
+            check_live_policy(plugins, config.policy.eviction)
+        except ValueError as exc:  # (pydantic's errors too: a bad option of the policy)
+            raise StartupError(f"policy.eviction: {exc}") from None
 
 
 def _check_device_units(config: KvstrataConfig, units: Mapping[str, tuple[int, int]]) -> None:
@@ -179,6 +185,7 @@ def build_cache(
     ``device_tensors``: an engine's own device memory per pool and buffer, used as L1."""
     plugins.notify("kvstrata_configure", config=config)
     _check_device(config, machine=True)
+    _check_eviction(config, plugins)
     backend, host_allocator = _open_backend(config, plugins)
     try:
         pools = PoolGroup(config, plugins, host_allocator=host_allocator, device_tensors=device_tensors)
