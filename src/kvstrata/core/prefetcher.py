@@ -209,9 +209,8 @@ class Prefetcher:
             can_end = [a and b for a, b in zip(can_end, flags, strict=True)]
         op.checkpoints = [j + 1 for j, ok in enumerate(can_end) if ok]
         end = op.checkpoints[-1] if op.checkpoints else 0
-        _lose(
-            op, SkipReason.STORAGE_DOWN if op.exists_failed else SkipReason.INCOMPLETE_STACK, op.found - end
-        )
+        why = SkipReason.STORAGE_DOWN if op.exists_failed else SkipReason.INCOMPLETE_STACK
+        _lose(op, why, op.found - end)
         return end
 
     def _read(self, op: PrefetchOp, end: int, *, pages_read: bool = False) -> tuple[int, int]:
