@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from click.testing import Result
+from typer.testing import CliRunner
 
+from kvstrata.cli import app
 from kvstrata.core.config import compose, config_json_schema, load, parse_override
 from kvstrata.plugins import ConfigError, PluginHost
 
@@ -281,3 +284,38 @@ def test_a_key_given_twice_in_a_file_is_refused(tmp_path: Path, kvstrata_host: P
     as_json.write_text('{"model": {"name": "m", "name": "n", "pools": {}}}')
     with pytest.raises(ConfigError, match="key 'name' given twice"):
         load(as_json, plugins=kvstrata_host, environ={})
+
+
+def validate_in_process(*args: str, env: dict[str, str] | None = None) -> Result:
+    """``kvstrata config validate ARGS`` through typer's runner (no KVSTRATA_ variable but ``env``)."""
+    clean = {name: None for name in os.environ if name.startswith("KVSTRATA_")}
+    return CliRunner().invoke(app, ["config", "validate", *args], env={**clean, **(env or {})})
+
+
+@pytest.mark.parametrize(
+    ("override", "env", "culprit"),
+    [
+        ("tiers.hostt.capacity_tokens=1", {}, "--set tiers.hostt.capacity_tokens=1"),
+        ("tiers.storage.l9.path=/tmp/q", {}, "--set tiers.storage.l9.path=/tmp/q"),
+        (None, {"KVSTRATA_TIERS__HOSTT__CAPACITY_TOKENS": "1"}, "KVSTRATA_TIERS__HOSTT__CAPACITY_TOKENS=1"),
+    ],
+)
+def test_an_override_that_creates_a_bad_section_is_blamed_not_the_file(
+    override: str | None, env: dict[str, str], culprit: str, tmp_path: Path
+) -> None:
+    # the error sits at the section the override created (tiers.hostt, an L3 without a type),
+    # above the override's own path: it was blamed on the file, which has no such section
+    config = write(tmp_path / "c.yaml", BASE)
+    result = validate_in_process(str(config), *(["--set", override] if override else []), env=env)
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert culprit in line and "c.yaml" not in line, line
+
+
+def test_an_error_in_a_section_the_file_has_stays_the_files(tmp_path: Path) -> None:
+    data = json.loads(json.dumps(BASE))
+    data["tiers"]["storage"]["l3"] = {"path": "/tmp/a"}  # the file forgot the type
+    config = write(tmp_path / "c.yaml", data)
+    result = validate_in_process(str(config), "--set", "tiers.storage.l3.capacity_bytes=5")
+    assert result.exit_code == 2, result.output
+    assert "invalid configuration in " + str(config) in " ".join(result.output.split())

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvstrata.cli._app import (
     EXIT_INVALID,
@@ -15,6 +16,7 @@ from kvstrata.core.config import (
     ENV_NESTING,
     ENV_PREFIX,
     KvstrataConfig,
+    compose,
     load,
 )
 from kvstrata.plugins.errors import ConfigError, KvstrataError, PluginError
@@ -33,17 +35,36 @@ def _override_culprits(overrides: Sequence[str]) -> list[tuple[str, str]]:
     return culprits
 
 
-def blame_overrides(exc: ConfigError, overrides: Sequence[str]) -> ConfigError:
+def _holds(data: Mapping[str, Any], path: str) -> bool:
+    """Whether the composed files' mapping ``data`` has the dotted ``path``."""
+    node: Any = data
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def blame_overrides(
+    exc: ConfigError, overrides: Sequence[str], files_data: Mapping[str, Any] | None = None
+) -> ConfigError:
     """The same errors, each blamed on the ``--set`` (or environment override) that set the bad
-    field instead of on the config files, which never contained that value."""
+    field instead of on the config files, which never contained that value. An error at or below
+    an override's path is that override's; so is one at a section above it that the files
+    (``files_data``, their composed mapping) do not have: the override created it (a typo such as
+    ``tiers.hostt.capacity_tokens``, or an L3 instance without a ``type``)."""
     culprits = _override_culprits(overrides)
-    found = [
-        next(
-            (text for where, text in reversed(culprits) if path == where or path.startswith(where + ".")),
-            None,
-        )
-        for path, _ in exc.errors
-    ]
+
+    def blamed(path: str) -> str | None:
+        for where, text in reversed(culprits):
+            if path == where or path.startswith(where + "."):
+                return text
+            created = files_data is not None and not _holds(files_data, path)
+            if created and where.startswith(path + "."):
+                return text
+        return None
+
+    found = [blamed(path) for path, _ in exc.errors]
     if found and all(found):  # every error comes from overrides: name them, not the files
         return ConfigError(exc.errors, ", ".join(dict.fromkeys(c for c in found if c)))
     errors = [
@@ -53,6 +74,15 @@ def blame_overrides(exc: ConfigError, overrides: Sequence[str]) -> ConfigError:
     return ConfigError(errors, exc.source)
 
 
+def _files_data(files: Sequence[Path]) -> dict[str, Any] | None:
+    """The files' composed mapping without any override (None when they cannot be read: the
+    error is then the files' own)."""
+    try:
+        return compose(files, (), environ={})
+    except (ConfigError, OSError):
+        return None
+
+
 def load_cli_config(
     files: Sequence[Path], overrides: Sequence[str], host: PluginHost, *, user_overrides: Sequence[str] = ()
 ) -> KvstrataConfig:
@@ -60,7 +90,7 @@ def load_cli_config(
     try:
         return load(files, overrides=overrides, plugins=host)
     except ConfigError as exc:
-        raise _fail(blame_overrides(exc, user_overrides), EXIT_INVALID) from None
+        raise _fail(blame_overrides(exc, user_overrides, _files_data(files)), EXIT_INVALID) from None
     except PluginError as exc:
         raise _fail(exc, EXIT_INVALID) from None
 
