@@ -319,3 +319,12 @@ def test_an_error_in_a_section_the_file_has_stays_the_files(tmp_path: Path) -> N
     result = validate_in_process(str(config), "--set", "tiers.storage.l3.capacity_bytes=5")
     assert result.exit_code == 2, result.output
     assert "invalid configuration in " + str(config) in " ".join(result.output.split())
+
+
+def test_names_that_look_like_markup_are_printed_as_written(tmp_path: Path) -> None:
+    # a pool named `kv[/x]` crashed `config validate` with rich's MarkupError
+    data = json.loads(json.dumps(BASE))
+    data["model"]["pools"] = {"kv[/x]": data["model"]["pools"]["kv"]}
+    result = validate_in_process(str(write(tmp_path / "c.yaml", data)))
+    assert result.exit_code == 0, result.output
+    assert "pools: kv[/x] (kv)" in result.output

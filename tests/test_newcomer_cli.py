@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 import yaml
+from typer.testing import CliRunner
+
+from kvstrata.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "configs"
@@ -363,6 +366,18 @@ def test_plugins_lists_disabled_and_broken_plugins_with_reason_and_install_hint(
     assert disabled["status"] == "disabled" and "KVSTRATA_DISABLED_PLUGINS" in disabled["error"]
     table = run_cli("plugins", cwd=tmp_path, site=site)
     assert "fix: pip install 'surely-missing-client-xyz>=6'" in table.stdout
+
+
+# --- 9b: user text is never rich markup --------------------------------------------------------
+
+
+def test_simulate_prints_a_trace_path_that_looks_like_markup(tmp_path: Path) -> None:
+    # `.../a[/b].jsonl` in the table title crashed with rich's MarkupError
+    (tmp_path / "a[").mkdir()
+    trace = write_trace(tmp_path / "a[" / "b].jsonl", 2, 1)
+    result = CliRunner().invoke(app, ["simulate", str(trace)])
+    assert result.exit_code == 0, result.output
+    assert str(trace) in "".join(result.output.split())  # the title wraps where the width says
 
 
 # --- 9: the README's first screen points at the library API ------------------------------------

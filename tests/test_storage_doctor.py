@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from kvstrata.cli import app
@@ -63,3 +65,41 @@ def test_a_device_tier_on_the_cpu_counts_against_host_memory(tmp_path: Path) -> 
     assert "lower tiers.device.capacity_tokens (the device tier is on the CPU" in " ".join(
         start.output.split()
     )
+
+
+def test_an_install_hint_keeps_its_extra_in_brackets(monkeypatch: pytest.MonkeyPatch) -> None:
+    # rich read `[mooncake]` as a tag and printed `pip install 'kvstrata'`, which installs no extra
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # as on a machine without the wheel
+    result = doctor("tiers.storage.l3={type: mooncake}")
+    assert result.exit_code == 1, result.output
+    assert "pip install 'kvstrata[mooncake]'" in result.output
+    assert "'kvstrata[mooncake-cpu]'" in result.output
+
+
+def test_a_path_that_looks_like_markup_is_printed_not_parsed(tmp_path: Path) -> None:
+    # an L3 path holding `[/y]` crashed doctor with rich's MarkupError traceback
+    (tmp_path / "q[").mkdir()
+    blocker = tmp_path / "q[" / "y]"
+    blocker.write_text("a file where the L3 directory should be")
+    result = doctor(f"tiers.storage.l3={{type: file, path: '{blocker}', capacity_bytes: 1000000}}")
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "problem:" in result.output and "q[/y]" in result.output
+
+
+def test_sizes_no_machine_has_are_not_printed_as_twenty_digits_of_gib(tmp_path: Path) -> None:
+    # a capacity typo (10**26 tokens) printed `11920928955078125568.000 GiB`
+    result = doctor(f"tiers.storage.l3.path={tmp_path}", f"tiers.host.capacity_tokens={10**26}")
+    assert result.exit_code == 1, result.output
+    words = " ".join(result.output.split())
+    assert "11920928955078125568" not in words
+    assert "need 1.280e+28 bytes per rank" in words, words
+
+
+def test_large_sizes_are_named_in_the_largest_binary_unit() -> None:
+    from kvstrata.cli.doctor_cmd import human_size
+
+    assert human_size(167772160) == "0.156 GiB"
+    assert human_size(3 * 2**40) == "3.000 TiB"
+    assert human_size(5 * 2**60) == "5.000 EiB"
+    assert human_size(10**28) == "1.000e+28 bytes"

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 import yaml
+from rich.markup import escape
 
 from kvstrata.cli._app import (
     ConfigFiles,
@@ -37,7 +38,8 @@ def config_validate(
     check_stack(config, host, machine=False)
     pools = ", ".join(f"{k} ({v.type})" for k, v in config.model.pools.items())
     storage = ", ".join(f"{k} ({v.type})" for k, v in config.tiers.storage.items()) or "none"
-    out.print(f"[green]valid[/]: model {config.model.name!r}; pools: {pools}; storage: {storage}")
+    summary = f"model {config.model.name!r}; pools: {pools}; storage: {storage}"  # user text, not markup
+    out.print(f"[green]valid[/]: {escape(summary)}", highlight=False)
 
 
 @config_app.command("show")

@@ -39,6 +39,24 @@ def build_pool_specs(config: Any, host: PluginHost) -> dict[str, Any]:
     }
 
 
+#: Binary units ``human_size`` names, from GiB (what a host budget is counted in) up.
+_UNITS = ("GiB", "TiB", "PiB", "EiB")
+
+
+def human_size(n: int) -> str:
+    """Bytes in the largest binary unit from GiB to EiB that keeps the number readable; beyond
+    EiB (a capacity no machine has, e.g. a typo in ``capacity_tokens``) the bytes in scientific
+    notation, instead of a 20-digit figure of GiB."""
+    value = n / 2**30
+    for unit in _UNITS:
+        if value < 1024 or unit == _UNITS[-1]:
+            break
+        value /= 1024
+    if value >= 1024:
+        return f"{n:.3e} bytes"
+    return f"{value:.3f} {unit}"
+
+
 @app.command()
 def doctor(files: ConfigFiles = None, config_option: ConfigOption = None, set_: SetOption = None) -> None:
     """Check a configuration against this machine: I/O plan per (backend, pool), host memory
@@ -67,31 +85,37 @@ def doctor(files: ConfigFiles = None, config_option: ConfigOption = None, set_: 
     for column in ("backend", "type", "status", "details"):
         reach_table.add_column(column)
     for instance, backend_config in config.tiers.storage.items():
+        who = (escape(instance), escape(backend_config.type))  # user and plugin text, never markup
         try:
             cls = host.storage_backends.require(backend_config.type)
         except PluginError as exc:
-            reach_table.add_row(instance, backend_config.type, "[red]missing[/]", str(exc))
+            reach_table.add_row(*who, "[red]missing[/]", escape(str(exc)))
             problems.append(f"backend {instance!r}: {exc}")
             continue
         try:  # a third-party plugin's bug is this backend's problem, not a traceback
             caps = cls(instance, backend_config).instance_capabilities()
         except Exception as exc:
             broken = f"{type(exc).__name__}: {exc}"
-            reach_table.add_row(instance, backend_config.type, "[red]broken[/]", escape(broken))
+            reach_table.add_row(*who, "[red]broken[/]", escape(broken))
             problems.append(f"backend {instance!r} ({backend_config.type}): {broken}")
             continue
         plans = plan_backend(instance, caps, specs.values(), parallel=config.parallel)
         for name, plan in plans.items():
             style = {IOMode.ZERO_COPY: "green", IOMode.COPY: "yellow"}.get(plan.mode, "red")
             sizes = ", ".join(f"{k}={v}" for k, v in plan.object_bytes.items())
-            plan_table.add_row(instance, name, plan.pool_type, f"[{style}]{plan.mode}[/]", sizes, plan.reason)
+            plan_table.add_row(
+                *map(escape, (instance, name, plan.pool_type)),
+                f"[{style}]{plan.mode}[/]",
+                escape(sizes),
+                escape(plan.reason),
+            )
             if plan.mode is IOMode.OFF:
                 problems.append(f"pool {name!r} cannot be stored on backend {instance!r}: {plan.reason}")
         reason = backend_problem(instance, backend_config, host)
         if reason is None:
-            reach_table.add_row(instance, backend_config.type, "[green]reachable[/]", "")
+            reach_table.add_row(*who, "[green]reachable[/]", "")
         else:
-            reach_table.add_row(instance, backend_config.type, "[red]unavailable[/]", reason)
+            reach_table.add_row(*who, "[red]unavailable[/]", escape(reason))
             problems.append(f"backend {instance!r} ({backend_config.type}): {reason}")
     if config.tiers.storage:
         out.print(plan_table)
@@ -107,14 +131,14 @@ def doctor(files: ConfigFiles = None, config_option: ConfigOption = None, set_: 
     device_on_host = torch.device(config.tiers.device.device).type == "cpu"
     tiers = "host and device tiers (the device tier is on the CPU)" if device_on_host else "host tier"
     out.print(
-        f"host budget: the pools' {tiers} need {required / 2**30:.3f} GiB per rank; "
-        f"available {available / 2**30:.3f} GiB per rank "
+        f"host budget: the pools' {tiers} need {human_size(required)} per rank; "
+        f"available {human_size(available)} per rank "
         f"(available memory - reserve_bytes, / ranks_per_host {host_tier.ranks_per_host}): {verdict}"
     )
     if required > available:
-        problems.append(f"the pools' {tiers} need {required} bytes per rank, {available} available")
+        problems.append(f"the pools' {tiers} need {required:,} bytes per rank, {available:,} available")
     if problems:
         for problem in problems:
-            err.print(f"[bold red]problem:[/] {problem}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]problem:[/] {escape(problem)}", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_RUNTIME)
     out.print("[green]ok[/]: every pool can be stored as configured")

@@ -161,7 +161,11 @@ def plugins(
                 row["status"], "red"
             )
             table.add_row(
-                row["kind"], row["name"], escape(dist), f"[{style}]{row['status']}[/]", escape(details)
+                escape(row["kind"]),
+                escape(row["name"]),
+                escape(dist),
+                f"[{style}]{row['status']}[/]",
+                escape(details),
             )
         out.print(table)
     if not host.autoload:

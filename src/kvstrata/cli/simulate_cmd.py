@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 import yaml
+from rich.markup import escape
 from rich.table import Table
 
 from kvstrata.cli._app import (
@@ -138,11 +139,11 @@ def _simulate_one(
         print(result.model_dump_json(indent=2, exclude={"per_request_hits", "per_request_tokens"}))
         return
     capacity = f"{config.capacity_tokens:,} tokens" if config.capacity_tokens is not None else "unlimited"
-    table = Table(title=f"simulate {trace or 'bundled sample trace'}", show_header=False)
+    table = Table(title=escape(f"simulate {trace or 'bundled sample trace'}"), show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
     table.add_row("cache", capacity)
-    table.add_row("eviction policy", result.eviction)
+    table.add_row("eviction policy", escape(result.eviction))
     table.add_row("block size", f"{config.block_size}")
     table.add_row("requests", f"{result.requests:,}")
     table.add_row("warm-up requests", f"{result.warmup_requests:,}")
@@ -204,11 +205,11 @@ def _simulate_sweep(
     if as_json:
         print(json.dumps({"capacities_tokens": sizes, "hit_rate": rates}, indent=2))
         return
-    table = Table(title=f"hit rate by capacity (million tokens): {trace or 'bundled sample trace'}")
+    table = Table(title=escape(f"hit rate by capacity (million tokens): {trace or 'bundled sample trace'}"))
     table.add_column("policy")
     for size in sizes:
         table.add_column(f"{size / 1e6:g}M", justify="right")
     for name, values in rates.items():
-        table.add_row(name, *(f"{v:.2%}" for v in values))
+        table.add_row(escape(name), *(f"{v:.2%}" for v in values))
     out.print(table)
-    err.print(f"plot written to {png}", highlight=False)
+    err.print(f"plot written to {png}", highlight=False, markup=False)
