@@ -350,3 +350,57 @@ EchoBackend.instance_capabilities = _boom
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "backend 'l3' (fragile): RuntimeError: boom in instance_capabilities" in result.stderr
+
+
+HOOK_REGISTERING_KV = """
+import kvstrata
+from kvstrata.pool_types.kv import KVPoolType
+
+class K(KVPoolType):
+    pass
+
+@kvstrata.hookimpl
+def kvstrata_register_pool_types(register):
+    register(K)
+"""
+
+
+def test_a_hook_plugin_taking_a_built_in_name_gets_a_fix_that_works(make_distribution) -> None:
+    # the hint said KVSTRATA_DISABLED_PLUGINS=kv, which blocks the built-in `kv` and the hook's
+    # class alike (no kv pool type at all), and a reinstall, which cannot mend a collision
+    from kvstrata.cli.plugins_cmd import plugin_rows
+
+    hook = {"kvstrata.plugins": {"dupkv": "kvstrata_dupkv"}}
+    make_distribution("kvstrata-dupkv", "1.0", hook, {"kvstrata_dupkv": HOOK_REGISTERING_KV})
+    with pytest.warns(UserWarning, match="dupkv"):
+        host = PluginHost(autoload=True, disabled=set())
+    [row] = [r for r in plugin_rows(host) if r["kind"] == "hook plugin"]
+    assert "KVSTRATA_DISABLED_PLUGINS=kvstrata:kv" in row["error"], row["error"]
+    assert row["install"] is None, "a reinstall does not mend a name collision"
+    fixed = PluginHost(autoload=True, disabled={"kvstrata:kv"})  # following the hint
+    assert fixed.hook_plugin_errors == [] and fixed.pool_types.get("kv").__module__ == "kvstrata_dupkv"
+
+
+def test_a_hook_plugin_that_fails_to_import_still_gets_the_reinstall(make_distribution) -> None:
+    from kvstrata.cli.plugins_cmd import plugin_rows
+
+    hook = {"kvstrata.plugins": {"gone": "kvstrata_gone"}}
+    make_distribution(
+        "kvstrata-gone", "1.0", hook, {"kvstrata_gone": "raise ImportError('half installed')\n"}
+    )
+    with pytest.warns(UserWarning, match="gone"):
+        host = PluginHost(autoload=True, disabled=set())
+    [row] = [r for r in plugin_rows(host) if r["kind"] == "hook plugin"]
+    assert row["install"] == "pip install --force-reinstall 'kvstrata-gone'"
+
+
+@pytest.mark.parametrize("name", ["", "[1,2", "Two Words"])
+def test_an_unknown_name_no_package_could_have_gets_no_pip_command(
+    name: str, kvstrata_host: PluginHost
+) -> None:
+    # `--eviction ''` suggested `pip install kvstrata-`
+    with pytest.raises(UnknownPluginError) as info:
+        kvstrata_host.eviction_policies.get(name)
+    assert "pip install" not in str(info.value) and "lower-case letters" in str(info.value)
+    with pytest.raises(UnknownPluginError, match=r"pip install kvstrata-redis"):
+        kvstrata_host.storage_backends.get("redis")

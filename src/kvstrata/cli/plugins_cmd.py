@@ -109,7 +109,7 @@ def plugin_rows(host: PluginHost) -> list[dict[str, Any]]:
                 "source": "entry_point",
                 "status": "load error",
                 "error": failed.error,
-                "install": install_hint(failed.distribution, None),
+                "install": install_hint(failed.distribution, None) if failed.import_failed else None,
                 "missing": [],
                 "capabilities": None,
             }

@@ -6,6 +6,8 @@ the exact ``pip install`` command for a missing extra, the installed names for a
 
 from __future__ import annotations
 
+import re
+
 
 class KvstrataError(Exception):
     """Base of every error kvstrata raises on purpose."""
@@ -15,16 +17,24 @@ class PluginError(KvstrataError):
     """A plugin could not be found, loaded or validated."""
 
 
+#: What a plugin name may be (``registry.NAME_PATTERN``, repeated: the registry imports this module).
+_PLUGIN_NAME = re.compile(r"[a-z0-9_]+")
+
+
 class UnknownPluginError(PluginError):
     """A config names a ``type`` that no installed plugin provides."""
 
     def __init__(self, kind: str, name: str, installed: list[str]) -> None:
         self.kind, self.name, self.installed = kind, name, installed
         listing = ", ".join(sorted(installed)) or "none"
-        super().__init__(
-            f"unknown {kind} {name!r}; installed: {listing}. Install the package that provides "
-            f"it (e.g. `pip install kvstrata-{name}`) or run `kvstrata plugins` to see what is loaded."
-        )
+        if _PLUGIN_NAME.fullmatch(name):
+            fix = (
+                f"Install the package that provides it (e.g. `pip install kvstrata-{name}`) or run "
+                "`kvstrata plugins` to see what is loaded."
+            )
+        else:  # no package is named after '' or '[1,2': a pip command would mislead
+            fix = "A plugin name is lower-case letters, digits and '_'."
+        super().__init__(f"unknown {kind} {name!r}; installed: {listing}. {fix}")
 
 
 class PluginLoadError(PluginError):
@@ -52,11 +62,25 @@ class PluginCollisionError(PluginError):
     """Two plugins claim the same name: refuse rather than let install order decide."""
 
     def __init__(
-        self, kind: str, name: str, first: str, second: str, distributions: tuple[str, str] | None = None
+        self,
+        kind: str,
+        name: str,
+        first: str,
+        second: str,
+        distributions: tuple[str, str] | None = None,
+        *,
+        installed: str | None = None,
     ) -> None:
         self.kind, self.name, self.first, self.second = kind, name, first, second
-        if distributions is None:  # one of them registered in-process: only the other can be blocked
-            fix = f"uninstall one, or block the installed one with KVSTRATA_DISABLED_PLUGINS={name}"
+        if distributions is None and installed is not None:
+            # one registered in-process (a hook): only the installed entry point can be blocked,
+            # by its distribution (a bare name blocks the in-process registration too)
+            fix = (
+                f"uninstall one, or block the installed one's entry with "
+                f"KVSTRATA_DISABLED_PLUGINS={installed}:{name} (a bare {name!r} blocks both)"
+            )
+        elif distributions is None:  # both registered in-process: nothing installed to block
+            fix = "register only one of them"
         else:  # block one distribution's entry only (``name`` alone would block both)
             one, other = distributions
             fix = (

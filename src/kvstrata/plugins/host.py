@@ -160,6 +160,9 @@ class HookPluginError:
     distribution: str | None
     version: str | None
     error: str
+    #: its module failed to import (a reinstall may mend that; a registration it made, such as a
+    #: name a built-in already has, it cannot)
+    import_failed: bool = False
 
 
 class PluginHost:
@@ -243,8 +246,11 @@ class PluginHost:
             if ep.name in self.disabled or self.pm.get_plugin(ep.name) is not None:
                 continue
             dist = getattr(ep, "dist", None)
+            imported = False
             try:
-                self.pm.register(ep.load(), name=ep.name)  # runs its registration hooks too
+                plugin = ep.load()
+                imported = True
+                self.pm.register(plugin, name=ep.name)  # runs its registration hooks too
             except (Exception, SystemExit) as exc:  # (a plugin calling sys.exit at import)
                 if self.pm.get_plugin(ep.name) is not None:
                     self.pm.unregister(name=ep.name)
@@ -253,6 +259,7 @@ class PluginHost:
                     dist.name if dist else None,
                     dist.version if dist else None,
                     f"{type(exc).__name__}: {exc}",
+                    import_failed=not imported,
                 )
                 self.hook_plugin_errors.append(error)
                 warnings.warn(

@@ -186,7 +186,9 @@ class Registry(Generic[T]):
         )
         others = [e for e in self._entries.get(name, []) if e.target != entry.target]
         if others:
-            raise PluginCollisionError(self.kind, name, others[0].origin, entry.origin)
+            other = others[0]
+            installed = other.provider if other.source == "entry_point" else None
+            raise PluginCollisionError(self.kind, name, other.origin, entry.origin, installed=installed)
         try:
             self._validate(name, cls)
         except ValueError as exc:
