@@ -368,7 +368,15 @@ def test_plugins_lists_disabled_and_broken_plugins_with_reason_and_install_hint(
     assert "fix: pip install 'surely-missing-client-xyz>=6'" in table.stdout
 
 
-# --- 9b: user text is never rich markup --------------------------------------------------------
+# --- 9b: options that would be ignored are refused; user text is never rich markup -------------
+
+
+@pytest.mark.parametrize("option", [["--capacities", "1,2"], ["--policies", "lru,fifo"]])
+def test_sweep_options_without_sweep_are_refused(option: list[str]) -> None:
+    # `simulate --capacities 1,2` ran one unlimited simulation and exited 0
+    result = CliRunner().invoke(app, ["simulate", "--limit", "3", *option])
+    assert result.exit_code == 2, result.output
+    assert f"{option[0]} applies to a sweep only: add --sweep" in result.output
 
 
 def test_simulate_prints_a_trace_path_that_looks_like_markup(tmp_path: Path) -> None:

@@ -88,6 +88,13 @@ def simulate(
     from kvstrata.replay.simulate import SimulationConfig
     from kvstrata.replay.trace import TraceError, read_trace
 
+    for option, value in (("--capacities", capacities), ("--policies", policies)):
+        if value is not None and sweep_out is None:  # once ignored without a word
+            raise _fail(
+                f"{option} applies to a sweep only: add --sweep FILE.png (one simulation takes "
+                "--capacity-tokens and --eviction)",
+                EXIT_INVALID,
+            )
     host = PluginHost()
     sizes = _sweep_sizes(sweep_out, capacities) if sweep_out is not None else None  # before any work
     try:
