@@ -35,6 +35,26 @@ class SlowMemory(MemoryBackend):
     Config = SlowConfig
 """
 
+#: Fault injection (a labelled test double): the file backend made slow to write, so a replay
+#: with ``--fresh`` (its L3 in a temporary directory) has writes in flight at the second Ctrl-C.
+SLOW_FILE = """
+import time
+from typing import Literal
+from kvstrata.storage_backends._file_config import FileConfig
+from kvstrata.storage_backends.file import FileBackend
+
+class SlowFileConfig(FileConfig):
+    type: Literal["slowfile"] = "slowfile"
+
+class SlowFile(FileBackend):
+    name = "slowfile"
+    Config = SlowFileConfig
+
+    def put(self, objects):
+        time.sleep(3.0)
+        return super().put(objects)
+"""
+
 
 def console_script() -> list[str]:
     script = shutil.which("kvstrata")
@@ -170,6 +190,33 @@ def test_a_second_ctrl_c_exits_at_once_naming_the_abandoned_writes(make_distribu
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
     abandoned = re.search(r"interrupted again: exiting at once; L3 write batches abandoned: (\d+)", text)
     assert abandoned is not None, text
+
+
+def test_a_second_ctrl_c_removes_the_temporary_l3_directory(make_distribution, tmp_path: Path) -> None:
+    # the exit at once skipped the `finally` that removes it: "(empty, temporary, removed
+    # afterwards)" was left in $TMPDIR, hundreds of MB after a longer run
+    site = make_distribution(
+        "kvstrata-slowfile",
+        "0.1",
+        {"kvstrata.storage_backends": {"slowfile": "kvstrata_slowfile:SlowFile"}},
+        {"kvstrata_slowfile": SLOW_FILE},
+    )
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**environment(tmp_path, site), "TMPDIR": str(scratch)}
+    l3 = "tiers.storage.l3={type: slowfile, path: " + str(tmp_path / "unused") + "}"
+    argv = [*console_script(), "replay", "-c", str(DEMO), "--set", l3, "--fresh"]
+    term = Terminal(argv, env, tmp_path)
+    assert term.read_until(r"replayed", 240), term.text
+    assert list(scratch.glob("kvstrata-replay-l3-*")), "the run's L3 is in a temporary directory"
+    term.ctrl_c()
+    assert term.read_until(r"interrupt: finishing", 60), term.text
+    term.ctrl_c()
+    code = term.wait(60)
+    text = term.text
+    assert code == 130 and "interrupted again: exiting at once" in text, text
+    assert "temporary L3 directory removed" in text, text
+    assert list(scratch.glob("kvstrata-replay-l3-*")) == []
 
 
 def test_ctrl_c_in_another_command_is_one_line_and_130(tmp_path: Path) -> None:

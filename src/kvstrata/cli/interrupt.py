@@ -5,7 +5,8 @@ call, the middle of an insert) prints a traceback and leaves the run's state unk
 SIGINT handler only sets a flag while the replay runs: the driver stops between two requests,
 flushes its L3 writes and returns, and the command prints one line and exits 130. A second
 Ctrl-C exits at once, saying how many L3 write batches it abandons (objects are written to a
-temporary name and renamed, so an abandoned write leaves no half object behind). Before the
+temporary name and renamed, so an abandoned write leaves no half object behind), and removes the
+run's temporary L3 directory first (the exit skips every ``finally``). Before the
 replay starts (config, trace, reference simulation) nothing has been written: a Ctrl-C there
 exits 130 at once.
 """
@@ -13,10 +14,12 @@ exits 130 at once.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from pathlib import Path
 from types import FrameType
 
 from kvstrata.replay.stop import StopRequest
@@ -31,19 +34,35 @@ class ReplayInterrupt(StopRequest):
     def __init__(self) -> None:
         super().__init__()
         self.running = False  # True once the cache is open and requests are being replayed
+        #: the run's temporary L3 directory: the exit at once skips the command's ``finally``
+        #: that removes it, so the handler removes it itself (it may hold hundreds of MB)
+        self.scratch: Path | None = None
 
     def handle(self, _signum: int, _frame: FrameType | None) -> None:
         if not self.running:
             _say("interrupted before the replay started; nothing was written")
             raise SystemExit(EXIT_INTERRUPTED)  # not an Exception: no handler on the way swallows it
         if self.requested:  # the second Ctrl-C: leave now
+            abandoned = self.pending_writes()
             _say(
-                f"interrupted again: exiting at once; L3 write batches abandoned: {self.pending_writes()} "
-                "(an unfinished object is never visible: it is a miss, not data)"
+                f"interrupted again: exiting at once; L3 write batches abandoned: {abandoned} "
+                "(an unfinished object is never visible: it is a miss, not data)" + self._remove_scratch()
             )
             os._exit(EXIT_INTERRUPTED)
         self.requested = True
         _say("interrupt: finishing the current request and flushing L3 writes (Ctrl-C again exits at once)")
+
+    def _remove_scratch(self) -> str:
+        """Remove the temporary L3 directory; what the exit line adds about it ("" when none).
+        A write still in flight may recreate a sub-directory: removal is retried, and a
+        directory that still exists is named so the user can remove it."""
+        if self.scratch is None:
+            return ""
+        for _ in range(3):
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            if not self.scratch.exists():
+                return "; temporary L3 directory removed"
+        return f"; temporary L3 directory left behind: {self.scratch} (remove it)"
 
 
 def exit_on_interrupt(_signum: int, _frame: FrameType | None) -> None:

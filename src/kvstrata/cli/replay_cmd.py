@@ -151,6 +151,7 @@ def replay(
                 scratch = scratch or Path(tempfile.mkdtemp(prefix="kvstrata-replay-l3-"))
                 overrides += fresh_overrides(config, scratch)
                 config = load_cli_config(files, overrides, host, user_overrides=user_overrides)
+            interrupt.scratch = scratch  # removed by a second Ctrl-C's exit at once, too
             check_stack(config, host, machine=True)
             check_backends(config, host)
             try:
