@@ -91,3 +91,47 @@ def test_bad_trace_line_names_file_and_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["replay", str(trace)])
     assert result.exit_code == 2
     assert f"{trace}:2" in result.output
+
+
+def test_a_pool_short_of_its_own_device_units_is_named_not_the_tier(tmp_path: Path) -> None:
+    # a mamba pool with `device_units: 1` ran out of slots; the summary said "raise
+    # tiers.device.capacity_tokens" (the tier held 128 times the request; raising it changed nothing)
+    stack = tmp_path / "stack.yaml"
+    stack.write_text(
+        "model:\n  name: units\n  page_size: 512\n  pools:\n"
+        "    kv: {type: kv, layers: 2, kv_heads: 1, head_dim: 16, dtype: bfloat16}\n"
+        "    m: {type: mamba, layers: 1, states: {conv: {shape: [4, 8]}}, device_units: 1, host_units: 1}\n"
+        "tiers: {device: {capacity_tokens: 262144}, host: {capacity_tokens: 1048576}, storage: {}}\n"
+    )
+    trace = tmp_path / "trace.jsonl"
+    blocks = [[0, 1], [0, 1, 2], [0, 1, 2, 3]]  # each extends the last: its locked prefix holds the slot
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": i, "input_length": len(ids) * 512, "output_length": 1, "hash_ids": ids})
+            + "\n"
+            for i, ids in enumerate(blocks)
+        )
+    )
+    result = CliRunner().invoke(app, ["replay", str(trace), "-c", str(stack)])
+    assert result.exit_code == 1, result.output
+    words = " ".join(result.output.split())
+    assert "error: 2 of 3 requests FAILED: pool 'm' had no device unit left for 2 of them" in words, words
+    assert "raise model.pools.m.device_units" in words
+    assert "tiers.device.capacity_tokens" not in words
+
+
+def test_failures_of_both_kinds_name_both_settings() -> None:
+    from kvstrata.replay.report import ReplayDetails, ReplayResult, failed_requests_sentence
+
+    result = ReplayResult.model_construct(requests=10)
+    details = ReplayDetails(
+        failed_requests=4, longest_failed_tokens=9000, failed_pool_units={"m": 3}, failed_tier_requests=1
+    )
+    sentence = failed_requests_sentence(result, details, 4096)
+    assert sentence.startswith("4 of 10 requests FAILED: pool 'm' had no device unit left for 3 of them")
+    assert sentence.endswith(
+        "; for 1 of them the device tier (4,096 tokens) cannot hold a whole request (the longest failed "
+        "one has 9,000 tokens); raise tiers.device.capacity_tokens above that"
+    )
+    tier_only = ReplayDetails(failed_requests=2, longest_failed_tokens=9000)
+    assert "model.pools" not in failed_requests_sentence(result, tier_only)

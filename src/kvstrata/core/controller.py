@@ -252,7 +252,8 @@ class CacheController(UnitMemory, ClosingApi):
             got = allocate_units(self.units, self.layout, lease, end, window_only)
         if got is None:
             self.metrics.fail()
-            raise device_full(self.layout, lease, end, self.units, self.parts.retention.pinned_pages)
+            pinned = self.parts.retention.pinned_pages
+            raise device_full(self.layout, lease, end, self.units, pinned, too_long=not fits)
         self.units.free(_DEVICE, lease.add_allocation(self.layout, got, end))
         if self.layout.self_owned:  # the tensors are the caller's: the lease keeps bytes of its own
             return got[0]

@@ -32,7 +32,16 @@ _DEVICE = Tier.DEVICE
 
 
 class CacheFullError(RuntimeError):
-    """The device tier cannot hold a request's new pages even after evicting everything unlocked."""
+    """The device tier cannot hold a request's new pages even after evicting everything unlocked.
+
+    ``short``: units per pool still missing after the eviction (which pool ran out: a pool's own
+    ``device_units``, not the tier, may be what is short); ``too_long``: the request is longer
+    than the device tier, so nothing was tried."""
+
+    def __init__(self, message: str, short: Mapping[str, int] | None = None, too_long: bool = False) -> None:
+        super().__init__(message)
+        self.short: dict[str, int] = dict(short or {})
+        self.too_long = too_long
 
 
 @dataclass(eq=False)
@@ -391,12 +400,14 @@ def allocation_needs(layout: StackLayout, lease: Lease, end: int) -> dict[str, i
 
 
 def device_full(
-    layout: StackLayout, lease: Lease, end: int, units: TierUnits, pinned: int = 0
+    layout: StackLayout, lease: Lease, end: int, units: TierUnits, pinned: int = 0, too_long: bool = False
 ) -> CacheFullError:
     """The error of an ``allocate`` the device tier cannot hold even after evicting: what was
     asked per pool, what each pool has, what pins hold, and what to change."""
     needs = allocation_needs(layout, lease, end)
-    sizes = {pool: units.pools.pools[pool].device_allocator.units for pool in needs}
+    allocators = {pool: units.pools.pools[pool].device_allocator for pool in needs}
+    sizes = {pool: allocator.units for pool, allocator in allocators.items()}
+    short = {p: n - allocators[p].available for p, n in needs.items() if n > allocators[p].available}
     pins = (
         f"; {pinned} device pages are pinned (RetentionHint(pin=True): cache.unpin(lease) releases "
         "them, policy.retention.max_pinned_fraction caps them)"
@@ -407,7 +418,9 @@ def device_full(
         f"device tier cannot hold {end - lease.allocated_pages} new pages ({needs}) even after "
         f"evicting every unlocked page (device units per pool: {sizes}; the request's own "
         f"prefix stays locked{pins}): raise tiers.device.capacity_tokens (or the pool's "
-        "device_units) or admit fewer requests at once"
+        "device_units) or admit fewer requests at once",
+        short,
+        too_long,
     )
 
 

@@ -247,6 +247,7 @@ def replay_with_cache(
             steps = [_serve(cache, content, tokens[:end], verify, record=end == ends[0]) for end in ends]
             hit_pages, served = steps[0].hit_pages, sum(s.served for s in steps)
             full = any(s.full for s in steps)
+            short_pools, tier_short = _shortfall(steps)
             counted = sum(s.counted_by_controller for s in steps)
             older = sum(key not in written for key in steps[0].storage_keys)
             for served_step in steps:
@@ -256,6 +257,7 @@ def replay_with_cache(
             rest = _serve(cache, content, tokens, verify, record=False)
             hit_pages, served = first.hit_pages, first.served + rest.served
             full = first.full or rest.full
+            short_pools, tier_short = _shortfall((first, rest))
             counted = first.counted_by_controller + rest.counted_by_controller
             older = sum(key not in written for key in first.storage_keys)
             written.update(first.inserted_keys)
@@ -263,6 +265,7 @@ def replay_with_cache(
         else:
             outcome = _serve(cache, content, tokens, verify)
             hit_pages, served, full = outcome.hit_pages, outcome.served, outcome.full
+            short_pools, tier_short = _shortfall((outcome,))
             counted = outcome.counted_by_controller
             older = sum(key not in written for key in outcome.storage_keys)
             written.update(outcome.inserted_keys)
@@ -277,6 +280,8 @@ def replay_with_cache(
             host=hit_pages.get("host", 0) * page_size,
             storage=hit_pages.get("storage", 0) * page_size,
             failed=FAILED_REQUEST if full else None,
+            short_pools=short_pools,
+            tier_short=tier_short,
         )
         if progress is not None and ((index + 1) % 16 == 0 or index + 1 == total):
             progress(index + 1, total)
@@ -306,6 +311,21 @@ def replay_with_cache(
     return result, details
 
 
+def _own_units_short(cache: CacheController, exc: CacheFullError) -> tuple[str, ...]:
+    """The pools short of units in ``exc`` whose device units their own ``device_units`` sets
+    (not the tier's capacity): the setting a failure summary must name for them."""
+    pools = cache.pools.config.model.pools
+    if exc.too_long:
+        return ()
+    return tuple(p for p in exc.short if p in pools and pools[p].device_units is not None)
+
+
+def _shortfall(steps: Sequence[_Served]) -> tuple[tuple[str, ...], bool]:
+    """The pools whose own units ran out in any step of a request, and whether the tier did."""
+    pools = tuple(dict.fromkeys(p for step in steps for p in step.short_pools))
+    return pools, any(step.tier_short for step in steps)
+
+
 def _checkpoint_tokens(input_length: int, page_size: int, step: int) -> int:
     """Tokens of the chunked-prefill checkpoint of a request, or 0 when it is served whole."""
     if not step:
@@ -321,6 +341,8 @@ class _Served:
     hit_pages: dict[str, int]
     served: int  # units restored with wrong bytes
     full: bool = False  # the device tier could not hold the pages to compute: the request failed
+    short_pools: tuple[str, ...] = ()  # when full: pools whose own device_units ran out
+    tier_short: bool = False  # when full: the tier's capacity ran out (or the request is too long)
     counted_by_controller: int = 0  # 1 when the controller also counted that failed allocation
     storage_keys: Sequence[str] = ()  # page keys of the pages served from L3
     inserted_keys: Sequence[str] = ()  # page keys of the pages this step inserted
@@ -351,10 +373,17 @@ def _serve(
         failures_before = cache.metrics.failures
         try:
             allocated = cache.allocate(lease)
-        except CacheFullError:
+        except CacheFullError as exc:
             counted = int(cache.metrics.failures > failures_before)
+            own = _own_units_short(cache, exc)
             return _Served(
-                hit_pages, served, full=True, counted_by_controller=counted, storage_keys=storage_keys
+                hit_pages,
+                served,
+                full=True,
+                counted_by_controller=counted,
+                storage_keys=storage_keys,
+                short_pools=own,
+                tier_short=exc.too_long or not own or len(own) < len(exc.short),
             )
         for name, units in allocated.items():
             if name in content.pools and units.numel():

@@ -103,6 +103,11 @@ class ReplayDetails(BaseModel):
     failed_requests: int = 0
     #: input tokens of the longest failed request (what the tier would have to hold)
     longest_failed_tokens: int = 0
+    #: per pool with ``device_units`` of its own: failed requests that pool had too few units for
+    #: (the tier's capacity was not what ran out; empty: every failure was the tier's)
+    failed_pool_units: dict[str, int] = Field(default_factory=dict)
+    #: failed requests the device tier's capacity could not hold (with ``failed_pool_units``)
+    failed_tier_requests: int = 0
     #: the storage engine's counters over the measured part (put_failed, breaker_rejected ...)
     storage: dict[str, int] = Field(default_factory=dict)
     #: measured storage-hit tokens whose objects this run did not write: an earlier run (or
@@ -131,6 +136,8 @@ class ReplayRecorder:
         self._failed_requests = 0
         self._failed_tokens = 0
         self._longest_failed = 0
+        self._pool_units: Counter[str] = Counter()
+        self._tier_failed = 0
         self.corrupt_pages_detected = 0
         self.corrupt_pages_served = 0
         self._storage: dict[str, int] = {}
@@ -141,10 +148,19 @@ class ReplayRecorder:
         return self._seen >= self.warmup_requests
 
     def record_request(
-        self, tokens: int, device: int = 0, host: int = 0, storage: int = 0, failed: str | None = None
+        self,
+        tokens: int,
+        device: int = 0,
+        host: int = 0,
+        storage: int = 0,
+        failed: str | None = None,
+        short_pools: Sequence[str] = (),
+        tier_short: bool = False,
     ) -> None:
         """One request: its input tokens and how many leading tokens each tier served; ``failed``
-        names why it could not be served (it then counts as a failure, not as throughput)."""
+        names why it could not be served (it then counts as a failure, not as throughput).
+        ``short_pools``: the pools whose own ``device_units`` ran out for it; the failure is the
+        tier's (``tiers.device.capacity_tokens``) when ``tier_short`` or when none is named."""
         if min(tokens, device, host, storage) < 0 or device + host + storage > tokens:
             raise ValueError(
                 f"inconsistent hits for a request of {tokens} tokens: device={device}, host={host}, "
@@ -162,6 +178,8 @@ class ReplayRecorder:
             self._failed_requests += 1
             self._failed_tokens += tokens
             self._longest_failed = max(self._longest_failed, tokens)
+            self._pool_units.update(short_pools)
+            self._tier_failed += int(tier_short or not short_pools)
 
     def add_bytes(self, direction: Direction, nbytes: int) -> None:
         if direction not in DIRECTIONS:
@@ -219,6 +237,8 @@ class ReplayRecorder:
             baseline_label=baseline_label,
             failed_requests=self._failed_requests,
             longest_failed_tokens=self._longest_failed,
+            failed_pool_units=dict(self._pool_units),
+            failed_tier_requests=self._tier_failed,
             storage=self._storage,
         )
         return result, details
@@ -329,13 +349,25 @@ def render_summary(
 def failed_requests_sentence(
     result: ReplayResult, details: ReplayDetails, capacity_tokens: int | None = None
 ) -> str:
-    """One sentence: how many requests failed, why, and the setting that fixes it."""
+    """One sentence: how many requests failed, why, and the setting that fixes it: a pool's own
+    ``device_units`` where those ran out (raising the tier's capacity would change nothing),
+    ``tiers.device.capacity_tokens`` where the tier did."""
     held = f" ({capacity_tokens:,} tokens)" if capacity_tokens is not None else ""
-    return (
-        f"{details.failed_requests:,} of {result.requests:,} requests FAILED: the device tier{held} "
-        f"cannot hold a whole request (the longest failed one has {details.longest_failed_tokens:,} "
-        "tokens); raise tiers.device.capacity_tokens above that"
+    head = f"{details.failed_requests:,} of {result.requests:,} requests FAILED: "
+    tier = (
+        f"the device tier{held} cannot hold a whole request (the longest failed one has "
+        f"{details.longest_failed_tokens:,} tokens); raise tiers.device.capacity_tokens above that"
     )
+    if not details.failed_pool_units:
+        return head + tier
+    pools = "; ".join(
+        f"pool {pool!r} had no device unit left for {count:,} of them (its own device_units ran out, "
+        f"not the tier); raise model.pools.{pool}.device_units"
+        for pool, count in sorted(details.failed_pool_units.items())
+    )
+    if details.failed_tier_requests:
+        pools += f"; for {details.failed_tier_requests:,} of them " + tier
+    return head + pools
 
 
 #: Storage counters the failure summary names (when not zero), in this order.
