@@ -497,3 +497,79 @@ def test_a_page_completed_while_decoding_is_checkpointed_when_inserted_at_its_en
         cache.insert(lease)
         cached, state = engine.restored_state(torch.cat([prompt, torch.tensor(decoded), torch.tensor([9])]))
         assert (cached, state) == (112, 112.0)
+
+
+class _InPlaceEngine:
+    """A model that advances its state in place from what the slot holds (state after n tokens
+    is n), forking after every ``allocate`` as the README's chunk loop does."""
+
+    def __init__(self, cache: kvstrata.CacheController, lease: kvstrata.Lease) -> None:
+        self.cache, self.lease, self.ran = cache, lease, lease.cached_tokens
+
+    def step(self, to: int, *, partial: bool = False) -> None:
+        self.cache.allocate(self.lease, partial_page=partial)
+        slot = self.cache.fork_state(self.lease)["mamba"]
+        if not len(slot):  # nothing to compute: the cache held the chunk whole
+            return
+        state = self.cache.read_units("mamba", slot)["ssm"] if self.ran else torch.zeros(1, 1, 1)
+        self.cache.write_units("mamba", slot, {"ssm": state + (to - self.ran)})
+        self.ran = to
+
+
+@pytest.mark.parametrize("checkpoint_beside", [False, True])
+def test_fork_state_never_resets_a_slot_the_engine_already_runs_in(checkpoint_beside: bool) -> None:
+    # fork_state copied the checkpoint over whatever slot was pending: a second fork of one slot
+    # (two chunks, one insert; or a slot kept past a partial page, with another request's
+    # checkpoint where the insert landed) reset the running state, stored as a checkpoint
+    with kvstrata.open(_STATE_STACK, environ={}) as cache:
+        prompt = torch.arange(100, 196)  # 6 pages
+        first = cache.lookup(prompt[:32])
+        cache.admit(first)
+        _InPlaceEngine(cache, first).step(32)
+        cache.insert(first)  # a checkpoint at page 2
+        lease = cache.lookup(prompt[:64])
+        cache.admit(lease)
+        engine = _InPlaceEngine(cache, lease)
+        engine.step(64)  # a new slot, forked from page 2
+        lease.extend(prompt[64:69])
+        if checkpoint_beside:  # another request checkpoints page 4, where the next insert lands
+            other = cache.lookup(prompt[:64])
+            cache.admit(other)
+            _InPlaceEngine(cache, other).step(64)
+            cache.insert(other)
+        engine.step(69, partial=True)  # no new slot: the same one runs on
+        cache.insert(lease, close=False)
+        lease.extend(prompt[69:80])
+        engine.step(80)
+        cache.insert(lease)
+        again = cache.lookup(torch.cat([prompt[:80], torch.tensor([1])]))
+        cache.admit(again)
+        state = cache.read_units("mamba", again.prefix_units("mamba"))["ssm"].item()
+        assert (again.cached_tokens, state) == (80, 80.0)
+        cache.release(again)
+
+
+def test_the_chunk_loop_serves_a_prompt_the_cache_holds_whole() -> None:
+    # a chunk the cache held whole gets no state slot: fork_state raised "call allocate first"
+    with kvstrata.open(_STATE_STACK, environ={}) as cache:
+        prompt = torch.arange(100, 196)
+        for attempt in range(2):
+            lease = cache.lookup(prompt[:32])
+            cache.admit(lease)
+            engine = _InPlaceEngine(cache, lease)
+            while True:
+                engine.step(lease.pages * 16)
+                cache.insert(lease, close=False)
+                if lease.pages * 16 >= len(prompt):
+                    break
+                lease.extend(prompt[lease.pages * 16 : lease.pages * 16 + 32])
+            cache.insert(lease)
+            assert lease.cached_pages == 2 * attempt
+        again = cache.lookup(torch.cat([prompt, torch.tensor([1])]))
+        cache.admit(again)
+        assert cache.read_units("mamba", again.prefix_units("mamba"))["ssm"].item() == 96.0
+        cache.release(again)
+        fresh = cache.lookup(torch.arange(500, 532))
+        with pytest.raises(RuntimeError, match="allocate first"):
+            cache.fork_state(fresh)  # pages to compute and no slot: still an error
+        cache.release(fresh)

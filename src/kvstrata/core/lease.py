@@ -84,8 +84,9 @@ class Lease:
     #: a copy, so an engine writing into the tensors ``allocate`` returned cannot change them
     _allocated: dict[str, bytes] | None = None
     #: per state pool, the tensor ``allocate`` handed out for its pending slot (``fork_state``
-    #: hands the same units back: no tensor made per chunk)
+    #: hands it back: no tensor per chunk); ``_unforked``: new slots fork_state has not filled
     _slot_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    _unforked: set[str] = field(default_factory=set)
     _allocated_first: dict[str, int] = field(default_factory=dict)  # page of each pool's first new unit
     #: the cache whose lookup made it: no other cache honours it
     _issuer: object = field(default=None, repr=False)
@@ -193,11 +194,12 @@ class Lease:
         """Units handed out by ``allocate`` and not yet inserted, per tree pool (fresh tensors)."""
         return {name: unit_tensor(raw) for name, raw in (self._allocated or {}).items()}
 
-    def pending_slot(self, pool: str) -> tuple[bytes, torch.Tensor] | None:
-        """A state pool's pending slot: as int64 bytes and as the tensor ``allocate`` handed out
-        (None: no slot pending)."""
+    def slot_to_fork(self, pool: str) -> tuple[bytes, torch.Tensor, bool] | None:
+        """``fork_state``: a state pool's pending slot as int64 bytes, as the tensor ``allocate``
+        handed out, and whether it is new (not yet filled: it is not new after this call)."""
         raw = (self._allocated or {}).get(pool)
-        return (raw, self._slot_tensors[pool]) if raw else None
+        new, _ = pool in self._unforked, self._unforked.discard(pool)
+        return (raw, self._slot_tensors[pool], new) if raw else None
 
     @property
     def pin(self) -> Pin | None:
@@ -271,8 +273,7 @@ class Lease:
                 pending[tp.name] = old + new if old else new
                 first = self.allocated_pages
             elif tp.kind is _WINDOW:
-                # the pending units hold contiguous pages ending at ``end``: kept old units must
-                # end where the new ones start, else (a window-only allocation) they are of no use
+                # pending units: contiguous pages ending at ``end`` (a window-only allocation drops old)
                 if old and len(new) == (end - self.allocated_pages) * UNIT:
                     pending[tp.name] = old + new
                 else:
@@ -281,6 +282,7 @@ class Lease:
             else:
                 if new:
                     pending[tp.name], self._slot_tensors[tp.name] = new, handed[tp.name]
+                    self._unforked.add(tp.name)
                 first = end - 1
                 if pending.get(tp.name):  # the working slot now runs to the new end (see take_for_insert)
                     self._allocated_first[tp.name] = first

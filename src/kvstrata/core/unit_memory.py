@@ -20,7 +20,7 @@ from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.lease import Lease, require_lease
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.row_copy import UnitArrays
-from kvstrata.core.stack import PoolKind, StackLayout
+from kvstrata.core.stack import NO_UNITS, PoolKind, StackLayout
 from kvstrata.core.transfer import copy_units, host_arrays
 from kvstrata.core.tree import PrefixTree
 from kvstrata.core.tree_bytes import UNIT, unit_tensor
@@ -53,18 +53,24 @@ class UnitMemory:
     def fork_state(self, lease: Lease) -> dict[str, torch.Tensor]:
         """Copy the state at the lease's committed end into its newly allocated state slot, for
         every state pool (and its sidecars), and return those working units: engines update
-        states in place, and the cached checkpoint must stay as it was."""
+        states in place, and the cached checkpoint must stay as it was. Each new slot is filled
+        once: a slot the engine already runs in (no new one since) is returned as it is, never
+        reset to the checkpoint; with nothing to compute (a chunk the cache held whole) there is
+        no slot and the units are empty."""
         require_lease(lease, self)
         if lease.closed:
             raise RuntimeError("lease is closed (inserted or released)")
         out: dict[str, torch.Tensor] = {}
         node = lease.node
         for name, p, followers in self._state_pools():
-            pending = lease.pending_slot(name)
+            pending = lease.slot_to_fork(name)
             if pending is None:
-                raise RuntimeError("fork_state copies into the lease's new state slot: call allocate first")
-            slot, working = pending
-            raw = None if node is None else node.device_raw[p]
+                if lease.pages > lease.allocated_pages:
+                    raise RuntimeError("fork_state copies into the lease's new state slot: allocate first")
+                out.update(dict.fromkeys((follower for follower, _, _ in followers), NO_UNITS))
+                continue
+            slot, working, new = pending
+            raw = node.device_raw[p] if new and node is not None else None
             for follower, buffers, arrays in followers:
                 if raw is not None:
                     self._fork_slot(buffers, arrays, raw, slot)
