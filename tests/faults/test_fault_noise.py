@@ -141,7 +141,8 @@ def test_a_backend_raising_on_every_call_fails_its_operations_quietly(
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     assert result is not None and result["requests"] == 40 and result["corrupt_pages_served"] == 0
-    assert result["failures"] >= 100, "every failed call is counted"
+    # each request's existence query and its write raise: one failure per failed call
+    assert result["failures"] >= 2 * result["requests"], "every failed call is counted"
     assert result["hit_rate"]["device"] + result["hit_rate"]["host"] > 0, "L1/L2 kept serving"
     warnings = [
         line for line in proc.stderr.splitlines() if line.startswith("warning: ") and "failed" in line
