@@ -538,3 +538,94 @@ def test_commit_refuses_a_cache_another_hfstatecache_handed_out(tmp_path: Path) 
         assert b.restore(ids)[1] == 0  # nothing stored
         assert a.commit(ids, 2 * PAGE, past) == 2 * PAGE  # its owner still commits it
         assert a.restore(ids)[1] == 2 * PAGE
+
+
+# --- state another run or another model made is never stored under these ids (audit 26) --------
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        lambda ids: {"attention_mask": (ids > 100).long()[None]},  # padding masked out
+        lambda ids: {"position_ids": torch.arange(100, 100 + len(ids))[None]},  # shifted positions
+    ],
+    ids=["padding", "positions"],
+)
+def test_a_forward_with_masked_or_shifted_tokens_is_not_committed(extra: Any) -> None:
+    # its state is not the state of the bare ids: stored under them, every later restore of the
+    # same ids continued from it (max |dlogit| 0.85)
+    model = tiny_model("llama")
+    ids = hf.tokens(95, 2 * PAGE)
+    with HFStateCache(model, page_size=PAGE) as cache:
+        past, _ = cache.restore(ids)
+        with torch.no_grad():
+            model(input_ids=ids[None], past_key_values=past, use_cache=True, **extra(ids))
+        with pytest.raises(ValueError, match="cannot commit this cache: a forward ran with"):
+            cache.commit(ids, 2 * PAGE, past)
+        plain, _ = cache.restore(ids)
+        with torch.no_grad():  # an all-ones mask and continuing positions are the plain run
+            model(
+                input_ids=ids[None],
+                past_key_values=plain,
+                use_cache=True,
+                attention_mask=torch.ones(1, 2 * PAGE),
+            )
+        assert cache.commit(ids, 2 * PAGE, plain) == 2 * PAGE
+        assert cache.cache.open_leases == 0
+
+
+def test_a_plain_dynamic_cache_is_committed_only_when_vouched_for() -> None:
+    # a plain cache says neither its tokens nor its model: a batch of 2 (row 0 stored under the
+    # ids of row 1), another prompt's or another model's cache were all accepted
+    model = tiny_model("llama")
+    a, b = hf.tokens(96, 2 * PAGE), hf.tokens(97, 2 * PAGE)
+    with HFStateCache(model, page_size=PAGE) as cache, torch.no_grad():
+        batch = transformers.DynamicCache(config=model.config)
+        model(input_ids=torch.stack([a, b]), past_key_values=batch, use_cache=True)
+        with pytest.raises(TypeError, match="trust_cache=True"):
+            cache.commit(b, 2 * PAGE, batch)
+        with pytest.raises(ValueError, match="a batch of 2"):
+            cache.commit(b, 2 * PAGE, batch, trust_cache=True)
+        single = transformers.DynamicCache(config=model.config)
+        model(input_ids=b[None], past_key_values=single, use_cache=True)
+        assert cache.commit(b, 2 * PAGE, single, trust_cache=True) == 2 * PAGE
+        assert cache.cache.open_leases == 0
+
+
+def test_weights_changed_in_place_are_refused_and_unsaved_buffers_are_in_the_namespace() -> None:
+    model = tiny_model("llama")
+    with HFStateCache(model, page_size=PAGE) as cache:
+        first = cache.namespace
+        with torch.no_grad():
+            model.load_state_dict(tiny_model("llama", seed=1).state_dict())
+        with pytest.raises(RuntimeError, match="weights changed"):
+            cache.restore(hf.tokens(98, 2 * PAGE))
+    rotary = tiny_model("llama")
+    with torch.no_grad():
+        for name, buffer in rotary.named_buffers():
+            if name.endswith("inv_freq"):
+                buffer.mul_(0.5)  # not in state_dict(): a patched RoPE
+    with (
+        HFStateCache(tiny_model("llama"), page_size=PAGE) as same,
+        HFStateCache(rotary, page_size=PAGE) as patched,
+    ):
+        assert same.namespace == first and patched.namespace != first
+
+
+def test_beam_search_on_a_restored_cache_is_refused_clearly_and_bad_arguments_named() -> None:
+    model = tiny_model("llama")
+    prompt = hf.tokens(99, 2 * PAGE + 3)
+    with HFStateCache(model, page_size=PAGE) as cache:
+        assert cache.prefill(prompt).committed_tokens == 2 * PAGE
+        past, cached = cache.restore(prompt)
+        assert cached == 2 * PAGE
+        with pytest.raises(ValueError, match="serve one sequence"), torch.no_grad():
+            model.generate(prompt[None], past_key_values=past, num_beams=2, max_new_tokens=2, do_sample=False)
+        with pytest.raises(ValueError, match="at least one token"):
+            cache.prefill([])
+        assert cache.restore([])[1] == 0
+        with pytest.raises(TypeError, match="upto must be an int"):
+            cache.commit(prompt, 32.0, past)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="chunk_pages must be an int"):
+            cache.prefill(prompt, chunk_pages=1.5)  # type: ignore[arg-type]
+        assert cache.cache.open_leases == 0

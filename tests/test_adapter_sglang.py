@@ -376,7 +376,10 @@ def test_fp8_variants_are_told_apart_by_the_configured_kv_cache_dtype(
 
 
 def mamba_pool(
-    layout: str = "page_first", temporal: tuple[int, ...] = (2, 4, 4, 8), dtype: torch.dtype = torch.float32
+    layout: str = "page_first",
+    temporal: tuple[int, ...] = (2, 4, 4, 8),
+    dtype: torch.dtype = torch.float32,
+    side: torch.Tensor | None = None,
 ) -> Any:
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
@@ -384,6 +387,7 @@ def mamba_pool(
     info = MambaStateBufferInfo(
         temporal=torch.zeros(*temporal, dtype=dtype),
         conv=(torch.zeros(2, 4, 16, 3, dtype=torch.bfloat16),),
+        **({"extra_checkpoint_buffers": (side,)} if side is not None else {}),
     )
     return MambaPoolHost(info, 2.0, 0, device_capacity=4, pin_memory=False, device="cpu", layout=layout)
 
@@ -419,6 +423,37 @@ def test_a_mamba_state_of_another_dtype_or_shape_is_a_miss(
     assert got == {PoolName.MAMBA: [hit]}
     if hit:
         assert torch.equal(read.temporal_buffer[2], written.temporal_buffer[1])  # page_first: slot-major
+    reader.close()
+
+
+@pytest.mark.parametrize(
+    ("side", "hit"),
+    [
+        (torch.zeros(4, 8), True),
+        (torch.zeros(4, 16, dtype=torch.bfloat16), False),  # same bytes, another dtype
+        (torch.zeros(4, 2, 4), False),  # same bytes, another shape
+    ],
+    ids=["same", "other-dtype", "other-shape"],
+)
+def test_a_mamba_side_state_of_another_format_is_a_miss(
+    l3: dict[str, Any], side: torch.Tensor, hit: bool
+) -> None:
+    # a Mamba pool's per-slot side states (SGLang's short-conv / n-gram siblings) are in its
+    # flat page but were not in its key: a server with a bf16 side state read fp32 bits
+    keys = support.page_keys(1, seed=10)
+    writer = support.open_adapter(l3, support.new_mha_pool("page_first"))
+    written = mamba_pool(side=torch.zeros(4, 8))
+    writer.register_mem_host_pool_v2(written, PoolName.MAMBA)
+    written.slot_state_buffers[0][1].fill_(1.5)
+    assert writer.batch_set_v2(
+        [PoolTransfer(name=PoolName.MAMBA, keys=keys, host_indices=torch.tensor([1]))]
+    ) == {PoolName.MAMBA: [True]}
+    writer.close()
+    reader = support.open_adapter(l3, support.new_mha_pool("page_first"))
+    read = mamba_pool(side=side)
+    reader.register_mem_host_pool_v2(read, PoolName.MAMBA)
+    got = reader.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys, host_indices=torch.tensor([2]))])
+    assert got == {PoolName.MAMBA: [hit]}
     reader.close()
 
 

@@ -21,6 +21,7 @@ never the cached checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -112,15 +113,39 @@ class KvstrataDynamicCache(DynamicCache):
                     raise TypeError(f"layer {layer_id}: expected a DynamicSlidingWindowLayer, got {stock!r}")
                 self.layers[layer_id] = PageKeepingSlidingWindowLayer(sliding_window=stock.sliding_window)
 
-    def saw(self, ids: torch.Tensor | None, embeds: torch.Tensor | None) -> None:
-        """Record one forward's input: token ids ``[1, T]``, or embeddings (tokens unknown)."""
+    def saw(
+        self, ids: torch.Tensor | None, embeds: torch.Tensor | None, inputs: Mapping[str, Any] | None = None
+    ) -> None:
+        """Record one forward's input: token ids ``[1, T]``, or embeddings (tokens unknown).
+        ``inputs``: the forward's other arguments; a state computed with padding masked out or
+        positions shifted is not the state of the bare token ids, so such a cache is never
+        committed (a later restore would continue from it as if from those ids)."""
+        held = sum(len(t) for t in self._kvstrata_ids)
+        batch = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 1
+        if batch != 1 and held:
+            raise ValueError(
+                f"a forward of a batch of {batch} on a cache holding {held} tokens: HFStateCache's caches "
+                "serve one sequence (beam search and num_return_sequences > 1 need a cache of their own)"
+            )
+        if batch != 1:
+            self._kvstrata_unknown = f"a forward ran a batch of {batch}"
+        why = _not_plain(inputs or {}, held)
+        if why is not None:
+            self._kvstrata_unknown = why
         if isinstance(ids, torch.Tensor):
-            if ids.dim() == 2 and ids.shape[0] != 1:
-                self._kvstrata_unknown = f"a forward ran a batch of {ids.shape[0]}"
             self._kvstrata_ids.append(ids.detach().reshape(-1).to("cpu", torch.int64))
         elif isinstance(embeds, torch.Tensor):
             self._kvstrata_unknown = "a forward ran on inputs_embeds (token ids unknown)"
             self._kvstrata_ids.append(torch.full((embeds.shape[-2],), -1, dtype=torch.int64))
+
+    def crop(self, max_length: int) -> None:
+        """The stock crop (assisted decoding drops rejected draft tokens), and the record of the
+        token ids the cache holds cut to match."""
+        super().crop(max_length)
+        held = self.kvstrata_tokens
+        keep = max_length if max_length >= 0 else len(held) + max_length
+        if 0 <= keep < len(held):
+            self._kvstrata_ids = [held[:keep]]
 
     @property
     def kvstrata_tokens(self) -> torch.Tensor:
@@ -141,6 +166,24 @@ class KvstrataDynamicCache(DynamicCache):
                 f"{int((held[:overlap] != input_ids[:overlap]).nonzero()[0])})"
             )
         return len(held)
+
+
+def _not_plain(inputs: Mapping[str, Any], held: int) -> str | None:
+    """Why a forward did not run its tokens plainly after the ``held`` ones (None: it did): an
+    attention mask with zeros (padding) or a custom one, positions that do not continue."""
+    mask = inputs.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        if mask.dim() != 2:
+            return "a forward ran with a custom attention mask"
+        if not bool(mask.all()):
+            return "a forward ran with padding (attention_mask holds zeros)"
+    for name in ("position_ids", "cache_position"):
+        positions = inputs.get(name)
+        if isinstance(positions, torch.Tensor) and positions.numel():
+            row = positions.reshape(-1, positions.shape[-1])[0].detach().cpu()
+            if not torch.equal(row, torch.arange(held, held + len(row), dtype=row.dtype)):
+                return f"a forward ran with {name} that do not continue the cache's {held} tokens"
+    return None
 
 
 # --- pages out of an HF cache -----------------------------------------------------------------

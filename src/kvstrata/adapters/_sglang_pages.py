@@ -459,17 +459,8 @@ def describe_host_pool(pool: Any, sglang_name: str, plugins: PluginHost, *, repl
 #: host-pool attributes that say what an opaque page's bytes mean (SGLang's flat data page is
 #: ``uint8`` whatever it holds): a Mamba pool's state dtypes and shapes, its layer count
 _FORMAT_ATTRIBUTES = (
-    "conv_dtype",
-    "temporal_dtype",
-    "conv_state_shapes",
-    "temporal_state_shape",
-    "num_mamba_layers",
-    "layer_num",
-    "head_num",
-    "head_dim",
-    "v_head_dim",
-    "kv_cache_dim",
-    "index_head_dim",
+    *("conv_dtype", "temporal_dtype", "conv_state_shapes", "temporal_state_shape", "num_mamba_layers"),
+    *("layer_num", "head_num", "head_dim", "v_head_dim", "kv_cache_dim", "index_head_dim"),
 )
 
 
@@ -482,6 +473,9 @@ def state_format(pool: Any) -> list[str]:
         value = getattr(pool, name, None)
         if value is not None:
             facts.append(f"{name}={_plain_fact(value)}")
+    side = getattr(pool, "slot_state_buffers", None)  # a Mamba pool's per-slot side states: in its pages too
+    if side:
+        facts.append("slot_states=" + _plain_fact([(t.dtype, tuple(t.shape[1:])) for t in side]))
     return facts
 
 

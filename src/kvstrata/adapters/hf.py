@@ -133,6 +133,8 @@ class HFStateCache:
         self.page_size = self.cache.page_size
         self.last_restore: RestoreInfo | None = None
         self._owner = object()  # marks the caches this adapter hands out
+        #: each weight as the namespace hashed it: changed in place, the namespace no longer says it
+        self._weights = [(w, w._version, w.data_ptr()) for w in model.parameters()]
         self._hook = model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
 
     # --- caches ---------------------------------------------------------------------------------
@@ -169,16 +171,26 @@ class HFStateCache:
         )
         return past, tokens
 
-    def commit(self, input_ids: torch.Tensor | list[int], upto: int, past_key_values: Any) -> int:
+    def commit(
+        self,
+        input_ids: torch.Tensor | list[int],
+        upto: int,
+        past_key_values: Any,
+        *,
+        trust_cache: bool = False,
+    ) -> int:
         """Store what the model computed for ``input_ids[:upto]`` (``upto`` a multiple of the
         page size, or ``len(input_ids)``: then the whole pages the cache holds of it).
         ``past_key_values`` holds the tokens the model processed, which must start with
-        ``input_ids`` (checked for a cache from :meth:`restore` / :meth:`new_cache`). Returns the
-        tokens of this prompt kvstrata holds afterwards: less than asked where a state pool has
-        no state at that page (the cache has moved past it) or a window layer no longer holds
-        its pages."""
+        ``input_ids`` (checked for a cache from :meth:`restore` / :meth:`new_cache`; a plain
+        ``DynamicCache`` says neither its tokens nor its model: taken only with ``trust_cache``,
+        the caller vouching for both). Returns the tokens of this prompt kvstrata holds
+        afterwards: less than asked where a state pool has no state at that page (the cache has
+        moved past it) or a window layer no longer holds its pages."""
         self._check_open()
         ids = _sequence(input_ids)
+        if isinstance(upto, bool) or not isinstance(upto, int):
+            raise TypeError(f"upto must be an int (tokens), got {upto!r}")
         if not 0 <= upto <= len(ids):
             raise ValueError(f"upto {upto} is outside [0, {len(ids)}] (the length of input_ids)")
         if upto % self.page_size and upto != len(ids):
@@ -186,7 +198,7 @@ class HFStateCache:
                 f"upto {upto} must be a multiple of page_size {self.page_size} or len(input_ids) {len(ids)}"
             )
         self._check_cache(past_key_values)
-        processed = self._processed(past_key_values, ids)
+        processed = self._processed(past_key_values, ids, trust_cache)
         if upto > processed:
             if upto != len(ids):
                 raise ValueError(f"past_key_values holds {processed} tokens; cannot commit {upto}")
@@ -222,9 +234,11 @@ class HFStateCache:
     def prefill(self, input_ids: torch.Tensor | list[int], *, chunk_pages: int = 1) -> PrefillResult:
         """Restore, run the model over the rest of ``input_ids`` in chunks of ``chunk_pages``
         pages (the last chunk may be shorter), committing after each whole-page chunk."""
-        if chunk_pages < 1:
-            raise ValueError(f"chunk_pages must be >= 1, got {chunk_pages}")
+        if isinstance(chunk_pages, bool) or not isinstance(chunk_pages, int) or chunk_pages < 1:
+            raise ValueError(f"chunk_pages must be an int >= 1, got {chunk_pages!r}")
         ids = _sequence(input_ids)
+        if not len(ids):
+            raise ValueError("prefill needs at least one token (input_ids is empty)")
         past, cached = self.restore(ids)
         device = next(self.model.parameters()).device
         step, position, committed, logits = chunk_pages * self.page_size, cached, cached, None
@@ -236,7 +250,7 @@ class HFStateCache:
                 logits, position = out.logits[:, -1].float(), end
                 if end % self.page_size == 0:
                     committed = self.commit(ids, end, past)
-        assert logits is not None  # restore leaves at least one token to compute
+        assert logits is not None  # input_ids is not empty, and restore leaves a token to compute
         return PrefillResult(past, logits, cached, committed)
 
     def close(self) -> None:
@@ -257,6 +271,11 @@ class HFStateCache:
     def _check_open(self) -> None:
         if self._hook is None:
             raise RuntimeError("HFStateCache is closed")
+        if any(w._version != version or w.data_ptr() != at for w, version, at in self._weights):
+            raise RuntimeError(
+                "the model's weights changed since this HFStateCache hashed them (its namespace): "
+                "make a new HFStateCache for the new weights"
+            )
 
     def _count_tokens(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward pre-hook: advance the token count of a cache this adapter handed out, passed
@@ -274,7 +293,7 @@ class HFStateCache:
                     f"run without the cache HFStateCache handed out (pass {argument}=past)"
                 )
             return
-        cache.saw(kwargs.get("input_ids", args[0] if args else None), kwargs.get("inputs_embeds"))
+        cache.saw(kwargs.get("input_ids", args[0] if args else None), kwargs.get("inputs_embeds"), kwargs)
 
     def _owns(self, cache: Any) -> bool:
         return isinstance(cache, KvstrataDynamicCache) and cache.kvstrata_owner is self._owner
@@ -297,9 +316,9 @@ class HFStateCache:
                 f"expected this model's DynamicCache (from restore() or new_cache())"
             )
 
-    def _processed(self, past: Any, ids: torch.Tensor) -> int:
+    def _processed(self, past: Any, ids: torch.Tensor, trust_cache: bool) -> int:
         """Tokens the cache holds. A cache from this adapter knows which (checked against
-        ``ids``); another cache is trusted to hold ``ids`` as far as its attention layers count."""
+        ``ids``); a plain one, taken only with ``trust_cache``, as far as its attention layers count."""
         if isinstance(past, KvstrataDynamicCache) and past.kvstrata_owner is self._owner:
             held = past.held_tokens(ids)
             if self.layout.has_attention and held != past.get_seq_length():
@@ -308,6 +327,17 @@ class HFStateCache:
                     "this model's forward: was it run by another module?"
                 )
             return held
+        if not trust_cache:
+            raise TypeError(
+                "a plain DynamicCache does not say which tokens or which model it ran: commit the "
+                "cache restore() or new_cache() returned, or pass trust_cache=True to vouch that it "
+                "holds input_ids run by this model"
+            )
+        batches = {layer.keys.shape[0] for layer in past.layers if getattr(layer, "keys", None) is not None}
+        if batches - {1}:
+            raise ValueError(
+                f"past_key_values holds a batch of {max(batches)}; HFStateCache serves one sequence"
+            )
         if self.layout.has_attention:
             return int(past.get_seq_length())
         raise TypeError(
@@ -384,10 +414,12 @@ def model_identity(
         "pools": layout.pools,
     }
     state = model.state_dict()
+    # buffers a checkpoint does not save (rotary ``inv_freq``) shape every output too
+    unsaved = [(f"buffer:{n}", b) for n, b in model.named_buffers() if n not in state and b is not None]
     return EngineIdentity(
         engine="hf",
         model=name,
-        weights=weights if weights is not None else "xxh3-" + weights_digest(state.items()),
+        weights=weights if weights is not None else "xxh3-" + weights_digest([*state.items(), *unsaved]),
         dtypes=tuple(sorted({str(tensor.dtype) for tensor in state.values()})),
         layout=json.loads(json.dumps(layout_facts, sort_keys=True, default=str)),
     )
@@ -395,7 +427,13 @@ def model_identity(
 
 def _sequence(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
     """One sequence of token ids as a 1-D CPU int64 tensor (a batch must hold exactly one)."""
+    if isinstance(input_ids, (str, bytes)) or input_ids is None:
+        raise TypeError(
+            f"input_ids must be token ids (a tensor or a list of ints), got {type(input_ids).__name__}"
+        )
     ids = torch.as_tensor(input_ids)
+    if not ids.numel() and not isinstance(input_ids, torch.Tensor):
+        ids = ids.to(torch.int64)  # ``[]``: no tokens, not a float tensor
     if ids.dim() == 2:
         if ids.shape[0] != 1:
             raise ValueError(f"input_ids holds a batch of {ids.shape[0]}; HFStateCache serves one sequence")
