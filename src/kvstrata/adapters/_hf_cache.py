@@ -168,6 +168,35 @@ class KvstrataDynamicCache(DynamicCache):
         return len(held)
 
 
+def tokens_held(past: Any, ids: torch.Tensor, owner: object, has_attention: bool, trust_cache: bool) -> int:
+    """Tokens a cache to commit holds. One from the adapter (``owner``) knows which (checked
+    against ``ids``); a plain one, taken only with ``trust_cache``, as far as its attention
+    layers count (it says neither its tokens nor its model)."""
+    if isinstance(past, KvstrataDynamicCache) and past.kvstrata_owner is owner:
+        held = past.held_tokens(ids)
+        if has_attention and held != past.get_seq_length():
+            raise ValueError(
+                f"past_key_values holds {past.get_seq_length()} tokens but {held} went through "
+                "this model's forward: was it run by another module?"
+            )
+        return held
+    if not trust_cache:
+        raise TypeError(
+            "a plain DynamicCache does not say which tokens or which model it ran: commit the "
+            "cache restore() or new_cache() returned, or pass trust_cache=True to vouch that it "
+            "holds input_ids run by this model"
+        )
+    batches = {layer.keys.shape[0] for layer in past.layers if getattr(layer, "keys", None) is not None}
+    if batches - {1}:
+        raise ValueError(f"past_key_values holds a batch of {max(batches)}; HFStateCache serves one sequence")
+    if has_attention:
+        return int(past.get_seq_length())
+    raise TypeError(
+        "a pure state model's cache does not say which tokens it holds: commit the cache "
+        "restore() or new_cache() returned (the adapter records what the model runs through it)"
+    )
+
+
 def _not_plain(inputs: Mapping[str, Any], held: int) -> str | None:
     """Why a forward did not run its tokens plainly after the ``held`` ones (None: it did): an
     attention mask with zeros (padding) or a custom one, positions that do not continue."""

@@ -44,6 +44,7 @@ from kvstrata.adapters._hf_cache import (
     restore_states,
     restore_window,
     state_tensor,
+    tokens_held,
 )
 from kvstrata.adapters._hf_layout import (
     ModelLayout,
@@ -198,7 +199,7 @@ class HFStateCache:
                 f"upto {upto} must be a multiple of page_size {self.page_size} or len(input_ids) {len(ids)}"
             )
         self._check_cache(past_key_values)
-        processed = self._processed(past_key_values, ids, trust_cache)
+        processed = tokens_held(past_key_values, ids, self._owner, self.layout.has_attention, trust_cache)
         if upto > processed:
             if upto != len(ids):
                 raise ValueError(f"past_key_values holds {processed} tokens; cannot commit {upto}")
@@ -315,35 +316,6 @@ class HFStateCache:
                 f"past_key_values is a {type(past).__name__} with layers {[c.__name__ for c in classes]}; "
                 f"expected this model's DynamicCache (from restore() or new_cache())"
             )
-
-    def _processed(self, past: Any, ids: torch.Tensor, trust_cache: bool) -> int:
-        """Tokens the cache holds. A cache from this adapter knows which (checked against
-        ``ids``); a plain one, taken only with ``trust_cache``, as far as its attention layers count."""
-        if isinstance(past, KvstrataDynamicCache) and past.kvstrata_owner is self._owner:
-            held = past.held_tokens(ids)
-            if self.layout.has_attention and held != past.get_seq_length():
-                raise ValueError(
-                    f"past_key_values holds {past.get_seq_length()} tokens but {held} went through "
-                    "this model's forward: was it run by another module?"
-                )
-            return held
-        if not trust_cache:
-            raise TypeError(
-                "a plain DynamicCache does not say which tokens or which model it ran: commit the "
-                "cache restore() or new_cache() returned, or pass trust_cache=True to vouch that it "
-                "holds input_ids run by this model"
-            )
-        batches = {layer.keys.shape[0] for layer in past.layers if getattr(layer, "keys", None) is not None}
-        if batches - {1}:
-            raise ValueError(
-                f"past_key_values holds a batch of {max(batches)}; HFStateCache serves one sequence"
-            )
-        if self.layout.has_attention:
-            return int(past.get_seq_length())
-        raise TypeError(
-            "a pure state model's cache does not say which tokens it holds: commit the cache "
-            "restore() or new_cache() returned (the adapter records what the model runs through it)"
-        )
 
     def _fill(self, past: KvstrataDynamicCache, lease: kvstrata.Lease, pages: int) -> None:
         """Copy the lease's prefix units into ``past``'s layers."""
