@@ -193,3 +193,55 @@ def test_a_request_shorter_than_a_page_is_served_not_a_crash(tmp_path: Path) -> 
     requests = [TraceRequest(0.0, 10, 1, (5,)), TraceRequest(1.0, 600, 1, (5, 6))]
     result = run_replay(config(stack), PluginHost(), requests)
     assert result.requests == 2 and result.failures == 0 and result.corrupt_pages_served == 0
+
+
+# --- the check sees what an engine would compute with (audit 26: faults it did not notice) -------
+
+
+def _swa_replay(monkeypatch: pytest.MonkeyPatch, fault: str) -> Any:
+    """Two requests, the second sharing the first's 8 pages, on the swa stack with ``fault``."""
+    from kvstrata.core.controller import CacheController
+    from kvstrata.core.lease import Lease
+
+    units_of, first_of = Lease.prefix_units, Lease.prefix_first_page
+    if fault == "window_short":  # consistent bookkeeping, the window's oldest page missing
+        monkeypatch.setattr(
+            Lease, "prefix_units", lambda self, p: units_of(self, p)[-1:] if p == "swa" else units_of(self, p)
+        )
+        monkeypatch.setattr(
+            Lease,
+            "prefix_first_page",
+            lambda self, p: self.cached_pages - 1 if p == "swa" else first_of(self, p),
+        )
+    elif fault == "unit_missing":  # one unit fewer than the prefix's pages
+        monkeypatch.setattr(
+            Lease, "prefix_units", lambda self, p: units_of(self, p)[1:] if p == "full" else units_of(self, p)
+        )
+    elif fault == "allocation_overlaps_prefix":  # the request's own new unit is a prefix unit
+        allocate = CacheController.allocate
+
+        def overlapping(self: CacheController, lease: Lease, **kwargs: Any) -> Any:
+            got = allocate(self, lease, **kwargs)
+            if lease.cached_pages and len(got["full"]):
+                got["full"][0] = lease.prefix_units("full")[0]
+            return got
+
+        monkeypatch.setattr(CacheController, "allocate", overlapping)
+    requests = [TraceRequest(0.0, 512, 0, (1,)), TraceRequest(1.0, 1024, 0, (1, 2))]
+    stack = load(
+        [REPO / "tests" / "stacks" / "swa.yaml"], overrides=["tiers.storage={}"], plugins=PluginHost()
+    )
+    result, _ = run_replay_detailed(stack, PluginHost(), requests)
+    return result
+
+
+@pytest.mark.parametrize("fault", ["none", "window_short", "unit_missing", "allocation_overlaps_prefix"])
+def test_replay_counts_what_the_engine_would_compute_with(
+    monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    # a window one page short passed (the expected range came from the lease under test), a unit
+    # missing ended the run as bad input (exit 2), and a prefix page the request's own allocation
+    # overwrote was never seen (the prefix was checked before allocate)
+    result = _swa_replay(monkeypatch, fault)
+    assert result.requests == 2
+    assert (result.corrupt_pages_served > 0) == (fault != "none"), result

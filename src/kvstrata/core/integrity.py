@@ -91,12 +91,15 @@ DAMAGE = frozenset(
         Verdict.LENGTH_MISMATCH,
         Verdict.CHECKSUM_MISMATCH,
         Verdict.CHECKSUM_MISSING,
+        # our own layout, intact, but another key's object: the store handed back the wrong one
+        # (a layout change shows as FINGERPRINT_MISMATCH first, a format change as BAD_VERSION)
+        Verdict.KEY_MISMATCH,
     }
 )
 #: Verdicts that mean an intact object that is not what this reader stores under the key: another
 #: layout (a layout change under the same model name), another format version, another key's
 #: object. Counted apart from corruption, and removed too, so the key can be written again.
-FOREIGN = frozenset({Verdict.BAD_VERSION, Verdict.FINGERPRINT_MISMATCH, Verdict.KEY_MISMATCH})
+FOREIGN = frozenset({Verdict.BAD_VERSION, Verdict.FINGERPRINT_MISMATCH})
 
 
 def stored_objects(spec: PoolSpec) -> tuple[tuple[str, int], ...]:

@@ -29,6 +29,7 @@ from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.collective import LocalCollective
 from kvstrata.core.config import KvstrataConfig
 from kvstrata.core.controller import CacheController, CacheFullError
+from kvstrata.core.stack import PoolKind
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.pool_type import BufferSpec, Granularity
 from kvstrata.replay._mix import splitmix64_
@@ -140,6 +141,26 @@ class StackContent:
             return
         self.pools[name] = PoolContent(namespace, name, pool.device)
         self.node_state[name] = pool.spec.granularity is Granularity.NODE_STATE
+
+    def served_wrong(self, cache: CacheController, lease: Any, identities: torch.Tensor) -> int:
+        """Units of the lease's cached prefix with wrong bytes, and units a pool should hand over
+        but did not. What a pool must hold comes from the stack, not from the lease under test:
+        every page, a window pool's last ``min(window, cached)`` pages, a state pool one slot."""
+        cached, bad = lease.cached_pages, 0
+        for name, pool_content in self.pools.items():
+            units, first = lease.prefix_units(name), lease.prefix_first_page(name)
+            ids = self.page_ids(name, identities, first, cached)
+            if units.numel() != ids.numel():  # (a count mismatch is served corruption, not bad input)
+                bad += max(units.numel(), ids.numel())
+                continue
+            bad += int(pool_content.verify(units, ids).numel())
+            owner = cache.layout.owner(name)
+            if self.node_state[name]:
+                bad += int(units.numel() == 0)
+            else:
+                window = owner.window if owner.kind is PoolKind.WINDOW else cached
+                bad += max(0, first - (cached - min(window, cached)))
+        return bad
 
     def page_ids(self, name: str, identities: torch.Tensor, first: int, end: int) -> torch.Tensor:
         """Identities of the units of pages ``[first, end)`` (node-state: the state after ``end-1``)."""
@@ -364,12 +385,7 @@ def _serve(
         from_storage = hit_pages.get("storage", 0)
         storage_keys = lease.page_hashes[above : above + from_storage] if from_storage else ()
         identities = page_identities(lease.page_hashes, device=cache.pools.device)
-        served = 0
-        if verify and cached:
-            for name, pool_content in content.pools.items():
-                units = lease.prefix_units(name)
-                ids = content.page_ids(name, identities, lease.prefix_first_page(name), cached)
-                served += int(pool_content.verify(units, ids).numel())
+        served = content.served_wrong(cache, lease, identities) if verify and cached else 0
         failures_before = cache.metrics.failures
         try:
             allocated = cache.allocate(lease)
@@ -390,6 +406,8 @@ def _serve(
                 first = lease.allocated_first_page(name)
                 ids = content.page_ids(name, identities, first, pages)
                 content.pools[name].fill(units, ids)
+        if verify and cached:  # again as the engine computes: its own allocation must not touch the prefix
+            served = max(served, content.served_wrong(cache, lease, identities))
         inserted = lease.page_hashes[:pages]
         cache.insert(lease)
         lease = None
