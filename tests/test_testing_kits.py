@@ -5,6 +5,7 @@ kit's capability mixins; and each kit catches the plugin that breaks its rule.""
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Callable
 from typing import Literal
 
@@ -136,3 +137,33 @@ class TestSidecarThroughThePoolKit(PoolTypeConformance):
 
 class TestLogicalThroughThePoolKit(PoolTypeConformance):
     pool_config = {"type": "logical"}
+
+
+# --- failures read as the rule broken, with the values ----------------------------------------------
+
+
+def test_the_kit_modules_are_assert_rewritten() -> None:
+    """The pytest plugin marks the kit modules for rewriting before they are imported, so a failing
+    kit assert shows its values (``assert 5 == 3``), not a bare ``AssertionError``."""
+    import sys
+
+    import kvstrata.testing.conformance  # noqa: F401 - loaded already; here for the lookup below
+
+    for module in ("conformance", "conformance_optional", "_backend_kit", "policy_kit", "pool_kit"):
+        loader = sys.modules[f"kvstrata.testing.{module}"].__loader__
+        assert type(loader).__name__ == "AssertionRewritingHook", f"{module} is not assert-rewritten"
+
+
+class WorkerThreadsMiss(MemoryBackend):
+    """Breaks thread safety on purpose: a read from any thread but the main one is a miss."""
+
+    def get(self, objects):  # type: ignore[no-untyped-def]
+        if threading.current_thread() is not threading.main_thread():
+            return [-1] * len(objects)
+        return super().get(objects)
+
+
+def test_the_thread_test_shows_what_failed_in_the_threads() -> None:
+    backend = WorkerThreadsMiss("l3", MemoryConfig())
+    with pytest.raises(AssertionError, match=r"not thread-safe(.|\n)*thread \d: get of its own keys failed"):
+        CoreConformance().test_concurrent_distinct_and_same_keys(backend)

@@ -28,6 +28,7 @@ composes ``class TestMine(CoreConformance, IntegrityConformance)``: it opts out,
 from __future__ import annotations
 
 import threading
+import traceback
 from collections.abc import Callable
 
 import pytest
@@ -61,6 +62,10 @@ __all__ = [
 ]
 
 
+def _format(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc)).rstrip()
+
+
 class CoreConformance(BackendKit):
     """What every backend must do: round trips, per-key batches, existence, zero-copy honesty,
     namespace isolation, concurrency, marker objects, a second instance."""
@@ -85,9 +90,9 @@ class CoreConformance(BackendKit):
         hashes = page_hashes(4, seed=2)
         stored = [0, 2]
         assert all(engine.put("attn", [hashes[i] for i in stored], source["attn"].units(stored)).ok)
-        assert engine.exists("attn", hashes).ok == [True, False, True, False]
+        assert engine.exists("attn", hashes).ok == [True, False, True, False], "exists() answers per key"
         result = engine.get("attn", hashes, target["attn"].units(range(4)))
-        assert result.ok == [True, False, True, False]
+        assert result.ok == [True, False, True, False], "get() answers per key: a miss fails only its key"
         assert result.prefix == 1
         self.assert_units_equal(source["attn"], target["attn"], stored)
         assert target["attn"].unit_bytes(1) == bytes(len(target["attn"].unit_bytes(1)))
@@ -98,12 +103,14 @@ class CoreConformance(BackendKit):
         engine = self.engine(backend, specs)
         source = self.pools(specs, 5, seed=3)
         hashes = page_hashes(5, seed=3)
-        assert engine.exists_prefix("index", hashes) == 0
+        assert engine.exists_prefix("index", hashes) == 0, "nothing stored yet: exists must say False"
         assert all(engine.put("index", hashes[:3], source["index"].units(range(3))).ok)
-        assert engine.exists_prefix("index", hashes) == 3
+        assert engine.exists_prefix("index", hashes) == 3, (
+            "exists(leading=True) counts the stored keys up to the first absent one, no further"
+        )
         assert engine.exists_prefix("index", hashes[1:]) == 2
         keys = engine.object_keys("index", hashes)[0]
-        assert backend.exists(keys) == [True, True, True, False, False]
+        assert backend.exists(keys) == [True, True, True, False, False], "exists() answers per key"
         # a unit of a multi-object pool exists only when every one of its objects does
         assert all(engine.put("attn", hashes[:2], source["attn"].units(range(2))).ok)
         assert engine.exists("attn", hashes[:3]).ok == [True, True, False]
@@ -175,13 +182,19 @@ class CoreConformance(BackendKit):
             try:
                 own = page_hashes(per_thread, seed=10 + index)
                 units = range(index * per_thread, (index + 1) * per_thread)
-                assert all(engine.put("attn", own, source["attn"].units(units)).ok)
-                assert all(engine.put("attn", shared, source["attn"].units(range(per_thread))).ok)
+                put = engine.put("attn", own, source["attn"].units(units)).ok
+                assert all(put), f"thread {index}: put of its own keys failed: {put}"
+                put = engine.put("attn", shared, source["attn"].units(range(per_thread))).ok
+                assert all(put), f"thread {index}: put of the shared keys failed: {put}"
                 target = HostPoolForTests(specs["attn"], per_thread)
-                assert all(engine.get("attn", own, target.units(range(per_thread))).ok)
+                got = engine.get("attn", own, target.units(range(per_thread))).ok
+                assert all(got), f"thread {index}: get of its own keys failed: {got}"
                 for offset, unit in enumerate(units):
-                    assert target.unit_bytes(offset) == source["attn"].unit_bytes(unit)
-                assert all(engine.get("attn", shared, target.units(range(per_thread))).ok)
+                    assert target.unit_bytes(offset) == source["attn"].unit_bytes(unit), (
+                        f"thread {index}: its own page {offset} read back other bytes"
+                    )
+                got = engine.get("attn", shared, target.units(range(per_thread))).ok
+                assert all(got), f"thread {index}: get of the shared keys failed: {got}"
                 self.assert_units_equal(source["attn"], target, range(per_thread))
             except BaseException as exc:  # surfaced in the main thread below
                 errors.append(exc)
@@ -191,8 +204,12 @@ class CoreConformance(BackendKit):
             worker.start()
         for worker in workers:
             worker.join()
-        assert not errors, errors
-        assert engine.metrics.corrupt_detected == 0
+        assert not errors, (
+            f"backend {backend.name!r} is not thread-safe: {len(errors)} of {threads_count} threads "
+            "failed putting/getting distinct and shared keys at once (the contract: put/get/exists may "
+            "be called from several threads):\n" + "\n".join(_format(exc) for exc in errors)
+        )
+        assert engine.metrics.corrupt_detected == 0, "concurrent puts of one key must not damage it"
 
     def test_bufferless_anchor_stores_marker_objects(self, backend: StorageBackend) -> None:
         specs = marker_specs()
@@ -248,6 +265,9 @@ class CoreConformance(BackendKit):
                     target = self.pools(specs, 2, seed=None)
                     assert all(
                         self.engine(second, specs).get("attn", hashes, target["attn"].units(range(2))).ok
+                    ), (
+                        f"backend {first.name!r} declares shared_across_instances, but a second "
+                        "instance does not read what the first one wrote"
                     )
                     self.assert_units_equal(source["attn"], target["attn"], range(2))
                     return
