@@ -167,3 +167,15 @@ def test_the_thread_test_shows_what_failed_in_the_threads() -> None:
     backend = WorkerThreadsMiss("l3", MemoryConfig())
     with pytest.raises(AssertionError, match=r"not thread-safe(.|\n)*thread \d: get of its own keys failed"):
         CoreConformance().test_concurrent_distinct_and_same_keys(backend)
+
+
+def test_the_pool_kit_leaves_no_temporary_directory(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Its stacks' L3 directories live in pytest's ``tmp_path``, not in ever more /tmp dirs."""
+    import tempfile
+
+    system_tmp = tmp_path / "system-tmp"
+    system_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
+    kit = TestLogicalThroughThePoolKit()
+    kit.test_round_trip_through_host_and_l3(PluginHost(), tmp_path / "kit")
+    assert list(system_tmp.iterdir()) == []

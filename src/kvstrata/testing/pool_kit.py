@@ -24,7 +24,7 @@ name it). A small per-request state (a conv state, a scalar) is a ``mamba`` pool
 from __future__ import annotations
 
 import math
-import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -154,9 +154,9 @@ class PoolTypeConformance:
         covered = {name for obj in spec.objects for name in obj.buffers}
         assert covered == {b.name for b in spec.buffers}, "the stored objects cover every buffer exactly"
 
-    def test_round_trip_through_host_and_l3(self, pool_host: PluginHost) -> None:
+    def test_round_trip_through_host_and_l3(self, pool_host: PluginHost, tmp_path: Path) -> None:
         role = self._spec(pool_host).role
-        config = stack(self.pool_config, role, tempfile.mkdtemp(prefix="kvstrata-pool-kit-"))
+        config = stack(self.pool_config, role, str(tmp_path / "l3"))
         prompt = torch.arange(PAGES * PAGE) + 7
         with kvstrata.open(config, plugins=pool_host) as cache:
             fill_and_insert(cache, prompt, seed=1)
@@ -167,9 +167,9 @@ class PoolTypeConformance:
             restored = check_restored(cache, prompt, seed=1, shared_pages=PAGES)
             assert restored > 0, "a new cache restores the prompt from L3"
 
-    def test_hits_stop_where_prompts_diverge(self, pool_host: PluginHost) -> None:
+    def test_hits_stop_where_prompts_diverge(self, pool_host: PluginHost, tmp_path: Path) -> None:
         role = self._spec(pool_host).role
-        config = stack(self.pool_config, role, tempfile.mkdtemp(prefix="kvstrata-pool-kit-"))
+        config = stack(self.pool_config, role, str(tmp_path / "l3"))
         prompt = torch.arange(PAGES * PAGE) + 7
         other = prompt.clone()
         other[3 * PAGE + 1] += 1  # diverges inside page 3: at most pages 0-2 are shared
