@@ -75,6 +75,44 @@ def test_the_policy_kit_catches_a_non_deterministic_policy(kvstrata_host: Plugin
     assert len(runs) > 1, "random ranks must show up as different evictions of one workload"
 
 
+class OnlyMostRecentConfig(EvictionPolicyConfig):
+    type: Literal["only_most_recent"] = "only_most_recent"
+
+
+class OnlyMostRecentPolicy(EvictionPolicy):
+    """Breaks the ranking contract on purpose: ranks only the most recent of its candidates (the
+    tier then frees less than asked and the workload's inserts were silently skipped)."""
+
+    name = "only_most_recent"
+    Config = OnlyMostRecentConfig
+    capabilities = PolicyCapabilities()
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        return sorted((n.last_access, n.id, n) for n in entries)[-1:] if entries else []
+
+
+class TwiceConfig(EvictionPolicyConfig):
+    type: Literal["twice"] = "twice"
+
+
+class TwicePolicy(MruPolicy):
+    """Breaks the ranking contract on purpose: every candidate twice."""
+
+    name = "twice"
+    Config = TwiceConfig
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        return super().ranked(entries) * 2
+
+
+@pytest.mark.parametrize("policy", [OnlyMostRecentPolicy, TwicePolicy])
+def test_the_policy_kit_names_the_ranking_rule(kvstrata_host: PluginHost, policy: type) -> None:
+    kvstrata_host.eviction_policies.register(policy)
+    ops = [([1, i % 4, i % 3, i], False, False) for i in range(24)]
+    with pytest.raises(AssertionError, match=r"ranked\(\) must return one \(rank, node.id, node\) entry"):
+        run_workload(kvstrata_host, policy.name, ops)
+
+
 # --- backend kit: capability mixins and the "absent key removed" rule ------------------------------
 
 

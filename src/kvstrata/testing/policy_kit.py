@@ -87,6 +87,7 @@ def run_workload(host: PluginHost, policy: str | dict[str, Any], ops: list[Op]) 
     future = _OpsFuture([path for path, _, _ in ops])
     if ranker.capabilities.needs_future:
         ranker.bind_future(future)
+    ranker.ranked = _checked_ranked(policy, ranker.ranked)  # type: ignore[method-assign]
     tree.set_eviction_order(Tier.DEVICE, ranker)
     retention = Retention(tree, max_pinned_pages=CAPACITY // 3, metrics=CacheMetrics())
     tree.set_retention(retention)
@@ -106,6 +107,12 @@ def run_workload(host: PluginHost, policy: str | dict[str, Any], ops: list[Op]) 
             result = tree.evict_device({"kv": used + new - CAPACITY})
             evicted.extend(tuple(node.keys) for node in result.demoted)
             evicted.append(("deleted", result.deleted, result.units.get("kv", 0)))
+            free = min(used + new - CAPACITY, used - sum(protected.values()))
+            assert result.units.get("kv", 0) >= free, (
+                f"policy {policy!r}: asked to free {used + new - CAPACITY} pages, {free} of them "
+                f"unprotected, the eviction freed {result.units.get('kv', 0)}: ranked() must rank every "
+                "candidate it is given, so the tier can free what is asked while unprotected pages remain"
+            )
             for node, pages in protected.items():
                 assert node.parent is not None and node.device[0] is not None, (
                     f"policy {policy!r}: a locked or pinned node lost its pages"
@@ -136,6 +143,26 @@ def run_workload(host: PluginHost, policy: str | dict[str, Any], ops: list[Op]) 
             retention.release(pinned.pop(0))
         tree.check()
     return evicted
+
+
+def _checked_ranked(policy: str | dict[str, Any], ranked: Any) -> Any:
+    """``ranked`` checked against the contract: one ``(rank, node.id, node)`` entry per given
+    node, each exactly once, and no other node."""
+
+    def check(nodes: list[TreeNode]) -> list[tuple[Any, int, TreeNode]]:
+        entries = list(ranked(nodes))
+        given = sorted(node.id for node in nodes)
+        got = sorted(entry[2].id for entry in entries)
+        assert got == given, (
+            f"policy {policy!r}: ranked() must return one (rank, node.id, node) entry for each entry "
+            f"it is given, each exactly once and no others; given node ids {given}, ranked {got}"
+        )
+        assert all(entry[1] == entry[2].id for entry in entries), (
+            f"policy {policy!r}: the second item of a ranked() entry must be its node's id (tie-break)"
+        )
+        return entries
+
+    return check
 
 
 def _protected(
@@ -212,4 +239,8 @@ class EvictionPolicyConformance:
         """The properties above are not vacuous: a plain workload overflows the tier."""
         ops: list[Op] = [([1, i, i, i], False, False) for i in range(8)]
         evicted = run_workload(policy_host, self.policy, ops)
-        assert sum(int(item[2]) for item in evicted if item[0] == "deleted") >= 8
+        freed = sum(int(item[2]) for item in evicted if item[0] == "deleted")
+        assert freed >= 8, (
+            f"policy {self.policy!r}: 8 requests of 4 new pages each through a {CAPACITY}-page tier "
+            f"freed only {freed} pages: ranked() must rank the candidates it is given"
+        )
