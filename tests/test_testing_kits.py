@@ -12,6 +12,20 @@ from typing import Literal
 import pytest
 
 from kvstrata.plugins import EvictionPolicy, EvictionPolicyConfig, PluginHost, PolicyCapabilities
+from kvstrata.plugins.pool_type import (
+    BufferSpec,
+    Granularity,
+    HitRule,
+    HitRuleKind,
+    Layout,
+    ObjectSpec,
+    PartialHit,
+    PoolConfig,
+    PoolRole,
+    PoolSpec,
+    PoolType,
+    Replication,
+)
 from kvstrata.plugins.storage_backend import StorageBackend
 from kvstrata.storage_backends.memory import MemoryBackend, MemoryConfig
 from kvstrata.testing.conformance import CoreConformance, IntegrityConformance, RemovalConformance
@@ -217,3 +231,68 @@ def test_the_pool_kit_leaves_no_temporary_directory(tmp_path, monkeypatch) -> No
     kit = TestLogicalThroughThePoolKit()
     kit.test_round_trip_through_host_and_l3(PluginHost(), tmp_path / "kit")
     assert list(system_tmp.iterdir()) == []
+
+
+class ListPoolConfig(PoolConfig):
+    type: Literal["list_vec"] = "list_vec"
+    layers: int = 2
+    width: int = 8
+
+
+class ListPool(PoolType):
+    """A third-party component pool as docs/plugins.md shows it: ``PoolSpec`` with no ``layouts``."""
+
+    name = "list_vec"
+    Config = ListPoolConfig
+    default_role = PoolRole.COMPONENT
+    declared_layouts: tuple[Layout, ...] | None = None  # None: the PoolSpec default
+
+    def spec(self) -> PoolSpec:
+        page, layers = self.model.page_size, self.config.layers
+        extra = {} if self.declared_layouts is None else {"layouts": self.declared_layouts}
+        return PoolSpec(
+            name=self.instance,
+            pool_type=self.name,
+            role=PoolRole.COMPONENT,
+            granularity=Granularity.TOKEN_PAGES,
+            hit_rule=HitRule(kind=HitRuleKind.ALL_PAGES),
+            partial_hit=PartialHit.CLAMP,
+            replication=Replication.SHARDED,
+            page_size=page,
+            buffers=(
+                BufferSpec(name="x", dtype="float16", layers=layers, unit_shape=(page, self.config.width)),
+            ),
+            objects=(ObjectSpec(suffix="x", buffers=("x",)),),
+            **extra,  # type: ignore[arg-type]
+        )
+
+
+class TestADefaultLayoutsPoolThroughThePoolKit(PoolTypeConformance):
+    """The PoolSpec defaults open in a stack (the device tier is layer_first)."""
+
+    pool_config = {"type": "list_vec"}
+
+    @pytest.fixture
+    def pool_host(self, kvstrata_host: PluginHost) -> PluginHost:
+        kvstrata_host.pool_types.register(ListPool)
+        return kvstrata_host
+
+
+class PageFirstOnlyConfig(ListPoolConfig):
+    type: Literal["page_first_only"] = "page_first_only"  # type: ignore[assignment]
+
+
+class PageFirstOnly(ListPool):
+    """Breaks the stack's rule on purpose: declares no layer_first layout."""
+
+    name = "page_first_only"
+    Config = PageFirstOnlyConfig
+    declared_layouts = (Layout.PAGE_FIRST,)
+
+
+def test_the_pool_kit_names_the_layer_first_rule(kvstrata_host: PluginHost) -> None:
+    kvstrata_host.pool_types.register(PageFirstOnly)
+    kit = TestADefaultLayoutsPoolThroughThePoolKit()
+    kit.pool_config = {"type": "page_first_only"}
+    with pytest.raises(AssertionError, match=r"must list Layout\.LAYER_FIRST in PoolSpec\.layouts"):
+        kit.test_declares_a_consistent_spec(kvstrata_host)

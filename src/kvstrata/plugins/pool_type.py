@@ -229,7 +229,9 @@ class PoolSpec(BaseModel):
     page_size: int = Field(ge=1)
     buffers: tuple[BufferSpec, ...] = ()  # empty for a logical pool
     objects: tuple[ObjectSpec, ...] = ()
-    layouts: tuple[Layout, ...] = (Layout.PAGE_FIRST,)
+    #: tier layouts the pool's buffers can be held in: the device tier is always layer_first, so
+    #: a pool with buffers needs it to open in a stack; page_first is the default host layout
+    layouts: tuple[Layout, ...] = (Layout.LAYER_FIRST, Layout.PAGE_FIRST)
     eviction_priority: int = 0  # lower goes first when components compete for device room
     #: model layer id of each pool layer (pool layer i holds model layer ``layer_ids[i]``);
     #: None: the pool's layers are the model layers 0..layers-1

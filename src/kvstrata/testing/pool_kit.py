@@ -32,7 +32,7 @@ import torch
 
 import kvstrata
 from kvstrata.plugins.host import PluginHost
-from kvstrata.plugins.pool_type import Granularity, ModelContext, PoolRole, PoolSpec, dtype_itemsize
+from kvstrata.plugins.pool_type import Granularity, Layout, ModelContext, PoolRole, PoolSpec, dtype_itemsize
 
 #: Tokens per page of the kit's stacks; pages of its prompts.
 PAGE = 16
@@ -153,6 +153,10 @@ class PoolTypeConformance:
             )
         covered = {name for obj in spec.objects for name in obj.buffers}
         assert covered == {b.name for b in spec.buffers}, "the stored objects cover every buffer exactly"
+        assert Layout.LAYER_FIRST in spec.layouts, (
+            f"spec.layouts is {[layout.value for layout in spec.layouts]}: the device tier holds every pool "
+            "layer_first, so a pool with buffers must list Layout.LAYER_FIRST in PoolSpec.layouts"
+        )
 
     def test_round_trip_through_host_and_l3(self, pool_host: PluginHost, tmp_path: Path) -> None:
         role = self._spec(pool_host).role
