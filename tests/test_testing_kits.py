@@ -296,3 +296,20 @@ def test_the_pool_kit_names_the_layer_first_rule(kvstrata_host: PluginHost) -> N
     kit.pool_config = {"type": "page_first_only"}
     with pytest.raises(AssertionError, match=r"must list Layout\.LAYER_FIRST in PoolSpec\.layouts"):
         kit.test_declares_a_consistent_spec(kvstrata_host)
+
+
+class NoCorruptHook(MemoryBackend):
+    """A backend without the test-only damage hook."""
+
+    corrupt_for_test = None  # type: ignore[assignment]
+
+
+def test_core_tests_need_no_damage_hook_and_integrity_tests_say_they_do() -> None:
+    """The documented composition skips nothing: the core marker test runs whole without the hook
+    (the damaged-marker half is an integrity test), and integrity tests fail with the instruction."""
+    try:
+        CoreConformance().test_bufferless_anchor_stores_marker_objects(NoCorruptHook("l3", MemoryConfig()))
+    except pytest.skip.Exception as skipped:
+        pytest.fail(f"a core test skipped part of itself without the damage hook: {skipped}")
+    with pytest.raises(pytest.fail.Exception, match="offers no corrupt_for_test hook: implement"):
+        IntegrityConformance().test_damaged_marker_is_a_miss(NoCorruptHook("l3", MemoryConfig()))

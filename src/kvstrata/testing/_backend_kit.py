@@ -196,7 +196,12 @@ class BackendKit:
     def corrupt(self, backend: StorageBackend, key: str, mode: Literal["flip", "truncate"]) -> bool:
         hook = getattr(backend, "corrupt_for_test", None)
         if hook is None:
-            pytest.skip(f"backend {backend.name!r} offers no corrupt_for_test hook")
+            pytest.fail(
+                f"backend {backend.name!r} offers no corrupt_for_test hook: implement "
+                "corrupt_for_test(key, mode, offset=-1) -> bool on the backend, or override corrupt() in "
+                "the test class, for IntegrityConformance and RemovalConformance's damage checks",
+                pytrace=False,
+            )
         return bool(hook(key, mode))
 
     @staticmethod

@@ -2,8 +2,9 @@
 supports next to :class:`~kvstrata.testing.conformance.CoreConformance`, instead of overriding
 tests to skip them. :class:`~kvstrata.testing.conformance.BackendConformance` is all of them.
 
-- :class:`IntegrityConformance`: damaged objects are refused (needs ``corrupt_for_test`` on the
-  backend, or :meth:`BackendKit.corrupt` overridden);
+- :class:`IntegrityConformance`: damaged objects (payloads, markers) are refused (needs
+  ``corrupt_for_test`` on the backend, or :meth:`BackendKit.corrupt` overridden: without either
+  its tests fail saying so);
 - :class:`RemovalConformance`: for ``capabilities.removable``: ``remove`` (an absent key counts as
   removed: True), damaged objects removed, a layout change heals.
 """
@@ -14,8 +15,9 @@ from typing import Literal
 
 import pytest
 
+from kvstrata.core.storage_engine import PoolBatch
 from kvstrata.plugins.storage_backend import StorageBackend
-from kvstrata.testing._backend_kit import BackendKit, conformance_specs, page_hashes
+from kvstrata.testing._backend_kit import BackendKit, conformance_specs, marker_specs, page_hashes
 
 
 class IntegrityConformance(BackendKit):
@@ -34,6 +36,29 @@ class IntegrityConformance(BackendKit):
         assert result.ok == [True, False, True]
         assert engine.metrics.corrupt_detected == 1
         assert sum(engine.metrics.corrupt_reasons.values()) == 1
+
+    def test_damaged_marker_is_a_miss(self, backend: StorageBackend) -> None:
+        """A damaged marker object (a bufferless anchor's page) is a miss, and the sidecar page
+        it gates is not read at all."""
+        specs = marker_specs()
+        engine = self.engine(backend, specs)
+        source = self.pools(specs, 3, seed=11)
+        hashes = page_hashes(3, seed=11)
+        put = engine.put_group(
+            {"pages": PoolBatch(hashes), "index": PoolBatch(hashes, source["index"].units(range(3)))}
+        )
+        assert all(all(result.ok) for result in put.values()), put
+        markers = engine.object_keys("pages", hashes)
+        assert self.corrupt(backend, markers[0][1], "truncate")
+        fresh = self.pools(specs, 3, seed=None)
+        index_batch = PoolBatch(hashes, fresh["index"].units(range(3)))
+        got = engine.get_group({"pages": PoolBatch(hashes, [[]] * 3), "index": index_batch})
+        assert got["pages"].ok == [True, False, True], "a damaged marker must be a miss"
+        assert got["index"].ok == [True, False, True], "the sidecar page of a missed marker is a miss"
+        assert fresh["index"].unit_bytes(1) == bytes(len(fresh["index"].unit_bytes(1))), (
+            "the sidecar page a damaged marker gates must not be read"
+        )
+        assert engine.metrics.corrupt_detected == 1
 
 
 class RemovalConformance(BackendKit):
