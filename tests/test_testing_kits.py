@@ -313,3 +313,13 @@ def test_core_tests_need_no_damage_hook_and_integrity_tests_say_they_do() -> Non
         pytest.fail(f"a core test skipped part of itself without the damage hook: {skipped}")
     with pytest.raises(pytest.fail.Exception, match="offers no corrupt_for_test hook: implement"):
         IntegrityConformance().test_damaged_marker_is_a_miss(NoCorruptHook("l3", MemoryConfig()))
+
+
+def test_the_policy_kit_says_how_to_install_hypothesis(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from kvstrata.testing import policy_kit
+
+    monkeypatch.setitem(sys.modules, "hypothesis", None)  # an import of it fails, as when absent
+    with pytest.raises(ImportError, match=r"pip install 'kvstrata\[testing\]'"):
+        policy_kit._given(max_examples=1)(lambda ops: None)

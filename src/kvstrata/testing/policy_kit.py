@@ -19,7 +19,7 @@ event, lock the prefix, evict what is missing, insert, release or keep the lock;
 pinned). A policy only ranks what may leave, so these must hold for any policy: a locked or
 pinned node keeps its pages, the tier never holds more than its capacity, the tree's own checks
 pass after every step, and the same workload evicts the same pages twice (determinism).
-Needs ``hypothesis`` (``pip install hypothesis``).
+Needs ``hypothesis``: ``pip install 'kvstrata[testing]'``.
 """
 
 from __future__ import annotations
@@ -67,9 +67,25 @@ class _OpsFuture:
         return NEVER
 
 
+#: How to install what the kit needs beyond kvstrata.
+INSTALL = "pip install 'kvstrata[testing]'"
+
+
+def _hypothesis() -> Any:
+    """The ``hypothesis`` module, or an ImportError that says how to install it."""
+    try:
+        import hypothesis
+        import hypothesis.strategies
+    except ImportError as exc:
+        raise ImportError(
+            f"kvstrata's eviction-policy kit needs hypothesis ({exc}): install it with {INSTALL}"
+        ) from exc
+    return hypothesis
+
+
 def request_paths() -> Any:
     """The hypothesis strategy of workloads: ids from a small alphabet, so prefixes are shared."""
-    from hypothesis import strategies as st
+    st = _hypothesis().strategies
 
     path = st.lists(st.integers(0, 3), min_size=1, max_size=6).map(lambda ids: [1, *ids])
     return st.lists(st.tuples(path, st.booleans(), st.booleans()), min_size=1, max_size=40)
@@ -186,6 +202,7 @@ def _given(max_examples: int) -> Any:
     test dependency, not one of kvstrata's)."""
 
     def wrap(test: Any) -> Any:
+        _hypothesis()  # an ImportError naming the install command when it is missing
         from hypothesis import HealthCheck, given, settings
 
         # a mixin's method runs on one instance per subclass; the fixture only hands in a host
