@@ -11,6 +11,7 @@ from typing import Literal
 
 import pytest
 
+from kvstrata.core.io_plan import IOMode
 from kvstrata.plugins import EvictionPolicy, EvictionPolicyConfig, PluginHost, PolicyCapabilities
 from kvstrata.plugins.pool_type import (
     BufferSpec,
@@ -26,7 +27,13 @@ from kvstrata.plugins.pool_type import (
     PoolType,
     Replication,
 )
-from kvstrata.plugins.storage_backend import StorageBackend
+from kvstrata.plugins.storage_backend import (
+    ANY_POOL,
+    BufferRegion,
+    PoolCapabilities,
+    StorageBackend,
+    object_views,
+)
 from kvstrata.storage_backends.memory import MemoryBackend, MemoryConfig
 from kvstrata.testing.conformance import CoreConformance, IntegrityConformance, RemovalConformance
 from kvstrata.testing.policy_kit import EvictionPolicyConformance, run_workload
@@ -323,3 +330,92 @@ def test_the_policy_kit_says_how_to_install_hypothesis(monkeypatch: pytest.Monke
     monkeypatch.setitem(sys.modules, "hypothesis", None)  # an import of it fails, as when absent
     with pytest.raises(ImportError, match=r"pip install 'kvstrata\[testing\]'"):
         policy_kit._given(max_examples=1)(lambda ops: None)
+
+
+# --- backend kit: the zero-copy registered path and unverified reads --------------------------------
+
+ZERO_COPY = MemoryBackend.capabilities.model_copy(
+    update={"pools": {ANY_POOL: PoolCapabilities(zero_copy=True)}}
+)
+
+
+class ZeroCopyMemory(MemoryBackend):
+    """A correct zero-copy backend (its copies read any address, so registering is a no-op)."""
+
+    capabilities = ZERO_COPY
+
+
+class RegisteredReadsNothing(ZeroCopyMemory):
+    """Breaks zero-copy on purpose: a read into registered host memory leaves it as it was."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.registered: list[BufferRegion] = []
+
+    def register_host_memory(self, region: BufferRegion) -> None:
+        self.registered.append(region)
+
+    def get(self, objects):  # type: ignore[no-untyped-def]
+        kept = []
+        for obj in objects:
+            regions = [r for r in obj.regions if r.nbytes]
+            for region, view in zip(regions, object_views(obj), strict=True):
+                if any(a.ptr <= region.ptr < a.ptr + a.nbytes for a in self.registered):
+                    kept.append((view, bytes(view)))
+        got = super().get(objects)
+        for view, before in kept:
+            view[:] = before
+        return got
+
+
+class RegistersOnce(ZeroCopyMemory):
+    """Breaks zero-copy on purpose: a second host pool cannot be registered."""
+
+    calls = 0
+
+    def register_host_memory(self, region: BufferRegion) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("segment already registered")
+
+
+class UnverifiedReadsZeroes(MemoryBackend):
+    """Breaks the unverified mode (``checksum: none``) on purpose: payloads read back zeroed."""
+
+    verified = True
+
+    def set_read_verification(self, verified: bool) -> None:
+        self.verified = verified
+
+    def get(self, objects):  # type: ignore[no-untyped-def]
+        got = super().get(objects)
+        for obj, n in zip(objects, got, strict=True):
+            if n > 0 and not self.verified:
+                for view in object_views(obj)[1:]:
+                    view[:] = bytes(len(view))
+        return got
+
+
+@pytest.mark.parametrize(
+    ("backend_cls", "checksum"),
+    [
+        (RegisteredReadsNothing, "xxh3"),
+        (RegisteredReadsNothing, "none"),
+        (RegistersOnce, "xxh3"),
+        (UnverifiedReadsZeroes, "none"),
+    ],
+)
+def test_the_backend_kit_runs_registered_memory_and_unverified_reads(
+    backend_cls: type, checksum: str
+) -> None:
+    backend = backend_cls("l3", MemoryConfig())
+    with pytest.raises((AssertionError, RuntimeError)):
+        CoreConformance().test_round_trip_through_registered_host_memory(backend, checksum)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("checksum", ["xxh3", "none"])
+def test_a_zero_copy_backend_passes_the_registered_round_trip(checksum: str) -> None:
+    backend = ZeroCopyMemory("l3", MemoryConfig())
+    kit = CoreConformance()
+    assert kit.engine(backend).plans["attn"].mode is IOMode.ZERO_COPY
+    kit.test_round_trip_through_registered_host_memory(backend, checksum)  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvstrata.core.config import ParallelConfig
-from kvstrata.core.io_plan import plan_backend
+from kvstrata.core.io_plan import IOMode, plan_backend
 from kvstrata.core.keys import hash_pages, namespace_root
 from kvstrata.core.storage_engine import StorageEngine
 from kvstrata.plugins.pool_type import (
@@ -97,18 +97,29 @@ def marker_specs() -> dict[str, PoolSpec]:
 
 
 class HostPoolForTests:
-    """A layer-first host pool made of plain uint8 tensors: one object = one region per layer."""
+    """A layer-first host pool: one uint8 allocation (as a host tier's, registered whole for
+    zero-copy I/O) cut into a tensor per buffer; one object = one region per layer."""
 
     def __init__(self, spec: PoolSpec, units: int, seed: int | None = None) -> None:
         self.spec = spec
-        self.tensors = {
-            b.name: torch.zeros((b.layers, units, b.bytes_per_unit_per_layer), dtype=torch.uint8)
-            for b in spec.buffers
-        }
+        sizes = {b.name: b.layers * units * b.bytes_per_unit_per_layer for b in spec.buffers}
+        self.backing = torch.zeros(sum(sizes.values()), dtype=torch.uint8)
+        self.tensors = {}
+        offset = 0
+        for b in spec.buffers:
+            part = self.backing[offset : offset + sizes[b.name]]
+            self.tensors[b.name] = part.view(b.layers, units, b.bytes_per_unit_per_layer)
+            offset += sizes[b.name]
         if seed is not None:
             generator = torch.Generator().manual_seed(seed)
             for tensor in self.tensors.values():
                 tensor.copy_(torch.randint(0, 256, tensor.shape, dtype=torch.uint8, generator=generator))
+
+    def region(self) -> BufferRegion | None:
+        """The whole allocation (None for a pool without buffers)."""
+        if not self.backing.numel():
+            return None
+        return BufferRegion(self.backing.data_ptr(), self.backing.numel())
 
     def unit_regions(self, unit: int) -> list[list[BufferRegion]]:
         regions: list[list[BufferRegion]] = []
@@ -192,6 +203,17 @@ class BackendKit:
         forger = self.engine(backend, specs, model_name=model_name)
         forger.schemas[pool] = victim.schemas[pool]
         assert all(forger.put(pool, hashes, source[pool].units(range(len(hashes)))).ok)
+
+    @staticmethod
+    def register(backend: StorageBackend, engine: StorageEngine, pools: dict[str, HostPoolForTests]) -> None:
+        """Register each pool's memory for its zero-copy plan, one call per pool, as the core's
+        builder does with its host tiers (backend-allocated host memory is registered already)."""
+        if backend.instance_capabilities().host_allocator:
+            return
+        for name, pool in pools.items():
+            region = pool.region()
+            if region is not None and engine.plans[name].mode is IOMode.ZERO_COPY:
+                backend.register_host_memory(region)
 
     def corrupt(self, backend: StorageBackend, key: str, mode: Literal["flip", "truncate"]) -> bool:
         hook = getattr(backend, "corrupt_for_test", None)

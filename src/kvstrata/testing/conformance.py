@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 import traceback
 from collections.abc import Callable
+from typing import Literal
 
 import pytest
 import torch
@@ -81,6 +82,32 @@ class CoreConformance(BackendKit):
         assert all(all(r.ok) for r in got.values()), got
         for name in specs:
             self.assert_units_equal(source[name], target[name], range(6))
+        assert engine.metrics.corrupt_detected == 0
+
+    @pytest.mark.parametrize("checksum", ["xxh3", "none"])
+    def test_round_trip_through_registered_host_memory(
+        self, backend: StorageBackend, checksum: Literal["xxh3", "none"]
+    ) -> None:
+        """As the core runs it: each host pool given to ``register_host_memory`` (one call per
+        pool, for zero-copy plans), reads verified by checksum or not (``policy.checksum: none``
+        calls ``set_read_verification(False)``): bit-exact round trips and per-key misses."""
+        specs = conformance_specs()
+        engine = self.engine(backend, specs, checksum=checksum)
+        source, target = self.pools(specs, 4, seed=21), self.pools(specs, 4, seed=None)
+        self.register(backend, engine, source)
+        self.register(backend, engine, target)
+        hashes = page_hashes(4, seed=21)
+        put = engine.put_group({n: PoolBatch(hashes[:3], source[n].units(range(3))) for n in specs})
+        assert all(all(r.ok) for r in put.values()), f"checksum {checksum}: put into registered memory {put}"
+        got = engine.get_group({n: PoolBatch(hashes, target[n].units(range(4))) for n in specs})
+        for name in specs:
+            assert got[name].ok == [True, True, True, False], (
+                f"checksum {checksum}: get of pool {name!r} into registered host memory: {got[name].ok}, "
+                "expected three hits and a miss"
+            )
+            self.assert_units_equal(source[name], target[name], range(3))
+        missed = target["attn"].unit_bytes(3)
+        assert missed == bytes(len(missed)), "a miss writes nothing into the page"
         assert engine.metrics.corrupt_detected == 0
 
     def test_partial_batches_per_key(self, backend: StorageBackend) -> None:
