@@ -134,6 +134,28 @@ def test_the_policy_kit_names_the_ranking_rule(kvstrata_host: PluginHost, policy
         run_workload(kvstrata_host, policy.name, ops)
 
 
+class ByAddressConfig(EvictionPolicyConfig):
+    type: Literal["by_address"] = "by_address"
+
+
+class ByAddressPolicy(MruPolicy):
+    """Breaks the determinism rule on purpose: ranks by object id (the node's address)."""
+
+    name = "by_address"
+    Config = ByAddressConfig
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        return [(id(n), n.id, n) for n in entries]
+
+
+def test_the_policy_kit_catches_an_id_ranked_policy_every_time(kvstrata_host: PluginHost) -> None:
+    kvstrata_host.eviction_policies.register(ByAddressPolicy)
+    kit = EvictionPolicyConformance()
+    kit.policy = "by_address"
+    with pytest.raises(AssertionError, match="must not depend on randomness, wall time or object ids"):
+        kit.test_is_deterministic_on_a_sibling_heavy_workload(kvstrata_host)
+
+
 # --- backend kit: capability mixins and the "absent key removed" rule ------------------------------
 
 

@@ -252,6 +252,20 @@ class EvictionPolicyConformance:
             "on randomness, wall time or object ids"
         )
 
+    def test_is_deterministic_on_a_sibling_heavy_workload(self, policy_host: PluginHost) -> None:
+        """A fixed workload where many siblings compete, run again with other objects alive
+        between the runs (so the tree's nodes sit elsewhere in memory): the random workloads
+        above hit such a case only sometimes."""
+        ops: list[Op] = [([1, i % 4, i % 3, i], False, False) for i in range(24)]
+        first = run_workload(policy_host, self.policy, ops)
+        alive: list[object] = []
+        for extra in (0, 1000, 333):
+            alive.extend([object() for _ in range(extra)] + [{} for _ in range(extra // 3)])
+            assert run_workload(policy_host, self.policy, ops) == first, (
+                f"policy {self.policy!r} evicted differently on the same workload: ranks must not "
+                "depend on randomness, wall time or object ids"
+            )
+
     def test_the_workload_evicts_at_all(self, policy_host: PluginHost) -> None:
         """The properties above are not vacuous: a plain workload overflows the tier."""
         ops: list[Op] = [([1, i, i, i], False, False) for i in range(8)]
