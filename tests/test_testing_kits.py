@@ -37,7 +37,7 @@ from kvstrata.plugins.storage_backend import (
 from kvstrata.storage_backends.memory import MemoryBackend, MemoryConfig
 from kvstrata.testing.conformance import CoreConformance, IntegrityConformance, RemovalConformance
 from kvstrata.testing.policy_kit import EvictionPolicyConformance, run_workload
-from kvstrata.testing.pool_kit import PoolTypeConformance
+from kvstrata.testing.pool_kit import PAGE_SIZES, PoolTypeConformance
 
 
 class TestLruThroughTheKit(EvictionPolicyConformance):
@@ -258,7 +258,7 @@ def test_the_pool_kit_leaves_no_temporary_directory(tmp_path, monkeypatch) -> No
     system_tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
     kit = TestLogicalThroughThePoolKit()
-    kit.test_round_trip_through_host_and_l3(PluginHost(), tmp_path / "kit")
+    kit.test_round_trip_through_host_and_l3(PluginHost(), tmp_path / "kit", 16)
     assert list(system_tmp.iterdir()) == []
 
 
@@ -324,7 +324,7 @@ def test_the_pool_kit_names_the_layer_first_rule(kvstrata_host: PluginHost) -> N
     kit = TestADefaultLayoutsPoolThroughThePoolKit()
     kit.pool_config = {"type": "page_first_only"}
     with pytest.raises(AssertionError, match=r"must list Layout\.LAYER_FIRST in PoolSpec\.layouts"):
-        kit.test_declares_a_consistent_spec(kvstrata_host)
+        kit.test_declares_a_consistent_spec(kvstrata_host, 16)
 
 
 class NoCorruptHook(MemoryBackend):
@@ -441,3 +441,28 @@ def test_a_zero_copy_backend_passes_the_registered_round_trip(checksum: str) -> 
     kit = CoreConformance()
     assert kit.engine(backend).plans["attn"].mode is IOMode.ZERO_COPY
     kit.test_round_trip_through_registered_host_memory(backend, checksum)  # type: ignore[arg-type]
+
+
+class Page16Config(ListPoolConfig):
+    type: Literal["page16"] = "page16"  # type: ignore[assignment]
+
+
+class Page16(ListPool):
+    """Breaks the stack's rule on purpose: a page size of its own, not the model's."""
+
+    name = "page16"
+    Config = Page16Config
+
+    def spec(self) -> PoolSpec:
+        return super().spec().model_copy(update={"page_size": 16})
+
+
+def test_the_pool_kit_runs_two_page_sizes_and_names_the_rule(kvstrata_host: PluginHost) -> None:
+    kvstrata_host.pool_types.register(Page16)
+    kit = TestADefaultLayoutsPoolThroughThePoolKit()
+    kit.pool_config = {"type": "page16"}
+    assert 16 in PAGE_SIZES and len(set(PAGE_SIZES)) > 1
+    for page_size in PAGE_SIZES:
+        if page_size != 16:
+            with pytest.raises(AssertionError, match=r"take it from ModelContext\.page_size"):
+                kit.test_declares_a_consistent_spec(kvstrata_host, page_size)

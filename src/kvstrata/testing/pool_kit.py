@@ -12,8 +12,9 @@
             kvstrata_host.pool_types.register(MyPoolType)   # or an installed entry point
             return kvstrata_host
 
-It checks, through the real cache (``kvstrata.open``): the declared spec (names, role, buffers
-whose byte sizes add up, objects that cover them), and a round trip of random bytes through the
+It checks, through the real cache (``kvstrata.open``) at two page sizes (:data:`PAGE_SIZES`): the
+declared spec (names, the model's page size, role, buffers whose byte sizes add up, objects that
+cover them, a ``layer_first`` layout), and a round trip of random bytes through the
 host tier and an L3 into a new cache with empty L1 and L2, restored bit-exact where the pool's
 hit rule says a prefix may be served, never past a prompt's shared part. A pool that is not an
 anchor is tested next to a ``kv`` anchor named ``anchor`` (a sidecar's ``index_source`` may
@@ -34,27 +35,30 @@ import kvstrata
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.pool_type import Granularity, Layout, ModelContext, PoolRole, PoolSpec, dtype_itemsize
 
-#: Tokens per page of the kit's stacks; pages of its prompts.
+#: Tokens per page of the kit's stacks (each test runs at :data:`PAGE_SIZES`); pages of its prompts.
 PAGE = 16
+PAGE_SIZES = (4, PAGE)
 PAGES = 6
 POOL = "under_test"
 
 
-def pool_spec(host: PluginHost, config: dict[str, Any], anchor: str = POOL) -> PoolSpec:
+def pool_spec(
+    host: PluginHost, config: dict[str, Any], anchor: str = POOL, page_size: int = PAGE
+) -> PoolSpec:
     """The spec an instance named :data:`POOL` declares."""
     cls = host.pool_types.require(str(config["type"]))
-    return cls(POOL, cls.Config(**config), ModelContext(page_size=PAGE, anchor=anchor)).spec()
+    return cls(POOL, cls.Config(**config), ModelContext(page_size=page_size, anchor=anchor)).spec()
 
 
-def stack(config: dict[str, Any], role: PoolRole, l3: str) -> dict[str, Any]:
+def stack(config: dict[str, Any], role: PoolRole, l3: str, page_size: int = PAGE) -> dict[str, Any]:
     pools: dict[str, Any] = {POOL: config}
     if role is not PoolRole.ANCHOR:
         pools = {"anchor": {"type": "kv", "layers": 1, "kv_heads": 1, "head_dim": 8}, **pools}
     return {
-        "model": {"name": "pool-kit", "page_size": PAGE, "pools": pools},
+        "model": {"name": "pool-kit", "page_size": page_size, "pools": pools},
         "tiers": {
-            "device": {"capacity_tokens": 64 * PAGE},
-            "host": {"capacity_tokens": 128 * PAGE},
+            "device": {"capacity_tokens": 64 * page_size},
+            "host": {"capacity_tokens": 128 * page_size},
             "storage": {"l3": {"type": "file", "path": l3}},
         },
         "policy": {"prefetch": {"policy": "wait_complete"}},
@@ -129,18 +133,27 @@ class PoolTypeConformance:
         """A host where the pool type is registered (default: the installed plugins)."""
         return PluginHost()
 
-    def _spec(self, host: PluginHost) -> PoolSpec:
+    @pytest.fixture(params=PAGE_SIZES, ids=lambda size: f"page{size}")
+    def page_size(self, request: pytest.FixtureRequest) -> int:
+        """The stack's ``model.page_size``: every test runs at two."""
+        return int(request.param)
+
+    def _spec(self, host: PluginHost, page_size: int) -> PoolSpec:
         if not self.pool_config:
             raise NotImplementedError("a pool-type conformance class must set `pool_config`")
-        spec = pool_spec(host, self.pool_config)
+        spec = pool_spec(host, self.pool_config, page_size=page_size)
         if spec.role is not PoolRole.ANCHOR:
-            spec = pool_spec(host, self.pool_config, anchor="anchor")
+            spec = pool_spec(host, self.pool_config, anchor="anchor", page_size=page_size)
         return spec
 
-    def test_declares_a_consistent_spec(self, pool_host: PluginHost) -> None:
-        spec = self._spec(pool_host)
+    def test_declares_a_consistent_spec(self, pool_host: PluginHost, page_size: int) -> None:
+        spec = self._spec(pool_host, page_size)
         assert spec.name == POOL and spec.pool_type == self.pool_config["type"], (
             "spec names the instance and type"
+        )
+        assert spec.page_size == page_size, (
+            f"spec.page_size is {spec.page_size} in a stack of page_size {page_size}: take it from "
+            "ModelContext.page_size (every tree pool shares one page size)"
         )
         if spec.logical:
             assert not spec.buffers, "a logical pool holds no bytes"
@@ -158,10 +171,12 @@ class PoolTypeConformance:
             "layer_first, so a pool with buffers must list Layout.LAYER_FIRST in PoolSpec.layouts"
         )
 
-    def test_round_trip_through_host_and_l3(self, pool_host: PluginHost, tmp_path: Path) -> None:
-        role = self._spec(pool_host).role
-        config = stack(self.pool_config, role, str(tmp_path / "l3"))
-        prompt = torch.arange(PAGES * PAGE) + 7
+    def test_round_trip_through_host_and_l3(
+        self, pool_host: PluginHost, tmp_path: Path, page_size: int
+    ) -> None:
+        role = self._spec(pool_host, page_size).role
+        config = stack(self.pool_config, role, str(tmp_path / "l3"), page_size)
+        prompt = torch.arange(PAGES * page_size) + 7
         with kvstrata.open(config, plugins=pool_host) as cache:
             fill_and_insert(cache, prompt, seed=1)
             assert check_restored(cache, prompt, seed=1, shared_pages=PAGES) > 0, (
@@ -171,12 +186,14 @@ class PoolTypeConformance:
             restored = check_restored(cache, prompt, seed=1, shared_pages=PAGES)
             assert restored > 0, "a new cache restores the prompt from L3"
 
-    def test_hits_stop_where_prompts_diverge(self, pool_host: PluginHost, tmp_path: Path) -> None:
-        role = self._spec(pool_host).role
-        config = stack(self.pool_config, role, str(tmp_path / "l3"))
-        prompt = torch.arange(PAGES * PAGE) + 7
+    def test_hits_stop_where_prompts_diverge(
+        self, pool_host: PluginHost, tmp_path: Path, page_size: int
+    ) -> None:
+        role = self._spec(pool_host, page_size).role
+        config = stack(self.pool_config, role, str(tmp_path / "l3"), page_size)
+        prompt = torch.arange(PAGES * page_size) + 7
         other = prompt.clone()
-        other[3 * PAGE + 1] += 1  # diverges inside page 3: at most pages 0-2 are shared
+        other[3 * page_size + 1] += 1  # diverges inside page 3: at most pages 0-2 are shared
         with kvstrata.open(config, plugins=pool_host) as cache:
             fill_and_insert(cache, prompt, seed=2)
             check_restored(cache, other, seed=2, shared_pages=3)
