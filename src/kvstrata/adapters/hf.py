@@ -272,6 +272,7 @@ class HFStateCache:
     def _check_open(self) -> None:
         if self._hook is None:
             raise RuntimeError("HFStateCache is closed")
+        # (every restore and commit: a namespace names the weights it hashed at construction)
         if any(w._version != version or w.data_ptr() != at for w, version, at in self._weights):
             raise RuntimeError(
                 "the model's weights changed since this HFStateCache hashed them (its namespace): "

@@ -33,10 +33,8 @@ _DEVICE = Tier.DEVICE
 
 class CacheFullError(RuntimeError):
     """The device tier cannot hold a request's new pages even after evicting everything unlocked.
-
-    ``short``: units per pool still missing after the eviction (which pool ran out: a pool's own
-    ``device_units``, not the tier, may be what is short); ``too_long``: the request is longer
-    than the device tier, so nothing was tried."""
+    ``short``: units per pool still missing after the eviction (a pool's own ``device_units``, not
+    the tier, may be what is short); ``too_long``: the request is longer than the tier (not tried)."""
 
     def __init__(self, message: str, short: Mapping[str, int] | None = None, too_long: bool = False) -> None:
         super().__init__(message)
@@ -198,7 +196,8 @@ class Lease:
         """``fork_state``: a state pool's pending slot as int64 bytes, as the tensor ``allocate``
         handed out, and whether it is new (not yet filled: it is not new after this call)."""
         raw = (self._allocated or {}).get(pool)
-        new, _ = pool in self._unforked, self._unforked.discard(pool)
+        new = pool in self._unforked
+        self._unforked.discard(pool)
         return (raw, self._slot_tensors[pool], new) if raw else None
 
     @property
