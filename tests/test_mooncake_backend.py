@@ -624,7 +624,7 @@ def _stopped_master_scenario(log_dir: str, queue: multiprocessing.Queue) -> None
         second = engine.get("state", hashes, target["state"].units(range(3)))
         seen["first"] = (first.ok, first.failed, first.error)
         seen["second"] = (second.ok, second.failed)
-        seen["state_after_two"] = str(engine.breaker.state)
+        seen["state_after_two"] = str(engine.read_breaker.state)
         seen["trips"] = engine.metrics.breaker_trips
         codes = dict(backend.code_counts)
         refused = [engine.exists("state", hashes) for _ in range(10)]
@@ -633,10 +633,10 @@ def _stopped_master_scenario(log_dir: str, queue: multiprocessing.Queue) -> None
         os.kill(pid, signal.SIGCONT)
         stopped = False
         deadline = time.monotonic() + 90  # a trial goes through every 2 s
-        while engine.breaker.state is not BreakerState.CLOSED and time.monotonic() < deadline:
+        while engine.read_breaker.state is not BreakerState.CLOSED and time.monotonic() < deadline:
             engine.exists("state", hashes)
             time.sleep(0.2)
-        seen["recovered"] = str(engine.breaker.state)
+        seen["recovered"] = str(engine.read_breaker.state)
         seen["read_back"] = engine.get("state", hashes, target["state"].units(range(3))).ok
         seen["bit_exact"] = all(
             source["state"].unit_bytes(i) == target["state"].unit_bytes(i) for i in range(3)

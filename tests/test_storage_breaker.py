@@ -68,8 +68,12 @@ def test_engine_stops_calling_a_failing_backend(tmp_path: Path) -> None:
     source = KIT.pools(specs, 2, seed=51)
     hashes = page_hashes(2, seed=51)
     assert engine.exists("attn", hashes).failed == 2
-    assert engine.put("attn", hashes, source["attn"].units(range(2))).failed == 2
-    assert engine.breaker.state is BreakerState.OPEN and engine.metrics.breaker_trips == 1
+    assert engine.get("attn", hashes, source["attn"].units(range(2))).failed == 2
+    assert engine.read_breaker.state is BreakerState.OPEN and engine.metrics.breaker_trips == 1
+    assert engine.write_breaker.state is BreakerState.CLOSED, "reads failing say nothing of writes"
+    for _ in range(2):
+        assert engine.put("attn", hashes, source["attn"].units(range(2))).failed == 2
+    assert engine.write_breaker.state is BreakerState.OPEN and engine.metrics.breaker_trips == 2
     calls = dict(backend.calls)
     for _ in range(20):
         result = engine.get("attn", hashes, source["attn"].units(range(2)))
@@ -78,7 +82,7 @@ def test_engine_stops_calling_a_failing_backend(tmp_path: Path) -> None:
         assert not engine.put("index", hashes, source["index"].units(range(2))).skipped
     assert backend.calls == calls, "an open breaker never reaches the backend"
     assert engine.metrics.breaker_rejected == 40
-    assert engine.metrics.backend_errors == 2, "refused calls are not reported as backend errors"
+    assert engine.metrics.backend_errors == 4, "refused calls are not reported as backend errors"
 
 
 def test_breaker_is_configured_per_backend_instance(tmp_path: Path) -> None:
@@ -111,7 +115,8 @@ def test_cache_keeps_serving_from_l1_l2_while_the_breaker_is_open() -> None:
         for i in range(4):
             serve(cache, tokens(62 + i, 4))
         cache.flush()
-        assert cache.engine.breaker.state is BreakerState.OPEN
+        assert cache.engine.read_breaker.state is BreakerState.OPEN
+        assert cache.engine.write_breaker.state is BreakerState.OPEN
         calls = dict(backend.calls)
         failures = cache.metrics.snapshot()["failures"]
         again, bad = serve(cache, first)
@@ -137,7 +142,9 @@ def test_open_breaker_refuses_before_staging_or_checksumming(monkeypatch: pytest
     source = KIT.pools(specs, 2, seed=52)
     hashes = page_hashes(2, seed=52)
     assert engine.put("attn", hashes, source["attn"].units(range(2))).failed == 2
-    assert engine.breaker.state is BreakerState.OPEN
+    assert engine.write_breaker.state is BreakerState.OPEN
+    assert engine.exists("attn", hashes).failed == 2  # the reads' breaker opens on its own failure
+    assert engine.read_breaker.state is BreakerState.OPEN
 
     def per_byte_work(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("objects built while the breaker is open")
@@ -153,7 +160,8 @@ def test_open_breaker_refuses_before_staging_or_checksumming(monkeypatch: pytest
         assert "circuit breaker open" in (result.error or "")
     assert engine.metrics.breaker_rejected == before + 3
     assert engine.metrics.put_failed >= 4 and engine.metrics.get_misses == 2
-    assert engine.breaker.state is BreakerState.OPEN, "refusing() never claims the trial call"
+    for breaker in (engine.read_breaker, engine.write_breaker):
+        assert breaker.state is BreakerState.OPEN, "refusing() never claims the trial call"
 
 
 def test_open_breaker_keeps_prefetches_and_writes_off_the_worker_threads() -> None:
@@ -163,7 +171,8 @@ def test_open_breaker_keeps_prefetches_and_writes_off_the_worker_threads() -> No
         assert cache.engine is not None
         serve(cache, tokens(81, 4))
         cache.flush()
-        assert cache.engine.breaker.state is BreakerState.OPEN
+        assert cache.engine.read_breaker.state is BreakerState.OPEN
+        assert cache.engine.write_breaker.state is BreakerState.OPEN
         started = cache.metrics.snapshot()["operations"].get("prefetches_started", 0)
         failures = cache.metrics.snapshot()["failures"]
         lease = cache.lookup(tokens(82, 4))
@@ -175,3 +184,30 @@ def test_open_breaker_keeps_prefetches_and_writes_off_the_worker_threads() -> No
         assert snapshot["operations"].get("prefetches_started", 0) == started
         assert snapshot["failures"] > failures, "the refused write still counts as failed"
         assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+
+
+def test_puts_failing_alone_open_the_write_breaker_and_reads_go_on() -> None:
+    """A store whose puts raise while its existence queries and gets answer (a full or read-only
+    medium raising, a transfer path down while the metadata service answers): with one breaker
+    for both directions, each answered read reset the count and every write was staged,
+    checksummed and tried (30 requests, 30 put calls, no trip)."""
+    host = PluginHost()
+    host.storage_backends.register(FaultyBackend)
+    overrides = [
+        "tiers.storage={broken: {type: faults, fail: raise, operations: [put]}}",
+        "tiers.storage.broken.circuit_breaker={failures: 3, cooldown_s: 3600}",
+        "policy.prefetch.threshold_tokens=64",
+    ]
+    with open_cache("kv", overrides=overrides, host=host) as cache:
+        backend = cache.backend
+        assert isinstance(backend, FaultyBackend) and cache.engine is not None
+        for i in range(12):
+            serve(cache, tokens(300 + i, 4))
+            cache.flush()
+        assert backend.calls["put"] == 3, "the write breaker opens after 3 failed puts in a row"
+        assert cache.engine.write_breaker.state is BreakerState.OPEN
+        assert cache.engine.read_breaker.state is BreakerState.CLOSED
+        assert backend.calls["exists"] == 12, "reads still go to the store"
+        assert cache.engine.metrics.breaker_trips == 1 and cache.engine.metrics.breaker_rejected == 9
+        held = host_units_held_by_tree(cache)
+        assert host_units_in_use(cache) == held, "a refused write leaked a host slot"

@@ -3,7 +3,11 @@
 One place decides what a call may cost the caller: a raise or a wrong-length answer fails that
 call only (counted, logged, reported to the ``kvstrata_operation_failed`` hook), and the circuit
 breaker refuses calls at once while a backend keeps failing -- before any per-byte work when the
-caller asks ``breaker.refusing()`` first.
+caller asks ``breaker.refusing()`` first. Reads (``exists``, ``get``) and writes (``put``,
+``remove``) have a breaker each: a store whose writes fail while its reads still answer (a full or
+read-only medium raising, a transfer path down while the metadata service answers) stops being
+written to without losing the reads, and the reads' successes do not keep resetting the writes'
+count.
 """
 
 from __future__ import annotations
@@ -31,9 +35,16 @@ class BackendCalls:
 
     backend: StorageBackend
     metrics: StorageMetrics
-    breaker: CircuitBreaker
+    read_breaker: CircuitBreaker
+    write_breaker: CircuitBreaker
     _lock: threading.Lock
     _notify: Notify | None
+
+    def breaker(self, operation: StorageOperation) -> CircuitBreaker:
+        """The breaker guarding ``operation``: the write breaker for puts and removes, the read
+        breaker for existence queries and gets."""
+        writes = operation == StorageOperation.PUT or operation == StorageOperation.REMOVE
+        return self.write_breaker if writes else self.read_breaker
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -61,21 +72,22 @@ class BackendCalls:
         """Run ``backend.<operation>(items)``; a raise or a wrong-length answer fails the whole
         call (``None`` and why), never the caller. While the circuit breaker is open the backend
         is not called at all: the call fails at once."""
-        if not self.breaker.allow():
+        breaker = self.breaker(operation)
+        if not breaker.allow():
             return None, self._refused(operation)
         try:
             answer = list(getattr(self.backend, operation)(items, **options))
             if len(answer) != len(items):
                 raise RuntimeError(f"backend returned {len(answer)} results for {len(items)} items")
         except Exception as exc:  # a backend failure fails this call only
-            self._breaker_outcome(ok=False)
+            self._breaker_outcome(operation, ok=False)
             return None, self._backend_failed(operation, pool, exc)
-        self._breaker_outcome(ok=True)
+        self._breaker_outcome(operation, ok=True)
         return answer, None
 
     def refused(self, operation: StorageOperation, count: int) -> BatchResult:
         """The answer to an ``exists`` / ``put`` / ``get`` of ``count`` units that the open breaker
-        refuses before any work (``breaker.refusing()``), counted as the refused call would be:
+        refuses before any work (``breaker(operation).refusing()``), counted as the refused call would be:
         callers that prepare a call (the writer's batches) skip that work too."""
         error = self._refused(operation)
         if operation == StorageOperation.PUT:
@@ -89,21 +101,33 @@ class BackendCalls:
     def _refused(self, operation: StorageOperation) -> str:
         """Count a call the open breaker refused, and say why."""
         self._count(breaker_rejected=1)
+        breaker = self.breaker(operation)
         return (
             f"{operation} on backend {self.backend.instance!r} refused: circuit breaker open after "
-            f"repeated failures (a trial call goes through every {self.breaker.cooldown_s:g} s)"
+            f"repeated {_direction(operation)} failures (a trial call goes through every "
+            f"{breaker.cooldown_s:g} s)"
         )
 
-    def _breaker_outcome(self, *, ok: bool) -> None:
-        changed = self.breaker.record(ok)
+    def _breaker_outcome(self, operation: StorageOperation, *, ok: bool) -> None:
+        breaker = self.breaker(operation)
+        changed = breaker.record(ok)
+        direction = _direction(operation)
         if changed is BreakerState.OPEN:
             self._count(breaker_trips=1)
             log.warning(
-                "backend %r failed %d calls in a row: circuit breaker open, calls fail at once for %g s "
+                "backend %r failed %d %s calls in a row: circuit breaker open, %s fail at once for %g s "
                 "(L1/L2 keep serving)",
                 self.backend.instance,
-                self.breaker.failures,
-                self.breaker.cooldown_s,
+                breaker.failures,
+                direction[:-1],
+                direction,
+                breaker.cooldown_s,
             )
         elif changed is BreakerState.CLOSED:
-            log.warning("backend %r answered again: circuit breaker closed", self.backend.instance)
+            instance = self.backend.instance
+            log.warning("backend %r answered %s again: circuit breaker closed", instance, direction)
+
+
+def _direction(operation: StorageOperation) -> str:
+    """'reads' or 'writes': which of an engine's two breakers an operation goes through."""
+    return "writes" if operation == StorageOperation.PUT or operation == StorageOperation.REMOVE else "reads"

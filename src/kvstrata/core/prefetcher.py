@@ -127,7 +127,7 @@ class Prefetcher:
         reason = None
         if mode is PrefetchMode.OFF:
             reason = SkipReason.DISABLED
-        elif self.engine.breaker.refusing():  # no worker hop for a read that would be refused
+        elif self.engine.read_breaker.refusing():  # no worker hop for a read that would be refused
             reason = SkipReason.STORAGE_DOWN
         elif mode is PrefetchMode.POLICY:
             budget = self._budget()

@@ -127,7 +127,8 @@ class StorageEngine(BackendCalls):
         self._backend_stops_early = _takes_argument(backend.exists, "leading")
         config = getattr(backend, "config", None)
         breaker = config.circuit_breaker if isinstance(config, BackendConfig) else BreakerConfig()
-        self.breaker = CircuitBreaker(breaker.failures, breaker.cooldown_s)
+        self.read_breaker = CircuitBreaker(breaker.failures, breaker.cooldown_s)
+        self.write_breaker = CircuitBreaker(breaker.failures, breaker.cooldown_s)
 
     @property
     def checksum(self) -> ChecksumPolicy:
@@ -176,7 +177,7 @@ class StorageEngine(BackendCalls):
             return BatchResult([False] * count, plan.reason, skipped=True)
         if count == 0:
             return BatchResult([])
-        if self.breaker.refusing():  # before building keys: an outage costs the caller nothing
+        if self.read_breaker.refusing():  # before building keys: an outage costs the caller nothing
             return self.refused(StorageOperation.EXISTS, count)
         per_object = self.object_keys(pool, page_hashes)
         self._count(exists_calls=1)
@@ -225,7 +226,7 @@ class StorageEngine(BackendCalls):
         units = checked_units(pool, page_hashes, units, self._payload_bytes[pool])
         if count == 0:
             return BatchResult([])
-        if self.breaker.refusing():
+        if (self.write_breaker if writing else self.read_breaker).refusing():
             # Refused before staging copies and checksums: while L3 is down, a write-through
             # cache's puts and a lookup's reads cost the request path nothing (issue 15).
             return self.refused(StorageOperation.PUT if writing else StorageOperation.GET, count)

@@ -300,7 +300,7 @@ class Writer:
         """Queue the L3 write of ``per_pool`` (host units of ``nodes``, locked meanwhile; ``ends``
         the nodes whose last window it stores)."""
         assert self.engine is not None
-        if self.engine.breaker.refusing():
+        if self.engine.write_breaker.refusing():
             _count_refused(self.engine, self.metrics, per_pool)
             return
         batches: dict[str, PoolBatch] = {}
