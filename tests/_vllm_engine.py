@@ -259,6 +259,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     }
     if job.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = job["max_num_batched_tokens"]
+    if job.get("hf_overrides"):  # config fields over the checkpoint's config.json
+        kwargs["hf_overrides"] = job["hf_overrides"]
     if job.get("lora"):  # requests may name the adapter (a step's "lora")
         kwargs |= {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
     if job.get("prompt_embeds"):  # requests may be embeddings (a step's "embeds")

@@ -11,7 +11,8 @@ Processes are shared across assertions, in stages (processes of a stage run side
    storing its prompt in a file L3, then ``reset_prefix_cache()`` and the prompt again (served by
    the connector);
 2. fresh processes on the same L3: each model restores its prompt and a prompt sharing part of
-   it; the second Llama (another model) asks for the dense prompt;
+   it; the second Llama (another model) and the first under another config (``hf_overrides``)
+   ask for the dense prompt;
 3. every stored object gets a flipped byte; fresh processes ask again.
 
 Beside stages 1 and 2, a crowded hybrid engine (a KV cache of about three blocks for a batch of
@@ -230,6 +231,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                 "connector": connector("dense"),
                 "steps": [gen(DENSE)],
             },
+            # the dense model's own weights under another config: other K/V, another namespace
+            "reconfigured": {
+                "model": models["llama"],
+                "hf_overrides": {"rms_norm_eps": 0.1},
+                "connector": connector("dense"),
+                "steps": [gen(DENSE)],
+            },
             "swa_restore": {
                 "model": models["gemma"],
                 "connector": connector("swa"),
@@ -350,6 +358,15 @@ def test_another_model_on_the_same_storage_never_hits(runs: dict[str, dict[str, 
     assert foreign["external_hits"] == 0
     # the other model computes other tokens: a hit would have been visible
     assert foreign["tokens"][0] != runs["dense_ref"]["steps"][0]["tokens"][0]
+
+
+def test_the_same_weights_under_another_config_never_hit(runs: dict[str, dict[str, Any]]) -> None:
+    """``hf_overrides`` (or an edited config.json) changes what the same weight files compute:
+    the namespace covers the effective config, so the stored prompt is not offered (a hit served
+    13 blocks of the first config's KV, and other tokens, before)."""
+    reconfigured = runs["reconfigured"]["steps"][0]
+    assert reconfigured["external_queries"] == len(DENSE)
+    assert reconfigured["external_hits"] == 0
 
 
 @pytest.mark.parametrize(

@@ -52,9 +52,13 @@ def _kv_cache_config(*specs: tuple[Any, list[str]]) -> Any:
     )
 
 
-def _vllm_config(model: str, dtype: str = "bfloat16", tp: int = 1) -> Any:
+def _vllm_config(
+    model: str, dtype: str = "bfloat16", tp: int = 1, hf_config: Any = None, quantization: str | None = None
+) -> Any:
+    model_config = SimpleNamespace(model=model, served_model_name=model, revision=None, dtype=dtype)
+    model_config.hf_config, model_config.quantization = hf_config, quantization
     return SimpleNamespace(
-        model_config=SimpleNamespace(model=model, served_model_name=model, revision=None, dtype=dtype),
+        model_config=model_config,
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
         cache_config=SimpleNamespace(cache_dtype="auto"),
     )
@@ -77,7 +81,13 @@ def _namespace(tmp_path: Path, **change: Any) -> str:
     (model / "model.safetensors").write_bytes(change.get("weights", b"weights-1"))
     kv = change.get("kv", _kv_cache_config((_attention(change.get("block", 16)), ["layers.0.self_attn"])))
     layout = build_layout(
-        _vllm_config(str(model), change.get("dtype", "bfloat16"), change.get("tp", 1)),
+        _vllm_config(
+            str(model),
+            change.get("dtype", "bfloat16"),
+            change.get("tp", 1),
+            change.get("hf_config"),
+            change.get("quantization"),
+        ),
         kv,
         model_name=None,
         weights=None,
@@ -101,6 +111,37 @@ def test_the_namespace_is_stable_and_changes_with_every_fact_alone(tmp_path: Pat
     }
     assert all(value != base for value in changed.values()), changed
     assert len(set(changed.values())) == len(changed)
+
+
+def _llama_config(**fields: Any) -> Any:
+    """A real Hugging Face config (what vLLM's ``model_config.hf_config`` is, after
+    ``hf_overrides``)."""
+    from transformers import LlamaConfig  # the [hf] extra, which the test command installs
+
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2)
+    for name, value in fields.items():
+        setattr(config, name, value)
+    return config
+
+
+def test_the_same_weights_under_another_config_get_another_namespace(tmp_path: Path) -> None:
+    """The same weight files with another ``rope_theta`` or ``rms_norm_eps`` (``hf_overrides``,
+    or an edited config.json in a directory of the same name) compute other K/V: with the weights
+    digest alone, a real engine so configured loaded 13 blocks of the first config's KV and its
+    tokens changed (audit 27)."""
+    base = _namespace(tmp_path, hf_config=_llama_config())
+    rope = dict(_llama_config().rope_parameters, rope_theta=1e6)
+    changed = {
+        "rope_theta": _namespace(tmp_path, hf_config=_llama_config(rope_parameters=rope)),
+        "rms_norm_eps": _namespace(tmp_path, hf_config=_llama_config(rms_norm_eps=0.1)),
+        "sliding window": _namespace(tmp_path, hf_config=_llama_config(sliding_window=64)),
+        "runtime quantization": _namespace(tmp_path, hf_config=_llama_config(), quantization="fp8"),
+    }
+    assert all(value != base for value in changed.values()), changed
+    assert len(set(changed.values())) == len(changed)
+    # where and with which library the checkpoint was written is not what it computes
+    moved = _llama_config(_name_or_path="/elsewhere/model", transformers_version="0.0.1")
+    assert _namespace(tmp_path, hf_config=moved) == base
 
 
 def test_a_local_model_is_named_by_its_weights_not_its_path(tmp_path: Path) -> None:

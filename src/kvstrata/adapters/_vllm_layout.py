@@ -48,6 +48,9 @@ POOL_TYPE = "vllm_block"
 FULL, WINDOW, STATE = "full", "window", "state"
 _WEIGHT_CHUNK = 16 << 20
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+#: config fields that say where and with which library a checkpoint was written, not what it
+#: computes: left out of the config digest, so two hosts (other paths) share entries
+_CONFIG_PROVENANCE = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
 
 
 @dataclass(frozen=True)
@@ -201,10 +204,35 @@ def weights_digest(model_path: str) -> str | None:
     return hasher.hexdigest()
 
 
+def config_digest(model_config: Any) -> str | None:
+    """BLAKE2b of the model's effective Hugging Face config -- vLLM's ``hf_config``, after
+    ``hf_overrides`` -- or None when there is none. The same weights under another config (a
+    ``rope_theta``, ``rms_norm_eps``, rope scaling, a sliding window) compute other K/V: the
+    weights digest alone let such an engine load the first config's blocks."""
+    hf_config = getattr(model_config, "hf_config", None)
+    if hf_config is None:
+        return None
+    to_dict = getattr(hf_config, "to_dict", None)
+    fields = to_dict() if callable(to_dict) else dict(vars(hf_config))
+    text = json.dumps(_without_provenance(fields), sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _without_provenance(value: Any) -> Any:
+    """``value`` with every :data:`_CONFIG_PROVENANCE` field dropped, at any depth (a
+    multimodal config nests a config per tower)."""
+    if isinstance(value, dict):
+        return {k: _without_provenance(v) for k, v in value.items() if k not in _CONFIG_PROVENANCE}
+    if isinstance(value, list | tuple):
+        return [_without_provenance(v) for v in value]
+    return value
+
+
 def build_layout(
     vllm_config: Any, kv_cache_config: Any, *, model_name: str | None, weights: str | None
 ) -> StoreLayout:
-    """Groups plus the namespace facts (model, weights, dtype, groups, block size, parallel sizes)."""
+    """Groups plus the namespace facts (model, weights, config, quantization, dtype, groups,
+    block size, parallel sizes)."""
     groups = describe_groups(kv_cache_config)
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
@@ -216,6 +244,9 @@ def build_layout(
         "model": model_name or (Path(model_path).name if digest is not None else model_path),
         "revision": str(getattr(model_config, "revision", None)),
         "weights": digest,
+        "config": config_digest(model_config),
+        # quantization applied at load time changes the K/V without touching the weight files
+        "quantization": str(getattr(model_config, "quantization", None)),
         "dtype": str(model_config.dtype),
         "cache_dtype": str(getattr(vllm_config.cache_config, "cache_dtype", None)),
         "kv_cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", None)),
@@ -235,7 +266,7 @@ def build_layout(
 
 def identity_of(layout: StoreLayout, parallel: ParallelConfig) -> EngineIdentity:
     """The engine identity of the shared adapter layer: its namespace covers every fact of
-    ``layout.facts`` (model, weights, dtypes, groups, block size, parallel sizes); the TP rank
+    ``layout.facts`` (model, weights, config, dtypes, groups, block size, parallel sizes); the TP rank
     goes to each key's shard component."""
     facts = dict(layout.facts)
     return EngineIdentity(
