@@ -187,6 +187,41 @@ def test_wrong_bytes_on_the_device_are_counted_as_served_corruption(tmp_path: Pa
     assert dirty.corrupt_pages_served == hit_pages
 
 
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_a_chunked_replay_counts_each_hit_and_each_wrong_unit_once(tmp_path: Path, chunk: int) -> None:
+    """``chunk_pages``: a request's reuse is what the cache held when it arrived, found by any of
+    its chunks (only the first chunk's lookup counted: a request held whole on the device read
+    1/8 of its pages as hits at one page per chunk, storage hits 0 % while L3 served them); and
+    a wrong unit counts once, though every chunk checks the whole prefix again (one wrong unit
+    counted 8 times at one page per chunk)."""
+    from kvstrata.core.controller import CacheController
+    from kvstrata.replay.driver import replay_with_cache
+
+    requests = read_trace(limit=6)
+    l3 = tmp_path / "l3"
+    stack = file_l3_stack(tmp_path, l3, requests)
+    first = run_replay(config(stack), PluginHost(), requests)
+    whole = run_replay(config(stack), PluginHost(), requests)  # a fresh cache on that L3
+    chunked = run_replay(config(stack), PluginHost(), requests, chunk_pages=chunk)
+    assert first.hit_rate.storage == 0 and whole.hit_rate.storage > 0.5
+    assert chunked.hit_rate.storage == pytest.approx(whole.hit_rate.storage)
+    assert chunked.hit_rate.total == pytest.approx(whole.hit_rate.total)
+    assert chunked.corrupt_pages_served == 0
+
+    room = 8 * max(r.input_length for r in requests)
+    device_only = tiny_stack(tmp_path, device={"capacity_tokens": room}, host={"capacity_tokens": 0})
+    with CacheController(config(device_only), PluginHost()) as cache:
+        replay_with_cache(cache, requests)
+        again, _ = replay_with_cache(cache, requests)
+        same, _ = replay_with_cache(cache, requests, chunk_pages=chunk)
+        assert same.hit_rate.device == pytest.approx(again.hit_rate.device) and again.hit_rate.device > 0.9
+        backing = cache.pools.pools["kv"].device.backing
+        assert backing is not None
+        backing ^= 0x5A  # every unit of every device page is now wrong
+        dirty, details = replay_with_cache(cache, requests, chunk_pages=chunk)
+    assert dirty.corrupt_pages_served == sum(details.timeline_hits["device"]) // 64
+
+
 def test_a_request_shorter_than_a_page_is_served_not_a_crash(tmp_path: Path) -> None:
     """No whole page: nothing to match or insert (its page hashes are an empty list, not None)."""
     stack = tiny_stack(tmp_path, page_size=512, device={"capacity_tokens": 4096}, host={"capacity_tokens": 0})

@@ -142,24 +142,30 @@ class StackContent:
         self.pools[name] = PoolContent(namespace, name, pool.device)
         self.node_state[name] = pool.spec.granularity is Granularity.NODE_STATE
 
-    def served_wrong(self, cache: CacheController, lease: Any, identities: torch.Tensor) -> int:
-        """Units of the lease's cached prefix with wrong bytes, and units a pool should hand over
-        but did not. What a pool must hold comes from the stack, not from the lease under test:
-        every page, a window pool's last ``min(window, cached)`` pages, a state pool one slot."""
-        cached, bad = lease.cached_pages, 0
+    def served_wrong(
+        self, cache: CacheController, lease: Any, identities: torch.Tensor
+    ) -> set[tuple[str, int]]:
+        """``(pool, page)`` of every unit of the lease's cached prefix with wrong bytes, and of
+        every unit a pool should hand over but did not (a count mismatch: negative pages). What a
+        pool must hold comes from the stack, not from the lease under test: every page, a window
+        pool's last ``min(window, cached)`` pages, a state pool one slot. A set, so the steps of a
+        chunked request, each checking the whole prefix again, count each wrong unit once."""
+        cached, bad = lease.cached_pages, set()
         for name, pool_content in self.pools.items():
             units, first = lease.prefix_units(name), lease.prefix_first_page(name)
             ids = self.page_ids(name, identities, first, cached)
             if units.numel() != ids.numel():  # (a count mismatch is served corruption, not bad input)
-                bad += max(units.numel(), ids.numel())
+                bad.update((name, -1 - k) for k in range(max(units.numel(), ids.numel())))
                 continue
-            bad += int(pool_content.verify(units, ids).numel())
+            wrong = pool_content.verify(units, ids).tolist()
+            if self.node_state[name]:  # its one unit is the state after the last cached page
+                if wrong or units.numel() == 0:
+                    bad.add((name, cached - 1))
+                continue
+            bad.update((name, first + position) for position in wrong)
             owner = cache.layout.owner(name)
-            if self.node_state[name]:
-                bad += int(units.numel() == 0)
-            else:
-                window = owner.window if owner.kind is PoolKind.WINDOW else cached
-                bad += max(0, first - (cached - min(window, cached)))
+            window = owner.window if owner.kind is PoolKind.WINDOW else cached
+            bad.update((name, page) for page in range(cached - min(window, cached), first))  # not handed over
         return bad
 
     def page_ids(self, name: str, identities: torch.Tensor, first: int, end: int) -> torch.Tensor:
@@ -220,6 +226,9 @@ def replay_with_cache(
     chunked prefill that stores a state at every chunk end), so each request queues one L3 write
     per chunk, each below the last; with small tiers this is the path where a queued write's
     state and window units must outlive host eviction (issue 29). Overrides the checkpoint split.
+    A request's hits are the pages each chunk found cached past the request's own earlier
+    chunks (what the cache held when it arrived); a wrong unit counts once, however many
+    chunks' checks see it.
 
     The first ``int(len(requests) * warmup_fraction)`` requests only warm the cache: hits, bytes,
     failures and latencies are counted from the first measured request on (controller metrics as
@@ -266,17 +275,18 @@ def replay_with_cache(
         if chunk_pages:
             ends = [*range(chunk_pages * page_size, len(tokens), chunk_pages * page_size), len(tokens)]
             steps = [_serve(cache, content, tokens[:end], verify, record=end == ends[0]) for end in ends]
-            hit_pages, served = steps[0].hit_pages, sum(s.served for s in steps)
+            hit_pages, new_storage_keys = _new_hits(steps)
+            served = len(set().union(*(s.served for s in steps)))
             full = any(s.full for s in steps)
             short_pools, tier_short = _shortfall(steps)
             counted = sum(s.counted_by_controller for s in steps)
-            older = sum(key not in written for key in steps[0].storage_keys)
+            older = sum(key not in written for key in new_storage_keys)
             for served_step in steps:
                 written.update(served_step.inserted_keys)
         elif checkpoint:  # chunked prefill: the state at the last block boundary is stored too
             first = _serve(cache, content, tokens[:checkpoint], verify)
             rest = _serve(cache, content, tokens, verify, record=False)
-            hit_pages, served = first.hit_pages, first.served + rest.served
+            hit_pages, served = first.hit_pages, len(first.served | rest.served)
             full = first.full or rest.full
             short_pools, tier_short = _shortfall((first, rest))
             counted = first.counted_by_controller + rest.counted_by_controller
@@ -285,7 +295,7 @@ def replay_with_cache(
             written.update(rest.inserted_keys)
         else:
             outcome = _serve(cache, content, tokens, verify)
-            hit_pages, served, full = outcome.hit_pages, outcome.served, outcome.full
+            hit_pages, served, full = outcome.hit_pages, len(outcome.served), outcome.full
             short_pools, tier_short = _shortfall((outcome,))
             counted = outcome.counted_by_controller
             older = sum(key not in written for key in outcome.storage_keys)
@@ -360,13 +370,36 @@ class _Served:
     """What one engine step reports back to the replay loop."""
 
     hit_pages: dict[str, int]
-    served: int  # units restored with wrong bytes
+    served: set[tuple[str, int]]  # (pool, page) of the units restored with wrong bytes
     full: bool = False  # the device tier could not hold the pages to compute: the request failed
     short_pools: tuple[str, ...] = ()  # when full: pools whose own device_units ran out
     tier_short: bool = False  # when full: the tier's capacity ran out (or the request is too long)
     counted_by_controller: int = 0  # 1 when the controller also counted that failed allocation
     storage_keys: Sequence[str] = ()  # page keys of the pages served from L3
     inserted_keys: Sequence[str] = ()  # page keys of the pages this step inserted
+    cached_pages: int = 0  # the prefix the cache held (hit_pages' tiers split it in order)
+
+
+def _new_hits(steps: Sequence[_Served]) -> tuple[dict[str, int], list[str]]:
+    """Hit pages per tier of a request served in steps, and the page keys of its storage hits:
+    each step's prefix split by tier (device, then host, then storage: ``Lease.hit_pages``
+    follows the prefix in that order), counting only pages past what earlier steps already
+    counted or inserted -- a later step's hits on the request's own pages are not reuse, but the
+    pages the cache held beyond them are (the first step's lookup sees only the first chunk)."""
+    hits = {"device": 0, "host": 0, "storage": 0}
+    storage_keys: list[str] = []
+    counted = 0  # pages [0, counted) are the request's hits or its own inserted pages so far
+    for step in steps:
+        lo = 0
+        for tier in ("device", "host", "storage"):
+            hi = lo + step.hit_pages.get(tier, 0)
+            new = max(0, hi - max(lo, counted))
+            hits[tier] += new
+            if tier == "storage" and new:
+                storage_keys += step.storage_keys[len(step.storage_keys) - new :]
+            lo = hi
+        counted = max(counted, step.cached_pages, len(step.inserted_keys))
+    return hits, storage_keys
 
 
 def _serve(
@@ -385,7 +418,7 @@ def _serve(
         from_storage = hit_pages.get("storage", 0)
         storage_keys = lease.page_hashes[above : above + from_storage] if from_storage else ()
         identities = page_identities(lease.page_hashes, device=cache.pools.device)
-        served = content.served_wrong(cache, lease, identities) if verify and cached else 0
+        served = content.served_wrong(cache, lease, identities) if verify and cached else set()
         failures_before = cache.metrics.failures
         try:
             allocated = cache.allocate(lease)
@@ -398,6 +431,7 @@ def _serve(
                 full=True,
                 counted_by_controller=counted,
                 storage_keys=storage_keys,
+                cached_pages=cached,
                 short_pools=own,
                 tier_short=exc.too_long or not own or len(own) < len(exc.short),
             )
@@ -407,11 +441,13 @@ def _serve(
                 ids = content.page_ids(name, identities, first, pages)
                 content.pools[name].fill(units, ids)
         if verify and cached:  # again as the engine computes: its own allocation must not touch the prefix
-            served = max(served, content.served_wrong(cache, lease, identities))
+            served |= content.served_wrong(cache, lease, identities)
         inserted = lease.page_hashes[:pages]
         cache.insert(lease)
         lease = None
-        return _Served(hit_pages, served, storage_keys=storage_keys, inserted_keys=inserted)
+        return _Served(
+            hit_pages, served, storage_keys=storage_keys, inserted_keys=inserted, cached_pages=cached
+        )
     finally:
         if lease is not None:  # allocation failed or an exception: unlock, free what was taken
             cache.release(lease)
