@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from controller_support import EXAMPLES, fill, host_units_in_use, open_cache, serve, tokens, verify
+from controller_support import (
+    EXAMPLES,
+    fill,
+    host_units_held_by_tree,
+    host_units_in_use,
+    open_cache,
+    serve,
+    tokens,
+    verify,
+)
 from kvstrata.core.controller import CacheController, PoolKind, SkipReason
 from kvstrata.core.tree import Tier
 from kvstrata.plugins import PluginHost
@@ -343,3 +352,58 @@ def test_the_unit_layout_is_in_the_fingerprint_even_when_shapes_coincide() -> No
     token, head = spec("token_major"), spec("head_major")
     assert token.buffers[0].unit_shape == head.buffers[0].unit_shape  # (4, 4, 8) both ways
     assert layout_fingerprint(token, "kv") != layout_fingerprint(head, "kv")
+
+
+def _stuck_l3_cache(*overrides: str) -> CacheController:
+    """A kv cache over a fault-injection backend (labelled fake) whose gets never return until
+    the test calls ``unstall()``; existence answers "present", puts are refused."""
+    host = PluginHost()
+    host.storage_backends.register(FaultyBackend)
+    settings = [
+        "tiers.storage={stuck: {type: faults, fail: refuse, operations: [put], stall: [get]}}",
+        "policy.prefetch.threshold_tokens=0",
+        "policy.prefetch.timeout_max_s=0.2",
+        *overrides,
+    ]
+    return open_cache("kv", overrides=settings, host=host)
+
+
+def _admit_returns(cache: CacheController, lease: object) -> bool:
+    """Whether ``admit`` returned (on a thread, so a hang fails the test instead of the run)."""
+    thread = threading.Thread(target=cache.admit, args=(lease,), daemon=True)
+    thread.start()
+    thread.join(60)
+    return not thread.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("how", "host_full"),
+    [("wait_complete", False), ("prefetch='wait'", False), ("wait_complete", True)],
+)
+def test_a_backend_call_that_never_returns_costs_the_request_its_pages_not_the_scheduler(
+    how: str, host_full: bool
+) -> None:
+    """``wait_complete`` and ``prefetch="wait"`` waited without limit: a backend whose get never
+    returns (a third-party plugin without deadlines of its own) held ``admit`` forever. They wait
+    at most ``timeout_max_s`` now, as does the read the owner makes room for when the worker
+    found the host tier full (that one ran on the owner thread, with no deadline at all)."""
+    policy = ["policy.prefetch.policy=wait_complete"] if how == "wait_complete" else []
+    small_host = ["tiers.host.capacity_tokens=1024"] if host_full else []  # 16 pages
+    with _stuck_l3_cache(*policy, *small_host) as cache:
+        backend = cache.backend
+        assert isinstance(backend, FaultyBackend)
+        if host_full:  # the host tier full of cached pages: the worker cannot reserve, admit can
+            hog = cache.lookup(tokens(70, 16), prefetch="off")
+            cache.allocate(hog)
+            cache.insert(hog)  # write-through: a host copy of each page
+            cache.flush()  # (their L3 writes, refused, no longer hold them)
+            assert cache.pools.pools["kv"].host_allocator.available == 0
+        lease = cache.lookup(tokens(71, 4), prefetch="wait" if how == "prefetch='wait'" else "policy")
+        assert _admit_returns(cache, lease), "admit is still waiting on the stuck backend"
+        assert lease.cached_pages == 0 and lease.skipped == {SkipReason.TIMEOUT: 4}
+        assert backend.calls["get"] == 1, "the read was started (and is still stuck)"
+        cache.release(lease)
+        backend.unstall()
+        cache.flush()
+        held = host_units_held_by_tree(cache)
+        assert host_units_in_use(cache) == held, "the orphaned read's host units were freed when it ended"

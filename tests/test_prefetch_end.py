@@ -21,7 +21,9 @@ def test_every_name_the_config_accepts_has_a_policy() -> None:
 def test_how_long_each_policy_waits_and_whether_it_makes_room() -> None:
     config = PrefetchPolicyConfig(timeout_base_s=1.0, timeout_per_ki_token_s=0.5, timeout_max_s=3.0)
     assert BestEffort(config).wait_s(4096) == 0.0 and not BestEffort.makes_room
-    assert WaitComplete(config).wait_s(4096) is None and WaitComplete.makes_room
+    # the whole read, but no longer than the cap: a stuck backend must not hold admit forever
+    assert WaitComplete(config).wait_s(1 << 20) == 3.0 and WaitComplete.makes_room
+    assert WaitComplete(config.model_copy(update={"timeout_max_s": None})).wait_s(1 << 20) is None
     timeout = Timeout(config)
     assert timeout.makes_room
     assert timeout.wait_s(0) == 1.0

@@ -137,7 +137,8 @@ class CacheController(UnitMemory, ClosingApi):
 
         ``record=False`` keeps the request out of the hit counters: for the later chunks of a
         chunked prefill, whose "hits" are the request's own earlier chunks. ``prefetch="wait"``
-        skips the prefetch gates and makes ``admit`` wait for the whole read; ``"off"`` reads
+        skips the prefetch gates and makes ``admit`` wait for the whole read (at most
+        ``policy.prefetch.timeout_max_s``); ``"off"`` reads
         nothing from L3. ``retention``: priority / pin / TTL of the prefix once inserted."""
         self._check_open()
         tokens = token_ids(tokens)  # before anything is matched or locked

@@ -45,12 +45,13 @@ class BestEffort(PrefetchEnd):
 
 
 class WaitComplete(PrefetchEnd):
-    """Wait for the whole read (an engine that would rather wait than recompute)."""
+    """Wait for the whole read (an engine that would rather wait than recompute), at most
+    ``timeout_max_s``: a backend call that never returns must not hold the scheduler forever."""
 
     name = "wait_complete"
 
     def wait_s(self, tokens: int) -> float | None:
-        return None
+        return self.config.timeout_max_s
 
 
 class Timeout(PrefetchEnd):

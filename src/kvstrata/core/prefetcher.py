@@ -27,12 +27,12 @@ Worker threads never touch the tree: they fill the :class:`PrefetchOp` and set `
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
-from functools import cached_property
 
 import torch
 
@@ -49,6 +49,9 @@ from kvstrata.core.unit_digests import UnitDigests, check_span
 from kvstrata.plugins.pool_type import PartialHit
 
 log = logging.getLogger(__name__)
+
+#: an existence query of one pool's pages (the worker's, which notes a failed query on the op)
+Exists = Callable[[str, Sequence[str]], list[bool]]
 
 
 class PrefetchMode(StrEnum):
@@ -88,6 +91,43 @@ def _can_truncate(pools: PoolGroup, layout: StackLayout) -> bool:
         for name in tp.followers
         if name != layout.anchor
     )
+
+
+def usable_length(op: PrefetchOp, pools: PoolGroup, layout: StackLayout, exists: Exists) -> int:
+    """Pages after ``op.start`` that every pool can serve from L3 (0 = drop), by each pool's
+    rule, from ``exists`` answers (the worker's existence queries, failures noted on ``op``)."""
+    hashes = op.hashes
+    anchor = layout.anchor
+    end = op.found = longest_present_prefix(exists(anchor, hashes))
+    op.found_known = True
+    if op.exists_failed:  # L3 could not say what it holds: every page asked for is unserved
+        _lose(op, SkipReason.STORAGE_DOWN, len(hashes))
+        return 0
+    tree_pools = list(layout.tree_pools.values())
+    for tp in tree_pools:  # all-pages pools (and the anchor's sidecars) clamp or drop
+        if tp.kind is not PoolKind.PAGES:
+            continue
+        for name in tp.followers[1:] if tp.name == anchor else tp.followers:
+            if end == 0:
+                break
+            have = longest_present_prefix(exists(name, hashes[:end]))
+            if have < end:
+                end = have if pools.pools[name].spec.partial_hit is PartialHit.CLAMP else 0
+    # where may the prefix end? where every state pool has a state, and every window pool
+    # has its whole window (the longest such prefix wins; shorter ones are fallbacks)
+    can_end = [True] * end
+    for tp in tree_pools:
+        if tp.kind is PoolKind.PAGES or end == 0:
+            continue
+        flags = _all_of([exists(name, hashes[:end]) for name in tp.followers])
+        if tp.kind is PoolKind.WINDOW:
+            flags = _whole_windows(flags, tp.window)
+        can_end = [a and b for a, b in zip(can_end, flags, strict=True)]
+    op.checkpoints = [j + 1 for j, ok in enumerate(can_end) if ok]
+    end = op.checkpoints[-1] if op.checkpoints else 0
+    why = SkipReason.STORAGE_DOWN if op.exists_failed else SkipReason.INCOMPLETE_STACK
+    _lose(op, why, op.found - end)
+    return end
 
 
 class Prefetcher:
@@ -150,11 +190,15 @@ class Prefetcher:
 
     # --- length and read (worker thread) --------------------------------------------------------
 
-    def _run(self, op: PrefetchOp) -> None:
-        """Existence per pool, the usable length by each pool's rule, then the read. Never
-        touches the tree; ``done`` is always set."""
+    def _run(self, op: PrefetchOp, late: bool = False) -> None:
+        """Existence per pool, the usable length by each pool's rule, then the read (``late``:
+        only the read, into the units ``finish`` made room for). Never touches the tree;
+        ``done`` is always set."""
         try:
-            end = self._length(op)
+            if late:
+                op.pages = self._read_verified(op, op.read_end)
+                return
+            end = usable_length(op, self.pools, self.layout, functools.partial(self._exists, op))
             op.read_end = end
             if end > 0 and not op.cancelled:
                 needs = self.layout.slot_counts(end)
@@ -177,41 +221,6 @@ class Prefetcher:
         if result.error is not None and not result.skipped:
             op.exists_failed = True  # what it answered False for is unknown, not absent
         return result.ok
-
-    def _length(self, op: PrefetchOp) -> int:
-        """Pages after ``op.start`` that every pool can serve from L3 (0 = drop)."""
-        hashes = op.hashes
-        anchor = self.layout.anchor
-        end = op.found = longest_present_prefix(self._exists(op, anchor, hashes))
-        op.found_known = True
-        if op.exists_failed:  # L3 could not say what it holds: every page asked for is unserved
-            _lose(op, SkipReason.STORAGE_DOWN, len(hashes))
-            return 0
-        pools = list(self.layout.tree_pools.values())
-        for tp in pools:  # all-pages pools (and the anchor's sidecars) clamp or drop
-            if tp.kind is not PoolKind.PAGES:
-                continue
-            for name in tp.followers[1:] if tp.name == anchor else tp.followers:
-                if end == 0:
-                    break
-                have = longest_present_prefix(self._exists(op, name, hashes[:end]))
-                if have < end:
-                    end = have if self.pools.pools[name].spec.partial_hit is PartialHit.CLAMP else 0
-        # where may the prefix end? where every state pool has a state, and every window pool
-        # has its whole window (the longest such prefix wins; shorter ones are fallbacks)
-        can_end = [True] * end
-        for tp in pools:
-            if tp.kind is PoolKind.PAGES or end == 0:
-                continue
-            flags = _all_of([self._exists(op, name, hashes[:end]) for name in tp.followers])
-            if tp.kind is PoolKind.WINDOW:
-                flags = _whole_windows(flags, tp.window)
-            can_end = [a and b for a, b in zip(can_end, flags, strict=True)]
-        op.checkpoints = [j + 1 for j, ok in enumerate(can_end) if ok]
-        end = op.checkpoints[-1] if op.checkpoints else 0
-        why = SkipReason.STORAGE_DOWN if op.exists_failed else SkipReason.INCOMPLETE_STACK
-        _lose(op, why, op.found - end)
-        return end
 
     def _read(self, op: PrefetchOp, end: int, *, pages_read: bool = False) -> tuple[int, int]:
         """Read the objects of a prefix of ``end`` pages (relative to op.start) into the reserved
@@ -275,20 +284,24 @@ class Prefetcher:
 
     # --- end and commit (owner thread) ----------------------------------------------------------
 
-    @cached_property
+    @functools.cached_property
     def end(self) -> PrefetchEnd:
         """The end policy (``policy.prefetch.policy``), chosen once."""
         return prefetch_end(self.policy)
 
     def finish(self, op: PrefetchOp, protect: TreeNode | None) -> int:
         """End ``op`` per policy; returns the pages this rank can commit. ``protect`` is the
-        lease's locked node, kept while the owner makes room for a read the worker left to it."""
-        op.done.wait(None if op.blocking else self.end.wait_s(len(op.hashes) * self.page_size))
-        if not op.done.is_set():
+        lease's locked node, kept while the owner makes room for a read the worker left to it.
+        Every wait is bounded (``wait_complete`` and ``prefetch="wait"`` by ``timeout_max_s``):
+        a backend call that never returns costs the request its L3 pages, not the scheduler
+        thread; the read goes on as an orphan whose units are freed when it ends."""
+        wait = self.policy.timeout_max_s if op.blocking else self.end.wait_s(len(op.hashes) * self.page_size)
+        if not op.done.wait(wait):
             op.timed_out = True
             return 0
         if op.short is not None:
-            # L3 has the pages but the host tier is full: make room (owner thread) and read now
+            # L3 has the pages but the host tier is full: make room (owner thread), read on the
+            # worker (a read on this thread would have no deadline), wait as long again
             got = None
             if op.blocking or self.end.makes_room:
                 got = self.units.alloc_protecting(protect, Tier.HOST, op.short)
@@ -297,7 +310,11 @@ class Prefetcher:
                 _lose(op, SkipReason.HOST_FULL, op.read_end)
             else:
                 op.reserved = got
-                op.pages = self._read_verified(op, op.read_end)
+                op.done.clear()
+                self._thread.submit(self._run, op, late=True)
+                if not op.done.wait(wait):
+                    op.timed_out = True
+                    return 0
         return op.pages
 
     def commit(
