@@ -17,6 +17,7 @@ import pytest
 
 import kvstrata.storage_backends.file as file_module
 from kvstrata.plugins.storage_backend import OBJECT_MAGIC, BufferRegion, StorageObject
+from kvstrata.storage_backends._file_index import REMOVALS_FILE
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
 from storage_objects import Blobs
@@ -48,9 +49,11 @@ def test_exists_answers_known_objects_from_memory(tmp_path: Path, stat_calls: li
     assert backend.put([blobs.obj(f"obj-{i}", bytes([i]) * 100) for i in range(20)]) == [True] * 20
     stat_calls.clear()
     assert backend.exists([f"obj-{i}" for i in range(20)]) == [True] * 20
-    assert stat_calls == [], "objects this process wrote are answered without a syscall"
+    removals = str(tmp_path / REMOVALS_FILE)  # one stat per call: did another process remove any?
+    assert stat_calls == [removals], "objects this process wrote are answered without a syscall each"
+    stat_calls.clear()
     assert backend.exists(["obj-3", "never-written"]) == [True, False]
-    assert stat_calls == [str(backend.path_for("never-written"))], "an unknown key is checked on disk"
+    assert stat_calls == [removals, str(backend.path_for("never-written"))], "an unknown key: on disk"
     backend.close()
 
 
@@ -63,7 +66,7 @@ def test_index_is_rebuilt_at_open(tmp_path: Path, stat_calls: list[str]) -> None
     second = open_backend(tmp_path)
     stat_calls.clear()
     assert second.exists(keys) == [True] * len(keys)
-    assert stat_calls == [], "the objects found at open are answered from the rebuilt index"
+    assert stat_calls == [str(tmp_path / REMOVALS_FILE)], "the objects found at open: from the index"
     assert second.used_bytes == len(keys) * (len(OBJECT_MAGIC) + 50)
     second.close()
 
@@ -145,6 +148,47 @@ def test_objects_another_process_removed_are_rechecked(tmp_path: Path) -> None:
     assert lenient.used_bytes == len(OBJECT_MAGIC) + 4
     for backend in (strict, lenient):
         backend.close()
+
+
+def _evict_in_child(path: str, keys: list[str]) -> None:
+    """Another instance with a capacity of three objects: storing ``keys`` evicts the three it
+    found at open."""
+    backend = open_backend(Path(path), capacity_bytes=3 * (len(OBJECT_MAGIC) + 100))
+    blobs = Blobs()
+    assert backend.put([blobs.obj(key, bytes(100)) for key in keys]) == [True] * len(keys)
+    backend.close()
+
+
+def test_what_another_process_evicts_is_no_longer_answered_from_memory(
+    tmp_path: Path, stat_calls: list[str]
+) -> None:
+    """A positive answer from memory was trusted for ``exists_recheck_s`` (5 s by default) after
+    another instance had evicted the object: vLLM's scheduler-side instance offered blocks its
+    worker-side instance had evicted (``capacity_bytes``), and 2 loads in 5 failed (audit 27).
+    Every removal is noted in the directory; one stat per ``exists`` call notices it."""
+    blobs = Blobs()
+    backend = open_backend(tmp_path, exists_recheck_s=3600)
+    old = [f"old-{i}" for i in range(3)]
+    assert backend.put([blobs.obj(key, bytes(100)) for key in old]) == [True] * 3
+    assert backend.exists(old) == [True] * 3
+    new = [f"new-{i}" for i in range(3)]
+    _in_child(_evict_in_child, str(tmp_path), new)
+    assert backend.exists(old) == [False] * 3, "evicted by the other process: not served from memory"
+    assert backend.exists(new) == [True] * 3
+    stat_calls.clear()
+    assert backend.exists(new) == [True] * 3
+    assert stat_calls == [str(tmp_path / REMOVALS_FILE)], "once rechecked, trusted again"
+
+    # this process's own evictions leave its index right: they cost no recheck
+    own = open_backend(tmp_path / "own", capacity_bytes=3 * (len(OBJECT_MAGIC) + 100), exists_recheck_s=3600)
+    keys = [f"mine-{i}" for i in range(5)]
+    assert own.put([blobs.obj(key, bytes(100)) for key in keys]) == [True] * 5  # evicts mine-0, mine-1
+    stat_calls.clear()
+    assert own.exists(keys) == [False, False, True, True, True]
+    assert str(tmp_path / "own" / REMOVALS_FILE) in stat_calls
+    assert not [path for path in stat_calls if path.endswith(("mine-2", "mine-3", "mine-4"))]
+    for each in (backend, own):
+        each.close()
 
 
 def test_engine_exists_and_get_agree_with_the_index_after_corruption_removal(tmp_path: Path) -> None:

@@ -126,7 +126,10 @@ class FileIO(FileIndex):
         ``leading``: keys are checked in order on this thread and the first missing one ends the
         answer (the rest read False): a prefix query then costs the stats of its present keys
         plus one, and no worker hop, which costs more than a ``stat`` of a cached dentry."""
-        cutoff = time.monotonic() - self.config.exists_recheck_s
+        recheck_s = self.config.exists_recheck_s
+        cutoff = time.monotonic() - recheck_s
+        if recheck_s > 0:  # (at 0 nothing is answered from memory)
+            cutoff = max(cutoff, self._sightings_trusted_since())
         if leading:
             return self._leading(keys, cutoff)
         found = [False] * len(keys)
@@ -389,6 +392,7 @@ class FileIO(FileIndex):
             return True
         except OSError:
             return False
+        self._note_removals()
         return True
 
 
