@@ -17,7 +17,7 @@ import pytest
 
 import kvstrata.storage_backends.file as file_module
 from kvstrata.plugins.storage_backend import OBJECT_MAGIC, BufferRegion, StorageObject
-from kvstrata.storage_backends._file_index import REMOVALS_FILE
+from kvstrata.storage_backends._file_removals import REMOVALS_FILE
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
 from storage_objects import Blobs

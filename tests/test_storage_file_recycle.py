@@ -16,7 +16,7 @@ import pytest
 
 from kvstrata.core.integrity import HEADER_BYTES
 from kvstrata.plugins.storage_backend import OBJECT_MAGIC, ReadCheck, StorageObject
-from kvstrata.storage_backends._file_index import REMOVALS_FILE
+from kvstrata.storage_backends._file_removals import REMOVALS_FILE
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
 from storage_objects import Blobs

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kvstrata.plugins.storage_backend import OBJECT_MAGIC
 from kvstrata.storage_backends._file_config import FileConfig
+from kvstrata.storage_backends._file_removals import RemovalsNote
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _TMP_MARK = ".tmp-"
@@ -34,15 +35,6 @@ _RECYCLE_FLAGS = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)
 #: a recycling put's lock on the evicted file: never while a reader holds its shared one
 _RECYCLE_LOCK = fcntl.LOCK_EX | fcntl.LOCK_NB
 log = logging.getLogger("kvstrata.storage_backends.file")
-#: Appended to (one byte) by every process sharing the directory each time it removes objects:
-#: one ``stat`` per ``exists`` call tells the others that what their index saw may be gone.
-REMOVALS_FILE = ".kvstrata-removals"
-_REMOVALS_LIMIT = 1 << 16  # truncated past this (a change of size or mtime is all a reader needs)
-_APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-
-
-def _stamp(info: os.stat_result | None) -> tuple[int, int, int] | None:
-    return None if info is None else (info.st_ino, info.st_size, info.st_mtime_ns)
 
 
 def _has_magic(path: str, fd: int | None = None) -> bool:
@@ -105,48 +97,8 @@ class FileIndex:
         #: the directory) holds a shared ``flock`` while it reads, and a file is recycled only
         #: under an exclusive one (see ``_open_temp``), so it reads one whole object or misses.
         self._reads_verified = False
-        #: Another process's removals: their file's last stamp seen, and since when (monotonic)
-        #: the index trusts no earlier sighting (``exists`` checks those on disk again).
-        self._removals = f"{self._root}/{REMOVALS_FILE}"
-        self._removals_seen = _stamp(self._stat_removals())
-        self._trusted_since = float("-inf")
-
-    def _stat_removals(self) -> os.stat_result | None:
-        try:
-            return os.stat(self._removals)
-        except OSError:
-            return None
-
-    def _sightings_trusted_since(self) -> float:
-        """The monotonic time before which the index's sightings are not trusted: the moment this
-        process noticed that another one removed objects (capacity eviction, damage). Without
-        it, ``exists`` answered "present" from memory for up to ``exists_recheck_s`` after
-        another process's eviction (a vLLM scheduler's instance offered blocks its worker's
-        instance had evicted, and the load failed)."""
-        stamp = _stamp(self._stat_removals())
-        if stamp != self._removals_seen:
-            with self._lock:
-                self._removals_seen, self._trusted_since = stamp, time.monotonic()
-        return self._trusted_since
-
-    def _note_removals(self) -> None:
-        """Tell the other processes sharing the directory that objects left it (see
-        :meth:`_sightings_trusted_since`); this process's own index already forgot them."""
-        try:
-            fd = os.open(self._removals, _APPEND_FLAGS, 0o666)
-        except OSError:  # e.g. another user's file, a read-only directory: best effort
-            return
-        try:
-            os.write(fd, b".")
-            if os.fstat(fd).st_size > _REMOVALS_LIMIT:
-                os.ftruncate(fd, 0)
-            stamp = _stamp(os.fstat(fd))
-        except OSError:
-            return
-        finally:
-            os.close(fd)
-        with self._lock:
-            self._removals_seen = stamp
+        #: other processes' removals: what this instance's sightings are trusted since
+        self._removals = RemovalsNote(self._root)
 
     def _layout_dirs(self) -> list[tuple[str, str]]:
         """``(directory, fan)`` of every directory of this backend's layout that exists: the
@@ -348,7 +300,7 @@ class FileIndex:
         for path in victims:
             self._unlink_victim(path)
         if victims or recycled is not None:
-            self._note_removals()
+            self._removals.note()
         return True, recycled
 
     def _unlink_victim(self, path: str) -> None:

@@ -126,10 +126,8 @@ class FileIO(FileIndex):
         ``leading``: keys are checked in order on this thread and the first missing one ends the
         answer (the rest read False): a prefix query then costs the stats of its present keys
         plus one, and no worker hop, which costs more than a ``stat`` of a cached dentry."""
-        recheck_s = self.config.exists_recheck_s
-        cutoff = time.monotonic() - recheck_s
-        if recheck_s > 0:  # (at 0 nothing is answered from memory)
-            cutoff = max(cutoff, self._sightings_trusted_since())
+        recheck_s = self.config.exists_recheck_s  # at 0 nothing is answered from memory
+        cutoff = max(time.monotonic() - recheck_s, self._removals.trusted_since() if recheck_s else 0.0)
         if leading:
             return self._leading(keys, cutoff)
         found = [False] * len(keys)
@@ -392,7 +390,7 @@ class FileIO(FileIndex):
             return True
         except OSError:
             return False
-        self._note_removals()
+        self._removals.note()
         return True
 
 
