@@ -181,6 +181,24 @@ def test_blocks_beyond_a_local_hit_are_found_when_l3_lost_the_prefix(engines: An
     assert local.matched_tokens(reader, BS) == (2 * BS, True), "blocks 1 and 2 on top of vLLM's block 0"
 
 
+def test_a_prompt_of_whole_blocks_found_stored_is_not_stored_again(engines: Any) -> None:
+    """A prompt of exactly two blocks is offered one (vLLM computes at least its last token), but
+    both are stored: its last block was put again at every repeat, since the lookup asked only
+    about the blocks it could offer (audit 27: 2 puts of stored objects in 2 repeats)."""
+    engine = engines()
+    prompt = list(range(1, 2 * BS + 1))
+    _decode(engine, engine.request("w", prompt), 1, async_output=False)
+    saved = engine.worker.stats["saved_blocks"]
+    assert saved == 2
+    again = engine.request("again", prompt)
+    assert engine.scheduler.matched_tokens(again, 0) == (BS, True), "one block offered"
+    _decode(engine, again, 1, async_output=False)
+    assert engine.worker.stats["saved_blocks"] == saved, "neither block is stored again"
+    longer = engine.request("longer", [*prompt, *range(500, 500 + BS)])  # a third block: saved
+    _decode(engine, longer, 1, async_output=False)
+    assert engine.worker.stats["saved_blocks"] == saved + 1
+
+
 def test_a_lookup_asked_again_is_answered_fresh_and_counted_once(engines: Any) -> None:
     """vLLM looks a request up at every step while it waits for blocks: each answer is fresh
     (blocks stored meanwhile count), the lookup and its offered blocks are counted once; a new

@@ -201,32 +201,38 @@ class SchedulerSide:
         state.last_lookup = asked
         if counted:
             self.stats["lookups"] += 1
-        # at least one token is always computed (vLLM samples from it)
+        # at least one token is always computed (vLLM samples from it): a prompt of whole blocks
+        # is offered one block less, but asked about whole, so a stored last block is not saved
+        # again (it was, at every repeat)
         most = (request.num_tokens - 1) // self.block_size
+        whole = request.num_tokens // self.block_size
         local = num_computed_tokens // self.block_size
-        if most <= local:
+        if whole <= local:
             return 0, False
-        hashes = self._hashes(state, most)
-        blocks = self._usable_blocks(hashes, local)
+        hashes = self._hashes(state, whole)
+        blocks, stored = self._usable_blocks(hashes, local, most)
         state.hit_blocks, state.lookup_from = blocks, local
-        state.stored_blocks = max(state.stored_blocks, blocks)
+        state.stored_blocks = max(state.stored_blocks, stored)
         if blocks <= local:
             return 0, False
         if counted:
             self.stats["offered_blocks"] += blocks - local
         return blocks * self.block_size - num_computed_tokens, True
 
-    def _usable_blocks(self, hashes: list[str], local: int = 0) -> int:
-        """Longest prefix every group can restore on top of the ``local`` blocks vLLM holds itself
-        (anchor blocks from there on, then each group's rule), or 0 if none beyond them. Keys are
-        chained, so a block's object stands for its whole prefix: blocks below ``local`` need not
-        be stored (L3 may have evicted a prefix vLLM keeps serving from its own cache), and each
-        group's blocks below it are vLLM's (its own hit at ``local`` holds every group's)."""
+    def _usable_blocks(self, hashes: list[str], local: int = 0, most: int | None = None) -> tuple[int, int]:
+        """``(usable, stored)``: the longest prefix of at most ``most`` blocks (default: all) every
+        group can restore on top of the ``local`` blocks vLLM holds itself (anchor blocks from
+        there on, then each group's rule), and the longest of any length, or 0 if none beyond
+        them. Keys are chained, so a block's object stands for its whole prefix: blocks below
+        ``local`` need not be stored (L3 may have evicted a prefix vLLM keeps serving from its own
+        cache), and each group's blocks below it are vLLM's (its own hit at ``local`` holds every
+        group's)."""
+        most = len(hashes) if most is None else most
         anchor = self.layout.anchor
         stateful = anchor.kind == STATE  # (no attention group: the state groups' rule decides)
         count = len(hashes) if stateful else local + self._leading(anchor.pool, hashes[local:])
         if count <= local:
-            return 0
+            return 0, 0
         # the groups whose rule decides beyond the anchor's run (a state anchor's own included)
         ruled = self.layout.groups if stateful else self.layout.groups[1:]
         present: dict[int, list[bool]] = {}
@@ -234,10 +240,13 @@ class SchedulerSide:
             result = self.engine.exists(group.pool, hashes[local:count])
             found = list(result.ok) if result.error is None else [False] * (count - local)
             present[group.group_id] = [True] * local + found
-        for n in range(count, local, -1):
+        stored = 0
+        for n in range(count, local, -1):  # from the longest: at most one more than ``most``
             if all(all(present[g.group_id][i] for i in g.needed_blocks(n)) for g in ruled):
-                return n
-        return 0
+                stored = stored or n
+                if n <= most:
+                    return n, stored
+        return 0, stored
 
     def _leading(self, pool: str, hashes: list[str]) -> int:
         """Leading run of stored blocks, asked in chunks of 1, 16, 32 ...: a miss costs one query."""
