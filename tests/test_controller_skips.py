@@ -407,3 +407,4 @@ def test_a_backend_call_that_never_returns_costs_the_request_its_pages_not_the_s
         cache.flush()
         held = host_units_held_by_tree(cache)
         assert host_units_in_use(cache) == held, "the orphaned read's host units were freed when it ended"
+        assert cache.metrics.snapshot()["latency_count"]["prefetch"] == 1, "one sample per prefetch"

@@ -212,7 +212,8 @@ class Prefetcher:
             log.exception("prefetch failed")
             op.pages = 0
         finally:
-            self.metrics.latency("prefetch", time.perf_counter() - op.started_s)
+            if not late:  # (one sample per prefetch)
+                self.metrics.latency("prefetch", time.perf_counter() - op.started_s)
             op.done.set()
 
     def _exists(self, op: PrefetchOp, pool: str, hashes: Sequence[str]) -> list[bool]:
