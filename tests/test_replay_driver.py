@@ -222,6 +222,26 @@ def test_a_chunked_replay_counts_each_hit_and_each_wrong_unit_once(tmp_path: Pat
     assert dirty.corrupt_pages_served == sum(details.timeline_hits["device"]) // 64
 
 
+def test_the_checkpoint_split_counts_hits_past_the_checkpoint(tmp_path: Path) -> None:
+    """A Mamba stack serves a request up to its last 512-token boundary, then whole: an
+    identical request later finds all 9 whole pages of 64 tokens cached (a state at both ends),
+    but only the first step's 8 counted as reuse."""
+    from kvstrata.core.controller import CacheController
+    from kvstrata.replay.driver import replay_with_cache
+
+    request = TraceRequest(0.0, 600, 1, (1, 2))
+    stack = load(
+        [REPO / "tests" / "stacks" / "hybrid-mamba.yaml"],
+        overrides=["tiers.storage={}"],
+        plugins=PluginHost(),
+    )
+    with CacheController(stack, PluginHost()) as cache:
+        first, _ = replay_with_cache(cache, [request])
+        again, _ = replay_with_cache(cache, [request])
+    assert first.hit_rate.total == 0
+    assert again.hit_rate.device * 600 == pytest.approx(9 * 64) and again.corrupt_pages_served == 0
+
+
 def test_a_request_shorter_than_a_page_is_served_not_a_crash(tmp_path: Path) -> None:
     """No whole page: nothing to match or insert (its page hashes are an empty list, not None)."""
     stack = tiny_stack(tmp_path, page_size=512, device={"capacity_tokens": 4096}, host={"capacity_tokens": 0})

@@ -217,10 +217,11 @@ def replay_with_cache(
     stored, and a request stores one state, after its last page. The next turn of a conversation
     shares the request's prefix only up to its last whole trace block, so the driver does what an
     engine with chunked prefill does: it first serves the request up to its last multiple of
-    ``state_checkpoint_tokens`` (storing that state), then the whole request. Only the first
-    lookup's hits count as the request's reuse, and only it is an access an eviction policy
-    hears (the later ones look up with ``record=False``). None disables it; stacks without
-    node-state pools never split.
+    ``state_checkpoint_tokens`` (storing that state), then the whole request. The request's
+    reuse is what either step found cached past what the first inserted (the pages after the
+    checkpoint an identical earlier request stored count too); only the first lookup is an
+    access an eviction policy hears (the second looks up with ``record=False``). None disables
+    it; stacks without node-state pools never split.
 
     ``chunk_pages``: serve every request in chunks of that many pages instead (an engine's
     chunked prefill that stores a state at every chunk end), so each request queues one L3 write
@@ -286,11 +287,12 @@ def replay_with_cache(
         elif checkpoint:  # chunked prefill: the state at the last block boundary is stored too
             first = _serve(cache, content, tokens[:checkpoint], verify)
             rest = _serve(cache, content, tokens, verify, record=False)
-            hit_pages, served = first.hit_pages, len(first.served | rest.served)
+            hit_pages, new_storage_keys = _new_hits((first, rest))
+            served = len(first.served | rest.served)
             full = first.full or rest.full
             short_pools, tier_short = _shortfall((first, rest))
             counted = first.counted_by_controller + rest.counted_by_controller
-            older = sum(key not in written for key in first.storage_keys)
+            older = sum(key not in written for key in new_storage_keys)
             written.update(first.inserted_keys)
             written.update(rest.inserted_keys)
         else:
