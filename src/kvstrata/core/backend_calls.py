@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstrata.core.storage_engine")
 
+#: the operations the write breaker guards (the others: the read breaker)
+_WRITES = frozenset({StorageOperation.PUT, StorageOperation.REMOVE})
+
 #: an event hook's call by name, which never raises (``PluginHost.notify``)
 Notify = Callable[..., None]
 
@@ -43,8 +46,7 @@ class BackendCalls:
     def breaker(self, operation: StorageOperation) -> CircuitBreaker:
         """The breaker guarding ``operation``: the write breaker for puts and removes, the read
         breaker for existence queries and gets."""
-        writes = operation == StorageOperation.PUT or operation == StorageOperation.REMOVE
-        return self.write_breaker if writes else self.read_breaker
+        return self.write_breaker if operation in _WRITES else self.read_breaker
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -130,4 +132,4 @@ class BackendCalls:
 
 def _direction(operation: StorageOperation) -> str:
     """'reads' or 'writes': which of an engine's two breakers an operation goes through."""
-    return "writes" if operation == StorageOperation.PUT or operation == StorageOperation.REMOVE else "reads"
+    return "writes" if operation in _WRITES else "reads"

@@ -126,7 +126,7 @@ class FileIO(FileIndex):
         ``leading``: keys are checked in order on this thread and the first missing one ends the
         answer (the rest read False): a prefix query then costs the stats of its present keys
         plus one, and no worker hop, which costs more than a ``stat`` of a cached dentry."""
-        recheck_s = self.config.exists_recheck_s  # at 0 nothing is answered from memory
+        recheck_s = self.config.exists_recheck_s  # 0: none from memory; see also _file_removals
         cutoff = max(time.monotonic() - recheck_s, self._removals.trusted_since() if recheck_s else 0.0)
         if leading:
             return self._leading(keys, cutoff)
