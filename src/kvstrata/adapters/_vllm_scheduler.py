@@ -219,15 +219,14 @@ class SchedulerSide:
             self.stats["offered_blocks"] += blocks - local
         return blocks * self.block_size - num_computed_tokens, True
 
-    def _usable_blocks(self, hashes: list[str], local: int = 0, most: int | None = None) -> tuple[int, int]:
-        """``(usable, stored)``: the longest prefix of at most ``most`` blocks (default: all) every
+    def _usable_blocks(self, hashes: list[str], local: int, most: int) -> tuple[int, int]:
+        """``(usable, stored)``: the longest prefix of at most ``most`` blocks every
         group can restore on top of the ``local`` blocks vLLM holds itself (anchor blocks from
         there on, then each group's rule), and the longest of any length, or 0 if none beyond
         them. Keys are chained, so a block's object stands for its whole prefix: blocks below
         ``local`` need not be stored (L3 may have evicted a prefix vLLM keeps serving from its own
         cache), and each group's blocks below it are vLLM's (its own hit at ``local`` holds every
         group's)."""
-        most = len(hashes) if most is None else most
         anchor = self.layout.anchor
         stateful = anchor.kind == STATE  # (no attention group: the state groups' rule decides)
         count = len(hashes) if stateful else local + self._leading(anchor.pool, hashes[local:])

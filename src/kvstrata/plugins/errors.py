@@ -17,8 +17,8 @@ class PluginError(KvstrataError):
     """A plugin could not be found, loaded or validated."""
 
 
-#: What a plugin name may be (``registry.NAME_PATTERN``, repeated: the registry imports this module).
-_PLUGIN_NAME = re.compile(r"[a-z0-9_]+")
+#: What a plugin name may be (the registries refuse any other; the error below names no package then).
+NAME_PATTERN = re.compile(r"^[a-z0-9_]+$")
 
 
 class UnknownPluginError(PluginError):
@@ -27,7 +27,7 @@ class UnknownPluginError(PluginError):
     def __init__(self, kind: str, name: str, installed: list[str]) -> None:
         self.kind, self.name, self.installed = kind, name, installed
         listing = ", ".join(sorted(installed)) or "none"
-        if _PLUGIN_NAME.fullmatch(name):
+        if NAME_PATTERN.fullmatch(name):
             fix = (
                 f"Install the package that provides it (e.g. `pip install kvstrata-{name}`) or run "
                 "`kvstrata plugins` to see what is loaded."

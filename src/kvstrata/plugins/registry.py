@@ -19,6 +19,7 @@ from typing import Generic, Literal, TypeVar
 from stevedore.extension import ExtensionManager
 
 from kvstrata.plugins.errors import (
+    NAME_PATTERN,
     MissingDependencyError,
     PluginCollisionError,
     PluginDisabledError,
@@ -28,8 +29,6 @@ from kvstrata.plugins.errors import (
 )
 
 T = TypeVar("T")
-
-NAME_PATTERN = re.compile(r"^[a-z0-9_]+$")
 
 #: The environment variable whose items block plugins: ``name`` (every distribution's entry of
 #: that name) or ``distribution:name`` (one distribution's entry only, e.g. after a collision).

@@ -59,9 +59,11 @@ class RemovalsNote:
             return
         try:
             os.write(fd, b".")
-            if os.fstat(fd).st_size > _LIMIT:
+            info = os.fstat(fd)
+            if info.st_size > _LIMIT:
                 os.ftruncate(fd, 0)
-            stamp = _stamp(os.fstat(fd))
+                info = os.fstat(fd)
+            stamp = _stamp(info)
         except OSError:
             return
         finally:
