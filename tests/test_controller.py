@@ -513,7 +513,8 @@ def test_a_late_pool_can_live_in_the_engines_own_device_tensors(tmp_path: Path) 
         spec = probe.add_pool("draft", DRAFT).spec
         units = probe.pools.pool("draft").device.units
     engine = {
-        b.name: torch.zeros(b.layers, units, *b.unit_shape, dtype=torch_dtype(b.dtype)) for b in spec.buffers
+        b.name: torch.zeros(b.layers, units, *b.unit_shape, dtype=torch_dtype(b.dtype), device=DEVICE)
+        for b in spec.buffers
     }
     with open_cache("kv", tmp_path) as cache:
         with pytest.raises(ValueError, match=r"pool 'draft'.*buffer 'k'.*expected"):
