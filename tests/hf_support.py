@@ -26,6 +26,8 @@ import torch
 from kvstrata.core.keys import KEY_VERSION
 
 PAGE = 16
+#: torch device of the in-process model tests (``KVSTRATA_TEST_DEVICE=cuda`` runs them on a GPU)
+DEVICE = os.environ.get("KVSTRATA_TEST_DEVICE", "cpu")
 HEADER_BYTES = 64  # kvstrata's object header (docs/storage.md)
 PROMPT_PAGES = 12  # what the writer stores
 EXTRA_TOKENS = 1  # the reader's prompt: the stored pages and one new token (the decode path)
@@ -90,12 +92,14 @@ def run_pages(
     """Forward ``ids[start:]`` one page at a time (the last chunk may be partial); commit every
     ``commit_every`` pages and at the end when asked. Returns each chunk's last logits."""
     model, argument = cache.model, cache.layout.cache_argument
+    device = next(model.parameters()).device
     logits = []
     position = start
     with torch.no_grad():
         while position < len(ids):
             end = min(position + PAGE, len(ids))
-            out = model(input_ids=ids[position:end].unsqueeze(0), use_cache=True, **{argument: past})
+            chunk = ids[position:end].to(device).unsqueeze(0)
+            out = model(input_ids=chunk, use_cache=True, **{argument: past})
             logits.append(out.logits[0, -1].clone())
             position = end
             if commit_every and (end // PAGE % commit_every == 0 or end == len(ids)):

@@ -81,7 +81,7 @@ def test_the_tables_cover_every_family() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_maps_and_round_trips_in_process(family: str, dtype: torch.dtype) -> None:
-    model = tiny_model(family, dtype)
+    model = tiny_model(family, dtype).to(hf.DEVICE)
     assert sum(p.numel() for p in model.parameters()) <= 2_000_000
     with HFStateCache(model, page_size=PAGE, state_slots=32) as cache:
         pools = cache.layout.pools
@@ -225,7 +225,7 @@ def test_a_flipped_byte_in_a_stored_object_shortens_the_restore_and_never_change
 
 @pytest.mark.parametrize("family", [*HYBRID, "llama", "mamba2"])
 def test_a_prompt_sharing_37_of_50_pages_reuses_every_page_or_up_to_the_last_checkpoint(family: str) -> None:
-    model = tiny_model(family)
+    model = tiny_model(family).to(hf.DEVICE)
     with HFStateCache(model, page_size=PAGE, state_slots=64) as cache:
         first = hf.tokens(40, 50 * PAGE)
         past, _ = cache.restore(first)
@@ -243,7 +243,7 @@ def test_a_prompt_sharing_37_of_50_pages_reuses_every_page_or_up_to_the_last_che
 
 
 def test_restored_states_are_private_copies_the_model_may_mutate() -> None:
-    with HFStateCache(tiny_model("qwen3_next"), page_size=PAGE, state_slots=32) as cache:
+    with HFStateCache(tiny_model("qwen3_next").to(hf.DEVICE), page_size=PAGE, state_slots=32) as cache:
         ids = hf.tokens(50, 4 * PAGE + 1)
         hf.run_pages(cache, cache.restore(ids)[0], ids, 0, commit_every=1)
         one, cached = cache.restore(ids)
@@ -271,9 +271,9 @@ def test_window_layers_keep_whole_pages_across_multi_page_chunks() -> None:
     model's own K/V (compared with a run whose window layers never forget)."""
     from kvstrata.adapters._hf_cache import PageKeepingSlidingWindowLayer
 
-    model = tiny_model("gpt_oss")
+    model = tiny_model("gpt_oss").to(hf.DEVICE)
     with HFStateCache(model, page_size=PAGE) as cache:
-        ids = hf.tokens(60, 8 * PAGE)
+        ids = hf.tokens(60, 8 * PAGE).to(hf.DEVICE)
         past, _ = cache.restore(ids)
         with torch.no_grad():
             for start in range(0, len(ids), 2 * PAGE):
@@ -285,7 +285,7 @@ def test_window_layers_keep_whole_pages_across_multi_page_chunks() -> None:
                 model(input_ids=ids[start : start + 2 * PAGE].unsqueeze(0), past_key_values=witness)
         window = witness.layers[0]
         assert isinstance(window, PageKeepingSlidingWindowLayer) and window.keys.shape[-2] == len(ids)
-        restored, cached = cache.restore(torch.cat([ids[: 3 * PAGE], hf.tokens(61, PAGE)]))
+        restored, cached = cache.restore(torch.cat([ids[: 3 * PAGE], hf.tokens(61, PAGE).to(hf.DEVICE)]))
         assert cached == 3 * PAGE  # inside the second two-page chunk
         layer = restored.layers[0]
         assert layer.get_seq_length() == cached and layer.keys.shape[-2] == 19
@@ -338,8 +338,8 @@ def test_commit_checks_its_arguments_and_stores_only_what_the_cache_can_give() -
 
 
 def test_generate_runs_on_a_restored_cache_and_its_output_can_be_committed() -> None:
-    model = tiny_model("llama")
-    prompt = hf.tokens(73, 2 * PAGE + 3).unsqueeze(0)
+    model = tiny_model("llama").to(hf.DEVICE)
+    prompt = hf.tokens(73, 2 * PAGE + 3).unsqueeze(0).to(hf.DEVICE)
     settings = {"max_new_tokens": PAGE, "do_sample": False}
     with torch.no_grad():
         plain = model.generate(prompt, **settings)
@@ -390,7 +390,7 @@ def test_another_model_never_reads_the_first_ones_objects(tmp_path: Path) -> Non
 
 
 def test_prefill_restores_runs_page_aligned_chunks_and_commits() -> None:
-    with HFStateCache(tiny_model("mamba2"), page_size=PAGE, state_slots=32) as cache:
+    with HFStateCache(tiny_model("mamba2").to(hf.DEVICE), page_size=PAGE, state_slots=32) as cache:
         ids = hf.tokens(90, 5 * PAGE + 3)
         first = cache.prefill(ids, chunk_pages=2)
         assert (first.cached_tokens, first.committed_tokens) == (0, 4 * PAGE)  # 2, 4; 5 is no boundary
