@@ -114,6 +114,8 @@ def mla_tokens(pool: Any, slots: torch.Tensor) -> torch.Tensor:
         return buffer[:, slots, 0]
     if layout == "page_first":  # (size, L, 1, C)
         return buffer[slots, :, 0].transpose(0, 1)
+    if buffer.dim() == 4:  # page_unified: (P, L, t, C)
+        return buffer[slots // page, :, slots % page].transpose(0, 1)
     return buffer[slots // page, :, slots % page, 0].transpose(0, 1)  # (P, L, t, 1, C)
 
 
@@ -123,6 +125,8 @@ def set_mla_tokens(pool: Any, slots: torch.Tensor, values: torch.Tensor) -> None
         buffer[:, slots, 0] = values
     elif layout == "page_first":
         buffer[slots, :, 0] = values.transpose(0, 1)
+    elif buffer.dim() == 4:
+        buffer[slots // page, :, slots % page] = values.transpose(0, 1)
     else:
         buffer[slots // page, :, slots % page, 0] = values.transpose(0, 1)
 

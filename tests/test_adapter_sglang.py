@@ -148,7 +148,7 @@ def check_second_process(config: dict[str, Any], seed: int, layouts: list[str]) 
         finally:
             storage.close()
     mla_keys = [f"mla-{key}" for key in keys]
-    for layout in ("layer_first", "page_first_direct"):
+    for layout in ("layer_first", "page_first_direct", "page_unified"):
         mla = support.new_mla_pool(layout)
         storage = support.open_adapter(config, mla, is_mla=True, tp_rank=1, tp_size=2)
         try:

@@ -1,6 +1,7 @@
 """How the pages of one SGLang host pool become kvstrata units (no ``sglang`` import needed here).
 
-Three formats, picked per host pool when SGLang registers it with the adapter:
+Four formats, picked per host pool when SGLang registers it with the adapter (``_sglang_describe``
+decides which):
 
 ``CanonicalPages`` (exact conversion)
     For SGLang's ``MHATokenToKVPoolHost`` and ``MLATokenToKVPoolHost``, whose buffer shapes per
@@ -12,8 +13,11 @@ Three formats, picked per host pool when SGLang registers it with the adapter:
     backend). Every other layout (``layer_first``, ``page_first_direct``, ``page_head``,
     ``page_unified``) converts exactly through one torch gather/scatter, so a page written from
     ``page_first`` reads back bit-exact into ``layer_first`` and vice versa.
+``SplitKVPages`` (exact conversion)
+    SGLang's asymmetric MHA pool (``head_dim != v_head_dim``, e.g. MiMo-V2: K and V in two buffers,
+    no flat data page): K then V per page as above, each with its own head dim.
 ``FlatPages`` (opaque)
-    Any other host pool (Mamba states, DSA indexer, DeepSeek-V4 pools, asymmetric or scaled MHA):
+    Any other host pool (Mamba states, DSA indexer, DeepSeek-V4 pools, scaled MHA):
     the bytes of SGLang's own flat data page (``get_data_page`` / ``set_from_flat_data_page``, the
     format SGLang's file backend stores). Their order depends on the host layout, so the layout
     and pool class are part of the pool's identity (its key): another layout never reads them.
@@ -32,23 +36,11 @@ from typing import Any
 
 import torch
 
-from kvstrata.adapters._sglang_views import MHA_CLASS, MHA_PAGE_VIEWS, MLA_CLASS, MLA_PAGE_VIEWS
-from kvstrata.engine_kit import layout_fingerprint, stored_objects
+from kvstrata.adapters._sglang_views import MHA_CLASS
 from kvstrata.plugins import (
     BufferRegion,
-    BufferSpec,
-    Granularity,
-    HitRule,
-    HitRuleKind,
-    ModelContext,
-    ObjectSpec,
-    PartialHit,
-    PluginHost,
-    PoolRole,
     PoolSpec,
-    Replication,
 )
-from kvstrata.plugins.pool_type import SUPPORTED_DTYPES
 
 #: A page is moved zero-copy when its canonical bytes form at most this many runs ...
 ZERO_COPY_MAX_RUNS = 256
@@ -62,6 +54,11 @@ OPAQUE_POOL_TYPE = "sglang_page"
 
 def class_id(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def is_mha(pool: Any) -> bool:
+    """Whether ``pool`` is SGLang's MHA host pool or a subclass: its pages hold one TP rank's heads."""
+    return any(f"{cls.__module__}.{cls.__qualname__}" == MHA_CLASS for cls in type(pool).__mro__)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -336,157 +333,43 @@ class MarkerPages(PageFormat):
         return Transfer([])
 
 
-# --- describing a host pool -----------------------------------------------------------------------
+class SplitKVPages(PageFormat):
+    """K and V of different head dims in two host buffers (SGLang's asymmetric MHA pool, e.g.
+    MiMo-V2, which has no flat data page): each page is stored exactly, K then V, each
+    ``(tokens, layers, heads, dim)``, through one gather/scatter per buffer (two buffers are no one
+    host region a backend could register, so never zero-copy)."""
 
+    def __init__(self, pool: Any, spec: PoolSpec, parts: tuple[CanonicalPages, ...], layout: str) -> None:
+        super().__init__(pool)
+        self.spec = spec
+        self.parts = parts
+        for part in parts:
+            part.zero_copy = False
+        self.slots_per_page = parts[0].slots_per_page
+        self.page_count = parts[0].page_count
+        self.unit_bytes = sum(part.unit_bytes for part in parts)
+        self.description = f"{class_id(pool).rsplit('.', 1)[-1]} {layout}: exact (K and V apart)"
 
-def _spec_from_type(
-    plugins: PluginHost, pool_type: str, instance: str, page_size: int, **fields: Any
-) -> PoolSpec:
-    """A pool spec built by the registered pool-type plugin (the same one kvstrata's cache uses)."""
-    cls = plugins.pool_types.get(pool_type)
-    config = cls.Config.model_validate({"type": pool_type, **fields})
-    return cls(instance, config, ModelContext(page_size=page_size, anchor=instance)).spec()
+    @staticmethod
+    def _joined(transfers: list[Transfer]) -> Transfer:
+        """One object per page: the parts' regions of that page, in order."""
+        per_page = zip(*(transfer.units for transfer in transfers), strict=True)
+        units = [[sum((unit[0] for unit in page), ())] for page in per_page]
 
+        def finish(ok: Sequence[bool]) -> None:
+            for transfer in transfers:
+                transfer.finish(ok)
 
-def _exact_spec(
-    pool_type: str,
-    sglang_name: str,
-    page_size: int,
-    dtype: str,
-    buffers: dict[str, tuple[int, ...]],
-    suffix: str,
-    replication: Replication,
-) -> PoolSpec:
-    """Spec of SGLang's token-major page: one object of ``buffers`` (each one (tokens, layers, ...)
-    block, so ``layers=1``). Its instance name carries a digest of the layout fingerprint: pools
-    of other models (dtype, layers, heads, page size) never share keys."""
+        return Transfer(units, finish, [transfer.keep for transfer in transfers])
 
-    def build(instance: str) -> PoolSpec:
-        return PoolSpec(
-            name=instance,
-            pool_type=pool_type,
-            role=PoolRole.ANCHOR,
-            granularity=Granularity.TOKEN_PAGES,
-            hit_rule=HitRule(kind=HitRuleKind.ALL_PAGES),
-            partial_hit=PartialHit.CLAMP,
-            replication=replication,
-            page_size=page_size,
-            buffers=tuple(
-                BufferSpec(name=name, dtype=dtype, layers=1, unit_shape=shape)
-                for name, shape in buffers.items()
-            ),
-            objects=(ObjectSpec(suffix=suffix, buffers=tuple(buffers)),),
-        )
+    def write_units(self, pages: torch.Tensor) -> Transfer:
+        return self._joined([part.write_units(pages) for part in self.parts])
 
-    draft = build("x")
-    prints = [layout_fingerprint(draft, suffix).hex() for suffix, _ in stored_objects(draft)]
-    return build(f"{sglang_name}-{digest(pool_type, *prints)}")
+    def read_units(self, pages: torch.Tensor) -> Transfer:
+        return self._joined([part.read_units(pages) for part in self.parts])
 
+    def flat_write_units(self, values: Sequence[torch.Tensor]) -> Transfer:
+        raise NotImplementedError(f"pool {self.name!r}: SGLang gives this pool no flat data page")
 
-def _canonical(pool: Any, sglang_name: str) -> CanonicalPages | None:
-    """Exact format for SGLang's plain MHA / MLA host pools, or None (then opaque)."""
-    kind = class_id(pool)
-    layout = getattr(pool, "layout", None)
-    dtype = dtype_name(pool.dtype) if hasattr(pool, "dtype") else None
-    if dtype not in SUPPORTED_DTYPES or getattr(pool, "kv_buffer", None) is None:
-        return None
-    if getattr(pool, "dcp_size", 1) != 1:
-        return None
-    page = int(pool.page_size)
-    if kind == MHA_CLASS and layout in MHA_PAGE_VIEWS:
-        layers, heads, dim = int(pool.layer_num), int(pool.head_num), int(pool.head_dim)
-        if getattr(pool, "v_head_dim", dim) != dim:
-            return None
-        view = MHA_PAGE_VIEWS[layout](pool)
-        block = (page, layers, heads, dim)
-        expected = (2, *block)
-        spec = _exact_spec(
-            "kv", sglang_name, page, dtype, {"k": block, "v": block}, "kv", Replication.SHARDED
-        )
-    elif kind == MLA_CLASS and layout in MLA_PAGE_VIEWS:
-        layers, row = int(pool.layer_num), int(pool.kv_cache_dim)
-        view = MLA_PAGE_VIEWS[layout](pool)
-        expected = (page, layers, row)
-        # the MLA row (latent + rope, or the packed fp8 DSA row) is one run of `row` elements; it is
-        # identical on every TP rank: one key for all ranks, written by rank 0
-        spec = _exact_spec("mla", sglang_name, page, dtype, {"row": expected}, "mla", Replication.REPLICATED)
-    else:
-        return None
-    if math.prod(view.shape[1:]) != math.prod(expected) or tuple(view.shape[1:4]) != expected[:3]:
-        return None
-    return CanonicalPages(pool, spec, view, layout)
-
-
-def describe_host_pool(pool: Any, sglang_name: str, plugins: PluginHost, *, replicated: bool) -> PageFormat:
-    """The page format of one SGLang host pool registered under ``sglang_name``.
-
-    ``replicated``: SGLang writes this pool from TP rank 0 only (its rank-replicated pools), so an
-    opaque pool's keys carry no TP rank; exact MHA pools are always per rank, MLA never.
-    """
-    if getattr(pool, "kv_buffer", 0) is None or _dummy(pool).numel() == 0:
-        spec = _spec_from_type(
-            plugins, "logical", f"{sglang_name}-{digest('logical', pool.page_size)}", int(pool.page_size)
-        )
-        return MarkerPages(pool, spec)
-    try:
-        exact = _canonical(pool, sglang_name)
-    except (RuntimeError, ValueError, AttributeError):  # an unexpected buffer shape: store it opaque
-        exact = None
-    if exact is not None:
-        return exact
-    dummy = _dummy(pool)
-    layout = getattr(pool, "layout", "?")
-    slots = int(getattr(pool, "page_size", 1) or 1)
-    nbytes = dummy.numel() * dummy.element_size()
-    identity = digest(class_id(pool), layout, slots, dtype_name(dummy.dtype), nbytes, *state_format(pool))
-    instance = f"{sglang_name}-{identity}"
-    spec = PoolSpec(
-        name=instance,
-        pool_type=OPAQUE_POOL_TYPE,
-        role=PoolRole.COMPONENT,
-        granularity=Granularity.TOKEN_PAGES,
-        hit_rule=HitRule(kind=HitRuleKind.ALL_PAGES),
-        partial_hit=PartialHit.CLAMP,
-        replication=Replication.REPLICATED if replicated else Replication.SHARDED,
-        page_size=slots,
-        buffers=(BufferSpec(name="page", dtype="uint8", layers=1, unit_shape=(nbytes,)),),
-        objects=(ObjectSpec(suffix="page", buffers=("page",)),),
-    )
-    why = "layout-specific bytes" if class_id(pool) in (MHA_CLASS, MLA_CLASS) else "SGLang flat data page"
-    return FlatPages(pool, spec, dummy, why)
-
-
-#: host-pool attributes that say what an opaque page's bytes mean (SGLang's flat data page is
-#: ``uint8`` whatever it holds): a Mamba pool's state dtypes and shapes, its layer count
-_FORMAT_ATTRIBUTES = (
-    *("conv_dtype", "temporal_dtype", "conv_state_shapes", "temporal_state_shape", "num_mamba_layers"),
-    *("layer_num", "head_num", "head_dim", "v_head_dim", "kv_cache_dim", "index_head_dim"),
-)
-
-
-def state_format(pool: Any) -> list[str]:
-    """What an opaque pool's bytes mean beyond their count, as ``name=value`` strings for its key:
-    two pools of one byte size but other state dtypes or shapes (``--mamba-ssm-dtype bfloat16``
-    vs ``float16``) must never read each other's pages."""
-    facts = []
-    for name in _FORMAT_ATTRIBUTES:
-        value = getattr(pool, name, None)
-        if value is not None:
-            facts.append(f"{name}={_plain_fact(value)}")
-    side = getattr(pool, "slot_state_buffers", None)  # a Mamba pool's per-slot side states: in its pages too
-    if side:
-        facts.append("slot_states=" + _plain_fact([(t.dtype, tuple(t.shape[1:])) for t in side]))
-    return facts
-
-
-def _plain_fact(value: Any) -> str:
-    """A stable text of a dtype, a shape or a (nested) list of them."""
-    if isinstance(value, torch.dtype):
-        return dtype_name(value)
-    if isinstance(value, (list, tuple, torch.Size)):
-        return "(" + ",".join(_plain_fact(item) for item in value) + ")"
-    return str(value)
-
-
-def _dummy(pool: Any) -> torch.Tensor:
-    return pool.get_dummy_flat_data_page()
+    def flat_read_units(self, targets: Sequence[torch.Tensor]) -> Transfer:
+        raise NotImplementedError(f"pool {self.name!r}: SGLang gives this pool no flat data page")

@@ -5,6 +5,7 @@ arithmetic of the v2 existence query."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -63,9 +64,15 @@ class SGLangL3Config(UserConfig):
 
 
 def load_l3_config(value: Any, plugins: PluginHost) -> SGLangL3Config:
-    """Validate ``kvstrata_config`` (path or mapping); errors name ``kvstrata_config.<dotted path>``
-    of an inline mapping, ``<dotted path> in <file>`` of a config file (the file has no such key)."""
+    """Validate ``kvstrata_config`` (path, mapping, or a JSON object as text); errors name
+    ``kvstrata_config.<dotted path>`` of an inline mapping, ``<dotted path> in <file>`` of a config
+    file (the file has no such key)."""
     source: str | None = None
+    if isinstance(value, str) and value.lstrip().startswith("{"):  # inline JSON inside SGLang's JSON
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError([(CONFIG_KEY, f"looks like inline JSON but does not parse: {exc}")]) from None
     if isinstance(value, (str, Path)):
         source = str(value)
         data: Any = load_file(value)  # its errors name the file and the path within it

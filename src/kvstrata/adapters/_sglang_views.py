@@ -68,3 +68,19 @@ def _mla_views() -> dict[str, PageView]:
 
 MHA_PAGE_VIEWS = _mha_views()
 MLA_PAGE_VIEWS = _mla_views()
+
+
+def _split_kv_views() -> dict[str, Callable[[Any, torch.Tensor], torch.Tensor]]:
+    """SGLang's asymmetric MHA host pool (K and V in two buffers, ``head_dim != v_head_dim``; its
+    ``init_kv_buffer`` takes two layouts) -> each buffer as ``(P, t, L, H, dim)``."""
+
+    def page_first(pool: Any, buffer: torch.Tensor) -> torch.Tensor:  # (size, L, H, dim)
+        return buffer.view(-1, pool.page_size, *buffer.shape[1:])
+
+    def page_first_direct(pool: Any, buffer: torch.Tensor) -> torch.Tensor:  # (P, L, t, H, dim)
+        return buffer.permute(0, 2, 1, 3, 4)
+
+    return {"page_first": page_first, "page_first_direct": page_first_direct}
+
+
+SPLIT_KV_VIEWS = _split_kv_views()

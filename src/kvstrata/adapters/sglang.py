@@ -52,11 +52,12 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvstrata.adapters._sglang_pages import PageFormat, describe_host_pool
+from kvstrata.adapters._sglang_describe import describe_host_pool
+from kvstrata.adapters._sglang_pages import PageFormat, is_mha
 from kvstrata.adapters._sglang_store import KV_POOL, PageStore
 from kvstrata.adapters._sglang_support import CONFIG_KEY, Stats, load_l3_config
 from kvstrata.adapters._shared import EngineIdentity, EngineStorage
-from kvstrata.engine_kit import ParallelConfig, StorageMetrics
+from kvstrata.engine_kit import IOMode, ParallelConfig, StorageMetrics
 from kvstrata.plugins import ConfigError, PluginHost, StorageBackend
 
 log = logging.getLogger(__name__)
@@ -175,14 +176,24 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                 page_format.name, page_format.spec, host_region=page_format.host_region(), owner=pool
             )
             self._pools[sglang_name] = page_format
-        if getattr(pool, "dtype", None) is torch.uint8 and not self.settings.model.kv_cache_dtype:
+        # a pool without bytes (DeepSeek-V4's logical anchor) reports uint8 too
+        fp8 = page_format.unit_bytes and getattr(pool, "dtype", None) is torch.uint8
+        if fp8 and not self.settings.model.kv_cache_dtype:
             log.warning(
                 "kvstrata L3: SGLang pool %r holds uint8 pages (an fp8 KV cache is handed to host pools "
                 "as uint8): set kvstrata_config.model.kv_cache_dtype to SGLang's --kv-cache-dtype, or "
                 "servers of another fp8 variant under this model name read these pages",
                 sglang_name,
             )
-        log.info(
+        if replicated and is_mha(pool) and self.parallel.tp_size > 1:
+            log.warning(
+                "kvstrata L3: SGLang pool %r holds each TP rank's own heads under a rank-replicated "
+                "(MLA) model, and SGLang writes it from TP rank 0 only: other ranks find none of its "
+                "pages, and the prefixes the ranks agree on include none from L3",
+                sglang_name,
+            )
+        log.log(
+            logging.WARNING if plan.mode is IOMode.OFF else logging.INFO,  # an L3 this pool never uses
             "kvstrata L3: SGLang pool %r -> %s; plan %s (%s)",
             sglang_name,
             page_format.description,

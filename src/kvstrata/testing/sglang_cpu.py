@@ -178,16 +178,21 @@ def mha_host_pool(
     dtype: torch.dtype = torch.bfloat16,
     device_tokens: int | None = None,
     head_group_num: int = 1,
+    v_head_dim: int | None = None,
 ) -> Any:
     """SGLang's real ``MHATokenToKVPoolHost`` with ``host_pages`` pages (``head_group_num``: the
-    kv-head groups of the ``page_unified`` layout)."""
+    kv-head groups of the ``page_unified`` layout); with a ``v_head_dim`` other than ``head_dim``
+    its ``AsymmetricMHATokenToKVPoolHost`` (K and V in two buffers; page_first and
+    page_first_direct only)."""
     load_sglang_mem_cache()
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mha import AsymmetricMHATokenToKVPoolHost, MHATokenToKVPoolHost
 
     tokens = device_tokens or page_size
+    v_dim = head_dim if v_head_dim is None else v_head_dim
+    pool_class = MHATokenToKVPoolHost if v_dim == head_dim else AsymmetricMHATokenToKVPoolHost
     k = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
-    v = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
+    v = tuple(torch.zeros(tokens, heads, v_dim, dtype=dtype) for _ in range(layers))
     info = MHABufferInfo(
         buffers=KVBuffers(
             k=k, v=v, k_data_ptrs=_pointer_table(k), v_data_ptrs=_pointer_table(v), layout=KVBufferLayout.NHD
@@ -195,11 +200,11 @@ def mha_host_pool(
         page_size=page_size,
         head_num=heads,
         head_dim=head_dim,
-        v_head_dim=head_dim,
+        v_head_dim=v_dim,
         dtype=dtype,
         device=torch.device("cpu"),
     )
-    pool = MHATokenToKVPoolHost(
+    pool = pool_class(
         info,
         host_to_device_ratio=1.0,
         host_size=0,
