@@ -191,6 +191,47 @@ def test_what_another_process_evicts_is_no_longer_answered_from_memory(
         each.close()
 
 
+def test_this_instances_own_removal_does_not_hide_anothers(tmp_path: Path) -> None:
+    """Noting its own removal, an instance took the note's new state as seen, which held every
+    removal others had noted since it last looked: those were never noticed (audit 28: 24 of 102
+    "present" answers that then missed were for objects already gone when asked)."""
+    blobs = Blobs()
+    first, other = (
+        open_backend(tmp_path, exists_recheck_s=3600),
+        open_backend(tmp_path, exists_recheck_s=3600),
+    )
+    assert first.put([blobs.obj(key, bytes(100)) for key in ("x", "y")]) == [True, True]
+    assert first.exists(["x", "y"]) == [True, True]
+    assert other.remove(["x"]) == [True]
+    assert first.remove(["y"]) == [True]  # its own removal, after the other's
+    assert first.exists(["x"]) == [False], "the other instance's removal was noticed"
+    assert first.put([blobs.obj("z", bytes(100))]) == [True]
+    assert first.remove(["z"]) == [True]
+    stamp = os.stat(tmp_path / REMOVALS_FILE)
+    assert first.exists(["x", "y", "z"]) == [False] * 3
+    assert os.stat(tmp_path / REMOVALS_FILE).st_size == stamp.st_size
+    for backend in (first, other):
+        backend.close()
+
+
+def test_an_instance_that_only_asks_keeps_its_index_within_the_capacity(tmp_path: Path) -> None:
+    """vLLM's scheduler side only calls ``exists``: it indexed every object it ever found and
+    never evicted (20,000 entries for 10 objects on disk, ~290 bytes each, audit 28)."""
+    blobs = Blobs()
+    size = len(OBJECT_MAGIC) + 100
+    writer = open_backend(tmp_path, capacity_bytes=4 * size)
+    asker = open_backend(tmp_path, capacity_bytes=4 * size, exists_recheck_s=3600)
+    for index in range(40):
+        key = f"block-{index}"
+        assert writer.put([blobs.obj(key, bytes(100))]) == [True]
+        assert asker.exists([key]) == [True]
+        assert asker.used_bytes <= 4 * size
+    assert asker.exists([f"block-{index}" for index in range(36, 40)]) == [True] * 4
+    assert asker.exists(["block-0"]) == [False]
+    for backend in (writer, asker):
+        backend.close()
+
+
 def test_engine_exists_and_get_agree_with_the_index_after_corruption_removal(tmp_path: Path) -> None:
     """A damaged object the engine removes is gone from the index too."""
     kit = BackendConformance()

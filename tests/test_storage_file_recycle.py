@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+import kvstrata.storage_backends._file_index as file_index
 from kvstrata.core.integrity import HEADER_BYTES
 from kvstrata.plugins.storage_backend import OBJECT_MAGIC, ReadCheck, StorageObject
+from kvstrata.storage_backends._file_recycle import move_for_rewrite
 from kvstrata.storage_backends._file_removals import REMOVALS_FILE
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
@@ -139,3 +142,63 @@ def test_an_unverified_read_of_a_file_being_recycled_is_a_miss(tmp_path: Path) -
     assert backend.get([obj]) == [104]  # the lock is gone: read as usual
     assert bytes(buffer) == OBJECT_MAGIC + b"A" * 100
     backend.close()
+
+
+def test_a_recycled_file_is_moved_to_the_temp_name_before_it_is_locked(tmp_path: Path) -> None:
+    """Locked by its name first, a file another put had recycled (and whose name a new object
+    had taken since) was written through one inode and renamed as another: two objects held other
+    keys' bytes. Moved first, the file written is the one at the temp name; it has the new
+    object's size and a fresh mtime (the old one's made an opening process sweep it as stale)."""
+    evicted, tmp = tmp_path / "evicted", tmp_path / ".new.tmp-1-00000000-0"
+    evicted.write_bytes(b"E" * 50)  # another object of another size took the name meanwhile
+    os.utime(evicted, (1_000_000, 1_000_000))
+    fd = move_for_rewrite(str(evicted), str(tmp), 100, os.makedirs)
+    assert fd is not None
+    try:
+        assert not evicted.exists() and os.fstat(fd).st_ino == os.stat(tmp).st_ino
+        assert os.fstat(fd).st_size == 100 and time.time() - os.fstat(fd).st_mtime < 60
+        other = os.open(tmp, os.O_RDONLY)
+        with pytest.raises(BlockingIOError):  # exclusively locked until the put closes it
+            fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        os.close(other)
+    finally:
+        os.close(fd)
+    # a file a reader holds keeps its bytes for the reader: both names are gone, nothing rewritten
+    held = tmp_path / "held"
+    held.write_bytes(b"H" * 100)
+    reader = os.open(held, os.O_RDONLY)
+    fcntl.flock(reader, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    try:
+        assert move_for_rewrite(str(held), str(tmp), 100, os.makedirs) is None
+        assert not held.exists() and not tmp.exists()
+        assert os.pread(reader, 100, 0) == b"H" * 100
+    finally:
+        os.close(reader)
+
+
+def test_a_recycling_put_notes_the_removal_after_the_file_left_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Noted before the evicted file was moved, an ``exists`` in between found it still there
+    and trusted it after it was gone (an exists-only instance: vLLM's scheduler side)."""
+    blobs = Blobs()
+    size = len(OBJECT_MAGIC) + 100
+    writer = FileBackend("l3", FileConfig(path=tmp_path, capacity_bytes=size, fanout_chars=0))
+    writer.set_read_verification(True)
+    writer.open()
+    asker = FileBackend("l3", FileConfig(path=tmp_path, fanout_chars=0, exists_recheck_s=3600))
+    asker.open()
+    assert writer.put([blobs.obj("x", b"X" * 100)]) == [True]
+    asked: list[list[bool]] = []
+    move = file_index.move_for_rewrite
+
+    def asked_meanwhile(*args: object) -> int | None:
+        asked.append(asker.exists(["x"]))  # while the put is about to move x's file away
+        return move(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(file_index, "move_for_rewrite", asked_meanwhile)
+    assert writer.put([blobs.obj("z", b"Z" * 100)]) == [True]
+    assert asked == [[True]] and writer.recycled_files == 1
+    assert asker.exists(["x", "z"]) == [False, True]
+    for backend in (writer, asker):
+        backend.close()

@@ -3,10 +3,10 @@
 What must hold:
 
 - ``kill -9`` of a replay mid-run (its L3 writer thread busy putting objects): the next process on
-  the same directory serves 0 corrupt pages, refuses no torn object, counts the dead writer's
+  the same directory serves 0 corrupt pages, refuses no torn object, trips on none of the dead writer's
   leftovers and exits 0; the user's file in the directory is untouched. (The deterministic
   mid-``put`` kill of one writer is ``test_storage_file_backend.py::
-  test_kill_minus_9_writer_leaves_temp_that_is_counted_then_swept``.)
+  test_kill_minus_9_writer_leaves_a_temp_file_the_next_open_sweeps``.)
 - two processes writing the same keys at once: both exit 0 with 0 corrupt pages; a third process
   is served from what they stored, bit exact.
 """

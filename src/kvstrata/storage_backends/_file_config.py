@@ -21,7 +21,10 @@ class FileConfig(BackendConfig):
     stale_temp_s: float = Field(
         default=600.0,
         gt=0,
-        description="age after which a temp file of a dead writer is removed at open (younger: counted)",
+        description=(
+            "age after which another host's temp file is a dead writer's, removed at open (younger: "
+            "counted); one of a gone process of this host is removed at once"
+        ),
     )
     recycle_evicted: bool = Field(
         default=True,

@@ -7,33 +7,34 @@ adoption at open and on first touch, and other writers' temp files.
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import hashlib
 import logging
 import os
 import re
+import socket
 import sys
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvstrata.plugins.storage_backend import OBJECT_MAGIC
 from kvstrata.storage_backends._file_config import FileConfig
+from kvstrata.storage_backends._file_recycle import move_for_rewrite
 from kvstrata.storage_backends._file_removals import RemovalsNote
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _TMP_MARK = ".tmp-"
-#: A temp file of this backend: ``.{object name}.tmp-{pid}-{8 hex}-{serial}``.
-_TMP_NAME = re.compile(r"^\.(?P<name>[A-Za-z0-9_.-]{1,200})\.tmp-\d+-[0-9a-f]{8}-\d+$")
+#: A temp file of this backend: ``.{object name}.tmp-{pid}-{host tag}{4 hex}-{serial}``.
+_TMP_NAME = re.compile(
+    r"^\.(?P<name>[A-Za-z0-9_.-]{1,200})\.tmp-(?P<pid>\d+)-(?P<host>[0-9a-f]{4})[0-9a-f]{4}-\d+$"
+)
 _DIGEST_NAME = re.compile(r"^[0-9a-f]{32}$")
 _HEX = frozenset("0123456789abcdef")
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)  # no O_NOATIME: atime seeds the LRU
-_RECYCLE_FLAGS = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)
-#: a recycling put's lock on the evicted file: never while a reader holds its shared one
-_RECYCLE_LOCK = fcntl.LOCK_EX | fcntl.LOCK_NB
 log = logging.getLogger("kvstrata.storage_backends.file")
 
 
@@ -80,9 +81,10 @@ class FileIndex:
         #: ``exists`` answers from it without a syscall; it is also the LRU of the capacity.
         self._index: OrderedDict[str, _Entry] = OrderedDict()
         self._temps: dict[str, int] = {}  # other writers' live temp files: path -> bytes counted
+        self._written = False  # whether this instance ever put: only a writer evicts
         self._used = 0
         self._lock = threading.Lock()
-        self._tmp_prefix = f"{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        self._tmp_prefix = f"{_TMP_MARK}{os.getpid()}-{_host_tag()}{uuid.uuid4().hex[:4]}-"
         #: Abandoned temp files (of writers that died) removed at open or under capacity pressure.
         self.stale_temps_removed = 0
         #: Evicted objects whose file could not be removed (they stay on disk, out of the index).
@@ -167,8 +169,11 @@ class FileIndex:
                     self._used += size
 
     def _temp_found(self, path: str, size: int, age_s: float) -> None:
-        """Another writer's temp file: removed when stale (its writer died), else counted."""
-        if age_s > self.config.stale_temp_s:
+        """Another writer's temp file: removed when stale (older than ``stale_temp_s``, or its
+        writer was a process of this host that is gone), else counted. Counted for
+        ``stale_temp_s`` whatever, a burst of crashes left a restarted process evicting nearly
+        everything on each put for 10 minutes."""
+        if age_s > self.config.stale_temp_s or _writer_gone(path.rpartition("/")[2]):
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -244,10 +249,19 @@ class FileIndex:
         """Index an object another process wrote at a key's path, once its magic proves it ours."""
         if not _has_magic(f"{directory}/{name}", fd):
             return
+        capacity = self.config.capacity_bytes
         with self._lock:
             if name not in self._index:
                 self._index[name] = _Entry(directory, size, time.monotonic())
                 self._used += size
+            # an instance that never writes never evicts: past the capacity it forgets its least
+            # recently used entries (their files stay), or its index grew with every object it
+            # ever found (vLLM's scheduler side: ~290 bytes per block, while the directory stayed
+            # at capacity); a writer trims by evicting at its next put
+            while (
+                not self._written and capacity is not None and self._used > capacity and len(self._index) > 1
+            ):
+                self._used -= self._index.popitem(last=False)[1].size
 
     def _forget(self, name: str) -> None:
         with self._lock:
@@ -277,6 +291,7 @@ class FileIndex:
         freshly allocated page-cache memory ran at 0.1-0.3 GiB/s here, into a recycled file's
         pages at 1-1.8 GiB/s."""
         capacity = self.config.capacity_bytes
+        self._written = True
         if capacity is None:
             with self._lock:
                 self._used += nbytes
@@ -299,7 +314,7 @@ class FileIndex:
             self._used += nbytes  # reserved; corrected by _release on failure
         for path in victims:
             self._unlink_victim(path)
-        if victims or recycled is not None:
+        if victims:  # a recycled file leaves its name later (``_recycle``), and notes it then
             self._removals.note()
         return True, recycled
 
@@ -317,23 +332,18 @@ class FileIndex:
                 self.unlink_failures += 1
             log.warning("file backend %r: cannot remove evicted object %s: %s", self.instance, path, exc)
 
-    def _lock_for_recycling(self, path: str) -> int | None:
-        """A write descriptor on the evicted file ``path`` holding its exclusive ``flock``, or
-        None: gone, a reader holds it (here or in another process), or the file system has no
-        ``flock`` (then nothing is recycled there)."""
-        name = path.rpartition("/")[2]
-        with self._lock:  # a read that started here after the eviction chose this file
-            if name in self._reading:
-                return None
-        try:
-            fd = os.open(path, _RECYCLE_FLAGS)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(fd, _RECYCLE_LOCK)
-        except OSError:
-            os.close(fd)
-            return None
+    def _recycle(self, path: str, tmp: str, nbytes: int, make_directory: Callable[[str], None]) -> int | None:
+        """``move_for_rewrite`` of the evicted file ``path``, unless a read here chose it after the
+        eviction (then it is unlinked); either way its object has left its name: noted now."""
+        with self._lock:
+            reading = path.rpartition("/")[2] in self._reading
+        if reading:
+            fd = None
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        else:
+            fd = move_for_rewrite(path, tmp, nbytes, make_directory)
+        self._removals.note()
         return fd
 
     def _release(self, nbytes: int) -> None:
@@ -346,3 +356,24 @@ class FileIndex:
         return self._used
 
     # --- I/O ----------------------------------------------------------------------------------
+
+
+def _host_tag() -> str:
+    """4 hex digits of this host's name in each temp file's name: a writer's pid says whether
+    it is alive only on its own host."""
+    return hashlib.blake2b(socket.gethostname().encode(), digest_size=2).hexdigest()
+
+
+def _writer_gone(temp_name: str) -> bool:
+    """Whether the temp file ``temp_name`` is a dead writer's: one of this host's pids that no
+    process has now (another user's live process answers ``PermissionError``: alive)."""
+    match = _TMP_NAME.match(temp_name)
+    if match is None or match["host"] != _host_tag() or int(match["pid"]) == os.getpid():
+        return False
+    try:
+        os.kill(int(match["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False

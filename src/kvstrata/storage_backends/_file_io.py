@@ -227,7 +227,7 @@ class FileIO(FileIndex):
             return False
         tmp = f"{directory}/.{name}{self._tmp_prefix}{next(self._tmp_serial)}"
         try:
-            fd = self._open_temp(tmp, directory, recycled)
+            fd = self._open_temp(tmp, directory, recycled, nbytes)
             try:
                 _write_all(fd, object_views(obj))
                 if self.config.fsync:
@@ -243,30 +243,17 @@ class FileIO(FileIndex):
         self._stored(directory, name, nbytes)
         return True
 
-    def _open_temp(self, tmp: str, directory: str, recycled: str | None) -> int:
-        """A write descriptor on the new temp file ``tmp``: the ``recycled`` evicted file renamed
-        there (same size: the write covers every byte), else a file created. A file is recycled
+    def _open_temp(self, tmp: str, directory: str, recycled: str | None, nbytes: int) -> int:
+        """A write descriptor on the new temp file ``tmp``: the ``recycled`` evicted file moved
+        there (``_recycle``: the write covers every byte), else a file created. A file is rewritten
         only under an exclusive ``flock``, held until the caller closes the descriptor: an
         unverified reader (any process) holds a shared one, so a file it reads is unlinked
         instead, and it cannot start reading one being rewritten."""
         if recycled is not None:
-            fd = self._lock_for_recycling(recycled)
+            fd = self._recycle(recycled, tmp, nbytes, self._make_directory)
             if fd is not None:
-                for attempt in range(2):
-                    try:
-                        os.rename(recycled, tmp)
-                    except FileNotFoundError:  # no fan-out directory yet, or removed by another process
-                        if attempt or os.path.isdir(directory):
-                            break
-                        self._make_directory(directory)
-                        continue
-                    except OSError:
-                        break
-                    self.recycled_files += 1  # += is not atomic across threads: a statistic only
-                    return fd
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(recycled)
+                self.recycled_files += 1  # += is not atomic across threads: a statistic only
+                return fd
         try:
             return os.open(tmp, _CREATE_FLAGS, 0o644)
         except FileNotFoundError:  # first object of this fan-out directory

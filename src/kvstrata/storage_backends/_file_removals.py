@@ -58,15 +58,19 @@ class RemovalsNote:
         except OSError:
             return
         try:
+            before = os.fstat(fd)
             os.write(fd, b".")
-            info = os.fstat(fd)
-            if info.st_size > _LIMIT:
+            after = os.fstat(fd)
+            if after.st_size > _LIMIT:
                 os.ftruncate(fd, 0)
-                info = os.fstat(fd)
-            stamp = _stamp(info)
+                after = os.fstat(fd)
         except OSError:
             return
         finally:
             os.close(fd)
         with self._lock:
-            self._seen = stamp
+            # the note as this instance last saw it (or as it just created it) plus its own byte:
+            # seen; else others noted removals since, which the next ``trusted_since`` must notice
+            seen = self._seen == _stamp(before) or (self._seen is None and before.st_size == 0)
+            if seen and after.st_size == before.st_size + 1:
+                self._seen = _stamp(after)

@@ -6,7 +6,7 @@ key's BLAKE2b digest (spreads objects over 256 sub-directories by default). Keys
 
 Safety with several processes sharing the directory:
 
-* writes are two-phase: a temp file ``.{name}.tmp-{pid}-{token}-{serial}`` in the same
+* writes are two-phase: a temp file ``.{name}.tmp-{pid}-{host tag}{token}-{serial}`` in the same
   sub-directory is written with ``os.writev`` straight from the object's regions, optionally
   ``fsync``-ed, then ``os.replace``-d onto the final name (and, with ``fsync``, the directory is
   fsync-ed too), so a reader sees a complete object or none;
@@ -29,9 +29,11 @@ wrote after open is found (and adopted), never hidden. An entry seen longer ago 
 disk again, since another process's eviction may have removed it.
 
 Capacity: ``capacity_bytes`` bounds what this process keeps, evicting in the index's LRU order
-(updated on every hit, put and exists). Temp files of writers that died (kill -9, power loss) are removed at
-open once older than ``stale_temp_s``; younger ones (a writer may be alive) count against the
-capacity until they vanish or grow stale.
+(updated on every hit, put and exists); an instance that never puts (vLLM's scheduler side)
+forgets its least recently used entries past it. Temp files of writers that died (kill -9, power
+loss) are removed at open when their writer was a process of this host that is gone, or once
+older than ``stale_temp_s``; younger ones (a writer may be alive) count against the capacity
+until they vanish or grow stale.
 
 The parts: ``_file_config.py`` (the config model), ``_file_index.py`` (the index, adoption,
 temp files, capacity), ``_file_io.py`` (the data path); this module is the plugin contract.
