@@ -103,22 +103,37 @@ class TierUnits:
         got = self.try_alloc(tier, needs, arrays=arrays)
         if got is not None:
             return got
-        shortfall = {}
-        for pool, count in needs.items():
-            allocator = self.allocator(pool, tier)
-            available = allocator.available if allocator is not None else 0
-            if count > available:
-                shortfall[pool] = count - available
         if tier is Tier.DEVICE:
+            shortfall = self._shortfall(tier, needs)
             if self.before_device_eviction is not None:
                 self.before_device_eviction(shortfall)
             result = self.tree.evict_device(
                 shortfall, self.freer(Tier.DEVICE), delete_unbacked=self.delete_unbacked
             )
         else:
-            result = self.tree.evict_host(shortfall, self.freer(Tier.HOST))
+            result = self.tree.evict_host(self._shortfall(tier, needs), self.freer(Tier.HOST))
         self._observe(tier, result)
-        return self.try_alloc(tier, needs, arrays=arrays)
+        got = self.try_alloc(tier, needs, arrays=arrays)
+        if got is None and tier is Tier.DEVICE and not self.delete_unbacked:
+            # write-back could not back up enough: a host tier smaller than a node, disabled, or
+            # full of what it cannot drop. Dropping unbacked cache data beats refusing every
+            # request from now on (the device tier filled with pages that could never leave)
+            result = self.tree.evict_device(
+                self._shortfall(tier, needs), self.freer(Tier.DEVICE), delete_unbacked=True
+            )
+            self._observe(tier, result)
+            got = self.try_alloc(tier, needs, arrays=arrays)
+        return got
+
+    def _shortfall(self, tier: Tier, needs: Mapping[str, int]) -> dict[str, int]:
+        """What ``needs`` wants beyond the free units of each pool of ``tier``."""
+        shortfall = {}
+        for pool, count in needs.items():
+            allocator = self.allocator(pool, tier)
+            available = allocator.available if allocator is not None else 0
+            if count > available:
+                shortfall[pool] = count - available
+        return shortfall
 
     @contextlib.contextmanager
     def keeping_copies(self) -> Iterator[None]:
