@@ -170,9 +170,9 @@ class FileIndex:
 
     def _temp_found(self, path: str, size: int, age_s: float) -> None:
         """Another writer's temp file: removed when stale (older than ``stale_temp_s``, or its
-        writer was a process of this host that is gone), else counted. Counted for
-        ``stale_temp_s`` whatever, a burst of crashes left a restarted process evicting nearly
-        everything on each put for 10 minutes."""
+        writer was a process of this host that is gone), else counted. Counted whatever its pid
+        said, a burst of crashes left a restarted process evicting nearly everything on each put
+        for ``stale_temp_s`` (10 minutes)."""
         if age_s > self.config.stale_temp_s or _writer_gone(path.rpartition("/")[2]):
             try:
                 os.unlink(path)
