@@ -84,7 +84,8 @@ class FileIndex:
         self._written = False  # whether this instance ever put: only a writer evicts
         self._used = 0
         self._lock = threading.Lock()
-        self._tmp_prefix = f"{_TMP_MARK}{os.getpid()}-{_host_tag()}{uuid.uuid4().hex[:4]}-"
+        self._host = _host_tag()  # in each temp name: says whose pids this host can check
+        self._tmp_prefix = f"{_TMP_MARK}{os.getpid()}-{self._host}{uuid.uuid4().hex[:4]}-"
         #: Abandoned temp files (of writers that died) removed at open or under capacity pressure.
         self.stale_temps_removed = 0
         #: Evicted objects whose file could not be removed (they stay on disk, out of the index).
@@ -173,7 +174,7 @@ class FileIndex:
         writer was a process of this host that is gone), else counted. Counted whatever its pid
         said, a burst of crashes left a restarted process evicting nearly everything on each put
         for ``stale_temp_s`` (10 minutes)."""
-        if age_s > self.config.stale_temp_s or _writer_gone(path.rpartition("/")[2]):
+        if age_s > self.config.stale_temp_s or _writer_gone(path.rpartition("/")[2], self._host):
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -364,11 +365,11 @@ def _host_tag() -> str:
     return hashlib.blake2b(socket.gethostname().encode(), digest_size=2).hexdigest()
 
 
-def _writer_gone(temp_name: str) -> bool:
+def _writer_gone(temp_name: str, host: str) -> bool:
     """Whether the temp file ``temp_name`` is a dead writer's: one of this host's pids that no
     process has now (another user's live process answers ``PermissionError``: alive)."""
     match = _TMP_NAME.match(temp_name)
-    if match is None or match["host"] != _host_tag() or int(match["pid"]) == os.getpid():
+    if match is None or match["host"] != host or int(match["pid"]) == os.getpid():
         return False
     try:
         os.kill(int(match["pid"]), 0)
