@@ -71,6 +71,43 @@ def test_a_damaged_middle_object_truncates_the_restore_at_the_last_verified_end(
             cold.release(lease)
 
 
+@pytest.mark.parametrize("stack", ["kv", "swa-mamba"])
+def test_an_object_evicted_between_the_existence_answer_and_the_read_is_counted_as_gone(
+    stack: str, tmp_path: Path
+) -> None:
+    """Another process's capacity eviction between L3's "present" and the read: a plain miss
+    (correct bytes, a shorter restore), counted as ``object_gone``, not as damage."""
+    whole = tokens(34, 8)
+    with open_cache(stack, tmp_path) as writer:
+        serve(writer, whole[: 3 * 64])
+        lease, _ = serve(writer, whole)
+        writer.flush()
+        hashes = lease.page_hashes
+    with open_cache(stack, tmp_path, WAIT) as cold:
+        assert cold.prefetcher is not None and cold.engine is not None
+        exists = cold.prefetcher.engine.exists
+        gone = [
+            key
+            for pool in _all_pages_pools(cold)
+            for keys in cold.engine.object_keys(pool, [hashes[5]])
+            for key in keys
+        ]
+
+        def exists_then_evict(*args, **kwargs):  # L3 answers, then the objects leave it
+            answer = exists(*args, **kwargs)
+            for key in gone:
+                cold.backend.path_for(key).unlink(missing_ok=True)  # type: ignore[union-attr]
+            return answer
+
+        cold.prefetcher.engine.exists = exists_then_evict  # type: ignore[method-assign]
+        lease = cold.lookup(whole)
+        cold.admit(lease)
+        assert 0 < lease.cached_pages < 8 and verify(cold, lease) == 0
+        assert lease.skipped == {SkipReason.OBJECT_GONE: 8 - lease.cached_pages}
+        assert cold.metrics.snapshot()["skipped_pages"]["damaged_object"] == 0
+        cold.release(lease)
+
+
 def _compute_device_only(cache: CacheController, request) -> None:
     """Serve ``request`` computing every page (no L3 read): it lands on the device only."""
     lease = cache.lookup(request, prefetch="off")

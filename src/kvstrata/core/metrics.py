@@ -80,6 +80,7 @@ class SkipReason(StrEnum):
     TIMEOUT = "timeout"  # the read had not finished at admit (timeout / best_effort policies)
     HOST_FULL = "host_full"  # no room in the host tier even after eviction
     DAMAGED_OBJECT = "damaged_object"  # an object failed verification or could not be read
+    OBJECT_GONE = "object_gone"  # an object L3 said it held was gone at the read (evicted meanwhile)
     LAYOUT_MISMATCH = "layout_mismatch"  # an object of another layout / format under our key
     INCOMPLETE_STACK = "incomplete_stack"  # a pool of the stack lacks objects (window, state, sidecar)
     RANK_DISAGREEMENT = "rank_disagreement"  # another rank holds less

@@ -32,6 +32,8 @@ class PrefetchOp:
     read_end: int = 0  # pages the worker tried to read (window/state objects sit at its end)
     blocking: bool = False  # admit waits for it whatever the end policy
     foreign: int = 0  # objects the reads refused as another layout / format (not damage)
+    #: a read refused an object as damaged or failed: a short read is damage, not an eviction
+    damaged: bool = False
     #: prefix ends where every state pool has an object (from the existence query)
     checkpoints: list[int] = field(default_factory=list)
     #: anchor pages found but not usable, by reason (filled by the worker)

@@ -245,6 +245,7 @@ class Prefetcher:
         for name, result in results.items():
             count_failure(self.metrics, result)
             op.foreign += result.foreign
+            op.damaged |= bool(result.rejected or result.failed or result.error is not None)
             nbytes += sum(result.ok) * self.pools.pools[name].spec.bytes_per_unit
             tp = self.layout.owner(name)
             have = longest_present_prefix(result.ok)
@@ -278,8 +279,12 @@ class Prefetcher:
             target = 0
         if target < end and not _can_truncate(self.pools, self.layout):
             target = 0
-        # objects of another layout under our keys are a layout change, not damage
-        reason = SkipReason.LAYOUT_MISMATCH if op.foreign else SkipReason.DAMAGED_OBJECT
+        # objects of another layout under our keys are a layout change, not damage; objects
+        # that were simply gone at the read were evicted (or removed) after the existence answer
+        if op.foreign:
+            reason = SkipReason.LAYOUT_MISMATCH
+        else:
+            reason = SkipReason.DAMAGED_OBJECT if op.damaged else SkipReason.OBJECT_GONE
         _lose(op, reason, end - target)
         return target
 

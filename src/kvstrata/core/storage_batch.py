@@ -250,7 +250,8 @@ def on_subset(
     ok = [False] * len(batch.page_hashes)
     for position, index in enumerate(keep):
         ok[index] = sub.ok[position]
-    return BatchResult(ok, sub.error, sub.skipped, sub.failed, sub.foreign)
+    rejected = tuple(keep[position] for position in sub.rejected)
+    return BatchResult(ok, sub.error, sub.skipped, sub.failed, sub.foreign, rejected)
 
 
 #: the checksum's hasher (:func:`~kvstrata.core.integrity.prefixed_checksum`), read once
