@@ -129,3 +129,24 @@ def host_units_in_use(cache: CacheController) -> dict[str, int]:
 
 def host_units_held_by_tree(cache: CacheController) -> dict[str, int]:
     return {name: cache.tree.units(name, "host") for name in cache.tree_pools}
+
+
+def device_accounting(cache: CacheController, open_leases: list[Lease]) -> None:
+    """Every device unit in use is the tree's or pending in an open lease: none leaked."""
+    for name in cache.tree_pools:
+        allocated = sum(len(lease.pending.get(name, ())) for lease in open_leases)
+        used = cache.pools.pools[name].device_allocator.used
+        assert used == cache.tree.units(name, "device") + allocated, f"device units of {name!r} leaked"
+
+
+def holds_page(cache: CacheController, pool: str, units: torch.Tensor, page_hash: str) -> bool:
+    """Whether every unit in ``units`` of ``pool`` holds the bytes ``fill`` writes for the page
+    ``page_hash`` (a state slot: the state after that page)."""
+    spec = cache.pools.pools[pool]
+    ids = _ids([page_hash] * len(units))
+    for buffer in spec.spec.buffers:
+        view = spec.device.unit_view(buffer.name)
+        expected = _content(pool, buffer.name, ids, view.shape[1], view.shape[2])
+        if not torch.equal(view[units.to(view.device)].cpu(), expected):
+            return False
+    return True

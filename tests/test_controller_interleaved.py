@@ -9,15 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from controller_support import fill, host_units_held_by_tree, host_units_in_use, open_cache, tokens, verify
-from kvstrata.core.controller import CacheController, CacheFullError, Lease
-
-
-def device_accounting(cache: CacheController, open_leases: list[Lease]) -> None:
-    for name in cache.tree_pools:
-        allocated = sum(len(lease.pending.get(name, ())) for lease in open_leases)
-        used = cache.pools.pools[name].device_allocator.used
-        assert used == cache.tree.units(name, "device") + allocated, f"device units of {name!r} leaked"
+from controller_support import (
+    device_accounting,
+    fill,
+    host_units_held_by_tree,
+    host_units_in_use,
+    open_cache,
+    tokens,
+    verify,
+)
+from kvstrata.core.controller import CacheFullError, Lease
 
 
 @pytest.mark.parametrize("stack", ["kv", "swa-mamba", "mla-nsa-draft", "logical-swa"])
