@@ -190,6 +190,7 @@ API_FIELDS = {
     "model name (the weights' identity)": ["model.name=other"],
     "tp size": ["parallel.tp_size=2"],
     "tp rank": ["parallel.tp_size=2", "parallel.tp_rank=1"],
+    "sliding window": ["model.pools.swa.window=64"],  # (on the swa stack: kv has no window)
 }
 
 
@@ -205,13 +206,14 @@ def test_api_a_deployment_differing_in_one_field_neither_reads_nor_removes_the_o
     wait = "policy.prefetch.policy=wait_complete"
     first_settings = [wait, "parallel.tp_size=2"] if field == "tp rank" else [wait]
     alone = LocalCollective()  # one rank of two, on purpose: it reads only its own shards
-    with open_cache("kv", tmp_path, first_settings, collective=alone) as first:
+    stack = "swa" if field == "sliding window" else "kv"
+    with open_cache(stack, tmp_path, first_settings, collective=alone) as first:
         serve(first, request)
-    with open_cache("kv", tmp_path, [wait, *API_FIELDS[field]], collective=alone) as second:
+    with open_cache(stack, tmp_path, [wait, *API_FIELDS[field]], collective=alone) as second:
         lease, bad = serve(second, request)
         assert (lease.cached_pages, bad) == (0, 0)
         assert second.parts.engine is not None and second.parts.engine.metrics.foreign_objects == 0
         _nothing_left_open(second)
-    with open_cache("kv", tmp_path, first_settings, collective=alone) as again:
+    with open_cache(stack, tmp_path, first_settings, collective=alone) as again:
         lease, bad = serve(again, request)
         assert (lease.cached_pages, lease.hit_pages["storage"], bad) == (4, 4, 0)

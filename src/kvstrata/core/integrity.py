@@ -135,6 +135,8 @@ def layout_fingerprint(spec: PoolSpec, suffix: str) -> bytes:
         # which model layers the pool's layers hold: layers 4..7 are not the state of 0..3. Named
         # only where they are not the default numbering, so every earlier fingerprint stays
         description["layer_ids"] = list(spec.layer_ids)
+    if spec.fingerprint_extra:  # (named only where a pool declares some: other keys stay)
+        description["extra"] = [list(fact) for fact in sorted(spec.fingerprint_extra)]
     text = json.dumps(description, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(text, digest_size=16, person=b"kvstrata-fp-v1").digest()
 

@@ -236,6 +236,10 @@ class PoolSpec(BaseModel):
     #: model layer id of each pool layer (pool layer i holds model layer ``layer_ids[i]``);
     #: None: the pool's layers are the model layers 0..layers-1
     layer_ids: Annotated[tuple[int, ...] | None, AfterValidator(check_layer_ids)] = None
+    #: facts beyond the buffers' shapes that decide what the bytes hold, as (name, value) pairs (a
+    #: sliding window: another window computes other K/V from the same tokens). They go into the
+    #: layout fingerprint, so an object stored under other facts is never this pool's hit.
+    fingerprint_extra: tuple[tuple[str, int | str], ...] = ()
 
     @model_validator(mode="after")
     def _consistent(self) -> PoolSpec:

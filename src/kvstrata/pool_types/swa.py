@@ -55,6 +55,7 @@ class SWAPoolType(PoolType):
             layouts=(Layout.LAYER_FIRST, Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT),
             eviction_priority=1,
             layer_ids=self.config.layer_ids,
+            fingerprint_extra=(("window_tokens", self.config.window),),
         )
 
     @property
