@@ -26,6 +26,7 @@ import torch
 
 from kvstrata.core.admission import make_admission
 from kvstrata.core.backup_plan import Units, backup_candidates, device_units, joined, unit_counts
+from kvstrata.core.component_backup import copy_components, only_pools
 from kvstrata.core.l3_values import (
     PageHashes,
     PerPool,
@@ -35,7 +36,7 @@ from kvstrata.core.l3_values import (
 )
 from kvstrata.core.metrics import CacheMetrics, Operation, count_failure
 from kvstrata.core.part_context import PartContext
-from kvstrata.core.stack import pool_batch, unit_bytes
+from kvstrata.core.stack import PoolKind, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.storage_metrics import StorageOperation
 from kvstrata.core.tree import MatchResult, PageKey, Tier, TreeNode, tree_path
@@ -415,16 +416,35 @@ def _back_up_chain(writer: Writer, chain: OpenChain) -> None:
     path = tree_path(writer.tree, chain.node, chain.since)
     writer.host_admission.seen(path)
     writer.storage_admission.seen(path)
+    # nodes on the path that were on the host before this insert (split by it, where it left a
+    # checkpoint or diverged): a backup carries every component, these may lack the new ones
+    earlier = [node for node in path if node.host_raw[0] is not None]
     writer.back_up(path, hashes=chain.hashes, admit=True)
+    if earlier:
+        _back_up_components(writer, earlier, chain.hashes)
+    if writer.engine is None or not writer.layout.windowed:
+        return
+    # a prefix end that was inside a node when that node went to L3 gets its last window there:
+    # the cached prefix this insert starts from, and the ends of those earlier nodes
     since = chain.since
-    if (
-        since is not None
-        and since.depth_end == chain.cached
-        and writer.engine is not None
-        and since not in writer.window_ends
-        and since not in writer._refused  # storage admission refused the prefix: its own write carries it
-    ):
-        writer._submit([since], trailing_windows(writer.tree, writer.layout, since, chain.hashes), [since])
+    ends = [since] if since is not None and since.depth_end == chain.cached else []
+    for end in ends + earlier:
+        # (storage admission refused the prefix: its own write carries it)
+        if end not in writer.window_ends and end not in writer._refused:
+            writer._submit([end], trailing_windows(writer.tree, writer.layout, end, chain.hashes), [end])
+
+
+def _back_up_components(writer: Writer, nodes: Sequence[TreeNode], hashes: PageHashes) -> None:
+    """Host copies and the L3 write of the components ``nodes`` gained after their backup."""
+    copied, names = copy_components(writer.context, nodes)
+    copied = [node for node in copied if node not in writer._refused]  # storage admission's call
+    if writer.engine is None or not copied:
+        return
+    per_pool, ends = host_values_per_pool(
+        writer.tree, writer.layout, writer.namespace_root, copied, hashes(), writer.window_ends
+    )
+    windows = any(writer.layout.tree_pools[name].kind is PoolKind.WINDOW for name in names)
+    writer._submit(copied, only_pools(per_pool, writer.layout, names), ends if windows else ())
 
 
 def _checked_put(

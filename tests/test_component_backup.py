@@ -1,0 +1,59 @@
+"""A component that joins a node after its backup reaches the host tier and L3 too.
+
+Backups are decided on a node's anchor. Request B sharing the first pages of request A's node
+splits it where B's chunk ends and leaves its state checkpoint there, in a node whose pages went
+to the host with A: the checkpoint stayed on the device only, and a prefix ending there was
+lost to the host tier and to L3 once it left (audit 29). Every restored byte is checked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from controller_support import fill, host_units_held_by_tree, host_units_in_use, open_cache, tokens, verify
+
+PAGE = 64
+WAIT = ["policy.prefetch.policy=wait_complete"]
+DIGESTS = ["debug.unit_digests=true"]
+
+
+def _serve_in_two_chunks(cache, request: torch.Tensor, first_pages: int) -> None:
+    """B's engine loop: a first chunk of ``first_pages`` (it checkpoints there), then the rest."""
+    lease = cache.lookup(request[: first_pages * PAGE])
+    cache.admit(lease)
+    assert verify(cache, lease) == 0
+    for last in (False, True):
+        units = cache.allocate(lease)
+        cache.fork_state(lease)
+        fill(cache, lease, units)
+        cache.insert(lease, close=last)
+        if not last:
+            lease.extend(request[first_pages * PAGE :])
+
+
+@pytest.mark.parametrize("digests", [False, True], ids=["", "unit_digests"])
+@pytest.mark.parametrize("stack", ["hybrid-mamba", "swa-mamba"])
+def test_a_checkpoint_left_in_a_backed_up_node_is_restored_from_the_host_and_from_l3(
+    stack: str, digests: bool, tmp_path: Path
+) -> None:
+    a = tokens(71, 6)
+    b = torch.cat([a[: 3 * PAGE], tokens(72, 3)])
+    with open_cache(stack, tmp_path, WAIT + DIGESTS * digests) as cache:
+        _serve_in_two_chunks(cache, a, 6)  # one node: pages [0, 6), A's only checkpoint at 6
+        _serve_in_two_chunks(cache, b, 3)  # splits it at 3 and checkpoints there
+        cache.flush()
+        shared = cache.tree.match(cache.tree.keys_of(a[: 3 * PAGE]), count_hit=False).path[-1]
+        state = cache.tree.index["mamba"]
+        assert shared.host_raw[state] is not None, "the checkpoint B left has a host copy"
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+        if digests:  # every stage's bytes checked against the commit's, the new copy's too
+            assert cache.writer.digests is not None and cache.writer.digests.mismatches == []
+    with open_cache(stack, tmp_path, WAIT) as cold:  # a new process: L3 only
+        lease = cold.lookup(torch.cat([a[: 3 * PAGE], tokens(73, 2)]))
+        cold.admit(lease)
+        assert (lease.cached_pages, lease.hit_pages["storage"]) == (3, 3), lease.skipped
+        assert verify(cold, lease) == 0
+        cold.release(lease)
