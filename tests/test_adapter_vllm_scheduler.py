@@ -92,7 +92,8 @@ class Engine:
         self.block_ids[rid] = list(range(1, BLOCKS))  # block 0 is vLLM's null block
         return SimpleNamespace(
             request_id=rid, all_token_ids=list(tokens), num_tokens=len(tokens), num_computed_tokens=0,
-            cache_salt=None, lora_request=None, mm_features=[], prompt_embeds=None, **fields,
+            num_prompt_tokens=len(tokens), cache_salt=None, lora_request=None, mm_features=[],
+            prompt_embeds=None, **fields,
         )  # fmt: skip
 
     def step(self, scheduled: dict[str, int]) -> Any:
@@ -317,7 +318,8 @@ def test_a_model_of_state_groups_only_is_offered_only_stored_checkpoints(tmp_pat
         scheduler = SchedulerSide(storage.engine, layout, identity_of(layout, ParallelConfig()))
         request = SimpleNamespace(
             request_id="r", all_token_ids=list(range(1, 3 * BS + 5)), num_tokens=3 * BS + 4,
-            num_computed_tokens=0, cache_salt=None, lora_request=None, mm_features=[], prompt_embeds=None,
+            num_computed_tokens=0, num_prompt_tokens=3 * BS + 4, cache_salt=None, lora_request=None,
+            mm_features=[], prompt_embeds=None,
         )  # fmt: skip
         assert scheduler.matched_tokens(request, 0) == (0, False)
     finally:
@@ -380,3 +382,61 @@ def test_a_failed_load_names_removed_only_the_blocks_l3_no_longer_serves(engines
     assert engine.worker.take_removed_ranges() == expected
     assert engine.worker.take_removed_ranges() == []
     assert engine.engine.exists(anchor, hashes).ok == [True, fault != "block_1_damaged", True]
+
+
+def test_a_hybrid_models_state_is_saved_where_a_prefill_step_ends_never_where_a_decode_step_does(
+    tmp_path: Path,
+) -> None:
+    """vLLM keeps Mamba/GDN checkpoints of the prompt only, and a decode kernel's state differs in
+    its low bits from a prefill's of the same tokens (audit 29: a next turn served the decode-time
+    state and its output left vLLM's own). The attention blocks a decode completes are saved, the
+    state at their end is not: a lookup stops at the prefill's last checkpoint."""
+    attention = FullAttentionSpec(
+        block_size=BS, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype="bfloat16",
+        real_page_size_bytes=2 * BS * HEADS * HEAD_DIM * 2,
+    )  # fmt: skip
+    mamba = MambaSpec(
+        block_size=BS, shapes=((3, 50),), dtypes=("int8",), mamba_cache_mode="align", real_page_size_bytes=150
+    )
+    kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=attention, layer_names=["layers.0.self_attn"]),
+            SimpleNamespace(kv_cache_spec=mamba, layer_names=["layers.1.mixer"]),
+        ],
+        prefix_cacheable_group_ids=(0, 1),
+        kv_cache_layout=None,
+        num_blocks=BLOCKS,
+    )
+    layout = build_layout(_layout_config(), kv_cache_config, model_name="m", weights="w")
+    config = load([REPO / "tests" / "stacks" / "kv.yaml"], overrides=[f"tiers.storage.l3.path={tmp_path}"])
+    storage = EngineStorage(identity_of(layout, ParallelConfig()), "l3", config.tiers.storage["l3"])
+    try:
+        for group in layout.groups:
+            assert storage.add_pool(group.pool, group.spec).enabled
+        scheduler = SchedulerSide(storage.engine, layout, identity_of(layout, ParallelConfig()))
+        ids = list(range(1, BLOCKS))
+        scheduler.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (ids, ids))
+        prompt = list(range(1, 2 * BS + 1))  # the prefill ends on block 1's boundary
+        request = SimpleNamespace(
+            request_id="r", all_token_ids=list(prompt), num_tokens=len(prompt), num_computed_tokens=0,
+            num_prompt_tokens=len(prompt), cache_salt=None, lora_request=None, mm_features=[],
+            prompt_embeds=None,
+        )  # fmt: skip
+        assert scheduler.matched_tokens(request, 0) == (0, False)
+        saved: dict[int, list[str]] = {group.group_id: [] for group in layout.groups}
+        scheduled = len(prompt)
+        for token in range(BS + 1):  # decode through block 2's boundary (a decode step ends there)
+            plan = scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={"r": scheduled}))
+            for transfer in plan.saves:
+                saved[transfer.group_id] += transfer.hashes
+            request.num_computed_tokens += scheduled
+            request.all_token_ids.append(5000 + token)
+            request.num_tokens = len(request.all_token_ids)
+            scheduled = 1
+        hashes = scheduler._hashes(scheduler.requests["r"], 3)
+        state = next(group.group_id for group in layout.groups if group.kind == "state")
+        full = next(group.group_id for group in layout.groups if group.kind == "full")
+        assert saved[full] == hashes[:3], "every completed attention block, the decoded one too"
+        assert saved[state] == [hashes[1]], "the prefill's checkpoint only"
+    finally:
+        storage.close()
