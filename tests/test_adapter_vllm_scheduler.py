@@ -10,6 +10,7 @@ vLLM accepts beyond what was found, and requests whose KV depends on more than t
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ from kvstrata.adapters._vllm_layout import StoreLayout, build_layout, identity_o
 from kvstrata.adapters._vllm_scheduler import SchedulerSide
 from kvstrata.adapters._vllm_worker import WorkerSide
 from kvstrata.core.config import load
+from kvstrata.core.storage_batch import BatchResult
 from kvstrata.engine_kit import ParallelConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -440,3 +442,37 @@ def test_a_hybrid_models_state_is_saved_where_a_prefill_step_ends_never_where_a_
         assert saved[state] == [hashes[1]], "the prefill's checkpoint only"
     finally:
         storage.close()
+
+
+def test_a_store_that_cannot_take_saves_says_why_at_start_and_at_the_first_failed_save(
+    engines: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An L3 directory that cannot be written was accepted in silence: every save failed, seen
+    only in ``save_failures`` (audit 29). The engine's start asks the store (``write_problem``,
+    what the connector logs as a warning) and the first failed save logs its reason."""
+    engine = engines()
+    assert engine.storage.write_problem() is None
+    gone = tmp_path / "gone"
+    config = load([REPO / "tests" / "stacks" / "kv.yaml"], overrides=[f"tiers.storage.l3.path={gone}"])
+    storage = EngineStorage(identity_of(engine.layout, ParallelConfig()), "l3", config.tiers.storage["l3"])
+    try:  # the directory replaced by a file after the store opened (root passes permission bits)
+        shutil.rmtree(gone)
+        gone.write_text("not a directory")
+        problem = storage.write_problem()
+        assert problem is not None and str(gone) in problem
+    finally:
+        storage.close()
+
+    real_put = engine.engine.put
+
+    def put(pool: str, keys: list[str], units: Any) -> Any:  # FAULT INJECTION: nothing stored
+        result = real_put(pool, keys, units)
+        return BatchResult([False] * len(result.ok), "disk full (injected)", failed=len(result.ok))
+
+    engine.engine.put = put
+    with caplog.at_level("WARNING", logger="kvstrata"):
+        _decode(engine, engine.request("r", list(range(1, 3 * BS + 5))), 1, async_output=False)
+        _decode(engine, engine.request("s", list(range(100, 3 * BS + 104))), 1, async_output=False)
+    warnings = [record.getMessage() for record in caplog.records if "saving blocks" in record.getMessage()]
+    assert len(warnings) == 1 and "disk full (injected)" in warnings[0]
+    assert engine.worker.stats["save_failures"] == 6

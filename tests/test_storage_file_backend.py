@@ -166,6 +166,28 @@ def test_capacity_lru_eviction_tolerates_vanished_files(tmp_path: Path) -> None:
     backend.close()
 
 
+def test_something_not_a_regular_file_under_an_objects_name_is_no_object(tmp_path: Path) -> None:
+    """A directory (or a link to a device) where an object's file belongs was answered "present"
+    and taken for stored by a put: vLLM was offered the block, failed its load every time, and
+    the put never replaced it (audit 29). It is no object now: absent, and a put stores the
+    object where it can (over the link) or says it could not (a directory stays)."""
+    backend = open_file_backend(tmp_path)
+    data = bytearray(OBJECT_MAGIC + b"payload")
+    backend.path_for("dir").parent.mkdir(parents=True, exist_ok=True)
+    backend.path_for("dir").mkdir()
+    backend.path_for("link").parent.mkdir(parents=True, exist_ok=True)
+    backend.path_for("link").symlink_to("/dev/zero")
+    assert backend.exists(["dir", "link"]) == [False, False]
+    assert backend.put([_raw_object("dir", data), _raw_object("link", data)]) == [False, True]
+    assert backend.exists(["dir", "link"]) == [False, True]
+    out = bytearray(len(data))
+    assert backend.get([_raw_object("link", out)]) == [len(data)] and out == data
+    backend.close()
+    fresh = open_file_backend(tmp_path)  # another process: its own stat, no index entry
+    assert fresh.exists(["dir", "link"]) == [False, True]
+    fresh.close()
+
+
 def test_existing_key_not_rewritten_and_temp_files_ignored(tmp_path: Path) -> None:
     backend = open_file_backend(tmp_path)
     first, other = bytearray(OBJECT_MAGIC + b"first"), bytearray(OBJECT_MAGIC + b"other")

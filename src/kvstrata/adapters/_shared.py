@@ -300,6 +300,15 @@ class EngineStorage:
                     self._keep_alive.append(owner)
         return plan
 
+    def write_problem(self) -> str | None:
+        """Why the store cannot take a write now (a read-only or missing directory, an
+        unreachable master: the backend's ``probe``), or None. Asked once at an engine's start,
+        so a cache that can only fail its saves says so instead of counting failures."""
+        try:
+            return self.backend.probe()
+        except Exception as exc:  # a plugin's probe must not stop the engine
+            return f"its probe raised {type(exc).__name__}: {exc}"
+
     def close(self) -> None:
         """Announce the close to the plugins, close the backend (idempotent)."""
         if self._closed:

@@ -190,6 +190,7 @@ class WorkerSide:
         self.failed_loads: set[str] = set()
         # a failed load is counted once, by the scheduler (vLLM sums the roles' and ranks' stats)
         self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "save_failures": 0}
+        self._save_failure_logged = False  # the first failed save says why; the rest are counted
         #: (hashes, parent hash, token ids) of block ranges whose anchor objects this rank stored:
         #: vLLM's ``BlockStored`` events (kept where every rank stored its shard). vLLM takes them
         #: every step; the oldest go where nothing does (under ``MultiConnector``, which never
@@ -357,6 +358,14 @@ class WorkerSide:
                     staging = self._staged(group.group_id, transfer.block_ids)
                     result = self.engine.put(group.pool, transfer.hashes, self._rows(staging))
                 stored = sum(result.ok)
+                if result.error is not None and not self._save_failure_logged:
+                    self._save_failure_logged = True
+                    log.warning(
+                        "kvstrata: saving blocks of group %d failed: %s (later failures are counted in "
+                        "the connector's save_failures, not logged)",
+                        group.group_id,
+                        result.error,
+                    )
                 if group is self.layout.anchor:
                     anchor_stored.update(h for h, ok in zip(transfer.hashes, result.ok, strict=True) if ok)
                 else:

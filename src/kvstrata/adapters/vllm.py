@@ -240,6 +240,14 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             self._worker = WorkerSide(self._storage.engine, self.layout)
+            problem = self._storage.write_problem() if saves else None
+            if problem is not None:  # else every save fails, seen only in a counter
+                log.warning(
+                    "kvstrata: storage %r cannot store blocks now (%s): saves will fail until it can "
+                    "(counted in save_failures); loads go on",
+                    self._storage.backend.instance,
+                    problem,
+                )
         log.info(
             "kvstrata connector (%s, %s): namespace %s, groups %s",
             role.name,

@@ -4,9 +4,11 @@ spread over the backend's I/O threads, and the ``readv`` / ``writev`` loops unde
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import itertools
 import os
+import stat
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -174,7 +176,7 @@ class FileIO(FileIndex):
                     self._index.move_to_end(name)  # used now; not proven on disk now
             return True
         try:
-            size = os.stat(f"{directory}/{name}").st_size
+            size = _object_size(f"{directory}/{name}")
         except FileNotFoundError:
             if entry is not None:
                 self._forget(name)  # removed by another process
@@ -209,7 +211,7 @@ class FileIO(FileIndex):
         directory, name, entry = self._lookup(obj.key)
         path = f"{directory}/{name}"
         try:
-            size = os.stat(path).st_size
+            size = _object_size(path)
         except FileNotFoundError:
             if entry is not None:
                 self._forget(name)
@@ -397,3 +399,14 @@ def _share(fd: int) -> bool:
 def _batch_bytes(objects: Sequence[StorageObject]) -> int:
     """A batch's bytes as its first object's times its length (a batch's pages are alike)."""
     return len(objects) * sum(region.nbytes for region in objects[0].regions) if objects else 0
+
+
+def _object_size(path: str) -> int:
+    """The size of the object file at ``path``. Something under an object's name that is not a
+    regular file (a directory, a link to a device) holds no object: ``FileNotFoundError``, as
+    for no file, so it is never offered nor taken for a stored object (audit 29: a directory
+    there was offered, failed every load and was never replaced)."""
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise FileNotFoundError(errno.ENOENT, "not a regular file", path)
+    return info.st_size
