@@ -35,18 +35,43 @@ class FullAttentionSpec(SimpleNamespace):
     pass
 
 
-def _layout() -> StoreLayout:
-    spec = FullAttentionSpec(
+def _attention() -> FullAttentionSpec:
+    return FullAttentionSpec(
         block_size=BS, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype="bfloat16",
         real_page_size_bytes=2 * BS * HEADS * HEAD_DIM * 2,
     )  # fmt: skip
+
+
+def _layout(groups: dict[str, Any] | None = None) -> StoreLayout:
+    """The store layout of KV cache groups ``{layer name: spec}`` (default: one attention group)."""
+    groups = groups or {"layers.0.self_attn": _attention()}
     kv_cache_config = SimpleNamespace(
-        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["layers.0.self_attn"])],
-        prefix_cacheable_group_ids=(0,),
+        kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=spec, layer_names=[name]) for name, spec in groups.items()
+        ],
+        prefix_cacheable_group_ids=tuple(range(len(groups))),
         kv_cache_layout=None,
         num_blocks=BLOCKS,
     )
     return build_layout(_layout_config(), kv_cache_config, model_name="m", weights="w")
+
+
+def _storage(layout: StoreLayout, l3: Path) -> EngineStorage:
+    """A file L3 at ``l3`` with a pool per group of ``layout``."""
+    config = load([REPO / "tests" / "stacks" / "kv.yaml"], overrides=[f"tiers.storage.l3.path={l3}"])
+    storage = EngineStorage(identity_of(layout, ParallelConfig()), "l3", config.tiers.storage["l3"])
+    for group in layout.groups:
+        assert storage.add_pool(group.pool, group.spec).enabled
+    return storage
+
+
+def _request(rid: str, tokens: list[int], **fields: Any) -> Any:
+    """A request with the fields the connector reads, nothing computed yet."""
+    return SimpleNamespace(
+        request_id=rid, all_token_ids=list(tokens), num_tokens=len(tokens), num_computed_tokens=0,
+        num_prompt_tokens=len(tokens), cache_salt=None, lora_request=None, mm_features=[],
+        prompt_embeds=None, **fields,
+    )  # fmt: skip
 
 
 def _layout_config() -> Any:
@@ -62,13 +87,8 @@ class Engine:
     """One scheduler and one worker over a file L3, and a request's lifecycle as vLLM drives it."""
 
     def __init__(self, l3: Path, **scheduler: Any) -> None:
-        config = load([REPO / "tests" / "stacks" / "kv.yaml"], overrides=[f"tiers.storage.l3.path={l3}"])
         self.layout = _layout()
-        self.storage = EngineStorage(
-            identity_of(self.layout, ParallelConfig()), "l3", config.tiers.storage["l3"]
-        )
-        for group in self.layout.groups:
-            assert self.storage.add_pool(group.pool, group.spec).enabled
+        self.storage = _storage(self.layout, l3)
         self.engine = self.storage.engine
         identity = identity_of(self.layout, ParallelConfig())
         self.scheduler = SchedulerSide(self.engine, self.layout, identity, **scheduler)
@@ -92,11 +112,7 @@ class Engine:
 
     def request(self, rid: str, tokens: list[int], **fields: Any) -> Any:
         self.block_ids[rid] = list(range(1, BLOCKS))  # block 0 is vLLM's null block
-        return SimpleNamespace(
-            request_id=rid, all_token_ids=list(tokens), num_tokens=len(tokens), num_computed_tokens=0,
-            num_prompt_tokens=len(tokens), cache_salt=None, lora_request=None, mm_features=[],
-            prompt_embeds=None, **fields,
-        )  # fmt: skip
+        return _request(rid, tokens, **fields)
 
     def step(self, scheduled: dict[str, int]) -> Any:
         """One engine step: the plan built after scheduling, the worker's saves and loads."""
@@ -298,31 +314,21 @@ class MambaSpec(SimpleNamespace):
     pass
 
 
+def _mamba() -> MambaSpec:
+    return MambaSpec(
+        block_size=BS, shapes=((3, 50),), dtypes=("int8",), mamba_cache_mode="align", real_page_size_bytes=150
+    )
+
+
 def test_a_model_of_state_groups_only_is_offered_only_stored_checkpoints(tmp_path: Path) -> None:
     """With no attention group the anchor is a state group: its own rule (the checkpoint at the
     prefix end) decides what is offered -- nothing stored, nothing offered (a load that cannot
     succeed costs the request a failed load and a recompute)."""
-    spec = MambaSpec(
-        block_size=BS, shapes=((3, 50),), dtypes=("int8",), mamba_cache_mode="align", real_page_size_bytes=150
-    )
-    kv_cache_config = SimpleNamespace(
-        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["layers.0.mixer"])],
-        prefix_cacheable_group_ids=(0,),
-        kv_cache_layout=None,
-        num_blocks=BLOCKS,
-    )
-    layout = build_layout(_layout_config(), kv_cache_config, model_name="m", weights="w")
-    config = load([REPO / "tests" / "stacks" / "kv.yaml"], overrides=[f"tiers.storage.l3.path={tmp_path}"])
-    storage = EngineStorage(identity_of(layout, ParallelConfig()), "l3", config.tiers.storage["l3"])
+    layout = _layout({"layers.0.mixer": _mamba()})
+    storage = _storage(layout, tmp_path)
     try:
-        for group in layout.groups:
-            assert storage.add_pool(group.pool, group.spec).enabled
         scheduler = SchedulerSide(storage.engine, layout, identity_of(layout, ParallelConfig()))
-        request = SimpleNamespace(
-            request_id="r", all_token_ids=list(range(1, 3 * BS + 5)), num_tokens=3 * BS + 4,
-            num_computed_tokens=0, num_prompt_tokens=3 * BS + 4, cache_salt=None, lora_request=None,
-            mm_features=[], prompt_embeds=None,
-        )  # fmt: skip
+        request = _request("r", list(range(1, 3 * BS + 5)))
         assert scheduler.matched_tokens(request, 0) == (0, False)
     finally:
         storage.close()
@@ -393,37 +399,14 @@ def test_a_hybrid_models_state_is_saved_where_a_prefill_step_ends_never_where_a_
     its low bits from a prefill's of the same tokens (audit 29: a next turn served the decode-time
     state and its output left vLLM's own). The attention blocks a decode completes are saved, the
     state at their end is not: a lookup stops at the prefill's last checkpoint."""
-    attention = FullAttentionSpec(
-        block_size=BS, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype="bfloat16",
-        real_page_size_bytes=2 * BS * HEADS * HEAD_DIM * 2,
-    )  # fmt: skip
-    mamba = MambaSpec(
-        block_size=BS, shapes=((3, 50),), dtypes=("int8",), mamba_cache_mode="align", real_page_size_bytes=150
-    )
-    kv_cache_config = SimpleNamespace(
-        kv_cache_groups=[
-            SimpleNamespace(kv_cache_spec=attention, layer_names=["layers.0.self_attn"]),
-            SimpleNamespace(kv_cache_spec=mamba, layer_names=["layers.1.mixer"]),
-        ],
-        prefix_cacheable_group_ids=(0, 1),
-        kv_cache_layout=None,
-        num_blocks=BLOCKS,
-    )
-    layout = build_layout(_layout_config(), kv_cache_config, model_name="m", weights="w")
-    config = load([REPO / "tests" / "stacks" / "kv.yaml"], overrides=[f"tiers.storage.l3.path={tmp_path}"])
-    storage = EngineStorage(identity_of(layout, ParallelConfig()), "l3", config.tiers.storage["l3"])
+    layout = _layout({"layers.0.self_attn": _attention(), "layers.1.mixer": _mamba()})
+    storage = _storage(layout, tmp_path)
     try:
-        for group in layout.groups:
-            assert storage.add_pool(group.pool, group.spec).enabled
         scheduler = SchedulerSide(storage.engine, layout, identity_of(layout, ParallelConfig()))
         ids = list(range(1, BLOCKS))
         scheduler.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (ids, ids))
         prompt = list(range(1, 2 * BS + 1))  # the prefill ends on block 1's boundary
-        request = SimpleNamespace(
-            request_id="r", all_token_ids=list(prompt), num_tokens=len(prompt), num_computed_tokens=0,
-            num_prompt_tokens=len(prompt), cache_salt=None, lora_request=None, mm_features=[],
-            prompt_embeds=None,
-        )  # fmt: skip
+        request = _request("r", prompt)
         assert scheduler.matched_tokens(request, 0) == (0, False)
         saved: dict[int, list[str]] = {group.group_id: [] for group in layout.groups}
         scheduled = len(prompt)
@@ -453,8 +436,7 @@ def test_a_store_that_cannot_take_saves_says_why_at_start_and_at_the_first_faile
     engine = engines()
     assert engine.storage.write_problem() is None
     gone = tmp_path / "gone"
-    config = load([REPO / "tests" / "stacks" / "kv.yaml"], overrides=[f"tiers.storage.l3.path={gone}"])
-    storage = EngineStorage(identity_of(engine.layout, ParallelConfig()), "l3", config.tiers.storage["l3"])
+    storage = _storage(engine.layout, gone)
     try:  # the directory replaced by a file after the store opened (root passes permission bits)
         shutil.rmtree(gone)
         gone.write_text("not a directory")
