@@ -69,7 +69,7 @@ def _request(rid: str, tokens: list[int], **fields: Any) -> Any:
     """A request with the fields the connector reads, nothing computed yet."""
     return SimpleNamespace(
         request_id=rid, all_token_ids=list(tokens), num_tokens=len(tokens), num_computed_tokens=0,
-        num_prompt_tokens=len(tokens), cache_salt=None, lora_request=None, mm_features=[],
+        cache_salt=None, lora_request=None, mm_features=[],
         prompt_embeds=None, **fields,
     )  # fmt: skip
 
@@ -390,41 +390,6 @@ def test_a_failed_load_names_removed_only_the_blocks_l3_no_longer_serves(engines
     assert engine.worker.take_removed_ranges() == expected
     assert engine.worker.take_removed_ranges() == []
     assert engine.engine.exists(anchor, hashes).ok == [True, fault != "block_1_damaged", True]
-
-
-def test_a_hybrid_models_state_is_saved_where_a_prefill_step_ends_never_where_a_decode_step_does(
-    tmp_path: Path,
-) -> None:
-    """vLLM keeps Mamba/GDN checkpoints of the prompt only, and a decode kernel's state differs in
-    its low bits from a prefill's of the same tokens (audit 29: a next turn served the decode-time
-    state and its output left vLLM's own). The attention blocks a decode completes are saved, the
-    state at their end is not: a lookup stops at the prefill's last checkpoint."""
-    layout = _layout({"layers.0.self_attn": _attention(), "layers.1.mixer": _mamba()})
-    storage = _storage(layout, tmp_path)
-    try:
-        scheduler = SchedulerSide(storage.engine, layout, identity_of(layout, ParallelConfig()))
-        ids = list(range(1, BLOCKS))
-        scheduler.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (ids, ids))
-        prompt = list(range(1, 2 * BS + 1))  # the prefill ends on block 1's boundary
-        request = _request("r", prompt)
-        assert scheduler.matched_tokens(request, 0) == (0, False)
-        saved: dict[int, list[str]] = {group.group_id: [] for group in layout.groups}
-        scheduled = len(prompt)
-        for token in range(BS + 1):  # decode through block 2's boundary (a decode step ends there)
-            plan = scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={"r": scheduled}))
-            for transfer in plan.saves:
-                saved[transfer.group_id] += transfer.hashes
-            request.num_computed_tokens += scheduled
-            request.all_token_ids.append(5000 + token)
-            request.num_tokens = len(request.all_token_ids)
-            scheduled = 1
-        hashes = scheduler._hashes(scheduler.requests["r"], 3)
-        state = next(group.group_id for group in layout.groups if group.kind == "state")
-        full = next(group.group_id for group in layout.groups if group.kind == "full")
-        assert saved[full] == hashes[:3], "every completed attention block, the decoded one too"
-        assert saved[state] == [hashes[1]], "the prefill's checkpoint only"
-    finally:
-        storage.close()
 
 
 def test_a_store_that_cannot_take_saves_says_why_at_start_and_at_the_first_failed_save(

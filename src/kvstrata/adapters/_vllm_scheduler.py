@@ -340,16 +340,9 @@ class SchedulerSide:
         saves: dict[int, GroupTransfer],
         stored: list[tuple[list[str], str | None, list[int]]],
     ) -> None:
-        """Blocks this step completes; a Mamba state only where a prefill step ends on a block
-        boundary (align mode writes the checkpoint there, in this step: it is saved before vLLM
-        reuses it). The range goes to ``stored`` too (the workers announce it once stored).
-
-        Never a state a decode step ends on a boundary with: vLLM keeps no such checkpoint (its
-        align mode caches prompt-time states only), and a decode kernel's state differs in its
-        low bits from what a prefill of the same tokens computes (audit 29: 1.1 % relative on a
-        GDN model, where two prefill chunkings are bit-identical), so serving it would change
-        the next turn's output against vLLM's own. Attention blocks completed while decoding are
-        saved (vLLM reuses those too); a lookup stops at the last block whose state exists."""
+        """Blocks this step completes; a Mamba state only where the step ends on a block boundary
+        (align mode writes the checkpoint there, in this step: it is saved before vLLM reuses it).
+        The range goes to ``stored`` too (the workers announce it once stored)."""
         bs = self.block_size
         if state.save_from is None:  # what vLLM held itself (or loaded) when it first ran it
             state.save_from = computed // bs
@@ -364,12 +357,11 @@ class SchedulerSide:
         if ids is None:
             return
         hashes = self._hashes(state, end)
-        # (a recomputed output after preemption is decoded tokens too: vLLM counts the prompt)
-        prefill_boundary = end_tokens % bs == 0 and end_tokens <= state.request.num_prompt_tokens
+        boundary = end_tokens % bs == 0
         for group in self.layout.groups:
             row = ids[group.group_id]
             wanted = [end - 1] if group.kind == STATE else list(range(first, end))
-            if group.kind == STATE and not prefill_boundary:
+            if group.kind == STATE and not boundary:
                 continue
             target = saves.setdefault(group.group_id, GroupTransfer(group.group_id, [], []))
             for i in wanted:
