@@ -57,3 +57,25 @@ def test_a_checkpoint_left_in_a_backed_up_node_is_restored_from_the_host_and_fro
         assert (lease.cached_pages, lease.hit_pages["storage"]) == (3, 3), lease.skipped
         assert verify(cold, lease) == 0
         cold.release(lease)
+
+
+def test_selective_write_through_backs_up_the_checkpoint_once_its_node_is_hot(tmp_path: Path) -> None:
+    """``write_through_selective`` backs up the nodes a lookup finds hot: one already on the host
+    gets the checkpoint a later request left in it too."""
+    selective = [*WAIT, "policy.write=write_through_selective", "policy.write_through_threshold=1"]
+    a = tokens(74, 6)
+    b = torch.cat([a[: 3 * PAGE], tokens(75, 3)])
+    with open_cache("hybrid-mamba", tmp_path, selective) as cache:
+        _serve_in_two_chunks(cache, a, 6)
+        _serve_in_two_chunks(cache, a, 6)  # hot: A's node goes to the host (its checkpoint at 6)
+        _serve_in_two_chunks(cache, b, 3)  # splits it at 3 and checkpoints there
+        _serve_in_two_chunks(cache, torch.cat([a[: 3 * PAGE], tokens(76, 1)]), 3)  # reuses [0, 3)
+        cache.flush()
+        shared = cache.tree.match(cache.tree.keys_of(a[: 3 * PAGE]), count_hit=False).path[-1]
+        assert shared.host_raw[cache.tree.index["mamba"]] is not None
+    with open_cache("hybrid-mamba", tmp_path, WAIT) as cold:
+        lease = cold.lookup(torch.cat([a[: 3 * PAGE], tokens(77, 2)]))
+        cold.admit(lease)
+        assert (lease.cached_pages, lease.hit_pages["storage"]) == (3, 3), lease.skipped
+        assert verify(cold, lease) == 0
+        cold.release(lease)

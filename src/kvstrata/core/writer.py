@@ -133,7 +133,10 @@ class Writer:
         storage.seen(match.path)
         if self.policy.write == "write_through_selective":
             hot = [n for n in match.device_path if n.hit_count >= self.policy.write_through_threshold]
+            earlier = [n for n in hot if n.host_raw[0] is not None]  # may have gained a component
             self.back_up(hot, hashes=hashes, admit=host.selective)
+            if earlier:
+                _back_up_components(self, earlier, hashes)
         elif host.selective and self.policy.write == "write_through":
             unbacked = [n for n in match.device_path if not self.tree.backed_up(n)]
             self.back_up(unbacked, hashes=hashes, admit=True)
