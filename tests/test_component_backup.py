@@ -34,6 +34,16 @@ def _serve_in_two_chunks(cache, request: torch.Tensor, first_pages: int) -> None
             lease.extend(request[first_pages * PAGE :])
 
 
+def _restores_from_l3(stack: str, l3: Path, request: torch.Tensor, pages: int) -> None:
+    """A new process on ``l3`` (L3 only) restores ``pages`` of ``request``, every byte exact."""
+    with open_cache(stack, l3, WAIT) as cold:
+        lease = cold.lookup(request)
+        cold.admit(lease)
+        assert (lease.cached_pages, lease.hit_pages["storage"]) == (pages, pages), lease.skipped
+        assert verify(cold, lease) == 0
+        cold.release(lease)
+
+
 @pytest.mark.parametrize("digests", [False, True], ids=["", "unit_digests"])
 @pytest.mark.parametrize("stack", ["hybrid-mamba", "swa-mamba"])
 def test_a_checkpoint_left_in_a_backed_up_node_is_restored_from_the_host_and_from_l3(
@@ -51,12 +61,7 @@ def test_a_checkpoint_left_in_a_backed_up_node_is_restored_from_the_host_and_fro
         assert host_units_in_use(cache) == host_units_held_by_tree(cache)
         if digests:  # every stage's bytes checked against the commit's, the new copy's too
             assert cache.writer.digests is not None and cache.writer.digests.mismatches == []
-    with open_cache(stack, tmp_path, WAIT) as cold:  # a new process: L3 only
-        lease = cold.lookup(torch.cat([a[: 3 * PAGE], tokens(73, 2)]))
-        cold.admit(lease)
-        assert (lease.cached_pages, lease.hit_pages["storage"]) == (3, 3), lease.skipped
-        assert verify(cold, lease) == 0
-        cold.release(lease)
+    _restores_from_l3(stack, tmp_path, torch.cat([a[: 3 * PAGE], tokens(73, 2)]), 3)
 
 
 def test_selective_write_through_backs_up_the_checkpoint_once_its_node_is_hot(tmp_path: Path) -> None:
@@ -73,9 +78,4 @@ def test_selective_write_through_backs_up_the_checkpoint_once_its_node_is_hot(tm
         cache.flush()
         shared = cache.tree.match(cache.tree.keys_of(a[: 3 * PAGE]), count_hit=False).path[-1]
         assert shared.host_raw[cache.tree.index["mamba"]] is not None
-    with open_cache("hybrid-mamba", tmp_path, WAIT) as cold:
-        lease = cold.lookup(torch.cat([a[: 3 * PAGE], tokens(77, 2)]))
-        cold.admit(lease)
-        assert (lease.cached_pages, lease.hit_pages["storage"]) == (3, 3), lease.skipped
-        assert verify(cold, lease) == 0
-        cold.release(lease)
+    _restores_from_l3("hybrid-mamba", tmp_path, torch.cat([a[: 3 * PAGE], tokens(77, 2)]), 3)
