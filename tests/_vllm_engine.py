@@ -278,6 +278,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"init_s": time.perf_counter() - started, "steps": []}
     seen = _spy(llm) if job.get("connector") is not None and job.get("spy") else None
     spent = _timed(llm) if job.get("connector") is not None and job.get("time_connector") else None
+    last: tuple[list[Any], list[list[int]]] = ([], [])  # the last generate step's prompts and tokens
     for step in job["steps"]:
         before = _counters(llm)
         started, cpu_started = time.perf_counter(), time.process_time()
@@ -289,6 +290,13 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             result["damaged_objects"] = _damage(step["path"])
         elif step["op"] == "generate":
             params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
+            if step.get("next_turn"):  # each prompt: the last step's prompt, its output, then these
+                step = {
+                    **step,
+                    "prompts": [
+                        p + out + more for p, out, more in zip(*last, step["next_turn"], strict=True)
+                    ],
+                }
             salts = step.get("salts") or [None] * len(step["prompts"])  # vLLM's per-request cache_salt
             hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
             # a prompt is token ids, or {"seed", "length"} of prompt embeddings
@@ -307,6 +315,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 lora = LoRARequest("adapter", 1, step["lora"])
             outputs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
             tokens = [list(out.outputs[0].token_ids) for out in outputs]
+            last = (step["prompts"], tokens)
         else:
             raise ValueError(f"unknown step {step['op']!r}")
         seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started

@@ -84,6 +84,9 @@ EMBEDS, EMBEDS_TOO = {"seed": 10, "length": 300}, {"seed": 11, "length": 300}
 CROWDED = [_prompt(100 + i, 500) for i in range(8)]
 CROWDED[1::2] = [_diverging(CROWDED[0], 1, HYBRID_BLOCK, 500, 200 + i) for i in range(1, 8, 2)]
 CROWDED_TOKENS = 24
+# Two turns of a chat on the hybrid model: the first decodes through a block boundary (its prompt
+# ends in block 1, its output fills it), the second sends the first's prompt and output and more.
+TURN, TURN_TOKENS, TURN_MORE = _prompt(12, 400), 200, _prompt(13, 50)
 CROWDED_KV_BYTES = 3 << 20  # about 832 tokens of this hybrid model's cache: preemption from the start
 
 
@@ -118,7 +121,7 @@ def _run_engines(tmp: Path, jobs: dict[str, dict[str, Any]]) -> dict[str, dict[s
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm")
     models = {name: str(tmp / name) for name in ("llama", "llama_other", "qwen", "gemma")}
-    l3 = {name: tmp / f"l3-{name}" for name in ("dense", "hybrid", "swa", "crowded", "extras")}
+    l3 = {name: tmp / f"l3-{name}" for name in ("dense", "hybrid", "swa", "crowded", "extras", "turns")}
     lora = str(tmp / "lora")
 
     def connector(which: str) -> dict[str, Any]:
@@ -137,6 +140,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
         "max_model_len": len(CROWDED[0]) + CROWDED_TOKENS + 64,
     }
     crowd = {"op": "generate", "prompts": CROWDED, "max_tokens": CROWDED_TOKENS}
+    turn = {"op": "generate", "prompts": [TURN], "max_tokens": TURN_TOKENS}
+    next_turn = {"op": "generate", "next_turn": [TURN_MORE], "max_tokens": MAX_TOKENS}
     out: dict[str, dict[str, Any]] = {}
     out |= _run_engines(
         tmp,
@@ -189,6 +194,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                 **crowded,
                 "connector": None,
                 "steps": [crowd] + [{**crowd, "prompts": [prompt]} for prompt in CROWDED],
+            },
+            # vLLM's own second turn (a local hit of its first turn), then the connector's from L3
+            "turns_ref": {**hybrid, "connector": None, "steps": [turn, next_turn]},
+            "turns_store": {
+                **hybrid,
+                "connector": connector("turns"),
+                "steps": [turn, {"op": "reset"}, next_turn],
             },
             "crowded_store": {
                 **crowded,
@@ -586,6 +598,20 @@ def test_a_crowded_engine_preempts_and_batching_changes_no_token(runs: dict[str,
     batch, *alone = runs["crowded_ref"]["steps"]
     assert batch["preemptions"] > 0
     assert batch["tokens"] == [step["tokens"][0] for step in alone]
+
+
+def test_a_next_turn_on_a_hybrid_model_gets_vllms_own_tokens(runs: dict[str, dict[str, Any]]) -> None:
+    """A first turn decoding through a block boundary, then a second turn of its prompt, output and
+    more: from L3 the second turn restores what vLLM's own cache would (the first turn's prompt
+    checkpoint, one block: a state a decode step left differs in its low bits from a prefill's and
+    vLLM keeps none) and gets vLLM's own tokens. Serving the decode step's state offered two
+    blocks and moved the tokens (audit 29)."""
+    first, second = runs["turns_ref"]["steps"]
+    stored, _, restored = runs["turns_store"]["steps"]
+    assert stored["tokens"] == first["tokens"]
+    assert second["local_hits"] == HYBRID_BLOCK  # vLLM's own: the prompt's checkpoint only
+    assert restored["local_hits"] == 0 and restored["external_hits"] == HYBRID_BLOCK
+    assert restored["tokens"] == second["tokens"]
 
 
 @pytest.mark.parametrize(

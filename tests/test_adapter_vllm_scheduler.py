@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kvstrata.adapters._shared import EngineStorage
+from kvstrata.adapters._vllm_keys import private_key
 from kvstrata.adapters._vllm_layout import StoreLayout, build_layout, identity_of
 from kvstrata.adapters._vllm_scheduler import SchedulerSide
 from kvstrata.adapters._vllm_worker import WorkerSide
@@ -423,3 +424,133 @@ def test_a_store_that_cannot_take_saves_says_why_at_start_and_at_the_first_faile
     warnings = [record.getMessage() for record in caplog.records if "saving blocks" in record.getMessage()]
     assert len(warnings) == 1 and "disk full (injected)" in warnings[0]
     assert engine.worker.stats["save_failures"] == 6
+
+
+class _Hybrid:
+    """A scheduler and a worker of an attention + Mamba (align mode) layout over a file L3, and
+    request ``r`` of 40 tokens (2 full blocks and 8 more), looked up once."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.layout = _layout({"layers.0.self_attn": _attention(), "layers.1.mixer": _mamba()})
+        self.storage = _storage(self.layout, tmp_path / "l3")
+        identity = identity_of(self.layout, ParallelConfig())
+        self.scheduler = SchedulerSide(self.storage.engine, self.layout, identity)
+        # the block table: attention blocks 1-7, state blocks 8-15 (a checkpoint's block sits at
+        # the index of the block whose end it is)
+        rows = (list(range(1, 8)), list(range(8, BLOCKS)))
+        self.scheduler.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: rows)
+        self.worker = WorkerSide(self.storage.engine, self.layout)
+        self.worker.register(
+            {
+                "layers.0.self_attn": torch.randint(-100, 100, (BLOCKS, 2, BS, HEADS, HEAD_DIM)).to(
+                    torch.bfloat16
+                ),
+                "layers.1.mixer": torch.randint(-100, 100, (BLOCKS, 1, 1, 150)).to(torch.int8),
+            }
+        )
+        self.state_group = self.layout.groups[1].group_id
+        self.request = _request("r", list(range(1, 41)))
+        self.scheduler.matched_tokens(self.request, 0)
+
+    def step(self, scheduled: int, **output: Any) -> dict[str, list[tuple[int, int]]]:
+        """One step of ``scheduled`` tokens, saved by the worker: ``{kind: [(block index, block
+        id)]}`` ("own state": under the request's own key); vLLM advances the request once
+        scheduled, and the token a step samples joins it."""
+        plan = self.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={"r": scheduled}, **output))
+        self.worker.save(plan)
+        hashes = self.scheduler._hashes(self.scheduler.requests["r"], len(self.request.all_token_ids) // BS)
+        own = [private_key(h, "r") for h in hashes]
+        kinds = {g.group_id: g.kind for g in self.layout.groups}
+        saved: dict[str, list[tuple[int, int]]] = {}
+        for transfer in plan.saves:
+            for key, block in zip(transfer.hashes, transfer.block_ids, strict=True):
+                kind, index = (
+                    (kinds[transfer.group_id], hashes.index(key))
+                    if key in hashes
+                    else ("own state", own.index(key))
+                )
+                saved.setdefault(kind, []).append((index, block))
+        saved = {kind: sorted(pairs) for kind, pairs in saved.items()}
+        self.request.num_computed_tokens += scheduled
+        if self.request.num_computed_tokens >= len(self.request.all_token_ids):
+            self.request.all_token_ids.append(1000 + self.request.num_computed_tokens)
+        self.request.num_tokens = len(self.request.all_token_ids)
+        return saved
+
+    def decode_to(self, tokens: int, **output: Any) -> list[dict[str, list[tuple[int, int]]]]:
+        return [self.step(1, **output) for _ in range(self.request.num_computed_tokens, tokens)]
+
+    def offered(self, request: Any) -> int:
+        """Tokens the connector offers ``request`` with nothing computed (vLLM holds none)."""
+        return self.scheduler.matched_tokens(request, 0)[0]
+
+
+def _offer(*entries: tuple[int, int, int]) -> dict[str, Any]:
+    """vLLM 0.32's hand-off of this step's Mamba checkpoints: ``(group id, block id, tokens)``."""
+    return {"kv_connector_block_state": SimpleNamespace(boundary_state_offloads={"r": list(entries)})}
+
+
+def test_a_state_checkpoint_a_decode_step_leaves_serves_only_its_own_request(tmp_path: Path) -> None:
+    """A Mamba state at a block boundary a decode step crossed differs in its low bits from what
+    a prefill of the same tokens computes, and vLLM serves none to another request: a next turn
+    restored from one left vLLM's own tokens (audit 29). It is stored under the request's own key:
+    a next turn is offered the prefill's checkpoint, the request resumed after a preemption its
+    own (it goes on as if never preempted). Without vLLM's hand-off (older vLLMs) a checkpoint is
+    the block at a step's end on a boundary."""
+    hybrid = _Hybrid(tmp_path)
+    try:
+        assert hybrid.step(32) == {"full": [(0, 1), (1, 2)], "state": [(1, 9)]}
+        assert hybrid.step(8) == {}  # 40: no boundary
+        decoded = hybrid.decode_to(50)
+        assert decoded[-3] == {"full": [(2, 3)], "own state": [(2, 10)]}  # computing token 47
+        assert [saved for saved in decoded if "state" in saved] == []
+        next_turn = _request("t", hybrid.request.all_token_ids + list(range(600, 650)))
+        assert hybrid.offered(next_turn) == 2 * BS  # the prompt's checkpoint, not the decode's
+        hybrid.request.num_computed_tokens = 0  # preempted: vLLM freed its blocks
+        assert hybrid.offered(hybrid.request) == 3 * BS
+    finally:
+        hybrid.storage.close()
+
+
+def test_vllms_handed_over_checkpoints_are_saved_from_their_own_blocks(tmp_path: Path) -> None:
+    """vLLM 0.32 names each checkpoint's block (after a copy-on-write or a speculative block's
+    move the table's position names another): those blocks are saved, a decode step's under the
+    request's own key, and a partial block's (no key of ours) not at all."""
+    hybrid = _Hybrid(tmp_path)
+    try:
+        group = hybrid.state_group
+        assert hybrid.step(32, **_offer((group, 12, 16), (group, 13, 32))) == {
+            "full": [(0, 1), (1, 2)],
+            "state": [(0, 12), (1, 13)],
+        }
+        assert hybrid.step(8, **_offer()) == {}
+        decoded = hybrid.decode_to(47, **_offer())
+        decoded.append(hybrid.step(1, **_offer((group, 14, 48), (group, 15, 41))))
+        assert decoded[-1] == {"full": [(2, 3)], "own state": [(2, 14)]}
+        assert [saved for saved in decoded if "state" in saved] == []
+    finally:
+        hybrid.storage.close()
+
+
+@pytest.mark.parametrize("handed_over", [False, True], ids=["positional", "vllm-offers"])
+def test_a_resumed_requests_prefill_of_generated_tokens_leaves_checkpoints_for_everyone(
+    tmp_path: Path, handed_over: bool
+) -> None:
+    """Resumed after a preemption, a request prefills its prompt and the tokens it had generated:
+    those checkpoints are a prefill's (vLLM keeps them too), stored under the shared key, and the
+    attention blocks stored before are not stored again."""
+    hybrid = _Hybrid(tmp_path)
+    try:
+        offer = _offer() if handed_over else {}
+        hybrid.step(32, **offer)
+        hybrid.step(8, **offer)
+        hybrid.decode_to(50, **offer)
+        hybrid.request.num_computed_tokens = 0  # preempted: vLLM freed its blocks
+        resumed = {"scheduled_cached_reqs": SimpleNamespace(req_ids=["r"], resumed_req_ids={"r"})}
+        if handed_over:
+            resumed |= _offer((hybrid.state_group, 14, 48))
+        assert hybrid.step(48, **resumed) == {"state": [(2, 14 if handed_over else 10)]}
+        next_turn = _request("t", hybrid.request.all_token_ids + list(range(600, 650)))
+        assert hybrid.offered(next_turn) == 3 * BS
+    finally:
+        hybrid.storage.close()

@@ -11,64 +11,29 @@ errors are not supported by vLLM for models with several KV cache groups).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from kvstrata.adapters._shared import EngineIdentity
-from kvstrata.adapters._vllm_layout import STATE, StoreLayout
-from kvstrata.engine_kit import StorageEngine, hash_pages
+from kvstrata.adapters._vllm_checkpoints import Checkpoint, handed_over, restarted, step_checkpoints
+from kvstrata.adapters._vllm_keys import (
+    ExtraKeys,
+    extend_chain,
+    has_extra_keys,
+    object_keys,
+    private_key,
+)
+from kvstrata.adapters._vllm_layout import STATE, GroupLayout, StoreLayout
+from kvstrata.engine_kit import StorageEngine
 
 log = logging.getLogger(__name__)
 
 #: Second chunk of a prefix existence query (after one probe block); each further chunk doubles.
 FIRST_EXISTS_CHUNK = 16
-#: BLAKE2b personalisation of a chain link that mixes a block's extra keys into its parent hash
-_EXTRA_PERSON = b"kvs-vllm-extra"
-
-ExtraKeys = Callable[[Any, int, int], tuple[Any, ...] | None]
-
-
-def vllm_extra_keys() -> ExtraKeys | None:
-    """A block's extra keys as vLLM's own prefix cache has them (LoRA name and path, multimodal
-    item hashes and offsets, a hash of prompt embeddings), or None where this vLLM does not
-    offer the function: then requests that carry any are neither looked up nor saved. The
-    cache salt vLLM adds to the first block is left out: it is in the chain's root already."""
-    try:
-        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
-    except ImportError:  # another vLLM: refuse what cannot be keyed, never serve it unkeyed
-        return None
-
-    def extra_keys(request: Any, start: int, end: int) -> tuple[Any, ...] | None:
-        keys, _ = generate_block_hash_extra_keys(request, start, end, 0)
-        kept = tuple(key for key in keys or () if not (isinstance(key, tuple) and key[:1] == ("cache_salt",)))
-        return kept or None
-
-    return extra_keys
-
-
-def _has_extra_keys(request: Any) -> bool:
-    """Whether a request's KV depends on more than its token ids and salt: a LoRA adapter,
-    multimodal inputs (their placeholder ids are alike for different images) or prompt
-    embeddings (their token ids are placeholders)."""
-    return bool(
-        getattr(request, "lora_request", None)
-        or getattr(request, "mm_features", None)
-        or getattr(request, "prompt_embeds", None) is not None
-    )
-
-
-def _mixed_parent(parent: str, extras: tuple[Any, ...]) -> str:
-    """``parent`` (a chain hash) with a block's extra keys mixed in: the block's hash then differs
-    from the same tokens' without them, or with others. ``repr`` of vLLM's keys (str, int, bytes
-    tuples) is the same in every process."""
-    raw = bytes.fromhex(parent)
-    digest = hashlib.blake2b(raw, digest_size=len(raw), person=_EXTRA_PERSON)
-    digest.update(repr(extras).encode())
-    return digest.hexdigest()
 
 
 @dataclass
@@ -101,10 +66,19 @@ class _Request:
     lookup_from: int = 0  # blocks vLLM had locally at the last lookup
     last_lookup: tuple[int, int] | None = None  # (computed tokens, tokens) the last lookup was of
     save_from: int | None = None  # blocks vLLM had when the request was first scheduled
+    #: tokens the request had when its prefill (first, or again after a preemption) began: a
+    #: state checkpoint past it is a decode step's (see ``_vllm_checkpoints``)
+    prefill_end: int = 0
+    #: blocks whose state checkpoint this request stored from a decode step, under its own key
+    decode_states: set[int] = field(default_factory=set)
     pending_load: tuple[int, int] | None = None  # (first block, end block) to load; end < 0: fail it
     load_failed: bool = False  # a load of this request failed: it recomputes, never asks again
     extras: bool = False  # its blocks carry extra keys (LoRA, multimodal, prompt embeddings)
     uncacheable: bool = False  # extra keys this vLLM cannot tell: never looked up nor saved
+
+    def object_keys(self, group: GroupLayout, hashes: list[str], indices: Iterable[int]) -> list[str]:
+        """Keys of ``group``'s blocks ``indices`` (its own for decode-time checkpoints)."""
+        return object_keys(group, hashes, indices, self.decode_states, self.request.request_id)
 
 
 class SchedulerSide:
@@ -140,7 +114,7 @@ class SchedulerSide:
         state = self.requests.get(request.request_id)
         if state is None:
             state = _Request(request, self._root(request))
-            state.extras = _has_extra_keys(request)
+            state.extras = has_extra_keys(request)
             state.uncacheable = state.extras and self.extra_keys is None
             self.requests[request.request_id] = state
         return state
@@ -161,27 +135,15 @@ class SchedulerSide:
             state.root, state.hashes = self._root(state.request), []
             state.stored_blocks = state.hit_blocks = 0
             state.save_from, state.last_lookup, state.pending_load = None, None, None
+            state.decode_states.clear()
 
     def _hashes(self, state: _Request, blocks: int) -> list[str]:
-        """Chain hashes of the first ``blocks`` blocks of the request's tokens (extended lazily);
-        a block with extra keys (LoRA, multimodal, prompt embeddings) has them mixed into its
-        link, as vLLM's own block hashes do: token ids alone would serve another adapter's,
-        image's or embedding's KV."""
-        have = len(state.hashes)
-        if blocks <= have:
-            return state.hashes[:blocks]
-        bs, tokens = self.block_size, state.request.all_token_ids
-        if not state.extras:
-            parent = state.hashes[-1] if have else state.root
-            state.hashes.extend(hash_pages(list(tokens[have * bs : blocks * bs]), bs, parent))
-            return state.hashes[:blocks]
-        assert self.extra_keys is not None, "a request with extra keys this vLLM cannot tell is never hashed"
-        for block in range(have, blocks):
-            parent = state.hashes[-1] if block else state.root
-            extras = self.extra_keys(state.request, block * bs, (block + 1) * bs)
-            if extras:
-                parent = _mixed_parent(parent, extras)
-            state.hashes.extend(hash_pages(list(tokens[block * bs : (block + 1) * bs]), bs, parent))
+        """Chain hashes of the first ``blocks`` blocks of the request's tokens (extended lazily,
+        a block's extra keys mixed into its link)."""
+        if blocks > len(state.hashes):
+            assert self.extra_keys is not None or not state.extras, "never hashed: extra keys unknown"
+            extras = self.extra_keys if state.extras else None
+            extend_chain(state.hashes, state.root, state.request, blocks, self.block_size, extras)
         return state.hashes[:blocks]
 
     # --- lookup -------------------------------------------------------------------------------
@@ -210,7 +172,7 @@ class SchedulerSide:
         if whole <= local:
             return 0, False
         hashes = self._hashes(state, whole)
-        blocks, stored = self._usable_blocks(hashes, local, most)
+        blocks, stored = self._usable_blocks(state, hashes, local, most)
         state.hit_blocks, state.lookup_from = blocks, local
         state.stored_blocks = max(state.stored_blocks, stored)
         if blocks <= local:
@@ -219,7 +181,7 @@ class SchedulerSide:
             self.stats["offered_blocks"] += blocks - local
         return blocks * self.block_size - num_computed_tokens, True
 
-    def _usable_blocks(self, hashes: list[str], local: int, most: int) -> tuple[int, int]:
+    def _usable_blocks(self, state: _Request, hashes: list[str], local: int, most: int) -> tuple[int, int]:
         """``(usable, stored)``: the longest prefix of at most ``most`` blocks every
         group can restore on top of the ``local`` blocks vLLM holds itself (anchor blocks from
         there on, then each group's rule), and the longest of any length, or 0 if none beyond
@@ -236,7 +198,7 @@ class SchedulerSide:
         ruled = self.layout.groups if stateful else self.layout.groups[1:]
         present: dict[int, list[bool]] = {}
         for group in ruled:
-            result = self.engine.exists(group.pool, hashes[local:count])
+            result = self.engine.exists(group.pool, state.object_keys(group, hashes, range(local, count)))
             found = list(result.ok) if result.error is None else [False] * (count - local)
             present[group.group_id] = [True] * local + found
         stored = 0
@@ -299,13 +261,43 @@ class SchedulerSide:
         if not self.may_save:
             return plan
         saves: dict[int, GroupTransfer] = {}
+        offers, restarts = handed_over(scheduler_output), restarted(scheduler_output)
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
             if state is None or scheduled <= 0 or state.uncacheable:
                 continue
-            self._plan_saves(req_id, state, state.request.num_computed_tokens, scheduled, saves, plan.stored)
+            computed = state.request.num_computed_tokens
+            if req_id in restarts or not state.prefill_end:
+                state.prefill_end = len(state.request.all_token_ids)
+            self._plan_saves(req_id, state, computed, scheduled, saves, plan.stored)
+            self._plan_checkpoints(req_id, state, computed + scheduled, offers.get(req_id, []), saves)
         plan.saves = list(saves.values())
         return plan
+
+    def _plan_checkpoints(
+        self,
+        req_id: str,
+        state: _Request,
+        step_end: int,
+        offered: list[Checkpoint],
+        saves: dict[int, GroupTransfer],
+    ) -> None:
+        """The state checkpoints the step leaves (``_vllm_checkpoints``): a prefill's under the
+        block's key, a decode step's under the request's own."""
+        tokens = len(state.request.all_token_ids)
+        ids = partial(self._block_ids, req_id)
+        for group_id, block_id, blocks in step_checkpoints(
+            self.layout, step_end, tokens, state.save_from or 0, ids, offered
+        ):
+            key, index = self._hashes(state, blocks)[blocks - 1], blocks - 1
+            if blocks * self.block_size > state.prefill_end:
+                state.decode_states.add(index)
+                key = private_key(key, req_id)
+            else:
+                state.decode_states.discard(index)
+            target = saves.setdefault(group_id, GroupTransfer(group_id, [], []))
+            target.hashes.append(key)
+            target.block_ids.append(block_id)
 
     def _block_ids(self, req_id: str) -> tuple[list[int], ...] | None:
         if self.kv_cache_manager is None:
@@ -328,7 +320,7 @@ class SchedulerSide:
             if ids is None or any(i >= len(ids[group.group_id]) for i in wanted) or 0 in blocks:
                 # no block to load into (null block): the worker reports the load failed
                 return [GroupTransfer(group.group_id, [], [])]
-            transfers.append(GroupTransfer(group.group_id, [hashes[i] for i in wanted], blocks))
+            transfers.append(GroupTransfer(group.group_id, state.object_keys(group, hashes, wanted), blocks))
         return transfers
 
     def _plan_saves(
@@ -340,9 +332,8 @@ class SchedulerSide:
         saves: dict[int, GroupTransfer],
         stored: list[tuple[list[str], str | None, list[int]]],
     ) -> None:
-        """Blocks this step completes; a Mamba state only where the step ends on a block boundary
-        (align mode writes the checkpoint there, in this step: it is saved before vLLM reuses it).
-        The range goes to ``stored`` too (the workers announce it once stored)."""
+        """Attention and window blocks this step completes (Mamba states: ``_plan_checkpoints``);
+        the range goes to ``stored`` too (the workers announce it once stored)."""
         bs = self.block_size
         if state.save_from is None:  # what vLLM held itself (or loaded) when it first ran it
             state.save_from = computed // bs
@@ -357,14 +348,12 @@ class SchedulerSide:
         if ids is None:
             return
         hashes = self._hashes(state, end)
-        boundary = end_tokens % bs == 0
         for group in self.layout.groups:
-            row = ids[group.group_id]
-            wanted = [end - 1] if group.kind == STATE else list(range(first, end))
-            if group.kind == STATE and not boundary:
+            if group.kind == STATE:
                 continue
+            row = ids[group.group_id]
             target = saves.setdefault(group.group_id, GroupTransfer(group.group_id, [], []))
-            for i in wanted:
+            for i in range(first, end):
                 if i < len(row) and row[i] != 0:
                     target.hashes.append(hashes[i])
                     target.block_ids.append(row[i])

@@ -42,8 +42,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstrata.adapters._shared import EngineIdentity, EngineStorage
+from kvstrata.adapters._vllm_keys import vllm_extra_keys
 from kvstrata.adapters._vllm_layout import StoreLayout, build_layout, identity_of
-from kvstrata.adapters._vllm_scheduler import SchedulerSide, StepPlan, vllm_extra_keys
+from kvstrata.adapters._vllm_scheduler import SchedulerSide, StepPlan
 from kvstrata.adapters._vllm_telemetry import CounterDelta, EventLog, KvstrataConnectorStats, KvstrataKVEvents
 from kvstrata.adapters._vllm_worker import WorkerSide
 from kvstrata.engine_kit import (
