@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.object_views import object_regions, read_objects, write_objects
-from kvstrata.core.transfer import copy_units
+from kvstrata.core.transfer import copy_unit_bytes, copy_units
 from kvstrata.plugins.pool_type import Layout, ModelContext, PoolSpec
 from kvstrata.pool_types.draft import DraftConfig, DraftPoolType
 from kvstrata.pool_types.kv import KVConfig, KVPoolType
@@ -182,6 +182,47 @@ def test_host_to_host_across_layouts() -> None:
     random_fill(src, torch.Generator().manual_seed(1))
     copy_units(src, [4, 0, 2], dst, [1, 3, 0])
     assert_same_units(src, torch.tensor([4, 0, 2]), dst, torch.tensor([1, 3, 0]))
+
+
+@pytest.mark.parametrize(
+    ("src_units", "dst_units"),
+    [
+        ([1, 2, 3], [0, 1, 2]),
+        ([4, 0, 2], [1, 2, 3]),
+        ([1, 2, 3], [3, 0, 4]),
+        ([3, 1, 2], [4, 2, 0]),
+        ([], []),
+    ],
+)
+def test_copy_unit_bytes_copies_runs_and_scattered_units(src_units: list[int], dst_units: list[int]) -> None:
+    """Units given as int64 bytes (the tree's) copy what ``copy_units`` would, runs or not."""
+    spec = make_spec("kv", "bfloat16")
+    src = PoolBuffers(spec, 5, layout=Layout.PAGE_FIRST)
+    dst = PoolBuffers(spec, 5, layout=Layout.LAYER_FIRST)
+    random_fill(src, torch.Generator().manual_seed(2))
+    raw = [torch.tensor(units, dtype=torch.int64).numpy().tobytes() for units in (src_units, dst_units)]
+    copy_unit_bytes(src, raw[0], dst, raw[1]).wait()
+    assert_same_units(
+        src, torch.tensor(src_units, dtype=torch.int64), dst, torch.tensor(dst_units, dtype=torch.int64)
+    )
+
+
+def test_copy_unit_bytes_rejects_bad_input() -> None:
+    spec = make_spec("kv", "bfloat16")
+    src, dst = PoolBuffers(spec, 4), PoolBuffers(spec, 4, layout=Layout.PAGE_FIRST)
+    raw = {name: torch.tensor(units).numpy().tobytes() for name, units in {"two": [0, 1], "one": [0]}.items()}
+    with pytest.raises(ValueError, match="differ in length"):
+        copy_unit_bytes(src, raw["two"], dst, raw["one"])
+    for bad in ([3, 4], [-1, 0], [2, 9, 0]):  # a run past the end, a negative run, scattered
+        with pytest.raises(IndexError, match=r"outside \[0, 4\)"):
+            copy_unit_bytes(
+                src,
+                torch.tensor(bad).numpy().tobytes(),
+                dst,
+                torch.tensor([0, 1, 2][: len(bad)]).numpy().tobytes(),
+            )
+    with pytest.raises(ValueError, match="whole number"):
+        copy_unit_bytes(src, b"\0" * 12, dst, b"\0" * 12)
 
 
 def test_copy_rejects_bad_input() -> None:

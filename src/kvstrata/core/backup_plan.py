@@ -19,9 +19,10 @@ import torch
 from kvstrata.core.tree import PrefixTree, TreeNode
 from kvstrata.core.tree_bytes import UNIT
 
-_INT64 = torch.int64
 #: one node's host units per tree pool
 Units = dict[str, torch.Tensor]
+#: units per tree pool as int64 bytes (as the tree stores them)
+Raw = dict[str, bytes]
 #: admits a node to the host tier (the host admission filter), or None: every node
 Admit = Callable[[TreeNode], bool] | None
 
@@ -52,14 +53,10 @@ def backup_candidates(
     return out, None
 
 
-def device_units(nodes: Sequence[TreeNode], index: Mapping[str, int]) -> Units:
-    """Per tree pool of ``index``, the device units of ``nodes`` in order as one index tensor
-    (their stored bytes joined: one tensor per pool, none per node)."""
-    out: Units = {}
-    for name, p in index.items():
-        joined = bytearray().join([node.device_raw[p] or b"" for node in nodes])
-        out[name] = torch.frombuffer(joined, dtype=_INT64) if joined else torch.empty(0, dtype=_INT64)
-    return out
+def device_units(nodes: Sequence[TreeNode], index: Mapping[str, int]) -> Raw:
+    """Per tree pool of ``index``, the device units of ``nodes`` in order as int64 bytes (their
+    stored bytes joined: what the copy and the tree both take, no tensor per pool or node)."""
+    return {name: b"".join([node.device_raw[p] or b"" for node in nodes]) for name, p in index.items()}
 
 
 def unit_counts(node: TreeNode, index: Mapping[str, int]) -> dict[str, int]:
@@ -67,9 +64,9 @@ def unit_counts(node: TreeNode, index: Mapping[str, int]) -> dict[str, int]:
     return {name: len(node.device_raw[p] or b"") // UNIT for name, p in index.items()}
 
 
-def joined(allocated: Sequence[Units]) -> Units:
-    """Per pool, the units of a node-at-a-time allocation joined in node order (the shape one
-    allocation for the whole batch has)."""
-    if len(allocated) <= 1:
-        return allocated[0] if allocated else {}
-    return {name: torch.cat([units[name] for units in allocated]) for name in allocated[0]}
+def joined(allocated: Sequence[Units]) -> Raw:
+    """Per pool, the units of a node-at-a-time allocation joined in node order as int64 bytes
+    (what one allocation for the whole batch gives)."""
+    if not allocated:
+        return {}
+    return {name: b"".join([units[name].numpy().tobytes() for units in allocated]) for name in allocated[0]}

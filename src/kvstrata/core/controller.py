@@ -52,14 +52,8 @@ from kvstrata.core.builder import (
 )
 from kvstrata.core.collective import Collective, agreement_for
 from kvstrata.core.config import KvstrataConfig
-from kvstrata.core.lease import (
-    CacheFullError,
-    Lease,
-    allocate_units,
-    device_full,
-    require_lease,
-    take_for_insert,
-)
+from kvstrata.core.lease import CacheFullError, Lease, require_lease
+from kvstrata.core.lease_units import allocate_units, device_full, take_for_insert
 from kvstrata.core.metrics import SkipReason
 from kvstrata.core.pool_group import Pool
 from kvstrata.core.prefetcher import Prefetcher, PrefetchMode
@@ -255,7 +249,8 @@ class CacheController(UnitMemory, ClosingApi):
             self.metrics.fail()
             pinned = self.parts.retention.pinned_pages
             raise device_full(self.layout, lease, end, self.units, pinned, too_long=not fits)
-        self.units.free(_DEVICE, lease.add_allocation(self.layout, got, end))
+        if dropped := lease.add_allocation(self.layout, got, end):  # a window pool's stale units
+            self.units.free(_DEVICE, dropped)
         if self.layout.self_owned:  # the tensors are the caller's: the lease keeps bytes of its own
             return got[0]
         return {name: got[0][owner] for name, owner in self.layout.owner_of.items()}
@@ -267,7 +262,7 @@ class CacheController(UnitMemory, ClosingApi):
         keep it (and its place in the tree) for the next chunk. A state pool's slot must hold
         the state after the last inserted page: each insert is a checkpoint -- where the last
         ``allocate`` ended there; one that ran on into a partial page records none (its slot
-        holds a later state: see :func:`~kvstrata.core.lease.take_for_insert`)."""
+        holds a later state: see :func:`~kvstrata.core.lease_units.take_for_insert`)."""
         self._check_lease(lease)
         self._drain()
         end = lease.pages
@@ -329,7 +324,8 @@ class CacheController(UnitMemory, ClosingApi):
     def _check_lease(self, lease: Lease) -> None:
         if self._closed:  # (``_check_open`` inline: every call of a chunk checks a lease)
             raise RuntimeError("cache is closed")
-        require_lease(lease, self)
+        if type(lease) is not Lease or lease._issuer is not self:  # (require_lease's one test)
+            require_lease(lease, self)
         if lease.closed:
             raise RuntimeError("lease is closed (inserted or released)")
 

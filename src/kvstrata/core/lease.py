@@ -22,7 +22,6 @@ from kvstrata.core.tree_bytes import UNIT, unit_tensor
 if TYPE_CHECKING:
     from kvstrata.core.prefetch_op import PrefetchOp
     from kvstrata.core.retention import Pin, RetentionHint
-    from kvstrata.core.tier_units import TierUnits
 
 
 # Enum member lookups (``PoolKind.PAGES``) go through a descriptor (~0.1 us each), and every
@@ -136,7 +135,8 @@ class Lease:
     def extend(self, tokens: Sequence[int] | torch.Tensor) -> int:
         """Append tokens (the next prefill chunk, or decoded tokens); returns the whole pages
         this completed. Units for them come from the next ``allocate``."""
-        self._require_open()
+        if self.closed:
+            self._require_open()
         # each whole page's key straight from the token bytes (as ``page_keys`` makes them): one
         # copy of the chunk, no tensor to build, join or slice per chunk
         new = token_bytes(tokens)  # checked ids, int64 bytes
@@ -290,7 +290,7 @@ class Lease:
                 self._allocated_first[tp.name] = first
         self._allocated = pending
         self.allocated_pages = end
-        return unit_arrays(dropped)
+        return unit_arrays(dropped) if dropped else {}
 
     def mark_inserted(self, tree: PrefixTree, node: TreeNode, end: int, rest: dict[str, bytes]) -> None:
         """``insert``: pages through ``end`` are in the tree, ending at ``node``: move the device
@@ -379,121 +379,7 @@ def prefix_units(
     return units, first
 
 
-# --- the units a lease holds between allocate and insert ------------------------------------------
-
-
-def allocation_needs(layout: StackLayout, lease: Lease, end: int) -> dict[str, int]:
-    """Units per tree pool that pages ``[lease.allocated_pages, end)`` must have: every page for
-    all-pages pools, the pages of the trailing window for window pools (the rest of their pages
-    are :func:`window_extras`, taken only where room is spare), one slot per insert for state
-    pools."""
-    new = end - lease.allocated_pages
-    pending = lease._allocated or {}
-    needs = {}
-    for tp in layout.tree_pools.values():
-        if tp.kind is _PAGES:
-            needs[tp.name] = new
-        elif tp.kind is _WINDOW:
-            needs[tp.name] = min(tp.window, new)
-        else:
-            needs[tp.name] = 1 if new > 0 and not pending.get(tp.name) else 0
-    return needs
-
-
-def device_full(
-    layout: StackLayout, lease: Lease, end: int, units: TierUnits, pinned: int = 0, too_long: bool = False
-) -> CacheFullError:
-    """The error of an ``allocate`` the device tier cannot hold even after evicting: what was
-    asked per pool, what each pool has, what pins hold, and what to change."""
-    needs = allocation_needs(layout, lease, end)
-    allocators = {pool: units.pools.pools[pool].device_allocator for pool in needs}
-    sizes = {pool: allocator.units for pool, allocator in allocators.items()}
-    short = {p: n - allocators[p].available for p, n in needs.items() if n > allocators[p].available}
-    pins = (
-        f"; {pinned} device pages are pinned (RetentionHint(pin=True): cache.unpin(lease) releases "
-        "them, policy.retention.max_pinned_fraction caps them)"
-        if pinned
-        else ""
-    )
-    return CacheFullError(
-        f"device tier cannot hold {end - lease.allocated_pages} new pages ({needs}) even after "
-        f"evicting every unlocked page (device units per pool: {sizes}; the request's own "
-        f"prefix stays locked{pins}): raise tiers.device.capacity_tokens (or the pool's "
-        "device_units) or admit fewer requests at once",
-        short,
-        too_long,
-    )
-
-
-def window_extras(layout: StackLayout, lease: Lease, end: int) -> dict[str, int]:
-    """Per window pool, the new pages of ``[lease.allocated_pages, end)`` before its trailing
-    window: a prefill computes their window data, and keeping it lets a later request reuse any
-    prefix of this one (not only one ending where this allocation ends). Best effort: these units
-    come from free units and out-of-window data only, never from what a cached prefix needs."""
-    new = end - lease.allocated_pages
-    return {tp.name: new - tp.window for tp in layout.windowed if new > tp.window}
-
-
-def allocate_units(
-    units: TierUnits, layout: StackLayout, lease: Lease, end: int, window_only: bool = False
-) -> tuple[dict[str, torch.Tensor], dict[str, bytes]] | None:
-    """Device units for pages ``[lease.allocated_pages, end)`` per tree pool (evicting what it
-    must for :func:`allocation_needs`, then, unless ``window_only``, :func:`window_extras` where
-    room is spare), or None: as tensors for the engine and as int64 bytes for the lease."""
-    got = units.alloc(_DEVICE, allocation_needs(layout, lease, end), arrays=True)
-    if got is None:
-        return None
-    extras = window_extras(layout, lease, end) if layout.windowed and not window_only else None
-    if extras:
-        try:  # the spare units evict out-of-window data: anything raising there frees ``got``
-            spares = units.alloc_spare(_DEVICE, extras)
-        except BaseException:
-            units.free(_DEVICE, got)  # type: ignore[arg-type]
-            raise
-        for name, spare in spares.items():
-            got[name] = np.concatenate([spare.numpy(), got[name]])
-    tensors: dict[str, torch.Tensor] = {}
-    raw: dict[str, bytes] = {}
-    for name, array in got.items():
-        tensors[name] = torch.from_numpy(array) if array.shape[0] else NO_UNITS
-        raw[name] = array.tobytes()
-    return tensors, raw
-
-
 def unit_arrays(raw: Mapping[str, bytes]) -> dict[str, np.ndarray]:
     """Per pool, int64 bytes as (read-only) arrays, pools with none left out: what the
     allocators' ``free`` takes."""
     return {name: np.frombuffer(units, dtype=np.int64) for name, units in raw.items() if units}
-
-
-def take_for_insert(layout: StackLayout, lease: Lease, end: int) -> tuple[dict[str, bytes], dict[str, bytes]]:
-    """Split the pending units into the values of pages ``[committed_pages, end)`` (what the tree
-    gets) and the rest (units of pages at or after ``end``, kept for the next insert).
-
-    A state pool's working slot becomes the checkpoint at ``end`` only where the allocation ends
-    there too: once a partial page is allocated beyond ``end`` the engine runs its state on into
-    that page (in place: it has no other slot), so the slot no longer holds the state after
-    ``end`` -- committed there, it would serve a later request the state of tokens it never
-    had. It stays pending instead (freed at close): the node at ``end`` has no checkpoint, and a
-    match never ends there (insert before allocating a partial page to keep one)."""
-    new = end - lease.committed_pages
-    after = lease.allocated_pages - end  # pages allocated beyond ``end`` (a partial page)
-    pending_all = lease._allocated or {}
-    if not after and not layout.windowed:  # every pending unit is of pages up to ``end`` (a chunk)
-        taken = {name: v for name, v in pending_all.items() if v}
-        return taken, dict.fromkeys(pending_all, b"")
-    values: dict[str, bytes] = {}
-    rest: dict[str, bytes] = {}
-    for tp in layout.tree_pools.values():
-        pending = pending_all.get(tp.name, b"")
-        if tp.kind is _PAGES:
-            cut = new * UNIT
-            values[tp.name], rest[tp.name] = pending[:cut], pending[cut:]
-        elif tp.kind is _WINDOW:
-            keep = max(len(pending) - after * UNIT, 0)
-            values[tp.name], rest[tp.name] = pending[:keep], pending[keep:]
-        elif after:  # the working slot runs past ``end`` (see above): not a checkpoint of it
-            values[tp.name], rest[tp.name] = b"", pending
-        else:
-            values[tp.name], rest[tp.name] = pending, b""
-    return {name: v for name, v in values.items() if v}, rest

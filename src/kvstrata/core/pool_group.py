@@ -39,7 +39,7 @@ from pydantic import ValidationError
 from kvstrata.core.allocator import UnitAllocator
 from kvstrata.core.buffers import EngineTensor, HostAllocatorFn, PoolBuffers, engine_tensor_units
 from kvstrata.core.config import HostTierConfig, KvstrataConfig, anchor_instances, dotted
-from kvstrata.core.transfer import TransferHandle, as_index, copy_units
+from kvstrata.core.transfer import TransferHandle, as_index, copy_unit_bytes, copy_units
 from kvstrata.plugins.errors import ConfigError
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.pool_type import (
@@ -431,7 +431,7 @@ class PoolGroup:
         device_indices: torch.Tensor | Sequence[int],
         host_indices: torch.Tensor | Sequence[int],
     ) -> list[TransferHandle]:
-        """Back up units of ``owner`` and of every sidecar following its indices."""
+        """Back up units of ``owner`` and every sidecar following its indices (or int64 bytes)."""
         return self._copy_followers(owner, device_indices, host_indices, to_host=True)
 
     def host_to_device(
@@ -459,6 +459,8 @@ class PoolGroup:
         ]
         if not pairs:
             return []
+        if type(src_indices) is bytes and type(dst_indices) is bytes:  # int64 bytes: no tensors
+            return [copy_unit_bytes(src, src_indices, dst, dst_indices) for src, dst in pairs]
         src_idx, dst_idx = as_index(src_indices), as_index(dst_indices)
         return [copy_units(src, src_idx, dst, dst_idx) for src, dst in pairs]
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 from collections import deque
+from collections.abc import Sequence
 from itertools import repeat
 
 import numpy as np
@@ -105,8 +106,9 @@ def _blocks_of_last_dim(view: torch.Tensor) -> tuple[int, list[int]]:
 #: the ``(U, L, W)`` view pairs of a copy between two CPU tiers, as numpy arrays sharing their memory
 UnitArrays = list[tuple[np.ndarray, np.ndarray]]
 
-#: a few bounds-checked unit indices, and the start of their ascending run (None: not one)
-IndexList = tuple[list[int], int | None]
+#: a few bounds-checked unit indices (a list, a ``range`` or an int64 array), and the start of
+#: their ascending run (None: not one)
+IndexList = tuple[Sequence[int] | np.ndarray, int | None]
 
 #: most bytes a scattered direct copy gathers into a temporary (above: the general path, whose
 #: scatter is one pass of memmoves with no temporary)
@@ -143,6 +145,9 @@ def copy_few(arrays: UnitArrays, src: IndexList, dst: IndexList) -> bool:
         return True
     if count * sum(array[0].nbytes for array, _ in arrays) > MAX_GATHER_BYTES:
         return False
+    # a side that is a run is a slice (no index array built from it)
+    src_rows = slice(src_run, src_run + count) if src_run is not None else src_units
+    dst_rows = slice(dst_run, dst_run + count) if dst_run is not None else dst_units
     for src_array, dst_array in arrays:
-        dst_array[dst_units] = src_array[src_units]
+        dst_array[dst_rows] = src_array[src_rows]
     return True

@@ -10,14 +10,20 @@ held as an engine's per-layer tensors (:meth:`PoolBuffers.from_tensors`) is copi
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.pinned_alias import aliased_pairs, prefer_kernels
 from kvstrata.core.row_copy import IndexList, UnitArrays, copy_few, copy_rows, unit_arrays
+from kvstrata.core.tree_bytes import UNIT, unit_tensor
+
+#: the byte order of int64 unit bytes (numpy's native one, as the tree stores them)
+_ORDER = sys.byteorder
 
 
 def as_index(indices: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -265,6 +271,42 @@ def _index_list(pool: PoolBuffers, indices: torch.Tensor | Sequence[int]) -> Ind
     if low < 0 or high >= pool.units:
         pool.check_indices(indices)  # raises with the pool's message
     return values, run
+
+
+def _raw_index(pool: PoolBuffers, raw: bytes) -> IndexList:
+    """Units held as int64 bytes (the tree's, a lease's, an allocation's ``tobytes``) as a
+    bounds-checked :data:`~kvstrata.core.row_copy.IndexList`: a run is told by its ends and one
+    compare with the run's own bytes, so no tensor, list or reduction is made for it."""
+    count = len(raw) // UNIT
+    if count * UNIT != len(raw):
+        raise ValueError(f"unit indices as int64 bytes: {len(raw)} bytes is not a whole number of them")
+    first = int.from_bytes(raw[:UNIT], _ORDER, signed=True)
+    last = int.from_bytes(raw[-UNIT:], _ORDER, signed=True)
+    units: range | np.ndarray
+    if last - first == count - 1 and raw == np.arange(first, last + 1, dtype=np.int64).tobytes():
+        units, run, low, high = range(first, last + 1), first, first, last
+    else:
+        units, run = np.frombuffer(raw, dtype=np.int64), None
+        low, high = int(units.min()), int(units.max())
+    if low < 0 or high >= pool.units:
+        pool.check_indices(unit_tensor(raw))  # raises with the pool's message
+    return units, run
+
+
+def copy_unit_bytes(src: PoolBuffers, src_raw: bytes, dst: PoolBuffers, dst_raw: bytes) -> TransferHandle:
+    """:func:`copy_units` for units held as int64 bytes (what the tree stores and the allocators'
+    arrays give): a few between CPU tiers checked and copied straight from the bytes (a
+    write-through batch copies a few dozen units per pool, where building tensors and lists of
+    them cost more than the copy), else through :func:`copy_units`."""
+    if len(src_raw) != len(dst_raw):
+        raise ValueError(f"index lists differ in length: {len(src_raw) // UNIT} vs {len(dst_raw) // UNIT}")
+    arrays = _view_pairs(src, dst).arrays
+    if arrays is not None and len(src_raw) <= _SMALL_INDEX * UNIT:
+        if not src_raw:
+            return TransferHandle()
+        if copy_few(arrays, _raw_index(src, src_raw), _raw_index(dst, dst_raw)):
+            return TransferHandle()
+    return copy_units(src, unit_tensor(src_raw), dst, unit_tensor(dst_raw))
 
 
 def copy_units(

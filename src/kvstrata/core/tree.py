@@ -247,7 +247,7 @@ class PrefixTree:
         ``at``: a node of the tree to insert below; ``keys`` are then the pages after it. A
         request extending its own prefix chunk by chunk pays only for its new pages.
         """
-        if at is not None and at is not self.root:
+        if at is not None and at is not self.root and at.parent is None:  # (the one check per chunk)
             self._require_node(at)
         result = self._inserter.insert(keys, values, _DEVICE, at)
         if self.evictor.hears:

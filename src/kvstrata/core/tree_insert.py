@@ -218,7 +218,7 @@ class TreeInserter:
         top.add_child(keys[0], node)
         for p, value in enumerate(given):
             if value is not None:
-                self._set(node, tier, p, unit_bytes(value))
+                self._set(node, tier, p, value if type(value) is bytes else unit_bytes(value))
         clock = self._clock
         clock.tick += 1
         node.last_access = clock.tick

@@ -57,12 +57,14 @@ class UnitMemory:
         once: a slot the engine already runs in (no new one since) is returned as it is, never
         reset to the checkpoint; with nothing to compute (a chunk the cache held whole) there is
         no slot and the units are empty."""
-        require_lease(lease, self)
+        if type(lease) is not Lease or lease._issuer is not self:  # (require_lease's one test)
+            require_lease(lease, self)
         if lease.closed:
             raise RuntimeError("lease is closed (inserted or released)")
         out: dict[str, torch.Tensor] = {}
-        node = lease.node
-        for name, p, followers in self._state_pools():
+        node, forks = lease.node, self._forks  # (the plan made once per layout: read it inline)
+        plan = forks[1] if forks is not None and forks[0] is self.layout.tree_pools else self._state_pools()
+        for name, p, followers in plan:
             pending = lease.slot_to_fork(name)
             if pending is None:
                 if lease.pages > lease.allocated_pages:

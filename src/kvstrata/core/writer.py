@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.core.admission import make_admission
-from kvstrata.core.backup_plan import Units, backup_candidates, device_units, joined, unit_counts
+from kvstrata.core.backup_plan import Raw, Units, backup_candidates, device_units, joined, unit_counts
 from kvstrata.core.component_backup import copy_components, only_pools
 from kvstrata.core.l3_values import (
     PageHashes,
@@ -40,7 +40,7 @@ from kvstrata.core.stack import PoolKind, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.storage_metrics import StorageOperation
 from kvstrata.core.tree import MatchResult, PageKey, Tier, TreeNode, tree_path
-from kvstrata.core.tree_bytes import unit_tensor
+from kvstrata.core.tree_bytes import UNIT, unit_tensor
 from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
 from kvstrata.core.write_back import (
     OpenBackups,
@@ -180,22 +180,24 @@ class Writer:
         if not todo:
             return []
         # every page entering the host tier (the filter's or not: write-back, a refill's prefix)
-        self.metrics.count(Operation.HOST_ADMITTED, device[self.layout.anchor].shape[0])
+        self.metrics.count(Operation.HOST_ADMITTED, len(device[self.layout.anchor]) // UNIT)
         self._copy_down(todo, device, host)
         return todo
 
-    def _host_units(self, candidates: list[TreeNode]) -> tuple[list[TreeNode], Units, Units]:
+    def _host_units(self, candidates: list[TreeNode]) -> tuple[list[TreeNode], Raw, Raw]:
         """Host units for the leading candidates: the nodes, and per tree pool their device units
-        and the host units, both in node order. All at once from free units, else a node at a
-        time (evicting, or waiting for L3 writes), stopping at the first that does not fit."""
+        and the host units, both in node order as int64 bytes. All at once from free units, else
+        a node at a time (evicting, or waiting for L3 writes), stopping at the first that does
+        not fit."""
         if not candidates:
             return [], {}, {}
         index = self.tree.index  # the tree pools, anchor first
         device = device_units(candidates, index)
         if len(candidates) > 1:
-            got = self.units.try_alloc(Tier.HOST, {name: units.shape[0] for name, units in device.items()})
+            needs = {name: len(units) // UNIT for name, units in device.items()}
+            got = self.units.try_alloc(Tier.HOST, needs, arrays=True)
             if got is not None:  # never evicts
-                return candidates, device, got
+                return candidates, device, {name: units.tobytes() for name, units in got.items()}
         todo: list[TreeNode] = []
         allocated: list[Units] = []
         for node in candidates:
@@ -227,20 +229,21 @@ class Writer:
             self.back_up(match.path, hashes=hashes)
         return all(self.tree.backed_up(n) for n in match.path)
 
-    def _copy_down(self, nodes: Sequence[TreeNode], devices: Units, hosts: Units) -> None:
+    def _copy_down(self, nodes: Sequence[TreeNode], devices: Raw, hosts: Raw) -> None:
         """Device -> host copies of ``nodes`` (per pool, their device units in order) into
-        ``hosts`` (per pool, as many host units): one copy per pool, then the host units
-        recorded in the tree, each node taking as many as it holds on the device."""
+        ``hosts`` (per pool, as many host units; both int64 bytes, as the tree stores them): one
+        copy per pool, then the host units recorded in the tree, each node taking as many as it
+        holds on the device."""
         handles = []
         nbytes = 0
         stored: dict[str, bytes] = {}
         tree_pools = self.layout.tree_pools
         for name, host in hosts.items():
-            if not host.shape[0]:
+            if not host:
                 continue
             handles += self.pools.device_to_host(name, devices[name], host)
-            nbytes += host.shape[0] * unit_bytes(self.pools, tree_pools[name])
-            stored[name] = host.numpy().tobytes()  # the tree stores int64 bytes: converted once
+            nbytes += len(host) // UNIT * unit_bytes(self.pools, tree_pools[name])
+            stored[name] = host
         for handle in handles:
             handle.wait()
         self.tree.set_host_values(nodes, stored)
