@@ -79,3 +79,32 @@ def test_selective_write_through_backs_up_the_checkpoint_once_its_node_is_hot(tm
         shared = cache.tree.match(cache.tree.keys_of(a[: 3 * PAGE]), count_hit=False).path[-1]
         assert shared.host_raw[cache.tree.index["mamba"]] is not None
     _restores_from_l3("hybrid-mamba", tmp_path, torch.cat([a[: 3 * PAGE], tokens(77, 2)]), 3)
+
+
+@pytest.mark.parametrize("stack", ["hybrid-mamba", "swa-mamba"])
+def test_write_back_backs_up_the_checkpoint_a_backed_up_node_gained_before_evicting_it(
+    stack: str, tmp_path: Path
+) -> None:
+    """Write-back backs up what eviction drops, but chose by the anchor: a node whose pages were
+    on the host already lost the checkpoint B left in it when it was evicted (a lookup of its
+    prefix then found 0 of 3 pages: an incomplete stack)."""
+    a = tokens(81, 6)
+    b = torch.cat([a[: 3 * PAGE], tokens(82, 3)])
+    with open_cache(stack, tmp_path, ["policy.write=write_back", *WAIT]) as cache:
+        filler = cache.pools.device_pages - 2
+        _serve_in_two_chunks(cache, a, 6)
+        _serve_in_two_chunks(cache, tokens(83, filler), filler)  # evicts A: backed up whole
+        _serve_in_two_chunks(cache, a, 6)  # A on the device again, its host copy kept
+        _serve_in_two_chunks(cache, b, 3)  # splits it at 3 and checkpoints there
+        shared = cache.tree.match(cache.tree.keys_of(a[: 3 * PAGE]), count_hit=False).path[-1]
+        state = cache.tree.index["mamba"]
+        assert shared.host_raw[0] is not None and shared.host_raw[state] is None
+        _serve_in_two_chunks(cache, tokens(84, filler), filler)  # evicts A's nodes again
+        assert shared.device_raw[0] is None and shared.host_raw[state] is not None
+        lease = cache.lookup(torch.cat([a[: 3 * PAGE], tokens(85, 2)]))
+        cache.admit(lease)
+        assert (lease.cached_pages, lease.hit_pages["host"]) == (3, 3), lease.skipped
+        assert verify(cache, lease) == 0
+        cache.release(lease)
+        cache.flush()
+    _restores_from_l3(stack, tmp_path, torch.cat([a[: 3 * PAGE], tokens(86, 2)]), 3)

@@ -152,3 +152,15 @@ def node_hashes_from_path(
         known[n] = hashes[offset : offset + n.pages]
         offset += n.pages
     return known[node]
+
+
+def path_hashes(tree: PrefixTree, node: TreeNode, page_size: int, namespace_root: str) -> PageHashes:
+    """The page hashes of ``node``'s whole prefix, rebuilt from its path when needed (write-back
+    evicts with no request's hashes at hand)."""
+
+    def hashes() -> list[str]:
+        known: dict[TreeNode, list[str]] = {}
+        node_hashes_from_path(tree, node, page_size, namespace_root, known)
+        return [h for n in tree_path(tree, node) for h in known[n]]
+
+    return hashes

@@ -137,6 +137,20 @@ def eviction_backups(tree: PrefixTree, layout: StackLayout, shortfall: Mapping[s
     return sorted(chosen, key=lambda n: n.depth_end)
 
 
+def gained_components(tree: PrefixTree, layout: StackLayout) -> list[TreeNode]:
+    """Write-back: device nodes already backed up holding a component (a checkpoint a later
+    request left where it split the node, window data) that is not, unlocked, root first. Their
+    backup predates it, so :func:`eviction_backups` skips them, and eviction dropped the only
+    copy: a prefix ending there was lost to the host tier and L3."""
+    found: dict[TreeNode, None] = {}
+    for name in list(layout.tree_pools)[1:]:  # (the anchor is the first tree pool)
+        p = tree.index[name]
+        for node in tree.holding(name, Tier.DEVICE):
+            if node.host_raw[0] is not None and node.host_raw[p] is None and not node.device_lock[p]:
+                found[node] = None
+    return sorted(found, key=lambda n: n.depth_end)
+
+
 def device_only_ancestors(tree: PrefixTree, nodes: Sequence[TreeNode]) -> list[TreeNode]:
     """The ancestors of ``nodes`` with no host copy, root first: write-back backs them up with
     the nodes it evicts, so what reaches L3 has its prefix there too (one walk per path, each

@@ -32,6 +32,7 @@ from kvstrata.core.l3_values import (
     PerPool,
     host_values_per_pool,
     node_hashes_from_path,
+    path_hashes,
     trailing_windows,
 )
 from kvstrata.core.metrics import CacheMetrics, Operation, count_failure
@@ -49,6 +50,7 @@ from kvstrata.core.write_back import (
     StoredWindowEnds,
     device_only_ancestors,
     eviction_backups,
+    gained_components,
     host_locks,
     with_backed_up_prefix,
 )
@@ -263,6 +265,7 @@ class Writer:
             if self.engine is not None and nodes:
                 above = self.copy_to_host(device_only_ancestors(self.tree, nodes))
                 self._queue_write(with_backed_up_prefix(self.tree, above + nodes), None)
+            _back_up_gained(self)  # and components nodes backed up earlier gained since
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
 
@@ -435,19 +438,44 @@ def _back_up_chain(writer: Writer, chain: OpenChain) -> None:
     since = chain.since
     ends = [since] if since is not None and since.depth_end == chain.cached else []
     for end in ends + earlier:
-        # (storage admission refused the prefix: its own write carries it)
-        if end not in writer.window_ends and end not in writer._refused:
-            writer._submit([end], trailing_windows(writer.tree, writer.layout, end, chain.hashes), [end])
+        _window_end_to_l3(writer, end, chain.hashes)
 
 
-def _back_up_components(writer: Writer, nodes: Sequence[TreeNode], hashes: PageHashes) -> None:
-    """Host copies and the L3 write of the components ``nodes`` gained after their backup."""
+def _back_up_gained(writer: Writer) -> None:
+    """Write-back, before an eviction: the components nodes gained after their backup (see
+    :func:`~kvstrata.core.write_back.gained_components`) to the host and L3, and the window
+    ending at such a node (a prefix end inside the node L3 got it with) to L3."""
+    gained = gained_components(writer.tree, writer.layout)
+    if not gained:
+        return
+    _back_up_components(writer, gained, None)
+    for node in gained if writer.engine is not None and writer.layout.windowed else ():
+        _window_end_to_l3(
+            writer, node, path_hashes(writer.tree, node, writer.page_size, writer.namespace_root)
+        )
+
+
+def _window_end_to_l3(writer: Writer, end: TreeNode, hashes: PageHashes) -> None:
+    """The last window ending at ``end`` to L3, where a prefix ends inside the node L3 got it
+    with (storage admission refused the prefix: its own write carries it)."""
+    if end not in writer.window_ends and end not in writer._refused:
+        writer._submit([end], trailing_windows(writer.tree, writer.layout, end, hashes), [end])
+
+
+def _back_up_components(writer: Writer, nodes: Sequence[TreeNode], hashes: PageHashes | None) -> None:
+    """Host copies and the L3 write of the components ``nodes`` gained after their backup
+    (``hashes``: the request's page hashes; None: hashed from the nodes' path)."""
     copied, names = copy_components(writer.context, nodes)
     copied = [node for node in copied if node not in writer._refused]  # storage admission's call
     if writer.engine is None or not copied:
         return
     per_pool, ends = host_values_per_pool(
-        writer.tree, writer.layout, writer.namespace_root, copied, hashes(), writer.window_ends
+        writer.tree,
+        writer.layout,
+        writer.namespace_root,
+        copied,
+        hashes() if hashes else None,
+        writer.window_ends,
     )
     windows = any(writer.layout.tree_pools[name].kind is PoolKind.WINDOW for name in names)
     writer._submit(copied, only_pools(per_pool, writer.layout, names), ends if windows else ())
