@@ -176,3 +176,43 @@ def test_groups_anchor_first_with_their_hit_rules() -> None:
 def test_unsupported_groups_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="CrossAttentionSpec"):
         describe_groups(_kv_cache_config((_attention(cls=CrossAttentionSpec), ["x"])))
+
+
+def _hub_namespace(cache: Path, model_id: str) -> str:
+    """The namespace of an engine serving hub model ``model_id`` (no revision: its main branch)
+    that vLLM downloaded into ``cache`` (its ``download_dir``)."""
+    config = _vllm_config(model_id)
+    config.load_config = SimpleNamespace(download_dir=str(cache))
+    kv = _kv_cache_config((_attention(), ["layers.0.self_attn"]))
+    return identity_of(build_layout(config, kv, model_name=None, weights=None), ParallelConfig()).namespace
+
+
+def _push(cache: Path, model_id: str, commit: str, weights: bytes) -> None:
+    """Hugging Face's cache after downloading ``model_id``'s main branch at ``commit``."""
+    repo = cache / f"models--{model_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot / "model.safetensors").write_bytes(weights)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_a_hub_model_is_named_by_the_weights_of_its_downloaded_snapshot(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hub id without a revision was keyed by its name and ``revision=None``: new weights pushed
+    under the same id were served the old weights' KV. The namespace now covers the weights of the
+    snapshot vLLM downloaded; the same weights under another commit keep theirs."""
+    cache = tmp_path / "hub"
+    _push(cache, "org/tiny", "a" * 40, b"weights-1")
+    first = _hub_namespace(cache, "org/tiny")
+    _push(cache, "org/tiny", "b" * 40, b"weights-2")  # main moved to new weights
+    assert _hub_namespace(cache, "org/tiny") != first
+    _push(cache, "org/tiny", "c" * 40, b"weights-1")  # the first weights again, another commit
+    assert _hub_namespace(cache, "org/tiny") == first
+    with caplog.at_level("WARNING", logger="kvstrata"):
+        _hub_namespace(cache, "org/never-downloaded")
+    assert any(
+        "model.weights" in r.getMessage() and "org/never-downloaded" in r.getMessage() for r in caplog.records
+    )

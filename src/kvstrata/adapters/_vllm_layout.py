@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from kvstrata.plugins import (
     PoolSpec,
     Replication,
 )
+
+log = logging.getLogger(__name__)
 
 #: kvstrata pool type of vLLM blocks (opaque bytes; backends storing every type take them).
 POOL_TYPE = "vllm_block"
@@ -188,12 +191,31 @@ def describe_groups(kv_cache_config: Any, group_ids: Sequence[int] | None = None
     return groups
 
 
-def weights_digest(model_path: str) -> str | None:
-    """xxh3-128 of every weight file (name and all bytes) of a local model directory, or None
-    when ``model_path`` is not a directory (a hub id: the id and revision identify the weights)."""
+def hub_snapshot(model_id: str, revision: str | None, cache_dir: str | None) -> Path | None:
+    """The local snapshot folder of hub model ``model_id`` at ``revision`` (default: its main
+    branch), where vLLM downloaded it (Hugging Face's cache, or vLLM's ``download_dir``), or
+    None: huggingface_hub absent, not a hub id, not downloaded there."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    try:
+        found = snapshot_download(model_id, revision=revision, cache_dir=cache_dir, local_files_only=True)
+    except (OSError, ValueError):  # not cached (LocalEntryNotFoundError), not a repo id
+        return None
+    return Path(found)
+
+
+def weights_digest(model_path: str, revision: str | None = None, cache_dir: str | None = None) -> str | None:
+    """xxh3-128 of every weight file (name and all bytes) of a local model directory -- for a hub
+    id, of its downloaded snapshot: a branch name says nothing of which weights it held when they
+    were downloaded -- or None where neither is found."""
     root = Path(model_path)
     if not root.is_dir():
-        return None
+        snapshot = hub_snapshot(model_path, revision, cache_dir)
+        if snapshot is None:
+            return None
+        root = snapshot
     hasher = xxhash.xxh3_128()
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
     for path in files:
@@ -237,11 +259,22 @@ def build_layout(
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     model_path = str(model_config.model)
-    digest = weights if weights is not None else weights_digest(model_path)
+    revision = getattr(model_config, "revision", None)
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    digest = weights if weights is not None else weights_digest(model_path, revision, download_dir)
+    if digest is None:
+        log.warning(
+            "kvstrata: the weights of model %r were found neither in a local directory nor in the "
+            "Hugging Face cache; its stored KV is keyed by the name and revision %r only: pin a "
+            "commit as the revision, or set the connector's model.weights, or an engine on other "
+            "weights under that name is served this one's KV",
+            model_path,
+            revision,
+        )
     facts = {
         "engine": "vllm",
         # a local directory is named by its weights digest, not its path: two hosts share entries
-        "model": model_name or (Path(model_path).name if digest is not None else model_path),
+        "model": model_name or (Path(model_path).name if Path(model_path).is_dir() else model_path),
         "revision": str(getattr(model_config, "revision", None)),
         "weights": digest,
         "config": config_digest(model_config),
