@@ -207,15 +207,13 @@ def hub_snapshot(model_id: str, revision: str | None, cache_dir: str | None) -> 
 
 
 def weights_digest(model_path: str, revision: str | None = None, cache_dir: str | None = None) -> str | None:
-    """xxh3-128 of every weight file (name and all bytes) of a local model directory -- for a hub
-    id, of its downloaded snapshot: a branch name says nothing of which weights it held when they
-    were downloaded -- or None where neither is found."""
+    """xxh3-128 of every weight file (name and all bytes) of a local model directory; for a hub
+    id, the commit of the snapshot vLLM downloaded (a snapshot's files never change, a branch
+    name's do: it says nothing of the weights it held then); None where neither is found."""
     root = Path(model_path)
     if not root.is_dir():
         snapshot = hub_snapshot(model_path, revision, cache_dir)
-        if snapshot is None:
-            return None
-        root = snapshot
+        return f"hub-commit:{snapshot.name}" if snapshot is not None else None
     hasher = xxhash.xxh3_128()
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
     for path in files:
