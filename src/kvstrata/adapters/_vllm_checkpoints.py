@@ -29,7 +29,7 @@ def handed_over(scheduler_output: Any) -> dict[str, list[Checkpoint]]:
     block table's position can name another after a copy-on-write or a speculative block's
     move); empty where this vLLM hands none over."""
     block_state = getattr(scheduler_output, "kv_connector_block_state", None)
-    return dict(getattr(block_state, "boundary_state_offloads", None) or {})
+    return getattr(block_state, "boundary_state_offloads", None) or {}
 
 
 def restarted(scheduler_output: Any) -> set[str]:
@@ -37,10 +37,7 @@ def restarted(scheduler_output: Any) -> set[str]:
     preemption (they prefill the tokens they had generated too)."""
     new = {getattr(r, "req_id", None) for r in getattr(scheduler_output, "scheduled_new_reqs", ()) or ()}
     cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-    resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
-    flags = getattr(cached, "resumed_from_preemption", None)  # the same, in older vLLMs
-    if flags:
-        resumed.update(r for r, flag in zip(getattr(cached, "req_ids", ()), flags, strict=False) if flag)
+    resumed = set(getattr(cached, "resumed_req_ids", ()) or ())  # (a vLLM without it: none)
     return {r for r in new if r is not None} | resumed
 
 
