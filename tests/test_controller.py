@@ -372,6 +372,34 @@ def test_a_request_longer_than_the_device_tier_evicts_nothing_before_it_is_refus
         assert again.hit_pages["device"] == 2, "the other prefix was not evicted for nothing"
 
 
+@pytest.mark.parametrize("host_tokens", [None, 0], ids=["host-tier", "no-host-tier"])
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_request_the_locked_prefixes_leave_no_room_for_evicts_nothing_before_it_is_refused(
+    stack: str, host_tokens: int | None
+) -> None:
+    # requests in flight lock most of the device tier: evicting every unlocked page cannot make
+    # the room, yet the cached prefix beside them was evicted first (without a host tier: lost)
+    host = [] if host_tokens is None else [f"tiers.host.capacity_tokens={host_tokens}"]
+    overrides = ["tiers.storage={}", *host]
+    with open_cache(stack, overrides=overrides) as cache:
+        room = cache.pools.device_pages
+        other = tokens(23, 2)
+        serve(cache, other)
+        running = cache.lookup(tokens(24, room - 3))
+        cache.admit(running)
+        fill(cache, running, cache.allocate(running))  # locked, not inserted: one page stays free
+        doomed = cache.lookup(tokens(25, 4))  # 1 free + 2 evictable < 4
+        cache.admit(doomed)
+        evicted = cache.metrics.snapshot()["evicted_units"]
+        with pytest.raises(CacheFullError, match="even after evicting"):
+            cache.allocate(doomed)
+        assert cache.metrics.snapshot()["evicted_units"] == evicted, "evicted for a refused request"
+        cache.release(doomed)
+        cache.insert(running)
+        again, bad = serve(cache, other)
+        assert again.hit_pages["device"] == 2 and bad == 0, "the cached prefix was not evicted for nothing"
+
+
 def test_bad_use_is_refused_clearly() -> None:
     with open_cache("kv") as cache:
         lease = cache.lookup(tokens(13, 2))

@@ -20,6 +20,7 @@ from kvstrata.core.metrics import CacheMetrics, Operation
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import NO_UNITS
 from kvstrata.core.tree import EvictionResult, PrefixTree, Tier, TreeNode
+from kvstrata.core.tree_eviction import room_by_evicting
 
 #: units per pool: index tensors, or (``arrays=True``) the numpy int64 arrays they would share
 Allocated = dict[str, torch.Tensor] | dict[str, np.ndarray]
@@ -103,15 +104,17 @@ class TierUnits:
         got = self.try_alloc(tier, needs, arrays=arrays)
         if got is not None:
             return got
+        shortfall = self._shortfall(tier, needs)
+        if not room_by_evicting(self.tree.evictor, tier, shortfall):
+            return None  # locked units fill the tier: evicting the rest would lose it for nothing
         if tier is Tier.DEVICE:
-            shortfall = self._shortfall(tier, needs)
             if self.before_device_eviction is not None:
                 self.before_device_eviction(shortfall)
             result = self.tree.evict_device(
                 shortfall, self.freer(Tier.DEVICE), delete_unbacked=self.delete_unbacked
             )
         else:
-            result = self.tree.evict_host(self._shortfall(tier, needs), self.freer(Tier.HOST))
+            result = self.tree.evict_host(shortfall, self.freer(Tier.HOST))
         self._observe(tier, result)
         got = self.try_alloc(tier, needs, arrays=arrays)
         if got is None and tier is Tier.DEVICE and not self.delete_unbacked:

@@ -36,6 +36,7 @@ import torch
 from kvstrata.core.tree_node import (
     _DEVICE,
     _HOST,
+    UNIT,
     EvictionResult,
     Membership,
     PoolLayout,
@@ -377,6 +378,28 @@ class TreeEvictor:
                 result._add_raw(name, value)
                 self._set(node, tier, p, None)
                 result.tombstoned += 1
+
+
+def room_by_evicting(evictor: TreeEvictor, tier: Tier, shortfall: Mapping[str, int]) -> bool:
+    """Whether evicting every unit of ``tier`` that no lock holds could cover ``shortfall``
+    (units per pool beyond the free ones). An upper bound: every rule above spares a unit whose
+    node holds a lock of its pool (a request's prefix, a pin, an L3 write's source), so an
+    allocation it rules out is refused before anything is evicted for it -- such an eviction
+    only loses cached pages (without a host tier, for good). Stops at the first units that
+    suffice: the oldest members, mostly unlocked, when the tier is simply full."""
+    dev = tier is _DEVICE
+    for name, want in shortfall.items():
+        if want <= 0:
+            continue
+        p, found = evictor._pool(name), 0
+        for node in evictor._members[tier][p]:
+            if not (node.device_lock if dev else node.host_lock)[p]:
+                found += len((node.device_raw if dev else node.host_raw)[p]) // UNIT  # type: ignore[arg-type]
+                if found >= want:
+                    break
+        else:
+            return False
+    return True
 
 
 def _in_tier(node: TreeNode, tier: Tier) -> bool:
