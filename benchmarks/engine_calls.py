@@ -12,10 +12,13 @@ with no cache around them, measured in the same round), and what the floor's chu
 the goal: how much of a chunk is the cache's bookkeeping, and how much no Python design avoids.
 
     python benchmarks/engine_calls.py [--pages N] [--chunk PAGES ...] [--l3] [--rounds N]
-                                      [--quick] [--json OUT]
+                                      [--insert-every N] [--quick] [--json OUT]
 
 The goal's chunk is 8 pages (512 tokens); 32 pages (2048 tokens) is measured
 beside it by default, so the tables show how the fixed cost per chunk fades with larger chunks.
+``--insert-every N`` (default 1, the goal's loop) inserts only every N-th chunk: an engine that
+leaves a state checkpoint (and a tree node) every N chunks instead of every chunk; ``insert``
+then reads per chunk, amortised (the floor keeps inserting every chunk).
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ import kvstrata
 CALLS = ("allocate", "fork_state", "insert", "extend")
 
 
-def chunked_calls(cache: kvstrata.CacheController, request: torch.Tensor, chunk: int) -> dict[str, float]:
-    """Seconds per call of each kind (thread CPU time), for one chunked request."""
+def chunked_calls(
+    cache: kvstrata.CacheController, request: torch.Tensor, chunk: int, insert_every: int = 1
+) -> dict[str, float]:
+    """Seconds per call of each kind (thread CPU time), for one chunked request (``insert_every``:
+    insert only every N-th chunk and the last; ``insert`` is then per chunk, amortised)."""
     clock = time.thread_time
     spent = dict.fromkeys(CALLS, 0.0)
     chunks = 0
@@ -52,7 +58,8 @@ def chunked_calls(cache: kvstrata.CacheController, request: torch.Tensor, chunk:
         cache.fork_state(lease)
         forked = clock()
         last = lease.pages * PAGE >= total
-        cache.insert(lease, close=last)
+        if last or (chunks + 1) % insert_every == 0:
+            cache.insert(lease, close=last)
         inserted = clock()
         spent["allocate"] += allocated - start
         spent["fork_state"] += forked - allocated
@@ -82,12 +89,15 @@ def whole(cache: kvstrata.CacheController, request: torch.Tensor) -> float:
 WHOLE_SAMPLES = 3
 
 
-def measure(pages: int, chunk: int, l3: bool, seed: int) -> tuple[dict[str, float], float, dict[str, float]]:
+def measure(
+    pages: int, chunk: int, l3: bool, seed: int, insert_every: int = 1
+) -> tuple[dict[str, float], float, dict[str, float]]:
     """(seconds per call of the chunked loop, seconds of one whole insert (median), seconds per
     call of the floor), for one request in fresh caches."""
     request = torch.randint(0, 50_000, (pages * PAGE,), generator=torch.Generator().manual_seed(seed))
     out: list = []
-    runs = [lambda c: chunked_calls(c, request, chunk)] + [lambda c: whole(c, request)] * WHOLE_SAMPLES
+    runs = [lambda c: chunked_calls(c, request, chunk, insert_every)]
+    runs += [lambda c: whole(c, request)] * WHOLE_SAMPLES
     for run in runs:
         with tempfile.TemporaryDirectory(prefix="kvstrata-bench-calls-") as tmp:
             cache = kvstrata.open(stack(pages, Path(tmp) if l3 else None), environ={})
@@ -106,7 +116,7 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):7.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
-def report(pages: int, chunk: int, l3: bool, rounds: int) -> list[Figure]:
+def report(pages: int, chunk: int, l3: bool, rounds: int, insert_every: int = 1) -> list[Figure]:
     """Measure one chunk size over ``rounds``, print its table and return its figures."""
     per_call: dict[str, list[float]] = {call: [] for call in CALLS}
     floor_call: dict[str, list[float]] = {call: [] for call in CALLS}
@@ -114,15 +124,17 @@ def report(pages: int, chunk: int, l3: bool, rounds: int) -> list[Figure]:
     floor_us: list[float] = []
     whole_us: list[float] = []
     for round_id in range(rounds):
-        calls, seconds, floor = measure(pages, chunk, l3, round_id)
+        calls, seconds, floor = measure(pages, chunk, l3, round_id, insert_every)
         for call in CALLS:
             per_call[call].append(calls[call] * 1e6)
             floor_call[call].append(floor[call] * 1e6)
         chunk_us.append(sum(calls.values()) * 1e6)
         floor_us.append(sum(floor.values()) * 1e6)
         whole_us.append(seconds * 1e6 / pages * chunk)
+    every = f", an insert every {insert_every} chunks (per chunk, amortised)" if insert_every > 1 else ""
     print(
-        f"{pages} pages in {chunk}-page chunks ({chunk * PAGE} tokens), L3 {'file' if l3 else 'none'}: "
+        f"{pages} pages in {chunk}-page chunks ({chunk * PAGE} tokens){every}, "
+        f"L3 {'file' if l3 else 'none'}: "
         f"controller thread CPU us per call, median (min-max) of {rounds} rounds; "
         "floor: the same steps with no cache (engine_floor.py"
         + (", and no L3: it hashes and writes nothing)" if l3 else ")")
@@ -141,8 +153,10 @@ def report(pages: int, chunk: int, l3: bool, rounds: int) -> list[Figure]:
     whole = statistics.median(whole_us)
     label = "one insert of the whole request, per chunk's pages"
     cache_us, bare_us = statistics.median(chunk_us), statistics.median(floor_us)
+    what = f"{chunk}-page chunk of {pages} pages"
+    what += f", insert every {insert_every}" if insert_every > 1 else ""
     return [
-        Figure.against(f"{chunk}-page chunk of {pages} pages, controller CPU", cache_us, "us", whole, label),
+        Figure.against(f"{what}, controller CPU", cache_us, "us", whole, label),
         Figure.against(f"{chunk}-page chunk of {pages} pages, floor (no cache)", bare_us, "us", whole, label),
     ]
 
@@ -156,6 +170,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--l3", action="store_true", help="with a file L3 (its flush not timed)")
     parser.add_argument("--rounds", type=int, help="rounds per chunk size (default 5; --quick 3)")
+    parser.add_argument(
+        "--insert-every", type=int, default=1,
+        help="insert every N-th chunk (default 1: every chunk, the goal's loop): a checkpoint per N chunks",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="CI-sized: 512 pages, 3 rounds")
     parser.add_argument("--json", type=Path, help="also write the figures (benchmarks/README.md convention)")
     args = parser.parse_args()
@@ -163,6 +181,8 @@ def main() -> None:
     rounds = args.rounds if args.rounds is not None else 3 if args.quick else 5
     if rounds < 1:
         parser.error(f"--rounds must be at least 1, got {rounds}")
+    if args.insert_every < 1:
+        parser.error(f"--insert-every must be at least 1, got {args.insert_every}")
     for chunk in args.chunk:
         if chunk < 1 or pages < 2 * chunk:
             parser.error(f"--pages ({pages}) must hold at least two chunks of --chunk {chunk}")
@@ -173,7 +193,7 @@ def main() -> None:
     figures: list[Figure] = []
     for chunk in args.chunk:
         measure(2 * chunk, chunk, args.l3, 99)  # warm-up: imports, allocator, first calls
-        figures += report(pages, chunk, args.l3, rounds)
+        figures += report(pages, chunk, args.l3, rounds, args.insert_every)
     if args.json:
         write_results(args.json, "engine_calls", figures)
 
