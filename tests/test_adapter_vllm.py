@@ -200,6 +200,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
             "turns_store": {
                 **hybrid,
                 "connector": connector("turns"),
+                "spy": True,
                 "steps": [turn, {"op": "reset"}, next_turn],
             },
             "crowded_store": {
@@ -605,13 +606,15 @@ def test_a_next_turn_on_a_hybrid_model_gets_vllms_own_tokens(runs: dict[str, dic
     more: from L3 the second turn restores what vLLM's own cache would (the first turn's prompt
     checkpoint, one block: a state a decode step left differs in its low bits from a prefill's and
     vLLM keeps none) and gets vLLM's own tokens. Serving the decode step's state offered two
-    blocks and moved the tokens (audit 29)."""
+    blocks and moved the tokens (audit 29). The decode step's state, stored under the first
+    turn's own key, is removed once that request finished (it held L3 room for nothing)."""
     first, second = runs["turns_ref"]["steps"]
     stored, _, restored = runs["turns_store"]["steps"]
     assert stored["tokens"] == first["tokens"]
     assert second["local_hits"] == HYBRID_BLOCK  # vLLM's own: the prompt's checkpoint only
     assert restored["local_hits"] == 0 and restored["external_hits"] == HYBRID_BLOCK
     assert restored["tokens"] == second["tokens"]
+    assert runs["turns_store"]["connector"]["stats"].get("own_states_removed", 0) >= 1
 
 
 @pytest.mark.parametrize(

@@ -484,6 +484,12 @@ class _Hybrid:
         """Tokens the connector offers ``request`` with nothing computed (vLLM holds none)."""
         return self.scheduler.matched_tokens(request, 0)[0]
 
+    def own_state_stored(self, index: int) -> bool:
+        """Whether L3 holds request ``r``'s own (decode-time) checkpoint of block ``index``."""
+        block_hash = self.scheduler._hashes(self.scheduler.requests["r"], index + 1)[index]
+        pool = self.layout.groups[1].pool
+        return self.storage.engine.exists(pool, [private_key(block_hash, "r")]).ok == [True]
+
 
 def _offer(*entries: tuple[int, int, int]) -> dict[str, Any]:
     """vLLM 0.32's hand-off of this step's Mamba checkpoints: ``(group id, block id, tokens)``."""
@@ -549,8 +555,56 @@ def test_a_resumed_requests_prefill_of_generated_tokens_leaves_checkpoints_for_e
         resumed = {"scheduled_cached_reqs": SimpleNamespace(req_ids=["r"], resumed_req_ids={"r"})}
         if handed_over:
             resumed |= _offer((hybrid.state_group, 14, 48))
+        assert hybrid.own_state_stored(2)
         assert hybrid.step(48, **resumed) == {"state": [(2, 14 if handed_over else 10)]}
+        assert not hybrid.own_state_stored(2), "replaced by the prefill's: removed"
         next_turn = _request("t", hybrid.request.all_token_ids + list(range(600, 650)))
         assert hybrid.offered(next_turn) == 3 * BS
+    finally:
+        hybrid.storage.close()
+
+
+def test_a_finished_requests_own_checkpoints_are_removed_after_its_last_save(tmp_path: Path) -> None:
+    """A decode step's checkpoint serves only its own request, resumed; once the request finished
+    no lookup asks for it, yet it held L3 room (a Mamba/GDN state: megabytes per block) until
+    capacity eviction dropped it. The workers remove it in the next step, after that step's
+    saves; the prompt's shared checkpoint stays."""
+    hybrid = _Hybrid(tmp_path)
+    try:
+        hybrid.step(32)
+        hybrid.step(8)
+        hybrid.decode_to(50)
+        assert hybrid.own_state_stored(2)
+        own = hybrid.scheduler.requests["r"].own_keys()
+        hybrid.scheduler.finished(hybrid.request)
+        plan = hybrid.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={}))
+        assert plan.drops == own and len(own) == 1
+        hybrid.worker.save(plan)
+        hybrid.scheduler.matched_tokens(hybrid.request, 0)  # (its hashes again, to look it up)
+        assert not hybrid.own_state_stored(2)
+        assert hybrid.worker.stats["own_states_removed"] == 1
+        assert hybrid.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={})).drops == []
+        next_turn = _request("t", hybrid.request.all_token_ids + list(range(600, 650)))
+        assert hybrid.offered(next_turn) == 2 * BS  # the prompt's checkpoint
+    finally:
+        hybrid.storage.close()
+
+
+def test_a_reset_removes_the_own_checkpoints_of_requests_in_flight(tmp_path: Path) -> None:
+    """After ``reset_prefix_cache`` a request's blocks are keyed under a fresh generation: its own
+    checkpoints stored before are no one's, removed like a finished request's."""
+    hybrid = _Hybrid(tmp_path)
+    try:
+        hybrid.step(32)
+        hybrid.step(8)
+        hybrid.decode_to(50)
+        assert hybrid.own_state_stored(2)
+        own = hybrid.scheduler.requests["r"].own_keys()
+        hybrid.scheduler.reset()
+        plan = hybrid.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={}))
+        assert plan.drops == own
+        hybrid.worker.save(plan)
+        pool = hybrid.layout.groups[1].pool
+        assert hybrid.storage.engine.exists(pool, own).ok == [False]
     finally:
         hybrid.storage.close()

@@ -350,6 +350,38 @@ def _put_under_file_size_limit(path: str, queue: multiprocessing.Queue) -> None:
     backend.close()
 
 
+def test_discard_removes_every_object_of_its_units_where_the_backend_removes(tmp_path: Path) -> None:
+    """Objects no reader asks for again (a finished vLLM request's own state checkpoints) are
+    removed, each unit's objects all (the anchor pool stores two per unit); a backend that
+    cannot remove answers skipped and removes nothing."""
+    from kvstrata.storage_backends.memory import MemoryConfig
+    from test_testing_kits import KeepForeverBackend
+
+    backend = FileBackend("b", FileConfig(path=tmp_path))
+    backend.open()
+    engine = KIT.engine(backend)
+    hashes = page_hashes(3, seed=41)
+    source = KIT.pools(conformance_specs(), 3, seed=41)
+    assert all(engine.put("attn", hashes, source["attn"].units(range(3))).ok)
+    stored = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    gone = engine.discard("attn", hashes[:2])
+    assert gone.ok == [True, True] and not gone.skipped and gone.failed == 0
+    assert engine.exists("attn", hashes).ok == [False, False, True]
+    left = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    assert len(stored) - len(left) == 4, "both objects of each discarded unit"
+    assert engine.discard("attn", hashes[:2]).ok == [True, True], "absent already: gone"
+    backend.close()
+
+    keeper = KeepForeverBackend("k", MemoryConfig())
+    keeper.open()
+    kept = KIT.engine(keeper)
+    assert all(kept.put("attn", hashes, source["attn"].units(range(3))).ok)
+    refused = kept.discard("attn", hashes)
+    assert refused.skipped and refused.ok == [False] * 3 and "does not remove" in (refused.error or "")
+    assert kept.exists("attn", hashes).ok == [True] * 3
+    keeper.close()
+
+
 def test_refused_writes_are_counted_failures(tmp_path: Path) -> None:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()

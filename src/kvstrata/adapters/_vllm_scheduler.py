@@ -54,6 +54,9 @@ class StepPlan:
     #: per request range saved: (its block hashes, the parent hash, its token ids), for the
     #: ``BlockStored`` events the workers publish once the anchor objects are stored
     stored: list[tuple[list[str], str | None, list[int]]] = field(default_factory=list)
+    #: finished requests' own state checkpoints (and ones a prefill replaced): no lookup asks
+    #: for them again, so the workers remove them from every state group's pool
+    drops: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -79,6 +82,22 @@ class _Request:
     def object_keys(self, group: GroupLayout, hashes: list[str], indices: Iterable[int]) -> list[str]:
         """Keys of ``group``'s blocks ``indices`` (its own for decode-time checkpoints)."""
         return object_keys(group, hashes, indices, self.decode_states, self.request.request_id)
+
+    def checkpoint_key(self, index: int, key: str, decode: bool, drops: list[str]) -> str:
+        """The key of the state checkpoint at block ``index`` (``key``: the block's): a decode
+        step's is the request's own; a prefill's is the block's, and an own one it replaces
+        goes to ``drops`` (a resumed request's prefill of tokens it had generated)."""
+        if decode:
+            self.decode_states.add(index)
+            return private_key(key, self.request.request_id)
+        if index in self.decode_states:
+            self.decode_states.discard(index)
+            drops.append(private_key(key, self.request.request_id))
+        return key
+
+    def own_keys(self) -> list[str]:
+        """The keys of every decode-time checkpoint the request stored under its own key."""
+        return [private_key(self.hashes[i], self.request.request_id) for i in sorted(self.decode_states)]
 
 
 class SchedulerSide:
@@ -107,6 +126,7 @@ class SchedulerSide:
         self.stats = {"lookups": 0, "offered_blocks": 0, "loads_planned": 0, "save_blocks_planned": 0}
         #: mixed into every chain root after ``reset``: "" until the first
         self._generation = ""
+        self.drops: list[str] = []  # own checkpoints no lookup asks for again (``StepPlan.drops``)
 
     # --- keys ---------------------------------------------------------------------------------
 
@@ -132,6 +152,7 @@ class SchedulerSide:
         included, so it neither reads the old objects nor writes new KV under their keys."""
         self._generation = uuid.uuid4().hex
         for state in self.requests.values():
+            self.drops += state.own_keys()  # keyed by the old generation: nobody's now
             state.root, state.hashes = self._root(state.request), []
             state.stored_blocks = state.hit_blocks = 0
             state.save_from, state.last_lookup, state.pending_load = None, None, None
@@ -272,6 +293,7 @@ class SchedulerSide:
             self._plan_saves(req_id, state, computed, scheduled, saves, plan.stored)
             self._plan_checkpoints(req_id, state, computed + scheduled, offers.get(req_id, []), saves)
         plan.saves = list(saves.values())
+        plan.drops, self.drops = self.drops, []  # removed after this step's saves
         return plan
 
     def _plan_checkpoints(
@@ -289,12 +311,10 @@ class SchedulerSide:
         for group_id, block_id, blocks in step_checkpoints(
             self.layout, step_end, tokens, state.save_from or 0, ids, offered
         ):
-            key, index = self._hashes(state, blocks)[blocks - 1], blocks - 1
-            if blocks * self.block_size > state.prefill_end:
-                state.decode_states.add(index)
-                key = private_key(key, req_id)
-            else:
-                state.decode_states.discard(index)
+            key = self._hashes(state, blocks)[blocks - 1]
+            key = state.checkpoint_key(
+                blocks - 1, key, blocks * self.block_size > state.prefill_end, self.drops
+            )
             target = saves.setdefault(group_id, GroupTransfer(group_id, [], []))
             target.hashes.append(key)
             target.block_ids.append(block_id)
@@ -374,4 +394,6 @@ class SchedulerSide:
         self.stats["load_failures"] = self.stats.get("load_failures", 0) + len(req_ids)
 
     def finished(self, request: Any) -> None:
-        self.requests.pop(request.request_id, None)
+        state = self.requests.pop(request.request_id, None)
+        if state is not None and self.may_save:  # its own checkpoints: never asked for again
+            self.drops += state.own_keys()

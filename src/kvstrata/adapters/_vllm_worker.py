@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.adapters._vllm_layout import GroupLayout, StoreLayout
+from kvstrata.adapters._vllm_layout import STATE, GroupLayout, StoreLayout
 from kvstrata.adapters._vllm_scheduler import GroupTransfer, StepPlan
 from kvstrata.engine_kit import BatchResult, StorageEngine, cuda_alias
 from kvstrata.plugins import BufferRegion
@@ -189,7 +189,7 @@ class WorkerSide:
         self.finished_loads: set[str] = set()
         self.failed_loads: set[str] = set()
         # a failed load is counted once, by the scheduler (vLLM sums the roles' and ranks' stats)
-        self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "save_failures": 0}
+        self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "save_failures": 0, "own_states_removed": 0}
         self._save_failure_logged = False  # the first failed save says why; the rest are counted
         #: (hashes, parent hash, token ids) of block ranges whose anchor objects this rank stored:
         #: vLLM's ``BlockStored`` events (kept where every rank stored its shard). vLLM takes them
@@ -383,6 +383,16 @@ class WorkerSide:
             done = next((i for i, h in enumerate(hashes) if h not in anchor_stored), len(hashes))
             if done:  # the leading run stored: a chain from ``parent`` a router can follow
                 self.stored_ranges.append((hashes[:done], parent, tokens[: done * block]))
+        if plan.drops:
+            self._drop(plan.drops)
+
+    def _drop(self, keys: list[str]) -> None:
+        """Remove requests' own state checkpoints no lookup asks for again (``StepPlan.drops``)
+        from every state group's pool, after this step's saves; where the store cannot remove,
+        its capacity bound drops them like any cold object."""
+        for group in self.layout.groups:
+            if group.kind == STATE:
+                self.stats["own_states_removed"] += sum(self.engine.discard(group.pool, keys).ok)
 
     def take_stored_ranges(self) -> list[tuple[list[str], str | None, list[int]]]:
         """The ranges stored since the last call (the worker's ``BlockStored`` events)."""

@@ -202,6 +202,21 @@ class StorageEngine(BackendCalls):
         """How many leading pages of ``page_hashes`` the backend holds for ``pool``."""
         return self.exists(pool, page_hashes, leading=True).prefix
 
+    def discard(self, pool: str, page_hashes: Sequence[str]) -> BatchResult:
+        """Remove the units' objects no reader asks for again (a finished request's own state
+        checkpoints) where the backend removes (elsewhere the store's capacity bound drops them
+        like any cold object); a unit is gone when all its objects are."""
+        plan, count = self.plans[pool], len(page_hashes)
+        why = None if self._removable else f"backend {self.backend.instance!r} does not remove objects"
+        if why or not plan.writes:
+            return BatchResult([False] * count, why or plan.reason, skipped=True)
+        flat = [key for keys in self.object_keys(pool, page_hashes) for key in keys]
+        removed, error = self._call_backend(StorageOperation.REMOVE, pool, flat)
+        if removed is None:
+            return BatchResult([False] * count, error, failed=count)
+        ok = [all(removed[i::count]) for i in range(count)]  # object-major: unit i every count-th
+        return BatchResult(ok, failed=ok.count(False))
+
     # --- put / get ----------------------------------------------------------------------------
 
     def _run(

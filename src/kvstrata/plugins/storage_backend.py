@@ -61,7 +61,7 @@ class BackendCapabilities(BaseModel):
     shared_across_instances: bool = False  # other processes or hosts see the same objects
     self_evicting: bool = False  # makes room by itself (puts may fail per key when full)
     host_allocator: bool = False  # host pools must be allocated by the backend (shared memory)
-    removable: bool = False  # implements remove(): the core deletes objects it found damaged
+    removable: bool = False  # implements remove(): the core deletes damaged and unused objects
     #: ``get`` takes ``check`` and calls it on every object it read, in the thread that read it:
     #: the core then verifies checksums there and makes no second pass over the batch's bytes.
     checks_reads: bool = False
@@ -345,6 +345,8 @@ class StorageBackend(ABC):
         """Delete objects; per key True when it is gone (removed now, or absent already).
 
         Optional: a backend that implements it declares ``capabilities.removable``. The core calls
-        it only for objects that failed verification as damaged, so they are not read forever.
+        it for objects that failed verification (damaged, or another layout's), so they are not
+        read forever, and for objects no reader asks for again (a finished vLLM request's own
+        state checkpoints), so they do not hold the store's room.
         """
         raise NotImplementedError(f"storage backend {self.name!r} does not remove objects")
