@@ -459,7 +459,7 @@ class _Hybrid:
         plan = self.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={"r": scheduled}, **output))
         self.worker.save(plan)
         hashes = self.scheduler._hashes(self.scheduler.requests["r"], len(self.request.all_token_ids) // BS)
-        own = [private_key(h, "r") for h in hashes]
+        own = [private_key(h, self.scheduler.requests["r"].owner) for h in hashes]
         kinds = {g.group_id: g.kind for g in self.layout.groups}
         saved: dict[str, list[tuple[int, int]]] = {}
         for transfer in plan.saves:
@@ -488,7 +488,8 @@ class _Hybrid:
         """Whether L3 holds request ``r``'s own (decode-time) checkpoint of block ``index``."""
         block_hash = self.scheduler._hashes(self.scheduler.requests["r"], index + 1)[index]
         pool = self.layout.groups[1].pool
-        return self.storage.engine.exists(pool, [private_key(block_hash, "r")]).ok == [True]
+        own = private_key(block_hash, self.scheduler.requests["r"].owner)
+        return self.storage.engine.exists(pool, [own]).ok == [True]
 
 
 def _offer(*entries: tuple[int, int, int]) -> dict[str, Any]:
@@ -608,3 +609,27 @@ def test_a_reset_removes_the_own_checkpoints_of_requests_in_flight(tmp_path: Pat
         assert hybrid.storage.engine.exists(pool, own).ok == [False]
     finally:
         hybrid.storage.close()
+
+
+def test_another_processs_request_of_the_same_id_and_tokens_keeps_its_own_checkpoints_apart(
+    tmp_path: Path,
+) -> None:
+    """vLLM's offline request ids are counters, the same in every process sharing an L3: a
+    decode step's checkpoint is keyed by the scheduler instance too, so another process's
+    request "r" of the same tokens neither overwrites this one's nor removes it when it ends."""
+    hybrid, twin = _Hybrid(tmp_path), _Hybrid(tmp_path)  # two processes on one L3
+    try:
+        for run in (hybrid, twin):
+            run.step(32)
+            run.step(8)
+            run.decode_to(50)
+        assert hybrid.own_state_stored(2) and twin.own_state_stored(2)
+        assert hybrid.scheduler.requests["r"].own_keys() != twin.scheduler.requests["r"].own_keys()
+        twin.scheduler.finished(twin.request)
+        twin.worker.save(twin.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={})))
+        assert hybrid.own_state_stored(2), "the twin's end removed this request's own state"
+        hybrid.request.num_computed_tokens = 0  # preempted: its own state still serves it
+        assert hybrid.offered(hybrid.request) == 3 * BS
+    finally:
+        hybrid.storage.close()
+        twin.storage.close()

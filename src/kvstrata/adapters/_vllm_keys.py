@@ -79,19 +79,20 @@ def extend_chain(
         hashes.extend(hash_pages(list(tokens[block * bs : (block + 1) * bs]), bs, parent))
 
 
-def private_key(block_hash: str, request_id: str) -> str:
-    """The key of request ``request_id``'s decode-time checkpoint of block ``block_hash``."""
+def private_key(block_hash: str, owner: str) -> str:
+    """The key of a request's decode-time checkpoint of block ``block_hash`` (``owner``: the
+    request, as one scheduler instance knows it)."""
     raw = bytes.fromhex(block_hash)
     digest = hashlib.blake2b(raw, digest_size=len(raw), person=_DECODE_PERSON)
-    digest.update(request_id.encode())
+    digest.update(owner.encode())
     return digest.hexdigest()
 
 
 def object_keys(
-    group: GroupLayout, hashes: list[str], indices: Iterable[int], decode_states: set[int], request_id: str
+    group: GroupLayout, hashes: list[str], indices: Iterable[int], decode_states: set[int], owner: str
 ) -> list[str]:
     """Object keys of ``group``'s blocks ``indices``: the chain hashes, but the request's own key
     for a state checkpoint it stored from a decode step (block indices ``decode_states``)."""
     if group.kind != STATE or not decode_states:
         return [hashes[i] for i in indices]
-    return [private_key(hashes[i], request_id) if i in decode_states else hashes[i] for i in indices]
+    return [private_key(hashes[i], owner) if i in decode_states else hashes[i] for i in indices]

@@ -63,6 +63,9 @@ class StepPlan:
 class _Request:
     request: Any
     root: str  # chain root: namespace + cache salt
+    #: whose decode-time checkpoints these are: the scheduler instance's own random id and the
+    #: request id (vLLM's offline ids are counters, the same in every process sharing an L3)
+    owner: str
     hashes: list[str] = field(default_factory=list)
     stored_blocks: int = 0  # blocks known stored (found by the lookup, loaded, or saved)
     hit_blocks: int = 0  # last lookup's answer
@@ -81,7 +84,7 @@ class _Request:
 
     def object_keys(self, group: GroupLayout, hashes: list[str], indices: Iterable[int]) -> list[str]:
         """Keys of ``group``'s blocks ``indices`` (its own for decode-time checkpoints)."""
-        return object_keys(group, hashes, indices, self.decode_states, self.request.request_id)
+        return object_keys(group, hashes, indices, self.decode_states, self.owner)
 
     def checkpoint_key(self, index: int, key: str, decode: bool, drops: list[str]) -> str:
         """The key of the state checkpoint at block ``index`` (``key``: the block's): a decode
@@ -89,15 +92,15 @@ class _Request:
         goes to ``drops`` (a resumed request's prefill of tokens it had generated)."""
         if decode:
             self.decode_states.add(index)
-            return private_key(key, self.request.request_id)
+            return private_key(key, self.owner)
         if index in self.decode_states:
             self.decode_states.discard(index)
-            drops.append(private_key(key, self.request.request_id))
+            drops.append(private_key(key, self.owner))
         return key
 
     def own_keys(self) -> list[str]:
         """The keys of every decode-time checkpoint the request stored under its own key."""
-        return [private_key(self.hashes[i], self.request.request_id) for i in sorted(self.decode_states)]
+        return [private_key(self.hashes[i], self.owner) for i in sorted(self.decode_states)]
 
 
 class SchedulerSide:
@@ -126,6 +129,7 @@ class SchedulerSide:
         self.stats = {"lookups": 0, "offered_blocks": 0, "loads_planned": 0, "save_blocks_planned": 0}
         #: mixed into every chain root after ``reset``: "" until the first
         self._generation = ""
+        self._instance = uuid.uuid4().hex  # owns its requests' decode-time checkpoints
         self.drops: list[str] = []  # own checkpoints no lookup asks for again (``StepPlan.drops``)
 
     # --- keys ---------------------------------------------------------------------------------
@@ -133,7 +137,7 @@ class SchedulerSide:
     def _state(self, request: Any) -> _Request:
         state = self.requests.get(request.request_id)
         if state is None:
-            state = _Request(request, self._root(request))
+            state = _Request(request, self._root(request), f"{self._instance}:{request.request_id}")
             state.extras = has_extra_keys(request)
             state.uncacheable = state.extras and self.extra_keys is None
             self.requests[request.request_id] = state
