@@ -3,6 +3,7 @@ must be one no drain of finished work would cure (audit 26: a crash and two fals
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from pathlib import Path
@@ -10,8 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from controller_support import fill, open_cache, serve, tokens, verify
+from controller_support import EXAMPLES, fill, open_cache, serve, tokens, verify
 from kvstrata.core.controller import CacheController
+from kvstrata.core.retention import RetentionHint
+from kvstrata.core.tree import Tier
+from kvstrata.core.tree_eviction import room_by_evicting
 
 
 def serve_unread(cache: CacheController, request: torch.Tensor) -> None:
@@ -101,3 +105,53 @@ def test_a_finished_l3_write_counts_with_no_time_to_wait(tmp_path: Path) -> None
         fill(cache, second, cache.allocate(second))
         for lease in (first, second):
             cache.insert(lease)
+
+
+def _most_room(cache: CacheController, tier: Tier, pool: str) -> int:
+    """The most units of ``pool`` that ``room_by_evicting`` says eviction could free in ``tier``."""
+    low, high = 0, cache.pools.pools[pool].device_allocator.units + 4096
+    while low < high:  # the largest want it allows
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if room_by_evicting(cache.tree.evictor, tier, {pool: mid}) else (low, mid - 1)
+    return low
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("stack", sorted(EXAMPLES))
+def test_the_refusal_check_bounds_what_any_eviction_frees(stack: str, seed: int) -> None:
+    """``room_by_evicting`` lets an allocation go ahead only where evicting what no lock holds
+    could cover it: it must never count fewer units than an eviction of everything frees, or an
+    allocation eviction could serve is refused. Random shared prefixes, requests left running
+    (locked, partly inserted), a pinned prefix, then every tier emptied of what it may drop."""
+    rng = random.Random(seed)
+    overrides = ["tiers.device.capacity_tokens=1024", "tiers.host.capacity_tokens=2048"]
+    with open_cache(stack, overrides=overrides) as cache:
+        heads = [tokens(100 * seed + i, 2) for i in range(3)]
+        for i in range(12):
+            serve(cache, torch.cat([rng.choice(heads), tokens(1000 * seed + i, rng.randint(1, 3))]))
+        pinned = cache.lookup(rng.choice(heads), retention=RetentionHint(pin=True))
+        cache.admit(pinned)
+        fill(cache, pinned, cache.allocate(pinned))
+        cache.insert(pinned)
+        leases = []
+        for i in range(2):  # running: locked prefixes, one with its first chunk inserted
+            running = cache.lookup(torch.cat([rng.choice(heads), tokens(5000 * seed + i, 2)]))
+            cache.admit(running)
+            fill(cache, running, cache.allocate(running))
+            if i:
+                cache.insert(running, close=False)
+            leases.append(running)
+        bounds = []
+        for tier in (Tier.DEVICE, Tier.HOST):
+            bound = {name: _most_room(cache, tier, name) for name in cache.tree_pools}
+            bounds.append(bound)
+            everything = dict.fromkeys(cache.tree_pools, 1 << 40)
+            if tier is Tier.DEVICE:
+                freed = cache.tree.evict_device(everything, cache.units.freer(tier), delete_unbacked=True)
+            else:
+                freed = cache.tree.evict_host(everything, cache.units.freer(tier))
+            for name, count in bound.items():
+                assert freed.units.get(name, 0) <= count, (tier, name, freed.units, bound)
+        assert any(bounds[0].values()), "the workload left nothing to evict: the check is vacuous"
+        for lease in leases:
+            cache.release(lease)
