@@ -22,7 +22,7 @@ import torch
 from kvstrata.adapters._shared import EngineStorage
 from kvstrata.adapters._vllm_keys import private_key
 from kvstrata.adapters._vllm_layout import StoreLayout, build_layout, identity_of
-from kvstrata.adapters._vllm_scheduler import SchedulerSide
+from kvstrata.adapters._vllm_scheduler import SchedulerSide, StepPlan
 from kvstrata.adapters._vllm_worker import WorkerSide
 from kvstrata.core.config import load
 from kvstrata.core.storage_batch import BatchResult
@@ -484,6 +484,21 @@ class _Hybrid:
         """Tokens the connector offers ``request`` with nothing computed (vLLM holds none)."""
         return self.scheduler.matched_tokens(request, 0)[0]
 
+    def decode_past_a_boundary(self) -> list[str]:
+        """Prefill the 40 tokens, decode to 50: the checkpoint of block 2 is the request's own
+        (a decode step's); returns its key."""
+        self.step(32)
+        self.step(8)
+        self.decode_to(50)
+        assert self.own_state_stored(2)
+        return self.scheduler.requests["r"].own_keys()
+
+    def idle_step(self) -> StepPlan:
+        """A step that schedules nothing, planned and run by the worker."""
+        plan = self.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={}))
+        self.worker.save(plan)
+        return plan
+
     def own_state_stored(self, index: int) -> bool:
         """Whether L3 holds request ``r``'s own (decode-time) checkpoint of block ``index``."""
         block_hash = self.scheduler._hashes(self.scheduler.requests["r"], index + 1)[index]
@@ -572,19 +587,13 @@ def test_a_finished_requests_own_checkpoints_are_removed_after_its_last_save(tmp
     saves; the prompt's shared checkpoint stays."""
     hybrid = _Hybrid(tmp_path)
     try:
-        hybrid.step(32)
-        hybrid.step(8)
-        hybrid.decode_to(50)
-        assert hybrid.own_state_stored(2)
-        own = hybrid.scheduler.requests["r"].own_keys()
+        own = hybrid.decode_past_a_boundary()
         hybrid.scheduler.finished(hybrid.request)
-        plan = hybrid.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={}))
-        assert plan.drops == own and len(own) == 1
-        hybrid.worker.save(plan)
+        assert hybrid.idle_step().drops == own and len(own) == 1
         hybrid.scheduler.matched_tokens(hybrid.request, 0)  # (its hashes again, to look it up)
         assert not hybrid.own_state_stored(2)
         assert hybrid.worker.stats["own_states_removed"] == 1
-        assert hybrid.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={})).drops == []
+        assert hybrid.idle_step().drops == []
         next_turn = _request("t", hybrid.request.all_token_ids + list(range(600, 650)))
         assert hybrid.offered(next_turn) == 2 * BS  # the prompt's checkpoint
     finally:
@@ -596,15 +605,9 @@ def test_a_reset_removes_the_own_checkpoints_of_requests_in_flight(tmp_path: Pat
     checkpoints stored before are no one's, removed like a finished request's."""
     hybrid = _Hybrid(tmp_path)
     try:
-        hybrid.step(32)
-        hybrid.step(8)
-        hybrid.decode_to(50)
-        assert hybrid.own_state_stored(2)
-        own = hybrid.scheduler.requests["r"].own_keys()
+        own = hybrid.decode_past_a_boundary()
         hybrid.scheduler.reset()
-        plan = hybrid.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={}))
-        assert plan.drops == own
-        hybrid.worker.save(plan)
+        assert hybrid.idle_step().drops == own
         pool = hybrid.layout.groups[1].pool
         assert hybrid.storage.engine.exists(pool, own).ok == [False]
     finally:
@@ -619,14 +622,9 @@ def test_another_processs_request_of_the_same_id_and_tokens_keeps_its_own_checkp
     request "r" of the same tokens neither overwrites this one's nor removes it when it ends."""
     hybrid, twin = _Hybrid(tmp_path), _Hybrid(tmp_path)  # two processes on one L3
     try:
-        for run in (hybrid, twin):
-            run.step(32)
-            run.step(8)
-            run.decode_to(50)
-        assert hybrid.own_state_stored(2) and twin.own_state_stored(2)
-        assert hybrid.scheduler.requests["r"].own_keys() != twin.scheduler.requests["r"].own_keys()
+        assert hybrid.decode_past_a_boundary() != twin.decode_past_a_boundary()
         twin.scheduler.finished(twin.request)
-        twin.worker.save(twin.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={})))
+        twin.idle_step()
         assert hybrid.own_state_stored(2), "the twin's end removed this request's own state"
         hybrid.request.num_computed_tokens = 0  # preempted: its own state still serves it
         assert hybrid.offered(hybrid.request) == 3 * BS
