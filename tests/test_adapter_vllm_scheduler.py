@@ -631,3 +631,75 @@ def test_another_processs_request_of_the_same_id_and_tokens_keeps_its_own_checkp
     finally:
         hybrid.storage.close()
         twin.storage.close()
+
+
+def _resume_with_load(hybrid: _Hybrid) -> str:
+    """Decode past block 2 (its checkpoint is the request's own), get preempted, and be restored
+    from L3 with a load of 3 blocks (the own checkpoint included). Returns the own key."""
+    (own,) = hybrid.decode_past_a_boundary()
+    hybrid.request.num_computed_tokens = 0  # preempted: vLLM freed its blocks
+    assert hybrid.offered(hybrid.request) == 3 * BS  # its own decode-time checkpoint
+    hybrid.scheduler.after_alloc(hybrid.request, 3 * BS)
+    plan = hybrid.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={}))
+    state_keys = [t.hashes for t in plan.loads["r"] if t.group_id == hybrid.state_group]
+    assert state_keys == [[own]], "the load reads the request's own checkpoint"
+    hybrid.worker.load(plan)
+    assert hybrid.worker.take_finished() == ({"r"}, set())
+    hybrid.request.num_computed_tokens = 3 * BS
+    return own
+
+
+def test_a_loaded_own_checkpoint_vllm_hands_back_is_not_republished_under_the_shared_key(
+    tmp_path: Path,
+) -> None:
+    """vLLM 0.32 caches the blocks of a finished async load (``_update_waiting_for_remote_kv``
+    -> ``cache_blocks``) and so hands the loaded Mamba checkpoint back as a boundary-state offer
+    in the step the resumed request is scheduled. A state the step did not compute is not saved:
+    counted as the resumed prefill's, the loaded *decode-time* state went out under the shared
+    chain key (served to every next turn) and its own key was dropped."""
+    hybrid = _Hybrid(tmp_path)
+    try:
+        _resume_with_load(hybrid)
+        # the resumed request is scheduled: 48 tokens restored, 3 to compute; vLLM offers the
+        # checkpoint block it just cached (the loaded one: index 2 -> block 10, 48 tokens)
+        resumed: dict[str, Any] = {
+            "scheduled_cached_reqs": SimpleNamespace(req_ids=["r"], resumed_req_ids={"r"})
+        }
+        resumed |= _offer((hybrid.state_group, 10, 3 * BS))
+        saved = hybrid.step(len(hybrid.request.all_token_ids) - 3 * BS, **resumed)
+        assert "state" not in saved, f"a loaded decode-time state re-saved under the shared key: {saved}"
+        assert hybrid.own_state_stored(2), "its own checkpoint was dropped"
+        next_turn = _request("t", hybrid.request.all_token_ids + list(range(600, 650)))
+        assert hybrid.offered(next_turn) == 2 * BS, "a next turn is served the decode-time state"
+    finally:
+        hybrid.storage.close()
+
+
+def test_a_loaded_shared_checkpoint_vllm_hands_back_is_not_written_again(tmp_path: Path) -> None:
+    """The same hand-back for a plain next turn: the prompt checkpoint it just loaded from L3
+    (a Mamba/GDN state: megabytes per block) is not put to L3 again in its first step."""
+    hybrid = _Hybrid(tmp_path)
+    try:
+        hybrid.step(32)
+        hybrid.step(8)  # the prompt's checkpoint of block 1 is stored (shared key)
+        turn = _request("t", list(range(1, 41)))
+        hybrid.scheduler.kv_cache_manager = SimpleNamespace(
+            get_block_ids=lambda rid: (list(range(1, 8)), list(range(8, 16)))
+        )
+        assert hybrid.scheduler.matched_tokens(turn, 0) == (2 * BS, True)
+        hybrid.scheduler.after_alloc(turn, 2 * BS)
+        plan = hybrid.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={}))
+        hybrid.worker.load(plan)
+        assert hybrid.worker.take_finished() == ({"t"}, set())
+        turn.num_computed_tokens = 2 * BS
+        offer = SimpleNamespace(boundary_state_offloads={"t": [(hybrid.state_group, 9, 2 * BS)]})
+        plan = hybrid.scheduler.build_plan(
+            SimpleNamespace(
+                num_scheduled_tokens={"t": 8}, scheduled_new_reqs=[SimpleNamespace(req_id="t")],
+                kv_connector_block_state=offer,
+            )
+        )  # fmt: skip
+        state_saves = [t.hashes for t in plan.saves if t.group_id == hybrid.state_group]
+        assert state_saves == [], f"the loaded checkpoint is written back: {state_saves}"
+    finally:
+        hybrid.storage.close()

@@ -43,16 +43,21 @@ def restarted(scheduler_output: Any) -> set[str]:
 
 def step_checkpoints(
     layout: StoreLayout,
+    step_start: int,
     step_end: int,
     known_tokens: int,
     save_from: int,
     block_ids: Callable[[], tuple[list[int], ...] | None],
     offered: list[Checkpoint],
 ) -> list[Checkpoint]:
-    """The checkpoints a step ending at token ``step_end`` leaves, ``(group id, block id, blocks
-    of the prefix)``: the block align mode writes where the step ends on a boundary (its token
-    ids known, beyond the ``save_from`` blocks vLLM held itself), and those vLLM ``offered``
-    (whole blocks only: a partial block has no key of ours), which win."""
+    """The checkpoints a step of tokens ``[step_start, step_end)`` leaves, ``(group id, block id,
+    blocks of the prefix)``: the block align mode writes where the step ends on a boundary (its
+    token ids known, beyond the ``save_from`` blocks vLLM held itself), and those vLLM
+    ``offered`` past ``step_start`` (whole blocks only: a partial block has no key of ours),
+    which win. An offer at or before ``step_start`` is a state this step did not compute: vLLM
+    offers the blocks of a finished load too (it caches them), and saving a loaded state again
+    would cost a put of it, or -- a resumed request's own decode-time checkpoint, loaded and
+    then counted as its new prefill's -- publish it under the shared key and drop its own."""
     bs = layout.block_size
     state_groups = {g.group_id for g in layout.groups if g.kind == STATE}
     found: dict[tuple[int, int], int] = {}
@@ -64,6 +69,6 @@ def step_checkpoints(
             if end <= len(row) and row[end - 1] != 0:
                 found[group_id, end] = row[end - 1]
     for group_id, block_id, tokens in offered:
-        if group_id in state_groups and block_id != 0 and tokens > 0 and not tokens % bs:
+        if group_id in state_groups and block_id != 0 and tokens > step_start and not tokens % bs:
             found[group_id, tokens // bs] = block_id
     return [(group_id, block_id, blocks) for (group_id, blocks), block_id in found.items()]

@@ -295,7 +295,8 @@ class SchedulerSide:
             if req_id in restarts or not state.prefill_end:
                 state.prefill_end = len(state.request.all_token_ids)
             self._plan_saves(req_id, state, computed, scheduled, saves, plan.stored)
-            self._plan_checkpoints(req_id, state, computed + scheduled, offers.get(req_id, []), saves)
+            offered = offers.get(req_id, [])
+            self._plan_checkpoints(req_id, state, computed, computed + scheduled, offered, saves)
         plan.saves = list(saves.values())
         plan.drops, self.drops = self.drops, []  # removed after this step's saves
         return plan
@@ -304,6 +305,7 @@ class SchedulerSide:
         self,
         req_id: str,
         state: _Request,
+        step_start: int,
         step_end: int,
         offered: list[Checkpoint],
         saves: dict[int, GroupTransfer],
@@ -313,7 +315,7 @@ class SchedulerSide:
         tokens = len(state.request.all_token_ids)
         ids = partial(self._block_ids, req_id)
         for group_id, block_id, blocks in step_checkpoints(
-            self.layout, step_end, tokens, state.save_from or 0, ids, offered
+            self.layout, step_start, step_end, tokens, state.save_from or 0, ids, offered
         ):
             key = self._hashes(state, blocks)[blocks - 1]
             key = state.checkpoint_key(
