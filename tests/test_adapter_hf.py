@@ -629,3 +629,56 @@ def test_beam_search_on_a_restored_cache_is_refused_clearly_and_bad_arguments_na
         with pytest.raises(ValueError, match="chunk_pages must be an int"):
             cache.prefill(prompt, chunk_pages=1.5)  # type: ignore[arg-type]
         assert cache.cache.open_leases == 0
+
+
+def test_a_cache_whose_forward_raised_is_never_committed(tmp_path: Path) -> None:
+    """A forward that raises (an out-of-memory, an interrupt) after the adapter counted its
+    tokens: a pure-state model's cache still holds the state before them (or part of the
+    forward, layer by layer), so committing it as the state after them is refused and a later
+    restore serves no state that is not its tokens'."""
+    hf.quiet()
+    _, model = hf.model_of("mamba2")
+    with hf.open_cache(model, tmp_path / "l3") as cache:
+        arg = cache.layout.cache_argument
+        ids = hf.tokens(7, 3 * hf.PAGE)
+        past = cache.new_cache()
+
+        def out_of_memory(*_: object) -> None:
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+        with torch.no_grad():
+            model(input_ids=ids[:16].unsqueeze(0), use_cache=True, **{arg: past})
+            hook = model.backbone.layers[0].register_forward_pre_hook(out_of_memory)
+            with pytest.raises(RuntimeError, match="out of memory"):
+                model(input_ids=ids[16:32].unsqueeze(0), use_cache=True, **{arg: past})
+            hook.remove()
+        with pytest.raises(ValueError, match="a forward on it raised"):
+            cache.commit(ids, 32, past)
+        with torch.no_grad():  # a later forward on it does not make it trusted again
+            model(input_ids=ids[32:33].unsqueeze(0), use_cache=True, **{arg: past})
+        with pytest.raises(ValueError, match="a forward on it raised"):
+            cache.commit(ids, 32, past)
+        _, cached = cache.restore(ids[:33])
+        assert cached == 0
+        fresh = cache.new_cache()  # a cache whose forwards returned commits as before
+        with torch.no_grad():
+            model(input_ids=ids[:32].unsqueeze(0), use_cache=True, **{arg: fresh})
+        assert cache.commit(ids, 32, fresh) == 32
+
+
+def test_crop_zero_removes_no_token_from_the_record(tmp_path: Path) -> None:
+    """transformers 5's ``crop(n)`` removes ``-n`` tokens, so ``crop(0)`` (``generate`` calls it
+    at every step's stop check) removes none: the record of the cache's token ids stays whole
+    and the cache can still be committed; ``crop(-8)`` cuts 8 from both."""
+    hf.quiet()
+    _, model = hf.model_of("llama")
+    with hf.open_cache(model, tmp_path / "l3") as cache:
+        ids = hf.tokens(7, 3 * hf.PAGE)
+        past = cache.new_cache()
+        with torch.no_grad():
+            model(input_ids=ids[:40].unsqueeze(0), use_cache=True, past_key_values=past)
+        past.crop(0)
+        assert past.get_seq_length() == 40 and len(past.kvstrata_tokens) == 40
+        past.crop(-8)
+        assert past.get_seq_length() == 32 and len(past.kvstrata_tokens) == 32
+        assert cache.commit(ids, 32, past) == 32

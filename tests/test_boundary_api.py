@@ -303,3 +303,22 @@ def test_config_show_reports_capacity_rounding(
         "note: tiers.device.capacity_tokens 1,000 is rounded up to whole pages: 16 pages of 64 = 1,024" in err
     )
     assert "tiers.host" not in err, "a whole number of pages says nothing"
+
+
+def test_allocate_takes_an_integer_end_page_as_an_int_and_refuses_any_other() -> None:
+    """``end_page`` read from a tensor (``torch.tensor(3)``) is taken as the int it holds: kept
+    as given, a tensor became the lease's ``allocated_pages`` and the allocator's counts. A
+    float is refused by name, with nothing allocated."""
+    cache = open_cache("kv")
+    lease = cache.lookup(tokens(1, 3))
+    cache.admit(lease)
+    with pytest.raises(TypeError, match="end_page must be an integer"):
+        cache.allocate(lease, end_page=1.5)  # type: ignore[arg-type]
+    assert lease.allocated_pages == 0
+    cache.allocate(lease, end_page=torch.tensor(2))  # type: ignore[arg-type]
+    cache.allocate(lease, end_page=np.int64(3))  # type: ignore[arg-type]
+    used = cache.pools.pools["kv"].device_allocator.used
+    assert type(lease.allocated_pages) is int and lease.allocated_pages == 3
+    assert type(used) is int and used == 3
+    cache.release(lease)
+    cache.close()

@@ -104,6 +104,7 @@ class KvstrataDynamicCache(DynamicCache):
         self.kvstrata_owner = owner
         self._kvstrata_ids: list[torch.Tensor] = []  # the token ids the model ran through it
         self._kvstrata_unknown: str | None = None  # why they are not known (embeddings, batch)
+        self._kvstrata_running = False  # a forward began and has not returned (it may have raised)
         for pool in layout.attention:
             if pool.window is None:
                 continue
@@ -138,12 +139,25 @@ class KvstrataDynamicCache(DynamicCache):
             self._kvstrata_unknown = "a forward ran on inputs_embeds (token ids unknown)"
             self._kvstrata_ids.append(torch.full((embeds.shape[-2],), -1, dtype=torch.int64))
 
+    def forward_began(self) -> None:
+        """A forward whose input :meth:`saw` recorded starts; one that began before and never
+        returned raised, and some layers may hold its tokens: the cache is never committed."""
+        if self._kvstrata_running:
+            self._kvstrata_unknown = "a forward on it raised (its layers may hold part of that forward)"
+        self._kvstrata_running = True
+
+    def forward_done(self) -> None:
+        """The forward returned: the cache holds the tokens :meth:`saw` recorded."""
+        self._kvstrata_running = False
+
     def crop(self, max_length: int) -> None:
         """The stock crop (assisted decoding drops rejected draft tokens), and the record of the
-        token ids the cache holds cut to match."""
+        token ids the cache holds cut to match. ``max_length`` <= 0 removes that many tokens
+        (transformers 5: ``crop(0)``, which ``generate`` calls, removes none); a positive one,
+        the older meaning, keeps that many."""
         super().crop(max_length)
         held = self.kvstrata_tokens
-        keep = max_length if max_length >= 0 else len(held) + max_length
+        keep = len(held) + max_length if max_length <= 0 else max_length
         if 0 <= keep < len(held):
             self._kvstrata_ids = [held[:keep]]
 
@@ -156,6 +170,8 @@ class KvstrataDynamicCache(DynamicCache):
 
     def held_tokens(self, input_ids: torch.Tensor) -> int:
         """How many tokens the cache holds, after checking they are ``input_ids``' first ones."""
+        if self._kvstrata_running and self._kvstrata_unknown is None:
+            self._kvstrata_unknown = "a forward on it raised (its layers may hold part of that forward)"
         if self._kvstrata_unknown is not None:
             raise ValueError(f"cannot commit this cache: {self._kvstrata_unknown}")
         held = self.kvstrata_tokens

@@ -137,6 +137,8 @@ class HFStateCache:
         #: each weight as the namespace hashed it: changed in place, the namespace no longer says it
         self._weights = [(w, w._version, w.data_ptr()) for w in model.parameters()]
         self._hook = model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+        # (runs only when the forward returns: a cache whose forward raised is never committed)
+        self._done_hook = model.register_forward_hook(self._forward_done, with_kwargs=True)
 
     # --- caches ---------------------------------------------------------------------------------
 
@@ -258,6 +260,7 @@ class HFStateCache:
         """Flush L3 writes, release the cache and unhook the model."""
         if self._hook is not None:
             self._hook.remove()
+            self._done_hook.remove()
             self._hook = None
         self.cache.close()
 
@@ -296,6 +299,15 @@ class HFStateCache:
                 )
             return
         cache.saw(kwargs.get("input_ids", args[0] if args else None), kwargs.get("inputs_embeds"), kwargs)
+        cache.forward_began()
+
+    def _forward_done(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
+        """Forward hook (not called when the forward raises): the counted tokens are in the cache."""
+        cache = kwargs.get(self.layout.cache_argument)
+        if self._owns(cache):
+            cache.forward_done()
 
     def _owns(self, cache: Any) -> bool:
         return isinstance(cache, KvstrataDynamicCache) and cache.kvstrata_owner is self._owner

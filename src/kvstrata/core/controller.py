@@ -53,7 +53,7 @@ from kvstrata.core.builder import (
 from kvstrata.core.collective import Collective, agreement_for
 from kvstrata.core.config import KvstrataConfig
 from kvstrata.core.lease import CacheFullError, Lease, require_lease
-from kvstrata.core.lease_units import allocate_units, device_full, take_for_insert
+from kvstrata.core.lease_units import allocate_units, device_full, page_number, take_for_insert
 from kvstrata.core.metrics import SkipReason
 from kvstrata.core.pool_group import Pool
 from kvstrata.core.prefetcher import Prefetcher, PrefetchMode
@@ -235,7 +235,7 @@ class CacheController(UnitMemory, ClosingApi):
         if not lease.admitted:
             self.admit(lease)
         pages = lease.pages
-        end = pages if end_page is None else end_page
+        end = pages if end_page is None else page_number(end_page, "end_page")
         if not 0 <= end <= pages:
             raise ValueError(f"end_page {end} outside [0, {pages}] (the lease's whole pages)")
         end = max(end + int(partial_page and end == pages), lease.allocated_pages)

@@ -6,6 +6,7 @@ pending units, apart from the lease so that class stays its state and its transi
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,6 +23,16 @@ if TYPE_CHECKING:
 #: enum members without the descriptor lookup (~0.1 us each): every chunk reads a few
 _PAGES, _WINDOW = PoolKind.PAGES, PoolKind.WINDOW
 _DEVICE = Tier.DEVICE
+
+
+def page_number(value: object, name: str) -> int:
+    """A page count or position an engine passed (an int, or a NumPy / 0-d tensor integer, as a
+    length read from a tensor is): as a Python int, or a clear error. Kept as given, a tensor
+    would become the lease's ``allocated_pages`` and the allocator's counts."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
 
 
 def allocation_needs(layout: StackLayout, lease: Lease, end: int) -> dict[str, int]:
