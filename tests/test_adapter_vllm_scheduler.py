@@ -703,3 +703,50 @@ def test_a_loaded_shared_checkpoint_vllm_hands_back_is_not_written_again(tmp_pat
         assert state_saves == [], f"the loaded checkpoint is written back: {state_saves}"
     finally:
         hybrid.storage.close()
+
+
+def _mm_extra_keys(request: Any, start: int, end: int) -> tuple[Any, ...] | None:
+    """vLLM's multimodal extra keys of a block (``_gen_mm_extra_hash_keys``)."""
+    keys = [
+        ("mm", f.identifier, f.mm_position.offset - start)
+        for f in request.mm_features
+        if end > f.mm_position.offset and start < f.mm_position.offset + f.mm_position.length
+    ]
+    return tuple(keys) or None
+
+
+def _image(identifier: str, offset: int, length: int) -> Any:
+    return SimpleNamespace(identifier=identifier, mm_position=SimpleNamespace(offset=offset, length=length))
+
+
+def test_a_streaming_session_that_adds_an_image_later_keys_its_blocks_by_the_image(engines: Any) -> None:
+    """vLLM 0.32's streaming-input sessions keep one request id and extend it in place
+    (``Scheduler._update_request_as_session``: new prompt tokens, and ``mm_features`` extended).
+    Whether a request's blocks carry extra keys is asked again at every lookup and step: decided
+    once, when the connector first saw the request, a session whose first chunk was text only
+    kept hashing token ids alone after an image joined it, and session B of the same text and a
+    same-sized image (alike placeholder ids), preempted, was offered session A's image blocks.
+    Its text blocks stay found under their keys."""
+    engine = engines(extra_keys=_mm_extra_keys)
+    text = list(range(1, 2 * BS + 1))  # chunk 1: two blocks of text
+    placeholders = [7] * BS  # chunk 2: one block of image placeholder ids
+    tail = list(range(900, 900 + BS + 3))
+
+    a = engine.request("a", text)
+    _decode(engine, a, 1, async_output=False)  # chunk 1 prefilled (first seen: no extra keys)
+    a.all_token_ids = [*text, *placeholders, *tail]  # the session update: an image, more text
+    a.num_tokens = len(a.all_token_ids)
+    a.mm_features = [_image("image-A", 2 * BS, BS)]
+    engine.step({"a": a.num_tokens - a.num_computed_tokens})  # chunk 2 prefilled and saved
+    assert engine.worker.stats["saved_blocks"] == 4
+
+    b = engine.request("b", text)
+    _decode(engine, b, 1, async_output=False)
+    b.all_token_ids = [*text, *placeholders, *tail]
+    b.num_tokens = len(b.all_token_ids)
+    b.mm_features = [_image("image-B", 2 * BS, BS)]  # another image, same size
+    b.num_computed_tokens = 0  # preempted: vLLM looks it up again (its text blocks stay local)
+    offered, _ = engine.scheduler.matched_tokens(b, 2 * BS)
+    assert offered == 0, f"session b is offered {offered // BS} blocks holding session a's image"
+    offered, _ = engine.scheduler.matched_tokens(b, 0)  # b's text blocks: found, stored by a
+    assert offered == 2 * BS

@@ -98,6 +98,24 @@ class _Request:
             drops.append(private_key(key, self.owner))
         return key
 
+    def uncacheable_now(self, extra_keys: ExtraKeys | None, block_size: int) -> bool:
+        """Whether the request is neither looked up nor saved, its extra keys asked again (at
+        every lookup and step): a streaming-input session (one request, extended in place) gains
+        an image after a text chunk. From then on its blocks mix theirs in (or, where this vLLM
+        cannot tell them, ``extra_keys`` None, it is uncacheable); the blocks hashed before keep
+        their keys where they have none (a block's link is mixed only by its own extra keys),
+        the rest are hashed again."""
+        if self.extras or not has_extra_keys(self.request):
+            return self.uncacheable
+        self.extras, self.uncacheable = True, extra_keys is None
+        keep = 0
+        while keep < len(self.hashes) and extra_keys is not None:
+            if extra_keys(self.request, keep * block_size, (keep + 1) * block_size):
+                break
+            keep += 1
+        del self.hashes[keep:]
+        return self.uncacheable
+
     def own_keys(self) -> list[str]:
         """The keys of every decode-time checkpoint the request stored under its own key."""
         return [private_key(self.hashes[i], self.owner) for i in sorted(self.decode_states)]
@@ -138,9 +156,8 @@ class SchedulerSide:
         state = self.requests.get(request.request_id)
         if state is None:
             state = _Request(request, self._root(request), f"{self._instance}:{request.request_id}")
-            state.extras = has_extra_keys(request)
-            state.uncacheable = state.extras and self.extra_keys is None
             self.requests[request.request_id] = state
+        state.uncacheable_now(self.extra_keys, self.block_size)
         return state
 
     def _root(self, request: Any) -> str:
@@ -289,7 +306,7 @@ class SchedulerSide:
         offers, restarts = handed_over(scheduler_output), restarted(scheduler_output)
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
-            if state is None or scheduled <= 0 or state.uncacheable:
+            if state is None or scheduled <= 0 or state.uncacheable_now(self.extra_keys, self.block_size):
                 continue
             computed = state.request.num_computed_tokens
             if req_id in restarts or not state.prefill_end:
