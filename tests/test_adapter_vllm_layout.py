@@ -215,3 +215,14 @@ def test_a_hub_model_is_named_by_the_weights_of_its_downloaded_snapshot(
     assert any(
         "model.weights" in r.getMessage() and "org/never-downloaded" in r.getMessage() for r in caplog.records
     )
+
+
+def test_prefill_context_parallel_is_refused_by_name(tmp_path: Path) -> None:
+    """Prefill context parallel ranks hold other token slices of a block, and a key names only
+    the TP rank: two ranks would write one key with different bytes. Refused at start."""
+    config = _vllm_config(str(tmp_path))
+    config.parallel_config.prefill_context_parallel_size = 2
+    with pytest.raises(ValueError, match="prefill_context_parallel_size=2"):
+        build_layout(config, _hybrid(), model_name="m", weights="w")
+    config.parallel_config.prefill_context_parallel_size = 1
+    assert build_layout(config, _hybrid(), model_name="m", weights="w").facts["tp_size"] == 1

@@ -256,6 +256,13 @@ def build_layout(
     groups = describe_groups(kv_cache_config)
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
+    pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+    if pcp > 1:  # its ranks hold other token slices of a block under one TP rank (one key)
+        raise ValueError(
+            f"kvstrata's vLLM connector does not support prefill context parallel "
+            f"(prefill_context_parallel_size={pcp}): its ranks of one TP rank would write different "
+            "slices of a block under one key; run with prefill_context_parallel_size=1"
+        )
     model_path = str(model_config.model)
     revision = getattr(model_config, "revision", None)
     download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
