@@ -6,6 +6,7 @@ import itertools
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ import pytest
 from kvstrata.plugins.storage_backend import OBJECT_MAGIC, BufferRegion, StorageBackend, StorageObject
 from kvstrata.storage_backends import _file_io as file_backend_io
 from kvstrata.storage_backends import file as file_backend
+from kvstrata.storage_backends._file_index import _host_tag
 from kvstrata.storage_backends.file import FileBackend, FileConfig
 from kvstrata.testing.conformance import (
     BackendConformance,
@@ -352,6 +354,30 @@ def test_a_dead_writers_temp_file_of_this_host_is_swept_at_open_however_young(tm
     assert not dead.exists() and backend.stale_temps_removed == 1
     assert alive.exists() and elsewhere.exists(), "a live writer's, or another host's: counted"
     assert backend.used_bytes == 2000
+    backend.close()
+
+
+def test_a_temp_file_of_a_writer_in_another_pid_namespace_of_this_host_is_not_swept(tmp_path: Path) -> None:
+    """Containers on the host's network (``hostNetwork`` pods sharing a hostPath L3) share its
+    name but not its pids: a pid no process has *here* says nothing of a writer there. The temp
+    name's host tag names the PID namespace too, so such a writer's young temp file is counted,
+    not deleted under it (its put failed); one of this namespace's dead writers still goes."""
+    first = open_file_backend(tmp_path, capacity_bytes=10_000)
+    here = first._tmp_prefix.split("-")[2][:4]
+    assert here == _host_tag()
+    pod = _host_tag(socket.gethostname(), "pid:[1]")  # the same host name, another namespace
+    assert pod != here
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a pid no process has now (here)
+    theirs = _temp_name(first, "pod-writer", pid=child.pid, token=pod + "0000")
+    ours = _temp_name(first, "dead-writer", pid=child.pid, token=here + "0000")
+    first.close()
+    for path in (theirs, ours):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes(1000))
+    backend = open_file_backend(tmp_path, capacity_bytes=10_000, stale_temp_s=600)
+    assert theirs.exists(), "another PID namespace's live writer lost its temp file"
+    assert not ours.exists() and backend.stale_temps_removed == 1
     backend.close()
 
 

@@ -359,10 +359,21 @@ class FileIndex:
     # --- I/O ----------------------------------------------------------------------------------
 
 
-def _host_tag() -> str:
-    """4 hex digits of this host's name in each temp file's name: a writer's pid says whether
-    it is alive only on its own host."""
-    return hashlib.blake2b(socket.gethostname().encode(), digest_size=2).hexdigest()
+def _pid_namespace() -> str:
+    """This process's PID namespace (Linux: ``pid:[inode]``; "" where it cannot be read)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _host_tag(hostname: str | None = None, pid_namespace: str | None = None) -> str:
+    """4 hex digits of this host's name and PID namespace in each temp file's name: a writer's
+    pid says whether it is alive only where its pids are (containers with the host's network
+    share its name, not its pids: a pod's live writer looked dead to another pod)."""
+    host = socket.gethostname() if hostname is None else hostname
+    namespace = _pid_namespace() if pid_namespace is None else pid_namespace
+    return hashlib.blake2b(f"{host}\x00{namespace}".encode(), digest_size=2).hexdigest()
 
 
 def _writer_gone(temp_name: str, host: str) -> bool:
