@@ -142,13 +142,17 @@ class KvstrataDynamicCache(DynamicCache):
     def forward_began(self) -> None:
         """A forward whose input :meth:`saw` recorded starts; one that began before and never
         returned raised, and some layers may hold its tokens: the cache is never committed."""
-        if self._kvstrata_running:
-            self._kvstrata_unknown = "a forward on it raised (its layers may hold part of that forward)"
+        self._check_finished()
         self._kvstrata_running = True
 
     def forward_done(self) -> None:
         """The forward returned: the cache holds the tokens :meth:`saw` recorded."""
         self._kvstrata_running = False
+
+    def _check_finished(self) -> None:
+        """A forward that began and never returned raised: the cache is marked never to commit."""
+        if self._kvstrata_running and self._kvstrata_unknown is None:
+            self._kvstrata_unknown = "a forward on it raised (its layers may hold part of that forward)"
 
     def crop(self, max_length: int) -> None:
         """The stock crop (assisted decoding drops rejected draft tokens), and the record of the
@@ -170,8 +174,7 @@ class KvstrataDynamicCache(DynamicCache):
 
     def held_tokens(self, input_ids: torch.Tensor) -> int:
         """How many tokens the cache holds, after checking they are ``input_ids``' first ones."""
-        if self._kvstrata_running and self._kvstrata_unknown is None:
-            self._kvstrata_unknown = "a forward on it raised (its layers may hold part of that forward)"
+        self._check_finished()
         if self._kvstrata_unknown is not None:
             raise ValueError(f"cannot commit this cache: {self._kvstrata_unknown}")
         held = self.kvstrata_tokens
