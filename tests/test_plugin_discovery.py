@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -97,13 +98,13 @@ def test_a_host_scans_the_installed_distributions_once(
     reads them once for its four groups, and loading a plugin uses what discovery read."""
     install_echo(make_distribution)
     scans: list[dict[str, object]] = []
-    real = importlib.metadata.entry_points
+    real = importlib.metadata.distributions
 
-    def counted(**selection: object) -> importlib.metadata.EntryPoints:
+    def counted(**selection: object):
         scans.append(selection)
         return real(**selection)
 
-    monkeypatch.setattr(importlib.metadata, "entry_points", counted)
+    monkeypatch.setattr(importlib.metadata, "distributions", counted)
     host = PluginHost(autoload=True, disabled=set())
     assert scans == [{}], scans
     assert host.storage_backends.get("echo").__name__ == "EchoBackend"
@@ -114,8 +115,8 @@ def test_a_host_scans_the_installed_distributions_once(
         "kvstrata-echo",
         "0.3.1",
     )
-    host.storage_backends.discover()  # an explicit rediscovery (after an install) scans its group
-    assert scans[1:] == [{"group": BACKENDS}]
+    host.storage_backends.discover()  # an explicit rediscovery (after an install) scans again
+    assert scans[1:] == [{}]
 
 
 def test_broken_plugin_is_reported_with_its_distribution_and_others_still_load(make_distribution) -> None:
@@ -404,3 +405,53 @@ def test_an_unknown_name_no_package_could_have_gets_no_pip_command(
     assert "pip install" not in str(info.value) and "lower-case letters" in str(info.value)
     with pytest.raises(UnknownPluginError, match=r"pip install kvstrata-redis"):
         kvstrata_host.storage_backends.get("redis")
+
+
+def _half_installed(site: Path, metadata: str | None, entry_points: str) -> None:
+    """What an interrupted ``pip install`` can leave: entry points without METADATA, or a line
+    that is not ``name = target``."""
+    info = site / "kvstrata_half-1.0.dist-info"
+    info.mkdir(parents=True)
+    if metadata is not None:
+        (info / "METADATA").write_text(metadata)
+    (info / "entry_points.txt").write_text(entry_points)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "entry_points"),
+    [
+        (None, f"[{BACKENDS}]\nhalf = kvstrata_half:Backend\n"),
+        ("", f"[{BACKENDS}]\nhalf = kvstrata_half:Backend\n"),
+        ("Metadata-Version: 2.1\nName: kvstrata-half\nVersion: 1.0\n", f"[{BACKENDS}]\nhalf\n"),
+    ],
+    ids=["no-METADATA", "empty-METADATA", "entry-point-line-without-target"],
+)
+def test_a_half_installed_package_does_not_stop_discovery(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metadata: str | None, entry_points: str
+) -> None:
+    """It raised from ``PluginHost()`` (a None distribution name, or importlib's parse error),
+    so every command and ``kvstrata.open`` failed, ``kvstrata plugins`` too."""
+    _half_installed(tmp_path / "site", metadata, entry_points)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    importlib.invalidate_caches()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the skipped package is reported as a warning
+        host = PluginHost()
+    assert host.storage_backends.get("file").name == "file"
+    if metadata is not None and metadata:  # the unparsable line: the package is reported
+        assert any("kvstrata_half-1.0.dist-info" in problem for problem in host.distribution_errors)
+    else:  # its entry loads as far as its missing module, from an unknown distribution
+        with pytest.raises(PluginLoadError):
+            host.storage_backends.get("half")
+
+
+def test_the_cli_runs_beside_a_half_installed_package(tmp_path: Path) -> None:
+    _half_installed(tmp_path / "site", None, f"[{BACKENDS}]\nhalf = kvstrata_half:Backend\n")
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(src)])}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstrata", "plugins"], capture_output=True, text=True, env=env, check=False
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "half" in proc.stdout and "file" in proc.stdout

@@ -99,6 +99,21 @@ def plugin_rows(host: PluginHost) -> list[dict[str, Any]]:
                     error=f"disabled by KVSTRATA_DISABLED_PLUGINS; remove {item!r} from it to load it",
                 )
             )
+    for problem in host.distribution_errors:
+        rows.append(
+            {
+                "kind": "package",
+                "name": problem.partition(": ")[0],
+                "distribution": None,
+                "version": None,
+                "source": "entry_point",
+                "status": "load error",
+                "error": problem.partition(": ")[2] + "; reinstall or remove that package",
+                "install": None,
+                "missing": [],
+                "capabilities": None,
+            }
+        )
     for failed in host.hook_plugin_errors:
         rows.append(
             {

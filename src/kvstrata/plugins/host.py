@@ -27,7 +27,7 @@ from kvstrata.plugins.eviction_policy import (
     PolicyCapabilities,
 )
 from kvstrata.plugins.pool_type import POOL_API_VERSION, PoolConfig, PoolRole, PoolType
-from kvstrata.plugins.registry import DistributionNames, Registry, check_name
+from kvstrata.plugins.registry import DistributionNames, Registry, check_name, installed_entry_points
 from kvstrata.plugins.storage_backend import (
     BACKEND_API_VERSION,
     BackendCapabilities,
@@ -184,10 +184,15 @@ class PluginHost:
         self.storage_backends: Registry[StorageBackend] = self._registry("storage_backends")
         self.eviction_policies: Registry[EvictionPolicy] = self._registry("eviction_policies")
         self.hook_plugin_errors: list[HookPluginError] = []
+        #: installed packages whose entry points could not be read (skipped, never fatal)
+        self.distribution_errors: list[str] = []
         if self.autoload:
             # one scan of every installed distribution's entry points for all four groups: a
             # scan reads each distribution's files and costs ~4 ms with a few hundred installed
-            installed = importlib.metadata.entry_points()
+            installed, broken = installed_entry_points()
+            for problem in broken:
+                self.distribution_errors.append(problem)
+                warnings.warn(f"kvstrata skipped an installed package: {problem}", stacklevel=2)
             distributions: DistributionNames = {}
             for attribute in PLUGIN_KINDS:
                 registry = getattr(self, attribute)

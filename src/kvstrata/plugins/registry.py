@@ -83,9 +83,38 @@ def _distribution_of(ep: importlib.metadata.EntryPoint, about: DistributionNames
         return UNKNOWN_DISTRIBUTION, None
     known = about.get(dist)
     if known is None:
-        metadata = dist.metadata  # parsed on every read of ``dist.name`` or ``dist.version``
-        known = about[dist] = (metadata["Name"], metadata["Version"])
+        try:
+            metadata = dist.metadata  # parsed on every read of ``dist.name`` or ``dist.version``
+            name, version = metadata["Name"], metadata["Version"]
+        except Exception:  # (an unreadable METADATA file: the entry still loads, its origin unknown)
+            name, version = None, None
+        # a half-installed package (METADATA not yet or no longer written) names no one
+        known = about[dist] = (name or UNKNOWN_DISTRIBUTION, version if name else None)
     return known
+
+
+def installed_entry_points() -> tuple[importlib.metadata.EntryPoints, list[str]]:
+    """Every installed distribution's entry points, as ``importlib.metadata.entry_points()``
+    finds them (the first distribution of a name on ``sys.path``), and one line per distribution
+    whose ``entry_points.txt`` cannot be parsed: ``entry_points()`` raises for that one package
+    (an interrupted install, a hand-edited line), which would stop every plugin -- and every
+    command, ``kvstrata plugins`` too -- instead of that package's."""
+    points: list[importlib.metadata.EntryPoint] = []
+    broken: list[str] = []
+    seen: set[str] = set()
+    for dist in importlib.metadata.distributions():
+        # the name importlib itself deduplicates by (from the folder's name: no METADATA read)
+        key = getattr(dist, "_normalized_name", None)
+        if key is not None:
+            if key in seen:
+                continue
+            seen.add(key)
+        try:
+            points.extend(dist.entry_points)
+        except Exception as exc:
+            where = getattr(dist, "_path", None) or key or "a distribution"
+            broken.append(f"{where}: cannot read its entry points ({type(exc).__name__}: {exc})")
+    return importlib.metadata.EntryPoints(points), broken
 
 
 def literal_type_name(config_cls: type) -> str | None:
@@ -149,7 +178,7 @@ class Registry(Generic[T]):
         # invisible, so drop this group's cached copy before a fresh scan.
         ExtensionManager.ENTRY_POINT_CACHE.pop(self.group, None)
         if points is None:
-            points = importlib.metadata.entry_points(group=self.group)
+            points = installed_entry_points()[0].select(group=self.group)
         seen: set[tuple[str, str, str]] = set()
         self._blocked = []
         self._points = {}
@@ -260,7 +289,7 @@ class Registry(Generic[T]):
         if found is not None:  # the one discovery read: no second scan of every distribution
             return found
         about: DistributionNames = {}
-        for ep in importlib.metadata.entry_points(group=self.group, name=entry.name):
+        for ep in installed_entry_points()[0].select(group=self.group, name=entry.name):
             if ep.value == entry.target and _distribution_of(ep, about)[0] == entry.provider:
                 return ep
         raise LookupError(
