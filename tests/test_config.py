@@ -229,7 +229,7 @@ def test_a_storage_path_naming_an_unset_variable_is_refused(
     overrides = {"tiers.storage.l3.path": "${KVSTRATA_TEST_L3_ROOT}/l3"}
     with pytest.raises(ConfigError, match="not set: KVSTRATA_TEST_L3_ROOT") as info:
         load(BASE, overrides=overrides, plugins=kvstrata_host, environ={})
-    assert info.value.errors[0][0] == "tiers.storage.l3"
+    assert info.value.errors[0][0] == "tiers.storage.l3.path"  # the field, not its section
     monkeypatch.setenv("KVSTRATA_TEST_L3_ROOT", "/srv/cache")
     config = load(BASE, overrides=overrides, plugins=kvstrata_host, environ={})
     assert str(config.tiers.storage["l3"].path) == "/srv/cache/l3"

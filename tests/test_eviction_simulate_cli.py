@@ -88,3 +88,11 @@ def test_sweep_plots_every_policy_against_capacity(tmp_path: Path) -> None:
     belady, lru, reuse = (data["hit_rate"][p] for p in ("belady", "lru", "reuse"))
     assert all(b >= max(x, y) for b, x, y in zip(belady, lru, reuse, strict=True))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("setting", ["{type: s3fifo", "{"])
+def test_an_eviction_mapping_that_does_not_parse_is_a_one_line_error(setting: str) -> None:
+    """A brace left open was a yaml ParserError traceback (exit 1)."""
+    out = runner.invoke(app, ["simulate", "--limit", "5", "--eviction", setting])
+    assert out.exit_code == 2, out.output
+    assert "--eviction: cannot parse" in out.output and "Traceback" not in out.output

@@ -12,13 +12,8 @@ from kvstrata.cli._app import (
     _fail,
     err,
 )
-from kvstrata.core.config import (
-    ENV_NESTING,
-    ENV_PREFIX,
-    KvstrataConfig,
-    compose,
-    load,
-)
+from kvstrata.core.config import KvstrataConfig, compose, load
+from kvstrata.core.config_text import ENV_NESTING, ENV_PREFIX, env_path
 from kvstrata.plugins.errors import ConfigError, KvstrataError, PluginError
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.storage_backend import BackendConfig
@@ -29,8 +24,7 @@ def _override_culprits(overrides: Sequence[str]) -> list[tuple[str, str]]:
     culprits = []  # in precedence order: environment first, then --set, later ones win
     for name in sorted(os.environ):
         if name.startswith(ENV_PREFIX) and ENV_NESTING in name:
-            path = ".".join(part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTING))
-            culprits.append((path, f"environment {name}={os.environ[name]}"))
+            culprits.append((".".join(env_path(name)), f"environment {name}={os.environ[name]}"))
     culprits += [(text.partition("=")[0].strip(), f"--set {text}") for text in overrides]
     return culprits
 
@@ -56,11 +50,13 @@ def blame_overrides(
     culprits = _override_culprits(overrides)
 
     def blamed(path: str) -> str | None:
+        low = path.lower()  # a variable's path is lower-cased; the files may spell it ``SSD``
         for where, text in reversed(culprits):
-            if path == where or path.startswith(where + "."):
+            where = where.lower()
+            if low == where or low.startswith(where + "."):
                 return text
             created = files_data is not None and not _holds(files_data, path)
-            if created and where.startswith(path + "."):
+            if created and where.startswith(low + "."):
                 return text
         return None
 

@@ -35,7 +35,11 @@ SWEEP_CAPACITIES_M = (0.5, 1, 2, 3, 4, 6, 8, 12)
 
 def _eviction_setting(text: str) -> str | dict[str, Any]:
     """``--eviction``: a policy name, or a YAML mapping with ``type`` and options."""
-    value = yaml.safe_load(text) if text.lstrip().startswith("{") else text
+    try:
+        value = yaml.safe_load(text) if text.lstrip().startswith("{") else text
+    except yaml.YAMLError as exc:  # a brace left open: one error line, not a parser traceback
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"--eviction: cannot parse {text!r} as a YAML mapping ({problem})") from None
     if not isinstance(value, str | dict):
         raise ValueError(f"--eviction: expected a policy name or a mapping, got {text!r}")
     return value

@@ -14,7 +14,6 @@ Pool and backend configs are validated by the model their ``type`` names, looked
 
 from __future__ import annotations
 
-import os
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -32,7 +31,14 @@ from pydantic import (
     model_validator,
 )
 
-from kvstrata.core.config_text import parse_config_text
+from kvstrata.core.config_text import (
+    deep_merge,
+    env_overrides,
+    match_case,
+    parse_config_text,
+    parse_override,
+    set_path,
+)
 from kvstrata.core.policy_config import AdmissionTiers, RetentionConfig
 from kvstrata.plugins.errors import ConfigError, PluginError
 from kvstrata.plugins.eviction_policy import EvictionPolicyConfig
@@ -40,9 +46,6 @@ from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.pool_type import Layout, PoolConfig, PoolRole
 from kvstrata.plugins.storage_backend import BackendConfig
 from kvstrata.plugins.user_config import UserConfig
-
-ENV_PREFIX = "KVSTRATA_"
-ENV_NESTING = "__"
 
 #: Default bound on one request's tokens (``model.max_request_tokens``): 1 Mi tokens, five times
 #: the longest request of the published Mooncake traces.
@@ -270,70 +273,6 @@ def load_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     return deep_merge(merged, data)
 
 
-def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    """Merge ``over`` into ``base``; a mapping whose ``type`` changes replaces the old one whole."""
-    result = dict(base)
-    for key, value in over.items():
-        old = result.get(key)
-        if isinstance(old, Mapping) and isinstance(value, Mapping) and not _type_changed(old, value):
-            result[key] = deep_merge(old, value)
-        else:
-            result[key] = value
-    return result
-
-
-def _type_changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
-    return "type" in new and "type" in old and new["type"] != old["type"]
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``a.b=value`` -> (["a", "b"], value parsed as YAML)."""
-    path, sep, raw = text.partition("=")
-    if not sep or not path.strip():
-        raise ConfigError([("", f"override {text!r} is not of the form dotted.path=value")])
-    try:
-        value = parse_config_text(raw, ".yaml") if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError([(path.strip(), f"cannot parse value {raw!r}: {exc}")]) from None
-    return [part.strip() for part in path.strip().split(".")], value
-
-
-def set_path(data: dict[str, Any], path: Sequence[str], value: Any) -> dict[str, Any]:
-    """Set one value; setting a different ``type`` on a node resets that node to ``{type: ...}``."""
-    node = data
-    for part in path[:-1]:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = {}
-            node[part] = child
-        node = child
-    last = path[-1]
-    if last == "type" and node.get("type") not in (None, value):
-        node.clear()
-    node[last] = value
-    return data
-
-
-def env_overrides(environ: Mapping[str, str] | None = None) -> list[tuple[list[str], Any]]:
-    """``KVSTRATA_TIERS__HOST__CAPACITY_TOKENS=0`` -> (["tiers", "host", "capacity_tokens"], 0).
-
-    Only names containing ``__`` are config; single-level ``KVSTRATA_*`` names are switches.
-    """
-    environ = os.environ if environ is None else environ
-    result = []
-    for name in sorted(environ):
-        if not name.startswith(ENV_PREFIX) or ENV_NESTING not in name:
-            continue
-        path = [part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTING)]
-        try:
-            _, value = parse_override(f"x={environ[name]}")
-        except ConfigError as exc:  # the field and the variable the user set, not "x"
-            errors = [(".".join(path), message) for _, message in exc.errors]
-            raise ConfigError(errors, f"environment variable {name}") from None
-        result.append((path, value))
-    return result
-
-
 def compose(
     files: Iterable[str | Path] = (),
     overrides: Iterable[str] = (),
@@ -344,7 +283,7 @@ def compose(
     for file in files:
         data = deep_merge(data, load_file(file))
     for path, value in env_overrides(environ):
-        set_path(data, path, value)
+        set_path(data, match_case(data, path), value)
     for text in overrides:
         path, value = parse_override(text)
         set_path(data, path, value)
@@ -397,7 +336,7 @@ def load(
         # a config object: every field, also one assigned on a section that came from defaults
         data = config.model_dump(mode="json") if isinstance(config, KvstrataConfig) else _plain(config)
         for path, value in env_overrides(environ):
-            set_path(data, path, value)
+            set_path(data, match_case(data, path), value)
     else:
         files = [config] if isinstance(config, str | Path) else _paths(config)
         data, source = compose(files, (), environ), ", ".join(str(f) for f in files)

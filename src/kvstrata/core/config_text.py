@@ -1,4 +1,5 @@
-"""Config file text to data: YAML, TOML or JSON, refusing a key given twice in one mapping.
+"""Config text to data: YAML, TOML or JSON, refusing a key given twice in one mapping; and the
+raw mapping's composition rules (files merged, environment variables and ``--set`` applied).
 
 PyYAML and ``json`` keep the last of two equal keys, so a second ``tiers:`` block silently reset
 the first one's settings to their defaults (TOML refuses it already).
@@ -7,11 +8,17 @@ the first one's settings to their defaults (TOML refuses it already).
 from __future__ import annotations
 
 import json
+import os
 import tomllib
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import yaml
+
+from kvstrata.plugins.errors import ConfigError
+
+ENV_PREFIX = "KVSTRATA_"
+ENV_NESTING = "__"
 
 
 def parse_config_text(text: str, suffix: str) -> Any:
@@ -52,3 +59,103 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"key {key!r} given twice in one object")
         data[key] = value
     return data
+
+
+def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge ``over`` into ``base``; a mapping whose ``type`` changes replaces the old one whole,
+    and so does an empty one: a later file's ``storage: {}`` means "no L3", as it does alone (merged,
+    it would change nothing and keep the earlier file's backends without a word)."""
+    result = dict(base)
+    for key, value in over.items():
+        old = result.get(key)
+        if (
+            isinstance(old, Mapping)
+            and isinstance(value, Mapping)
+            and value
+            and not _type_changed(old, value)
+        ):
+            result[key] = deep_merge(old, value)
+        else:
+            result[key] = value
+    return result
+
+
+def _type_changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    return "type" in new and "type" in old and new["type"] != old["type"]
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value parsed as YAML)."""
+    path, sep, raw = text.partition("=")
+    if not sep or not path.strip():
+        raise ConfigError([("", f"override {text!r} is not of the form dotted.path=value")])
+    try:
+        value = parse_config_text(raw, ".yaml") if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError([(path.strip(), f"cannot parse value {raw!r}: {exc}")]) from None
+    return [part.strip() for part in path.strip().split(".")], value
+
+
+def set_path(data: dict[str, Any], path: Sequence[str], value: Any) -> dict[str, Any]:
+    """Set one value; setting a different ``type`` on a node resets that node to ``{type: ...}``."""
+    node = data
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    last = path[-1]
+    if last == "type" and node.get("type") not in (None, value):
+        node.clear()
+    node[last] = value
+    return data
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> list[tuple[list[str], Any]]:
+    """``KVSTRATA_TIERS__HOST__CAPACITY_TOKENS=0`` -> (["tiers", "host", "capacity_tokens"], 0).
+
+    Only names containing ``__`` are config; single-level ``KVSTRATA_*`` names are switches.
+    """
+    environ = os.environ if environ is None else environ
+    result = []
+    for name in sorted(environ, key=_env_order):
+        if not name.startswith(ENV_PREFIX) or ENV_NESTING not in name:
+            continue
+        path = env_path(name)
+        try:
+            _, value = parse_override(f"x={environ[name]}")
+        except ConfigError as exc:  # the field and the variable the user set, not "x"
+            errors = [(".".join(path), message) for _, message in exc.errors]
+            raise ConfigError(errors, f"environment variable {name}") from None
+        result.append((path, value))
+    return result
+
+
+def env_path(name: str) -> list[str]:
+    """The config path a ``KVSTRATA_A__B`` variable names, lower-cased (variables are upper-case
+    by convention; :func:`match_case` finds a mixed-case name the files use)."""
+    return [part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTING)]
+
+
+def _env_order(name: str) -> tuple[tuple[bool, str], ...]:
+    """Variables applied parents first, and a node's ``type`` before its other fields: applied in
+    name order, ``..._L3__CAPACITY_BYTES`` came before ``..._L3__TYPE``, whose change then reset
+    the node and dropped the capacity the user had set beside it."""
+    return tuple((part != "type", part) for part in name.lower().split(ENV_NESTING.lower()))
+
+
+def match_case(data: Mapping[str, Any], path: Sequence[str]) -> list[str]:
+    """``path`` (from an upper-case variable, lower-cased) with each part spelled as the composed
+    ``data`` spells it where exactly one key there matches it ignoring case: an instance the
+    files name ``SSD`` is the one ``KVSTRATA_TIERS__STORAGE__SSD__PATH`` sets, not a new ``ssd``."""
+    out: list[str] = []
+    node: Any = data
+    for part in path:
+        if isinstance(node, Mapping) and part not in node:
+            same = [key for key in node if isinstance(key, str) and key.lower() == part]
+            if len(same) == 1:
+                part = same[0]
+        out.append(part)
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return out

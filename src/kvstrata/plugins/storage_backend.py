@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from kvstrata.plugins.user_config import UserConfig
 
@@ -72,10 +72,8 @@ class BackendCapabilities(BaseModel):
         return self.pools.get(pool_type, self.pools.get(ANY_POOL))
 
 
-class BreakerConfig(BaseModel):
+class BreakerConfig(UserConfig):
     """When the core stops calling a backend instance that keeps failing (see ``core.breaker``)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     failures: int = Field(
         default=3, ge=0, description="consecutive failed calls (raised / timed out) that open it; 0 = never"
@@ -158,12 +156,17 @@ class BackendConfig(UserConfig):
             return data
         paths = {name for name, field in cls.model_fields.items() if _is_path_field(field.annotation)}
         expanded = dict(data)
-        for key in paths & expanded.keys():
+        errors: list[Any] = []  # pydantic's InitErrorDetails: located at the field, not the section
+        for key in sorted(paths & expanded.keys()):
             if isinstance(expanded[key], str):
                 try:
                     expanded[key] = expand_path(expanded[key])
                 except ValueError as exc:
-                    raise ValueError(f"{key}: {exc}") from None
+                    errors.append(
+                        {"type": "value_error", "loc": (key,), "input": data[key], "ctx": {"error": exc}}
+                    )
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
         return expanded
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kvstrata.plugins.pool_type import (
     BufferSpec,
@@ -44,12 +44,13 @@ from kvstrata.plugins.pool_type import (
     PoolType,
     Replication,
 )
+from kvstrata.plugins.user_config import UserConfig
 
 #: A state tensor's name becomes its buffer name (and appears in object layouts and tools).
 STATE_NAME = r"^[a-z0-9_]+$"
 
 
-class StateShape(BaseModel):
+class StateShape(UserConfig):
     """Shape (per layer, per slot) and dtype of one state tensor."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

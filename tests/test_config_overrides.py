@@ -1,0 +1,119 @@
+"""Config composition edges a user meets: environment overrides that switch a backend's type or
+name a mixed-case instance, a later file's empty mapping, ``true`` where numbers go, and where
+an unset variable in a path is blamed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import kvstrata
+from kvstrata.plugins import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "examples" / "configs" / "demo.yaml"
+KV = {"type": "kv", "layers": 2, "kv_heads": 1, "head_dim": 8}
+MODEL = {"name": "x", "page_size": 16, "pools": {"kv": KV}}
+
+
+def test_an_environment_type_switch_keeps_the_fields_set_beside_it() -> None:
+    """Variables applied in name order put ``CAPACITY_BYTES`` before ``TYPE``, whose change then
+    reset the node: the cap the user set was dropped without a word (an unbounded L3)."""
+    environ = {
+        "KVSTRATA_TIERS__STORAGE__L3__TYPE": "memory",
+        "KVSTRATA_TIERS__STORAGE__L3__CAPACITY_BYTES": "1000",
+    }
+    l3 = kvstrata.load(DEMO, environ=environ).tiers.storage["l3"]
+    assert (l3.type, l3.capacity_bytes) == ("memory", 1000)
+
+
+def test_an_environment_switch_to_the_file_backend_takes_its_path_from_it(tmp_path: Path) -> None:
+    base = {"model": MODEL, "tiers": {"storage": {"l3": {"type": "memory"}}}}
+    environ = {
+        "KVSTRATA_TIERS__STORAGE__L3__TYPE": "file",
+        "KVSTRATA_TIERS__STORAGE__L3__PATH": str(tmp_path / "l3"),
+    }
+    assert kvstrata.load(base, environ=environ).tiers.storage["l3"].path == tmp_path / "l3"
+
+
+def test_a_variable_reaches_an_instance_the_files_name_in_capitals(tmp_path: Path) -> None:
+    """Variables are upper-case and were lower-cased: ``..._STORAGE__SSD__PATH`` made a new,
+    typeless instance ``ssd`` beside the files' ``SSD``."""
+    config_file = tmp_path / "upper.yaml"
+    config_file.write_text(DEMO.read_text().replace("    l3: {type: file", "    SSD: {type: file"))
+    config = kvstrata.load(config_file, environ={"KVSTRATA_TIERS__STORAGE__SSD__PATH": str(tmp_path / "ssd")})
+    assert list(config.tiers.storage) == ["SSD"]
+    assert config.tiers.storage["SSD"].path == tmp_path / "ssd"
+
+
+def test_a_later_file_or_an_including_one_with_an_empty_storage_mapping_has_no_l3(tmp_path: Path) -> None:
+    """README: an empty mapping means no L3. Merged into the earlier file's, it changed nothing."""
+    no_l3 = tmp_path / "no-l3.yaml"
+    no_l3.write_text("tiers:\n  storage: {}\n")
+    assert kvstrata.load([DEMO, no_l3], environ={}).tiers.storage == {}
+    top = tmp_path / "top.yaml"
+    top.write_text(f"include: {DEMO}\ntiers:\n  storage: {{}}\n")
+    assert kvstrata.load(top, environ={}).tiers.storage == {}
+    # a mapping with keys still merges
+    cap = tmp_path / "cap.yaml"
+    cap.write_text(yaml.safe_dump({"tiers": {"storage": {"l3": {"capacity_bytes": 1234}}}}))
+    l3 = kvstrata.load([DEMO, cap], environ={}).tiers.storage["l3"]
+    assert (l3.type, l3.capacity_bytes) == ("file", 1234)
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"model.pools.kv.layer_ids": [True, 3]}, "model.pools.kv.layer_ids.0"),
+        (
+            {"model.pools.m": {"type": "mamba", "layers": 1, "states": {"conv": {"shape": [4, False]}}}},
+            "model.pools.m.states.conv.shape.1",
+        ),
+        (
+            {"tiers.storage.l3": {"type": "memory", "circuit_breaker": {"failures": True}}},
+            "tiers.storage.l3.circuit_breaker.failures",
+        ),
+    ],
+    ids=["layer_ids", "mamba-state-shape", "circuit_breaker.failures"],
+)
+def test_true_is_not_a_number_in_lists_or_nested_sections(override: dict, field: str) -> None:
+    """``layer_ids: [true, false]`` became [1, 0], a state shape ``[4, false]`` (4, 0), and
+    ``failures: true`` a breaker opening at one failure."""
+    with pytest.raises(ConfigError) as info:
+        kvstrata.load({"model": MODEL}, overrides=override, environ={})
+    assert [path for path, _ in info.value.errors] == [field]
+    assert "expected a number, got" in str(info.value)
+
+
+def test_numbers_in_the_same_fields_still_load() -> None:
+    config = kvstrata.load(
+        {"model": MODEL},
+        overrides={
+            "model.pools.kv.layer_ids": [3, 5],
+            "tiers.storage.l3": {"type": "memory", "circuit_breaker": {"failures": 2}},
+        },
+        environ={},
+    )
+    assert config.model.pools["kv"].layer_ids == [3, 5]
+    assert config.tiers.storage["l3"].circuit_breaker.failures == 2
+
+
+def test_an_unset_variable_in_a_set_path_names_the_set_and_the_field(tmp_path: Path) -> None:
+    """Raised for the whole backend section, the error named ``tiers.storage.l3`` and blamed the
+    config file, which never held the value."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTRATA_")}
+    env |= {"PYTHONPATH": str(REPO / "src"), "KVSTRATA_CACHE_DIR": str(tmp_path)}
+    env.pop("KVSTRATA_TEST_UNSET_VARIABLE", None)
+    setting = "tiers.storage.l3.path=$KVSTRATA_TEST_UNSET_VARIABLE/x"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstrata", "config", "validate", "-c", str(DEMO), "--set", setting],
+        capture_output=True, text=True, env=env, cwd=tmp_path, check=False, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"--set {setting}" in proc.stderr and "tiers.storage.l3.path:" in proc.stderr
+    assert "KVSTRATA_TEST_UNSET_VARIABLE" in proc.stderr and str(DEMO) not in proc.stderr
