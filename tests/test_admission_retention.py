@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from controller_support import fill, open_cache, serve, tokens, verify
-from kvstrata.core.controller import CacheController, Lease
+from kvstrata.core.controller import CacheController, CacheFullError, Lease
 from kvstrata.core.retention import RetentionHint
 
 WAIT = ["policy.prefetch.policy=wait_complete", "policy.prefetch.host_fraction_limit=1"]
@@ -181,6 +181,30 @@ def test_a_lapsed_pin_leaves_room_under_the_cap() -> None:
         now[0] = 6.0  # no eviction since: the lapsed pin was still counted and B refused
         second = serve_hinted(cache, tokens(2, 2), RetentionHint(pin=True))
         assert second.pinned and ops(cache)["pins_refused"] == 0
+
+
+def test_a_lapsed_pin_does_not_refuse_a_request_that_needs_its_pages() -> None:
+    """Pins lapse when an eviction starts; the allocator first asks whether evicting could make
+    room, took the lapsed pin's lock as holding its pages and started none: a request needing
+    them got ``CacheFullError`` ("2 device pages are pinned"), every retry too."""
+    now = [0.0]
+    overrides = ["tiers.storage={}", "tiers.host.capacity_tokens=0", "tiers.device.capacity_tokens=256"]
+    with open_cache("kv", overrides=overrides) as cache:  # 4 pages: pins may hold 2
+        cache.parts.retention.clock = lambda: now[0]
+        pinned = serve_hinted(cache, tokens(1, 2), RetentionHint(pin=True, ttl_s=5))
+        assert pinned.pinned
+        now[0] = 6.0
+        lease, bad = serve(cache, tokens(2, 4))  # the whole tier
+        assert lease.cached_pages == 0 and bad == 0
+        assert not pinned.pinned and cache.parts.retention.pinned_pages == 0
+        now[0] = 0.0  # an unexpired pin still holds: the same request is refused
+        held = serve_hinted(cache, tokens(3, 2), RetentionHint(pin=True, ttl_s=5))
+        assert held.pinned
+        refused = cache.lookup(tokens(4, 4))
+        cache.admit(refused)
+        with pytest.raises(CacheFullError, match="2 device pages are pinned"):
+            cache.allocate(refused)
+        cache.release(refused)
 
 
 def test_a_timed_priority_falls_back_to_the_permanent_one() -> None:

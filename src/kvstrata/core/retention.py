@@ -109,6 +109,13 @@ class Retention:
 
         return level
 
+    def expire(self) -> None:
+        """Release the pins whose TTL passed, before the allocator asks whether evicting could
+        make room: a lapsed pin's lock says it could not, no eviction starts, and the pin --
+        released only when one does -- refused every allocation that needed its pages."""
+        if self._pins:
+            self._expire_pins(self.clock())
+
     def _expire_pins(self, now: float) -> None:
         for pin in [p for p in self._pins.values() if p.deadline is not None and p.deadline <= now]:
             self.release(pin)

@@ -105,6 +105,8 @@ class TierUnits:
         if got is not None:
             return got
         shortfall = self._shortfall(tier, needs)
+        if self.tree.evictor.retention is not None:
+            self.tree.evictor.retention.expire()  # a lapsed pin's lock holds nothing
         if not room_by_evicting(self.tree.evictor, tier, shortfall):
             return None  # locked units fill the tier: evicting the rest would lose it for nothing
         if tier is Tier.DEVICE:
