@@ -132,9 +132,11 @@ def host_units_held_by_tree(cache: CacheController) -> dict[str, int]:
 
 
 def device_accounting(cache: CacheController, open_leases: list[Lease]) -> None:
-    """Every device unit in use is the tree's or pending in an open lease: none leaked."""
+    """Every device unit in use is the tree's, pending in an open lease or kept by one (page
+    units it computed that another request inserted first: its engine still reads them)."""
     for name in cache.tree_pools:
         allocated = sum(len(lease.pending.get(name, ())) for lease in open_leases)
+        allocated += sum(len(kept.get(name, ())) for lease in open_leases for kept in lease._duplicates or ())
         used = cache.pools.pools[name].device_allocator.used
         assert used == cache.tree.units(name, "device") + allocated, f"device units of {name!r} leaked"
 

@@ -15,10 +15,11 @@ from controller_support import (
     host_units_held_by_tree,
     host_units_in_use,
     open_cache,
+    serve,
     tokens,
     verify,
 )
-from kvstrata.core.controller import CacheFullError, Lease
+from kvstrata.core.controller import CacheFullError, Lease, PoolKind
 
 
 @pytest.mark.parametrize("stack", ["kv", "swa-mamba", "mla-nsa-draft", "logical-swa"])
@@ -69,3 +70,51 @@ def test_interleaved_requests_keep_bytes_and_accounting_exact(stack: str, seed: 
         assert host_units_in_use(cache) == host_units_held_by_tree(cache), "host units leaked"
         snapshot = cache.metrics.snapshot()
         assert snapshot["hit_tokens"]["total"] > 0
+
+
+@pytest.mark.parametrize("stack", ["kv", "swa-mamba", "mla-nsa-draft", "hybrid-mamba"])
+def test_a_chunk_another_request_inserted_first_keeps_the_units_its_engine_reads(stack: str) -> None:
+    """Two requests of one prompt in chunked prefill, both computing before either inserts (a
+    scheduler's batch). B's chunk goes into the tree first; A's ``insert(close=False)`` finds
+    those pages there. A's engine goes on attending over them through the units ``allocate``
+    gave it: they were freed as duplicates at that insert, handed to the next request, and its
+    writes became A's KV. They stay A's until it closes; a state slot is freed at once."""
+    with open_cache(stack, overrides=["tiers.device.capacity_tokens=2048"]) as cache:
+        prompt = tokens(7, 8)
+        a, b = (cache.lookup(prompt[: 4 * 64]) for _ in range(2))
+        for lease in (a, b):
+            cache.admit(lease)
+        a_units = {name: units.clone() for name, units in cache.allocate(a).items()}
+        cache.fork_state(a)
+        fill(cache, a, a_units)
+        pages = [n for n in a_units if cache.pool_kind(n) is not PoolKind.STATE and len(a_units[n])]
+
+        def raw(name: str) -> list[bytes]:  # the bytes, NaN patterns and all
+            return [
+                t.contiguous().view(torch.uint8).numpy().tobytes()
+                for t in cache.read_units(name, a_units[name]).values()
+            ]
+
+        before = {name: raw(name) for name in pages}
+        fill(cache, b, cache.allocate(b))
+        cache.insert(b, close=False)
+        cache.insert(a, close=False)  # every page a duplicate of B's
+        device_accounting(cache, [a, b])
+        c = cache.lookup(tokens(99, 32))
+        cache.admit(c)
+        free = cache.pools.anchor.device_allocator.available
+        c_units = cache.allocate(c, end_page=free)  # every free unit
+        fill(cache, c, c_units)  # another request computes into them
+        for name in pages:
+            assert not set(a_units[name].tolist()) & set(c_units[name].tolist()), name
+            assert raw(name) == before[name], f"A's {name} units were overwritten"
+        cache.release(c)
+        a.extend(prompt[4 * 64 :])
+        units = cache.allocate(a)
+        cache.fork_state(a)
+        fill(cache, a, units)
+        cache.insert(a)
+        cache.insert(b)
+        device_accounting(cache, [])  # A's kept units freed at its close
+        again, bad = serve(cache, prompt)
+        assert again.cached_pages == 8 and bad == 0

@@ -53,7 +53,13 @@ from kvstrata.core.builder import (
 from kvstrata.core.collective import Collective, agreement_for
 from kvstrata.core.config import KvstrataConfig
 from kvstrata.core.lease import CacheFullError, Lease, require_lease
-from kvstrata.core.lease_units import allocate_units, device_full, page_number, take_for_insert
+from kvstrata.core.lease_units import (
+    allocate_units,
+    device_full,
+    free_duplicates,
+    page_number,
+    take_for_insert,
+)
 from kvstrata.core.metrics import SkipReason
 from kvstrata.core.pool_group import Pool
 from kvstrata.core.prefetcher import Prefetcher, PrefetchMode
@@ -274,9 +280,8 @@ class CacheController(UnitMemory, ClosingApi):
             values, rest = take_for_insert(self.layout, lease, end)
             above = lease.node
             result = self.tree.insert(lease.keys[lease.committed_pages : end], values, at=above)
-            if result.has_duplicates:
-                self.units.free(_DEVICE, result.duplicates)
-            lease.mark_inserted(self.tree, result.node, end, rest)
+            kept = result.has_duplicates and free_duplicates(self.units, self.layout, result, close)
+            lease.mark_inserted(self.tree, result.node, end, rest, kept or None)
             if self.policy.write == "write_through" or self.writer.digests is not None:
                 hashes, cached = lease.hashes_source, lease.cached_pages
                 self.writer.on_insert(result.node, hashes, above, cached, owner=lease, keep_open=not close)
@@ -297,9 +302,8 @@ class CacheController(UnitMemory, ClosingApi):
         self._close_lease(lease)
 
     def _free_pending(self, lease: Lease) -> None:
-        pending = lease.take_pending()
-        if pending is not None:
-            self.units.free(Tier.DEVICE, pending)
+        for units in lease.take_pending():
+            self.units.free(Tier.DEVICE, units)
 
     def _close_lease(self, lease: Lease) -> None:
         self.writer.end_open(lease)  # what write-through batched, backed up while still locked

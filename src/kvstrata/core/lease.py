@@ -85,14 +85,17 @@ class Lease:
     _slot_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     _unforked: set[str] = field(default_factory=set)
     _allocated_first: dict[str, int] = field(default_factory=dict)  # page of each pool's first new unit
+    #: page units it computed that an insert keeping it open found in the tree (another request's
+    #: first): its engine still reads its own, so they are freed at close (see free_duplicates)
+    _duplicates: list[dict[str, torch.Tensor]] | None = None
     #: the cache whose lookup made it: no other cache honours it
     _issuer: object = field(default=None, repr=False)
-    _origin: tuple[str, int, str] = ("?", 0, "?")  # (file, line, function) that called lookup
+    origin: tuple[str, int, str] = field(default=("?", 0, "?"), repr=False)  # what called lookup
 
     def bind_issuer(self, issuer: object, owner_of: dict[str, str], origin: tuple[str, int, str]) -> None:
         """``lookup``: only ``issuer`` honours this lease; ``owner_of`` maps each pool to the tree
         pool whose units it shares; ``origin`` is where lookup was called (for the close warning)."""
-        self._issuer, self._owner_of, self._origin = issuer, owner_of, origin
+        self._issuer, self._owner_of, self.origin = issuer, owner_of, origin
 
     @property
     def pages(self) -> int:
@@ -117,8 +120,7 @@ class Lease:
         return self._hashes
 
     def hashes_source(self) -> list[str]:
-        """:attr:`page_hashes` as a call: the writer asks for them only when it queues an L3
-        write, so a cache without L3 never hashes a page."""
+        """:attr:`page_hashes` as a call: asked for only to queue an L3 write (no L3, no hashing)."""
         return self.page_hashes
 
     @property
@@ -211,11 +213,6 @@ class Lease:
         late pool; it may outlive the lease)."""
         return self._pin is not None and not self._pin.released
 
-    @property
-    def origin(self) -> tuple[str, int, str]:
-        """(file, line, function) that called ``lookup``."""
-        return self._origin
-
     # --- transitions (the controller's calls) ---------------------------------------------------
 
     def hold_match(self, tree: PrefixTree, match: MatchResult) -> None:
@@ -292,18 +289,22 @@ class Lease:
         self.allocated_pages = end
         return unit_arrays(dropped) if dropped else {}
 
-    def mark_inserted(self, tree: PrefixTree, node: TreeNode, end: int, rest: dict[str, bytes]) -> None:
-        """``insert``: pages through ``end`` are in the tree, ending at ``node``: move the device
-        lock there and keep ``rest`` (see :func:`take_for_insert`) for the next chunk."""
+    def mark_inserted(
+        self, tree: PrefixTree, node: TreeNode, end: int, rest: dict[str, bytes], kept: dict | None = None
+    ) -> None:
+        """``insert``: pages through ``end`` are in the tree, ending at ``node``: move the device lock
+        there, keep ``rest`` (:func:`take_for_insert`) for the next chunk and ``kept`` to close."""
         lock = self._device_lock
         self._device_lock = tree.lock(node, _DEVICE) if lock is None else tree.move_lock(lock, node)
         self._node, self.committed_pages, self._allocated = node, end, rest
+        if kept:
+            self._duplicates = [*(self._duplicates or ()), kept]
 
-    def take_pending(self) -> dict[str, np.ndarray] | None:
-        """``insert`` / ``release``: the units allocated and never inserted, for the caller to
-        free (None: none)."""
-        pending, self._allocated = self._allocated, None
-        return None if pending is None else unit_arrays(pending)
+    def take_pending(self) -> list[Mapping[str, np.ndarray | torch.Tensor]]:
+        """``insert`` (closing) / ``release``: the units it holds outside the tree (allocated and
+        never inserted, duplicates kept), for the caller to free."""
+        pending, held, self._allocated, self._duplicates = self._allocated, self._duplicates, None, None
+        return [*(held or ()), *(() if pending is None else (unit_arrays(pending),))]
 
     def hold_pin(self, pin: Pin | None) -> None:
         """A retention pin the prefix holds now (None: none, or it was refused)."""
@@ -311,8 +312,7 @@ class Lease:
 
     def take_pin(self) -> Pin | None:
         """``unpin``: the pin to release (None: none held)."""
-        pin = self._pin
-        self.hold_pin(None)
+        pin, self._pin = self._pin, None
         return pin
 
     def unlock(self, tree: PrefixTree) -> None:

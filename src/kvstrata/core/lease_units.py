@@ -19,9 +19,10 @@ from kvstrata.core.tree_bytes import UNIT
 
 if TYPE_CHECKING:
     from kvstrata.core.tier_units import TierUnits
+    from kvstrata.core.tree_node import InsertResult
 
 #: enum members without the descriptor lookup (~0.1 us each): every chunk reads a few
-_PAGES, _WINDOW = PoolKind.PAGES, PoolKind.WINDOW
+_PAGES, _WINDOW, _STATE = PoolKind.PAGES, PoolKind.WINDOW, PoolKind.STATE
 _DEVICE = Tier.DEVICE
 
 
@@ -148,3 +149,22 @@ def take_for_insert(layout: StackLayout, lease: Lease, end: int) -> tuple[dict[s
         else:
             values[tp.name], rest[tp.name] = pending, b""
     return {name: v for name, v in values.items() if v}, rest
+
+
+def free_duplicates(
+    units: TierUnits, layout: StackLayout, result: InsertResult, close: bool
+) -> dict[str, torch.Tensor]:
+    """Free the units of inserted pages the tree already held (another request computed and
+    inserted them first), except, when the lease stays open (``close=False``), the page units
+    (all-pages and window pools) its engine still attends over: the engine reads the units
+    ``allocate`` gave it, not the tree's, so freed now they went to the next request and its
+    writes became this one's KV. Returned: the lease frees them at close. A state pool's slot is
+    freed at once: the next chunk forks the tree's checkpoint into a new one."""
+    duplicates = result.duplicates
+    if close:
+        units.free(_DEVICE, duplicates)
+        return {}
+    kept = {name: value for name, value in duplicates.items() if layout.tree_pools[name].kind is not _STATE}
+    if len(kept) < len(duplicates):
+        units.free(_DEVICE, {name: value for name, value in duplicates.items() if name not in kept})
+    return kept
