@@ -125,7 +125,7 @@ class MooncakeIO(MooncakeMemory):
                 for (index, _), code in zip(retry, codes, strict=True):
                     results[index] = code
         longer = [index for index, code in enumerate(results) if code == INVALID_PARAMS]
-        if longer and not self._needs_registered_memory:
+        if longer:
             with self._store_call() as store:
                 sizes = [int(store.get_size(objects[index].key)) for index in longer]
             for index, size in zip(longer, sizes, strict=True):
@@ -137,7 +137,10 @@ class MooncakeIO(MooncakeMemory):
         """An object longer than its regions (another layout under our key; Mooncake refuses
         the read): read whole into scratch memory, its leading bytes into the regions, and report
         its length, so the caller's verification classifies it (and can replace it) instead of
-        meeting the same unexplained miss on every read."""
+        meeting the same unexplained miss on every read -- and, since a put leaves an existing key
+        as it is, the page could never be stored again. Where Mooncake reads only registered
+        memory (standalone, RDMA) the scratch goes through the staging area like any unregistered
+        region; one larger than the area stays that miss."""
         scratch = ctypes.create_string_buffer(size)
         [code] = self._get([StorageObject(obj.key, (BufferRegion(ctypes.addressof(scratch), size),))])
         if code < 0:
