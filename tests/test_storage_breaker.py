@@ -4,6 +4,8 @@ a stopped master -- is in test_mooncake_backend.py."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,9 @@ import pytest
 from controller_support import host_units_held_by_tree, host_units_in_use, open_cache, serve, tokens
 from kvstrata.core.breaker import BreakerState, CircuitBreaker
 from kvstrata.plugins import PluginHost
+from kvstrata.plugins.storage_backend import StorageObject
 from kvstrata.storage_backends.file import FileConfig
+from kvstrata.storage_backends.memory import MemoryBackend, MemoryConfig
 from kvstrata.testing.conformance import BackendConformance, conformance_specs, page_hashes
 from kvstrata.testing.faults import FaultsConfig, FaultyBackend
 
@@ -211,3 +215,58 @@ def test_puts_failing_alone_open_the_write_breaker_and_reads_go_on() -> None:
         assert cache.engine.metrics.breaker_trips == 1 and cache.engine.metrics.breaker_rejected == 9
         held = host_units_held_by_tree(cache)
         assert host_units_in_use(cache) == held, "a refused write leaked a host slot"
+
+
+class NoneForAMiss(MemoryBackend):
+    """A backend answering ``None`` (not a negative number) for a key it does not hold."""
+
+    def get(self, objects: Sequence[StorageObject]) -> list[int]:  # type: ignore[override]
+        return [None if code < 0 else code for code in super().get(objects)]  # type: ignore[misc]
+
+
+def test_a_get_answer_that_is_not_a_byte_count_fails_the_call_not_the_caller() -> None:
+    """StorageEngine promises that a backend's failure -- a raise, or an answer it cannot use --
+    fails that operation, never propagates (storage_engine.py docstring; backend_calls.py: 'a
+    raise or a wrong-length answer fails the whole call'). An answer of the right length holding
+    ``None`` passes the length check and then raises TypeError out of ``engine.get`` (from
+    ``np.fromiter`` in verify_batch), uncounted, and not seen by the circuit breaker."""
+    backend = NoneForAMiss("l3", MemoryConfig())
+    specs = conformance_specs()
+    engine = KIT.engine(backend, specs, model_name="audit-none")
+    target = KIT.pools(specs, 2, seed=None)
+    result = engine.get("attn", page_hashes(2), target["attn"].units(range(2)))  # raises TypeError
+    assert result.ok == [False, False] and result.failed == 2
+    assert engine.metrics.backend_errors == 1
+
+
+class Interrupted(MemoryBackend):
+    """exists() fails, then is interrupted once (Ctrl-C, SystemExit), then answers."""
+
+    mode = "fail"
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        if self.mode == "fail":
+            raise OSError("store unreachable")
+        if self.mode == "interrupt":
+            self.mode = "ok"
+            raise KeyboardInterrupt
+        return super().exists(keys)
+
+
+def test_a_trial_call_interrupted_by_a_base_exception_does_not_leave_the_breaker_half_open() -> None:
+    """After the cooldown one trial call goes through; if it ends by a BaseException
+    (KeyboardInterrupt in a notebook's generate(), SystemExit) ``_call_backend`` records no
+    outcome, so ``_trial`` stays True and the breaker refuses every call for the rest of the
+    process -- L3 is gone for good although the backend answers again."""
+    backend = Interrupted("l3", MemoryConfig(circuit_breaker={"failures": 1, "cooldown_s": 0.05}))
+    engine = KIT.engine(backend, conformance_specs(), model_name="audit-breaker")
+    hashes = page_hashes(1)
+    assert engine.exists("attn", hashes).failed == 1  # opens the read breaker
+    time.sleep(0.06)
+    backend.mode = "interrupt"
+    with pytest.raises(KeyboardInterrupt):
+        engine.exists("attn", hashes)  # the trial call
+    time.sleep(0.2)  # several cooldowns later, the backend answering again
+    result = engine.exists("attn", hashes)
+    assert engine.read_breaker.state is not BreakerState.HALF_OPEN, "stuck half-open: no trial ever again"
+    assert result.failed == 0, result.error

@@ -13,6 +13,7 @@ count.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -81,9 +82,14 @@ class BackendCalls:
             answer = list(getattr(self.backend, operation)(items, **options))
             if len(answer) != len(items):
                 raise RuntimeError(f"backend returned {len(answer)} results for {len(items)} items")
+            if operation == StorageOperation.GET:  # byte counts (a plugin answering None for a
+                answer = [operator.index(code) for code in answer]  # miss failed the caller)
         except Exception as exc:  # a backend failure fails this call only
             self._breaker_outcome(operation, ok=False)
             return None, self._backend_failed(operation, pool, exc)
+        except BaseException:  # an interrupt: no outcome would leave a trial call claimed for good
+            self._breaker_outcome(operation, ok=False)
+            raise
         self._breaker_outcome(operation, ok=True)
         return answer, None
 
