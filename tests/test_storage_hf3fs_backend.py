@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -153,3 +155,17 @@ def test_mock_open_that_fails_leaves_no_descriptor_or_file(tmp_path: Path) -> No
     with pytest.raises(RuntimeError, match="already open"):
         backend.open()  # a second open would have leaked the first descriptor
     backend.close()
+
+
+def test_the_hf3fs_stub_is_not_listed_available_where_usrbio_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvstrata plugins`` asks ``unavailable_reason()`` without a config. With ``hf3fs_fuse.io``
+    importable (a 3FS machine) the stub answers None -- 'available' -- while every real (non-mock)
+    config is refused at open with 'hf3fs is a stub'."""
+    usrbio = types.ModuleType("hf3fs_fuse.io")
+    usrbio.extract_mount_point = lambda path: "/mnt/3fs"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "hf3fs_fuse", types.ModuleType("hf3fs_fuse"))
+    monkeypatch.setitem(sys.modules, "hf3fs_fuse.io", usrbio)
+
+    assert "stub" in (HF3FSBackend.unavailable_reason(HF3FSConfig(path="/mnt/3fs/kv")) or "")
+    listing = HF3FSBackend.unavailable_reason()
+    assert listing is not None and "stub" in listing, f"listed as available: {listing!r}"

@@ -45,6 +45,8 @@ from kvstrata.plugins.storage_backend import (
 )
 
 MISS = -1
+#: why a real (non-mock) 3FS config cannot open
+STUB = "hf3fs is a stub: the USRBIO data path is not implemented; use mock: true"
 
 
 class HF3FSConfig(BackendConfig):
@@ -122,8 +124,10 @@ class HF3FSBackend(StorageBackend):
             if config.mock:
                 return None
             problem = _usrbio_problem(config.path)
-            return problem or "hf3fs is a stub: the USRBIO data path is not implemented; use mock: true"
-        return _usrbio_problem(None)
+            return problem or STUB
+        # the listing (``kvstrata plugins``): on a 3FS machine, where USRBIO imports, no config
+        # but ``mock: true`` opens, so the stub is not "available" there either
+        return _usrbio_problem(None) or STUB
 
     @property
     def data_file(self) -> Path:

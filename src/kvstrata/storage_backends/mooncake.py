@@ -90,7 +90,14 @@ from kvstrata.storage_backends._mooncake_protocol import (
     tcp_probe,
 )
 
-INSTALL = "pip install 'kvstrata[mooncake]'  (CPU-only machines: 'kvstrata[mooncake-cpu]')"
+#: The command that installs the wheel for this machine, runnable as printed: the CUDA wheel
+#: (extra ``mooncake``) needs the NVIDIA driver's libcuda, which a machine without the driver's
+#: device node lacks (extra ``mooncake-cpu`` there).
+INSTALL = (
+    "pip install 'kvstrata[mooncake]'"
+    if os.path.exists("/dev/nvidiactl")
+    else "pip install 'kvstrata[mooncake-cpu]'"
+)
 STORE_MODULE = "mooncake.store"
 #: The distributions of the extras ``mooncake`` (CUDA) and ``mooncake-cpu``: both ship ``mooncake``.
 WHEELS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")

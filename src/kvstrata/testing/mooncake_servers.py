@@ -25,7 +25,7 @@ from typing import Any
 
 from kvstrata.storage_backends.mooncake import MooncakeConfig, tcp_probe
 
-MOONCAKE_INSTALL = "pip install 'kvstrata[mooncake-cpu]'  (GPU machines: 'kvstrata[mooncake]')"
+MOONCAKE_INSTALL = "pip install 'kvstrata[mooncake-cpu]'"  # (the servers: either extra brings them)
 LOOPBACK = "127.0.0.1"
 
 

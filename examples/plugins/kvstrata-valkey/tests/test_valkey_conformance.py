@@ -86,3 +86,25 @@ def test_a_value_of_another_type_under_a_key_is_found_short_and_removable(server
         raw.close()
     finally:
         backend.close()
+
+
+def test_probe_before_open_bounds_its_reads_by_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvstrata doctor`` and ``replay`` probe an unopened backend: its client had no read
+    timeout, so a server that accepts and never answers held the probe for the client's default
+    (5 s measured with ``socket_timeout_s=0.5``), not the setting."""
+    import valkey
+
+    made: list[dict[str, object]] = []
+    real = valkey.Valkey.from_url
+
+    def recorded(url: str, **kwargs: object) -> valkey.Valkey:
+        made.append(kwargs)
+        return real(url, **kwargs)
+
+    monkeypatch.setattr(valkey.Valkey, "from_url", recorded)
+    from kvstrata_valkey.testing import free_loopback_port
+
+    url = f"redis://127.0.0.1:{free_loopback_port()}/0"
+    backend = ValkeyBackend("l3", ValkeyConfig(url=url, socket_timeout_s=0.5))
+    assert "unreachable" in (backend.probe() or "")
+    assert made and made[0]["socket_timeout"] == 0.5 and made[0]["socket_connect_timeout"] == 0.5

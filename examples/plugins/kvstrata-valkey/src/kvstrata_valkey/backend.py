@@ -121,8 +121,9 @@ class ValkeyBackend(StorageBackend):
         if client is None:
             import valkey
 
+            timeout = self.config.socket_timeout_s  # a server that accepts and never answers, too
             client = valkey.Valkey.from_url(
-                self.config.url, socket_connect_timeout=self.config.socket_timeout_s
+                self.config.url, socket_timeout=timeout, socket_connect_timeout=timeout
             )
         try:
             client.ping()
