@@ -300,3 +300,35 @@ def test_replay_counts_what_the_engine_would_compute_with(
     result = _swa_replay(monkeypatch, fault)
     assert result.requests == 2
     assert (result.corrupt_pages_served > 0) == (fault != "none"), result
+
+
+class _StopAfter:
+    """A stop request (Ctrl-C between requests) that turns true at the ``n``-th check."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.checks = n, 0
+        self.pending_writes = lambda: 0
+
+    @property
+    def requested(self) -> bool:
+        self.checks += 1
+        return self.checks > self.n
+
+
+def test_a_replay_stopped_in_its_warm_up_reports_nothing_measured(tmp_path: Path) -> None:
+    """It reported 0 requests and 0 tokens beside the warm-up's bytes and match latencies: the
+    measured part's first snapshot was never taken, and the delta was the whole run's."""
+    from kvstrata.core.collective import LocalCollective
+    from kvstrata.core.controller import CacheController
+    from kvstrata.replay.driver import replay_with_cache
+
+    tier = {"capacity_tokens": 8192}
+    stack = tiny_stack(tmp_path, page_size=512, device=tier, host=tier)
+    requests = [TraceRequest(float(i), 4 * 512, 1, tuple(range(100 * i, 100 * i + 4))) for i in range(8)]
+    with CacheController(config(stack), PluginHost(), collective=LocalCollective()) as cache:
+        result, details = replay_with_cache(cache, requests, warmup_fraction=0.5, stop=_StopAfter(3))
+        assert cache.metrics.snapshot()["bytes"]["device_to_host"] > 0  # the warm-up moved bytes
+    assert details.interrupted_after == 3
+    assert result.requests == 0 and result.tokens == 0
+    assert sum(result.bytes.model_dump().values()) == 0
+    assert "match" not in details.latencies

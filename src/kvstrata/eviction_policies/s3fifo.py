@@ -136,12 +136,19 @@ class S3FifoPolicy(EvictionPolicy):
 
     def _sweep(self, taken: set[object]) -> None:
         """Move the CLOCK hand over the main queue until every evicted leaf is behind it: a leaf
-        with reads left spends one and goes to the back, as do leaves that could not leave."""
+        with reads left spends one and goes to the back, as do leaves that could not leave. A
+        leaf evicted with reads left (every other had as many) took the hand that many whole
+        laps first: each lap spends one read of every node (spending one per sweep, a node kept
+        reads a real CLOCK had spent, and a fresher leaf left in its place)."""
         main, reads = self._main, self._reads
         while taken and main:
             node, _ = main.popitem(last=False)
             if node in taken:
                 taken.discard(node)
+                laps = reads.get(node, 0)
+                if laps:
+                    for other in main:
+                        reads[other] = max(0, reads[other] - laps)
                 continue
             if reads[node] > 0:
                 reads[node] -= 1

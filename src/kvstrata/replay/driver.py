@@ -320,6 +320,8 @@ def replay_with_cache(
             progress(index + 1, total)
     in_flight = len(cache.writer.pending)
     cache.flush()
+    if before is None:  # stopped in the warm-up: nothing was measured, its bytes and times neither
+        before, started = cache.metrics.snapshot(), time.perf_counter()
     wall = time.perf_counter() - started
     metrics = _snapshot_delta(cache.metrics.snapshot(), before)
     for direction in DIRECTIONS:
