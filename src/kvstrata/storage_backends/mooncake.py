@@ -156,7 +156,7 @@ class MooncakeBackend(MooncakeIO, StorageBackend):
             return (
                 f"both {' and '.join(both)} are installed; they write the same `mooncake` package, "
                 f"so the extras mooncake and mooncake-cpu exclude each other: run "
-                f"`pip uninstall -y {' '.join(WHEELS)}`, then install one of `{INSTALL}`"
+                f"`pip uninstall -y {' '.join(WHEELS)}`, then `{INSTALL}`"
             )
         try:
             importlib.import_module(STORE_MODULE)
