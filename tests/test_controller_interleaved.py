@@ -118,3 +118,31 @@ def test_a_chunk_another_request_inserted_first_keeps_the_units_its_engine_reads
         device_accounting(cache, [])  # A's kept units freed at its close
         again, bad = serve(cache, prompt)
         assert again.cached_pages == 8 and bad == 0
+
+
+def test_a_refusal_counts_the_copies_a_lease_keeps() -> None:
+    """B inserts each chunk after A and keeps its 8 units of A's pages; A released, B alone needs
+    its 12 pages, the tree's 8 it holds locked and its own 8 copies on a 16-page tier. Refused,
+    the error said only "the request's own prefix stays locked ... admit fewer requests at
+    once" (one request was open): it names the copies and what avoids them."""
+    with open_cache("kv", overrides=["tiers.device.capacity_tokens=1024"]) as cache:  # 16 pages
+        prompt = tokens(7, 12)
+        a, b = cache.lookup(prompt[: 4 * 64]), cache.lookup(prompt[: 4 * 64])
+        for lease in (a, b):
+            cache.admit(lease)
+        for _ in range(2):
+            for lease in (a, b):
+                fill(cache, lease, cache.allocate(lease))
+                cache.insert(lease, close=False)
+                lease.extend(prompt[lease.pages * 64 : (lease.pages + 4) * 64])
+        cache.release(a)
+        with pytest.raises(CacheFullError, match=r"holds \{'kv': 8\} units of its own copies") as info:
+            cache.allocate(b)
+        assert "look up the whole prompt" in str(info.value) and not info.value.too_long
+        cache.release(b)
+        device_accounting(cache, [])
+        whole = cache.lookup(prompt)  # the whole prompt: the 8 cached pages are not recomputed
+        cache.admit(whole)
+        assert whole.cached_pages == 8
+        fill(cache, whole, cache.allocate(whole))
+        cache.insert(whole)

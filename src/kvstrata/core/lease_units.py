@@ -69,10 +69,21 @@ def device_full(
         if pinned
         else ""
     )
+    kept: dict[str, int] = {}
+    for units in lease._duplicates or ():  # (read only: see free_duplicates)
+        for pool, value in units.items():
+            kept[pool] = kept.get(pool, 0) + len(value)
+    copies = (
+        f"; the request holds {kept} units of its own copies of pages another request inserted "
+        "first (its engine still reads them; freed at its close: look up the whole prompt, not "
+        "its first chunk, to skip computing pages the tree holds)"
+        if kept
+        else ""
+    )
     return CacheFullError(
         f"device tier cannot hold {end - lease.allocated_pages} new pages ({needs}) even after "
         f"evicting every unlocked page (device units per pool: {sizes}; the request's own "
-        f"prefix stays locked{pins}): raise tiers.device.capacity_tokens (or the pool's "
+        f"prefix stays locked{pins}{copies}): raise tiers.device.capacity_tokens (or the pool's "
         "device_units) or admit fewer requests at once",
         short,
         too_long,
