@@ -119,9 +119,8 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> list[tuple[list[s
     """
     environ = os.environ if environ is None else environ
     result = []
-    for name in sorted(environ, key=_env_order):
-        if not name.startswith(ENV_PREFIX) or ENV_NESTING not in name:
-            continue
+    names = [name for name in environ if name.startswith(ENV_PREFIX) and ENV_NESTING in name]
+    for name in sorted(names, key=_env_order):  # (only these get a sort key, not all of environ)
         path = env_path(name)
         try:
             _, value = parse_override(f"x={environ[name]}")
