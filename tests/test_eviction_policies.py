@@ -75,7 +75,7 @@ def test_s3fifo_drops_one_time_prefixes_before_reused_ones_and_remembers_ghosts(
         lru.access(request)
     assert cached(lru, 10) == 0
     s3 = s.tree.eviction_order(Tier.DEVICE)
-    assert 20 in s3.ghosts  # type: ignore[attr-defined]
+    assert (0, 20) in s3.ghosts  # type: ignore[attr-defined]  # (pages above, first page)
     s.access(chain(20))  # came back while remembered: straight into main
     node = s.tree.root.children[20]
     assert s3._queue[node] == 1  # type: ignore[attr-defined]
@@ -86,7 +86,7 @@ def test_arc_grows_its_recency_target_when_a_recency_ghost_returns() -> None:
     arc = s.tree.eviction_order(Tier.DEVICE)
     for i in (10, 10, 20, 30, 40, 50):  # 10 reused (T2); the others seen once: T1 spills into B1
         s.access(chain(i))
-    assert 20 in arc.b1 and arc.target == 0  # type: ignore[attr-defined]
+    assert (0, 20) in arc.b1 and arc.target == 0  # type: ignore[attr-defined]
     assert cached(s, 10) == 1 and cached(s, 20) == 0
     s.access(chain(20))  # a recency ghost came back: T1 deserved more room
     assert arc.target > 0  # type: ignore[attr-defined]
@@ -344,3 +344,42 @@ def test_s3fifo_main_queue_is_a_clock_that_spends_a_read_per_lap() -> None:
         assert _one_block_hits(sequence, capacity, "s3fifo") == _s3fifo_reference(sequence, capacity), (
             sequence
         )
+
+
+@pytest.mark.parametrize("name", ["s3fifo", "arc", "reuse"])
+def test_a_ghost_is_a_prefix_not_any_node_starting_with_the_same_page(name: str) -> None:
+    """Live page keys are a page's tokens, not chained: the same tokens starting a node under
+    another parent are another prefix, not the evicted one coming back."""
+    tree, units = PrefixTree([kv_spec()]), Units()
+    ghost_policy = policy(name, capacity=4)
+    tree.set_eviction_order(Tier.DEVICE, ghost_policy)
+
+    def entered_as_returning(node: Any) -> bool:
+        if name == "s3fifo":
+            return ghost_policy._queue[node] == 1  # type: ignore[attr-defined]
+        if name == "arc":
+            return ghost_policy._list[node] == 2  # type: ignore[attr-defined]
+        return ghost_policy.segment[node] != 0  # type: ignore[attr-defined]  # reuse: not probation
+
+    tree.insert(seq(20), {"kv": units.take(1)})
+    assert tree.evict_device({"kv": 1}).deleted == 1  # seen once, evicted: a ghost
+    tree.insert(seq(5), {"kv": units.take(1)})
+    other = tree.insert(seq(5, 20), {"kv": units.take(2)}).node  # page 20's tokens under page 5
+    assert other.depth_end == 2 and not entered_as_returning(other)
+    back = tree.insert(seq(20), {"kv": units.take(1)}).node  # the evicted prefix itself
+    assert entered_as_returning(back)
+
+
+def test_learned_counts_a_reuse_only_for_the_same_prefix() -> None:
+    """A prediction made at insert ("this prefix is continued") resolves on a reuse of that
+    prefix, not on the same page tokens elsewhere (live page keys are not chained)."""
+    tree, units = PrefixTree([kv_spec()]), Units()
+    learned = policy("learned", capacity=8)
+    tree.set_eviction_order(Tier.DEVICE, learned)
+    tree.insert(seq(20), {"kv": units.take(1)})
+    assert len(learned.pending) == 1  # type: ignore[attr-defined]
+    tree.insert(seq(5), {"kv": units.take(1)})
+    tree.insert(seq(5, 20), {"kv": units.take(1)})  # page 20's tokens, another prefix
+    assert len(learned.pending) == 3  # type: ignore[attr-defined]  # none resolved
+    tree.match(seq(20))  # the first prefix read again: its prediction resolves
+    assert len(learned.pending) == 2  # type: ignore[attr-defined]

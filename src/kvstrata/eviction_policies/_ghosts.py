@@ -1,7 +1,7 @@
-"""Ghost entries: recently evicted prefixes remembered by their first page key, no data.
+"""Ghost entries: recently evicted prefixes remembered by where they start, no data.
 
 ARC and S3-FIFO learn from a miss on something they evicted recently. A tree node that left is
-gone; a prefix that comes back is a new node, so a ghost is keyed by the first page key of the
+gone; a prefix that comes back is a new node, so a ghost is keyed by :func:`ghost_key` of the
 evicted node (the tree evicts tails, so a returning prefix starts its new node there) and sized
 in pages.
 """
@@ -10,6 +10,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
+
+from kvstrata.plugins.eviction_policy import CacheEntry
+
+
+def ghost_key(node: CacheEntry) -> Hashable:
+    """The prefix a node holds, as a ghost remembers it: the pages above it and its first page
+    key. A live page key is the page's tokens, not chained to what precedes them, so the same
+    tokens starting a node under another parent are another prefix; at the same depth they
+    still collide (the same page-aligned tokens at the same position), a rare false return
+    that costs only a queue placement, never data."""
+    return (node.depth_end - node.pages, node.keys[0])
 
 
 class Ghosts:

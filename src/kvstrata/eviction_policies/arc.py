@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from kvstrata.eviction_policies._ghosts import Ghosts
+from kvstrata.eviction_policies._ghosts import Ghosts, ghost_key
 from kvstrata.plugins.eviction_policy import (
     E,
     EvictionPolicy,
@@ -73,7 +73,7 @@ class ArcPolicy(EvictionPolicy):
         for node in entries:
             if node in self._list:
                 continue
-            key = node.keys[0]
+            key = ghost_key(node)
             if key in self.b1:
                 self.b1.take(key)
                 grow = max(self.b2.pages / max(self.b1.pages, 1), 1.0) * node.pages
@@ -114,7 +114,7 @@ class ArcPolicy(EvictionPolicy):
             del self._stamp[node]
             pages = self._size.pop(node)
             self.sizes[which] -= pages
-            (self.b1 if which == 1 else self.b2).add(node.keys[0], pages)
+            (self.b1 if which == 1 else self.b2).add(ghost_key(node), pages)
         # |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c, as ARC keeps its directory
         self.b1.trim(max(0, self.capacity - self.sizes[1]))
         self.b2.trim(max(0, 2 * self.capacity - self.sizes[1] - self.sizes[2] - self.b1.pages))

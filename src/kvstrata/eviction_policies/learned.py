@@ -80,9 +80,17 @@ def features(new: int, before: int, turn: int) -> Features:
     )
 
 
+def _page_ids(node: E) -> list[Hashable]:
+    """Each page of ``node`` as ``(position, page key)``: a live page key is the page's tokens,
+    not chained to what precedes them, so the position keeps the same tokens elsewhere in
+    another prefix from counting as this page's reuse (see ``_ghosts.ghost_key``)."""
+    start = node.depth_end - node.pages
+    return [(start + i, key) for i, key in enumerate(node.keys)]
+
+
 def _last_key(node: E | None) -> Hashable | None:
-    """The last page key of ``node`` (None for the root, which holds none)."""
-    return node.keys[-1] if node is not None and len(node.keys) else None
+    """The last page of ``node`` as :func:`_page_ids` names it (None for the root)."""
+    return (node.depth_end - 1, node.keys[-1]) if node is not None and len(node.keys) else None
 
 
 class ReuseModel:
@@ -148,7 +156,7 @@ class LearnedPolicy(EvictionPolicy):
         self.stamp: dict[object, int] = {}  # last request that read (or inserted) the node
         self.insert_features: dict[object, Features] = {}
         self.reread: set[object] = set()  # read again since it entered the tier
-        # page key -> turn of the request that brought it (how many requests built its chain)
+        # page (position, key) -> turn of the request that brought it (requests that built its chain)
         self.history: OrderedDict[Hashable, int] = OrderedDict()
         self.history_limit = int(config.history_factor * capacity)
         self.pending: dict[Hashable, Features] = {}  # last page of an insert -> its features
@@ -192,8 +200,9 @@ class LearnedPolicy(EvictionPolicy):
             keys = node.keys
             if not keys:
                 continue
-            self._outcome(keys[0])
-            self._outcome(keys[-1])
+            start = node.depth_end - node.pages
+            self._outcome((start, keys[0]))
+            self._outcome((node.depth_end - 1, keys[-1]))
             if node in self.stamp:
                 self.stamp[node] = self.requests
                 if node in self.insert_features:
@@ -202,7 +211,7 @@ class LearnedPolicy(EvictionPolicy):
     def inserted(self, entries: Sequence[E]) -> None:
         if not entries:
             return
-        keys = [key for node in entries for key in node.keys]
+        keys = [page for node in entries for page in _page_ids(node)]
         for key in keys:  # a prefix evicted before its reuse comes back as a new insert
             self._outcome(key)
         history = self.history

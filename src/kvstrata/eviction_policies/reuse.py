@@ -34,7 +34,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from kvstrata.eviction_policies._ghosts import Ghosts
+from kvstrata.eviction_policies._ghosts import Ghosts, ghost_key
 from kvstrata.plugins.eviction_policy import (
     E,
     EvictionPolicy,
@@ -143,7 +143,7 @@ class ReusePolicy(EvictionPolicy):
         for node in entries:
             if node in self.segment:
                 continue
-            key = node.keys[0]
+            key = ghost_key(node)
             from_probation = self.ghosts[_PROBATION].take(key)
             from_main = None if from_probation is not None else self.ghosts[_MAIN].take(key)
             if from_probation is not None:
@@ -193,9 +193,9 @@ class ReusePolicy(EvictionPolicy):
                 size_class = self.size_class.pop(node)
                 self._outcome(size_class, False)
                 self._lived(node)
-                self.ghosts[_PROBATION].add(node.keys[0], pages, size_class)
+                self.ghosts[_PROBATION].add(ghost_key(node), pages, size_class)
             else:
-                self.ghosts[_MAIN].add(node.keys[0], pages)
+                self.ghosts[_MAIN].add(ghost_key(node), pages)
             del self.stamp[node]
 
     def _lived(self, node: object) -> None:

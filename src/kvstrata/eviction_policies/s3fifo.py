@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvstrata.eviction_policies._ghosts import Ghosts
+from kvstrata.eviction_policies._ghosts import Ghosts, ghost_key
 from kvstrata.plugins.eviction_policy import (
     E,
     EvictionPolicy,
@@ -87,7 +87,7 @@ class S3FifoPolicy(EvictionPolicy):
     def inserted(self, entries: Sequence[E]) -> None:
         for node in entries:
             if node not in self._queue:
-                remembered = self.ghosts.take(node.keys[0]) is not None
+                remembered = self.ghosts.take(ghost_key(node)) is not None
                 self._enter(node, _MAIN if remembered else _SMALL)
 
     def accessed(self, entries: Sequence[E]) -> None:
@@ -125,7 +125,7 @@ class S3FifoPolicy(EvictionPolicy):
             pages = self._size.pop(node)
             if queue == _SMALL:
                 self.small_pages -= pages
-                self.ghosts.add(node.keys[0], pages)
+                self.ghosts.add(ghost_key(node), pages)
             else:
                 taken.add(node)
         if taken:
