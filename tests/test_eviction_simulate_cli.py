@@ -96,3 +96,34 @@ def test_an_eviction_mapping_that_does_not_parse_is_a_one_line_error(setting: st
     out = runner.invoke(app, ["simulate", "--limit", "5", "--eviction", setting])
     assert out.exit_code == 2, out.output
     assert "--eviction: cannot parse" in out.output and "Traceback" not in out.output
+
+
+def test_a_sweep_applies_the_warm_up_and_refuses_the_options_of_one_simulation(tmp_path: Path) -> None:
+    """``--sweep`` with ``--warmup-fraction`` measured every request (the warm-up was dropped
+    without a word), and ``--eviction`` / ``--capacity-tokens`` beside it were ignored."""
+    pytest.importorskip("matplotlib")
+    png = str(tmp_path / "sweep.png")
+    sweep = [
+        "simulate",
+        "--limit",
+        "150",
+        "--sweep",
+        png,
+        "--policies",
+        "lru",
+        "--capacities",
+        "0.3",
+        "--json",
+    ]
+    single = ["simulate", "--limit", "150", "--capacity-tokens", "300000", "--json"]
+    for warm_up in ("0", "0.5"):
+        swept = runner.invoke(app, [*sweep, "--warmup-fraction", warm_up])
+        one = runner.invoke(app, [*single, "--warmup-fraction", warm_up])
+        assert swept.exit_code == 0 and one.exit_code == 0, swept.output + one.output
+        assert json.loads(swept.stdout)["hit_rate"]["lru"] == [json.loads(one.stdout)["hit_rate"]]
+    for option, value, takes in (
+        ("--eviction", "belady", "--policies"),
+        ("--capacity-tokens", "1000", "--capacities"),
+    ):
+        out = runner.invoke(app, [*sweep, option, value])
+        assert out.exit_code == 2 and option in out.output and takes in out.output, out.output

@@ -115,3 +115,45 @@ def test_two_caches_share_one_registry_through_one_collector() -> None:
         if s.name.endswith("_total")
     }
     assert lookups == {"target": 128.0, "draft": 256.0}
+
+
+def test_a_cache_added_while_a_scrape_runs_does_not_fail_that_scrape() -> None:
+    """README: a draft model joins the endpoint with ``collector.add``, from the application
+    thread, while the server thread may be inside ``collect``: the scrape iterated the dict
+    ``add`` grew ("dictionary changed size during iteration"). A scrape copies no latency
+    windows either (it exports counts and sums)."""
+    import threading
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvstrata.core.metrics import CacheMetrics
+
+    inside, resume = threading.Event(), threading.Event()
+
+    class Slow(CacheMetrics):
+        """Holds the scrape inside its snapshot until the other cache is added."""
+
+        def snapshot(self, *, samples: bool = True) -> dict:
+            assert not samples  # the collector leaves the latency windows out
+            inside.set()
+            resume.wait(10)
+            return super().snapshot(samples=samples)
+
+    registry = CollectorRegistry()
+    collector = register(Slow(), registry, cache="target")
+    errors: list[BaseException] = []
+
+    def scrape() -> None:
+        try:
+            generate_latest(registry)
+        except BaseException as exc:  # the assertion reports it
+            errors.append(exc)
+
+    thread = threading.Thread(target=scrape)
+    thread.start()
+    assert inside.wait(10)
+    collector.add(CacheMetrics(), "draft")
+    resume.set()
+    thread.join(10)
+    assert not errors, errors
+    assert b'kvstrata_requests_total{cache="draft"} 0.0' in generate_latest(registry)  # the next scrape

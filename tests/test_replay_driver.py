@@ -332,3 +332,22 @@ def test_a_replay_stopped_in_its_warm_up_reports_nothing_measured(tmp_path: Path
     assert result.requests == 0 and result.tokens == 0
     assert sum(result.bytes.model_dump().values()) == 0
     assert "match" not in details.latencies
+
+
+def test_the_latency_count_is_every_measured_operation_not_the_samples_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The metrics keep the newest ``LATENCY_SAMPLES`` latencies (100k); past that the summary's
+    count read the window's size, not the lookups measured (shown with a window of 8)."""
+    import kvstrata.core.metrics as metrics_module
+    from kvstrata.core.controller import CacheController
+    from kvstrata.replay.driver import replay_with_cache
+
+    monkeypatch.setattr(metrics_module, "LATENCY_SAMPLES", 8)
+    stack = tiny_stack(tmp_path, device={"capacity_tokens": 1 << 20})
+    with CacheController(config(stack), PluginHost()) as cache:
+        before = cache.metrics.latency_count["match"]
+        _result, details = replay_with_cache(cache, read_trace(limit=20))
+        lookups = cache.metrics.latency_count["match"] - before
+    assert lookups >= 20 and len(cache.metrics.latency_s["match"]) == 8
+    assert details.latencies["match"].count == lookups

@@ -56,7 +56,9 @@ class CacheCollector:
         return list(self._families({name: _EMPTY for name in self.caches}))
 
     def collect(self) -> Iterator[Any]:
-        return self._families({name: metrics.snapshot() for name, metrics in self.caches.items()})
+        # a copy: ``add`` may run on the application thread while the server thread scrapes
+        caches = list(self.caches.items())
+        return self._families({name: metrics.snapshot(samples=False) for name, metrics in caches})
 
     def _families(self, snaps: dict[str, dict[str, Any]]) -> Iterator[Any]:
         core = self._core

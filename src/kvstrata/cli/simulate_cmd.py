@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import yaml
@@ -26,6 +26,9 @@ from kvstrata.core.config import (
 from kvstrata.plugins.errors import PluginError
 from kvstrata.plugins.host import PluginHost
 from kvstrata.progress import progress
+
+if TYPE_CHECKING:
+    from kvstrata.replay.simulate import SimulationConfig
 
 #: policies ``simulate --sweep`` compares when ``--policies`` is not given (those installed)
 SWEEP_POLICIES = ("fifo", "lru", "arc", "s3fifo", "reuse", "learned", "belady")
@@ -54,13 +57,13 @@ def simulate(
         int | None, typer.Option("--capacity-tokens", help="cache size in tokens (default: unlimited)")
     ] = None,
     eviction: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--eviction",
-            help="eviction policy: a name (`kvstrata plugins`; `belady` is the offline reference) or a "
-            "YAML mapping such as '{type: s3fifo, small_fraction: 0.2}'",
+            help="eviction policy (default lru): a name (`kvstrata plugins`; `belady` is the offline "
+            "reference) or a YAML mapping such as '{type: s3fifo, small_fraction: 0.2}'",
         ),
-    ] = "lru",
+    ] = None,
     block_size: Annotated[int, typer.Option("--block-size", help="tokens per trace hash block")] = 512,
     warmup_fraction: Annotated[
         float, typer.Option("--warmup-fraction", help="leading share of requests that only warm the cache")
@@ -99,6 +102,12 @@ def simulate(
                 "--capacity-tokens and --eviction)",
                 EXIT_INVALID,
             )
+    for option, value in (("--capacity-tokens", capacity_tokens), ("--eviction", eviction)):
+        if value is not None and sweep_out is not None:  # the converse: a sweep ignored them
+            raise _fail(
+                f"{option} applies to one simulation only: a sweep takes --capacities and --policies",
+                EXIT_INVALID,
+            )
     host = PluginHost()
     sizes = _sweep_sizes(sweep_out, capacities) if sweep_out is not None else None  # before any work
     try:
@@ -106,7 +115,7 @@ def simulate(
             block_size=block_size,
             capacity_tokens=capacity_tokens,
             warmup_fraction=warmup_fraction,
-            eviction=_eviction_setting(eviction),
+            eviction=_eviction_setting(eviction or "lru"),
         )
         _check_eviction(host, config.eviction)
         requests = read_trace(
@@ -120,7 +129,7 @@ def simulate(
     except (TraceError, PluginError, ValueError) as exc:
         raise _fail(exc, EXIT_INVALID) from None
     if sweep_out is not None and sizes is not None:
-        _simulate_sweep(requests, host, sweep_out, policies, sizes, block_size, trace, as_json)
+        _simulate_sweep(requests, host, sweep_out, policies, sizes, config, trace, as_json)
         return
     _simulate_one(requests, host, config, trace, as_json)
 
@@ -196,7 +205,7 @@ def _simulate_sweep(
     png: Path,
     policies: str | None,
     sizes: list[int],
-    block_size: int,
+    config: SimulationConfig,
     trace: Path | None,
     as_json: bool,
 ) -> None:
@@ -209,7 +218,8 @@ def _simulate_sweep(
         else [p for p in SWEEP_POLICIES if p in installed]
     )
     try:
-        rates = sweep(requests, names, sizes, block_size=block_size, host=host)
+        warmup = config.warmup_fraction
+        rates = sweep(requests, names, sizes, block_size=config.block_size, host=host, warmup_fraction=warmup)
     except PluginError as exc:
         raise _fail(exc, EXIT_INVALID) from None
     plot_sweep(rates, sizes, png, title=f"hit rate vs capacity: {trace or 'bundled sample trace'}")

@@ -165,8 +165,11 @@ class CacheMetrics:
     def corrupt_detected(self) -> int:
         return self.storage.corrupt_detected if self.storage is not None else 0
 
-    def snapshot(self) -> dict[str, Any]:
-        """A plain-data copy (JSON-serialisable) of every counter."""
+    def snapshot(self, *, samples: bool = True) -> dict[str, Any]:
+        """A plain-data copy (JSON-serialisable) of every counter; without ``samples`` the
+        latency windows (up to 100k floats each) are left out and ``latency_s`` is empty: a
+        scrape reads counts and sums only, and copying the windows held the lock the data path
+        counts under for about a millisecond."""
         with self._lock:
             hits = dict(self.hit_tokens)
             hits["total"] = sum(hits.values())
@@ -181,7 +184,7 @@ class CacheMetrics:
                 "evicted_units": {tier: dict(pools) for tier, pools in self.evicted_units.items()},
                 "corrupt_detected": self.corrupt_detected,
                 "storage": self.storage.counters() if self.storage is not None else {},
-                "latency_s": {kind: list(samples) for kind, samples in self.latency_s.items()},
+                "latency_s": {kind: list(kept) for kind, kept in self.latency_s.items()} if samples else {},
                 "latency_count": dict(self.latency_count),
                 "latency_sum_s": dict(self.latency_sum),
             }

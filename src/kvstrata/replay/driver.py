@@ -329,6 +329,7 @@ def replay_with_cache(
     for kind, samples in metrics.get("latency_s", {}).items():
         for seconds in samples:
             recorder.add_latency(kind, seconds)
+        recorder.set_latency_count(kind, int(metrics.get("latency_count", {}).get(kind, len(samples))))
     # A failed allocation is the failed request counted above: the controller's own count of it
     # (when it keeps one) is not a second failure.
     controller_failures = int(metrics.get("failures", 0)) - allocate_counted

@@ -132,6 +132,7 @@ class ReplayRecorder:
         self._hits: dict[str, list[int]] = {tier: [] for tier in TIERS}
         self._bytes: Counter[str] = Counter()
         self._latency: dict[str, list[float]] = {}
+        self._latency_count: dict[str, int] = {}
         self._failures: Counter[str] = Counter()
         self._failed_requests = 0
         self._failed_tokens = 0
@@ -189,6 +190,11 @@ class ReplayRecorder:
     def add_latency(self, kind: str, seconds: float) -> None:
         self._latency.setdefault(kind, []).append(seconds)
 
+    def set_latency_count(self, kind: str, operations: int) -> None:
+        """How many ``kind`` operations were measured: the metrics keep only the newest samples
+        (``LATENCY_SAMPLES``), so the percentiles read those and the count says how many ran."""
+        self._latency_count[kind] = operations
+
     def add_failure(self, kind: str, count: int = 1) -> None:
         self._failures[kind] += count
 
@@ -227,9 +233,10 @@ class ReplayRecorder:
             # only served requests count: a failed request computed nothing
             tokens_per_s=(tokens - self._failed_tokens) / wall if wall > 0 else 0.0,
         )
+        counts = self._latency_count
         details = ReplayDetails(
             warmup_requests=min(self.warmup_requests, self._seen),
-            latencies={k: summarize_latency(v) for k, v in self._latency.items() if v},
+            latencies={k: summarize_latency(v, counts.get(k)) for k, v in self._latency.items() if v},
             failures_by_kind=dict(self._failures),
             timeline_tokens=list(self._tokens),
             timeline_hits={tier: list(hits) for tier, hits in self._hits.items()},
@@ -244,10 +251,12 @@ class ReplayRecorder:
         return result, details
 
 
-def summarize_latency(samples_s: Sequence[float]) -> LatencySummary:
+def summarize_latency(samples_s: Sequence[float], operations: int | None = None) -> LatencySummary:
+    """Percentiles of ``samples_s``; ``count`` is ``operations`` where more ran than were kept."""
     ms = np.asarray(samples_s, dtype=np.float64) * 1e3
     p50, p90, p99 = np.percentile(ms, [50, 90, 99])
-    return LatencySummary(count=ms.size, p50_ms=p50, p90_ms=p90, p99_ms=p99, max_ms=float(ms.max()))
+    count = max(ms.size, operations or 0)
+    return LatencySummary(count=count, p50_ms=p50, p90_ms=p90, p99_ms=p99, max_ms=float(ms.max()))
 
 
 def _human_bytes(n: int) -> str:

@@ -296,8 +296,10 @@ def sweep(
     *,
     block_size: int = MOONCAKE_BLOCK_SIZE,
     host: PluginHost | None = None,
+    warmup_fraction: float = 0.0,
 ) -> dict[str, list[float]]:
-    """Hit rate per policy (by name) at each capacity in tokens."""
+    """Hit rate per policy (by name) at each capacity in tokens (``warmup_fraction``: as in
+    :class:`SimulationConfig`, the leading share of requests that only warm each cache)."""
     host = host or PluginHost()
     out: dict[str, list[float]] = {}
     for policy in policies:
@@ -305,7 +307,9 @@ def sweep(
         out[name] = [
             simulate(
                 requests,
-                SimulationConfig(block_size=block_size, capacity_tokens=c, eviction=policy),
+                SimulationConfig(
+                    block_size=block_size, capacity_tokens=c, eviction=policy, warmup_fraction=warmup_fraction
+                ),
                 host=host,
             ).hit_rate
             for c in capacities
