@@ -612,6 +612,44 @@ def test_weights_changed_in_place_are_refused_and_unsaved_buffers_are_in_the_nam
         assert same.namespace == first and patched.namespace != first
 
 
+def test_an_attention_implementation_or_config_changed_after_start_is_refused() -> None:
+    """The namespace hashed the config and the attention implementation: switched afterwards,
+    the cache served KV the new attention did not compute (the weights were checked, not these)."""
+    model = tiny_model("llama")
+    ids = hf.tokens(97, 2 * PAGE + 1)
+    with HFStateCache(model, page_size=PAGE) as cache, torch.no_grad():
+        cache.prefill(ids[: 2 * PAGE])
+        assert cache.restore(ids)[1] == 2 * PAGE  # a forward and a commit change nothing
+        model.set_attn_implementation("eager")
+        with pytest.raises(RuntimeError, match="attention implementation changed"):
+            cache.restore(ids)
+        model.set_attn_implementation("sdpa")
+        assert cache.restore(ids)[1] == 2 * PAGE
+        model.config.rope_theta = 1.0 + getattr(model.config, "rope_theta", 10_000.0)
+        with pytest.raises(RuntimeError, match="config or attention"):
+            cache.commit(ids, 2 * PAGE, cache.new_cache())
+
+
+def test_a_state_cache_advanced_through_the_models_base_directly_is_never_committed() -> None:
+    """Mamba2: page 1 through the model (hooked), page 2 through ``model.backbone``: the state
+    is at 32 tokens, the record at 16; a pure state model's cache says no length of its own, so
+    the state after 32 was stored as the checkpoint after 16 (an attention model's was refused
+    by its length)."""
+    model = tiny_model("mamba2")
+    ids = hf.tokens(96, 2 * PAGE + 1)
+    with HFStateCache(model, page_size=PAGE, state_slots=8) as cache, torch.no_grad():
+        past = cache.new_cache()
+        model(input_ids=ids[None, :PAGE], cache_params=past, use_cache=True)
+        model.backbone(input_ids=ids[None, PAGE : 2 * PAGE], cache_params=past, use_cache=True)
+        with pytest.raises(ValueError, match=r"ran through Mamba2ForCausalLM\.backbone directly"):
+            cache.commit(ids, PAGE, past)
+        assert cache.cache.open_leases == 0
+        assert cache.restore(ids[: PAGE + 1])[1] == 0  # nothing stored
+        fine = cache.new_cache()  # the model's own forward runs its base: not flagged
+        model(input_ids=ids[None, :PAGE], cache_params=fine, use_cache=True)
+        assert cache.commit(ids, PAGE, fine) == PAGE
+
+
 def test_beam_search_on_a_restored_cache_is_refused_clearly_and_bad_arguments_named() -> None:
     model = tiny_model("llama")
     prompt = hf.tokens(99, 2 * PAGE + 3)

@@ -145,6 +145,16 @@ class KvstrataDynamicCache(DynamicCache):
         self._check_finished()
         self._kvstrata_running = True
 
+    def ran_unseen(self, module: str) -> None:
+        """``module`` (the model's base) starts a forward on this cache: outside a forward of
+        the model the adapter hooks, its tokens go unrecorded (a state model's cache says none
+        itself), so the cache is never committed (it would be stored as an earlier state)."""
+        if not self._kvstrata_running and self._kvstrata_unknown is None:
+            self._kvstrata_unknown = (
+                f"a forward ran through {module} directly, not through the model HFStateCache hooks "
+                "(its tokens were not recorded)"
+            )
+
     def forward_done(self) -> None:
         """The forward returned: the cache holds the tokens :meth:`saw` recorded."""
         self._kvstrata_running = False
@@ -303,3 +313,68 @@ def restore_states(layer: LinearAttentionLayer, states: dict[StateTensor, torch.
         else:
             layer.update_recurrent_state(batched, state_idx=state.index)
         layer.has_previous_state[state.index] = True
+
+
+#: the keywords a causal LM takes its cache under (Mamba2 reads ``cache_params``)
+CACHE_KEYWORDS = ("past_key_values", "cache_params")
+
+
+class ForwardHooks:
+    """The hooks an adapter puts on a model: each forward records its tokens in a cache the
+    adapter handed out (``owner`` marks those), and a forward of the model's base run directly
+    marks such a cache never to commit."""
+
+    def __init__(self, model: torch.nn.Module, cache_argument: str, owner: object) -> None:
+        self.model, self.argument, self.owner = model, cache_argument, owner
+        self._handles = [
+            model.register_forward_pre_hook(self._count_tokens, with_kwargs=True),
+            # (runs only when the forward returns: a cache whose forward raised is never committed)
+            model.register_forward_hook(self._forward_done, with_kwargs=True),
+        ]
+        base = getattr(model, "base_model", model)  # ``model.backbone``, ``model.model``
+        if base is not model:
+            self._handles.append(base.register_forward_pre_hook(self._base_forward, with_kwargs=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def owns(self, cache: Any) -> bool:
+        return isinstance(cache, KvstrataDynamicCache) and cache.kvstrata_owner is self.owner
+
+    def _count_tokens(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook: advance the token count of a cache this adapter handed out, passed
+        under the keyword the model reads it from. Under the other one the model ignores it
+        (Mamba2 takes ``cache_params`` and swallows ``past_key_values``): the forward is refused,
+        or the cache would be committed as holding tokens it never ran."""
+        argument = self.argument
+        cache = kwargs.get(argument)
+        if not self.owns(cache):
+            strays = (key for key in CACHE_KEYWORDS if key != argument and self.owns(kwargs.get(key)))
+            other = next(strays, None)
+            if other is not None:
+                raise TypeError(
+                    f"{type(module).__name__} reads its cache from {argument}=, not {other}=: it would "
+                    f"run without the cache HFStateCache handed out (pass {argument}=past)"
+                )
+            return
+        cache.saw(kwargs.get("input_ids", args[0] if args else None), kwargs.get("inputs_embeds"), kwargs)
+        cache.forward_began()
+
+    def _base_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook of the model's base: a cache of ours it runs outside the model's own
+        forward is marked never to commit (see :meth:`KvstrataDynamicCache.ran_unseen`)."""
+        for key in CACHE_KEYWORDS:
+            cache = kwargs.get(key)
+            if self.owns(cache):
+                cache.ran_unseen(
+                    f"{type(self.model).__name__}.{getattr(self.model, 'base_model_prefix', 'base')}"
+                )
+
+    def _forward_done(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
+        """Forward hook (not called when the forward raises): the counted tokens are in the cache."""
+        cache = kwargs.get(self.argument)
+        if self.owns(cache):
+            cache.forward_done()

@@ -35,6 +35,7 @@ import transformers
 
 import kvstrata
 from kvstrata.adapters._hf_cache import (
+    ForwardHooks,
     KvstrataDynamicCache,
     PageKeepingSlidingWindowLayer,
     held_range,
@@ -81,9 +82,6 @@ class PrefillResult:
 
 
 #: the forward keywords transformers models take a cache under (the layout knows which one)
-_CACHE_KEYWORDS = ("past_key_values", "cache_params")
-
-
 class HFStateCache:
     """A kvstrata cache for one Hugging Face model (see the module docstring).
 
@@ -136,9 +134,8 @@ class HFStateCache:
         self._owner = object()  # marks the caches this adapter hands out
         #: each weight as the namespace hashed it: changed in place, the namespace no longer says it
         self._weights = [(w, w._version, w.data_ptr()) for w in model.parameters()]
-        self._hook = model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
-        # (runs only when the forward returns: a cache whose forward raised is never committed)
-        self._done_hook = model.register_forward_hook(self._forward_done, with_kwargs=True)
+        self._config = _config_facts(model)  # and its config (set_attn_implementation changes it)
+        self._hooks: ForwardHooks | None = ForwardHooks(model, self.layout.cache_argument, self._owner)
 
     # --- caches ---------------------------------------------------------------------------------
 
@@ -258,10 +255,9 @@ class HFStateCache:
 
     def close(self) -> None:
         """Flush L3 writes, release the cache and unhook the model."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._done_hook.remove()
-            self._hook = None
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
         self.cache.close()
 
     def __enter__(self) -> HFStateCache:
@@ -273,7 +269,7 @@ class HFStateCache:
     # --- internals ------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._hook is None:
+        if self._hooks is None:
             raise RuntimeError("HFStateCache is closed")
         # (every restore and commit: a namespace names the weights it hashed at construction)
         if any(w._version != version or w.data_ptr() != at for w, version, at in self._weights):
@@ -281,36 +277,11 @@ class HFStateCache:
                 "the model's weights changed since this HFStateCache hashed them (its namespace): "
                 "make a new HFStateCache for the new weights"
             )
-
-    def _count_tokens(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Forward pre-hook: advance the token count of a cache this adapter handed out, passed
-        under the keyword the model reads it from. Under the other one the model ignores it
-        (Mamba2 takes ``cache_params`` and swallows ``past_key_values``): the forward is refused,
-        or the cache would be committed as holding tokens it never ran."""
-        argument = self.layout.cache_argument
-        cache = kwargs.get(argument)
-        if not self._owns(cache):
-            strays = (key for key in _CACHE_KEYWORDS if key != argument and self._owns(kwargs.get(key)))
-            other = next(strays, None)
-            if other is not None:
-                raise TypeError(
-                    f"{type(module).__name__} reads its cache from {argument}=, not {other}=: it would "
-                    f"run without the cache HFStateCache handed out (pass {argument}=past)"
-                )
-            return
-        cache.saw(kwargs.get("input_ids", args[0] if args else None), kwargs.get("inputs_embeds"), kwargs)
-        cache.forward_began()
-
-    def _forward_done(
-        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
-    ) -> None:
-        """Forward hook (not called when the forward raises): the counted tokens are in the cache."""
-        cache = kwargs.get(self.layout.cache_argument)
-        if self._owns(cache):
-            cache.forward_done()
-
-    def _owns(self, cache: Any) -> bool:
-        return isinstance(cache, KvstrataDynamicCache) and cache.kvstrata_owner is self._owner
+        if _config_facts(self.model) != self._config:
+            raise RuntimeError(
+                "the model's config or attention implementation changed since this HFStateCache "
+                "hashed them (its namespace): make a new HFStateCache for the changed model"
+            )
 
     def _check_cache(self, past: Any) -> None:
         if isinstance(past, KvstrataDynamicCache) and past.kvstrata_owner is not self._owner:
@@ -390,11 +361,11 @@ def model_identity(
     the transformers version), the attention implementation, the derived pools (dtypes, shapes,
     layer ids) and every byte of every weight (:func:`weights_digest`, or ``weights``: a digest
     the caller vouches for); ``name`` is the readable part."""
-    config = model.config
+    attention, config_json = _config_facts(model)
     layout_facts = {
         "class": f"{type(model).__module__}.{type(model).__qualname__}",
-        "config": json.loads(config.to_json_string(use_diff=False)),
-        "attention": str(getattr(config, "_attn_implementation", None)),
+        "config": json.loads(config_json),
+        "attention": attention,
         "transformers": transformers.__version__,
         "pools": layout.pools,
     }
@@ -408,6 +379,13 @@ def model_identity(
         dtypes=tuple(sorted({str(tensor.dtype) for tensor in state.values()})),
         layout=json.loads(json.dumps(layout_facts, sort_keys=True, default=str)),
     )
+
+
+def _config_facts(model: torch.nn.Module) -> tuple[str, str]:
+    """The attention implementation and the whole config as the namespace hashes them (read
+    again at every restore and commit, ~0.2 ms: a config changed in place no longer matches)."""
+    config = model.config
+    return str(getattr(config, "_attn_implementation", None)), config.to_json_string(use_diff=False)
 
 
 def _sequence(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
