@@ -12,6 +12,7 @@ import torch
 from controller_support import (
     device_accounting,
     fill,
+    holds_page,
     host_units_held_by_tree,
     host_units_in_use,
     open_cache,
@@ -146,3 +147,32 @@ def test_a_refusal_counts_the_copies_a_lease_keeps() -> None:
         assert whole.cached_pages == 8
         fill(cache, whole, cache.allocate(whole))
         cache.insert(whole)
+
+
+@pytest.mark.parametrize("window_only", [False, True])
+def test_a_second_allocate_keeps_the_window_the_new_pages_attend_over(window_only: bool) -> None:
+    """Two allocates with no insert between them (``end_page=4``, then the rest) on a window
+    pool short of room: the second gets units for the last window only and left the first's
+    behind, all freed at once -- those of pages 2-3 too, which pages 4-5 attend over; the next
+    request took them and its writes became this one's window. Now the units of the window
+    before the new pages stay the lease's until it closes; the earlier ones are freed."""
+    small_window_pool = ["model.pools.swa.device_units=6", "tiers.host.capacity_tokens=0"]
+    with open_cache("swa", overrides=small_window_pool) as cache:
+        assert cache.tree_pools["swa"].window == 2
+        lease = cache.lookup(tokens(1, 8))
+        cache.admit(lease)
+        first = cache.allocate(lease, end_page=4)
+        assert lease.allocated_first_page("swa") == 0 and len(first["swa"]) == 4
+        fill(cache, lease, first)
+        window = first["swa"][2:4]
+        fill(cache, lease, cache.allocate(lease, end_page=8, window_only=window_only))
+        other = cache.lookup(tokens(2, 4))  # the next request of the same batch step
+        cache.admit(other)
+        got = cache.allocate(other)  # the units of pages 0-1 were freed: no new page reads them
+        assert set(got["swa"].tolist()) == set(first["swa"][:2].tolist())
+        fill(cache, other, got)
+        for page in (2, 3):
+            assert holds_page(cache, "swa", window[page - 2 : page - 1], lease.page_hashes[page])
+        cache.insert(other)
+        cache.insert(lease)
+        device_accounting(cache, [])

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvstrata.core.keys import hash_pages
-from kvstrata.core.stack import NO_UNITS, PoolKind, StackLayout
+from kvstrata.core.stack import NO_UNITS, PoolKind, StackLayout, TreePool
 from kvstrata.core.tokens import token_bytes
 from kvstrata.core.tree import LockHandle, MatchResult, PrefixTree, Tier, TreeNode
 from kvstrata.core.tree_bytes import UNIT, unit_tensor
@@ -259,7 +259,7 @@ class Lease:
         """``allocate``: record ``got`` (per tree pool the tensors handed out and their int64
         bytes, :func:`allocate_units`) as the units of pages ``[allocated_pages, end)`` (window
         pools: of its last ones); returns pending window units no longer contiguous with the new
-        ones (the caller frees them)."""
+        ones that no new page attends over (the caller frees them; the window's stay to close)."""
         handed, got_raw = got
         pending = dict(self._allocated or {})
         dropped: dict[str, bytes] = {}
@@ -270,10 +270,10 @@ class Lease:
                 first = self.allocated_pages
             elif tp.kind is _WINDOW:
                 # pending units: contiguous pages ending at ``end`` (a window-only allocation drops old)
-                if old and len(new) == (end - self.allocated_pages) * UNIT:
-                    pending[tp.name] = old + new
-                else:
-                    pending[tp.name], dropped[tp.name] = new, old
+                contiguous = old and len(new) == (end - self.allocated_pages) * UNIT
+                pending[tp.name] = old + new if contiguous else new
+                if old and not contiguous:
+                    dropped[tp.name], self._duplicates = _leave(old, tp, self._duplicates)
                 first = end - len(new) // UNIT
             else:
                 if new:
@@ -377,6 +377,17 @@ def prefix_units(
         else:
             units[tp.name], first[tp.name] = tree.values(match.device_path, tp.name), 0
     return units, first
+
+
+def _leave(old: bytes, pool: TreePool, kept: list | None) -> tuple[bytes, list | None]:
+    """A window pool's pending units (contiguous pages ending where a new allocation starts)
+    that allocation left behind: those of pages before the pool's last window, to free now (no
+    new page attends over them), and ``kept`` (a lease's units freed at close) with the last
+    window's added (the new pages attend over them)."""
+    cut = max(0, len(old) - pool.window * UNIT)
+    if cut < len(old):
+        kept = [*(kept or ()), {pool.name: np.frombuffer(old[cut:], dtype=np.int64)}]
+    return old[:cut], kept
 
 
 def unit_arrays(raw: Mapping[str, bytes]) -> dict[str, np.ndarray]:
