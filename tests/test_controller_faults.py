@@ -138,3 +138,28 @@ def test_a_plugin_raising_anything_at_open_is_a_storage_error_and_closed(entry: 
     assert "InjectedFault: injected open failure (broken)" in str(caught.value)
     assert isinstance(caught.value.__cause__, InjectedFault)
     assert len(opened) == (where != "constructor") and all(backend.closed.is_set() for backend in opened)
+
+
+def test_a_backend_raising_a_base_exception_in_put_fails_that_write_not_the_next_call() -> None:
+    """A plugin's put raising a BaseException subclass on the writer thread (an async client's
+    ``asyncio.CancelledError`` once its loop went away, ``SystemExit``): the next call of the
+    cache re-raised it, and the write's host lock was never released (its pages never left)."""
+    import asyncio
+
+    class Cancelled(FaultyBackend):
+        def put(self, objects: object) -> list[bool]:
+            raise asyncio.CancelledError("event loop closed")
+
+    host = PluginHost()
+    host.storage_backends.register(Cancelled)
+    no_prefetch = "policy.prefetch.threshold_tokens=1000000"
+    overrides = ["tiers.storage={l3: {type: faults, operations: []}}", no_prefetch]
+    with open_cache("kv", overrides=overrides, host=host) as cache:
+        serve(cache, tokens(1, 4))
+        cache.writer.pending[0].future.exception(10)  # failed on the writer thread
+        serve(cache, tokens(2, 4))  # raised the plugin's CancelledError
+        cache.flush()
+        assert cache.metrics.snapshot()["failures"] >= 1
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+        locked = [n for n in cache.tree.nodes() if any(n.host_lock)]
+        assert not locked, f"host locks never released: {locked}"

@@ -208,8 +208,8 @@ class Prefetcher:
                 else:
                     op.reserved = got
                     op.pages = self._read_verified(op, end)
-        except Exception:  # an engine bug must not kill the worker or leak the slots
-            log.exception("prefetch failed")
+        except BaseException:  # an engine bug, or a plugin's BaseException (asyncio.CancelledError)
+            log.exception("prefetch failed")  # on this worker thread: the read fails, nothing leaks
             op.pages = 0
         finally:
             if not late:  # (one sample per prefetch)

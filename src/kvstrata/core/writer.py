@@ -343,8 +343,8 @@ class Writer:
 
     def _finish(self, write: PendingWrite) -> None:
         try:
-            results = write.future.result()
-        except Exception:  # the engine does not raise on backend errors; this is a bug guard
+            results = write.future.result()  # finished: returns or raises at once
+        except BaseException:  # a bug guard; a plugin's CancelledError / SystemExit fails this write
             log.exception("L3 write failed")
             self.metrics.fail()
             results = {}
