@@ -151,7 +151,12 @@ def test_a_pin_with_a_ttl_lapses_on_its_own() -> None:
     ) as cache:
         cache.parts.retention.clock = lambda: now[0]
         lease = serve_hinted(cache, tokens(1, 2), RetentionHint(pin=True, ttl_s=5))
+        now[0] = 4.9
+        assert lease.pinned
         now[0] = 6.0
+        # lapsed: it says so before any eviction released it (README: "whether or not an
+        # eviction has run since"; it said pinned until one ran)
+        assert not lease.pinned and cache.parts.retention.pinned_pages == 2
         _stream(cache, 100, 4)  # the first eviction after the TTL releases the pin
         assert cache.parts.retention.pinned_pages == 0
         assert not lease.pinned, "the lease still said pinned after its pin lapsed"

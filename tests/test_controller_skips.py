@@ -302,6 +302,24 @@ def test_a_lease_released_with_its_prefetch_counts_its_pages_as_released(tmp_pat
         assert all(used == 0 for used in host_units_in_use(cache).values()), "its host units were freed"
 
 
+def test_a_lease_released_while_its_prefetch_waits_for_host_room_counts_its_pages(tmp_path: Path) -> None:
+    """The worker found the pages in L3 but no free host units (a host tier full of evictable
+    pages: the owner makes room at ``admit``); released before that, they were counted nowhere."""
+    request = tokens(48, 8)
+    with open_cache("kv", tmp_path) as writer:
+        serve(writer, request)
+    with open_cache("kv", tmp_path, ["policy.prefetch.threshold_tokens=64"]) as cache:
+        for seed in range(4):  # 4 x 8 pages: the host tier (32 pages) full
+            serve(cache, tokens(100 + seed, 8))
+        cache.flush()
+        lease = cache.lookup(request)
+        op = lease.prefetch
+        assert op is not None and op.done.wait(10) and op.short is not None
+        cache.release(lease)
+        assert lease.skipped == {SkipReason.RELEASED: 8}
+        assert cache.metrics.snapshot()["skipped_pages"]["released"] == 8
+
+
 def test_a_prefix_larger_than_the_host_tier_counts_as_host_full(tmp_path: Path) -> None:
     whole = tokens(46, 40)
     big = ["tiers.device.capacity_tokens=4096", "tiers.host.capacity_tokens=4096"]

@@ -211,7 +211,7 @@ class Lease:
     def pinned(self) -> bool:
         """Whether the prefix holds a pin now (``cache.unpin`` releases it, as do its TTL and a
         late pool; it may outlive the lease)."""
-        return self._pin is not None and not self._pin.released
+        return self._pin is not None and self._pin.held
 
     # --- transitions (the controller's calls) ---------------------------------------------------
 

@@ -348,6 +348,9 @@ class Prefetcher:
                 op.revoked = (why, skipped)
             return 0
         self.reserved_pages -= len(op.hashes)
+        if op.short is not None:  # released before ``finish`` made room for the pages L3 holds
+            op.short = None
+            _lose(op, unused or SkipReason.HOST_FULL, op.read_end)
         for reason, lost in op.lost.items():
             self.metrics.skip(reason, lost, skipped)
         if pages < op.pages:

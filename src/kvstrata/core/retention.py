@@ -61,6 +61,14 @@ class Pin:
     lock: LockHandle
     deadline: float | None
     released: bool = False  # by unpin, its TTL, a new pin of the same lease, or a late pool
+    #: the retention clock its deadline reads (the lock itself goes at the next expiry)
+    clock: Callable[[], float] = time.monotonic
+
+    @property
+    def held(self) -> bool:
+        """Whether it holds now: not released, and its TTL not run out (a lapsed pin holds
+        nothing from then on, whether or not an eviction has released it since)."""
+        return not self.released and (self.deadline is None or self.deadline > self.clock())
 
 
 class Retention:
@@ -179,7 +187,7 @@ class Retention:
         for n in path:
             self._pin_counts[n] = self._pin_counts.get(n, 0) + 1
         self.pinned_pages += new
-        pin = Pin(self.tree.lock(node, Tier.DEVICE), deadline)
+        pin = Pin(self.tree.lock(node, Tier.DEVICE), deadline, clock=self.clock)
         self._pins[id(pin)] = pin
         return pin
 
