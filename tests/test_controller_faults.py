@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from controller_support import host_units_held_by_tree, host_units_in_use, open_cache, serve, tokens
 from kvstrata.engine_kit import open_storage
@@ -163,3 +164,33 @@ def test_a_backend_raising_a_base_exception_in_put_fails_that_write_not_the_next
         assert host_units_in_use(cache) == host_units_held_by_tree(cache)
         locked = [n for n in cache.tree.nodes() if any(n.host_lock)]
         assert not locked, f"host locks never released: {locked}"
+
+
+def test_a_backup_skipped_while_l3_was_slow_is_taken_with_the_next_pages_below_it() -> None:
+    """write_through: a system prompt's backup skipped once (the host tier full of pages whose
+    L3 writes were stuck, ``backup_wait_s`` over) kept every page later requests added below it
+    off the host tier and L3 for good (backups form a contiguous prefix), the host tier half
+    empty again or not."""
+    host = PluginHost()
+    host.storage_backends.register(FaultyBackend)
+    overrides = [
+        "tiers.storage={l3: {type: faults, operations: [], stall: [put]}}",
+        "policy.backup_wait_s=0",
+        "policy.prefetch.threshold_tokens=1000000",
+    ]
+    with open_cache("kv", overrides=overrides, host=host) as cache:
+        backend = cache.backend
+        assert isinstance(backend, FaultyBackend)
+        half = cache.pools.pools["kv"].host_allocator.units // 2
+        for seed in range(2):  # the host tier fills with pages whose L3 writes are stuck
+            serve(cache, tokens(300 + seed, half))
+        prompt = tokens(7, 4)
+        serve(cache, prompt)
+        assert cache.metrics.snapshot()["operations"]["backups_skipped"] >= 1
+        backend.unstall()  # L3 answers again: its writes release the host units
+        cache.flush()
+        for turn in range(3):  # conversations below the prompt, with room on the host tier
+            serve(cache, torch.cat([prompt, tokens(100 + turn, 4)]))
+        cache.flush()
+        unbacked = [n for n in cache.tree.holding("kv", "device") if not cache.tree.backed_up(n)]
+        assert not unbacked, f"{sum(n.pages for n in unbacked)} device pages were never backed up"

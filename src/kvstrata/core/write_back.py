@@ -167,6 +167,20 @@ def device_only_ancestors(tree: PrefixTree, nodes: Sequence[TreeNode]) -> list[T
     return sorted(found, key=lambda n: n.depth_end)
 
 
+def unbacked_above(tree: PrefixTree, path: Sequence[TreeNode]) -> list[TreeNode]:
+    """The ancestors of ``path[0]`` with a device copy and no host copy, root first, up to the
+    first backed-up one (write-through backups are a contiguous prefix: those above it are too).
+    Empty, after one check, in the common case."""
+    found: list[TreeNode] = []
+    parent = path[0].parent if path else None
+    while parent is not None and parent is not tree.root and parent.host_raw[0] is None:
+        if parent.device_raw[0] is not None:
+            found.append(parent)
+        parent = parent.parent
+    found.reverse()
+    return found
+
+
 def with_backed_up_prefix(tree: PrefixTree, nodes: Sequence[TreeNode]) -> list[TreeNode]:
     """Those of ``nodes`` whose every ancestor has a host copy, root first: what write-back may
     write to L3 (an object below a page L3 never gets is found by no later cache)."""

@@ -52,6 +52,7 @@ from kvstrata.core.write_back import (
     eviction_backups,
     gained_components,
     host_locks,
+    unbacked_above,
     with_backed_up_prefix,
 )
 
@@ -425,6 +426,9 @@ def _back_up_chain(writer: Writer, chain: OpenChain) -> None:
     path = tree_path(writer.tree, chain.node, chain.since)
     writer.host_admission.seen(path)
     writer.storage_admission.seen(path)
+    # ancestors a backup skipped (the host tier was full): without them, backups being a
+    # contiguous prefix, nothing below them would reach the host tier or L3 again
+    path = unbacked_above(writer.tree, path) + path
     # nodes on the path that were on the host before this insert (split by it, where it left a
     # checkpoint or diverged): a backup carries every component, these may lack the new ones
     earlier = [node for node in path if node.host_raw[0] is not None]
