@@ -194,3 +194,37 @@ def test_a_backup_skipped_while_l3_was_slow_is_taken_with_the_next_pages_below_i
         cache.flush()
         unbacked = [n for n in cache.tree.holding("kv", "device") if not cache.tree.backed_up(n)]
         assert not unbacked, f"{sum(n.pages for n in unbacked)} device pages were never backed up"
+
+
+@pytest.mark.parametrize("call", ["flush", "close"])
+def test_flush_and_close_with_a_timeout_return_by_it_while_l3_is_stuck(call: str) -> None:
+    """The host tier full of pages whose L3 writes are stuck, one chunked lease with batched
+    pages: ``flush(timeout=0.3)`` / ``close(timeout=0.3)`` backed that batch up first and waited
+    ``policy.backup_wait_s`` (5 s) for host room before their own timeout applied."""
+    import time
+    import warnings
+
+    host = PluginHost()
+    host.storage_backends.register(FaultyBackend)
+    overrides = ["tiers.storage={l3: {type: faults, operations: [], stall: [put]}}", "policy.backup_wait_s=5"]
+    with open_cache("kv", overrides=overrides, host=host) as cache:
+        backend = cache.backend
+        assert isinstance(backend, FaultyBackend)
+        try:
+            half = cache.pools.pools["kv"].host_allocator.units // 2
+            for seed in range(2):
+                serve(cache, tokens(300 + seed, half))
+            lease = cache.lookup(tokens(9, 4))
+            cache.admit(lease)
+            cache.allocate(lease)
+            cache.insert(lease, close=False)  # 4 pages batched (write_through_batch_pages: 64)
+            started = time.monotonic()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                getattr(cache, call)(timeout=0.3)
+            took = time.monotonic() - started
+            if call == "flush":
+                cache.release(lease)
+        finally:
+            backend.unstall()
+    assert took < 2.0, f"{call}(timeout=0.3) took {took:.1f} s"

@@ -1,5 +1,6 @@
 """Which host locks a queued L3 write takes, which nodes write-back backs up to evict, and
-which pages of an open lease write-through has still to back up.
+which pages of an open lease write-through has still to back up; and a queued write itself
+(:class:`PendingWrite`, waited for in order by :func:`wait_writes`).
 
 The first two rules are about what eviction may take from under the writer, and both went wrong
 once (issue 29): a path lock covers the pages of its whole path but the state slot and window of
@@ -12,12 +13,17 @@ them meanwhile, and one backup of many chunks costs what one of a single chunk d
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstrata.core.stack import PoolKind, StackLayout
 from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
+
+if TYPE_CHECKING:
+    from kvstrata.core.storage_engine import BatchResult
 
 
 @dataclass(eq=False)
@@ -276,3 +282,34 @@ class OpenBackups:
         chains = list(self._open.values())
         self._open.clear()
         return chains
+
+
+# --- queued L3 writes ---------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class PendingWrite:
+    """One queued L2 -> L3 write; host locks keep its source slots alive until it is drained."""
+
+    locks: list[SharedLock]
+    future: Future[dict[str, BatchResult]]
+    #: nodes whose last window this write stores (window stacks): unmarked if it fails
+    ends: Sequence[TreeNode] = ()
+    #: set by the future's done callback (or by whoever waited on the future): ``drain`` runs at
+    #: every call and reads this plain flag instead of ``future.done()``, which takes the
+    #: future's lock (contended by the writer thread)
+    finished: bool = False
+
+    def mark_finished(self, _future: Future[dict[str, BatchResult]]) -> None:
+        self.finished = True
+
+
+def wait_writes(pending: Iterable[PendingWrite], deadline: float | None) -> None:
+    """Wait for each of ``pending`` in order, up to ``deadline`` (``time.monotonic``; None: no limit)."""
+    for write in list(pending):
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            write.future.exception(remaining)
+        except TimeoutError:
+            return
+        write.finished = True  # done: its callback may not have run yet (the next poll drains it)

@@ -19,8 +19,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -46,6 +45,7 @@ from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
 from kvstrata.core.write_back import (
     OpenBackups,
     OpenChain,
+    PendingWrite,
     SharedLock,
     StoredWindowEnds,
     device_only_ancestors,
@@ -53,6 +53,7 @@ from kvstrata.core.write_back import (
     gained_components,
     host_locks,
     unbacked_above,
+    wait_writes,
     with_backed_up_prefix,
 )
 
@@ -60,23 +61,6 @@ log = logging.getLogger(__name__)
 
 #: refused nodes remembered for a second offer before the stale ones are swept out
 _REFUSED_SWEEP = 8192
-
-
-@dataclass(eq=False)
-class PendingWrite:
-    """One queued L2 -> L3 write; host locks keep its source slots alive until it is drained."""
-
-    locks: list[SharedLock]
-    future: Future[dict[str, BatchResult]]
-    #: nodes whose last window this write stores (window stacks): unmarked if it fails
-    ends: Sequence[TreeNode] = ()
-    #: set by the future's done callback (or by whoever waited on the future): ``drain`` runs at
-    #: every call and reads this plain flag instead of ``future.done()``, which takes the
-    #: future's lock (contended by the writer thread)
-    finished: bool = False
-
-    def mark_finished(self, _future: Future[dict[str, BatchResult]]) -> None:
-        self.finished = True
 
 
 class Writer:
@@ -99,6 +83,7 @@ class Writer:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
         self.digests: UnitDigests | None = None  # debug.unit_digests
         self.open_backups = OpenBackups(policy.write_through_batch_pages)
+        self.room_deadline: float | None = None  # ``flush(timeout)``: a backup waits for room no longer
         if policy.write == "write_back":
             self.units.before_device_eviction = self.back_up_for_eviction
 
@@ -366,15 +351,13 @@ class Writer:
 
     def wait(self, deadline: float | None) -> None:
         """Back up what open leases batched, then wait (up to ``deadline``, a ``time.monotonic``
-        value) for every queued write."""
-        self.end_open()
-        for write in list(self.pending):
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                write.future.exception(remaining)
-            except TimeoutError:
-                return
-            write.finished = True  # done: its callback may not have run yet (the next poll drains it)
+        value) for every queued write; a backup waiting for host room waits no longer either."""
+        self.room_deadline = deadline
+        try:
+            self.end_open()
+        finally:
+            self.room_deadline = None
+        wait_writes(self.pending, deadline)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the writer thread; ``wait=False`` cancels queued writes and returns at once."""
@@ -383,9 +366,11 @@ class Writer:
 
 def _wait_for_room(writer: Writer, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None:
     """Backpressure: the host units may be held by in-flight L3 writes. Wait for them, oldest
-    first, up to ``policy.backup_wait_s``, so write-through persists what it promised
-    instead of skipping a backup whenever L3 is a little behind."""
+    first, up to ``policy.backup_wait_s`` (and a flush's deadline), so write-through persists
+    what it promised instead of skipping a backup whenever L3 is a little behind."""
     deadline = time.monotonic() + writer.policy.backup_wait_s
+    if writer.room_deadline is not None:
+        deadline = min(deadline, writer.room_deadline)
     while writer.pending:
         oldest = writer.pending[0]
         if not oldest.future.done():  # (with no time left, a write that finished still counts)
