@@ -357,3 +357,23 @@ def test_a_late_pool_releases_pins_and_serves_no_pinned_page(
         again, bad = serve(cache, system)
         assert again.cached_pages == 0 and bad == 0
         cache.unpin(lease)  # released already: a no-op
+
+
+def test_a_window_pools_pin_cap_leaves_out_ancestors_the_pins_window_does_not_reach() -> None:
+    """A pin's lock holds a window pool's units on its node and the ancestors its last window
+    reaches into; an ancestor wholly before that window holds only out-of-window data, which is
+    tombstoned first, pinned or not. The cap counted it too, so a 2-page pin below an 8-page
+    cached prompt was refused on a window pool sized at half the anchor."""
+    no_host = ["tiers.storage={}", "tiers.host.capacity_tokens=0"]
+    with open_cache("swa", overrides=["model.pools.swa.device_units=10", *no_host]) as cache:  # cap: 5
+        assert cache.tree_pools["swa"].window == 2
+        prompt = tokens(1, 8)
+        serve(cache, prompt)  # 8 window units (room for every page), then 2 for the next pages
+        pinned = serve_hinted(cache, torch.cat([prompt, tokens(2, 2)]), RetentionHint(pin=True))
+        assert pinned.pinned and ops(cache)["pins_refused"] == 0
+        lease = cache.lookup(tokens(3, 6))  # the prompt's window data makes room: it is not held
+        cache.admit(lease)
+        assert len(cache.allocate(lease, window_only=True)["swa"]) == 2
+        cache.release(lease)
+        refused = serve_hinted(cache, tokens(4, 8), RetentionHint(pin=True))  # its own node: 2 + 8 > 5
+        assert not refused.pinned and ops(cache)["pins_refused"] == 1

@@ -182,7 +182,7 @@ class Retention:
             cur = cur.parent
         fresh = [n for n in path if not self._pin_counts.get(n)]
         new = sum(n.pages for n in fresh)
-        if self.pinned_pages + new > self.max_pinned_pages or self._over_unit_caps(fresh):
+        if self.pinned_pages + new > self.max_pinned_pages or self._over_unit_caps(fresh, node):
             return None
         for n in path:
             self._pin_counts[n] = self._pin_counts.get(n, 0) + 1
@@ -191,13 +191,18 @@ class Retention:
         self._pins[id(pin)] = pin
         return pin
 
-    def _over_unit_caps(self, fresh: list[TreeNode]) -> bool:
-        """Whether pinning ``fresh`` nodes too would hold more of a pool than its cap. Counted
-        afresh from the pinned nodes (pins are rare; a running count would drift where a pinned
-        node's units change: splits, out-of-window tombstones)."""
+    def _over_unit_caps(self, fresh: list[TreeNode], node: TreeNode) -> bool:
+        """Whether pinning ``fresh`` nodes too (a pin ending at ``node``) would hold more of a
+        pool than its cap. Counted afresh from the pinned nodes (pins are rare; a running count
+        would drift where a pinned node's units change: splits, out-of-window tombstones); a
+        window pool's as :func:`_window_units` (not its ancestors' out-of-window data)."""
         pinned = [*self._pin_counts, *fresh]
+        windows = self.tree.layout.window
         for p, cap in self.unit_caps.items():
-            held = sum(len(raw) for n in pinned if (raw := n.device_raw[p]) is not None) // UNIT
+            if windows[p]:
+                held = _window_units(self.tree, p, [*(pin.lock.node for pin in self._pins.values()), node])
+            else:
+                held = sum(len(raw) for n in pinned if (raw := n.device_raw[p]) is not None) // UNIT
             if held > cap:
                 return True
         return False
@@ -243,3 +248,19 @@ def _stronger(level: int, deadline: float, old_level: int, old_deadline: float) 
     if level != old_level:
         return level > old_level
     return deadline > old_deadline
+
+
+def _window_units(tree: PrefixTree, p: int, ends: list[TreeNode]) -> int:
+    """Device units of window pool ``p`` that pins ending at ``ends`` hold: those of the nodes
+    their locks reach for the pool (the pinned node and the ancestors its last window reaches
+    into, each whole); an ancestor wholly before that window holds only out-of-window data,
+    tombstoned first, pinned or not. Each node counted once."""
+    window = tree.layout.window[p]
+    held: dict[TreeNode, int] = {}
+    for end in ends:
+        bound, cur = end.depth_end - window, end
+        while cur is not tree.root and (cur is end or cur.depth_end > bound):
+            raw = cur.device_raw[p]
+            held[cur] = len(raw) // UNIT if raw is not None else 0
+            cur = cur.parent  # type: ignore[assignment]
+    return sum(held.values())
