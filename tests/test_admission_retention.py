@@ -359,21 +359,20 @@ def test_a_late_pool_releases_pins_and_serves_no_pinned_page(
         cache.unpin(lease)  # released already: a no-op
 
 
-def test_a_window_pools_pin_cap_leaves_out_ancestors_the_pins_window_does_not_reach() -> None:
-    """A pin's lock holds a window pool's units on its node and the ancestors its last window
-    reaches into; an ancestor wholly before that window holds only out-of-window data, which is
-    tombstoned first, pinned or not. The cap counted it too, so a 2-page pin below an 8-page
-    cached prompt was refused on a window pool sized at half the anchor."""
+def test_a_window_pools_pin_cap_counts_the_last_window_a_pin_holds() -> None:
+    """A pin holds a window pool's units of its last window only: older window data (the head of
+    its own node too) is tombstoned first, pinned or not. The cap counted every window unit on
+    the pinned path, so with the window pool a quarter of the anchor (SGLang's
+    swa_full_tokens_ratio sizing) an 8-page pin holding 2 of 8 window units was refused."""
     no_host = ["tiers.storage={}", "tiers.host.capacity_tokens=0"]
-    with open_cache("swa", overrides=["model.pools.swa.device_units=10", *no_host]) as cache:  # cap: 5
+    with open_cache("swa", overrides=["model.pools.swa.device_units=8", *no_host]) as cache:  # cap: 4
         assert cache.tree_pools["swa"].window == 2
-        prompt = tokens(1, 8)
-        serve(cache, prompt)  # 8 window units (room for every page), then 2 for the next pages
-        pinned = serve_hinted(cache, torch.cat([prompt, tokens(2, 2)]), RetentionHint(pin=True))
-        assert pinned.pinned and ops(cache)["pins_refused"] == 0
-        lease = cache.lookup(tokens(3, 6))  # the prompt's window data makes room: it is not held
+        first = serve_hinted(cache, tokens(1, 8), RetentionHint(pin=True))
+        assert first.pinned and ops(cache)["pins_refused"] == 0
+        lease = cache.lookup(tokens(3, 6))  # the pinned node's older window data makes room
         cache.admit(lease)
         assert len(cache.allocate(lease, window_only=True)["swa"]) == 2
         cache.release(lease)
-        refused = serve_hinted(cache, tokens(4, 8), RetentionHint(pin=True))  # its own node: 2 + 8 > 5
-        assert not refused.pinned and ops(cache)["pins_refused"] == 1
+        second = serve_hinted(cache, tokens(2, 8), RetentionHint(pin=True))  # 2 + 2 units: the cap
+        third = serve_hinted(cache, tokens(4, 8), RetentionHint(pin=True))  # 6 > 4
+        assert second.pinned and not third.pinned and ops(cache)["pins_refused"] == 1

@@ -155,3 +155,22 @@ def test_the_refusal_check_bounds_what_any_eviction_frees(stack: str, seed: int)
         assert any(bounds[0].values()), "the workload left nothing to evict: the check is vacuous"
         for lease in leases:
             cache.release(lease)
+
+
+@pytest.mark.parametrize("stack", ["swa", "swa-mamba"])
+def test_a_request_below_a_long_cached_prompt_locks_only_its_window_of_a_window_pool(stack: str) -> None:
+    """A request continuing an 8-page cached prompt (one node) needs the window pool's units of
+    the prompt's last window only; its lock counted on the whole node, so the prompt's older
+    window data could not be tombstoned and a window pool of 8 units refused the next 2 pages
+    ("device tier cannot hold 2 new pages")."""
+    small = ["model.pools.swa.device_units=8", "tiers.host.capacity_tokens=0", "tiers.storage={}"]
+    with open_cache(stack, overrides=small) as cache:
+        assert cache.tree_pools["swa"].window < 8  # 2 pages (swa), 4 (swa-mamba)
+        prompt = tokens(1, 8)
+        serve(cache, prompt)  # one node holding 8 window units: the whole pool
+        longer = torch.cat([prompt, tokens(2, 2)])
+        lease, bad = serve(cache, longer)
+        assert lease.cached_pages == 8 and bad == 0
+        again, bad = serve(cache, longer)  # the continuation is cached whole, bytes intact
+        assert again.cached_pages == 10 and bad == 0
+        cache.tree.check()

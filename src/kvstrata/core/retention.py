@@ -195,7 +195,7 @@ class Retention:
         """Whether pinning ``fresh`` nodes too (a pin ending at ``node``) would hold more of a
         pool than its cap. Counted afresh from the pinned nodes (pins are rare; a running count
         would drift where a pinned node's units change: splits, out-of-window tombstones); a
-        window pool's as :func:`_window_units` (not its ancestors' out-of-window data)."""
+        window pool's from each pin's last window (:func:`_window_units`)."""
         pinned = [*self._pin_counts, *fresh]
         windows = self.tree.layout.window
         for p, cap in self.unit_caps.items():
@@ -251,16 +251,18 @@ def _stronger(level: int, deadline: float, old_level: int, old_deadline: float) 
 
 
 def _window_units(tree: PrefixTree, p: int, ends: list[TreeNode]) -> int:
-    """Device units of window pool ``p`` that pins ending at ``ends`` hold: those of the nodes
-    their locks reach for the pool (the pinned node and the ancestors its last window reaches
-    into, each whole); an ancestor wholly before that window holds only out-of-window data,
-    tombstoned first, pinned or not. Each node counted once."""
+    """Device units of window pool ``p`` that pins ending at ``ends`` hold: those of each pin's
+    last window (older window data, the head of a node included, is tombstoned first, pinned
+    or not: :mod:`~kvstrata.core.tree_eviction`). A node's units hold its last pages; each
+    unit counted once."""
     window = tree.layout.window[p]
     held: dict[TreeNode, int] = {}
     for end in ends:
         bound, cur = end.depth_end - window, end
-        while cur is not tree.root and (cur is end or cur.depth_end > bound):
+        while cur is not tree.root and cur.depth_end > bound:
             raw = cur.device_raw[p]
-            held[cur] = len(raw) // UNIT if raw is not None else 0
+            if raw is not None:
+                inside = min(len(raw) // UNIT, cur.depth_end - max(cur.depth_end - cur.pages, bound))
+                held[cur] = max(held.get(cur, 0), inside)
             cur = cur.parent  # type: ignore[assignment]
     return sum(held.values())

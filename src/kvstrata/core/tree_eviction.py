@@ -330,15 +330,15 @@ class TreeEvictor:
             if parent is not None and parent is not self.root and _copy_droppable(parent):
                 heapq.heappush(heap, self._ranked(_HOST, [parent])[0])
 
-    def _component_candidates(self, tier: Tier, p: int) -> list[tuple[Any, int, TreeNode]]:
-        """Nodes that may lose pool ``p``'s units in ``tier``, lowest rank first: not locked; not
-        without a backup under write-back (device); not also on the device (host)."""
-        members = self._members[tier][p]
-        if tier is _DEVICE:
-            keep = not self._delete_unbacked  # write-back: a node without a backup stays
-            nodes = [n for n in members if not n.device_lock[p] and not (keep and n.host_raw[0] is None)]
-        else:
-            nodes = [n for n in members if not n.host_lock[p] and n.device_raw[p] is None]
+    def _component_candidates(
+        self, tier: Tier, p: int, heads: bool = False
+    ) -> list[tuple[Any, int, TreeNode]]:
+        """Nodes that may lose pool ``p``'s units in ``tier``, lowest rank first: see
+        :func:`_may_lose` (``heads``: the head of a node windows lock only in its tail will do)."""
+        dev = tier is _DEVICE  # (a host lock may be an L3 write's, reading the whole node)
+        free = _head_free if heads and dev else _unlocked
+        keep = dev and not self._delete_unbacked  # write-back: a node without a backup stays
+        nodes = [n for n in self._members[tier][p] if _may_lose(n, p, dev, keep, free)]
         candidates = self._ranked(tier, nodes)
         candidates.sort()
         return candidates
@@ -348,10 +348,13 @@ class TreeEvictor:
         rank first, before any window data a prefix needs (and before the anchor's pages). A
         node whose last pages a prefix needs is split there and loses only its head."""
         name = self.pools[p].name
-        for _, _, node in self._component_candidates(tier, p):
+        for _, _, node in self._component_candidates(tier, p, heads=True):
             if result.units.get(name, 0) >= want:
                 break
             tail = window_tail(node, tier, self._window[p])
+            locks = node.device_windows.get(p) if tier is _DEVICE else None
+            if locks:  # a request's window reaches into the node: its head is no one's
+                tail = max(tail, node.depth_end - min(locks))
             if tail >= node.pages:
                 continue
             if tail:  # the head is out of every window
@@ -397,10 +400,14 @@ def room_by_evicting(evictor: TreeEvictor, tier: Tier, shortfall: Mapping[str, i
             continue
         p, found = evictor._pool(name), 0
         for node in evictor._members[tier][p]:
-            if not (node.device_lock if dev else node.host_lock)[p]:
-                found += len((node.device_raw if dev else node.host_raw)[p]) // UNIT  # type: ignore[arg-type]
-                if found >= want:
-                    break
+            units = len((node.device_raw if dev else node.host_raw)[p]) // UNIT  # type: ignore[arg-type]
+            if (node.device_lock if dev else node.host_lock)[p]:  # locked: on the device, a window
+                if not (dev and evictor._window[p]):  # pool's head no lock reaches may still go
+                    continue
+                units -= node.depth_end - min(node.device_windows[p])
+            found += max(0, units)
+            if found >= want:
+                break
         else:
             return False
     return True
@@ -427,6 +434,26 @@ def window_tail(node: TreeNode, tier: Tier, window: int) -> int:
             continue
         stack.extend(c for c in below if c.depth_end < limit)
     return min(node.pages, window - nearest)
+
+
+def _may_lose(node: TreeNode, p: int, dev: bool, keep: bool, free: Callable[..., bool]) -> bool:
+    """Whether ``node`` may lose pool ``p``'s units in a tier: ``free`` of its locks; on the
+    device not without a backup where ``keep`` (write-back); on the host not also on the device."""
+    if dev:
+        return free(node, p, node.device_lock, node.device_windows) and not (
+            keep and node.host_raw[0] is None
+        )
+    return free(node, p, node.host_lock, node.host_windows) and node.device_raw[p] is None
+
+
+def _unlocked(node: TreeNode, p: int, locks: tuple[int, ...], windows: dict[int, list[int]]) -> bool:
+    return not locks[p]
+
+
+def _head_free(node: TreeNode, p: int, locks: tuple[int, ...], windows: dict[int, list[int]]) -> bool:
+    """Unlocked for window pool ``p``, or every lock's window starts after the node's first page
+    (window locks record their lower page bound: :mod:`~kvstrata.core.tree_locks`)."""
+    return not locks[p] or min(windows[p]) > node.depth_end - node.pages
 
 
 def _copy_droppable(node: TreeNode) -> bool:
