@@ -19,6 +19,9 @@ else an order declares (``capabilities``) the evictor honours here, off the per-
 Window (trailing_pages) pools have a class of their own that leaves first: window data outside
 the last window of every prefix the tier holds (:func:`window_tail`), tombstoned before anything
 a cached prefix needs; a window pool makes room after the anchor, whose leaves free its units too.
+On the device a window lock (a request's, a pin's) holds only its last window: the older part of
+a node it reaches into is such data too (the node is split where the lock's window starts). A
+host lock may be an L3 write's source, which reads the whole node: it holds the node whole.
 
 Retention hints (:mod:`kvstrata.core.retention`) rank above the order: a node with a higher
 retention level leaves only after every node of a lower one. The tree never frees memory: it
@@ -389,8 +392,9 @@ class TreeEvictor:
 
 def room_by_evicting(evictor: TreeEvictor, tier: Tier, shortfall: Mapping[str, int]) -> bool:
     """Whether evicting every unit of ``tier`` that no lock holds could cover ``shortfall``
-    (units per pool beyond the free ones). An upper bound: every rule above spares a unit whose
-    node holds a lock of its pool (a request's prefix, a pin, an L3 write's source), so an
+    (units per pool beyond the free ones; a device window lock holds its last window only). An
+    upper bound: every rule above spares a unit a lock of its pool holds (a request's prefix, a
+    pin, an L3 write's source), so an
     allocation it rules out is refused before anything is evicted for it -- such an eviction
     only loses cached pages (without a host tier, for good). Stops at the first units that
     suffice: the oldest members, mostly unlocked, when the tier is simply full."""
