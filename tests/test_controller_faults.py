@@ -228,3 +228,34 @@ def test_flush_and_close_with_a_timeout_return_by_it_while_l3_is_stuck(call: str
         finally:
             backend.unstall()
     assert took < 2.0, f"{call}(timeout=0.3) took {took:.1f} s"
+
+
+def test_writes_close_cancelled_are_counted_once_as_abandoned(caplog: pytest.LogCaptureFixture) -> None:
+    """``close(timeout)`` counts the queued writes it cancels as abandoned; a later ``flush`` /
+    ``poll`` logged an "L3 write failed" traceback for each and counted it as a failure too."""
+    import logging
+    import warnings
+
+    host = PluginHost()
+    host.storage_backends.register(FaultyBackend)
+    overrides = ["tiers.storage={l3: {type: faults, operations: [], stall: [put]}}"]
+    cache = open_cache("kv", overrides=overrides, host=host)
+    backend = cache.backend
+    assert isinstance(backend, FaultyBackend)
+    try:
+        for seed in range(3):  # one write stuck in the backend, two queued behind it
+            serve(cache, tokens(200 + seed, 2))
+        failures = cache.metrics.snapshot()["failures"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cache.close(timeout=0.1)
+        assert cache.metrics.snapshot()["operations"]["storage_writes_abandoned"] == 3
+    finally:
+        backend.unstall()
+    with caplog.at_level(logging.ERROR, logger="kvstrata"):
+        cache.flush()
+        cache.poll()
+    assert not [r for r in caplog.records if "L3 write failed" in r.getMessage()]
+    # the write running in the backend ended on its own and its answer counts (this fake stores
+    # nothing: one failure); the two close cancelled count nothing more
+    assert cache.metrics.snapshot()["failures"] == failures + 1

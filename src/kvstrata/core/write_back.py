@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -312,4 +312,6 @@ def wait_writes(pending: Iterable[PendingWrite], deadline: float | None) -> None
             write.future.exception(remaining)
         except TimeoutError:
             return
+        except CancelledError:  # by ``close`` (counted abandoned there): done all the same
+            pass
         write.finished = True  # done: its callback may not have run yet (the next poll drains it)

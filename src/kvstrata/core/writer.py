@@ -328,8 +328,8 @@ class Writer:
         return took
 
     def _finish(self, write: PendingWrite) -> None:
-        try:
-            results = write.future.result()  # finished: returns or raises at once
+        try:  # (a write ``close`` cancelled is counted abandoned there, not a failure)
+            results = {} if write.future.cancelled() else write.future.result()
         except BaseException:  # a bug guard; a plugin's CancelledError / SystemExit fails this write
             log.exception("L3 write failed")
             self.metrics.fail()
