@@ -74,9 +74,10 @@ def device_full(
         for pool, value in units.items():
             kept[pool] = kept.get(pool, 0) + len(value)
     copies = (
-        f"; the request holds {kept} units of its own copies of pages another request inserted "
-        "first (its engine still reads them; freed at its close: look up the whole prompt, not "
-        "its first chunk, to skip computing pages the tree holds)"
+        f"; the request holds {kept} units its engine still reads outside the tree, freed at its "
+        "close: its own copies of pages another request inserted first (look up the whole prompt, "
+        "not its first chunk, to skip computing pages the tree holds) or the window an earlier "
+        "allocate handed out (insert between allocates)"
         if kept
         else ""
     )
