@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from controller_support import EXAMPLES, fill, open_cache, serve, tokens, verify
+from controller_support import EXAMPLES, device_accounting, fill, open_cache, serve, tokens, verify
 from kvstrata.core.controller import CacheController
 from kvstrata.core.retention import RetentionHint
 from kvstrata.core.tree import Tier
 from kvstrata.core.tree_eviction import room_by_evicting
+
+#: no host tier, no L3: what leaves the device is gone
+NO_LOWER = ["tiers.host.capacity_tokens=0", "tiers.storage={}"]
 
 
 def serve_unread(cache: CacheController, request: torch.Tensor) -> None:
@@ -174,3 +177,40 @@ def test_a_request_below_a_long_cached_prompt_locks_only_its_window_of_a_window_
         again, bad = serve(cache, longer)  # the continuation is cached whole, bytes intact
         assert again.cached_pages == 10 and bad == 0
         cache.tree.check()
+
+
+def test_a_window_pools_prefix_units_are_its_last_window_and_stay_held_while_the_lease_is_open() -> None:
+    """A lease continuing an 8-page cached prompt (one node) was handed the whole node's window
+    units (pages 0..7) while its lock holds the last window only: another request's allocate
+    tombstoned the head and was handed those very units, and the open lease read its bytes."""
+    with open_cache("swa", overrides=["model.pools.swa.device_units=10", *NO_LOWER]) as cache:
+        prompt = tokens(1, 8)
+        serve(cache, prompt)
+        a = cache.lookup(torch.cat([prompt, tokens(2, 2)]))
+        cache.admit(a)
+        window = cache.tree_pools["swa"].window
+        assert a.cached_pages == 8 and a.prefix_first_page("swa") == 8 - window
+        assert len(a.prefix_units("swa")) == window and verify(cache, a) == 0
+        b = cache.lookup(tokens(3, 8))
+        cache.admit(b)
+        fill(cache, b, cache.allocate(b))  # tombstones the prompt's head, hands its units to b
+        assert verify(cache, a) == 0
+        cache.release(b)
+        cache.release(a)
+
+
+@pytest.mark.parametrize("stack", ["swa", "swa-mamba", "logical-swa"])
+def test_a_requests_own_allocate_leaves_its_window_prefix_intact(stack: str) -> None:
+    """As the replay driver serves a request: its allocate (spare units for every new page)
+    tombstoned the head of the cached node its window reaches into and handed those units back
+    as new pages, over what prefix_units said held the prefix."""
+    with open_cache(stack, overrides=["model.pools.swa.device_units=10", *NO_LOWER]) as cache:
+        prompt = tokens(1, 8)
+        serve(cache, prompt)
+        lease = cache.lookup(torch.cat([prompt, tokens(2, 6)]))
+        cache.admit(lease)
+        assert lease.cached_pages == 8 and verify(cache, lease) == 0
+        fill(cache, lease, cache.allocate(lease))
+        assert verify(cache, lease) == 0
+        cache.insert(lease)
+        device_accounting(cache, [])

@@ -371,9 +371,10 @@ def prefix_units(
             units[tp.name], first[tp.name] = NO_UNITS, 0
         elif tp.kind is _STATE:
             units[tp.name], first[tp.name] = match.device_state[tp.name], cached - 1
-        elif tp.kind is _WINDOW:
+        elif tp.kind is _WINDOW:  # the lease's lock holds the last window only (not a node's head)
             nodes = list(reversed(tree.window_nodes(match.device_node, tp.name)))
-            units[tp.name], first[tp.name] = tree.values(nodes, tp.name), nodes[0].depth_start
+            cut = max(0, cached - tp.window - nodes[0].depth_start)
+            units[tp.name], first[tp.name] = tree.values(nodes, tp.name)[cut:], nodes[0].depth_start + cut
         else:
             units[tp.name], first[tp.name] = tree.values(match.device_path, tp.name), 0
     return units, first
