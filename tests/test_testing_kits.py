@@ -195,6 +195,71 @@ def test_the_kit_names_the_absent_key_rule() -> None:
         RemovalConformance().test_removing_an_absent_key_returns_true(FalseForAbsent("l3", MemoryConfig()))
 
 
+class KeepsReferences(MemoryBackend):
+    """Breaks the contract on purpose: a zero-copy put() returns True but keeps views of the
+    caller's memory (a write-behind that never copied): once that memory is reused, it serves
+    other bytes."""
+
+    capabilities = MemoryBackend.capabilities.model_copy(
+        update={"pools": {ANY_POOL: PoolCapabilities(zero_copy=True)}}
+    )
+
+    def put(self, objects):  # type: ignore[no-untyped-def]
+        with self._lock:
+            for obj in objects:
+                self._objects.setdefault(obj.key, [memoryview(v) for v in object_views(obj)])  # type: ignore[arg-type]
+        return [True] * len(objects)
+
+    def get(self, objects):  # type: ignore[no-untyped-def]
+        out = []
+        for obj in objects:
+            with self._lock:
+                views = self._objects.get(obj.key)
+            if views is None:
+                out.append(-1)
+                continue
+            data, offset = b"".join(bytes(v) for v in views), 0  # type: ignore[union-attr]
+            for view in object_views(obj):
+                chunk = data[offset : offset + len(view)]
+                view[: len(chunk)] = chunk
+                offset += len(chunk)
+            out.append(offset)
+        return out
+
+
+def test_the_kit_catches_a_put_that_keeps_references_instead_of_bytes() -> None:
+    """The round trips read back right after the put with the source untouched: a zero-copy
+    backend whose put kept the caller's regions passed. The caller (a host tier) reuses that
+    memory at once; the kit now overwrites it before reading back."""
+    kit = CoreConformance()
+    runs = {
+        "checksum xxh3 (the default): a corrupt object, a miss": kit.test_round_trip_multi_region,
+        "checksum none: other bytes served": lambda b: kit.test_round_trip_through_registered_host_memory(
+            b, "none"
+        ),
+    }
+    for what, run in runs.items():
+        backend = KeepsReferences("l3", MemoryConfig())
+        backend.open()
+        with pytest.raises(AssertionError):
+            run(backend)
+            pytest.fail(f"passed ({what})")  # (never reached: what the kit must catch)
+
+
+class CountsPresentKeys(MemoryBackend):
+    """Breaks the contract on purpose: exists(leading=True) counts the present keys instead of
+    stopping at the first absent one (pages 0, 1 and 3 stored: "the first 3 are present")."""
+
+    def exists(self, keys, leading: bool = False):  # type: ignore[no-untyped-def]
+        found = super().exists(keys)
+        return [i < sum(found) for i in range(len(keys))] if leading else found
+
+
+def test_the_kit_catches_a_leading_exists_that_counts_past_a_gap() -> None:
+    with pytest.raises(AssertionError, match="stops at the first absent key"):
+        CoreConformance().test_existence_prefix_semantics(CountsPresentKeys("l3", MemoryConfig()))
+
+
 # --- pool-type kit on the built-in kinds ------------------------------------------------------------
 
 

@@ -139,6 +139,12 @@ class HostPoolForTests:
     def unit_bytes(self, unit: int) -> bytes:
         return b"".join(t[:, unit].contiguous().numpy().tobytes() for t in self.tensors.values())
 
+    def scribble(self) -> None:
+        """Overwrite every byte in place (the same addresses): what a host tier does to a slot
+        once its pages are stored and the slot goes to other pages. A backend that kept
+        references to it instead of the bytes then serves what was never stored."""
+        self.backing.copy_(torch.randint(0, 256, self.backing.shape, dtype=torch.uint8))
+
 
 def page_hashes(count: int, model: str = "conformance", seed: int = 0) -> list[str]:
     tokens = torch.arange(seed * 1000, seed * 1000 + count * PAGE_SIZE, dtype=torch.int64)
@@ -236,5 +242,21 @@ class BackendKit:
     def assert_units_equal(self, a: HostPoolForTests, b: HostPoolForTests, units: Sequence[int]) -> None:
         for unit in units:
             assert a.unit_bytes(unit) == b.unit_bytes(unit), f"pool {a.spec.name!r} unit {unit} differs"
+
+    @staticmethod
+    def put_then_scribble(pools: dict[str, HostPoolForTests], units: Sequence[int]) -> dict[str, list[bytes]]:
+        """The bytes of ``units`` per pool; then every pool is overwritten (``scribble``)."""
+        stored = {name: [pool.unit_bytes(u) for u in units] for name, pool in pools.items()}
+        for pool in pools.values():
+            pool.scribble()
+        return stored
+
+    @staticmethod
+    def assert_units_are(pool: HostPoolForTests, stored: Sequence[bytes], units: Sequence[int]) -> None:
+        for unit, expected in zip(units, stored, strict=True):
+            assert pool.unit_bytes(unit) == expected, (
+                f"pool {pool.spec.name!r} unit {unit}: not the bytes put stored (a backend must copy "
+                "them before put returns: the caller reuses that memory at once)"
+            )
 
     # --- tests --------------------------------------------------------------------------------------

@@ -78,10 +78,13 @@ class CoreConformance(BackendKit):
         hashes = page_hashes(6)
         put = engine.put_group({n: PoolBatch(hashes, source[n].units(range(6))) for n in specs})
         assert all(all(r.ok) for r in put.values()), put
+        stored = self.put_then_scribble(source, range(6))  # the caller reuses its memory at once
+        others = page_hashes(6, seed=99)  # and the engine its staging memory
+        engine.put_group({n: PoolBatch(others, source[n].units(range(6))) for n in specs})
         got = engine.get_group({n: PoolBatch(hashes, target[n].units(range(6))) for n in specs})
         assert all(all(r.ok) for r in got.values()), got
         for name in specs:
-            self.assert_units_equal(source[name], target[name], range(6))
+            self.assert_units_are(target[name], stored[name], range(6))
         assert engine.metrics.corrupt_detected == 0
 
     @pytest.mark.parametrize("checksum", ["xxh3", "none"])
@@ -99,13 +102,16 @@ class CoreConformance(BackendKit):
         hashes = page_hashes(4, seed=21)
         put = engine.put_group({n: PoolBatch(hashes[:3], source[n].units(range(3))) for n in specs})
         assert all(all(r.ok) for r in put.values()), f"checksum {checksum}: put into registered memory {put}"
+        stored = self.put_then_scribble(source, range(3))  # the host slots go to other pages
+        others = page_hashes(3, seed=99)  # (and the engine's staging memory, on a copy plan)
+        engine.put_group({n: PoolBatch(others, source[n].units(range(3))) for n in specs})
         got = engine.get_group({n: PoolBatch(hashes, target[n].units(range(4))) for n in specs})
         for name in specs:
             assert got[name].ok == [True, True, True, False], (
                 f"checksum {checksum}: get of pool {name!r} into registered host memory: {got[name].ok}, "
                 "expected three hits and a miss"
             )
-            self.assert_units_equal(source[name], target[name], range(3))
+            self.assert_units_are(target[name], stored[name], range(3))
         missed = target["attn"].unit_bytes(3)
         assert missed == bytes(len(missed)), "a miss writes nothing into the page"
         assert engine.metrics.corrupt_detected == 0
@@ -138,6 +144,10 @@ class CoreConformance(BackendKit):
         assert engine.exists_prefix("index", hashes[1:]) == 2
         keys = engine.object_keys("index", hashes)[0]
         assert backend.exists(keys) == [True, True, True, False, False], "exists() answers per key"
+        assert all(engine.put("index", hashes[4:], source["index"].units([4])).ok)  # a gap at 3
+        assert engine.exists_prefix("index", hashes) == 3, (
+            "exists(leading=True) stops at the first absent key, whatever is stored after it"
+        )
         # a unit of a multi-object pool exists only when every one of its objects does
         assert all(engine.put("attn", hashes[:2], source["attn"].units(range(2))).ok)
         assert engine.exists("attn", hashes[:3]).ok == [True, True, False]
