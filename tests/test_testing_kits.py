@@ -92,8 +92,63 @@ class TestAThirdPartyPolicyThroughTheKit(EvictionPolicyConformance):
 def test_the_policy_kit_catches_a_non_deterministic_policy(kvstrata_host: PluginHost) -> None:
     kvstrata_host.eviction_policies.register(CoinPolicy)
     ops = [([1, i % 3, i % 2, i], False, False) for i in range(12)]
-    runs = {tuple(map(tuple, run_workload(kvstrata_host, "coin", ops))) for _ in range(6)}
-    assert len(runs) > 1, "random ranks must show up as different evictions of one workload"
+    with pytest.raises(AssertionError, match="must not depend on which other nodes"):  # ranked again
+        run_workload(kvstrata_host, "coin", ops)
+
+
+class PositionRankConfig(EvictionPolicyConfig):
+    type: Literal["position_rank"] = "position_rank"
+
+
+class PositionRankPolicy(EvictionPolicy):
+    """Breaks the rule on purpose: ranks by position in the call (0, 1, 2 ...), so a node an
+    eviction ranks alone mid-way (a parent whose last child left) is always the coldest."""
+
+    name = "position_rank"
+    Config = PositionRankConfig
+    capabilities = PolicyCapabilities()
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        ordered = sorted(entries, key=lambda n: (n.last_access, n.id))
+        return [(i, n.id, n) for i, n in enumerate(ordered)]
+
+
+class TypeMixConfig(EvictionPolicyConfig):
+    type: Literal["type_mix"] = "type_mix"
+
+
+class TypeMixPolicy(EvictionPolicy):
+    """Breaks the rule on purpose: a node ranked alone gets a str rank, which the eviction's heap
+    cannot compare with the others' (a TypeError mid-eviction)."""
+
+    name = "type_mix"
+    Config = TypeMixConfig
+    capabilities = PolicyCapabilities()
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        if len(entries) == 1:
+            return [(str(entries[0].last_access), entries[0].id, entries[0])]
+        return [(n.last_access, n.id, n) for n in entries]
+
+
+@pytest.mark.parametrize(
+    ("policy", "rule"),
+    [
+        (PositionRankPolicy, "must not depend on which other nodes"),
+        (TypeMixPolicy, "must compare with each other"),
+    ],
+)
+def test_the_policy_kit_catches_ranks_that_change_with_the_other_nodes_ranked(
+    kvstrata_host: PluginHost, policy: type, rule: str
+) -> None:
+    """Ranks of one eviction must compare: the tree ranks the nodes that become leaves as it goes
+    (alone) and compares them with the rest. The kit's fixed workloads never ranked a node alone
+    and its random ones only sometimes: both policies passed (one crashes evictions)."""
+    kvstrata_host.eviction_policies.register(policy)
+    kit = EvictionPolicyConformance()
+    kit.policy = policy.name
+    with pytest.raises(AssertionError, match=rule):
+        kit.test_the_workload_evicts_at_all(kvstrata_host)
 
 
 class OnlyMostRecentConfig(EvictionPolicyConfig):

@@ -163,7 +163,8 @@ def run_workload(host: PluginHost, policy: str | dict[str, Any], ops: list[Op]) 
 
 def _checked_ranked(policy: str | dict[str, Any], ranked: Any) -> Any:
     """``ranked`` checked against the contract: one ``(rank, node.id, node)`` entry per given
-    node, each exactly once, and no other node."""
+    node, each exactly once, and no other node; and a node ranked again alone gets the same rank,
+    comparable with the others'."""
 
     def check(nodes: list[TreeNode]) -> list[tuple[Any, int, TreeNode]]:
         entries = list(ranked(nodes))
@@ -176,6 +177,22 @@ def _checked_ranked(policy: str | dict[str, Any], ranked: Any) -> Any:
         assert all(entry[1] == entry[2].id for entry in entries), (
             f"policy {policy!r}: the second item of a ranked() entry must be its node's id (tie-break)"
         )
+        if len(entries) > 1:  # an eviction ranks a node that became a leaf alone, mid-way
+            rank, _, probe = entries[-1]
+            alone = list(ranked([probe]))
+            assert len(alone) == 1 and alone[0][2] is probe, f"policy {policy!r}: ranked([node]) gave {alone}"
+            try:
+                sorted([entry[0] for entry in entries] + [alone[0][0]])
+            except TypeError as exc:
+                raise AssertionError(
+                    f"policy {policy!r}: ranks of one eviction must compare with each other ({exc}): "
+                    f"a node ranked alone got {alone[0][0]!r}, among others {rank!r}"
+                ) from None
+            assert alone[0][0] == rank, (
+                f"policy {policy!r}: a node ranked alone got {alone[0][0]!r}, among others {rank!r}: "
+                "a rank must not depend on which other nodes are ranked with it (an eviction ranks "
+                "the nodes that become leaves as it goes and compares them with the rest)"
+            )
         return entries
 
     return check
