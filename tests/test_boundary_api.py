@@ -322,3 +322,15 @@ def test_allocate_takes_an_integer_end_page_as_an_int_and_refuses_any_other() ->
     assert type(used) is int and used == 3
     cache.release(lease)
     cache.close()
+
+
+def test_allocated_first_page_before_any_allocate_is_a_clear_error() -> None:
+    """It raised a bare ``KeyError: 'kv'``."""
+    with open_cache("kv", overrides=["tiers.storage={}"]) as cache:
+        lease = cache.lookup(tokens(1, 2))
+        cache.admit(lease)
+        with pytest.raises(
+            RuntimeError, match=r"no allocate has handed pool 'kv' units yet: call cache.allocate"
+        ):
+            lease.allocated_first_page("kv")
+        cache.release(lease)

@@ -168,7 +168,7 @@ class Lease:
         all-pages pools, the first page of the trailing window for window pools; a node-state
         pool's working slot is for the state after the last page allocated (a partial page
         included: the slot runs on into it)."""
-        return self._allocated_first[self._owner(pool)]
+        return _allocated_first(self._allocated_first, self._owner(pool), pool)
 
     # --- what the controller and its parts read -------------------------------------------------
 
@@ -378,6 +378,15 @@ def prefix_units(
         else:
             units[tp.name], first[tp.name] = tree.values(match.device_path, tp.name), 0
     return units, first
+
+
+def _allocated_first(first: Mapping[str, int], owner: str, pool: str) -> int:
+    """``Lease.allocated_first_page``: a clear error before any ``allocate`` handed ``pool`` units."""
+    if owner not in first:
+        raise RuntimeError(
+            f"no allocate has handed pool {pool!r} units yet: call cache.allocate(lease) first"
+        )
+    return first[owner]
 
 
 def _leave(old: bytes, pool: TreePool, kept: list | None) -> tuple[bytes, list | None]:
