@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from controller_support import host_units_held_by_tree, host_units_in_use, open_cache, serve, tokens
+from kvstrata.core.controller import CacheController
 from kvstrata.engine_kit import open_storage
 from kvstrata.plugins import PluginHost
 from kvstrata.plugins.errors import StorageError
@@ -166,21 +167,24 @@ def test_a_backend_raising_a_base_exception_in_put_fails_that_write_not_the_next
         assert not locked, f"host locks never released: {locked}"
 
 
+def stuck_l3_cache(*overrides: str) -> tuple[CacheController, FaultyBackend]:
+    """A kv cache on the faults fake as L3: it stores nothing (answers 'not stored') and holds
+    every put until ``backend.unstall()``: writes stay queued, their host units in use."""
+    host = PluginHost()
+    host.storage_backends.register(FaultyBackend)
+    stuck = "tiers.storage={l3: {type: faults, operations: [], stall: [put]}}"
+    cache = open_cache("kv", overrides=[stuck, *overrides], host=host)
+    assert isinstance(cache.backend, FaultyBackend)
+    return cache, cache.backend
+
+
 def test_a_backup_skipped_while_l3_was_slow_is_taken_with_the_next_pages_below_it() -> None:
     """write_through: a system prompt's backup skipped once (the host tier full of pages whose
     L3 writes were stuck, ``backup_wait_s`` over) kept every page later requests added below it
     off the host tier and L3 for good (backups form a contiguous prefix), the host tier half
     empty again or not."""
-    host = PluginHost()
-    host.storage_backends.register(FaultyBackend)
-    overrides = [
-        "tiers.storage={l3: {type: faults, operations: [], stall: [put]}}",
-        "policy.backup_wait_s=0",
-        "policy.prefetch.threshold_tokens=1000000",
-    ]
-    with open_cache("kv", overrides=overrides, host=host) as cache:
-        backend = cache.backend
-        assert isinstance(backend, FaultyBackend)
+    cache, backend = stuck_l3_cache("policy.backup_wait_s=0", "policy.prefetch.threshold_tokens=1000000")
+    with cache:
         half = cache.pools.pools["kv"].host_allocator.units // 2
         for seed in range(2):  # the host tier fills with pages whose L3 writes are stuck
             serve(cache, tokens(300 + seed, half))
@@ -204,12 +208,8 @@ def test_flush_and_close_with_a_timeout_return_by_it_while_l3_is_stuck(call: str
     import time
     import warnings
 
-    host = PluginHost()
-    host.storage_backends.register(FaultyBackend)
-    overrides = ["tiers.storage={l3: {type: faults, operations: [], stall: [put]}}", "policy.backup_wait_s=5"]
-    with open_cache("kv", overrides=overrides, host=host) as cache:
-        backend = cache.backend
-        assert isinstance(backend, FaultyBackend)
+    cache, backend = stuck_l3_cache("policy.backup_wait_s=5")
+    with cache:
         try:
             half = cache.pools.pools["kv"].host_allocator.units // 2
             for seed in range(2):
@@ -236,12 +236,7 @@ def test_writes_close_cancelled_are_counted_once_as_abandoned(caplog: pytest.Log
     import logging
     import warnings
 
-    host = PluginHost()
-    host.storage_backends.register(FaultyBackend)
-    overrides = ["tiers.storage={l3: {type: faults, operations: [], stall: [put]}}"]
-    cache = open_cache("kv", overrides=overrides, host=host)
-    backend = cache.backend
-    assert isinstance(backend, FaultyBackend)
+    cache, backend = stuck_l3_cache()
     try:
         for seed in range(3):  # one write stuck in the backend, two queued behind it
             serve(cache, tokens(200 + seed, 2))
