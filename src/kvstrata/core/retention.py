@@ -262,7 +262,7 @@ def _window_units(tree: PrefixTree, p: int, ends: list[TreeNode]) -> int:
         while cur is not tree.root and cur.depth_end > bound:
             raw = cur.device_raw[p]
             if raw is not None:
-                inside = min(len(raw) // UNIT, cur.depth_end - max(cur.depth_end - cur.pages, bound))
+                inside = min(len(raw) // UNIT, cur.depth_end - max(cur.depth_start, bound))
                 held[cur] = max(held.get(cur, 0), inside)
             cur = cur.parent  # type: ignore[assignment]
     return sum(held.values())

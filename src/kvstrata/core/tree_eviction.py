@@ -337,7 +337,8 @@ class TreeEvictor:
         self, tier: Tier, p: int, heads: bool = False
     ) -> list[tuple[Any, int, TreeNode]]:
         """Nodes that may lose pool ``p``'s units in ``tier``, lowest rank first: see
-        :func:`_may_lose` (``heads``: the head of a node windows lock only in its tail will do)."""
+        :func:`_may_lose` (with ``heads``, on the device, also a node whose window locks start
+        after its first page: its head may go)."""
         dev = tier is _DEVICE  # (a host lock may be an L3 write's, reading the whole node)
         free = _head_free if heads and dev else _unlocked
         keep = dev and not self._delete_unbacked  # write-back: a node without a backup stays
@@ -394,10 +395,10 @@ def room_by_evicting(evictor: TreeEvictor, tier: Tier, shortfall: Mapping[str, i
     """Whether evicting every unit of ``tier`` that no lock holds could cover ``shortfall``
     (units per pool beyond the free ones; a device window lock holds its last window only). An
     upper bound: every rule above spares a unit a lock of its pool holds (a request's prefix, a
-    pin, an L3 write's source), so an
-    allocation it rules out is refused before anything is evicted for it -- such an eviction
-    only loses cached pages (without a host tier, for good). Stops at the first units that
-    suffice: the oldest members, mostly unlocked, when the tier is simply full."""
+    pin, an L3 write's source), so an allocation it rules out is refused before anything is
+    evicted for it -- such an eviction only loses cached pages (without a host tier, for good).
+    Stops at the first units that suffice: the oldest members, mostly unlocked, when the tier is
+    simply full."""
     dev = tier is _DEVICE
     for name, want in shortfall.items():
         if want <= 0:
