@@ -41,6 +41,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from kvstrata.eviction_policies._ghosts import ghost_key
 from kvstrata.plugins.eviction_policy import (
     E,
     EvictionPolicy,
@@ -197,12 +198,10 @@ class LearnedPolicy(EvictionPolicy):
         self.requests += 1
         self._expire()
         for node in entries:
-            keys = node.keys
-            if not keys:
+            if not node.keys:
                 continue
-            start = node.depth_end - node.pages
-            self._outcome((start, keys[0]))
-            self._outcome((node.depth_end - 1, keys[-1]))
+            self._outcome(ghost_key(node))  # its first page, named as _page_ids names it
+            self._outcome(_last_key(node))
             if node in self.stamp:
                 self.stamp[node] = self.requests
                 if node in self.insert_features:
