@@ -253,6 +253,26 @@ def test_a_load_accepted_beyond_what_was_found_fails_rather_than_hangs(engines: 
     assert engine.worker.take_finished() == ({"r"}, {"r"})  # finished, and failed
 
 
+@pytest.mark.parametrize("table", [[], [1]], ids=["no-blocks", "one-block-short"])
+def test_a_load_with_no_block_to_load_into_fails_that_load_not_the_scheduler(
+    engines: Any, table: list[int]
+) -> None:
+    """vLLM's ``get_block_ids`` answers a request it holds fewer blocks of than the load needs
+    with a short row (empty lists for none, never a KeyError): that load fails (vLLM recomputes
+    the request), and ``build_connector_meta`` -- inside vLLM's ``schedule()`` -- does not raise
+    (audit s35: the row was indexed before its length was checked)."""
+    engine = engines()
+    prompt = list(range(1, 3 * BS + 5))
+    _decode(engine, engine.request("w", prompt), 1, async_output=False)
+    reader = engine.request("r", prompt)
+    assert engine.scheduler.matched_tokens(reader, 0) == (3 * BS, True)
+    engine.scheduler.after_alloc(reader, 3 * BS)
+    engine.block_ids["r"] = table
+    plan = engine.step({})
+    assert list(plan.loads) == ["r"]
+    assert engine.worker.take_finished() == ({"r"}, {"r"})  # finished, and failed
+
+
 def test_extra_keys_separate_requests_of_the_same_tokens(engines: Any) -> None:
     """A block whose KV depends on more than its token ids (a LoRA adapter, images, prompt
     embeddings) hashes its extra keys in, as vLLM's own prefix cache does; where vLLM cannot say
