@@ -81,7 +81,22 @@ class PageKeepingSlidingWindowLayer(DynamicSlidingWindowLayer):
             self.values = self.values[:, :, -keep:, :] if keep else self.values[:, :, :0, :]
 
     def crop(self, tokens_to_remove: int) -> None:
-        self.trim(self.cumulative_length)  # back to the stock layer's tokens, then its own rules
+        """The stock crop: ``-n`` drops the ``n`` newest tokens (assisted decoding's rejected
+        candidates, kept by past recording), from every token held, kept pages included."""
+        n = -tokens_to_remove
+        if not n and self.is_initialized:  # (the stock layer's back to its last window: the keep rule)
+            self.trim(self.keep_from)
+            return
+        rollback = self.record_past or self.cumulative_length < self.sliding_window  # (else: stock's error)
+        if n > 0 and self.is_initialized and rollback:
+            n = min(n, self.keys.shape[-2])
+            self.keys = self.keys[:, :, : self.keys.shape[-2] - n, :]
+            self.values = self.values[:, :, : self.values.shape[-2] - n, :]
+            self.cumulative_length -= n
+            self.keep_from = min(self.keep_from, self.cumulative_length)
+            self.trim(self.keep_from)  # the stock layer's last window, and the kept pages
+            return
+        self.trim(self.cumulative_length)  # the stock layer's tokens, then its own rules (errors)
         super().crop(tokens_to_remove)
         self.keep_from = min(self.keep_from, self.cumulative_length)
 
@@ -105,6 +120,10 @@ class KvstrataDynamicCache(DynamicCache):
         self._kvstrata_ids: list[torch.Tensor] = []  # the token ids the model ran through it
         self._kvstrata_unknown: str | None = None  # why they are not known (embeddings, batch)
         self._kvstrata_running = False  # a forward began and has not returned (it may have raised)
+        self._kvstrata_rows = 1  # sequences per forward (a batch on an empty cache: never committed)
+        #: the prompt a restore of a ``cache_params`` model took and the tokens it restored, until
+        #: the first forward: ``generate`` skips held tokens only under ``past_key_values``
+        self._kvstrata_restored: tuple[torch.Tensor, int] | None = None
         for pool in layout.attention:
             if pool.window is None:
                 continue
@@ -123,21 +142,54 @@ class KvstrataDynamicCache(DynamicCache):
         committed (a later restore would continue from it as if from those ids)."""
         held = sum(len(t) for t in self._kvstrata_ids)
         batch = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 1
-        if batch != 1 and held:
+        if batch != self._kvstrata_rows and held:
             raise ValueError(
-                f"a forward of a batch of {batch} on a cache holding {held} tokens: HFStateCache's caches "
-                "serve one sequence (beam search and num_return_sequences > 1 need a cache of their own)"
+                f"a forward of a batch of {batch} on a cache holding {held} tokens of "
+                f"{self._kvstrata_rows} sequence(s): HFStateCache's caches serve one sequence (beam "
+                "search and num_return_sequences > 1 need a cache of their own)"
             )
-        if batch != 1:
-            self._kvstrata_unknown = f"a forward ran a batch of {batch}"
+        if self._kvstrata_restored is not None:
+            self._check_not_replayed(ids)
+        if batch != 1:  # (an empty cache: a batched generate runs, and is never committed)
+            self._kvstrata_unknown, self._kvstrata_rows = f"a forward ran a batch of {batch}", batch
         why = _not_plain(inputs or {}, held)
         if why is not None:
             self._kvstrata_unknown = why
-        if isinstance(ids, torch.Tensor):
-            self._kvstrata_ids.append(ids.detach().reshape(-1).to("cpu", torch.int64))
+        if isinstance(ids, torch.Tensor):  # (a batch's first sequence: the tokens per sequence)
+            row = ids[0] if ids.dim() == 2 and ids.shape[0] else ids.reshape(-1)
+            self._kvstrata_ids.append(row.detach().to("cpu", torch.int64))
         elif isinstance(embeds, torch.Tensor):
             self._kvstrata_unknown = "a forward ran on inputs_embeds (token ids unknown)"
             self._kvstrata_ids.append(torch.full((embeds.shape[-2],), -1, dtype=torch.int64))
+
+    def restored(self, prompt: torch.Tensor, tokens: int, cache_argument: str) -> None:
+        """:meth:`~kvstrata.adapters.hf.HFStateCache.restore` filled the first ``tokens`` of
+        ``prompt`` in: record them, and for a model reading ``cache_params=`` (Mamba, Mamba2)
+        check its first forward does not run them again."""
+        self.saw(prompt[:tokens].unsqueeze(0), None)
+        if tokens and cache_argument != "past_key_values":
+            self._kvstrata_restored = (prompt, tokens)
+
+    def _check_not_replayed(self, ids: torch.Tensor | None) -> None:
+        """The first forward after a restore of a ``cache_params`` model: ``generate`` cuts the
+        tokens a cache holds off the prompt only for ``past_key_values``, so
+        ``generate(prompt, cache_params=past)`` ran the restored tokens again on top of their
+        state (no error, other tokens out). Refused before the forward: the cache is unchanged."""
+        prompt, tokens = self._kvstrata_restored  # type: ignore[misc]
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[-1] < tokens:
+            self._kvstrata_restored = None
+            return
+        row = ids[0].detach().to("cpu", torch.int64)
+        # (a repeating prompt's continuation may equal its start: that is the continuation)
+        replay = torch.equal(row[:tokens], prompt[:tokens])
+        if not replay or torch.equal(row, prompt[tokens : tokens + len(row)]):
+            self._kvstrata_restored = None
+        else:  # (checked again at the next forward: the caller may retry with the cut ids)
+            raise ValueError(
+                f"input_ids start with the {tokens} tokens the restored cache already holds: a model "
+                "that reads its cache from cache_params= is not cut by generate() (only "
+                f"past_key_values is), so they would run twice; pass input_ids[:, {tokens}:]"
+            )
 
     def forward_began(self) -> None:
         """A forward whose input :meth:`saw` recorded starts; one that began before and never

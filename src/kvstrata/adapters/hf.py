@@ -165,7 +165,7 @@ class HFStateCache:
         finally:
             self.cache.release(lease)
         tokens = pages * self.page_size
-        past.saw(ids[:tokens].unsqueeze(0), None)
+        past.restored(ids, tokens, self.layout.cache_argument)
         self.last_restore = RestoreInfo(
             tokens, dict(lease.hit_pages), dict(lease.skipped), time.perf_counter() - started
         )
