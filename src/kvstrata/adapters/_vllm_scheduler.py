@@ -359,14 +359,10 @@ class SchedulerSide:
         # anchor first: a reader reads the commit marker before the components
         for group in self.layout.groups:
             wanted = [i for i in group.needed_blocks(end) if i >= first or group.kind == STATE]
-            row = ids[group.group_id] if ids is not None else []
-            # no block to load into (vLLM holds none or fewer of the request's: its table is then
-            # short, never a KeyError; or a null block): the worker reports the load failed
-            if ids is None or any(i >= len(row) for i in wanted):
-                return [GroupTransfer(group.group_id, [], [])]
-            blocks = [row[i] for i in wanted]
-            if 0 in blocks:
-                return [GroupTransfer(group.group_id, [], [])]
+            row = ids[group.group_id] if ids is not None else []  # (short where vLLM holds fewer)
+            blocks = [row[i] for i in wanted if i < len(row)]
+            if len(blocks) < len(wanted) or 0 in blocks:  # no block to load into (or a null one):
+                return [GroupTransfer(group.group_id, [], [])]  # the worker reports the load failed
             transfers.append(GroupTransfer(group.group_id, state.object_keys(group, hashes, wanted), blocks))
         return transfers
 

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvstrata.core.policy_events import GuardedEvents
 from kvstrata.core.tree_node import (
     _DEVICE,
     _HOST,
@@ -137,7 +138,9 @@ class TreeEvictor:
         caps = getattr(order, "capabilities", None)
         self._trims[tier] = bool(getattr(caps, "chain_aware", False)) and self._can_trim
         if getattr(caps, "events", False):
-            self._hearing[tier] = order
+            self._hearing[tier] = GuardedEvents(
+                order, tier.value
+            )  # (a policy's bug never fails the operation)
         else:
             self._hearing.pop(tier, None)
         self.hears = bool(self._hearing)
