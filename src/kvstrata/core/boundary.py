@@ -168,8 +168,12 @@ class ClosingApi:
                 self.prefetcher.shutdown(wait=True)
             backend = self.parts.backend
             if backend is not None:
-                self.plugins.notify("kvstrata_backend_closing", instance=backend.instance, backend=backend)
-                backend.close()
+                try:  # (an observer's BaseException must not keep the backend open)
+                    self.plugins.notify(
+                        "kvstrata_backend_closing", instance=backend.instance, backend=backend
+                    )
+                finally:
+                    backend.close()
         except BaseException as exc:  # handed to close()'s caller when it is still waiting
             failed.append(exc)
 

@@ -205,16 +205,16 @@ class CacheController(UnitMemory, ClosingApi):
     def _commit_prefetch(self, lease: Lease, pages: int, unused: SkipReason | None = None) -> None:
         op = lease.detach_prefetch()
         assert op is not None and self.prefetcher is not None
-        if (
-            pages > 0
-            and op.start > 0
-            and not self.writer.back_up_prefix(lease.keys[: op.start], lease.hashes_source)
-        ):
-            # host-only pages below a device-only page would break "backups form a contiguous
-            # prefix from the root" and pin that page on the device: drop the refill
-            self.prefetcher.drop(op, SkipReason.UNBACKED_PARENT, lease.skipped)
-            return
-        lease.prefetched(self.prefetcher.commit(op, lease.keys, pages, str(id(lease)), lease.skipped, unused))
+        backed = pages <= 0 or op.start <= 0
+        try:  # (the op is detached: dropped in ``finally`` also when the backup raised)
+            backed = backed or self.writer.back_up_prefix(lease.keys[: op.start], lease.hashes_source)
+        finally:
+            if not backed:  # host-only pages below a device-only page would break "backups form
+                # a contiguous prefix from the root" and pin that page on the device: drop the refill
+                self.prefetcher.drop(op, SkipReason.UNBACKED_PARENT, lease.skipped)
+        if backed:
+            request = str(id(lease))
+            lease.prefetched(self.prefetcher.commit(op, lease.keys, pages, request, lease.skipped, unused))
 
     def _settle(self, lease: Lease, match: MatchResult) -> None:
         lease.settle(self.tree, self.layout, match)
