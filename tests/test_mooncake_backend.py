@@ -501,6 +501,30 @@ def test_master_going_away_turns_calls_into_failures(tmp_path: Path) -> None:
         backend.close()
 
 
+def test_a_killed_master_leaves_the_store_unclosed_rather_than_blocking_close(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Seconds after its master was killed, Mooncake's native close retries its unmount for ~10 s
+    holding the GIL (so ``close(timeout=)`` overran: audit s35); a refused endpoint, like a
+    silent one, is left unclosed with a warning naming it."""
+    master = MooncakeMaster(log_dir=tmp_path).start()
+    backend = MooncakeBackend("killed", master.backend_config(segment_bytes=16 << 20, rpc_timeout_s=1))
+    try:
+        backend.open()
+        page = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+        assert backend.put([StorageObject(fresh_keys(1)[0], (region_of(page),))]) == [True]
+    finally:
+        pid = master.process.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)  # not stopped cleanly: killed
+        master.stop()
+    time.sleep(3)  # the engine runs on for a while before it shuts down
+    caplog.set_level("WARNING", logger="kvstrata.storage_backends.mooncake")
+    backend.close()
+    warned = [r.getMessage() for r in caplog.records if "not closed cleanly" in r.getMessage()]
+    assert len(warned) == 1 and f"master {master.address}" in warned[0], caplog.text
+
+
 def test_shipped_config_fixture_round_trips_across_instances(
     mooncake_inprocess_config: MooncakeConfig,
 ) -> None:

@@ -248,17 +248,17 @@ class MooncakeBackend(MooncakeIO, StorageBackend):
             raise
 
     def close(self) -> None:
-        """Close the store -- unless its endpoint is silent (a stopped master or client): then
-        ``store.close()`` would hold the GIL for its RPC retries (observed ~15 s with a 1 s RPC
-        deadline), so the store is deliberately leaked with a warning, its destructor included
-        (one extra reference), and the process goes on; the master drops it once the process
-        exits and its heartbeats stop."""
+        """Close the store -- unless its endpoint does not answer (a stopped or killed master or
+        client): then ``store.close()`` would hold the GIL for its RPC retries (observed ~15 s
+        with a 1 s RPC deadline for a stopped master; ~10 s for one killed a few seconds
+        earlier, refusing connections), so the store is deliberately leaked with a warning, its
+        destructor included (one extra reference), and the process goes on; the master drops
+        it once the process exits and its heartbeats stop."""
         store = self._detach_store()
         if store is not None:
             role, address = self._endpoint
-            # A refused connection makes close fail fast; only a silent endpoint makes it block.
             state, reason = check_endpoint(address, self.config.connect_timeout_s)
-            if state is Endpoint.SILENT:
+            if state is not Endpoint.ANSWERS:
                 problem: str | None = f"{role} {reason}"
             elif not self._calls_ended(CLOSE_WAIT_S):  # closing under a running call crashes
                 problem = f"native calls still running after {CLOSE_WAIT_S:g} s"
