@@ -49,7 +49,7 @@ from kvstrata.core.tree import PrefixTree
 from kvstrata.core.unit_digests import UnitDigests
 from kvstrata.core.writer import Writer
 from kvstrata.plugins import PluginHost
-from kvstrata.plugins.errors import PluginError, StorageError
+from kvstrata.plugins.errors import ConfigError, PluginError, StorageError
 from kvstrata.plugins.pool_type import PoolSpec
 from kvstrata.plugins.storage_backend import StorageBackend
 
@@ -63,8 +63,14 @@ DeviceTensors = Mapping[str, EngineTensors]
 PoolSpecs = PoolConfig | Mapping[str, Any]
 
 
-class StartupError(ValueError):
-    """A config start-up cannot build; the message names the setting to change."""
+class StartupError(ConfigError, ValueError):
+    """A config start-up cannot build; the message names the setting to change. A
+    :class:`~kvstrata.plugins.ConfigError` (what ``kvstrata.open`` documents for a bad config,
+    and ``kvstrata config validate`` reports) and, as it always was, a ``ValueError``."""
+
+    def __init__(self, message: str) -> None:
+        self.errors, self.source = [("", message)], None
+        Exception.__init__(self, message)  # (the message as written: it names the setting)
 
 
 def check_startup(config: KvstrataConfig, plugins: PluginHost, *, machine: bool = True) -> None:
