@@ -38,26 +38,20 @@ class GuardedEvents:
                 type(self.order).__name__, self.tier, event, exc_info=True,
             )  # fmt: skip
 
-    def accessed(self, entries: Sequence[Any]) -> None:
+    def _deliver(self, event: str, *args: Any) -> None:
         try:
-            self.order.accessed(entries)
+            getattr(self.order, event)(*args)
         except Exception:
-            self._failed("accessed")
+            self._failed(event)
+
+    def accessed(self, entries: Sequence[Any]) -> None:
+        self._deliver("accessed", entries)
 
     def inserted(self, entries: Sequence[Any]) -> None:
-        try:
-            self.order.inserted(entries)
-        except Exception:
-            self._failed("inserted")
+        self._deliver("inserted", entries)
 
     def split(self, upper: Any, lower: Any) -> None:
-        try:
-            self.order.split(upper, lower)
-        except Exception:
-            self._failed("split")
+        self._deliver("split", upper, lower)
 
     def removed(self, entries: Sequence[Any]) -> None:
-        try:
-            self.order.removed(entries)
-        except Exception:
-            self._failed("removed")
+        self._deliver("removed", entries)
