@@ -117,18 +117,20 @@ def test_a_state_models_generate_that_would_rerun_the_restored_tokens_is_refused
         assert len(past.kvstrata_tokens) == want.shape[-1] - 1
 
 
-def test_a_state_model_continuing_a_repeating_prompt_is_not_refused() -> None:
+@pytest.mark.parametrize("restored_ids", [2 * PAGE + 1, PAGE + 1], ids=["within", "beyond"])
+def test_a_state_model_continuing_a_repeating_prompt_is_not_refused(restored_ids: int) -> None:
     """A continuation that happens to start with the restored tokens (a repeating prompt) is
-    the continuation, not a replay: it runs."""
+    the continuation, not a replay: it runs -- also one running past the ids ``restore`` took
+    (review s35: compared whole, that one was refused)."""
     model = tiny_model("mamba2")
     prompt = hf.tokens(9, PAGE).repeat(3)  # the second page equals the first
     with HFStateCache(model, page_size=PAGE, state_slots=8) as cache:
         cache.prefill(prompt[:PAGE])
-        past, cached = cache.restore(prompt[: 2 * PAGE + 1])
+        past, cached = cache.restore(prompt[:restored_ids])
         assert cached == PAGE
         with torch.no_grad():
-            model(input_ids=prompt[None, cached : 2 * PAGE], cache_params=past, use_cache=True)
-        assert cache.commit(prompt, 2 * PAGE, past) == 2 * PAGE
+            model(input_ids=prompt[None, cached : 3 * PAGE], cache_params=past, use_cache=True)
+        assert cache.commit(prompt, 3 * PAGE, past) == 3 * PAGE
 
 
 def test_a_batched_generate_on_an_empty_cache_runs_and_is_never_committed() -> None:

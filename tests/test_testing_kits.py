@@ -89,6 +89,37 @@ class TestAThirdPartyPolicyThroughTheKit(EvictionPolicyConformance):
         return kvstrata_host
 
 
+class _BrokenEventsConfig(EvictionPolicyConfig):
+    type: Literal["broken_events"] = "broken_events"
+
+
+class BrokenEventsPolicy(EvictionPolicy):
+    """Its event bookkeeping has a bug: ``inserted`` looks up a parent it never saw."""
+
+    name = "broken_events"
+    Config = _BrokenEventsConfig
+    capabilities = PolicyCapabilities(events=True)
+
+    def __init__(self, config: _BrokenEventsConfig, context: object) -> None:
+        super().__init__(config, context)  # type: ignore[arg-type]
+        self.seen: dict[int, int] = {}
+
+    def inserted(self, entries: list) -> None:  # type: ignore[type-arg]
+        for node in entries:
+            self.seen[node.id] = self.seen[node.parent.id] + 1
+
+    def ranked(self, entries: list) -> list:  # type: ignore[type-arg]
+        return [(self.seen.get(n.id, 0), n.id, n) for n in entries]
+
+
+def test_the_policy_kit_fails_a_policy_whose_events_raise(kvstrata_host: PluginHost) -> None:
+    """A cache logs and ignores an event that raises (review s35: the kit then passed it)."""
+    kvstrata_host.eviction_policies.register(BrokenEventsPolicy)
+    ops = [([1, i, i, i], False, False) for i in range(8)]
+    with pytest.raises(AssertionError, match=r"inserted\(\) raised KeyError"):
+        run_workload(kvstrata_host, "broken_events", ops)
+
+
 def test_the_policy_kit_catches_a_non_deterministic_policy(kvstrata_host: PluginHost) -> None:
     kvstrata_host.eviction_policies.register(CoinPolicy)
     ops = [([1, i % 3, i % 2, i], False, False) for i in range(12)]

@@ -182,7 +182,8 @@ class KvstrataDynamicCache(DynamicCache):
         row = ids[0].detach().to("cpu", torch.int64)
         # (a repeating prompt's continuation may equal its start: that is the continuation)
         replay = torch.equal(row[:tokens], prompt[:tokens])
-        if not replay or torch.equal(row, prompt[tokens : tokens + len(row)]):
+        rest = prompt[tokens:]  # (a forward may run on past the ids ``restore`` was given)
+        if not replay or torch.equal(row[: len(rest)], rest[: len(row)]):
             self._kvstrata_restored = None
         else:  # (checked again at the next forward: the caller may retry with the cut ids)
             raise ValueError(

@@ -11,6 +11,7 @@ and the operation goes on; the policy's ranking still decides evictions.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,15 +22,18 @@ class GuardedEvents:
     """The events of ``order`` (the eviction policy of the ``tier`` tier, hearing them), each
     call guarded."""
 
-    __slots__ = ("_warned", "errors", "order", "tier")
+    __slots__ = ("_warned", "errors", "first_error", "order", "tier")
 
     def __init__(self, order: Any, tier: str) -> None:
         self.order, self.tier = order, tier
         self.errors = 0  # events that raised
+        self.first_error: str | None = None  # the first of them, for a conformance kit to name
         self._warned: set[str] = set()
 
     def _failed(self, event: str) -> None:
         self.errors += 1
+        if self.first_error is None:
+            self.first_error = f"{event}() raised {sys.exc_info()[1]!r}"
         if event not in self._warned:
             self._warned.add(event)
             log.warning(

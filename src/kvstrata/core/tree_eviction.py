@@ -473,3 +473,9 @@ def _copy_droppable(node: TreeNode) -> bool:
         and not any(node.host_lock)
         and not node.host_children
     )
+
+
+def event_errors(evictor: TreeEvictor) -> list[str]:
+    """The first error of each tier's policy whose events raised (a cache logs and ignores them;
+    the policy conformance kit fails them)."""
+    return [f"{h.tier} tier: {h.first_error}" for h in evictor._hearing.values() if h.first_error]
