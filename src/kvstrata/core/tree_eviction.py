@@ -20,8 +20,10 @@ Window (trailing_pages) pools have a class of their own that leaves first: windo
 the last window of every prefix the tier holds (:func:`window_tail`), tombstoned before anything
 a cached prefix needs; a window pool makes room after the anchor, whose leaves free its units too.
 On the device a window lock (a request's, a pin's) holds only its last window: the older part of
-a node it reaches into is such data too (the node is split where the lock's window starts). A
-host lock may be an L3 write's source, which reads the whole node: it holds the node whole.
+a node it reaches into is such data too (the node is split where the lock's window starts); one
+an unlocked end still needs goes after every unlocked node, so what :func:`room_by_evicting`
+counts is freed. A host lock may be an L3 write's source, which reads the whole node: it holds
+the node whole.
 
 Retention hints (:mod:`kvstrata.core.retention`) rank above the order: a node with a higher
 retention level leaves only after every node of a lower one. The tree never frees memory: it
@@ -247,14 +249,9 @@ class TreeEvictor:
         return entries
 
     # ------------------------------------------------------------------ rules
-    def _has_tier_children(self, node: TreeNode, tier: Tier) -> bool:
-        if tier is _DEVICE:
-            return node.device_children > 0  # counted by the tree: O(1), not a sibling scan
-        return bool(node.children)
-
     def _node_evictable(self, node: TreeNode, tier: Tier) -> bool:
         """Whether ``node`` as a whole can leave ``tier`` now."""
-        if node is self.root or self._has_tier_children(node, tier):
+        if node is self.root or _has_tier_children(node, tier):
             return False
         if tier is _DEVICE:
             if node.device_raw[0] is None or any(node.device_lock):
@@ -358,7 +355,7 @@ class TreeEvictor:
         for _, _, node in self._component_candidates(tier, p, heads=True):
             if result.units.get(name, 0) >= want:
                 break
-            tail = window_tail(node, tier, self._window[p])
+            tail = window_tail(node, tier, self._window[p], p)
             locks = node.device_windows.get(p) if tier is _DEVICE else None
             if locks:  # a request's window reaches into the node: its head is no one's
                 tail = max(tail, node.depth_end - min(locks))
@@ -374,19 +371,22 @@ class TreeEvictor:
 
     def _evict_component(self, tier: Tier, p: int, want: int, result: EvictionResult) -> None:
         """Drop one component's units, lowest rank first: a whole node where it may leave the
-        tier (its pages are useless without the component), else a tombstone."""
+        tier (its pages are useless without the component), else a tombstone. Then a device
+        window pool tombstones locked nodes' heads above every lock's window, which
+        ``room_by_evicting`` counts as room (no lock needs them; an unlocked end may)."""
         name = self.pools[p].name
         dev = tier is _DEVICE
-        for _, _, node in self._component_candidates(tier, p):
-            if result.units.get(name, 0) >= want:
-                break
-            if (node.device_raw if dev else node.host_raw)[p] is None:
-                continue  # already dropped with a cascaded node
-            if self._node_evictable(node, tier):
-                parent = self._drop_node(node, tier, result)
-                # the parent's own component value is considered in its own turn
-                del parent
-            else:
+        for heads in (False, True) if dev and self._window[p] else (False,):
+            for _, _, node in self._component_candidates(tier, p, heads=heads):
+                if result.units.get(name, 0) >= want:
+                    return
+                if (node.device_raw if dev else node.host_raw)[p] is None:
+                    continue  # already dropped with a cascaded node
+                if self._node_evictable(node, tier):
+                    self._drop_node(node, tier, result)  # its parent's value: in the parent's turn
+                    continue
+                if heads:  # (the second pass: every unlocked candidate has gone)
+                    node = _unheld_head(node, p, self._split)  # type: ignore[arg-type]
                 value = (node.device_raw if dev else node.host_raw)[p]
                 assert value is not None
                 result._add_raw(name, value)
@@ -421,26 +421,35 @@ def room_by_evicting(evictor: TreeEvictor, tier: Tier, shortfall: Mapping[str, i
     return True
 
 
-def _in_tier(node: TreeNode, tier: Tier) -> bool:
-    """Whether ``node``'s pages can be served from ``tier`` (host: from device or host)."""
-    return node.device_raw[0] is not None or (tier is _HOST and node.host_raw[0] is not None)
+def _has_tier_children(node: TreeNode, tier: Tier) -> bool:
+    if tier is _DEVICE:
+        return node.device_children > 0  # counted by the tree: O(1), not a sibling scan
+    return bool(node.children)
 
 
-def window_tail(node: TreeNode, tier: Tier, window: int) -> int:
-    """How many of ``node``'s last pages lie in the last window (``window`` pages) of a prefix
-    the tier holds; the pages before them are out-of-window data. A held prefix ends where the
-    tier's paths end or branch (a request's end, a shared prompt), at ``node`` or below it.
-    Walks only the nodes ending within the window below ``node``."""
+def _in_tier(node: TreeNode, tier: Tier, p: int = 0) -> bool:
+    """Whether ``node``'s pages (pool ``p``'s units; the anchor's by default) can be served from
+    ``tier`` (host: from device or host)."""
+    return node.device_raw[p] is not None or (tier is _HOST and node.host_raw[p] is not None)
+
+
+def window_tail(node: TreeNode, tier: Tier, window: int, p: int) -> int:
+    """How many of ``node``'s last pages lie in the last window (``window`` pages of pool ``p``)
+    of a prefix the tier holds; the pages before them are out-of-window data. A held prefix ends
+    where the tier's paths end or branch (a request's end, a shared prompt), at ``node`` or below
+    it; an end within the window below a node without its window data is unusable (its window
+    reaches that node): the path's usable part ends above that node. Walks only the nodes ending
+    within the window below ``node``."""
     limit = node.depth_end + window
     nearest = window  # distance from node's end to the nearest prefix end within the window
-    stack = [node]
+    stack: list[tuple[TreeNode, TreeNode | None]] = [(node, None)]  # (node, where usable data ends)
     while stack:
-        cur = stack.pop()
+        cur, cut = stack.pop()
         below = [c for c in cur.children.values() if _in_tier(c, tier)]
         if len(below) != 1:  # a leaf of the tier, or a branch point: no nearer end below it
-            nearest = min(nearest, cur.depth_end - node.depth_end)
-            continue
-        stack.extend(c for c in below if c.depth_end < limit)
+            nearest = min(nearest, (cut or cur).depth_end - node.depth_end)
+        elif below[0].depth_end < limit:
+            stack.append((below[0], cut or (None if _in_tier(below[0], tier, p) else cur)))
     return min(node.pages, window - nearest)
 
 
@@ -452,6 +461,15 @@ def _may_lose(node: TreeNode, p: int, dev: bool, keep: bool, free: Callable[...,
             keep and node.host_raw[0] is None
         )
     return free(node, p, node.host_lock, node.host_windows) and node.device_raw[p] is None
+
+
+def _unheld_head(node: TreeNode, p: int, split: Split) -> TreeNode:
+    """The part of a device ``node`` no window lock of pool ``p`` holds: itself when unlocked,
+    else its head above every lock's window (``_head_free``), split off there; locks record
+    their lower bound, so all stay on the lower half with every page their windows read."""
+    if not node.device_lock[p]:
+        return node
+    return split(node, min(node.device_windows[p]) - node.depth_start)
 
 
 def _unlocked(node: TreeNode, p: int, locks: tuple[int, ...], windows: dict[int, list[int]]) -> bool:
