@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import typing
+from pathlib import Path
 
 import pytest
 
+from controller_support import open_cache, serve, tokens, verify
 from kvstrata.core.admission import ADMISSION_FILTERS, FrequencyFilter, ReuseFilter, make_admission
 from kvstrata.core.policy_config import AdmissionConfig, AdmissionTiers
 
@@ -39,3 +41,82 @@ def test_a_tier_gets_the_filter_and_options_its_config_names() -> None:
     default = make_admission(AdmissionTiers().host)
     assert type(default) is ADMISSION_FILTERS["always"] and not default.selective
     assert make_admission(tiers.host) is not host  # one filter per tier: filters keep state
+
+
+# --- a filter hears inserts under every write policy ---------------------------------------
+
+
+def _evict_to_host(cache, first_seed: int) -> None:
+    """Fill the 16-page device tier with other requests so the first one leaves it."""
+    for i in range(5):
+        _, bad = serve(cache, tokens(first_seed + i, 4))
+        assert bad == 0
+
+
+@pytest.mark.parametrize("write", ["write_through", "write_back"])
+def test_tinylfu_min_count_1_storage_counts_the_insert_under_every_write_policy(
+    tmp_path: Path, write: str
+) -> None:
+    """docs/eviction.md: tinylfu takes a prefix once the sketch has seen it min_count times,
+    counting reuses and inserts. With min_count=1, a prefix inserted once must be written to L3
+    whatever the write policy."""
+    sets = [
+        f"policy.write={write}",
+        "policy.admission.storage.type=tinylfu",
+        "policy.admission.storage.min_count=1",
+        "policy.prefetch.policy=wait_complete",
+    ]
+    request = tokens(1, 4)
+    cache = open_cache("kv", tmp_path, sets)
+    _, bad = serve(cache, request)
+    assert bad == 0
+    _evict_to_host(cache, 100)  # write-back backs it up (and offers it to L3) as it leaves
+    snap = cache.metrics.snapshot()["operations"]
+    cache.close()
+    cache = open_cache("kv", tmp_path, sets)
+    try:
+        lease = cache.lookup(request, prefetch="wait")
+        cache.admit(lease)
+        assert verify(cache, lease) == 0
+        assert lease.hit_pages["storage"] == 4, (
+            f"{write}: a prefix inserted once was refused by tinylfu min_count=1 "
+            f"(storage_admitted {snap['storage_admitted']}, storage_rejected {snap['storage_rejected']})"
+        )
+        cache.release(lease)
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("write", ["write_through", "write_through_selective"])
+def test_tinylfu_min_count_2_storage_takes_a_prefix_inserted_then_reused(tmp_path: Path, write: str) -> None:
+    """Inserted once and reused once is two sightings (docs/eviction.md: the sketch hears a
+    request's matched path or its insert): with min_count=2 the prefix must reach L3 under
+    either write-through policy (selective with threshold 1: the reuse makes it hot)."""
+    sets = [
+        f"policy.write={write}",
+        "policy.write_through_threshold=1",
+        "policy.admission.storage.type=tinylfu",
+        "policy.admission.storage.min_count=2",
+        "policy.prefetch.policy=wait_complete",
+    ]
+    request = tokens(1, 4)
+    cache = open_cache("kv", tmp_path, sets)
+    for _ in range(2):  # the insert, then a reuse of the whole prefix
+        _, bad = serve(cache, request)
+        assert bad == 0
+    cache.flush()
+    snap = cache.metrics.snapshot()["operations"]
+    cache.close()
+    cache = open_cache("kv", tmp_path, sets)
+    try:
+        lease = cache.lookup(request, prefetch="wait")
+        cache.admit(lease)
+        assert verify(cache, lease) == 0
+        hit = lease.hit_pages["storage"]
+        cache.release(lease)
+        assert hit == 4, (
+            f"{write}: inserted + reused prefix not in L3 "
+            f"(storage_admitted {snap['storage_admitted']}, storage_rejected {snap['storage_rejected']})"
+        )
+    finally:
+        cache.close()

@@ -68,6 +68,7 @@ from kvstrata.core.stack import PoolKind, TreePool
 from kvstrata.core.tokens import token_ids
 from kvstrata.core.tree import MatchResult, Tier, page_keys
 from kvstrata.core.unit_memory import UnitMemory
+from kvstrata.core.writer import back_up_prefix
 from kvstrata.plugins import PluginHost
 
 #: ``Tier.DEVICE`` without the enum's descriptor lookup (~0.1 us): the per-chunk calls read it
@@ -207,7 +208,7 @@ class CacheController(UnitMemory, ClosingApi):
         assert op is not None and self.prefetcher is not None
         backed = pages <= 0 or op.start <= 0
         try:  # (the op is detached: dropped in ``finally`` also when the backup raised)
-            backed = backed or self.writer.back_up_prefix(lease.keys[: op.start], lease.hashes_source)
+            backed = backed or back_up_prefix(self.writer, lease.keys[: op.start], lease.hashes_source)
         finally:
             if not backed:  # host-only pages below a device-only page would break "backups form
                 # a contiguous prefix from the root" and pin that page on the device: drop the refill
@@ -282,9 +283,10 @@ class CacheController(UnitMemory, ClosingApi):
             result = self.tree.insert(lease.keys[lease.committed_pages : end], values, at=above)
             kept = result.has_duplicates and free_duplicates(self.units, self.layout, result, close)
             lease.mark_inserted(self.tree, result.node, end, rest, kept or None)
-            if self.policy.write == "write_through" or self.writer.digests is not None:
+            writer = self.writer
+            if self.policy.write == "write_through" or writer.digests is not None or writer.hears_inserts:
                 hashes, cached = lease.hashes_source, lease.cached_pages
-                self.writer.on_insert(result.node, hashes, above, cached, owner=lease, keep_open=not close)
+                writer.on_insert(result.node, hashes, above, cached, owner=lease, keep_open=not close)
         self._retain(lease)  # also a request whose whole prefix was cached: its hint holds there
         if close:
             self._free_pending(lease)

@@ -76,6 +76,11 @@ class Writer:
         self.pending: deque[PendingWrite] = deque()
         self.host_admission = make_admission(policy.admission.host)
         self.storage_admission = make_admission(policy.admission.storage)
+        #: a filter that counts sightings hears every insert, whatever the write policy
+        #: (write-through tells it in :func:`_back_up_chain`, where its backup happens)
+        self.hears_inserts = policy.write != "write_through" and (
+            self.host_admission.selective or self.storage_admission.selective
+        )
         self._refused: dict[TreeNode, None] = {}  # on host, refused by the storage filter
         self.window_ends = StoredWindowEnds()
         if self.storage_admission.selective:
@@ -103,6 +108,8 @@ class Writer:
             chain = self.open_backups.insert(owner, node, since, cached, hashes, keep_open)
             if chain is not None:
                 _back_up_chain(self, chain)
+        elif self.hears_inserts:  # write-back / selective: an insert is a sighting all the same
+            _sighted(self, tree_path(self.tree, node, since))
 
     def end_open(self, owner: object | None = None) -> None:
         """Back up what write-through batched for ``owner``'s lease (closing), or for all (None)."""
@@ -206,16 +213,6 @@ class Writer:
         if len(todo) < len(candidates):
             device = device_units(todo, index)
         return todo, device, joined(allocated)
-
-    def back_up_prefix(self, keys: Sequence[PageKey], hashes: PageHashes) -> bool:
-        """Whether every page of ``keys`` has a host copy, backing device-only ones up first
-        (an L3 refill below a page without one would break the contiguous-backup rule)."""
-        match = self.tree.match(keys, count_hit=False)
-        if match.host_pages < len(keys):
-            return False
-        if not all(self.tree.backed_up(n) for n in match.path):
-            self.back_up(match.path, hashes=hashes)
-        return all(self.tree.backed_up(n) for n in match.path)
 
     def _copy_down(self, nodes: Sequence[TreeNode], devices: Raw, hosts: Raw) -> None:
         """Device -> host copies of ``nodes`` (per pool, their device units in order) into
@@ -406,11 +403,27 @@ def _count_refused(engine: StorageEngine, metrics: CacheMetrics, per_pool: PerPo
             count_failure(metrics, engine.refused(StorageOperation.PUT, len(page_hashes)))
 
 
+def back_up_prefix(writer: Writer, keys: Sequence[PageKey], hashes: PageHashes) -> bool:
+    """Whether every page of ``keys`` has a host copy, backing device-only ones up first
+    (an L3 refill below a page without one would break the contiguous-backup rule)."""
+    match = writer.tree.match(keys, count_hit=False)
+    if match.host_pages < len(keys):
+        return False
+    if not all(writer.tree.backed_up(n) for n in match.path):
+        writer.back_up(match.path, hashes=hashes)
+    return all(writer.tree.backed_up(n) for n in match.path)
+
+
+def _sighted(writer: Writer, path: Sequence[TreeNode]) -> None:
+    """An insert's new nodes: one sighting for each admission filter (its reuse count, sketch)."""
+    writer.host_admission.seen(path)
+    writer.storage_admission.seen(path)
+
+
 def _back_up_chain(writer: Writer, chain: OpenChain) -> None:
     """Write-through of the nodes of ``chain`` (one insert's, or an open lease's batch)."""
     path = tree_path(writer.tree, chain.node, chain.since)
-    writer.host_admission.seen(path)
-    writer.storage_admission.seen(path)
+    _sighted(writer, path)
     # ancestors a backup skipped (the host tier was full): without them, backups being a
     # contiguous prefix, nothing below them would reach the host tier or L3 again
     path = unbacked_above(writer.tree, path) + path
