@@ -376,3 +376,53 @@ def test_a_window_pools_pin_cap_counts_the_last_window_a_pin_holds() -> None:
         second = serve_hinted(cache, tokens(2, 8), RetentionHint(pin=True))  # 2 + 2 units: the cap
         third = serve_hinted(cache, tokens(4, 8), RetentionHint(pin=True))  # 6 > 4
         assert second.pinned and not third.pinned and ops(cache)["pins_refused"] == 1
+
+
+def _serve_chunks(cache: CacheController, request: torch.Tensor, chunk_pages: int) -> Lease:
+    """Serve ``request`` pinned in chunks of ``chunk_pages``, ``insert(close=False)`` after each
+    but the last: the lease re-pins after every chunk."""
+    step = chunk_pages * cache.page_size
+    lease = cache.lookup(request[:step], retention=RetentionHint(pin=True))
+    cache.admit(lease)
+    for start in range(0, len(request), step):
+        if start:
+            lease.extend(request[start : start + step])
+        fill(cache, lease, cache.allocate(lease))
+        cache.insert(lease, close=start + step >= len(request))
+    return lease
+
+
+def test_a_chunked_pin_counts_only_its_own_last_window() -> None:
+    """A lease re-pins after each chunk; the window cap counted the window of the pin being
+    replaced (its previous chunk's) on top of the new one: two 4-page chunks under a 4-unit cap
+    (window 4 pages) were refused, though the pin holds 4 units."""
+    no_host = ["tiers.storage={}", "tiers.host.capacity_tokens=0"]
+    overrides = ["model.pools.swa.device_units=8", "model.pools.swa.window=256", *no_host]
+    with open_cache("swa", overrides=overrides) as cache:  # window cap: 4 units
+        assert cache.tree_pools["swa"].window == 4
+        lease = _serve_chunks(cache, tokens(1, 8), 4)
+        assert lease.pinned and ops(cache)["pins_refused"] == 0
+        other = serve_hinted(cache, tokens(2, 4), RetentionHint(pin=True))  # 4 + 4 > 4: a real excess
+        assert not other.pinned and ops(cache)["pins_refused"] == 1
+        cache.unpin(lease)
+        again = serve_hinted(cache, tokens(3, 4), RetentionHint(pin=True))
+        assert again.pinned and ops(cache)["pins_refused"] == 1
+
+
+def test_a_chunked_pin_holds_one_state_slot() -> None:
+    """A pin's lock holds its end node's state slot only; the state cap counted a slot for every
+    checkpoint on the pinned path, so a chunked request under a 1-slot cap was refused at its
+    second chunk."""
+    no_host = ["tiers.storage={}", "tiers.host.capacity_tokens=0"]
+    with open_cache("hybrid-mamba", overrides=["model.pools.mamba.device_units=3", *no_host]) as cache:
+        assert cache.parts.retention.unit_caps == {1: 1}  # int(0.5 x 3) slots; 8 pages
+        lease = _serve_chunks(cache, tokens(1, 6), 2)
+        assert lease.pinned and ops(cache)["pins_refused"] == 0
+        assert cache.parts.retention.pinned_pages == 6
+        other = serve_hinted(cache, tokens(2, 1), RetentionHint(pin=True))  # a second slot: over the cap
+        assert not other.pinned and ops(cache)["pins_refused"] == 1
+        cache.unpin(lease)
+        again = serve_hinted(cache, tokens(3, 1), RetentionHint(pin=True))
+        assert again.pinned and ops(cache)["pins_refused"] == 1
+        cache.unpin(again)
+        assert cache.parts.retention.pinned_pages == 0

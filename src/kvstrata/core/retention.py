@@ -11,9 +11,10 @@ request's whole prefix once it is inserted:
   are ordinary again. Soft: reads alone never renew it, only another hinted request does;
 - ``pin``: the prefix stays on the device tier (a lock) until ``cache.unpin(lease)`` or its TTL.
   Pinned units are capped per pool (``policy.retention.max_pinned_fraction`` of each pool's
-  device units: pages, and a state pool's slots, one per pinned checkpoint) so pins can never
-  starve the cache; a pin over the cap is refused and counted (``pins_refused``), the lease keeps
-  the pin it held (a chunked request's earlier chunks) and its priority / TTL still apply.
+  device units: pages, a window pool's units of each pin's last window, and a state pool's
+  slots, one per pin: its end node's) so pins can never starve the cache; a pin over the cap is
+  refused and counted (``pins_refused``), the lease keeps the pin it held (a chunked request's
+  earlier chunks, not counted beside the pin replacing it) and its priority / TTL still apply.
 
 The evictor reads the levels (``levels()``) only while some node carries one; expired pins are
 released when an eviction starts, the only moment they matter.
@@ -151,7 +152,7 @@ class Retention:
         if not hint.pin:
             return held
         self._expire_pins(now)  # a lapsed pin holds no share of max_pinned_fraction
-        pin = self._take(node, deadline)  # (the nodes ``held`` pins count as pinned already)
+        pin = self._take(node, deadline, held)  # ``held`` goes if it is taken: not counted twice
         if pin is None:
             self.metrics.count(Operation.PINS_REFUSED)
             return None if held is None or held.released else held  # a longer chunk keeps its pin
@@ -174,15 +175,14 @@ class Retention:
             levels[cur] = (permanent, timed, until)
             cur = cur.parent
 
-    def _take(self, node: TreeNode, deadline: float | None) -> Pin | None:
-        path = []
-        cur: TreeNode | None = node
-        while cur is not None and cur is not self.tree.root:
-            path.append(cur)
-            cur = cur.parent
-        fresh = [n for n in path if not self._pin_counts.get(n)]
+    def _take(self, node: TreeNode, deadline: float | None, held: Pin | None) -> Pin | None:
+        """A pin ending at ``node``, or None where it would go over a cap. ``held`` (the lease's
+        pin, released once this one is taken) is not counted beside it: a chunked request re-pins
+        after every chunk, and its earlier chunk's window and state slot would count twice."""
+        path = _path(self.tree, node)
+        fresh = [n for n in path if not self._pin_counts.get(n)]  # ``held``'s path: ``node``'s head
         new = sum(n.pages for n in fresh)
-        if self.pinned_pages + new > self.max_pinned_pages or self._over_unit_caps(fresh, node):
+        if self.pinned_pages + new > self.max_pinned_pages or self._over_unit_caps(node, held):
             return None
         for n in path:
             self._pin_counts[n] = self._pin_counts.get(n, 0) + 1
@@ -191,19 +191,22 @@ class Retention:
         self._pins[id(pin)] = pin
         return pin
 
-    def _over_unit_caps(self, fresh: list[TreeNode], node: TreeNode) -> bool:
-        """Whether pinning ``fresh`` nodes too (a pin ending at ``node``) would hold more of a
-        pool than its cap. Counted afresh from the pinned nodes (pins are rare; a running count
-        would drift where a pinned node's units change: splits, out-of-window tombstones); a
-        window pool's from each pin's last window (:func:`_window_units`)."""
-        pinned = [*self._pin_counts, *fresh]
-        windows = self.tree.layout.window
+    def _over_unit_caps(self, node: TreeNode, held: Pin | None) -> bool:
+        """Whether a pin ending at ``node``, replacing ``held``, would hold more of a pool than
+        its cap. Counted afresh as the pins' locks hold (pins are rare; a running count would
+        drift where a pinned node's units change: splits, out-of-window tombstones): a window
+        pool's units of each pin's last window (:func:`_window_units`), a state pool's one slot
+        per pin, its end node's (the lock leaves the path's others), a paged pool's whole path."""
+        ends = [pin.lock.node for pin in self._pins.values() if pin is not held]
+        ends.append(node)
+        layout = self.tree.layout
         for p, cap in self.unit_caps.items():
-            if windows[p]:
-                held = _window_units(self.tree, p, [*(pin.lock.node for pin in self._pins.values()), node])
-            else:
-                held = sum(len(raw) for n in pinned if (raw := n.device_raw[p]) is not None) // UNIT
-            if held > cap:
+            if layout.window[p]:
+                units = _window_units(self.tree, p, ends)
+            else:  # a state pool's end nodes; a paged pool's whole paths (``held``'s: ``node``'s head)
+                nodes = set(ends) if layout.state[p] else {*self._pin_counts, *_path(self.tree, node)}
+                units = sum(len(raw) for n in nodes if (raw := n.device_raw[p]) is not None) // UNIT
+            if units > cap:
                 return True
         return False
 
@@ -248,6 +251,16 @@ def _stronger(level: int, deadline: float, old_level: int, old_deadline: float) 
     if level != old_level:
         return level > old_level
     return deadline > old_deadline
+
+
+def _path(tree: PrefixTree, node: TreeNode) -> list[TreeNode]:
+    """The nodes from ``node`` up to (not including) the root."""
+    path = []
+    cur: TreeNode | None = node
+    while cur is not None and cur is not tree.root:
+        path.append(cur)
+        cur = cur.parent
+    return path
 
 
 def _window_units(tree: PrefixTree, p: int, ends: list[TreeNode]) -> int:
