@@ -6,6 +6,7 @@ import typing
 from pathlib import Path
 
 import pytest
+import torch
 
 from controller_support import open_cache, serve, tokens, verify
 from kvstrata.core.admission import ADMISSION_FILTERS, FrequencyFilter, ReuseFilter, make_admission
@@ -53,6 +54,19 @@ def _evict_to_host(cache, first_seed: int) -> None:
         assert bad == 0
 
 
+def _storage_hits_after_restart(tmp_path: Path, sets: list[str], request: torch.Tensor) -> int:
+    """Pages of ``request`` a fresh cache on the same L3 restores from storage (bit-exact)."""
+    cache = open_cache("kv", tmp_path, sets)
+    try:
+        lease = cache.lookup(request, prefetch="wait")
+        cache.admit(lease)
+        assert verify(cache, lease) == 0
+        cache.release(lease)
+        return lease.hit_pages["storage"]
+    finally:
+        cache.close()
+
+
 @pytest.mark.parametrize("write", ["write_through", "write_back"])
 def test_tinylfu_min_count_1_storage_counts_the_insert_under_every_write_policy(
     tmp_path: Path, write: str
@@ -73,18 +87,10 @@ def test_tinylfu_min_count_1_storage_counts_the_insert_under_every_write_policy(
     _evict_to_host(cache, 100)  # write-back backs it up (and offers it to L3) as it leaves
     snap = cache.metrics.snapshot()["operations"]
     cache.close()
-    cache = open_cache("kv", tmp_path, sets)
-    try:
-        lease = cache.lookup(request, prefetch="wait")
-        cache.admit(lease)
-        assert verify(cache, lease) == 0
-        assert lease.hit_pages["storage"] == 4, (
-            f"{write}: a prefix inserted once was refused by tinylfu min_count=1 "
-            f"(storage_admitted {snap['storage_admitted']}, storage_rejected {snap['storage_rejected']})"
-        )
-        cache.release(lease)
-    finally:
-        cache.close()
+    assert _storage_hits_after_restart(tmp_path, sets, request) == 4, (
+        f"{write}: a prefix inserted once was refused by tinylfu min_count=1 "
+        f"(storage_admitted {snap['storage_admitted']}, storage_rejected {snap['storage_rejected']})"
+    )
 
 
 @pytest.mark.parametrize("write", ["write_through", "write_through_selective"])
@@ -107,16 +113,7 @@ def test_tinylfu_min_count_2_storage_takes_a_prefix_inserted_then_reused(tmp_pat
     cache.flush()
     snap = cache.metrics.snapshot()["operations"]
     cache.close()
-    cache = open_cache("kv", tmp_path, sets)
-    try:
-        lease = cache.lookup(request, prefetch="wait")
-        cache.admit(lease)
-        assert verify(cache, lease) == 0
-        hit = lease.hit_pages["storage"]
-        cache.release(lease)
-        assert hit == 4, (
-            f"{write}: inserted + reused prefix not in L3 "
-            f"(storage_admitted {snap['storage_admitted']}, storage_rejected {snap['storage_rejected']})"
-        )
-    finally:
-        cache.close()
+    assert _storage_hits_after_restart(tmp_path, sets, request) == 4, (
+        f"{write}: inserted + reused prefix not in L3 "
+        f"(storage_admitted {snap['storage_admitted']}, storage_rejected {snap['storage_rejected']})"
+    )
