@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstrata.core.metrics import CacheMetrics, Operation
-from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
+from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode, tree_path
 from kvstrata.core.tree_bytes import UNIT
 
 #: entries kept before expired levels are swept out
@@ -179,7 +179,7 @@ class Retention:
         """A pin ending at ``node``, or None where it would go over a cap. ``held`` (the lease's
         pin, released once this one is taken) is not counted beside it: a chunked request re-pins
         after every chunk, and its earlier chunk's window and state slot would count twice."""
-        path = _path(self.tree, node)
+        path = tree_path(self.tree, node)
         fresh = [n for n in path if not self._pin_counts.get(n)]  # ``held``'s path: ``node``'s head
         new = sum(n.pages for n in fresh)
         if self.pinned_pages + new > self.max_pinned_pages or self._over_unit_caps(node, held):
@@ -204,7 +204,7 @@ class Retention:
             if layout.window[p]:
                 units = _window_units(self.tree, p, ends)
             else:  # a state pool's end nodes; a paged pool's whole paths (``held``'s: ``node``'s head)
-                nodes = set(ends) if layout.state[p] else {*self._pin_counts, *_path(self.tree, node)}
+                nodes = set(ends) if layout.state[p] else {*self._pin_counts, *tree_path(self.tree, node)}
                 units = sum(len(raw) for n in nodes if (raw := n.device_raw[p]) is not None) // UNIT
             if units > cap:
                 return True
@@ -251,16 +251,6 @@ def _stronger(level: int, deadline: float, old_level: int, old_deadline: float) 
     if level != old_level:
         return level > old_level
     return deadline > old_deadline
-
-
-def _path(tree: PrefixTree, node: TreeNode) -> list[TreeNode]:
-    """The nodes from ``node`` up to (not including) the root."""
-    path = []
-    cur: TreeNode | None = node
-    while cur is not None and cur is not tree.root:
-        path.append(cur)
-        cur = cur.parent
-    return path
 
 
 def _window_units(tree: PrefixTree, p: int, ends: list[TreeNode]) -> int:
