@@ -88,6 +88,11 @@ CROWDED_TOKENS = 24
 # ends in block 1, its output fills it), the second sends the first's prompt and output and more.
 TURN, TURN_TOKENS, TURN_MORE = _prompt(12, 400), 200, _prompt(13, 50)
 CROWDED_KV_BYTES = 3 << 20  # about 832 tokens of this hybrid model's cache: preemption from the start
+# Six chats sharing a two-block system prompt (4 full blocks each) on an L3 bounded to ten of the
+# dense model's block objects (65,600 bytes each): fourteen are stored, the four coldest evicted.
+SYSTEM = _prompt(81, 2 * DENSE_BLOCK)
+CHATS = [SYSTEM + _prompt(90 + i, 300) for i in range(6)]
+BOUNDED_L3_BYTES = 700_000
 
 
 def _run_engines(tmp: Path, jobs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -121,11 +126,13 @@ def _run_engines(tmp: Path, jobs: dict[str, dict[str, Any]]) -> dict[str, dict[s
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm")
     models = {name: str(tmp / name) for name in ("llama", "llama_other", "qwen", "gemma")}
-    l3 = {name: tmp / f"l3-{name}" for name in ("dense", "hybrid", "swa", "crowded", "extras", "turns")}
+    names = ("dense", "hybrid", "swa", "crowded", "extras", "turns", "bounded")
+    l3 = {name: tmp / f"l3-{name}" for name in names}
     lora = str(tmp / "lora")
 
     def connector(which: str) -> dict[str, Any]:
-        return {"config": {"tiers": {"storage": {"l3": {"type": "file", "path": str(l3[which])}}}}}
+        bound = {"capacity_bytes": BOUNDED_L3_BYTES} if which == "bounded" else {}
+        return {"config": {"tiers": {"storage": {"l3": {"type": "file", "path": str(l3[which]), **bound}}}}}
 
     def gen(*prompts: Any, salt: str | None = None, adapter: str | None = None) -> dict[str, Any]:
         extra = {"salts": [salt] * len(prompts)} if salt else {}
@@ -208,6 +215,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                 "connector": connector("crowded"),
                 "steps": [crowd, {"op": "reset"}, crowd],
             },
+            "bounded_store": {
+                "model": models["llama"],
+                "connector": connector("bounded"),
+                "steps": [gen(chat) for chat in CHATS],
+            },
         },
     )
 
@@ -275,6 +287,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                 "steps": [gen(SWA), gen(UNSEEN_TOO), {"op": "reset"}, gen(UNSEEN_TOO)],
             },
             "crowded_restore": {**crowded, "connector": connector("crowded"), "steps": [crowd]},
+            "bounded_restore": {
+                "model": models["llama"],
+                "connector": connector("bounded"),
+                "steps": [gen(CHATS[-1])],
+            },
             # requests whose KV depends on more than their token ids: a LoRA adapter's, and prompt
             # embeddings' (placeholder ids); each reference computed first under a salt of its own
             "extras": {
@@ -632,6 +649,19 @@ def test_preempted_requests_store_and_restore_identical_tokens(
     if (job, step) != ("crowded_store", 0):  # vLLM's cache is empty: every prompt's block from L3
         assert run["local_hits"] == 0
         assert run["external_hits"] >= len(CROWDED) * HYBRID_BLOCK
+
+
+def test_a_hot_prefix_vllm_serves_locally_stays_in_a_bounded_l3(runs: dict[str, dict[str, Any]]) -> None:
+    """Chats sharing a system prompt: the first stores it, the rest hit it in vLLM's own cache.
+    On an L3 bounded to ten blocks, the system prompt's blocks, which every chat uses, are not
+    the ones evicted: a fresh engine restores the last chat whole. They were (audit 36: the
+    connector never touched a prefix vLLM served itself, so the LRU dropped it first and every
+    suffix keyed under it was stranded: the fresh engine got no hit at all)."""
+    stored = runs["bounded_store"]["steps"]
+    assert [step["local_hits"] for step in stored] == [0] + [2 * DENSE_BLOCK] * 5
+    (restored,) = runs["bounded_restore"]["steps"]
+    assert restored["external_hits"] == 4 * DENSE_BLOCK
+    assert restored["tokens"] == stored[-1]["tokens"]
 
 
 if __name__ == "__main__":  # pragma: no cover

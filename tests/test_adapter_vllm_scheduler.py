@@ -57,9 +57,10 @@ def _layout(groups: dict[str, Any] | None = None) -> StoreLayout:
     return build_layout(_layout_config(), kv_cache_config, model_name="m", weights="w")
 
 
-def _storage(layout: StoreLayout, l3: Path) -> EngineStorage:
-    """A file L3 at ``l3`` with a pool per group of ``layout``."""
-    config = load([REPO / "tests" / "stacks" / "kv.yaml"], overrides=[f"tiers.storage.l3.path={l3}"])
+def _storage(layout: StoreLayout, l3: Path, *overrides: str) -> EngineStorage:
+    """A file L3 at ``l3`` (``overrides``: more of its settings) with a pool per group of ``layout``."""
+    settings = [f"tiers.storage.l3.path={l3}", *(f"tiers.storage.l3.{o}" for o in overrides)]
+    config = load([REPO / "tests" / "stacks" / "kv.yaml"], overrides=settings)
     storage = EngineStorage(identity_of(layout, ParallelConfig()), "l3", config.tiers.storage["l3"])
     for group in layout.groups:
         assert storage.add_pool(group.pool, group.spec).enabled
@@ -87,9 +88,9 @@ def _layout_config() -> Any:
 class Engine:
     """One scheduler and one worker over a file L3, and a request's lifecycle as vLLM drives it."""
 
-    def __init__(self, l3: Path, **scheduler: Any) -> None:
+    def __init__(self, l3: Path, l3_settings: tuple[str, ...] = (), **scheduler: Any) -> None:
         self.layout = _layout()
-        self.storage = _storage(self.layout, l3)
+        self.storage = _storage(self.layout, l3, *l3_settings)
         self.engine = self.storage.engine
         identity = identity_of(self.layout, ParallelConfig())
         self.scheduler = SchedulerSide(self.engine, self.layout, identity, **scheduler)
@@ -139,8 +140,8 @@ class Engine:
 def engines(tmp_path: Path) -> Iterator[Any]:
     made: list[Engine] = []
 
-    def make(**scheduler: Any) -> Engine:
-        made.append(Engine(tmp_path / "l3", **scheduler))
+    def make(l3_settings: tuple[str, ...] = (), **scheduler: Any) -> Engine:
+        made.append(Engine(tmp_path / "l3", l3_settings, **scheduler))
         return made[-1]
 
     yield make
@@ -199,6 +200,61 @@ def test_blocks_beyond_a_local_hit_are_found_when_l3_lost_the_prefix(engines: An
     assert other.matched_tokens(reader, 0) == (0, False), "nothing from block 0 without it"
     local = engine.scheduler.__class__(engine.engine, engine.layout, engine.scheduler.identity)
     assert local.matched_tokens(reader, BS) == (2 * BS, True), "blocks 1 and 2 on top of vLLM's block 0"
+
+
+def _serve_after_local_hit(engine: Engine, request: Any, local_blocks: int) -> None:
+    """vLLM's path for a request whose first ``local_blocks`` blocks it holds itself: looked up
+    on top of them, its prefill of the rest, one decode step."""
+    assert engine.scheduler.matched_tokens(request, local_blocks * BS) == (0, False)
+    request.num_computed_tokens = local_blocks * BS
+    engine.step({request.request_id: len(request.all_token_ids) - local_blocks * BS})
+    request.num_computed_tokens = len(request.all_token_ids)
+    request.all_token_ids.append(999)
+    request.num_tokens = len(request.all_token_ids)
+    engine.step({request.request_id: 1})
+
+
+def test_a_prefix_l3_lost_while_vllm_served_it_locally_is_stored_again(engines: Any) -> None:
+    """L3 evicted block 0 while vLLM kept serving it from its own cache: the next request that
+    gets it locally stores it again (from vLLM's block), so another engine's lookup, which
+    starts at block 0, finds the whole prompt again (audit 36: it found nothing, for good)."""
+    engine = engines()
+    prompt = list(range(1, 3 * BS + 5))
+    _decode(engine, engine.request("w", prompt), 1, async_output=False)
+    hashes = engine.scheduler._hashes(engine.scheduler.requests["w"], 3)
+    (keys,) = engine.engine.object_keys(engine.layout.anchor.pool, hashes[:1])
+    assert engine.engine.backend.remove(keys) == [True]
+    fresh = engine.scheduler.__class__(engine.engine, engine.layout, engine.scheduler.identity)
+    assert fresh.matched_tokens(_request("probe", prompt), 0) == (0, False)
+    saved = engine.worker.stats["saved_blocks"]
+    _serve_after_local_hit(engine, engine.request("r", [*prompt[: 2 * BS], *range(700, 710)]), 2)
+    assert fresh.matched_tokens(_request("probe2", prompt), 0) == (3 * BS, True)
+    assert engine.worker.stats["resaved_blocks"] == 1
+    assert engine.worker.stats["saved_blocks"] == saved + 1, "block 0 only: block 1 is still stored"
+    announced = [logged for logged, _, _ in engine.planned_stores if hashes[0] in logged]
+    assert len(announced) == 1, "announced when first stored, not again"
+
+
+def test_a_hot_prefix_vllm_serves_locally_outlives_colder_blocks_in_a_bounded_l3(
+    engines: Any, tmp_path: Path
+) -> None:
+    """Six chats share a two-block system prompt; the first stores it, the others hit it in
+    vLLM's own cache. L3 holds ten objects (LRU): the system prompt's blocks, used by every
+    chat, must not be the ones it evicts -- a fresh engine then finds the last chat whole."""
+    probe = Engine(tmp_path / "probe")  # one object's size on disk
+    _decode(probe, probe.request("p", list(range(1, BS + 2))), 1, async_output=False)
+    (size,) = {f.stat().st_size for f in (tmp_path / "probe").rglob("*.blk")}
+    probe.close()
+    engine = engines((f"capacity_bytes={10 * size}",))
+    system = list(range(1, 2 * BS + 1))
+    chats = [[*system, *range(1000 * i, 1000 * i + 2 * BS + 5)] for i in range(1, 7)]
+    _decode(engine, engine.request("c1", chats[0]), 1, async_output=False)
+    for n, chat in enumerate(chats[1:], start=2):
+        _serve_after_local_hit(engine, engine.request(f"c{n}", chat), 2)
+    assert engine.worker.stats["saved_blocks"] == 4 + 5 * 2
+    fresh = engine.scheduler.__class__(engine.engine, engine.layout, engine.scheduler.identity)
+    assert fresh.matched_tokens(_request("again", chats[-1]), 0) == (4 * BS, True)
+    assert fresh.matched_tokens(_request("first", chats[0]), 0) == (2 * BS, True), "its own blocks went"
 
 
 def test_a_prompt_of_whole_blocks_found_stored_is_not_stored_again(engines: Any) -> None:

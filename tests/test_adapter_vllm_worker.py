@@ -153,7 +153,13 @@ def test_blocks_come_back_byte_exact_into_other_blocks(
     saved, loaded = [3, 7, 1, 5], [2, 11, 4, 6]
     untouched = {name: _block(t, 8).clone() for name, t in target.items()}
     saver.save(_plan(saver, saved, load=False))
-    assert saver.stats == {"loaded_blocks": 0, "saved_blocks": 8, "save_failures": 0, "own_states_removed": 0}
+    assert saver.stats == {
+        "loaded_blocks": 0,
+        "saved_blocks": 8,
+        "save_failures": 0,
+        "own_states_removed": 0,
+        "resaved_blocks": 0,
+    }
     loader.load(_plan(loader, loaded, load=True))
     assert loader.take_finished() == ({"req"}, set())
     for name in source:

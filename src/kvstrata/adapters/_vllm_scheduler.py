@@ -54,6 +54,12 @@ class StepPlan:
     #: per request range saved: (its block hashes, the parent hash, its token ids), for the
     #: ``BlockStored`` events the workers publish once the anchor objects are stored
     stored: list[tuple[list[str], str | None, list[int]]] = field(default_factory=list)
+    #: blocks of a prefix vLLM served from its own cache to a request starting now: the workers
+    #: ask L3 for them, which keeps them recent in an LRU bound (the file backend's index), and
+    #: store the ones L3 lost again -- else a hot prefix vLLM keeps serving locally was what L3
+    #: evicted first, stranding every block keyed under it (keys are chained: a lookup in another
+    #: engine starts at block 0)
+    held: list[GroupTransfer] = field(default_factory=list)
     #: finished requests' own state checkpoints (and ones a prefill replaced): no lookup asks
     #: for them again, so the workers remove them from every state group's pool
     drops: list[str] = field(default_factory=list)
@@ -119,6 +125,33 @@ class _Request:
     def own_keys(self) -> list[str]:
         """The keys of every decode-time checkpoint the request stored under its own key."""
         return [private_key(self.hashes[i], self.owner) for i in sorted(self.decode_states)]
+
+
+def leading_run(engine: StorageEngine, pool: str, hashes: list[str]) -> int:
+    """Leading run of stored blocks, asked in chunks of 1, 16, 32 ...: a miss costs one query."""
+    done, chunk = 0, 1
+    while done < len(hashes):
+        batch = hashes[done : done + chunk]
+        found = engine.exists_prefix(pool, batch)
+        done += found
+        if found < len(batch):
+            break
+        chunk = FIRST_EXISTS_CHUNK if chunk == 1 else chunk * 2
+    return done
+
+
+def held_prefix(layout: StoreLayout, ids: tuple[list[int], ...], hashes: list[str]) -> list[GroupTransfer]:
+    """The blocks ``hashes`` of a prefix vLLM holds itself, per paged group (``StepPlan.held``):
+    where vLLM keeps a block of its own, no lookup or load of it touches L3 again."""
+    transfers = []
+    for group in layout.groups:
+        if group.kind == STATE:  # (a state checkpoint below the running one is not kept)
+            continue
+        row = ids[group.group_id]
+        kept = [i for i in range(min(len(hashes), len(row))) if row[i] != 0]
+        if kept:
+            transfers.append(GroupTransfer(group.group_id, [hashes[i] for i in kept], [row[i] for i in kept]))
+    return transfers
 
 
 class SchedulerSide:
@@ -233,7 +266,7 @@ class SchedulerSide:
         group's)."""
         anchor = self.layout.anchor
         stateful = anchor.kind == STATE  # (no attention group: the state groups' rule decides)
-        count = len(hashes) if stateful else local + self._leading(anchor.pool, hashes[local:])
+        count = len(hashes) if stateful else local + leading_run(self.engine, anchor.pool, hashes[local:])
         if count <= local:
             return 0, 0
         # the groups whose rule decides beyond the anchor's run (a state anchor's own included)
@@ -250,18 +283,6 @@ class SchedulerSide:
                 if n <= most:
                     return n, stored
         return 0, stored
-
-    def _leading(self, pool: str, hashes: list[str]) -> int:
-        """Leading run of stored blocks, asked in chunks of 1, 16, 32 ...: a miss costs one query."""
-        done, chunk = 0, 1
-        while done < len(hashes):
-            batch = hashes[done : done + chunk]
-            found = self.engine.exists_prefix(pool, batch)
-            done += found
-            if found < len(batch):
-                break
-            chunk = FIRST_EXISTS_CHUNK if chunk == 1 else chunk * 2
-        return done
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         """``update_state_after_alloc``: vLLM accepted ``num_external_tokens`` from us."""
@@ -311,7 +332,10 @@ class SchedulerSide:
             computed = state.request.num_computed_tokens
             if req_id in restarts or not state.prefill_end:
                 state.prefill_end = len(state.request.all_token_ids)
+            starting = state.save_from is None
             self._plan_saves(req_id, state, computed, scheduled, saves, plan.stored)
+            if starting and state.save_from and (ids := self._block_ids(req_id)) is not None:
+                plan.held += held_prefix(self.layout, ids, self._hashes(state, state.save_from))
             offered = offers.get(req_id, [])
             self._plan_checkpoints(req_id, state, computed, computed + scheduled, offered, saves)
         plan.saves = list(saves.values())

@@ -189,7 +189,9 @@ class WorkerSide:
         self.finished_loads: set[str] = set()
         self.failed_loads: set[str] = set()
         # a failed load is counted once, by the scheduler (vLLM sums the roles' and ranks' stats)
-        self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "save_failures": 0, "own_states_removed": 0}
+        #: (``resaved_blocks``: blocks vLLM held whose objects L3 had lost, stored again)
+        counters = ("loaded_blocks", "saved_blocks", "save_failures", "own_states_removed", "resaved_blocks")
+        self.stats = dict.fromkeys(counters, 0)
         self._save_failure_logged = False  # the first failed save says why; the rest are counted
         #: (hashes, parent hash, token ids) of block ranges whose anchor objects this rank stored:
         #: vLLM's ``BlockStored`` events (kept where every rank stored its shard). vLLM takes them
@@ -336,7 +338,7 @@ class WorkerSide:
         """The blocks this step completed, components before the anchor (its object commits, so
         a block some component did not store gets none); then the ranges whose anchor objects
         are stored, for vLLM's KV events."""
-        by_group = {t.group_id: t for t in plan.saves}
+        by_group = self._with_lost_held(plan, {t.group_id: t for t in plan.saves})
         anchor_stored: set[str] = set()
         missing: set[str] = set()  # blocks some component did not store: their anchor must not commit
         for group in self.layout.save_order():
@@ -385,6 +387,25 @@ class WorkerSide:
                 self.stored_ranges.append((hashes[:done], parent, tokens[: done * block]))
         if plan.drops:
             self._drop(plan.drops)
+
+    def _with_lost_held(self, plan: StepPlan, saves: dict[int, GroupTransfer]) -> dict[int, GroupTransfer]:
+        """``saves`` plus the blocks of ``plan.held`` L3 lost (asking refreshes the rest where the
+        store keeps an LRU): vLLM's own copies are stored again."""
+        for held in plan.held:
+            result = self.engine.exists(self.groups[held.group_id].pool, held.hashes)
+            if result.error is not None:  # (L3 unreachable: this step's saves say so)
+                continue
+            lost = [k for k, present in enumerate(result.ok) if not present]
+            if not lost:
+                continue
+            self.stats["resaved_blocks"] += len(lost)
+            before = saves.get(held.group_id, GroupTransfer(held.group_id, [], []))
+            saves[held.group_id] = GroupTransfer(
+                held.group_id,
+                before.hashes + [held.hashes[k] for k in lost],
+                before.block_ids + [held.block_ids[k] for k in lost],
+            )
+        return saves
 
     def _drop(self, keys: list[str]) -> None:
         """Remove requests' own state checkpoints no lookup asks for again (``StepPlan.drops``)
