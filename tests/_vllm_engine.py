@@ -340,8 +340,21 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _temp_dir_of_job(job_path: str) -> None:
+    """vLLM leaves a file per engine in the temp directory (its ``file://`` distributed init
+    method, never removed): it goes beside the job's files instead, which the caller owns;
+    torch's compile cache, also under the temp directory by default, stays where it was."""
+    import getpass
+    import tempfile
+
+    default = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default))
+    tempfile.tempdir = str(Path(job_path).resolve().parent)
+
+
 if __name__ == "__main__":
     job_path, result_path = sys.argv[1], sys.argv[2]
+    _temp_dir_of_job(job_path)
     outcome = run(json.loads(Path(job_path).read_text()))
     Path(result_path).write_text(json.dumps(outcome))
     sys.stdout.flush()
