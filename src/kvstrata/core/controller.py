@@ -158,7 +158,7 @@ class CacheController(UnitMemory, ClosingApi):
         try:
             lease.hold_match(self.tree, match)
             self.metrics.latency("match", time.perf_counter() - started)
-            self.writer.on_lookup(match, lease.hashes_source)
+            self.writer.on_lookup(match, lease.hashes_source, record)
             if self.prefetcher is not None and lease.pages > lease.host_pages:
                 hashes = lease.page_hashes[lease.host_pages :]
                 lease.attach_prefetch(self.prefetcher.start(lease.host_pages, hashes, lease.skipped, mode))

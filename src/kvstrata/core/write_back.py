@@ -19,11 +19,14 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvstrata.core.metrics import CacheMetrics, count_failure
 from kvstrata.core.stack import PoolKind, StackLayout
+from kvstrata.core.storage_metrics import StorageOperation
 from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
 
 if TYPE_CHECKING:
-    from kvstrata.core.storage_engine import BatchResult
+    from kvstrata.core.l3_values import PerPool
+    from kvstrata.core.storage_engine import BatchResult, StorageEngine
 
 
 @dataclass(eq=False)
@@ -315,3 +318,11 @@ def wait_writes(pending: Iterable[PendingWrite], deadline: float | None) -> None
         except CancelledError:  # by ``close`` (counted abandoned there): done all the same
             pass
         write.finished = True  # done: its callback may not have run yet (the next poll drains it)
+
+
+def count_refused_writes(engine: StorageEngine, metrics: CacheMetrics, per_pool: PerPool) -> None:
+    """L3 is down: count the refused write without the batch copies, host locks and worker hop
+    it would cost (a dead L3 must not slow L1/L2; benchmarks/faults.py)."""
+    for name, (page_hashes, _values) in per_pool.items():
+        if engine.plans[name].writes:
+            count_failure(metrics, engine.refused(StorageOperation.PUT, len(page_hashes)))

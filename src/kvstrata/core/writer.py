@@ -26,6 +26,7 @@ import torch
 from kvstrata.core.admission import make_admission
 from kvstrata.core.backup_plan import Raw, Units, backup_candidates, device_units, joined, unit_counts
 from kvstrata.core.component_backup import copy_components, only_pools
+from kvstrata.core.l3_touch import HitTouch
 from kvstrata.core.l3_values import (
     PageHashes,
     PerPool,
@@ -34,11 +35,10 @@ from kvstrata.core.l3_values import (
     path_hashes,
     trailing_windows,
 )
-from kvstrata.core.metrics import CacheMetrics, Operation, count_failure
+from kvstrata.core.metrics import Operation, count_failure
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.stack import PoolKind, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
-from kvstrata.core.storage_metrics import StorageOperation
 from kvstrata.core.tree import MatchResult, PageKey, Tier, TreeNode, tree_path
 from kvstrata.core.tree_bytes import UNIT, unit_tensor
 from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
@@ -48,6 +48,7 @@ from kvstrata.core.write_back import (
     PendingWrite,
     SharedLock,
     StoredWindowEnds,
+    count_refused_writes,
     device_only_ancestors,
     eviction_backups,
     gained_components,
@@ -86,6 +87,7 @@ class Writer:
         if self.storage_admission.selective:
             self.tree.on_split(self._split)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
+        self.hit_touch = HitTouch.of(engine, self.layout, self._thread)  # a bounded L3 keeps hot prefixes
         self.digests: UnitDigests | None = None  # debug.unit_digests
         self.open_backups = OpenBackups(policy.write_through_batch_pages)
         self.room_deadline: float | None = None  # ``flush(timeout)``: a backup waits for room no longer
@@ -118,9 +120,12 @@ class Writer:
             if chain is not None:
                 _back_up_chain(self, chain)
 
-    def on_lookup(self, match: MatchResult, hashes: PageHashes) -> None:
+    def on_lookup(self, match: MatchResult, hashes: PageHashes, record: bool = True) -> None:
         """A request reused ``match``'s path: selective write-through backs up the nodes that
-        turned hot; admission filters hear of the reuse and take what passes now."""
+        turned hot; admission filters hear of the reuse and take what passes now; L3 is asked
+        for the hit (:mod:`kvstrata.core.l3_touch`)."""
+        if self.hit_touch is not None:
+            self.hit_touch.after_lookup(match, hashes, record)
         host, storage = self.host_admission, self.storage_admission
         if not (host.selective or storage.selective or self.policy.write == "write_through_selective"):
             return
@@ -294,7 +299,7 @@ class Writer:
         the nodes whose last window it stores)."""
         assert self.engine is not None
         if self.engine.write_breaker.refusing():
-            _count_refused(self.engine, self.metrics, per_pool)
+            count_refused_writes(self.engine, self.metrics, per_pool)
             return
         batches: dict[str, PoolBatch] = {}
         for name, (page_hashes, values) in per_pool.items():
@@ -393,14 +398,6 @@ def _check_backups(writer: Writer, digests: UnitDigests, nodes: Sequence[TreeNod
     for node in nodes:
         node_hashes_from_path(writer.tree, node, writer.page_size, writer.namespace_root, known)
     check_nodes(digests, "backup", writer.tree.index, nodes, known, Tier.HOST)
-
-
-def _count_refused(engine: StorageEngine, metrics: CacheMetrics, per_pool: PerPool) -> None:
-    """L3 is down: count the refused write without the batch copies, host locks and worker hop
-    it would cost (a dead L3 must not slow L1/L2; benchmarks/faults.py)."""
-    for name, (page_hashes, _values) in per_pool.items():
-        if engine.plans[name].writes:
-            count_failure(metrics, engine.refused(StorageOperation.PUT, len(page_hashes)))
 
 
 def back_up_prefix(writer: Writer, keys: Sequence[PageKey], hashes: PageHashes) -> bool:
