@@ -71,7 +71,7 @@ def test_only_a_requests_own_lookup_asks_l3_for_its_hit(tmp_path: Path) -> None:
         def asked(request: torch.Tensor, record: bool) -> int:
             before = cache.metrics.snapshot()["storage"]["exists_calls"]
             lease = cache.lookup(request, record=record, prefetch="off")
-            cache.writer._thread.submit(lambda: None).result()  # the writer thread asked
+            cache.flush()  # (waits for the ask too)
             cache.release(lease)
             return cache.metrics.snapshot()["storage"]["exists_calls"] - before
 
@@ -79,3 +79,28 @@ def test_only_a_requests_own_lookup_asks_l3_for_its_hit(tmp_path: Path) -> None:
         assert asked(chat, record=False) == 0, "a later chunk"
         assert asked(chat, record=True) == 1
         assert asked(other[: SYSTEM_PAGES * 64], record=True) == 1, "the shared prompt"
+
+
+def test_a_hit_prefix_another_process_evicted_is_stored_again(tmp_path: Path) -> None:
+    """Another process sharing the L3 evicted the system prompt (its LRU never saw it used)
+    while this cache kept serving it from its device: the next lookup that hits it finds it
+    gone and stores it again from the host copies, so a fresh cache restores a chat whole."""
+    l3 = tmp_path / "l3"
+    chat, other = _chats(2)
+    with open_cache("kv", l3) as cache:
+        first, _ = serve(cache, chat)
+        cache.flush()
+        system = first.page_hashes[:SYSTEM_PAGES]
+        with open_cache("kv", l3) as elsewhere:  # its capacity eviction, as the store sees it
+            assert elsewhere.engine.discard("kv", system).ok == [True] * SYSTEM_PAGES
+        puts = cache.metrics.snapshot()["storage"]["put_units"]
+        lease, bad = serve(cache, other)
+        assert bad == 0 and lease.hit_pages["device"] == SYSTEM_PAGES
+        cache.flush()
+        assert cache.metrics.snapshot()["storage"]["put_units"] - puts == 2 + SYSTEM_PAGES
+    with open_cache("kv", l3) as fresh:
+        lease = fresh.lookup(chat, prefetch="wait")
+        fresh.admit(lease)
+        assert lease.cached_pages == 4 and lease.hit_pages["storage"] == 4
+        assert verify(fresh, lease) == 0
+        fresh.release(lease)

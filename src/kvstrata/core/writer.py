@@ -46,7 +46,6 @@ from kvstrata.core.write_back import (
     OpenBackups,
     OpenChain,
     PendingWrite,
-    SharedLock,
     StoredWindowEnds,
     count_refused_writes,
     device_only_ancestors,
@@ -87,7 +86,7 @@ class Writer:
         if self.storage_admission.selective:
             self.tree.on_split(self._split)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
-        self.hit_touch = HitTouch.of(engine, self.layout, self._thread)  # a bounded L3 keeps hot prefixes
+        self.hit_touch = HitTouch.of(engine, self.tree, self.layout, self._thread)  # hot prefixes stay
         self.digests: UnitDigests | None = None  # debug.unit_digests
         self.open_backups = OpenBackups(policy.write_through_batch_pages)
         self.room_deadline: float | None = None  # ``flush(timeout)``: a backup waits for room no longer
@@ -121,11 +120,9 @@ class Writer:
                 _back_up_chain(self, chain)
 
     def on_lookup(self, match: MatchResult, hashes: PageHashes, record: bool = True) -> None:
-        """A request reused ``match``'s path: selective write-through backs up the nodes that
-        turned hot; admission filters hear of the reuse and take what passes now; L3 is asked
-        for the hit (:mod:`kvstrata.core.l3_touch`)."""
-        if self.hit_touch is not None:
-            self.hit_touch.after_lookup(match, hashes, record)
+        """A request reused ``match``'s path: L3 is asked for it (``l3_touch``), selective write-
+        through backs up the nodes that turned hot, admission filters hear of the reuse."""
+        self.hit_touch.after_lookup(match, hashes, record)
         host, storage = self.host_admission, self.storage_admission
         if not (host.selective or storage.selective or self.policy.write == "write_through_selective"):
             return
@@ -307,7 +304,8 @@ class Writer:
                 batches[name] = pool_batch(self.pools, name, unit_tensor(b"".join(values)), page_hashes)
         if not batches:
             return
-        locks = self._host_locks(nodes)
+        last = self.pending[-1].locks[-1] if self.pending and self.pending[-1].locks else None
+        locks = host_locks(self.tree, self.layout, last, nodes)
         if self.digests is not None:
             future = self._thread.submit(_checked_put, self.engine, self.digests, batches, per_pool)
         else:
@@ -327,6 +325,8 @@ class Writer:
         took = bool(pending) and pending[0].finished
         while pending and pending[0].finished:
             self._finish(pending.popleft())
+        if lost := self.hit_touch.lost(self._refused):
+            self._queue_write(lost, None, admitted=True)  # hit pages L3 lost: stored again
         return took
 
     def _finish(self, write: PendingWrite) -> None:
@@ -347,10 +347,6 @@ class Writer:
             if shared.refs == 0:
                 self.tree.unlock(shared.handle)
 
-    def _host_locks(self, nodes: Sequence[TreeNode]) -> list[SharedLock]:
-        last = self.pending[-1].locks[-1] if self.pending and self.pending[-1].locks else None
-        return host_locks(self.tree, self.layout, last, nodes)
-
     def wait(self, deadline: float | None) -> None:
         """Back up what open leases batched, then wait (up to ``deadline``, a ``time.monotonic``
         value) for every queued write; a backup waiting for host room waits no longer either."""
@@ -359,6 +355,8 @@ class Writer:
             self.end_open()
         finally:
             self.room_deadline = None
+        if self.hit_touch.wait(deadline):
+            self.drain()  # (what L3 lost of a hit: written again, waited for below)
         wait_writes(self.pending, deadline)
 
     def shutdown(self, wait: bool = True) -> None:
