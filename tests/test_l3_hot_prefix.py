@@ -5,11 +5,16 @@ the first thing evicted, and every page keyed under it was unreachable to a fres
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from controller_support import open_cache, serve, tokens, verify
+from kvstrata.core.l3_touch import HitTouch
 
 SYSTEM_PAGES = 2
 
@@ -104,3 +109,121 @@ def test_a_hit_prefix_another_process_evicted_is_stored_again(tmp_path: Path) ->
         assert lease.cached_pages == 4 and lease.hit_pages["storage"] == 4
         assert verify(fresh, lease) == 0
         fresh.release(lease)
+
+
+def _objects_by_pool(tmp: Path, stack: str) -> dict[str, int]:
+    """One object per pool suffix of ``stack``, as the file backend stores it."""
+    with open_cache(stack, tmp / f"probe-{stack}") as cache:
+        serve(cache, tokens(99, 1))
+        cache.flush()
+    return {
+        f.suffix: f.stat().st_size for f in (tmp / f"probe-{stack}").rglob("*") if f.is_file() and f.suffix
+    }
+
+
+def _run(
+    stack: str, l3: Path, bound: list[str], warm_system: bool
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Cache A: six chats sharing a two-page system prompt, each with two pages of its own; the
+    prompt is hit on A's device from the second request on."""
+    system = tokens(1, SYSTEM_PAGES)
+    chats = [torch.cat([system, tokens(10 + i, 2)]) for i in range(6)]
+    with open_cache(stack, l3, overrides=bound) as cache:
+        if warm_system:  # the prompt as a request of its own: a checkpoint (state) at its end
+            serve(cache, system)
+            cache.flush()
+        for n, chat in enumerate(chats):
+            lease, bad = serve(cache, chat)
+            assert bad == 0 and lease.hit_pages["device"] == (SYSTEM_PAGES if n or warm_system else 0)
+            cache.flush()
+    return chats, system
+
+
+def _fresh_hit(stack: str, l3: Path, bound: list[str], request: torch.Tensor) -> tuple[int, int]:
+    with open_cache(stack, l3, overrides=bound) as fresh:
+        lease = fresh.lookup(request, prefetch="wait")
+        fresh.admit(lease)
+        got = (lease.hit_pages["storage"], verify(fresh, lease))
+        fresh.release(lease)
+    return got
+
+
+CASES = [
+    # stack, capacity in objects of the (equal-sized) pools, warm the prompt alone first
+    pytest.param("swa", lambda s: 12 * s[".kv"], False, id="swa-window"),
+    pytest.param("hybrid-mamba", lambda s: 4 * (2 * s[".kv"] + s[".mamba"]), True, id="mamba-state"),
+]
+
+
+@pytest.mark.parametrize(("stack", "capacity", "warm"), CASES)
+def test_a_new_request_on_a_hot_system_prompt_is_served_from_a_bounded_shared_l3(
+    tmp_path: Path, stack: str, capacity: Callable[[dict[str, int]], int], warm: bool
+) -> None:
+    """Cache A serves six chats on one system prompt (hit on A's device each time); a fresh
+    cache B sharing the bounded L3 then gets a new question on that prompt: it restores the
+    prompt's two pages, as with an unbounded L3. It restored nothing while only the pages were
+    asked for: the prompt's window / state objects, the oldest in the LRU though the prompt is
+    the hottest prefix, were evicted first."""
+    bound = [f"tiers.storage.l3.capacity_bytes={capacity(_objects_by_pool(tmp_path, stack))}"]
+    new_question = torch.cat([tokens(1, SYSTEM_PAGES), tokens(77, 2)])
+
+    unbounded = tmp_path / "unbounded"
+    _run(stack, unbounded, [], warm)
+    assert _fresh_hit(stack, unbounded, [], new_question) == (SYSTEM_PAGES, 0)  # the reference
+
+    l3 = tmp_path / "l3"
+    chats, _ = _run(stack, l3, bound, warm)
+    assert _fresh_hit(stack, l3, bound, chats[-1]) == (4, 0)  # the last chat: whole (it is recent)
+    assert _fresh_hit(stack, l3, bound, new_question) == (SYSTEM_PAGES, 0), (
+        "the hot system prompt's window/state objects were LRU-evicted from the bounded L3"
+    )
+
+
+def test_a_hit_prompts_window_another_process_evicted_is_stored_again(tmp_path: Path) -> None:
+    """As the test above, for a window pool: another process sharing the L3 evicted the system
+    prompt's window objects while this cache kept serving the prompt from its device. The next
+    lookup that hits it notices and writes the window again (no longer counted stored), so a
+    fresh cache gets the prompt for a new question."""
+    l3 = tmp_path / "l3"
+    system = tokens(1, SYSTEM_PAGES)
+    chats = [torch.cat([system, tokens(10 + i, 2)]) for i in range(4)]
+    with open_cache("swa", l3) as cache:
+        for chat in chats[:2]:  # the second branches at the prompt's end: its window is stored
+            first, _ = serve(cache, chat)
+            cache.flush()
+        prompt = first.page_hashes[:SYSTEM_PAGES]
+        with open_cache("swa", l3) as elsewhere:  # its capacity eviction, as the store sees it
+            assert elsewhere.engine.discard("swa", prompt).ok == [True] * SYSTEM_PAGES
+        for chat in chats[2:]:
+            lease, bad = serve(cache, chat)
+            assert bad == 0 and lease.hit_pages["device"] == SYSTEM_PAGES
+            cache.flush()
+    new_question = torch.cat([system, tokens(77, 2)])
+    assert _fresh_hit("swa", l3, [], new_question) == (SYSTEM_PAGES, 0)
+
+
+def test_a_late_answer_never_writes_again_what_admission_let_through_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reuse the storage filter refuses is asked about (it is a hit) and found missing -- it
+    never went to L3 -- and the next reuse admits it and queues its write. An answer read after
+    that must not write it a second time: refused nodes are not asked about at all. (Under load
+    the answer came late and the pages were admitted and written twice.)"""
+    gate = threading.Event()
+    real = HitTouch._present
+
+    def late(self: HitTouch, ask: Any) -> Any:  # the writer thread answers only once let go
+        gate.wait(10)
+        return real(self, ask)
+
+    monkeypatch.setattr(HitTouch, "_present", late)
+    hot, cold = tokens(4, 2), tokens(5, 2)
+    with open_cache("kv", tmp_path, ["policy.admission.storage={type: tinylfu, min_count: 3}"]) as cache:
+        serve(cache, cold)  # seen once: refused
+        for _ in range(3):
+            serve(cache, hot)  # insert, a refused reuse, an admitted one
+        gate.set()
+        cache.flush()
+        counted = cache.metrics.snapshot()
+        assert counted["operations"]["storage_admitted"] == 2
+        assert counted["storage"]["put_units"] == 2

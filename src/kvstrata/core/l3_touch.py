@@ -5,14 +5,17 @@ that makes room by itself (``self_evicting``: the file backend's ``capacity_byte
 order) would then drop the hottest prefix first -- the one every request reuses -- while the
 colder pages keyed under it stay; keys are chained (a page's key stands for its whole prefix, an
 L3 lookup starts at the first page L1/L2 lack), so those pages become unreachable to every other
-process sharing the L3, and to this one once its own tiers let the prefix go.
+process sharing the L3, and to this one once its own tiers let the prefix go. The same holds for
+what a restore ending at a node end needs besides pages: a state pool's slot there, a window
+pool's last window.
 
-A lookup that hits therefore asks L3 for the hit pages it has host copies of, as an existence
-query on the writer thread (queued at the writer's next drain, behind every write queued before
-it, off the caller's path): asking is a use to such a store (the file backend moves the keys to
-the recent end of its LRU). Where L3 lost some (another process evicted them: its LRU never saw
-them used), the owner thread writes the hit nodes from the first lost page on again, from their
-host copies, once the answer is in (:meth:`HitTouch.lost`, at a later drain).
+A lookup that hits therefore asks L3 for the objects of the hit it has host copies of -- every
+page of the all-pages pools, the state and last window at every node end -- as existence
+queries on the writer thread (queued at the writer's next drain, behind every write queued
+before it, off the caller's path): asking is a use to such a store (the file backend moves the
+keys to the recent end of its LRU). Where L3 lost some (another process evicted them: its LRU
+never saw them used), the owner thread writes those nodes again from their host copies once the
+answer is in (:meth:`HitTouch.lost`, at a later drain).
 """
 
 from __future__ import annotations
@@ -20,117 +23,157 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Container
 from concurrent import futures
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
 
 from kvstrata.core.l3_values import PageHashes
-from kvstrata.core.stack import PoolKind, StackLayout
+from kvstrata.core.part_context import PartContext
+from kvstrata.core.stack import PoolKind
 from kvstrata.core.storage_engine import StorageEngine
-from kvstrata.core.tree import MatchResult, PrefixTree, TreeNode, tree_path
+from kvstrata.core.tree import MatchResult, TreeNode, tree_path
+from kvstrata.core.write_back import StoredWindowEnds
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Ask:
+    """One hit's question to L3, built on the owner thread, answered on the writer thread."""
+
+    last: TreeNode  # the hit's last node
+    backed: int  # pages of its path on the host when asked: only those were written before
+    pages: list[str]  # their page hashes, asked of every all-pages pool
+    ends: list[TreeNode] = field(default_factory=list)  # nodes whose end objects are asked
+    end_keys: list[dict[str, list[str]]] = field(default_factory=list)  # per end: pool -> keys
+    answer: Future | None = None  # (leading pages present, indices of ends missing an object)
+
+
 class HitTouch:
-    """Asks L3 for a lookup's hit pages, per pool that stores an object for every page."""
+    """Asks L3 for a lookup's hit: the all-pages pools' pages, state and window objects at each
+    node end."""
 
     def __init__(
         self,
         engine: StorageEngine | None,
-        tree: PrefixTree,
-        pools: Sequence[str],
-        submit: Callable[..., Future],
+        context: PartContext,
+        submit: Executor | None,
+        window_ends: StoredWindowEnds,
     ) -> None:
-        self.engine, self.tree = engine, tree
-        self.pools = tuple(pools)
-        self._submit = submit
-        #: lookups' hits not asked for yet: (their page hashes, the hit's last node)
-        self._due: list[tuple[list[str], TreeNode]] = []
-        #: asks not yet drained, oldest first: (the answer, the hit's last node, the pages of
-        #: its path on the host when asked: only those were written, or queued, before the ask)
-        self._asked: deque[tuple[Future, TreeNode, int]] = deque()
+        self.engine, self.tree, self.window_ends = engine, context.tree, window_ends
+        self._submit = submit.submit if submit is not None else None
+        pools = context.layout.tree_pools.values()
+        writes = engine.plans if engine is not None else {}
+        stored = [(tp, [n for n in tp.followers if n in writes and writes[n].writes]) for tp in pools]
+        self.paged = [name for tp, names in stored if tp.kind is PoolKind.PAGES for name in names]
+        #: (tree pool index, the pool's rule, the names its objects are stored under)
+        self.at_ends = [(context.tree.index[tp.name], tp, names) for tp, names in stored if names]
+        self.at_ends = [entry for entry in self.at_ends if entry[1].kind is not PoolKind.PAGES]
+        self._due: list[tuple[list[str], TreeNode]] = []  # lookups' hits not asked for yet
+        self._asked: deque[_Ask] = deque()  # asks not drained yet, oldest first
 
     @classmethod
     def of(
-        cls, engine: StorageEngine | None, tree: PrefixTree, layout: StackLayout, executor: Executor
+        cls, engine: StorageEngine | None, context: PartContext, executor: Executor, ends: StoredWindowEnds
     ) -> HitTouch:
         """For a store that evicts by itself; one that asks nothing where nothing may be lost."""
-        if engine is None or not engine.backend.instance_capabilities().self_evicting:
-            return cls(engine, tree, (), executor.submit)
-        pools = [
-            name
-            for tp in layout.tree_pools.values()
-            if tp.kind is PoolKind.PAGES
-            for name in tp.followers
-            if name in engine.plans and engine.plans[name].writes
-        ]
-        return cls(engine, tree, pools, executor.submit)
+        evicts = engine is not None and engine.backend.instance_capabilities().self_evicting
+        return cls(engine, context, executor if evicts else None, ends)
 
     def after_lookup(self, match: MatchResult, hashes: PageHashes, record: bool) -> None:
         """A request's lookup (``record``: not a later chunk's, whose hits are its own pages)."""
-        if record and match.host_nodes and self.pools:
+        if record and match.host_nodes and self._submit is not None and self.paged:
             self._due.append((list(hashes()[: match.host_pages]), match.host_path[-1]))
 
-    def _ask(self) -> None:
+    def _ask(self, refused: Container[TreeNode]) -> None:
         """Queue the due asks: at the writer's next drain, after whatever the lookup queued
-        itself (a reuse's backup and L3 write), so a write still to come is not taken as lost."""
+        itself (a reuse's backup and L3 write), so a write still to come is not taken as lost;
+        only of the path's leading run on the host that the storage admission filter has not
+        refused (nothing below a refused node was written either)."""
+        assert self._due == [] or self._submit is not None
         for page_hashes, last in self._due:
-            backed = _on_host(self.tree, last) if last.parent is not None else 0
-            if backed:
-                self._asked.append((self._submit(self._present, page_hashes[:backed]), last, backed))
+            if last.parent is None:  # (evicted since the lookup)
+                continue
+            ask = _Ask(last, 0, page_hashes)
+            for node in tree_path(self.tree, last):
+                if node.host_raw[0] is None or node in refused:
+                    break
+                ask.backed += node.pages
+                self._ask_end(ask, node)
+            if ask.backed:
+                ask.pages = page_hashes[: ask.backed]
+                ask.answer = self._submit(self._present, ask)  # type: ignore[misc]
+                self._asked.append(ask)
         self._due.clear()
 
-    def _present(self, page_hashes: list[str]) -> int | None:
-        """Leading pages L3 holds in every pool, or None where it could not say."""
-        assert self.engine is not None  # (no pools without one)
+    def _ask_end(self, ask: _Ask, node: TreeNode) -> None:
+        """The state and window objects a restore ending at ``node`` needs, where it has them."""
+        keys: dict[str, list[str]] = {}
+        for p, tp, names in self.at_ends:
+            if node.host_raw[p] is not None:
+                lo, hi = tp.slots(0, node.depth_end)
+                keys.update((name, ask.pages[lo:hi]) for name in names)
+        if keys:
+            ask.ends.append(node)
+            ask.end_keys.append(keys)
+
+    def _present(self, ask: _Ask) -> tuple[int, set[int]] | None:
+        """Leading pages L3 holds in every all-pages pool, and the ends missing an object; None
+        where L3 could not say."""
+        assert self.engine is not None  # (asks need one)
         try:
-            for pool in self.pools:
-                result = self.engine.exists(pool, page_hashes, leading=True)
+            pages = ask.pages
+            for pool in self.paged:
+                result = self.engine.exists(pool, pages, leading=True)
                 if result.error is not None:
                     return None
-                page_hashes = page_hashes[: result.prefix]
-            return len(page_hashes)
+                pages = pages[: result.prefix]
+            missing: set[int] = set()
+            for pool in {name for keys in ask.end_keys for name in keys}:  # one query per pool
+                asked = [(i, keys[pool]) for i, keys in enumerate(ask.end_keys) if pool in keys]
+                result = self.engine.exists(pool, [key for _, keys in asked for key in keys])
+                if result.error is not None:
+                    return None
+                found = iter(result.ok)
+                missing.update(i for i, keys in asked if not all([next(found) for _ in keys]))
+            return len(pages), missing
         except Exception:  # a bug guard: the answer is read by a drain that must not raise
             log.debug("asking L3 for a hit prefix failed", exc_info=True)
             return None
 
-    def wait(self, deadline: float | None) -> bool:
+    def wait(self, deadline: float | None, refused: Container[TreeNode]) -> bool:
         """Wait (up to ``deadline``, a ``time.monotonic`` value) for every ask's answer; whether
-        there were any (``flush``: the hit pages L3 lost are written again before it returns)."""
-        self._ask()
+        there were any (``flush``: what L3 lost of a hit is written again before it returns)."""
+        self._ask(refused)
         if not self._asked:
             return False
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        futures.wait([answer for answer, _, _ in self._asked], timeout)
+        futures.wait([ask.answer for ask in self._asked if ask.answer is not None], timeout)
         return True
 
     def lost(self, refused: Container[TreeNode]) -> list[TreeNode]:
-        """Of the answered asks, the hit nodes to write again: those on the host when asked
-        with a page L3 lost, down the path while each is still on the host (its parent first:
-        backups stay a contiguous prefix) and was not refused by the storage admission filter."""
-        self._ask()
+        """Of the answered asks, the hit nodes to write again -- those with a page, state or
+        window L3 lost -- while each is still on the host with its parents (backups stay a
+        contiguous prefix) and was not refused by the storage admission filter (never in L3).
+        Their windows are forgotten as stored, so the writes carry them whole."""
+        self._ask(refused)
         nodes: dict[TreeNode, None] = {}
-        while self._asked and self._asked[0][0].done():
-            answer, last, backed = self._asked.popleft()
-            present = None if answer.cancelled() else answer.result()
-            if present is None or present == backed or last.parent is None:  # (gone: evicted)
+        while self._asked and self._asked[0].answer is not None and self._asked[0].answer.done():
+            ask = self._asked.popleft()
+            answer = None if ask.answer.cancelled() else ask.answer.result()  # type: ignore[union-attr]
+            if answer is None or ask.last.parent is None:
+                continue
+            present, missing = answer
+            lost_ends = {ask.ends[i] for i in missing if ask.ends[i].parent is not None}
+            if present == ask.backed and not lost_ends:
                 continue
             start = 0
-            for node in tree_path(self.tree, last):  # (now: a split since moved boundaries)
-                if start >= backed or node.host_raw[0] is None or node in refused:
+            for node in tree_path(self.tree, ask.last):  # (now: a split since moved boundaries)
+                if start >= ask.backed or node.host_raw[0] is None or node in refused:
                     break
                 start += node.pages
-                if start > present:
+                if start > present or node in lost_ends:
                     nodes[node] = None
+        self.window_ends.discard(list(nodes))
         return list(nodes)
-
-
-def _on_host(tree: PrefixTree, last: TreeNode) -> int:
-    """Pages of the leading run of ``last``'s path with host copies."""
-    pages = 0
-    for node in tree_path(tree, last):
-        if node.host_raw[0] is None:
-            break
-        pages += node.pages
-    return pages

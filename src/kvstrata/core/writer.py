@@ -86,7 +86,7 @@ class Writer:
         if self.storage_admission.selective:
             self.tree.on_split(self._split)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
-        self.hit_touch = HitTouch.of(engine, self.tree, self.layout, self._thread)  # hot prefixes stay
+        self.hit_touch = HitTouch.of(engine, context, self._thread, self.window_ends)  # hot prefixes stay
         self.digests: UnitDigests | None = None  # debug.unit_digests
         self.open_backups = OpenBackups(policy.write_through_batch_pages)
         self.room_deadline: float | None = None  # ``flush(timeout)``: a backup waits for room no longer
@@ -355,7 +355,7 @@ class Writer:
             self.end_open()
         finally:
             self.room_deadline = None
-        if self.hit_touch.wait(deadline):
+        if self.hit_touch.wait(deadline, self._refused):
             self.drain()  # (what L3 lost of a hit: written again, waited for below)
         wait_writes(self.pending, deadline)
 
