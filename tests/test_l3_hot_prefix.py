@@ -89,11 +89,14 @@ def test_only_a_requests_own_lookup_asks_l3_for_its_hit(tmp_path: Path) -> None:
 def test_a_hit_prefix_another_process_evicted_is_stored_again(tmp_path: Path) -> None:
     """Another process sharing the L3 evicted the system prompt (its LRU never saw it used)
     while this cache kept serving it from its device: the next lookup that hits it finds it
-    gone and stores it again from the host copies, so a fresh cache restores a chat whole."""
+    gone -- an earlier one found it there -- and stores it again from the host copies, so a
+    fresh cache restores a chat whole."""
     l3 = tmp_path / "l3"
-    chat, other = _chats(2)
+    chat, again, other = _chats(3)
     with open_cache("kv", l3) as cache:
         first, _ = serve(cache, chat)
+        cache.flush()
+        serve(cache, again)  # a hit: L3 answers it holds the prompt
         cache.flush()
         system = first.page_hashes[:SYSTEM_PAGES]
         with open_cache("kv", l3) as elsewhere:  # its capacity eviction, as the store sees it
@@ -186,15 +189,15 @@ def test_a_hit_prompts_window_another_process_evicted_is_stored_again(tmp_path: 
     fresh cache gets the prompt for a new question."""
     l3 = tmp_path / "l3"
     system = tokens(1, SYSTEM_PAGES)
-    chats = [torch.cat([system, tokens(10 + i, 2)]) for i in range(4)]
+    chats = [torch.cat([system, tokens(10 + i, 2)]) for i in range(5)]
     with open_cache("swa", l3) as cache:
-        for chat in chats[:2]:  # the second branches at the prompt's end: its window is stored
-            first, _ = serve(cache, chat)
+        for chat in chats[:3]:  # the second branches at the prompt's end: its window is stored
+            first, _ = serve(cache, chat)  # (the third hears from L3 that it holds it)
             cache.flush()
         prompt = first.page_hashes[:SYSTEM_PAGES]
         with open_cache("swa", l3) as elsewhere:  # its capacity eviction, as the store sees it
             assert elsewhere.engine.discard("swa", prompt).ok == [True] * SYSTEM_PAGES
-        for chat in chats[2:]:
+        for chat in chats[3:]:
             lease, bad = serve(cache, chat)
             assert bad == 0 and lease.hit_pages["device"] == SYSTEM_PAGES
             cache.flush()
@@ -227,3 +230,21 @@ def test_a_late_answer_never_writes_again_what_admission_let_through_meanwhile(
         counted = cache.metrics.snapshot()
         assert counted["operations"]["storage_admitted"] == 2
         assert counted["storage"]["put_units"] == 2
+
+
+def test_a_write_l3_refused_is_not_retried_at_every_hit(tmp_path: Path) -> None:
+    """Only what L3 was once found to hold is written again when lost: pages whose write failed
+    (a disk that refuses writes) are not retried at each hit -- a run's failure count would
+    depend on when the answers came (the fault matrix replays a trace twice and compares)."""
+    chat, again = _chats(2)
+    with open_cache("kv", tmp_path / "l3") as cache:
+        real_put = cache.engine.backend.put
+        cache.engine.backend.put = lambda objects: [False] * len(objects)  # fault injection
+        serve(cache, chat)
+        cache.flush()
+        failed = cache.metrics.snapshot()["storage"]["put_failed"]
+        for _ in range(3):
+            serve(cache, again)  # hits the prompt; only its own pages are written (and fail)
+            cache.flush()
+        assert cache.metrics.snapshot()["storage"]["put_failed"] - failed == 2
+        cache.engine.backend.put = real_put

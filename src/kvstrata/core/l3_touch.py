@@ -14,8 +14,8 @@ page of the all-pages pools, the state and last window at every node end -- as e
 queries on the writer thread (queued at the writer's next drain, behind every write queued
 before it, off the caller's path): asking is a use to such a store (the file backend moves the
 keys to the recent end of its LRU). Where L3 lost some (another process evicted them: its LRU
-never saw them used), the owner thread writes those nodes again from their host copies once the
-answer is in (:meth:`HitTouch.lost`, at a later drain).
+never saw them used) after an earlier answer found them, the owner thread writes those nodes
+again from their host copies once the answer is in (:meth:`HitTouch.lost`, at a later drain).
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ from kvstrata.core.tree import MatchResult, TreeNode, tree_path
 from kvstrata.core.write_back import StoredWindowEnds
 
 log = logging.getLogger(__name__)
+
+#: confirmed nodes remembered before the evicted ones are swept out
+_CONFIRMED_SWEEP = 8192
 
 
 @dataclass
@@ -72,6 +75,10 @@ class HitTouch:
         self.at_ends = [entry for entry in self.at_ends if entry[1].kind is not PoolKind.PAGES]
         self._due: list[tuple[list[str], TreeNode]] = []  # lookups' hits not asked for yet
         self._asked: deque[_Ask] = deque()  # asks not drained yet, oldest first
+        #: nodes an answer found whole in L3: only what L3 is known to have held is written
+        #: again when lost (a write that failed -- a full or read-only disk -- is not retried at
+        #: every hit: the failures of a run would depend on when answers came)
+        self._confirmed: dict[TreeNode, None] = {}
 
     @classmethod
     def of(
@@ -154,9 +161,10 @@ class HitTouch:
 
     def lost(self, refused: Container[TreeNode]) -> list[TreeNode]:
         """Of the answered asks, the hit nodes to write again -- those with a page, state or
-        window L3 lost -- while each is still on the host with its parents (backups stay a
-        contiguous prefix) and was not refused by the storage admission filter (never in L3).
-        Their windows are forgotten as stored, so the writes carry them whole."""
+        window L3 lost, that an earlier answer found whole -- while each is still on the host
+        with its parents (backups stay a contiguous prefix) and was not refused by the storage
+        admission filter (never in L3). Their windows are forgotten as stored, so the writes
+        carry them whole."""
         self._ask(refused)
         nodes: dict[TreeNode, None] = {}
         while self._asked and self._asked[0].answer is not None and self._asked[0].answer.done():
@@ -166,14 +174,17 @@ class HitTouch:
                 continue
             present, missing = answer
             lost_ends = {ask.ends[i] for i in missing if ask.ends[i].parent is not None}
-            if present == ask.backed and not lost_ends:
-                continue
             start = 0
             for node in tree_path(self.tree, ask.last):  # (now: a split since moved boundaries)
                 if start >= ask.backed or node.host_raw[0] is None or node in refused:
                     break
                 start += node.pages
-                if start > present or node in lost_ends:
+                if start <= present and node not in lost_ends:
+                    self._confirmed[node] = None
+                elif node in self._confirmed:  # held before: lost since
+                    del self._confirmed[node]
                     nodes[node] = None
+        if len(self._confirmed) > _CONFIRMED_SWEEP:
+            self._confirmed = {n: None for n in self._confirmed if n.parent is not None}
         self.window_ends.discard(list(nodes))
         return list(nodes)
