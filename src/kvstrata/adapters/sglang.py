@@ -229,6 +229,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         pool = self._anchor()
+        self.pages.refresh(pool, _prefix_keys(extra_info))
         return self.pages.write(
             pool, keys, lambda at: pool.write_units(pool.pages(host_indices, len(keys))[at])
         )
@@ -351,6 +352,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                 results[transfer.name] = [False] * len(transfer.keys or [])
                 continue
             pool, keys, indices = found
+            self.pages.refresh(pool, _prefix_keys(extra_info))
             results[transfer.name] = self.pages.write(
                 pool,
                 keys,
@@ -386,3 +388,9 @@ class KvstrataHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         self.storage.close()
+
+
+def _prefix_keys(extra_info: HiCacheStorageExtraInfo | None) -> list[str]:
+    """The page keys above a backup's, where SGLang passes them (its
+    ``hicache_storage_pass_prefix_keys``; without it kvstrata cannot tell a hot prefix)."""
+    return list(getattr(extra_info, "prefix_keys", None) or [])
