@@ -61,18 +61,21 @@ class HitTouch:
         self,
         engine: StorageEngine | None,
         context: PartContext,
-        submit: Executor | None,
+        executor: Executor | None,
         window_ends: StoredWindowEnds,
     ) -> None:
         self.engine, self.tree, self.window_ends = engine, context.tree, window_ends
-        self._submit = submit.submit if submit is not None else None
+        self._submit = executor.submit if executor is not None else None
         pools = context.layout.tree_pools.values()
         writes = engine.plans if engine is not None else {}
         stored = [(tp, [n for n in tp.followers if n in writes and writes[n].writes]) for tp in pools]
         self.paged = [name for tp, names in stored if tp.kind is PoolKind.PAGES for name in names]
-        #: (tree pool index, the pool's rule, the names its objects are stored under)
-        self.at_ends = [(context.tree.index[tp.name], tp, names) for tp, names in stored if names]
-        self.at_ends = [entry for entry in self.at_ends if entry[1].kind is not PoolKind.PAGES]
+        #: state and window pools: (tree pool index, the pool's rule, the names it is stored under)
+        self.at_ends = [
+            (context.tree.index[tp.name], tp, names)
+            for tp, names in stored
+            if names and tp.kind is not PoolKind.PAGES
+        ]
         self._due: list[tuple[list[str], TreeNode]] = []  # lookups' hits not asked for yet
         self._asked: deque[_Ask] = deque()  # asks not drained yet, oldest first
         #: nodes an answer found whole in L3: only what L3 is known to have held is written
@@ -98,7 +101,6 @@ class HitTouch:
         itself (a reuse's backup and L3 write), so a write still to come is not taken as lost;
         only of the path's leading run on the host that the storage admission filter has not
         refused (nothing below a refused node was written either)."""
-        assert self._due == [] or self._submit is not None
         for page_hashes, last in self._due:
             if last.parent is None:  # (evicted since the lookup)
                 continue
