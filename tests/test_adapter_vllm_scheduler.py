@@ -676,6 +676,45 @@ def test_a_finished_requests_own_checkpoints_are_removed_after_its_last_save(tmp
         hybrid.storage.close()
 
 
+def test_a_held_prefix_asks_for_its_end_checkpoint_and_never_stores_it_again(tmp_path: Path) -> None:
+    """A request starting on a prefix vLLM holds (two blocks) has the workers ask L3 for the
+    state checkpoint at the prefix end too -- what a new question on a hot prompt needs in
+    another engine, so its LRU must see it used -- but never store it from vLLM's block there,
+    which may hold the running state by now: gone from L3, it stays gone."""
+    hybrid = _Hybrid(tmp_path)
+    try:
+        hybrid.step(32)  # the prefill of two blocks: their checkpoint at block 1
+        prompt = hybrid.scheduler._hashes(hybrid.scheduler.requests["r"], 2)
+        state_pool = hybrid.layout.groups[1].pool
+        assert hybrid.storage.engine.exists(state_pool, prompt[1:]).ok == [True]
+        asked: list[tuple[str, list[str]]] = []
+        real_exists = hybrid.storage.engine.exists
+
+        def spy(pool: str, keys: Any, **kwargs: Any) -> Any:
+            asked.append((pool, list(keys)))
+            return real_exists(pool, keys, **kwargs)
+
+        hybrid.storage.engine.exists = spy  # type: ignore[method-assign]
+        question = _request("q", [*hybrid.request.all_token_ids[: 2 * BS], *range(700, 710)])
+        hybrid.scheduler.matched_tokens(question, 2 * BS)  # vLLM's own hit: two blocks
+        question.num_computed_tokens = 2 * BS
+        plan = hybrid.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={"q": 10}))
+        held = {t.group_id: (t.hashes, t.block_ids) for t in plan.held}
+        assert held[hybrid.state_group] == (prompt[1:], [])
+        assert held[hybrid.layout.anchor.group_id][0] == prompt
+        hybrid.worker.save(plan)
+        assert (state_pool, prompt[1:]) in asked
+        assert hybrid.storage.engine.discard(state_pool, prompt[1:]).ok == [True]
+        again = _request("q2", list(question.all_token_ids))
+        hybrid.scheduler.matched_tokens(again, 2 * BS)
+        again.num_computed_tokens = 2 * BS
+        hybrid.worker.save(hybrid.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={"q2": 10})))
+        assert hybrid.worker.stats["resaved_blocks"] == 0
+        assert real_exists(state_pool, prompt[1:]).ok == [False], "never stored from a running slot"
+    finally:
+        hybrid.storage.close()
+
+
 def test_a_reset_removes_the_own_checkpoints_of_requests_in_flight(tmp_path: Path) -> None:
     """After ``reset_prefix_cache`` a request's blocks are keyed under a fresh generation: its own
     checkpoints stored before are no one's, removed like a finished request's."""

@@ -141,11 +141,14 @@ def leading_run(engine: StorageEngine, pool: str, hashes: list[str]) -> int:
 
 
 def held_prefix(layout: StoreLayout, ids: tuple[list[int], ...], hashes: list[str]) -> list[GroupTransfer]:
-    """The blocks ``hashes`` of a prefix vLLM holds itself, per paged group (``StepPlan.held``):
-    where vLLM keeps a block of its own, no lookup or load of it touches L3 again."""
+    """The blocks ``hashes`` of a prefix vLLM holds itself, per group (``StepPlan.held``): where
+    vLLM keeps a block of its own, no lookup or load of it touches L3 again. A state group's is
+    the checkpoint at the prefix end, asked for only (no block: vLLM's block there may hold the
+    running state by now, which is never stored under the prefix's key)."""
     transfers = []
     for group in layout.groups:
-        if group.kind == STATE:  # (a state checkpoint below the running one is not kept)
+        if group.kind == STATE:
+            transfers.append(GroupTransfer(group.group_id, hashes[-1:], []))
             continue
         row = ids[group.group_id]
         kept = [i for i in range(min(len(hashes), len(row))) if row[i] != 0]

@@ -393,7 +393,7 @@ class WorkerSide:
         store keeps an LRU): vLLM's own copies are stored again."""
         for held in plan.held:
             result = self.engine.exists(self.groups[held.group_id].pool, held.hashes)
-            if result.error is not None:  # (L3 unreachable: this step's saves say so)
+            if result.error is not None or not held.block_ids:  # (unreachable; a state: asked only)
                 continue
             lost = [k for k, present in enumerate(result.ok) if not present]
             if not lost:
