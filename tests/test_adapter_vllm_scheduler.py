@@ -865,3 +865,58 @@ def test_a_streaming_session_that_adds_an_image_later_keys_its_blocks_by_the_ima
     assert offered == 0, f"session b is offered {offered // BS} blocks holding session a's image"
     offered, _ = engine.scheduler.matched_tokens(b, 0)  # b's text blocks: found, stored by a
     assert offered == 2 * BS
+
+
+def test_a_connector_reset_never_stores_kv_computed_before_it(engines: Any) -> None:
+    """vLLM's ``reset_prefix_cache(reset_connector=True)`` resets the connector even while
+    requests run (scheduler.py: ``reset_connector_cache`` is called whatever the prefix cache
+    reset answered). README: after it "nothing stored before is served here again (it is the old
+    weights' KV)". A request running across the reset is "starting" again for the connector
+    (``save_from`` None), so ``held_prefix`` names every block it computed BEFORE the reset,
+    under the NEW generation's keys; none exists, so the workers store them all: a request after
+    the reset is then served the pre-reset KV."""
+    engine = engines()
+    prompt = list(range(1, 3 * BS + 5))
+    running = engine.request("r", prompt)
+    assert engine.scheduler.matched_tokens(running, 0) == (0, False)
+    engine.step({"r": len(prompt)})  # prefill: blocks 0-2 stored (old generation)
+    running.num_computed_tokens = len(prompt)
+    running.all_token_ids.append(999)
+    running.num_tokens = len(running.all_token_ids)
+    engine.scheduler.reset()  # weight update: r keeps running on its (old) KV
+    plan = engine.step({"r": 1})  # its next decode step
+    assert engine.worker.stats["resaved_blocks"] == 0, (
+        f"{engine.worker.stats['resaved_blocks']} blocks computed before the reset stored under the "
+        f"new generation (held: {[len(t.hashes) for t in plan.held]})"
+    )
+    after = engine.request("after", prompt)
+    assert engine.scheduler.matched_tokens(after, 0) == (0, False), "pre-reset KV served after the reset"
+
+
+def test_requests_sharing_a_prefix_in_one_step_count_nothing_lost_and_put_once(engines: Any) -> None:
+    """vLLM caches a block when it allocates it (``allocate_slots`` -> ``cache_blocks`` up to the
+    tokens scheduled), so a second new request sharing a system prompt hits it locally in the
+    SAME step the first computes it. Its ``held`` blocks are asked of L3 before that step's saves:
+    "lost", they are appended to the saves a second time -- counted as ``resaved_blocks`` (L3 had
+    lost nothing) and put twice."""
+    engine = engines()
+    system = list(range(1, 2 * BS + 1))
+    a = engine.request("a", [*system, *range(500, 500 + BS + 3)])
+    b = engine.request("b", [*system, *range(700, 700 + BS + 3)])
+    engine.block_ids["b"] = [1, 2, *range(8, BLOCKS)]  # b's first two blocks: a's (vLLM's hit)
+    assert engine.scheduler.matched_tokens(a, 0) == (0, False)
+    assert engine.scheduler.matched_tokens(b, 2 * BS) == (0, False)
+    b.num_computed_tokens = 2 * BS
+    puts: list[list[str]] = []
+    real_put = engine.engine.put
+
+    def spy(pool: str, keys: list[str], units: Any) -> Any:
+        puts.append(list(keys))
+        return real_put(pool, keys, units)
+
+    engine.engine.put = spy
+    engine.step({"a": len(a.all_token_ids), "b": len(b.all_token_ids) - 2 * BS})
+    keys = [k for batch in puts for k in batch]
+    assert engine.worker.stats["resaved_blocks"] == 0, "L3 lost nothing: a's blocks were being stored"
+    assert len(keys) == len(set(keys)), f"{len(keys) - len(set(keys))} blocks put twice in one step"
+    assert engine.worker.stats["saved_blocks"] == 3 + 1

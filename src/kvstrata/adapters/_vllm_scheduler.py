@@ -64,6 +64,10 @@ class StepPlan:
     #: for them again, so the workers remove them from every state group's pool
     drops: list[str] = field(default_factory=list)
 
+    def for_workers(self) -> bool:
+        """Whether the workers have anything to do after the step's forward pass."""
+        return bool(self.saves or self.drops or self.held)
+
 
 @dataclass
 class _Request:
@@ -87,6 +91,7 @@ class _Request:
     load_failed: bool = False  # a load of this request failed: it recomputes, never asks again
     extras: bool = False  # its blocks carry extra keys (LoRA, multimodal, prompt embeddings)
     uncacheable: bool = False  # extra keys this vLLM cannot tell: never looked up nor saved
+    reset_while_running: bool = False  # a connector reset came while it ran (``reset``)
 
     def object_keys(self, group: GroupLayout, hashes: list[str], indices: Iterable[int]) -> list[str]:
         """Keys of ``group``'s blocks ``indices`` (its own for decode-time checkpoints)."""
@@ -213,6 +218,7 @@ class SchedulerSide:
             state.root, state.hashes = self._root(state.request), []
             state.stored_blocks = state.hit_blocks = 0
             state.save_from, state.last_lookup, state.pending_load = None, None, None
+            state.reset_while_running = True  # its blocks so far are the old weights': never held
             state.decode_states.clear()
 
     def _hashes(self, state: _Request, blocks: int) -> list[str]:
@@ -335,7 +341,7 @@ class SchedulerSide:
             computed = state.request.num_computed_tokens
             if req_id in restarts or not state.prefill_end:
                 state.prefill_end = len(state.request.all_token_ids)
-            starting = state.save_from is None
+            starting = state.save_from is None and not state.reset_while_running
             self._plan_saves(req_id, state, computed, scheduled, saves, plan.stored)
             if starting and state.save_from and (ids := self._block_ids(req_id)) is not None:
                 plan.held += held_prefix(self.layout, ids, self._hashes(state, state.save_from))

@@ -395,11 +395,13 @@ class WorkerSide:
             result = self.engine.exists(self.groups[held.group_id].pool, held.hashes)
             if result.error is not None or not held.block_ids:  # (unreachable; a state: asked only)
                 continue
-            lost = [k for k, present in enumerate(result.ok) if not present]
+            before = saves.get(held.group_id, GroupTransfer(held.group_id, [], []))
+            planned = set(before.hashes)  # (another request of the step saves it: not lost)
+            lost = [k for k, present in enumerate(result.ok) if not present and held.hashes[k] not in planned]
+            lost = list({held.hashes[k]: k for k in reversed(lost)}.values())[::-1]  # (once each)
             if not lost:
                 continue
             self.stats["resaved_blocks"] += len(lost)
-            before = saves.get(held.group_id, GroupTransfer(held.group_id, [], []))
             saves[held.group_id] = GroupTransfer(
                 held.group_id,
                 before.hashes + [held.hashes[k] for k in lost],

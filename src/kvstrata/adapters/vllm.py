@@ -367,7 +367,7 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        if isinstance(meta, KvstrataConnectorMetadata) and (meta.plan.saves or meta.plan.drops):
+        if isinstance(meta, KvstrataConnectorMetadata) and meta.plan.for_workers():
             self._worker.save(meta.plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
