@@ -396,9 +396,9 @@ class WorkerSide:
             if result.error is not None or not held.block_ids:  # (unreachable; a state: asked only)
                 continue
             before = saves.get(held.group_id, GroupTransfer(held.group_id, [], []))
-            planned = set(before.hashes)  # (another request of the step saves it: not lost)
+            # a block this step saves anyway (another request's, or an earlier held's) is not lost
+            planned = set(before.hashes)
             lost = [k for k, present in enumerate(result.ok) if not present and held.hashes[k] not in planned]
-            lost = list({held.hashes[k]: k for k in reversed(lost)}.values())[::-1]  # (once each)
             if not lost:
                 continue
             self.stats["resaved_blocks"] += len(lost)
