@@ -395,6 +395,37 @@ def test_full_segment_puts_fail_per_key_with_not_stored(tmp_path: Path) -> None:
             backend.close()
 
 
+def test_exists_keeps_an_object_in_mooncakes_eviction_order(tmp_path: Path) -> None:
+    """Why the core asks a self-evicting L3 for the prefixes its own tiers serve (core/l3_touch.py):
+    to Mooncake an ``exists`` is a use. Its master grants the object a lease and, when the segment
+    is full, evicts in lease order; the object asked about outlives the objects put after it.
+    (Only one ``exists`` before the check: every ``exists`` refreshes what it finds.)"""
+    page = 512 << 10
+    with MooncakeMaster(log_dir=tmp_path, lease_ttl_ms=50) as master:
+        backend = MooncakeBackend("lru", master.backend_config(segment_bytes=16 << 20, local_buffer_bytes=0))
+        backend.open()
+        try:
+            pages = torch.randint(0, 256, (40, page), dtype=torch.uint8)  # 20 MiB > the 16 MiB segment
+            backend.register_host_memory(region_of(pages))
+            old, new = fresh_keys(16), fresh_keys(24)
+            for i, key in enumerate(old):  # one at a time, apart: leases in put order
+                assert backend.put([StorageObject(key, (region_of(pages[i]),))]) == [True]
+                time.sleep(0.01)
+            time.sleep(0.1)  # every lease expired: all 16 may be evicted
+            hot = old[0]  # put first: without a use, the first to go
+            assert backend.exists([hot]) == [True]
+            time.sleep(0.1)
+            for j, key in enumerate(new):
+                backend.put([StorageObject(key, (region_of(pages[16 + j]),))])
+                time.sleep(0.02)  # the master's eviction thread makes room between puts
+            time.sleep(0.5)
+            present = backend.exists(old)
+            assert not all(present[1:]), "the segment overflowed but no old object was evicted"
+            assert present[0], f"the object asked about was evicted before colder ones: {present}"
+        finally:
+            backend.close()
+
+
 def test_standalone_round_trip_with_backend_allocated_memory(standalone: MooncakeBackend) -> None:
     assert standalone.instance_capabilities().host_allocator is True
     assert MooncakeBackend.capabilities.host_allocator is False
