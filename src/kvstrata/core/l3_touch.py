@@ -37,7 +37,7 @@ from kvstrata.core.write_back import StoredWindowEnds
 
 log = logging.getLogger(__name__)
 
-#: confirmed nodes remembered before the evicted ones are swept out
+#: confirmed nodes remembered before the evicted ones are first swept out
 _CONFIRMED_SWEEP = 8192
 
 
@@ -82,6 +82,7 @@ class HitTouch:
         #: again when lost (a write that failed -- a full or read-only disk -- is not retried at
         #: every hit: the failures of a run would depend on when answers came)
         self._confirmed: dict[TreeNode, None] = {}
+        self._sweep_at = _CONFIRMED_SWEEP  # (twice what the last sweep kept: amortised O(1))
 
     @classmethod
     def of(
@@ -186,7 +187,8 @@ class HitTouch:
                 elif node in self._confirmed:  # held before: lost since
                     del self._confirmed[node]
                     nodes[node] = None
-        if len(self._confirmed) > _CONFIRMED_SWEEP:
+        if len(self._confirmed) > self._sweep_at:
             self._confirmed = {n: None for n in self._confirmed if n.parent is not None}
+            self._sweep_at = max(_CONFIRMED_SWEEP, 2 * len(self._confirmed))
         self.window_ends.discard(list(nodes))
         return list(nodes)
