@@ -59,7 +59,7 @@ from kvstrata.core.write_back import (
 
 log = logging.getLogger(__name__)
 
-#: refused nodes remembered for a second offer before the stale ones are swept out
+#: refused nodes remembered for a second offer before the stale ones are first swept out
 _REFUSED_SWEEP = 8192
 
 
@@ -69,8 +69,7 @@ class Writer:
     def __init__(self, context: PartContext, engine: StorageEngine | None) -> None:
         self.context = context
         self.pools, self.tree, self.layout = context.pools, context.tree, context.layout
-        self.units, self.metrics = context.units, context.metrics
-        self.engine = engine
+        self.units, self.metrics, self.engine = context.units, context.metrics, engine
         self.policy = policy = context.policy
         self.page_size, self.namespace_root = context.page_size, context.namespace_root
         self.pending: deque[PendingWrite] = deque()
@@ -82,6 +81,7 @@ class Writer:
             self.host_admission.selective or self.storage_admission.selective
         )
         self._refused: dict[TreeNode, None] = {}  # on host, refused by the storage filter
+        self._sweep_at = _REFUSED_SWEEP  # (twice what the last sweep kept: amortised O(1))
         self.window_ends = StoredWindowEnds()
         if self.storage_admission.selective:
             self.tree.on_split(self._split)
@@ -262,8 +262,9 @@ class Writer:
         if not admission.selective:
             self.metrics.count(Operation.STORAGE_ADMITTED, sum(n.pages for n in nodes))
             return nodes
-        if len(self._refused) > _REFUSED_SWEEP:
+        if len(self._refused) > self._sweep_at:
             self._refused = {n: None for n in self._refused if n.host[0] is not None and n.parent}
+            self._sweep_at = max(_REFUSED_SWEEP, 2 * len(self._refused))
         taken, refused = [], 0
         for n in nodes:
             if n.parent in self._refused or not admission.admit(n):
