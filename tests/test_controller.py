@@ -604,9 +604,30 @@ def test_a_window_end_whose_write_failed_is_written_again_and_gone_nodes_are_swe
     ends.settled([failed], {"swa": BatchResult([True, False], failed=1)})
     assert kept in ends and failed not in ends, "a failed write leaves the window to the next request"
     gone.parent = None  # evicted: left the tree
-    ends.SWEEP = 0  # type: ignore[misc]
+    ends._sweep_at = 0  # (the sweep's bound, reached)
     ends.add([])
     assert gone not in ends and kept in ends
+
+
+def test_stored_window_ends_of_a_large_tree_are_not_swept_at_every_write() -> None:
+    """Past its bound the set was swept at every ``add`` (every write with a window) though
+    every node was still in the tree: O(tree) per write. A sweep now waits for it to double."""
+    reads = 0
+
+    class Node:  # (a node still in the tree: the sweep reads only ``parent``)
+        @property
+        def parent(self) -> object:
+            nonlocal reads
+            reads += 1
+            return self
+
+    ends = StoredWindowEnds()
+    live = [Node() for _ in range(StoredWindowEnds.SWEEP + 1)]
+    ends.add(live)  # type: ignore[arg-type]
+    for _ in range(50):
+        ends.add([Node()])  # type: ignore[list-item]
+    assert reads <= len(live) + 50, f"{reads / len(live):.0f} sweeps of every node in 50 writes"
+    assert all(node in ends for node in live)
 
 
 @pytest.mark.parametrize("writes", ["finished_not_drained", "finish_while_the_backup_waits"])

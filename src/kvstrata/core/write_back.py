@@ -48,10 +48,11 @@ class StoredWindowEnds:
     again). A split's upper half is a new node, so it is never taken for its lower's. Nodes that
     left the tree are swept out as the set grows; a failed write takes its nodes out again."""
 
-    SWEEP = 8192
+    SWEEP = 8192  # the first sweep; then at twice what the last one kept (amortised O(1))
 
     def __init__(self) -> None:
         self._nodes: dict[TreeNode, None] = {}
+        self._sweep_at = self.SWEEP
 
     def __contains__(self, node: TreeNode) -> bool:
         return node in self._nodes
@@ -62,8 +63,9 @@ class StoredWindowEnds:
             self.discard(ends)
 
     def add(self, nodes: Sequence[TreeNode]) -> None:
-        if len(self._nodes) > self.SWEEP:
+        if len(self._nodes) > self._sweep_at:
             self._nodes = {n: None for n in self._nodes if n.parent is not None}
+            self._sweep_at = max(self.SWEEP, 2 * len(self._nodes))
         self._nodes.update(dict.fromkeys(nodes))
 
     def discard(self, nodes: Sequence[TreeNode]) -> None:
