@@ -152,3 +152,26 @@ def holds_page(cache: CacheController, pool: str, units: torch.Tensor, page_hash
         if not torch.equal(view[units.to(view.device)].cpu(), expected):
             return False
     return True
+
+
+class LiveNode:
+    """Stands for a tree node still in the tree and on the host, for the sets the write path
+    remembers (``core/node_set.py``); counts how often a sweep looked at it."""
+
+    reads = 0  # every LiveNode's, together
+
+    @property
+    def parent(self) -> object:
+        LiveNode.reads += 1
+        return self
+
+    @property
+    def host(self) -> list[object]:
+        return [self]
+
+
+class GoneNode:
+    """Stands for a node eviction took out of the tree (and off the host)."""
+
+    parent = None
+    host = (None,)

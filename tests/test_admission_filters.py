@@ -117,36 +117,3 @@ def test_tinylfu_min_count_2_storage_takes_a_prefix_inserted_then_reused(tmp_pat
         f"{write}: inserted + reused prefix not in L3 "
         f"(storage_admitted {snap['storage_admitted']}, storage_rejected {snap['storage_rejected']})"
     )
-
-
-def test_a_large_set_of_refused_nodes_is_not_swept_at_every_write(tmp_path: Path) -> None:
-    """The nodes the storage filter refused are remembered (a reuse offers them again) and swept
-    of evicted ones past a bound. With more live ones than the bound, every write offered to the
-    filter swept them all again -- O(host tier) per insert. A sweep now waits for the set to
-    double, and still drops the evicted."""
-    reads = 0
-
-    class Node:  # (stands for a refused node still on the host: the sweep reads ``host``)
-        parent = True
-
-        @property
-        def host(self) -> list[int]:
-            nonlocal reads
-            reads += 1
-            return [1]
-
-    cache = open_cache("kv", tmp_path, ["policy.admission.storage.type=tinylfu"])
-    try:
-        writer = cache.writer
-        live = 10_000  # above the first bound (8192)
-        writer._refused = dict.fromkeys(Node() for _ in range(live))
-        for _ in range(50):
-            assert writer._admit_writes([]) == []
-        assert len(writer._refused) == live  # none swept out: all on the host
-        assert reads == live, f"{reads / live:.0f} sweeps of every refused node in 50 writes"
-        gone = [type("Evicted", (), {"parent": None, "host": [None]})() for _ in range(live + 1)]
-        writer._refused.update(dict.fromkeys(gone))  # doubled: swept, the evicted dropped
-        writer._admit_writes([])
-        assert len(writer._refused) == live
-    finally:
-        cache.close()

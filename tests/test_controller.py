@@ -20,6 +20,8 @@ from controller_support import (
     DEVICE,
     EXAMPLES,
     REPO,
+    GoneNode,
+    LiveNode,
     fill,
     host_units_held_by_tree,
     host_units_in_use,
@@ -30,6 +32,7 @@ from controller_support import (
 )
 from kvstrata.core.buffers import torch_dtype
 from kvstrata.core.controller import CacheController, CacheFullError, PoolKind, SkipReason
+from kvstrata.core.node_set import NodeSet
 from kvstrata.core.storage_batch import BatchResult
 from kvstrata.core.write_back import StoredWindowEnds
 
@@ -594,40 +597,31 @@ def test_a_window_ending_at_a_prefix_end_is_written_to_l3_once(tmp_path: Path, s
 
 
 def test_a_window_end_whose_write_failed_is_written_again_and_gone_nodes_are_swept() -> None:
-    class Node:  # what the set reads of a tree node: whether it is still in the tree
-        parent: object = "in the tree"
-
     ends = StoredWindowEnds()
-    kept, failed, gone = Node(), Node(), Node()
-    ends.add([kept, failed, gone])  # type: ignore[list-item]
-    ends.settled([kept], {"swa": BatchResult([True, True])})
-    ends.settled([failed], {"swa": BatchResult([True, False], failed=1)})
+    kept, failed, gone = LiveNode(), LiveNode(), LiveNode()
+    ends.update([kept, failed, gone])  # type: ignore[list-item]
+    ends.settled([kept], {"swa": BatchResult([True, True])})  # type: ignore[list-item]
+    ends.settled([failed], {"swa": BatchResult([True, False], failed=1)})  # type: ignore[list-item]
     assert kept in ends and failed not in ends, "a failed write leaves the window to the next request"
-    gone.parent = None  # evicted: left the tree
-    ends._sweep_at = 0  # (the sweep's bound, reached)
-    ends.add([])
-    assert gone not in ends and kept in ends
+    ends.discard(gone)  # type: ignore[arg-type]
+    ends.update([GoneNode() for _ in range(NodeSet.FIRST_SWEEP)])  # type: ignore[misc]  # evicted ones
+    assert len(ends) == 1 and kept in ends, "the sweep drops the nodes that left the tree"
 
 
-def test_stored_window_ends_of_a_large_tree_are_not_swept_at_every_write() -> None:
-    """Past its bound the set was swept at every ``add`` (every write with a window) though
-    every node was still in the tree: O(tree) per write. A sweep now waits for it to double."""
-    reads = 0
-
-    class Node:  # (a node still in the tree: the sweep reads only ``parent``)
-        @property
-        def parent(self) -> object:
-            nonlocal reads
-            reads += 1
-            return self
-
-    ends = StoredWindowEnds()
-    live = [Node() for _ in range(StoredWindowEnds.SWEEP + 1)]
-    ends.add(live)  # type: ignore[arg-type]
-    for _ in range(50):
-        ends.add([Node()])  # type: ignore[list-item]
-    assert reads <= len(live) + 50, f"{reads / len(live):.0f} sweeps of every node in 50 writes"
-    assert all(node in ends for node in live)
+def test_stored_window_ends_of_a_large_tree_are_not_swept_at_every_write(tmp_path: Path) -> None:
+    """Past its bound the set of stored window ends was swept at every write carrying a window,
+    though every node was still in the tree: O(tree) per write. A sweep now waits for the set to
+    double (``NodeSet``)."""
+    with open_cache("swa", tmp_path) as cache:
+        ends = cache.writer.window_ends
+        live = [LiveNode() for _ in range(NodeSet.FIRST_SWEEP)]
+        ends.update(live)  # type: ignore[arg-type]
+        LiveNode.reads = 0
+        for n in range(1, 51):
+            serve(cache, tokens(n, 3))
+            cache.flush()  # each request's window end written
+        assert len(ends) > len(live)
+        assert LiveNode.reads <= len(live), f"{LiveNode.reads / len(live):.0f} sweeps of every node"
 
 
 @pytest.mark.parametrize("writes", ["finished_not_drained", "finish_while_the_backup_waits"])

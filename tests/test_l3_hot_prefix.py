@@ -248,30 +248,3 @@ def test_a_write_l3_refused_is_not_retried_at_every_hit(tmp_path: Path) -> None:
             cache.flush()
         assert cache.metrics.snapshot()["storage"]["put_failed"] - failed == 2
         cache.engine.backend.put = real_put
-
-
-def test_a_large_tree_of_confirmed_nodes_is_not_swept_at_every_drain(tmp_path: Path) -> None:
-    """The nodes L3 confirmed are remembered (to notice a loss) and swept of evicted ones past a
-    bound. With more live nodes than the bound, every drain (every call that drains: each
-    insert) swept them all again -- O(tree) per call. A sweep now waits for the set to double."""
-    reads = 0
-
-    class Node:  # (stands for a live tree node: the sweep reads only ``parent``)
-        @property
-        def parent(self) -> object:
-            nonlocal reads
-            reads += 1
-            return self
-
-    with open_cache("kv", tmp_path / "l3") as cache:
-        touch = cache.writer.hit_touch
-        live = 10_000  # above the first bound (8192)
-        touch._confirmed = dict.fromkeys(Node() for _ in range(live))
-        for _ in range(50):
-            assert touch.lost(()) == []
-        assert len(touch._confirmed) == live  # none swept out: all live
-        assert reads == live, f"{reads / live:.0f} sweeps of every node in 50 drains"
-        dead = [type("Evicted", (), {"parent": None})() for _ in range(live + 1)]
-        touch._confirmed.update(dict.fromkeys(dead))  # doubled: swept, the evicted dropped
-        touch.lost(())
-        assert len(touch._confirmed) == live

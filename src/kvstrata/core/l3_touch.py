@@ -29,6 +29,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 from kvstrata.core.l3_values import PageHashes
+from kvstrata.core.node_set import NodeSet
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.stack import PoolKind
 from kvstrata.core.storage_engine import StorageEngine
@@ -36,9 +37,6 @@ from kvstrata.core.tree import MatchResult, TreeNode, tree_path
 from kvstrata.core.write_back import StoredWindowEnds
 
 log = logging.getLogger(__name__)
-
-#: confirmed nodes remembered before the evicted ones are first swept out
-_CONFIRMED_SWEEP = 8192
 
 
 @dataclass
@@ -81,8 +79,7 @@ class HitTouch:
         #: nodes an answer found whole in L3: only what L3 is known to have held is written
         #: again when lost (a write that failed -- a full or read-only disk -- is not retried at
         #: every hit: the failures of a run would depend on when answers came)
-        self._confirmed: dict[TreeNode, None] = {}
-        self._sweep_at = _CONFIRMED_SWEEP  # (twice what the last sweep kept: amortised O(1))
+        self._confirmed = NodeSet()
 
     @classmethod
     def of(
@@ -183,12 +180,9 @@ class HitTouch:
                     break
                 start += node.pages
                 if start <= present and node not in lost_ends:
-                    self._confirmed[node] = None
+                    self._confirmed.add(node)
                 elif node in self._confirmed:  # held before: lost since
-                    del self._confirmed[node]
+                    self._confirmed.discard(node)
                     nodes[node] = None
-        if len(self._confirmed) > self._sweep_at:
-            self._confirmed = {n: None for n in self._confirmed if n.parent is not None}
-            self._sweep_at = max(_CONFIRMED_SWEEP, 2 * len(self._confirmed))
-        self.window_ends.discard(list(nodes))
+        self.window_ends.difference_update(nodes)
         return list(nodes)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.core.metrics import CacheMetrics, count_failure
+from kvstrata.core.node_set import NodeSet
 from kvstrata.core.stack import PoolKind, StackLayout
 from kvstrata.core.storage_metrics import StorageOperation
 from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
@@ -41,36 +42,17 @@ class SharedLock:
     refs: int = 1
 
 
-class StoredWindowEnds:
+class StoredWindowEnds(NodeSet):
     """Nodes whose last window (every window pool's objects of the pages ending at the node's
     end) is queued or written to L3: a request branching at a prefix end writes that window only
     where it is not (each branch at one system prompt, each turn of a conversation, wrote it
     again). A split's upper half is a new node, so it is never taken for its lower's. Nodes that
     left the tree are swept out as the set grows; a failed write takes its nodes out again."""
 
-    SWEEP = 8192  # the first sweep; then at twice what the last one kept (amortised O(1))
-
-    def __init__(self) -> None:
-        self._nodes: dict[TreeNode, None] = {}
-        self._sweep_at = self.SWEEP
-
-    def __contains__(self, node: TreeNode) -> bool:
-        return node in self._nodes
-
     def settled(self, ends: Sequence[TreeNode], results: Mapping[str, Any]) -> None:
         """A write of ``ends``' windows finished: if any unit of it failed, they are not stored."""
         if ends and (not results or not all(all(r.ok) for r in results.values())):
-            self.discard(ends)
-
-    def add(self, nodes: Sequence[TreeNode]) -> None:
-        if len(self._nodes) > self._sweep_at:
-            self._nodes = {n: None for n in self._nodes if n.parent is not None}
-            self._sweep_at = max(self.SWEEP, 2 * len(self._nodes))
-        self._nodes.update(dict.fromkeys(nodes))
-
-    def discard(self, nodes: Sequence[TreeNode]) -> None:
-        for node in nodes:
-            self._nodes.pop(node, None)
+            self.difference_update(ends)
 
 
 def host_locks(

@@ -36,6 +36,7 @@ from kvstrata.core.l3_values import (
     trailing_windows,
 )
 from kvstrata.core.metrics import Operation, count_failure
+from kvstrata.core.node_set import NodeSet
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.stack import PoolKind, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
@@ -59,9 +60,6 @@ from kvstrata.core.write_back import (
 
 log = logging.getLogger(__name__)
 
-#: refused nodes remembered for a second offer before the stale ones are first swept out
-_REFUSED_SWEEP = 8192
-
 
 class Writer:
     """Backups and L3 writes (owner thread; the L3 write itself runs on the writer thread)."""
@@ -80,8 +78,7 @@ class Writer:
         self.hears_inserts = policy.write != "write_through" and (
             self.host_admission.selective or self.storage_admission.selective
         )
-        self._refused: dict[TreeNode, None] = {}  # on host, refused by the storage filter
-        self._sweep_at = _REFUSED_SWEEP  # (twice what the last sweep kept: amortised O(1))
+        self._refused = NodeSet(_on_host)  # refused by the storage filter: offered again at a reuse
         self.window_ends = StoredWindowEnds()
         if self.storage_admission.selective:
             self.tree.on_split(self._split)
@@ -141,7 +138,7 @@ class Writer:
             ready = []
             for n in match.host_path:  # root first: a node goes only once its parent has gone
                 if n in self._refused and n.parent not in self._refused and storage.admit(n):
-                    del self._refused[n]
+                    self._refused.discard(n)
                     ready.append(n)
             ready = [n for n in ready if n.host[0] is not None]
             if ready:
@@ -149,7 +146,7 @@ class Writer:
 
     def _split(self, upper: TreeNode, lower: TreeNode) -> None:
         if lower in self._refused:  # both halves still wait for their L3 write
-            self._refused[upper] = None
+            self._refused.add(upper)
 
     def back_up(
         self, nodes: Iterable[TreeNode], *, hashes: PageHashes | None = None, admit: bool = False
@@ -262,13 +259,10 @@ class Writer:
         if not admission.selective:
             self.metrics.count(Operation.STORAGE_ADMITTED, sum(n.pages for n in nodes))
             return nodes
-        if len(self._refused) > self._sweep_at:
-            self._refused = {n: None for n in self._refused if n.host[0] is not None and n.parent}
-            self._sweep_at = max(_REFUSED_SWEEP, 2 * len(self._refused))
         taken, refused = [], 0
         for n in nodes:
             if n.parent in self._refused or not admission.admit(n):
-                self._refused[n] = None
+                self._refused.add(n)
                 refused += n.pages
             else:
                 taken.append(n)
@@ -312,7 +306,7 @@ class Writer:
         else:
             future = self._thread.submit(self.engine.put_group, batches)
         write = PendingWrite(locks, future, ends)
-        self.window_ends.add(ends)
+        self.window_ends.update(ends)
         self.pending.append(write)
         future.add_done_callback(write.mark_finished)
         self.metrics.count(Operation.STORAGE_WRITES)
@@ -363,6 +357,11 @@ class Writer:
     def shutdown(self, wait: bool = True) -> None:
         """Stop the writer thread; ``wait=False`` cancels queued writes and returns at once."""
         self._thread.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def _on_host(node: TreeNode) -> bool:
+    """Whether a refused node still waits for its L3 write: in the tree, with host units."""
+    return node.parent is not None and node.host[0] is not None
 
 
 def _wait_for_room(writer: Writer, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None:

@@ -1,0 +1,63 @@
+"""A set of tree nodes remembered across calls, swept of the ones it no longer needs as it grows.
+
+Parts of the L3 write path remember nodes past the call that saw them -- the nodes the storage
+admission filter refused (offered again at a reuse), the nodes whose last window is in L3, the
+hit nodes L3 confirmed (``core/l3_touch.py``) -- and nothing tells them when a node leaves the
+tree or its host tier. They sweep instead, once the set has doubled since the last sweep, so a
+call stays O(1) however large the tree grows: sweeping at every call past a fixed bound cost
+4.6-5.9 ms per insert with 20,000 live nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from kvstrata.core.tree_node import TreeNode
+
+
+def in_tree(node: TreeNode) -> bool:
+    """Whether ``node`` is still in the tree (eviction unlinks the nodes it deletes)."""
+    return node.parent is not None
+
+
+class NodeSet:
+    """Nodes kept while ``keep(node)`` holds; the others are dropped at the next sweep."""
+
+    #: size of the first sweep; each later one waits for twice what the one before kept
+    FIRST_SWEEP = 8192
+
+    def __init__(self, keep: Callable[[TreeNode], bool] = in_tree) -> None:
+        self._nodes: dict[TreeNode, None] = {}
+        self._keep = keep
+        self._sweep_at = self.FIRST_SWEEP
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._nodes
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __iter__(self) -> Iterator[TreeNode]:
+        return iter(self._nodes)
+
+    def add(self, node: TreeNode) -> None:
+        self._nodes[node] = None
+        if len(self._nodes) > self._sweep_at:
+            self._sweep()
+
+    def update(self, nodes: Iterable[TreeNode]) -> None:
+        self._nodes.update(dict.fromkeys(nodes))
+        if len(self._nodes) > self._sweep_at:
+            self._sweep()
+
+    def discard(self, node: TreeNode) -> None:
+        self._nodes.pop(node, None)
+
+    def difference_update(self, nodes: Iterable[TreeNode]) -> None:
+        for node in nodes:
+            self._nodes.pop(node, None)
+
+    def _sweep(self) -> None:
+        keep = self._keep
+        self._nodes = {node: None for node in self._nodes if keep(node)}
+        self._sweep_at = max(self.FIRST_SWEEP, 2 * len(self._nodes))
