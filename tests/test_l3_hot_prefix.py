@@ -5,6 +5,7 @@ the first thing evicted, and every page keyed under it was unreachable to a fres
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -248,3 +249,27 @@ def test_a_write_l3_refused_is_not_retried_at_every_hit(tmp_path: Path) -> None:
             cache.flush()
         assert cache.metrics.snapshot()["storage"]["put_failed"] - failed == 2
         cache.engine.backend.put = real_put
+
+
+def test_a_base_exception_from_an_asks_backend_fails_that_ask_not_the_next_call(tmp_path: Path) -> None:
+    """A plugin's ``exists`` raising a BaseException subclass (an async client's
+    ``asyncio.CancelledError`` once its loop went away) on the writer thread, while a hit's ask
+    ran: the next call of the cache (the insert of the request that hit) re-raised it."""
+    chat, again, other = _chats(3)
+    with open_cache("kv", tmp_path / "l3", ["policy.prefetch.threshold_tokens=1000000"]) as cache:
+        serve(cache, chat)
+        cache.flush()
+
+        def cancelled(keys: object, **options: object) -> list[bool]:
+            raise asyncio.CancelledError("event loop closed")
+
+        real = cache.engine.backend.exists
+        cache.engine.backend.exists = cancelled  # type: ignore[method-assign]
+        try:
+            serve(cache, again)  # its ask runs (and raises) at the insert's drain
+            cache.flush()
+            lease, bad = serve(cache, other)
+            assert bad == 0 and lease.hit_pages["device"] == SYSTEM_PAGES
+        finally:
+            cache.engine.backend.exists = real  # type: ignore[method-assign]
+        cache.flush()

@@ -169,7 +169,7 @@ class HitTouch:
         nodes: dict[TreeNode, None] = {}
         while self._asked and self._asked[0].answer is not None and self._asked[0].answer.done():
             ask = self._asked.popleft()
-            answer = None if ask.answer.cancelled() else ask.answer.result()  # type: ignore[union-attr]
+            answer = _answer(ask.answer)  # type: ignore[arg-type]
             if answer is None or ask.last.parent is None:
                 continue
             present, missing = answer
@@ -186,3 +186,16 @@ class HitTouch:
                     nodes[node] = None
         self.window_ends.difference_update(nodes)
         return list(nodes)
+
+
+def _answer(answer: Future) -> tuple[int, set[int]] | None:
+    """An ask's answer; None where it was cancelled (``close``) or raised past ``_present``'s
+    guard (a plugin's ``asyncio.CancelledError`` / ``SystemExit`` on the writer thread: it fails
+    that ask, not the owner thread's next call, as a write's does in ``Writer._finish``)."""
+    if answer.cancelled():
+        return None
+    error = answer.exception()
+    if error is not None:
+        log.warning("asking L3 for a hit prefix failed", exc_info=error)
+        return None
+    return answer.result()
