@@ -273,3 +273,26 @@ def test_a_base_exception_from_an_asks_backend_fails_that_ask_not_the_next_call(
         finally:
             cache.engine.backend.exists = real  # type: ignore[method-assign]
         cache.flush()
+
+
+def test_a_hit_prefix_lost_after_a_split_of_its_confirmed_node_is_stored_again(tmp_path: Path) -> None:
+    """The first chat's node (prompt and its own pages, one node) was found whole in L3; another
+    process then evicted the prompt's pages, and the next chat on the prompt split the node: the
+    new upper half (the prompt) was never found whole itself, so its loss was never repaired --
+    each later hit rewrote only the lower half, below a prompt L3 no longer held. Confirmation
+    follows a split: a fresh cache gets the prompt."""
+    l3 = tmp_path / "l3"
+    chat, again, other = _chats(3)
+    with open_cache("kv", l3) as cache:
+        first, _ = serve(cache, chat)
+        cache.flush()
+        serve(cache, chat)  # a whole hit: L3 answers it holds the node
+        cache.flush()
+        prompt = first.page_hashes[:SYSTEM_PAGES]
+        with open_cache("kv", l3) as elsewhere:  # its capacity eviction, as the store sees it
+            assert elsewhere.engine.discard("kv", prompt).ok == [True] * SYSTEM_PAGES
+        for request in (again, other):  # the first splits the node at the prompt's end
+            lease, bad = serve(cache, request)
+            assert bad == 0 and lease.hit_pages["device"] == SYSTEM_PAGES
+            cache.flush()
+    assert _fresh_hit("kv", l3, [], torch.cat([tokens(1, SYSTEM_PAGES), tokens(77, 2)])) == (SYSTEM_PAGES, 0)

@@ -80,6 +80,8 @@ class HitTouch:
         #: again when lost (a write that failed -- a full or read-only disk -- is not retried at
         #: every hit: the failures of a run would depend on when answers came)
         self._confirmed = NodeSet()
+        if self._submit is not None:
+            context.tree.on_split(self._split)
 
     @classmethod
     def of(
@@ -88,6 +90,12 @@ class HitTouch:
         """For a store that evicts by itself; one that asks nothing where nothing may be lost."""
         evicts = engine is not None and engine.backend.instance_capabilities().self_evicting
         return cls(engine, context, executor if evicts else None, ends)
+
+    def _split(self, upper: TreeNode, lower: TreeNode) -> None:
+        """A confirmed node's new upper half holds pages that answer found (else its loss was
+        never repaired: only the lower half, below it, was written again)."""
+        if lower in self._confirmed:
+            self._confirmed.add(upper)
 
     def after_lookup(self, match: MatchResult, hashes: PageHashes, record: bool) -> None:
         """A request's lookup (``record``: not a later chunk's, whose hits are its own pages)."""
