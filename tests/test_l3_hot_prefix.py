@@ -6,6 +6,7 @@ the first thing evicted, and every page keyed under it was unreachable to a fres
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -296,3 +297,30 @@ def test_a_hit_prefix_lost_after_a_split_of_its_confirmed_node_is_stored_again(t
             assert bad == 0 and lease.hit_pages["device"] == SYSTEM_PAGES
             cache.flush()
     assert _fresh_hit("kv", l3, [], torch.cat([tokens(1, SYSTEM_PAGES), tokens(77, 2)])) == (SYSTEM_PAGES, 0)
+
+
+DRAFT = {"type": "draft", "index_source": "kv", "layers": 1, "kv_heads": 1, "head_dim": 64}
+
+
+def test_a_sidecar_added_at_runtime_is_asked_for_and_stored_again(tmp_path: Path) -> None:
+    """A draft pool added with ``add_pool`` after start: the pools asked were read once at
+    start, so the draft's objects of a hot prompt were never asked for (the first an LRU-bounded
+    L3 evicts) nor stored again once another process's eviction took them, and a fresh cache with
+    the draft pool restored nothing of the prompt."""
+    l3, draft = tmp_path / "l3", ["model.pools.draft=" + json.dumps(DRAFT)]
+    chats = _chats(4)
+    with open_cache("kv", l3) as cache:
+        cache.add_pool("draft", DRAFT)
+        first, _ = serve(cache, chats[0])
+        cache.flush()
+        serve(cache, chats[1])  # a hit: L3 answers it holds the prompt
+        cache.flush()
+        prompt = first.page_hashes[:SYSTEM_PAGES]
+        with open_cache("kv", l3, draft) as elsewhere:  # its capacity eviction of the draft's
+            assert elsewhere.engine.discard("draft", prompt).ok == [True] * SYSTEM_PAGES
+        for chat in chats[2:]:
+            lease, bad = serve(cache, chat)
+            assert bad == 0 and lease.hit_pages["device"] == SYSTEM_PAGES
+            cache.flush()
+    new_question = torch.cat([tokens(1, SYSTEM_PAGES), tokens(77, 2)])
+    assert _fresh_hit("kv", l3, draft, new_question) == (SYSTEM_PAGES, 0)

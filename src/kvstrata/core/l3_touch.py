@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from kvstrata.core.l3_values import PageHashes
 from kvstrata.core.node_set import NodeSet
 from kvstrata.core.part_context import PartContext
-from kvstrata.core.stack import PoolKind
+from kvstrata.core.stack import PoolKind, TreePool
 from kvstrata.core.storage_engine import StorageEngine
 from kvstrata.core.tree import MatchResult, TreeNode, tree_path
 from kvstrata.core.write_back import StoredWindowEnds
@@ -63,17 +63,13 @@ class HitTouch:
         window_ends: StoredWindowEnds,
     ) -> None:
         self.engine, self.tree, self.window_ends = engine, context.tree, window_ends
+        self.layout = context.layout
         self._submit = executor.submit if executor is not None else None
-        pools = context.layout.tree_pools.values()
-        writes = engine.plans if engine is not None else {}
-        stored = [(tp, [n for n in tp.followers if n in writes and writes[n].writes]) for tp in pools]
-        self.paged = [name for tp, names in stored if tp.kind is PoolKind.PAGES for name in names]
+        self.paged: list[str] = []  # all-pages pools, by the names they are stored under
         #: state and window pools: (tree pool index, the pool's rule, the names it is stored under)
-        self.at_ends = [
-            (context.tree.index[tp.name], tp, names)
-            for tp, names in stored
-            if names and tp.kind is not PoolKind.PAGES
-        ]
+        self.at_ends: list[tuple[int, TreePool, list[str]]] = []
+        self._read: object = None  # the layout's tree pools ``paged`` and ``at_ends`` were read from
+        self._read_pools()
         self._due: list[tuple[list[str], TreeNode]] = []  # lookups' hits not asked for yet
         self._asked: deque[_Ask] = deque()  # asks not drained yet, oldest first
         #: nodes an answer found whole in L3: only what L3 is known to have held is written
@@ -91,6 +87,25 @@ class HitTouch:
         evicts = engine is not None and engine.backend.instance_capabilities().self_evicting
         return cls(engine, context, executor if evicts else None, ends)
 
+    def _read_pools(self) -> None:
+        """Which pools are asked, read again when the layout changed: a sidecar added at runtime
+        (``add_pool``: a draft pool) was never asked, and its objects of a hot prefix were LRU-
+        evicted first, so no fresh cache restored the prefix."""
+        tree_pools = self.layout.tree_pools
+        if tree_pools is self._read:
+            return
+        writes = self.engine.plans if self.engine is not None else {}
+        stored = [
+            (tp, [n for n in tp.followers if n in writes and writes[n].writes]) for tp in tree_pools.values()
+        ]
+        self.paged = [name for tp, names in stored if tp.kind is PoolKind.PAGES for name in names]
+        self.at_ends = [
+            (self.tree.index[tp.name], tp, names)
+            for tp, names in stored
+            if names and tp.kind is not PoolKind.PAGES
+        ]
+        self._read = tree_pools
+
     def _split(self, upper: TreeNode, lower: TreeNode) -> None:
         """A confirmed node's new upper half holds pages that answer found (else its loss was
         never repaired: only the lower half, below it, was written again)."""
@@ -99,7 +114,10 @@ class HitTouch:
 
     def after_lookup(self, match: MatchResult, hashes: PageHashes, record: bool) -> None:
         """A request's lookup (``record``: not a later chunk's, whose hits are its own pages)."""
-        if record and match.host_nodes and self._submit is not None and self.paged:
+        if not (record and match.host_nodes and self._submit is not None):
+            return
+        self._read_pools()
+        if self.paged:
             self._due.append((list(hashes()[: match.host_pages]), match.host_path[-1]))
 
     def _ask(self, refused: Container[TreeNode]) -> None:
