@@ -324,3 +324,33 @@ def test_a_sidecar_added_at_runtime_is_asked_for_and_stored_again(tmp_path: Path
             cache.flush()
     new_question = torch.cat([tokens(1, SYSTEM_PAGES), tokens(77, 2)])
     assert _fresh_hit("kv", l3, draft, new_question) == (SYSTEM_PAGES, 0)
+
+
+def test_an_l3_that_hangs_does_not_queue_an_ask_per_hit(tmp_path: Path) -> None:
+    """While the writer thread hangs in the backend (an NFS mount gone away), every lookup
+    that hit queued one more ask -- the prefix's page hashes and its nodes, kept alive -- without
+    bound, and the writer thread ran each of them, stale, once L3 answered again, ahead of every
+    write queued after them. Asks wait in a bounded number; a hit past it is not asked about."""
+    gate = threading.Event()
+    chat = _chats(1)[0]
+    with open_cache("kv", tmp_path / "l3", ["policy.prefetch.threshold_tokens=1000000"]) as cache:
+        serve(cache, chat)
+        cache.flush()
+        real = cache.engine.backend.exists
+
+        def hangs(keys: Any, **options: Any) -> Any:
+            gate.wait(30)
+            return real(keys, **options)
+
+        cache.engine.backend.exists = hangs  # type: ignore[method-assign]
+        before = cache.metrics.snapshot()["storage"]["exists_calls"]
+        try:
+            for _ in range(600):
+                lease = cache.lookup(chat, prefetch="off")
+                cache.admit(lease)
+                cache.release(lease)
+        finally:
+            gate.set()
+        cache.flush()
+        asked = cache.metrics.snapshot()["storage"]["exists_calls"] - before
+        assert asked <= 300, f"{asked} exists calls queued for one hot prefix"

@@ -38,6 +38,11 @@ from kvstrata.core.write_back import StoredWindowEnds
 
 log = logging.getLogger(__name__)
 
+#: asks waiting for their answer at most: past it (the writer thread hangs in L3, or is far
+#: behind) a hit is not asked about -- a later one is -- instead of one more ask per lookup
+#: held without bound and run, stale, ahead of every write queued after it
+_ASKS_MAX = 256
+
 
 @dataclass
 class _Ask:
@@ -126,7 +131,7 @@ class HitTouch:
         only of the path's leading run on the host that the storage admission filter has not
         refused (nothing below a refused node was written either)."""
         for page_hashes, last in self._due:
-            if last.parent is None:  # (evicted since the lookup)
+            if last.parent is None or len(self._asked) >= _ASKS_MAX:  # (evicted since; too many)
                 continue
             ask = _Ask(last, 0, page_hashes)
             for node in tree_path(self.tree, last):
