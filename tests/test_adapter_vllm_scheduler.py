@@ -920,3 +920,36 @@ def test_requests_sharing_a_prefix_in_one_step_count_nothing_lost_and_put_once(e
     assert engine.worker.stats["resaved_blocks"] == 0, "L3 lost nothing: a's blocks were being stored"
     assert len(keys) == len(set(keys)), f"{len(keys) - len(set(keys))} blocks put twice in one step"
     assert engine.worker.stats["saved_blocks"] == 3 + 1
+
+
+def test_a_request_after_a_reset_never_stores_the_old_kv_vllm_still_caches(engines: Any) -> None:
+    """``reset_prefix_cache(reset_connector=True)`` with a request running: vLLM's own prefix
+    cache is NOT reset (block_pool: "Failed to reset prefix cache because some blocks are not
+    freed yet") but the connector's is (``reset_connector_cache`` runs whatever that answered).
+    A request arriving after it hits the old weights' blocks in vLLM's cache; they are its
+    ``held`` prefix, absent under the new generation, so the workers stored them there: the
+    next lookup here served the old weights' KV (``reset_while_running`` guards only the
+    requests known at the reset)."""
+    engine = engines()
+    prompt = list(range(1, 3 * BS + 5))
+    _decode(engine, engine.request("w", prompt), 1, async_output=False)  # w runs on, blocks 0-2 cached
+    engine.scheduler.reset()  # vLLM kept w's (old) blocks: they were in use
+    _serve_after_local_hit(engine, engine.request("n", [*prompt[: 2 * BS], *range(700, 710)]), 2)
+    assert engine.worker.stats["resaved_blocks"] == 0, "old-weights blocks stored under the new generation"
+    probe = engine.request("probe", prompt)
+    assert engine.scheduler.matched_tokens(probe, 0) == (0, False), "pre-reset KV served after the reset"
+
+
+def test_blocks_computed_after_a_reset_are_still_kept_in_a_bounded_l3(engines: Any) -> None:
+    """The guard above drops only blocks not known written since the reset: a prefix computed
+    after it that L3 lost is still stored again from vLLM's copy when another request hits it."""
+    engine = engines()
+    engine.scheduler.reset()
+    prompt = list(range(1, 3 * BS + 5))
+    _decode(engine, engine.request("w", prompt), 1, async_output=False)  # stored, new generation
+    hashes = engine.scheduler._hashes(engine.scheduler.requests["w"], 3)
+    (keys,) = engine.engine.object_keys(engine.layout.anchor.pool, hashes[:1])
+    assert engine.engine.backend.remove(keys) == [True]
+    _serve_after_local_hit(engine, engine.request("n", [*prompt[: 2 * BS], *range(700, 710)]), 2)
+    assert engine.worker.stats["resaved_blocks"] == 1
+    assert engine.scheduler.matched_tokens(engine.request("probe", prompt), 0) == (3 * BS, True)

@@ -162,6 +162,22 @@ def held_prefix(layout: StoreLayout, ids: tuple[list[int], ...], hashes: list[st
     return transfers
 
 
+def written_since(held: list[GroupTransfer], written: set[int]) -> list[GroupTransfer]:
+    """``held`` less the blocks not known written since the connector's reset (``written``):
+    vLLM's own prefix cache outlives a reset issued while requests run (its block pool refuses
+    to reset with blocks in use; the connector is reset anyway), so a request arriving later
+    hits blocks of the old weights -- never to be stored under the new generation's keys."""
+    kept = []
+    for transfer in held:
+        if not transfer.block_ids:  # (a state checkpoint: asked for only, no bytes stored)
+            kept.append(transfer)
+            continue
+        pairs = [(h, b) for h, b in zip(transfer.hashes, transfer.block_ids, strict=True) if b in written]
+        if pairs:
+            kept.append(GroupTransfer(transfer.group_id, [h for h, _ in pairs], [b for _, b in pairs]))
+    return kept
+
+
 class SchedulerSide:
     """Lookup and planning state of the scheduler role (one per engine)."""
 
@@ -190,6 +206,7 @@ class SchedulerSide:
         self._generation = ""
         self._instance = uuid.uuid4().hex  # owns its requests' decode-time checkpoints
         self.drops: list[str] = []  # own checkpoints no lookup asks for again (``StepPlan.drops``)
+        self._written: set[int] | None = None  # vLLM blocks written since ``reset`` (None: none yet)
 
     # --- keys ---------------------------------------------------------------------------------
 
@@ -212,7 +229,7 @@ class SchedulerSide:
         The shared L3 is not emptied (other instances still run the old weights): this
         instance keys everything under a fresh generation from now on, its requests' hashes
         included, so it neither reads the old objects nor writes new KV under their keys."""
-        self._generation = uuid.uuid4().hex
+        self._generation, self._written = uuid.uuid4().hex, set()
         for state in self.requests.values():
             self.drops += state.own_keys()  # keyed by the old generation: nobody's now
             state.root, state.hashes = self._root(state.request), []
@@ -348,6 +365,10 @@ class SchedulerSide:
             offered = offers.get(req_id, [])
             self._plan_checkpoints(req_id, state, computed, computed + scheduled, offered, saves)
         plan.saves = list(saves.values())
+        if self._written is not None:  # (loads and saves: the blocks this step writes)
+            moved = [*plan.saves, *(t for transfers in plan.loads.values() for t in transfers)]
+            self._written.update(block for transfer in moved for block in transfer.block_ids)
+            plan.held = written_since(plan.held, self._written)
         plan.drops, self.drops = self.drops, []  # removed after this step's saves
         return plan
 
