@@ -953,3 +953,21 @@ def test_blocks_computed_after_a_reset_are_still_kept_in_a_bounded_l3(engines: A
     _serve_after_local_hit(engine, engine.request("n", [*prompt[: 2 * BS], *range(700, 710)]), 2)
     assert engine.worker.stats["resaved_blocks"] == 1
     assert engine.scheduler.matched_tokens(engine.request("probe", prompt), 0) == (3 * BS, True)
+
+
+def test_resaved_blocks_counts_only_blocks_stored_again(engines: Any) -> None:
+    """``resaved_blocks`` is "blocks vLLM held whose objects L3 had lost, stored again": a put L3
+    refuses (full, read-only, down) stores nothing again -- it is a save failure, as for any
+    block -- yet the lost blocks were counted resaved before the put was even tried."""
+    engine = engines()
+    prompt = list(range(1, 3 * BS + 5))
+    _decode(engine, engine.request("w", prompt), 1, async_output=False)
+    hashes = engine.scheduler._hashes(engine.scheduler.requests["w"], 3)
+    (keys,) = engine.engine.object_keys(engine.layout.anchor.pool, hashes[:1])
+    assert engine.engine.backend.remove(keys) == [True]
+    engine.engine.put = lambda pool, keys, units: BatchResult(
+        [False] * len(keys), "refused", failed=len(keys)
+    )
+    _serve_after_local_hit(engine, engine.request("n", [*prompt[: 2 * BS], *range(700, 710)]), 2)
+    assert engine.worker.stats["save_failures"] == 1, "block 0: held, lost, refused"
+    assert engine.worker.stats["resaved_blocks"] == 0, "nothing was stored again"

@@ -338,7 +338,8 @@ class WorkerSide:
         """The blocks this step completed, components before the anchor (its object commits, so
         a block some component did not store gets none); then the ranges whose anchor objects
         are stored, for vLLM's KV events."""
-        by_group = self._with_lost_held(plan, {t.group_id: t for t in plan.saves})
+        lost: dict[int, set[str]] = {}  # per group: held blocks L3 lost, stored again here
+        by_group = self._with_lost_held(plan, {t.group_id: t for t in plan.saves}, lost)
         anchor_stored: set[str] = set()
         missing: set[str] = set()  # blocks some component did not store: their anchor must not commit
         for group in self.layout.save_order():
@@ -360,6 +361,10 @@ class WorkerSide:
                     staging = self._staged(group.group_id, transfer.block_ids)
                     result = self.engine.put(group.pool, transfer.hashes, self._rows(staging))
                 stored = sum(result.ok)
+                again = lost.get(group.group_id, set())
+                self.stats["resaved_blocks"] += sum(
+                    h in again for h, ok in zip(transfer.hashes, result.ok, strict=True) if ok
+                )
                 if result.error is not None and not self._save_failure_logged:
                     self._save_failure_logged = True
                     log.warning(
@@ -388,9 +393,12 @@ class WorkerSide:
         if plan.drops:
             self._drop(plan.drops)
 
-    def _with_lost_held(self, plan: StepPlan, saves: dict[int, GroupTransfer]) -> dict[int, GroupTransfer]:
+    def _with_lost_held(
+        self, plan: StepPlan, saves: dict[int, GroupTransfer], lost_hashes: dict[int, set[str]]
+    ) -> dict[int, GroupTransfer]:
         """``saves`` plus the blocks of ``plan.held`` L3 lost (asking refreshes the rest where the
-        store keeps an LRU): vLLM's own copies are stored again."""
+        store keeps an LRU): vLLM's own copies are stored again (their hashes: ``lost_hashes``,
+        counted in ``resaved_blocks`` once stored)."""
         for held in plan.held:
             result = self.engine.exists(self.groups[held.group_id].pool, held.hashes)
             if result.error is not None or not held.block_ids:  # (unreachable; a state: asked only)
@@ -401,7 +409,7 @@ class WorkerSide:
             lost = [k for k, present in enumerate(result.ok) if not present and held.hashes[k] not in planned]
             if not lost:
                 continue
-            self.stats["resaved_blocks"] += len(lost)
+            lost_hashes.setdefault(held.group_id, set()).update(held.hashes[k] for k in lost)
             saves[held.group_id] = GroupTransfer(
                 held.group_id,
                 before.hashes + [held.hashes[k] for k in lost],
