@@ -102,3 +102,45 @@ def test_a_hot_system_prompt_sglang_serves_locally_outlives_colder_pages_in_a_bo
     assert fresh_exists(bounded, system + chats[-1]) == 4, (
         "the system prompt named in every backup's prefix_keys was LRU-evicted first"
     )
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["batch_exists", "batch_exists_v2"])
+def test_a_hot_system_prompt_stays_while_sglang_only_reads_pages_stored_under_it(
+    tmp_path: Path, v2: bool
+) -> None:
+    """Chats repeated word for word: SGLang holds the system prompt itself, finds each chat's own
+    pages in L3 (``batch_exists`` with the prompt in ``prefix_keys``) and reads them
+    (``batch_get_v1``); it backs up nothing, so no ``batch_set`` names the prompt. Meanwhile
+    other traffic fills the bounded L3. The chat pages, read, stay recent; the prompt above them,
+    never asked for, is what the LRU drops -- and the chat pages are stranded for a second
+    server (it asks from page 0)."""
+    capacity = 10 * _object_bytes(tmp_path)
+    config = _config(tmp_path / "l3", capacity)
+    system = support.page_keys(SYSTEM_PAGES, seed=1)
+    chat = _chain(system[-1], 2, "chat")
+    pool = support.new_mha_pool("layer_first")
+    a = support.open_adapter(config, pool)
+    try:
+        indices = support.fill_mha(pool, [0, 1], 1, [0, 1])
+        assert a.batch_set_v1(system, indices, HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * 2
+        indices = support.fill_mha(pool, [2, 3], 2, [0, 1])
+        assert a.batch_set_v1(chat, indices, HiCacheStorageExtraInfo(prefix_keys=list(system))) == [True] * 2
+        for n in range(8):  # the chat again (prompt local, its pages from L3), and other traffic
+            info = HiCacheStorageExtraInfo(prefix_keys=list(system))
+            found = a.batch_exists_v2(chat, [], info).kv_hit_pages if v2 else a.batch_exists(chat, info)
+            assert found == 2
+            target = support.fill_mha(pool, [4, 5], 0, [0, 1])  # (host pages to read into)
+            assert a.batch_get_v1(chat, target, info) == [True, True]
+            other = support.page_keys(1, seed=100 + n)
+            indices = support.fill_mha(pool, [6], 10 + n, [0])
+            assert a.batch_set_v1(other, indices, HiCacheStorageExtraInfo(prefix_keys=[])) == [True]
+    finally:
+        a.close()
+    b = support.open_adapter(config, support.new_mha_pool("layer_first"))
+    try:
+        found = b.batch_exists(system + chat, HiCacheStorageExtraInfo(prefix_keys=[]))
+    finally:
+        b.close()
+    assert found == 4, (
+        f"a second server found {found} of the 4 pages: the prompt SGLang serves itself went first"
+    )

@@ -294,8 +294,12 @@ class KvstrataHiCacheStorage(HiCacheStorage):
 
     @_never_raises(lambda *args, **kwargs: 0)
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """How many leading pages of ``keys`` the backend holds (SGLang's prefix length)."""
-        return self.pages.leading(self._anchor(), keys)
+        """How many leading pages of ``keys`` the backend holds (SGLang's prefix length). The
+        ``prefix_keys`` above them (pages SGLang serves itself) are asked for too: a request
+        that reads its pages from L3 backs up nothing, so no ``batch_set`` names its prefix."""
+        pool = self._anchor()
+        self.pages.refresh(pool, _prefix_keys(extra_info))
+        return self.pages.leading(pool, keys)
 
     # v2: hybrid stacks (every pool registered through register_mem_host_pool_v2)
 
@@ -307,8 +311,13 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
         """Longest usable prefix: the KV prefix, cut by each pool's hit policy (SGLang's semantics:
-        ``all_pages`` needs every page, ``trailing_pages`` the last ``len(keys)`` pages of a prefix)."""
-        return self.pages.hybrid_prefix(self._anchor(), self._pools, keys, pool_transfers or [])
+        ``all_pages`` needs every page, ``trailing_pages`` the last ``len(keys)`` pages of a prefix);
+        the ``prefix_keys`` above them are asked for in each pool, as in ``batch_exists``."""
+        anchor, prefix = self._anchor(), _prefix_keys(extra_info)
+        pools = {anchor.name: anchor} | {p.name: p for t in pool_transfers or [] if (p := self._pool(t.name))}
+        for pool in pools.values():
+            self.pages.refresh(pool, prefix)
+        return self.pages.hybrid_prefix(anchor, self._pools, keys, pool_transfers or [])
 
     def _pool_transfer(self, transfer: PoolTransfer) -> tuple[PageFormat, list[str], torch.Tensor] | None:
         pool = self._pool(transfer.name)
