@@ -56,13 +56,16 @@ class PageStore:
         self._stats.record(False, written, written * pool.unit_bytes, time.perf_counter() - start)
         return ok
 
-    def refresh(self, pool: PageFormat, prefix_keys: Sequence[str]) -> None:
-        """Ask L3 for the pages above a backup (SGLang's ``prefix_keys``): SGLang serves them from
-        its own tiers and never reads or writes them here again, so a store that evicts in LRU
-        order (``capacity_bytes``) would drop that hot prefix first -- and every page keyed
-        under it with it. Asking is a use to such a store; the answer is not needed."""
+    def refresh(self, prefix_keys: Sequence[str], *pools: PageFormat) -> None:
+        """Ask L3, in each of ``pools``, for the pages above a backup or a query (SGLang's
+        ``prefix_keys``): SGLang serves them from its own tiers and never reads or writes them
+        here again, so a store that evicts in LRU order (``capacity_bytes``) would drop that hot
+        prefix first -- and every page keyed under it with it. Asking is a use to such a store;
+        the answer is not needed."""
         if prefix_keys:
-            self.engine.exists(pool.name, [page_key(key) for key in prefix_keys])
+            keys = [page_key(key) for key in prefix_keys]
+            for pool in pools:
+                self.engine.exists(pool.name, keys)
 
     def read(self, pool: PageFormat, keys: Sequence[str], make: Any) -> list[bool]:
         """Read the pages of ``keys``; ``make()`` gives the Transfer; only verified pages land."""

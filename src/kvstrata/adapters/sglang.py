@@ -229,7 +229,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         pool = self._anchor()
-        self.pages.refresh(pool, _prefix_keys(extra_info))
+        self.pages.refresh(_prefix_keys(extra_info), pool)
         return self.pages.write(
             pool, keys, lambda at: pool.write_units(pool.pages(host_indices, len(keys))[at])
         )
@@ -297,9 +297,8 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         """How many leading pages of ``keys`` the backend holds (SGLang's prefix length). The
         ``prefix_keys`` above them (pages SGLang serves itself) are asked for too: a request
         that reads its pages from L3 backs up nothing, so no ``batch_set`` names its prefix."""
-        pool = self._anchor()
-        self.pages.refresh(pool, _prefix_keys(extra_info))
-        return self.pages.leading(pool, keys)
+        self.pages.refresh(_prefix_keys(extra_info), self._anchor())
+        return self.pages.leading(self._anchor(), keys)
 
     # v2: hybrid stacks (every pool registered through register_mem_host_pool_v2)
 
@@ -315,8 +314,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         the ``prefix_keys`` above them are asked for in each pool, as in ``batch_exists``."""
         anchor, prefix = self._anchor(), _prefix_keys(extra_info)
         pools = {anchor.name: anchor} | {p.name: p for t in pool_transfers or [] if (p := self._pool(t.name))}
-        for pool in pools.values():
-            self.pages.refresh(pool, prefix)
+        self.pages.refresh(prefix, *pools.values())
         return self.pages.hybrid_prefix(anchor, self._pools, keys, pool_transfers or [])
 
     def _pool_transfer(self, transfer: PoolTransfer) -> tuple[PageFormat, list[str], torch.Tensor] | None:
@@ -361,7 +359,7 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                 results[transfer.name] = [False] * len(transfer.keys or [])
                 continue
             pool, keys, indices = found
-            self.pages.refresh(pool, _prefix_keys(extra_info))
+            self.pages.refresh(_prefix_keys(extra_info), pool)
             results[transfer.name] = self.pages.write(
                 pool,
                 keys,
