@@ -163,6 +163,33 @@ def test_a_pin_with_a_ttl_lapses_on_its_own() -> None:
         assert serve(cache, tokens(1, 2))[0].hit_pages["device"] == 0
 
 
+class _CountedLevels(dict):  # type: ignore[type-arg]
+    """``Retention._levels`` counting its sweeps (the one reader of ``items()``)."""
+
+    sweeps = 0
+
+    def items(self):  # type: ignore[no-untyped-def]
+        self.sweeps += 1
+        return super().items()
+
+
+def test_retention_levels_of_a_large_tree_are_not_swept_at_every_hinted_insert() -> None:
+    """Past 4,096 entries every hinted insert swept every node's level for expired ones, though
+    none had expired (a priority without TTL never does): O(levels) per insert, 3.8 ms at
+    10,000. A sweep now waits for the levels to double; expired ones still go at the sweep."""
+    with open_cache("kv", overrides=["tiers.storage={}"]) as cache:
+        retention = cache.parts.retention
+        held = _CountedLevels({object(): (1, 0, None) for _ in range(4097)})  # permanent levels
+        retention._levels = held  # type: ignore[assignment]
+        for n in range(20):
+            serve_hinted(cache, tokens(n, 2), RetentionHint(priority=1))
+        assert held.sweeps == 1, f"{held.sweeps} sweeps of every level in 20 hinted inserts"
+        lapsed = _CountedLevels({object(): (None, 1, 0.0) for _ in range(4 * len(held))})  # TTLs run out
+        retention._levels = lapsed  # type: ignore[assignment]
+        serve_hinted(cache, tokens(99, 2), RetentionHint(priority=1))
+        assert lapsed.sweeps == 1 and len(lapsed) <= 2, "expired levels are swept out"
+
+
 def test_a_hint_on_a_prefix_already_cached_whole_holds() -> None:
     # the hint was applied only where an insert added pages: pinning a cached system prompt
     # did nothing (not pinned, not refused), and it was evicted like any other
