@@ -283,6 +283,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         before = _counters(llm)
         started, cpu_started = time.perf_counter(), time.process_time()
         spent_before = dict(spent) if spent is not None else {}
+        stats_before = dict(seen["stats"]) if seen is not None else {}
         tokens: list[list[int]] = []
         if step["op"] == "reset":  # "connector": also the connector's (what a weight update does)
             llm.reset_prefix_cache(reset_connector=bool(step.get("connector")))
@@ -331,6 +332,12 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 "local_hits": delta.get("vllm:prefix_cache_hits", 0.0),
                 "preemptions": delta.get("vllm:num_preemptions", 0.0),
                 **({key: spent[key] - spent_before[key] for key in spent} if spent is not None else {}),
+                # (spy: what the connector's stats counted during this step)
+                **(
+                    {"stats": {k: v - stats_before.get(k, 0) for k, v in seen["stats"].items()}}
+                    if seen is not None
+                    else {}
+                ),
             }
         )
     if seen is not None:

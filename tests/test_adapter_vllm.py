@@ -93,6 +93,10 @@ CROWDED_KV_BYTES = 3 << 20  # about 832 tokens of this hybrid model's cache: pre
 SYSTEM = _prompt(81, 2 * DENSE_BLOCK)
 CHATS = [SYSTEM + _prompt(90 + i, 300) for i in range(6)]
 BOUNDED_L3_BYTES = 700_000
+# Before the last chat: a prompt sharing nothing (eight blocks: L3 evicts the system prompt's too,
+# which vLLM still holds), then a short follow-up on the system prompt (under a block: its step has
+# nothing to save, only the held blocks)
+UNRELATED, FOLLOW_UP = _prompt(97, 8 * DENSE_BLOCK + 20), SYSTEM + _prompt(98, 50)
 
 
 def _run_engines(tmp: Path, jobs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -218,7 +222,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
             "bounded_store": {
                 "model": models["llama"],
                 "connector": connector("bounded"),
-                "steps": [gen(chat) for chat in CHATS],
+                "spy": True,
+                "steps": [gen(chat) for chat in CHATS[:-1]]
+                + [gen(UNRELATED), gen(FOLLOW_UP), gen(CHATS[-1])],
             },
         },
     )
@@ -654,14 +660,31 @@ def test_preempted_requests_store_and_restore_identical_tokens(
 def test_a_hot_prefix_vllm_serves_locally_stays_in_a_bounded_l3(runs: dict[str, dict[str, Any]]) -> None:
     """Chats sharing a system prompt: the first stores it, the rest hit it in vLLM's own cache.
     On an L3 bounded to ten blocks, the system prompt's blocks, which every chat uses, are not
-    the ones evicted: a fresh engine restores the last chat whole. They were (audit 36: the
+    the ones evicted (a prompt that shares nothing may evict them: the test below), and a fresh
+    engine restores the last chat whole. They were (audit 36: the
     connector never touched a prefix vLLM served itself, so the LRU dropped it first and every
     suffix keyed under it was stranded: the fresh engine got no hit at all)."""
-    stored = runs["bounded_store"]["steps"]
-    assert [step["local_hits"] for step in stored] == [0] + [2 * DENSE_BLOCK] * 5
+    *chats, _, _, last = runs["bounded_store"]["steps"]
+    assert [step["local_hits"] for step in [*chats, last]] == [0] + [2 * DENSE_BLOCK] * 5
     (restored,) = runs["bounded_restore"]["steps"]
     assert restored["external_hits"] == 4 * DENSE_BLOCK
-    assert restored["tokens"] == stored[-1]["tokens"]
+    assert restored["tokens"] == last["tokens"]
+
+
+def test_a_short_follow_up_on_a_local_prefix_stores_again_what_l3_lost(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    """A prompt sharing nothing evicts the system prompt's blocks from the bounded L3 (vLLM still
+    holds them); a follow-up shorter than a block on the system prompt, served by vLLM's own cache,
+    has nothing to save, yet its step stores the two lost blocks again (the last chat's step finds
+    them there). It did not: the workers ran only in a step with blocks to save or drop, so held
+    blocks alone never reached them (the last chat's step stored them instead)."""
+    *_, unrelated, follow_up, last = runs["bounded_store"]["steps"]
+    assert unrelated["local_hits"] == 0
+    assert follow_up["local_hits"] == 2 * DENSE_BLOCK
+    assert follow_up["stats"].get("resaved_blocks", 0) == 2
+    assert follow_up["stats"].get("saved_blocks", 0) == 2  # the lost blocks only: nothing else
+    assert last["stats"].get("resaved_blocks", 0) == 0
 
 
 if __name__ == "__main__":  # pragma: no cover
