@@ -87,6 +87,10 @@ CROWDED_TOKENS = 24
 # Two turns of a chat on the hybrid model: the first decodes through a block boundary (its prompt
 # ends in block 1, its output fills it), the second sends the first's prompt and output and more.
 TURN, TURN_TOKENS, TURN_MORE = _prompt(12, 400), 200, _prompt(13, 50)
+# First-turn tokens two engines must agree on: through the boundary (the 112th) and 16 more. vLLM
+# on CPU does not promise the same bits in two processes at every late token of a long greedy run
+# (with all 200 compared, about one CI run in eight failed)
+TURN_AGREED = 2 * HYBRID_BLOCK - len(TURN) + 16
 CROWDED_KV_BYTES = 3 << 20  # about 832 tokens of this hybrid model's cache: preemption from the start
 # Six chats sharing a two-block system prompt (4 full blocks each) on an L3 bounded to ten of the
 # dense model's block objects (65,600 bytes each): fourteen are stored, the four coldest evicted.
@@ -152,7 +156,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     }
     crowd = {"op": "generate", "prompts": CROWDED, "max_tokens": CROWDED_TOKENS}
     turn = {"op": "generate", "prompts": [TURN], "max_tokens": TURN_TOKENS}
-    next_turn = {"op": "generate", "next_turn": [TURN_MORE], "max_tokens": MAX_TOKENS}
+    next_turn = {"op": "generate", "next_turn": [TURN_MORE], "max_tokens": MAX_TOKENS}  # (on its own output)
     out: dict[str, dict[str, Any]] = {}
     out |= _run_engines(
         tmp,
@@ -206,8 +210,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
                 "connector": None,
                 "steps": [crowd] + [{**crowd, "prompts": [prompt]} for prompt in CROWDED],
             },
-            # vLLM's own second turn (a local hit of its first turn), then the connector's from L3
-            "turns_ref": {**hybrid, "connector": None, "steps": [turn, next_turn]},
+            # a first turn and the connector's next turn from L3 (vLLM's own: stage 2)
             "turns_store": {
                 **hybrid,
                 "connector": connector("turns"),
@@ -242,9 +245,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
             gen(full),
         ]
 
+    # vLLM's own next turn (a local hit of its first turn) on the prompt the connector's had: the
+    # first turn's output of turns_store, whatever a late token of this engine's own would be
+    turns_out = out["turns_store"]["steps"][0]["tokens"][0]
+    own_turn = {"op": "generate", "prompts": [TURN + turns_out + TURN_MORE], "max_tokens": MAX_TOKENS}
     out |= _run_engines(
         tmp,
         {
+            "turns_ref": {
+                **hybrid,
+                "connector": None,
+                "steps": [{**turn, "max_tokens": TURN_AGREED}, own_turn],
+            },
             "dense_restore": {
                 "model": models["llama"],
                 "connector": connector("dense"),
@@ -630,10 +642,12 @@ def test_a_next_turn_on_a_hybrid_model_gets_vllms_own_tokens(runs: dict[str, dic
     checkpoint, one block: a state a decode step left differs in its low bits from a prefill's and
     vLLM keeps none) and gets vLLM's own tokens. Serving the decode step's state offered two
     blocks and moved the tokens (audit 29). The decode step's state, stored under the first
-    turn's own key, is removed once that request finished (it held L3 room for nothing)."""
+    turn's own key, is removed once that request finished (it held L3 room for nothing). vLLM's
+    own second turn is asked on the connector's prompt (its first turn's output): the two engines'
+    first turns agree through the block boundary, not necessarily at every late token."""
     first, second = runs["turns_ref"]["steps"]
     stored, _, restored = runs["turns_store"]["steps"]
-    assert stored["tokens"] == first["tokens"]
+    assert stored["tokens"][0][:TURN_AGREED] == first["tokens"][0][:TURN_AGREED]
     assert second["local_hits"] == HYBRID_BLOCK  # vLLM's own: the prompt's checkpoint only
     assert restored["local_hits"] == 0 and restored["external_hits"] == HYBRID_BLOCK
     assert restored["tokens"] == second["tokens"]
