@@ -192,14 +192,21 @@ def test_blocks_beyond_a_local_hit_are_found_when_l3_lost_the_prefix(engines: An
     writer = engine.request("w", prompt)
     _decode(engine, writer, 1, async_output=False)
     assert engine.saved_blocks(writer) == [0, 1, 2]
-    hashes = engine.scheduler._hashes(engine.scheduler.requests["w"], 3)
-    (keys,) = engine.engine.object_keys(engine.layout.anchor.pool, hashes[:1])
-    assert engine.engine.backend.remove(keys) == [True]
+    _lose_block_0(engine)
     reader = engines().request("r", prompt)
     other = engine.scheduler.__class__(engine.engine, engine.layout, engine.scheduler.identity)
     assert other.matched_tokens(reader, 0) == (0, False), "nothing from block 0 without it"
     local = engine.scheduler.__class__(engine.engine, engine.layout, engine.scheduler.identity)
     assert local.matched_tokens(reader, BS) == (2 * BS, True), "blocks 1 and 2 on top of vLLM's block 0"
+
+
+def _lose_block_0(engine: Engine) -> list[str]:
+    """L3 loses request ``w``'s block 0 (another process's LRU evicted it), vLLM keeps it; the
+    hashes of ``w``'s three blocks."""
+    hashes = engine.scheduler._hashes(engine.scheduler.requests["w"], 3)
+    (keys,) = engine.engine.object_keys(engine.layout.anchor.pool, hashes[:1])
+    assert engine.engine.backend.remove(keys) == [True]
+    return hashes
 
 
 def _serve_after_local_hit(engine: Engine, request: Any, local_blocks: int) -> None:
@@ -221,9 +228,7 @@ def test_a_prefix_l3_lost_while_vllm_served_it_locally_is_stored_again(engines: 
     engine = engines()
     prompt = list(range(1, 3 * BS + 5))
     _decode(engine, engine.request("w", prompt), 1, async_output=False)
-    hashes = engine.scheduler._hashes(engine.scheduler.requests["w"], 3)
-    (keys,) = engine.engine.object_keys(engine.layout.anchor.pool, hashes[:1])
-    assert engine.engine.backend.remove(keys) == [True]
+    hashes = _lose_block_0(engine)
     fresh = engine.scheduler.__class__(engine.engine, engine.layout, engine.scheduler.identity)
     assert fresh.matched_tokens(_request("probe", prompt), 0) == (0, False)
     saved = engine.worker.stats["saved_blocks"]
@@ -947,9 +952,7 @@ def test_blocks_computed_after_a_reset_are_still_kept_in_a_bounded_l3(engines: A
     engine.scheduler.reset()
     prompt = list(range(1, 3 * BS + 5))
     _decode(engine, engine.request("w", prompt), 1, async_output=False)  # stored, new generation
-    hashes = engine.scheduler._hashes(engine.scheduler.requests["w"], 3)
-    (keys,) = engine.engine.object_keys(engine.layout.anchor.pool, hashes[:1])
-    assert engine.engine.backend.remove(keys) == [True]
+    _lose_block_0(engine)
     _serve_after_local_hit(engine, engine.request("n", [*prompt[: 2 * BS], *range(700, 710)]), 2)
     assert engine.worker.stats["resaved_blocks"] == 1
     assert engine.scheduler.matched_tokens(engine.request("probe", prompt), 0) == (3 * BS, True)
@@ -962,9 +965,7 @@ def test_resaved_blocks_counts_only_blocks_stored_again(engines: Any) -> None:
     engine = engines()
     prompt = list(range(1, 3 * BS + 5))
     _decode(engine, engine.request("w", prompt), 1, async_output=False)
-    hashes = engine.scheduler._hashes(engine.scheduler.requests["w"], 3)
-    (keys,) = engine.engine.object_keys(engine.layout.anchor.pool, hashes[:1])
-    assert engine.engine.backend.remove(keys) == [True]
+    _lose_block_0(engine)
     engine.engine.put = lambda pool, keys, units: BatchResult(
         [False] * len(keys), "refused", failed=len(keys)
     )
