@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -101,15 +102,21 @@ def _prefixed(path: str) -> str:
     return f"{CONFIG_KEY}.{path}" if path else CONFIG_KEY
 
 
+#: batches of each kind ``Stats`` keeps until drained: SGLang drains them only with its storage
+#: metrics on, and without them the lists grew by one entry per batch for the process's life
+STATS_KEPT = 4096
+
+
 class Stats:
-    """Pages and bandwidth per batch, drained by ``get_stats`` (SGLang's storage metrics)."""
+    """Pages and bandwidth per batch, drained by ``get_stats`` (SGLang's storage metrics); the
+    newest ``STATS_KEPT`` batches of each kind when nothing drains them."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.prefetch_pgs: list[int] = []
-        self.backup_pgs: list[int] = []
-        self.prefetch_bandwidth: list[float] = []
-        self.backup_bandwidth: list[float] = []
+        self.prefetch_pgs: deque[int] = deque(maxlen=STATS_KEPT)
+        self.backup_pgs: deque[int] = deque(maxlen=STATS_KEPT)
+        self.prefetch_bandwidth: deque[float] = deque(maxlen=STATS_KEPT)
+        self.backup_bandwidth: deque[float] = deque(maxlen=STATS_KEPT)
 
     def record(self, reading: bool, pages: int, nbytes: int, seconds: float) -> None:
         if pages <= 0:
@@ -125,13 +132,10 @@ class Stats:
 
     def drain(self) -> tuple[list[int], list[int], list[float], list[float]]:
         with self.lock:
-            out = (self.prefetch_pgs, self.backup_pgs, self.prefetch_bandwidth, self.backup_bandwidth)
-            self.prefetch_pgs, self.backup_pgs, self.prefetch_bandwidth, self.backup_bandwidth = (
-                [],
-                [],
-                [],
-                [],
-            )
+            kept = (self.prefetch_pgs, self.backup_pgs, self.prefetch_bandwidth, self.backup_bandwidth)
+            out = (list(kept[0]), list(kept[1]), list(kept[2]), list(kept[3]))
+            for entries in kept:
+                entries.clear()
         return out
 
 
