@@ -14,8 +14,8 @@ import torch
 from controller_support import EXAMPLES, device_accounting, fill, open_cache, serve, tokens, verify
 from kvstrata.core.controller import CacheController
 from kvstrata.core.retention import RetentionHint
+from kvstrata.core.tier_units import room_by_evicting
 from kvstrata.core.tree import Tier
-from kvstrata.core.tree_eviction import room_by_evicting
 
 #: no host tier, no L3: what leaves the device is gone
 NO_LOWER = ["tiers.host.capacity_tokens=0", "tiers.storage={}"]

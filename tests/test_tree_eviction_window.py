@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from controller_support import fill, open_cache, serve, tokens, verify
+from kvstrata.core.tier_units import room_by_evicting
 from kvstrata.core.tree import PrefixTree, Tier
-from kvstrata.core.tree_eviction import room_by_evicting, window_tail
+from kvstrata.core.tree_eviction import window_tail
 from kvstrata.core.tree_node import TreeNode
 from tree_stacks import PAGE, Units, kv_spec, seq, swa_spec
 

@@ -20,7 +20,8 @@ from kvstrata.core.metrics import CacheMetrics, Operation
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import NO_UNITS
 from kvstrata.core.tree import EvictionResult, PrefixTree, Tier, TreeNode
-from kvstrata.core.tree_eviction import room_by_evicting
+from kvstrata.core.tree_eviction import TreeEvictor
+from kvstrata.core.tree_node import UNIT
 
 #: units per pool: index tensors, or (``arrays=True``) the numpy int64 arrays they would share
 Allocated = dict[str, torch.Tensor] | dict[str, np.ndarray]
@@ -216,3 +217,30 @@ class TierUnits:
             self._observe(Tier.HOST, host)
             if not any(device.units.values()) and not any(host.units.values()):
                 return
+
+
+def room_by_evicting(evictor: TreeEvictor, tier: Tier, shortfall: Mapping[str, int]) -> bool:
+    """Whether evicting every unit of ``tier`` that no lock holds could cover ``shortfall``
+    (units per pool beyond the free ones; a device window lock holds its last window only). An
+    upper bound: every eviction rule (``core/tree_eviction.py``) spares a unit a lock of its pool
+    holds (a request's prefix, a pin, an L3 write's source), so an allocation it rules out is
+    refused before anything is evicted for it -- such an eviction only loses cached pages
+    (without a host tier, for good). Stops at the first units that suffice: the oldest members,
+    mostly unlocked, when the tier is simply full."""
+    dev = tier is Tier.DEVICE
+    for name, want in shortfall.items():
+        if want <= 0:
+            continue
+        p, found = evictor._pool(name), 0
+        for node in evictor._members[tier][p]:
+            units = len((node.device_raw if dev else node.host_raw)[p]) // UNIT  # type: ignore[arg-type]
+            if (node.device_lock if dev else node.host_lock)[p]:  # locked: on the device, a window
+                if not (dev and evictor._window[p]):  # pool's head no lock reaches may still go
+                    continue
+                units -= node.depth_end - min(node.device_windows[p])
+            found += max(0, units)
+            if found >= want:
+                break
+        else:
+            return False
+    return True

@@ -164,23 +164,23 @@ class PrefixTree:
         return out
 
     def _set(self, node: TreeNode, tier: Tier, p: int, value: bytes | None) -> None:
-        """Set one pool's stored units (int64 ``bytes``) of ``node`` in ``tier``, or clear them."""
-        if tier is _DEVICE:
-            vals = node.device_raw
-            if p == 0 and (vals[0] is None) is not (value is None):
-                node.parent.device_children += 1 if value is not None else -1  # type: ignore[union-attr]
-            node.device_raw = (value,) if len(vals) == 1 else (*vals[:p], value, *vals[p + 1 :])
-            lru = self._device_lru[p]
+        """Set one pool's stored units (int64 ``bytes``) of ``node`` in ``tier``, or clear them;
+        an anchor joining or leaving the tier is told to the LRU heaps once it has (and they
+        keep the parent's child count)."""
+        dev = tier is _DEVICE
+        vals = node.device_raw if dev else node.host_raw
+        new = (value,) if len(vals) == 1 else (*vals[:p], value, *vals[p + 1 :])
+        if dev:
+            node.device_raw, lru = new, self._device_lru[p]
         else:
-            vals = node.host_raw
-            if p == 0 and (vals[0] is None) is not (value is None):
-                node.parent.host_children += 1 if value is not None else -1  # type: ignore[union-attr]
-            node.host_raw = (value,) if len(vals) == 1 else (*vals[:p], value, *vals[p + 1 :])
-            lru = self._host_lru[p]
+            node.host_raw, lru = new, self._host_lru[p]
         if value is None:
             lru.pop(node, None)
         else:
             lru[node] = None
+        if p == 0 and (vals[0] is None) is not (value is None):
+            heaps = self.evictor.heaps
+            (heaps.device_moved if dev else heaps.host_moved)(node, value is not None)
 
     # ------------------------------------------------------------------ match
     def split(self, node: TreeNode, at: int) -> TreeNode:

@@ -38,11 +38,11 @@ from typing import Any, Protocol
 
 import torch
 
+from kvstrata.core.lru_heap import LruHeaps
 from kvstrata.core.policy_events import GuardedEvents
 from kvstrata.core.tree_node import (
     _DEVICE,
     _HOST,
-    UNIT,
     EvictionResult,
     Membership,
     PoolLayout,
@@ -131,12 +131,14 @@ class TreeEvictor:
         self._delete_unbacked = True  # see evict_device
         #: host eviction leaves device pages their host copies (``TierUnits.keeping_copies``)
         self.keep_copies = False
+        self.heaps = LruHeaps(membership)  # the LRU order's candidates (core/lru_heap.py)
         for tier, order in (orders or {}).items():
             self.use(tier, order)
 
     def use(self, tier: Tier, order: EvictionOrder) -> None:
         """Make ``order`` rank ``tier``'s candidates, honouring its declared capabilities."""
         self.orders[tier] = order
+        self.heaps.enable(tier, type(order) is LruOrder)
         caps = getattr(order, "capabilities", None)
         self._trims[tier] = bool(getattr(caps, "chain_aware", False)) and self._can_trim
         if getattr(caps, "events", False):
@@ -298,8 +300,20 @@ class TreeEvictor:
     def _evict_anchor(self, tier: Tier, want: int, result: EvictionResult) -> None:
         """Drop whole leaves of the tier, lowest rank first; a parent left without children in
         the tier becomes a candidate in turn. A chain-aware order trims the last leaf it needs
-        to the pages still wanted."""
+        to the pages still wanted. The LRU order's candidates are kept (``core/lru_heap.py``):
+        ranking the whole tier at every eviction cost O(tier) per allocation."""
         name = self.pools[0].name
+        kept = self.heaps.of(tier) if type(self.orders[tier]) is LruOrder and self._level is None else None
+        if kept is not None:
+            kept.evict(self._node_evictable, self._drop_node, name, tier, want, result)
+        else:
+            self._evict_ranked(tier, name, want, result)
+        if tier is _HOST and not self.keep_copies and result.units.get(name, 0) < want:
+            _drop_copies(self, want, result)
+
+    def _evict_ranked(self, tier: Tier, name: str, want: int, result: EvictionResult) -> None:
+        """:meth:`_evict_anchor` by the tier's order (a plugin's) or retention levels: every
+        candidate ranked."""
         trims = self._trims[tier]
         heap = self._ranked(tier, [n for n in self._members[tier][0] if self._node_evictable(n, tier)])
         heapq.heapify(heap)
@@ -315,23 +329,6 @@ class TreeEvictor:
             parent = self._drop_node(node, tier, result)
             if self._node_evictable(parent, tier):
                 heapq.heappush(heap, self._ranked(tier, [parent])[0])
-        if tier is _HOST and not self.keep_copies and result.units.get(name, 0) < want:
-            self._drop_copies(want, result)
-
-    def _drop_copies(self, want: int, result: EvictionResult) -> None:
-        """Second host pass: host copies of pages that stay on the device go, deepest first in
-        the order (their pages are still served from L1; the host tier needs the room)."""
-        name = self.pools[0].name
-        heap = self._ranked(_HOST, [n for n in self._members[_HOST][0] if _copy_droppable(n)])
-        heapq.heapify(heap)
-        while heap and result.units.get(name, 0) < want:
-            _, _, node = heapq.heappop(heap)
-            if not _copy_droppable(node):
-                continue
-            self._drop_copy(node, result)
-            parent = node.parent
-            if parent is not None and parent is not self.root and _copy_droppable(parent):
-                heapq.heappush(heap, self._ranked(_HOST, [parent])[0])
 
     def _component_candidates(
         self, tier: Tier, p: int, heads: bool = False
@@ -394,31 +391,20 @@ class TreeEvictor:
                 result.tombstoned += 1
 
 
-def room_by_evicting(evictor: TreeEvictor, tier: Tier, shortfall: Mapping[str, int]) -> bool:
-    """Whether evicting every unit of ``tier`` that no lock holds could cover ``shortfall``
-    (units per pool beyond the free ones; a device window lock holds its last window only). An
-    upper bound: every rule above spares a unit a lock of its pool holds (a request's prefix, a
-    pin, an L3 write's source), so an allocation it rules out is refused before anything is
-    evicted for it -- such an eviction only loses cached pages (without a host tier, for good).
-    Stops at the first units that suffice: the oldest members, mostly unlocked, when the tier is
-    simply full."""
-    dev = tier is _DEVICE
-    for name, want in shortfall.items():
-        if want <= 0:
+def _drop_copies(evictor: TreeEvictor, want: int, result: EvictionResult) -> None:
+    """Second host pass: host copies of pages that stay on the device go, deepest first in
+    the order (their pages are still served from L1; the host tier needs the room)."""
+    name = evictor.pools[0].name
+    heap = evictor._ranked(_HOST, [n for n in evictor._members[_HOST][0] if _copy_droppable(n)])
+    heapq.heapify(heap)
+    while heap and result.units.get(name, 0) < want:
+        _, _, node = heapq.heappop(heap)
+        if not _copy_droppable(node):
             continue
-        p, found = evictor._pool(name), 0
-        for node in evictor._members[tier][p]:
-            units = len((node.device_raw if dev else node.host_raw)[p]) // UNIT  # type: ignore[arg-type]
-            if (node.device_lock if dev else node.host_lock)[p]:  # locked: on the device, a window
-                if not (dev and evictor._window[p]):  # pool's head no lock reaches may still go
-                    continue
-                units -= node.depth_end - min(node.device_windows[p])
-            found += max(0, units)
-            if found >= want:
-                break
-        else:
-            return False
-    return True
+        evictor._drop_copy(node, result)
+        parent = node.parent
+        if parent is not None and parent is not evictor.root and _copy_droppable(parent):
+            heapq.heappush(heap, evictor._ranked(_HOST, [parent])[0])
 
 
 def _has_tier_children(node: TreeNode, tier: Tier) -> bool:
