@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from controller_support import fill, open_cache, tokens
-from kvstrata.core import lru_heap
+from kvstrata.core import lru_heap, write_back
 from kvstrata.core.controller import CacheController
 from kvstrata.core.retention import RetentionHint
 from kvstrata.core.tree import PrefixTree, Tier, TreeNode
@@ -118,6 +118,16 @@ def test_the_kept_candidates_evict_what_the_ranked_scan_evicts(
             stops[0] += 1
 
     monkeypatch.setattr(lru_heap.LruHeap, "evict", checked)
+    backups = [0]  # write-back: what to back up, walked from the kept candidates and by the scan
+    walked = write_back._evictable_leaves
+
+    def compared(tree: PrefixTree, layout: Any, want: int) -> list[TreeNode]:
+        chosen = walked(tree, layout, want)
+        assert chosen == write_back._evictable_leaves_ranked(tree, layout, want)
+        backups[0] += 1
+        return chosen
+
+    monkeypatch.setattr(write_back, "_evictable_leaves", compared)
     overrides = ["tiers.storage={}", f"policy.write={write}", "policy.retention.max_pinned_fraction=0.25"]
     with open_cache(stack, overrides=overrides) as cache:
         rng = random.Random(f"{stack}/{write}")
@@ -139,3 +149,4 @@ def test_the_kept_candidates_evict_what_the_ranked_scan_evicts(
         cache.tree.check()
     assert drops[0] > 20, "the requests evicted"
     assert stops[0] >= 2, "the tiers were emptied"
+    assert backups[0] > 20 if write == "write_back" else not backups[0]

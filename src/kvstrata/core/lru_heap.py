@@ -100,6 +100,51 @@ class LruHeap:
             for entry in deferred:
                 heappush(heap, entry)
 
+    def leaves_first(self, leaves: Callable[[TreeNode], bool], enough: Callable[[], bool]) -> None:
+        """Offer device members to ``leaves`` in the order an eviction takes them, until
+        ``enough``: least recently used first, each once it has no device child or every one
+        was offered and ``leaves`` said it goes (then its parent is offered in turn). Nothing
+        leaves: write-back asks what to back up so that an eviction can free the shortfall
+        (``core/write_back.py``). Costs the nodes it offers, not the tier; the heap is left as
+        it was (stale entries refreshed, nodes with device children dropped, as in ``evict``)."""
+        heap, members = self.heap, self.members
+        taken: list[tuple[int, int, TreeNode]] = []  # live candidates popped: pushed back after
+        ready: list[tuple[int, int, TreeNode]] = []  # parents whose every device child was offered
+        gone: dict[TreeNode, int] = {}  # per parent: its device children offered and leaving
+        offered: set[TreeNode] = set()  # (a node may have two entries of one stamp: join, last child)
+        try:
+            while not enough():
+                while heap:  # the global heap's lowest live candidate on top
+                    rank, _, node = heap[0]
+                    if node not in members:
+                        heappop(heap)
+                    elif node.last_access != rank:
+                        heappush(heap, (node.last_access, node.id, heappop(heap)[2]))
+                    elif node.device_children:
+                        heappop(heap)  # pushed again when its last device child leaves
+                    else:
+                        break
+                if ready and (not heap or ready[0] < heap[0]):
+                    node = heappop(ready)[2]
+                elif heap:
+                    entry = heappop(heap)
+                    taken.append(entry)
+                    node = entry[2]
+                else:
+                    return
+                if node in offered:
+                    continue
+                offered.add(node)
+                if leaves(node):
+                    parent: TreeNode = node.parent  # type: ignore[assignment]
+                    if parent.parent is not None:  # (not the root)
+                        count = gone[parent] = gone.get(parent, 0) + 1
+                        if count == parent.device_children:
+                            heappush(ready, (parent.last_access, parent.id, parent))
+        finally:
+            for entry in taken:
+                heappush(heap, entry)
+
 
 class LruHeaps:
     """The device and host heaps, told by the tree's setter whenever a node's anchor joins or

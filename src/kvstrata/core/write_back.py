@@ -193,7 +193,31 @@ def _evictable_leaves(tree: PrefixTree, layout: StackLayout, want: int) -> list[
     Walks the device part of the tree from its leaves up, least recently used first, as
     eviction will: a node is reached once every device child below it can leave; a
     backed-up node can leave as it is, an unbacked one once backed up, a locked one never
-    (nor can its ancestors)."""
+    (nor can its ancestors). Under the LRU order the walk takes the evictor's kept
+    candidates (``core/lru_heap.py``): ranking every device node cost O(tier) per eviction
+    (4 ms per request with 5,000 device nodes)."""
+    heap = tree.evictor.heaps.of(Tier.DEVICE)
+    if heap is None:
+        return _evictable_leaves_ranked(tree, layout, want)
+    backed_up = tree.backed_up
+    chosen: list[TreeNode] = []
+    pages = 0
+
+    def leaves(node: TreeNode) -> bool:
+        nonlocal pages
+        if any(node.device_lock):
+            return False
+        if not backed_up(node):
+            chosen.append(node)
+        pages += node.pages
+        return True
+
+    heap.leaves_first(leaves, lambda: pages >= want)
+    return chosen
+
+
+def _evictable_leaves_ranked(tree: PrefixTree, layout: StackLayout, want: int) -> list[TreeNode]:
+    """:func:`_evictable_leaves` by ranking every device node (a plugin order ranks the tier)."""
     backed_up = tree.backed_up
     nodes = tree.holding(layout.anchor, Tier.DEVICE)
     below = {n: n.device_children for n in nodes}
