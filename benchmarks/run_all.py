@@ -35,6 +35,7 @@ BENCHMARKS = {
     "eviction": "eviction.py",
     "eviction_oracles": "eviction_oracles.py",
     "eviction_ceiling": "eviction_ceiling.py",
+    "eviction_scale": "eviction_scale.py",
     "sglang_l3": "sglang_l3.py",
     "hf": "hf.py",
     "weights_digest": "weights_digest.py",
