@@ -164,6 +164,26 @@ class LruHeaps:
         heap = self.device if tier is _DEVICE else self.host
         return heap if heap.active else None
 
+    def check(self) -> None:
+        """Assert what makes the kept candidates the scan's: every member that may be a candidate
+        (device: no device child; host: no device copy, no child) has an entry ranked no later
+        than its stamp (``PrefixTree.check``; tests call it after every step)."""
+        for heap in (self.device, self.host):
+            if not heap.active:
+                continue
+            ranks: dict[TreeNode, int] = {}
+            for rank, _, node in heap.heap:
+                ranks[node] = min(rank, ranks.get(node, rank))
+            for node in heap.members:
+                if heap.host and (node.device_raw[0] is not None or node.children):
+                    continue
+                if not heap.host and node.device_children:
+                    continue
+                rank = ranks.get(node)
+                assert rank is not None and rank <= node.last_access, (
+                    f"{node!r} may leave the {'host' if heap.host else 'device'} tier but has no LRU entry"
+                )
+
     def device_moved(self, node: TreeNode, joined: bool) -> None:
         parent: TreeNode = node.parent  # type: ignore[assignment]
         if joined:

@@ -398,6 +398,7 @@ class PrefixTree:
     def check(self) -> None:
         """Assert every structural invariant; tests call it after each step."""
         check_tree(self.layout, self.root, self._lru)
+        self.evictor.heaps.check()
 
 
 def tree_path(tree: PrefixTree, node: TreeNode, since: TreeNode | None = None) -> list[TreeNode]:
