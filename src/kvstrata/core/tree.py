@@ -40,6 +40,7 @@ from itertools import count
 
 import torch
 
+from kvstrata.core.component_index import ComponentIndex
 from kvstrata.core.tree_check import check_tree
 from kvstrata.core.tree_eviction import EvictionOrder, LruOrder, RetentionLevels, TreeEvictor
 from kvstrata.core.tree_insert import TreeInserter
@@ -135,6 +136,8 @@ class PrefixTree:
         )
         self._locks = TreeLocks(layout, self.root)
         self.evictor = TreeEvictor(layout, self.root, self._lru, self._set, split=self._matcher.split)
+        #: write-back's component backups and gained components (core/component_index.py)
+        self.components = ComponentIndex(self._lru, layout.npools)
         self._matcher.on_split = self.evictor.split
 
     # ------------------------------------------------------------------ helpers
@@ -181,6 +184,8 @@ class PrefixTree:
         if p == 0 and (vals[0] is None) is not (value is None):
             heaps = self.evictor.heaps
             (heaps.device_moved if dev else heaps.host_moved)(node, value is not None)
+        if self.components.active and (p or not dev):  # write-back's component choices
+            self.components.moved(node, dev, p, vals[p] is not None, value is not None)
 
     # ------------------------------------------------------------------ match
     def split(self, node: TreeNode, at: int) -> TreeNode:

@@ -1,0 +1,146 @@
+"""Write-back's component (state, window) choices, kept across evictions.
+
+Before every device eviction write-back asks two things of each component pool: which
+unbacked, unlocked device holders to back up, least recently used first, until the shortfall
+is covered (:func:`~kvstrata.core.write_back.eviction_backups`); and which backed-up holders
+gained a component after their backup (:func:`~kvstrata.core.write_back.gained_components`).
+Both scanned every device holder of every component pool at every eviction: O(tier) per
+allocation once full (5 ms per request with 3,000 device nodes on a window stack). The tree's
+setter tells this index whenever a component joins or leaves the device, or a node's host copy
+(its backup) comes or goes, so each answer costs what it looks at:
+
+- per pool, a heap of ``(last_access, id, node)`` entries: pushed when the node joins the
+  pool's device holders and when it loses its backup; an entry is stale when its node left,
+  was stamped since (pushed again with its stamp: stamps only grow) or is backed up (dropped:
+  pushed again when the backup goes); a locked or already chosen node is put back after;
+- per pool, the holders that are backed up without a host copy of the component (gained), and
+  each holder's position among the pool's holders (the order the scan met them in).
+
+Not kept until the first question (a write-through cache never asks): then built from the
+membership. The answers are the scans' own, node for node and in order (tests/test_component_index.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from heapq import heappop, heappush
+from itertools import count
+
+from kvstrata.core.tree_node import _DEVICE, UNIT, Membership, TreeNode
+
+#: entries beyond twice the pool's holders before its heap is rebuilt from them
+_SLACK = 64
+
+
+class ComponentIndex:
+    """Write-back's per component pool backup candidates and gained components (see the module
+    docstring); the tree's setter calls :meth:`moved`."""
+
+    __slots__ = ("_count", "_gained", "_heaps", "_members", "_seq", "active", "pools")
+
+    def __init__(self, membership: Membership, npools: int) -> None:
+        self._members = membership[_DEVICE]
+        self.pools = tuple(range(1, npools))  # the components (pool 0 is the anchor)
+        self.active = False
+        self._heaps: list[list[tuple[int, int, TreeNode]]] = [[] for _ in range(npools)]
+        self._gained: list[dict[TreeNode, None]] = [{} for _ in range(npools)]
+        self._seq: list[dict[TreeNode, int]] = [{} for _ in range(npools)]
+        self._count = count()
+
+    def _activate(self) -> None:
+        self.active = True
+        for p in self.pools:
+            seq = self._seq[p]
+            for node in self._members[p]:  # (insertion ordered: the order holders joined)
+                seq[node] = next(self._count)
+                self._check(node, p)
+            self._rebuild(p)
+
+    def _rebuild(self, p: int) -> None:
+        heap = [(n.last_access, n.id, n) for n in self._members[p] if n.host_raw[0] is None]
+        heap.sort()  # (a sorted list is a heap)
+        self._heaps[p] = heap
+
+    def _push(self, p: int, node: TreeNode) -> None:
+        heap = self._heaps[p]
+        heappush(heap, (node.last_access, node.id, node))
+        if len(heap) > 2 * len(self._members[p]) + _SLACK:
+            self._rebuild(p)
+
+    def _check(self, node: TreeNode, p: int) -> None:
+        """Whether ``node`` holds pool ``p`` on the device, is backed up and has no host copy of it."""
+        if node.device_raw[p] is not None and node.host_raw[0] is not None and node.host_raw[p] is None:
+            self._gained[p][node] = None
+        else:
+            self._gained[p].pop(node, None)
+
+    def moved(self, node: TreeNode, dev: bool, p: int, was: bool, now: bool) -> None:
+        """``node``'s value of pool ``p`` in the device (``dev``) or host tier was set (``was``:
+        held before, ``now``: held after); called while active for a component or a host anchor."""
+        if dev:
+            if was is now:
+                return
+            if now:  # joined the pool's device holders
+                self._seq[p][node] = next(self._count)
+                if node.host_raw[0] is None:
+                    self._push(p, node)
+                self._check(node, p)
+            else:
+                self._seq[p].pop(node, None)
+                self._gained[p].pop(node, None)
+        elif p == 0:
+            if was is now:
+                return
+            for q in self.pools:
+                if not now and node.device_raw[q] is not None:  # lost its backup: a candidate again
+                    self._push(q, node)
+                self._check(node, q)
+        else:
+            self._check(node, p)
+
+    def backups(self, p: int, chosen: dict[TreeNode, None], have: int, want: int) -> None:
+        """Add to ``chosen`` the unbacked device holders of pool ``p`` whose units are not locked,
+        least recently used first, until ``have`` plus their units reach ``want``: what ranking
+        every holder chose, in its order."""
+        if not self.active:
+            self._activate()
+        members = self._members[p]
+        if len(self._heaps[p]) > 2 * len(members) + _SLACK:
+            self._rebuild(p)
+        heap = self._heaps[p]
+        taken: list[tuple[int, int, TreeNode]] = []  # live candidates popped: pushed back after
+        seen: set[TreeNode] = set()  # (a node may have two entries of one stamp)
+        try:
+            while heap and have < want:
+                entry = heappop(heap)
+                rank, _, node = entry
+                if node not in members:
+                    continue  # left: pushed again when it joins
+                if node.last_access != rank:
+                    heappush(heap, (node.last_access, node.id, node))  # stamped since
+                    continue
+                if node.host_raw[0] is not None or node in seen:
+                    continue  # backed up: pushed again when its host copy goes
+                seen.add(node)
+                taken.append(entry)
+                if node in chosen or node.device_lock[p]:
+                    continue
+                chosen[node] = None
+                have += len(node.device_raw[p]) // UNIT  # type: ignore[arg-type]
+        finally:
+            for entry in taken:
+                heappush(heap, entry)
+
+    def gained(self, pools: Sequence[int]) -> list[TreeNode]:
+        """The device holders of ``pools``' components that are backed up without a host copy
+        of one and whose units are not locked, root first (ties: in ``pools``' order, each
+        pool's holders in the order they joined): what scanning every holder found."""
+        if not self.active:
+            self._activate()
+        found: dict[TreeNode, tuple[int, int, int]] = {}
+        for rank, p in enumerate(pools):
+            seq = self._seq[p]
+            for node in self._gained[p]:
+                if node not in found and not node.device_lock[p]:
+                    found[node] = (node.depth_end, rank, seq[node])
+        return sorted(found, key=found.__getitem__)

@@ -1,0 +1,179 @@
+"""Write-back's component choices kept across evictions (``core/component_index.py``).
+
+Before every device eviction write-back chose the components to back up and the components
+backed-up nodes gained by scanning every device holder of every component pool: O(tier) per
+allocation (5 ms per request with 3,000 device nodes on a window stack). The index must answer
+what the scans answered, node for node and in order: these tests compare it with the scans (the
+code they replaced, kept here) at every call write-back makes and after every request.
+"""
+
+from __future__ import annotations
+
+import random
+from heapq import heappop
+from typing import Any
+
+import pytest
+import torch
+
+from controller_support import open_cache, tokens
+from kvstrata.core import component_index
+from kvstrata.core.component_index import ComponentIndex
+from kvstrata.core.retention import RetentionHint
+from kvstrata.core.tree import PrefixTree, Tier, TreeNode
+from kvstrata.core.tree_node import UNIT
+from test_lru_heap import _empty_tiers, _step
+from tree_stacks import Units, kv_spec, seq, swa_spec
+
+
+def scanned_backups(
+    tree: PrefixTree, p: int, chosen: dict[TreeNode, None], have: int, want: int
+) -> list[TreeNode]:
+    """The nodes ``eviction_backups`` added for pool ``p`` by ranking every holder (the scan)."""
+    candidates = [
+        n
+        for n in tree.holding(tree.pools[p].name, Tier.DEVICE)
+        if n not in chosen and not tree.backed_up(n) and not n.device_lock[p]
+    ]
+    candidates.sort(key=lambda n: (n.last_access, n.id))
+    added = []
+    for node in candidates:
+        if have >= want:
+            break
+        added.append(node)
+        have += len(node.device_raw[p]) // UNIT  # type: ignore[arg-type]
+    return added
+
+
+def scanned_gained(tree: PrefixTree, pools: list[int]) -> list[TreeNode]:
+    """``gained_components`` by scanning every holder of every component pool (the scan)."""
+    found: dict[TreeNode, None] = {}
+    for p in pools:
+        for node in tree.holding(tree.pools[p].name, Tier.DEVICE):
+            if node.host_raw[0] is not None and node.host_raw[p] is None and not node.device_lock[p]:
+                found[node] = None
+    return sorted(found, key=lambda n: n.depth_end)
+
+
+def _compare_everything(tree: PrefixTree, rng: random.Random, calls: list[int]) -> None:
+    """Ask the index what the scans answer now, for every component pool and a random want."""
+    index = tree.components
+    pools = list(index.pools)
+    rng.shuffle(pools)
+    assert index.gained(pools) == scanned_gained(tree, pools)
+    for p in index.pools:
+        held = tree.units(tree.pools[p].name, Tier.DEVICE)
+        want = rng.randint(1, held + 2)
+        seed = [n for n in tree.holding(tree.pools[p].name, Tier.DEVICE) if rng.random() < 0.1]
+        chosen = dict.fromkeys(seed)
+        have = rng.randint(0, 2)
+        expected = scanned_backups(tree, p, chosen, have, want)
+        index.backups(p, chosen, have, want)
+        assert list(chosen)[len(seed) :] == expected
+        calls[0] += 1
+
+
+@pytest.mark.parametrize(
+    ("stack", "write"),
+    [
+        pytest.param(stack, write, marks=() if (stack == "kv" or write == "write_back") else pytest.mark.slow)
+        for stack in ("kv", "swa", "hybrid-mamba")
+        for write in ("write_through", "write_back", "write_through_selective")
+    ],
+)
+def test_the_index_chooses_what_the_scans_choose(
+    stack: str, write: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every answer write-back gets (and one after every request, under every write policy) is
+    the scan's: shared prefixes, hits, chunked inserts (locked chains), pins, retention levels,
+    splits leaving checkpoints, host copies dropped from device nodes (a node un-backed up is a
+    candidate again). Heaps rebuilt often."""
+    monkeypatch.setattr(component_index, "_SLACK", 0)
+    asked = {"backups": 0, "gained": 0, "found": 0}
+    backups, gained = ComponentIndex.backups, ComponentIndex.gained
+    trees: list[PrefixTree] = []
+
+    def checked_backups(
+        index: ComponentIndex, p: int, chosen: dict[TreeNode, None], have: int, want: int
+    ) -> None:
+        before = len(chosen)
+        expected = scanned_backups(trees[0], p, dict(chosen), have, want)
+        backups(index, p, chosen, have, want)
+        assert list(chosen)[before:] == expected
+        asked["backups"] += 1
+        asked["found"] += len(expected)
+
+    def checked_gained(index: ComponentIndex, pools: Any) -> list[TreeNode]:
+        found = gained(index, pools)
+        assert found == scanned_gained(trees[0], list(pools))
+        asked["gained"] += 1
+        asked["found"] += len(found)
+        return found
+
+    monkeypatch.setattr(ComponentIndex, "backups", checked_backups)
+    monkeypatch.setattr(ComponentIndex, "gained", checked_gained)
+    overrides = ["tiers.storage={}", f"policy.write={write}", "policy.retention.max_pinned_fraction=0.25"]
+    calls = [0]
+    with open_cache(stack, overrides=overrides) as cache:
+        trees.append(cache.tree)
+        rng = random.Random(f"{stack}/{write}")
+        prompts = [tokens(seed, rng.randint(1, 3)) for seed in range(6)]
+        for n in range(100):
+            suffix = tokens(1000 + n, rng.randint(0, 4))
+            request = torch.cat([rng.choice(prompts), suffix]) if rng.random() < 0.7 else suffix
+            if not len(request):
+                continue
+            roll = rng.random()
+            timed = 30 <= n < 40 and roll < 0.3
+            hint = RetentionHint(ttl_s=60) if timed else RetentionHint(pin=True) if roll < 0.1 else None
+            if n == 55:
+                cache.parts.retention._levels.clear()
+                _empty_tiers(cache)
+            _step(cache, request, hint, chunked=rng.random() < 0.3)
+            if n % 3 == 0 and cache.tree.components.pools:
+                _compare_everything(cache.tree, rng, calls)
+        cache.tree.check()
+    if cache.tree.components.pools:
+        assert calls[0] > 20
+    if write == "write_back" and stack != "kv":
+        assert asked["backups"] > 20 and asked["found"] > 20, asked
+
+
+def test_an_eviction_backup_looks_at_the_nodes_it_takes_not_the_whole_tier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """3,000 unbacked window holders: choosing the oldest costs a few entries, not 3,000 rankings;
+    a node whose backup goes is a candidate again."""
+    tree, units = PrefixTree([kv_spec(), swa_spec()]), Units()
+    nodes = [tree.insert(seq(i), {"kv": units.take(1), "swa": units.take(1)}).node for i in range(3000)]
+    p = tree.index["swa"]
+    tree.components.backups(p, {}, 0, 1)  # (built here, from the membership)
+    popped = [0]
+
+    def counted(heap: list[Any]) -> Any:
+        popped[0] += 1
+        return heappop(heap)
+
+    monkeypatch.setattr(component_index, "heappop", counted)
+    for i in range(10):
+        chosen: dict[TreeNode, None] = {}
+        tree.components.backups(p, chosen, 0, 2)
+        assert list(chosen) == nodes[2 * i : 2 * i + 2]
+        for node in chosen:
+            tree.set_host_value(node, "kv", units.take(1))  # backed up: no longer a candidate
+    assert popped[0] <= 40, f"{popped[0]} entries popped for 10 choices of two nodes in 3,000"
+    tree.evict_host({"kv": 1})  # the oldest backed-up node's host copy goes: a candidate again
+    chosen = {}
+    tree.components.backups(p, chosen, 0, 1)
+    assert list(chosen) == [nodes[0]]
+
+
+def test_gained_components_keep_the_scans_order_among_equal_depths() -> None:
+    """Nodes of one depth come in the order they joined the pool's holders (the scan's), not
+    the order they were backed up in."""
+    tree, units = PrefixTree([kv_spec(), swa_spec()]), Units()
+    assert tree.components.gained([1]) == []  # (built here: kept from now on)
+    nodes = [tree.insert(seq(i), {"kv": units.take(1), "swa": units.take(1)}).node for i in range(4)]
+    for node in reversed(nodes):  # backed up newest first, the window not
+        tree.set_host_value(node, "kv", units.take(1))
+    assert tree.components.gained([1]) == nodes == scanned_gained(tree, [1])
