@@ -123,10 +123,7 @@ class PrefixTree:
         self.root = self._node_type(0, None, b"", layout.npools, layout.has_windows, layout.unlocked)
         # Per-tier, per-pool membership: the nodes holding a value of that pool in that tier,
         # the candidates of eviction (ordered then by the tier's eviction order).
-        self._lru: Membership = {
-            _DEVICE: [{} for _ in self.pools],
-            _HOST: [{} for _ in self.pools],
-        }
+        self._lru: Membership = {_DEVICE: [{} for _ in self.pools], _HOST: [{} for _ in self.pools]}
         self._device_lru = self._lru[_DEVICE]
         self._host_lru = self._lru[_HOST]
         ids, clock = count(1), AccessClock()
@@ -136,8 +133,7 @@ class PrefixTree:
         )
         self._locks = TreeLocks(layout, self.root)
         self.evictor = TreeEvictor(layout, self.root, self._lru, self._set, split=self._matcher.split)
-        #: write-back's component backups and gained components (core/component_index.py)
-        self.components = ComponentIndex(self._lru, layout.npools)
+        self.components = ComponentIndex(self._lru, layout.npools)  # (write-back's: core/component_index.py)
         self._matcher.on_split = self.evictor.split
 
     # ------------------------------------------------------------------ helpers
