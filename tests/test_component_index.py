@@ -10,6 +10,7 @@ code they replaced, kept here) at every call write-back makes and after every re
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from heapq import heappop
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 
 from controller_support import open_cache, tokens
 from kvstrata.core import component_index
-from kvstrata.core.component_index import ComponentIndex
+from kvstrata.core.component_index import ComponentHeap, ComponentIndex
 from kvstrata.core.retention import RetentionHint
 from kvstrata.core.tree import PrefixTree, Tier, TreeNode
 from kvstrata.core.tree_node import UNIT
@@ -112,7 +113,30 @@ def test_the_index_chooses_what_the_scans_choose(
 
     monkeypatch.setattr(ComponentIndex, "backups", checked_backups)
     monkeypatch.setattr(ComponentIndex, "gained", checked_gained)
+    walks = {True: 0, False: 0}  # the evictor's walks per tier (device?) that yielded a node
+    ordered = ComponentHeap.ordered
+
+    def checked_ordered(heap: ComponentHeap, may_lose: Any, keep: bool) -> Iterator[TreeNode]:
+        members = heap.members
+        expected = sorted((n for n in members if may_lose(n)), key=lambda n: (n.last_access, n.id))
+        walk = ordered(heap, may_lose, keep)
+        i = 0
+        for node in walk:  # the scan's nodes that left the pool meanwhile: skipped by the evictor
+            while i < len(expected) and expected[i] not in members:
+                i += 1
+            assert i < len(expected) and node is expected[i], (
+                f"the heap yielded {node}, the scan {expected[i : i + 1]}"
+            )
+            i += 1
+            walks[not heap.host] += i == 1
+            yield node
+        missed = [n for n in expected[i:] if n in members]
+        assert not missed, f"the heap stopped with {missed[:3]} still to lose"
+
+    monkeypatch.setattr(ComponentHeap, "ordered", checked_ordered)
     overrides = ["tiers.storage={}", f"policy.write={write}", "policy.retention.max_pinned_fraction=0.25"]
+    if stack == "hybrid-mamba":  # fewer state slots than nodes: states are evicted on their own
+        overrides += ["model.pools.mamba.device_units=4", "model.pools.mamba.host_units=6"]
     calls = [0]
     with open_cache(stack, overrides=overrides) as cache:
         trees.append(cache.tree)
@@ -137,6 +161,8 @@ def test_the_index_chooses_what_the_scans_choose(
         assert calls[0] > 20
     if write == "write_back" and stack != "kv":
         assert asked["backups"] > 20 and asked["found"] > 20, asked
+    if stack == "hybrid-mamba":
+        assert walks[True] > 5 and (walks[False] > 5 or write != "write_through"), walks
 
 
 def test_an_eviction_backup_looks_at_the_nodes_it_takes_not_the_whole_tier(

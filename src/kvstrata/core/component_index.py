@@ -22,11 +22,11 @@ membership. The answers are the scans' own, node for node and in order (tests/te
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from heapq import heappop, heappush
 from itertools import count
 
-from kvstrata.core.tree_node import _DEVICE, UNIT, Membership, TreeNode
+from kvstrata.core.tree_node import _DEVICE, _HOST, UNIT, Membership, TreeNode
 
 #: entries beyond twice the pool's holders before its heap is rebuilt from them
 _SLACK = 64
@@ -36,19 +36,42 @@ class ComponentIndex:
     """Write-back's per component pool backup candidates and gained components (see the module
     docstring); the tree's setter calls :meth:`moved`."""
 
-    __slots__ = ("_count", "_gained", "_heaps", "_members", "_seq", "active", "pools")
+    __slots__ = (
+        "_backing",
+        "_count",
+        "_evicting",
+        "_gained",
+        "_heaps",
+        "_members",
+        "_seq",
+        "_tiers",
+        "active",
+        "pools",
+    )
 
     def __init__(self, membership: Membership, npools: int) -> None:
         self._members = membership[_DEVICE]
+        self._tiers = (membership[_HOST], membership[_DEVICE])  # (indexed by ``dev``)
         self.pools = tuple(range(1, npools))  # the components (pool 0 is the anchor)
-        self.active = False
+        self.active = False  # whether the setter tells this index anything (once asked)
+        self._backing = False  # write-back's choices kept (once asked)
+        self._evicting: dict[tuple[bool, int], ComponentHeap] = {}  # (device?, pool): the evictor's
         self._heaps: list[list[tuple[int, int, TreeNode]]] = [[] for _ in range(npools)]
         self._gained: list[dict[TreeNode, None]] = [{} for _ in range(npools)]
         self._seq: list[dict[TreeNode, int]] = [{} for _ in range(npools)]
         self._count = count()
 
+    def evicting(self, dev: bool, p: int) -> ComponentHeap:
+        """The LRU order's candidates to lose component ``p``'s units in the device (``dev``) or
+        host tier (kept from the first eviction that asks)."""
+        heap = self._evicting.get((dev, p))
+        if heap is None:
+            heap = self._evicting[dev, p] = ComponentHeap(self._tiers[dev][p], p, not dev)
+            self.active = True
+        return heap
+
     def _activate(self) -> None:
-        self.active = True
+        self.active = self._backing = True
         for p in self.pools:
             seq = self._seq[p]
             for node in self._members[p]:  # (insertion ordered: the order holders joined)
@@ -77,6 +100,10 @@ class ComponentIndex:
     def moved(self, node: TreeNode, dev: bool, p: int, was: bool, now: bool) -> None:
         """``node``'s value of pool ``p`` in the device (``dev``) or host tier was set (``was``:
         held before, ``now``: held after); called while active for a component or a host anchor."""
+        if self._evicting and was is not now:
+            self._evicting_moved(node, dev, p, now)
+        if not self._backing:
+            return
         if dev:
             if was is now:
                 return
@@ -97,6 +124,24 @@ class ComponentIndex:
                 self._check(node, q)
         else:
             self._check(node, p)
+
+    def _evicting_moved(self, node: TreeNode, dev: bool, p: int, now: bool) -> None:
+        """The evictor's heaps: a holder joined (pushed), a device node was backed up (pushed:
+        write-back's evictions skip unbacked ones) or a component left the device (its host copy
+        may lose it now)."""
+        heaps = self._evicting
+        if not dev and not p:
+            for q in self.pools if now else ():
+                heap = heaps.get((True, q))
+                if heap is not None and node.device_raw[q] is not None:
+                    heap.push(node)
+            return
+        heap = heaps.get((dev, p))
+        if heap is not None and now:
+            heap.push(node)
+        heap = heaps.get((False, p)) if dev and not now else None
+        if heap is not None and node.host_raw[p] is not None:
+            heap.push(node)
 
     def backups(self, p: int, chosen: dict[TreeNode, None], have: int, want: int) -> None:
         """Add to ``chosen`` the unbacked device holders of pool ``p`` whose units are not locked,
@@ -144,3 +189,78 @@ class ComponentIndex:
                 if node not in found and not node.device_lock[p]:
                     found[node] = (node.depth_end, rank, seq[node])
         return sorted(found, key=found.__getitem__)
+
+
+class ComponentHeap:
+    """One tier's candidates to lose a component pool's units under the LRU order (the evictor's
+    ``_component_candidates``), kept as :class:`~kvstrata.core.lru_heap.LruHeap` keeps the
+    anchor's: an entry per holder, stale once the holder left or was stamped since. A holder
+    that may not lose the units now is put back after the eviction where a lock holds them, and
+    dropped where only an event the setter reports can change that: on the host a device copy
+    (pushed when it leaves), on the device under write-back no backup (pushed when backed up;
+    an eviction that may delete unbacked nodes rebuilds the heap first)."""
+
+    __slots__ = ("_iterating", "_taken", "heap", "host", "lossy", "members", "p")
+
+    def __init__(self, members: dict[TreeNode, None], p: int, host: bool) -> None:
+        self.members, self.p, self.host = members, p, host
+        self._iterating = False
+        self._taken: list[tuple[int, int, TreeNode]] = []  # live entries popped: pushed back after
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        p, host = self.p, self.host
+        heap = [(n.last_access, n.id, n) for n in self.members if not (host and n.device_raw[p] is not None)]
+        heap.sort()  # (a sorted list is a heap)
+        self.heap, self.lossy = heap, False  # lossy: unbacked device holders dropped
+
+    def push(self, node: TreeNode) -> None:
+        heap = self.heap
+        heappush(heap, (node.last_access, node.id, node))
+        if len(heap) > 2 * len(self.members) + _SLACK and not self._iterating:
+            self.rebuild()
+
+    def ordered(self, may_lose: Callable[[TreeNode], bool], keep: bool) -> Iterator[TreeNode]:
+        """The holders that ``may_lose`` the units, least recently used first; ``keep``: on the
+        device, unbacked holders may not (write-back). What ranking every holder yields, in its
+        order, while the eviction that walks it only drops and tombstones."""
+        self._restore()
+        if (self.lossy and not keep) or len(self.heap) > 2 * len(self.members) + _SLACK:
+            self.rebuild()
+        return self._walk(may_lose, keep)
+
+    def _restore(self) -> None:
+        self._iterating = False
+        taken, self._taken = self._taken, []
+        heap, members = self.heap, self.members
+        for entry in taken:
+            if entry[2] in members:
+                heappush(heap, entry)
+
+    def _walk(self, may_lose: Callable[[TreeNode], bool], keep: bool) -> Iterator[TreeNode]:
+        heap, members, p, host = self.heap, self.members, self.p, self.host
+        seen: set[TreeNode] = set()  # (a node may have two entries of one stamp)
+        self._iterating = True
+        try:
+            while heap:
+                entry = heappop(heap)
+                rank, _, node = entry
+                if node not in members:
+                    continue  # left: pushed again when it joins
+                if node.last_access != rank:
+                    heappush(heap, (node.last_access, node.id, node))  # stamped since
+                    continue
+                if node in seen:
+                    continue
+                if host:
+                    if node.device_raw[p] is not None:
+                        continue  # pushed again when its device copy goes
+                elif keep and node.host_raw[0] is None:
+                    self.lossy = True  # pushed again when backed up
+                    continue
+                seen.add(node)
+                self._taken.append(entry)
+                if may_lose(node):
+                    yield node
+        finally:
+            self._restore()

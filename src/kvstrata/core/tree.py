@@ -40,7 +40,6 @@ from itertools import count
 
 import torch
 
-from kvstrata.core.component_index import ComponentIndex
 from kvstrata.core.tree_check import check_tree
 from kvstrata.core.tree_eviction import EvictionOrder, LruOrder, RetentionLevels, TreeEvictor
 from kvstrata.core.tree_insert import TreeInserter
@@ -133,7 +132,7 @@ class PrefixTree:
         )
         self._locks = TreeLocks(layout, self.root)
         self.evictor = TreeEvictor(layout, self.root, self._lru, self._set, split=self._matcher.split)
-        self.components = ComponentIndex(self._lru, layout.npools)  # (write-back's: core/component_index.py)
+        self.components = self.evictor.components  # (core/component_index.py)
         self._matcher.on_split = self.evictor.split
 
     # ------------------------------------------------------------------ helpers
@@ -180,7 +179,7 @@ class PrefixTree:
         if p == 0 and (vals[0] is None) is not (value is None):
             heaps = self.evictor.heaps
             (heaps.device_moved if dev else heaps.host_moved)(node, value is not None)
-        if self.components.active and (p or not dev):  # write-back's component choices
+        if self.components.active and (p or not dev):  # components' kept candidates
             self.components.moved(node, dev, p, vals[p] is not None, value is not None)
 
     # ------------------------------------------------------------------ match

@@ -33,11 +33,12 @@ reports what it dropped and the owner frees it.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
+from kvstrata.core.component_index import ComponentIndex
 from kvstrata.core.lru_heap import LruHeaps
 from kvstrata.core.policy_events import GuardedEvents
 from kvstrata.core.tree_node import (
@@ -132,6 +133,7 @@ class TreeEvictor:
         #: host eviction leaves device pages their host copies (``TierUnits.keeping_copies``)
         self.keep_copies = False
         self.heaps = LruHeaps(membership)  # the LRU order's candidates (core/lru_heap.py)
+        self.components = ComponentIndex(membership, len(layout.pools))  # (core/component_index.py)
         for tier, order in (orders or {}).items():
             self.use(tier, order)
 
@@ -330,26 +332,25 @@ class TreeEvictor:
             if self._node_evictable(parent, tier):
                 heapq.heappush(heap, self._ranked(tier, [parent])[0])
 
-    def _component_candidates(
-        self, tier: Tier, p: int, heads: bool = False
-    ) -> list[tuple[Any, int, TreeNode]]:
+    def _component_candidates(self, tier: Tier, p: int, heads: bool = False) -> Iterator[TreeNode]:
         """Nodes that may lose pool ``p``'s units in ``tier``, lowest rank first: see
         :func:`_may_lose` (with ``heads``, on the device, also a node whose window locks start
-        after its first page: its head may go)."""
+        after its first page: its head may go). The LRU order's are kept across evictions
+        (``core/component_index.py``): ranking every holder cost O(tier) per eviction."""
         dev = tier is _DEVICE  # (a host lock may be an L3 write's, reading the whole node)
         free = _head_free if heads and dev else _unlocked
         keep = dev and not self._delete_unbacked  # write-back: a node without a backup stays
+        if p and type(self.orders[tier]) is LruOrder and self._level is None:
+            return self.components.evicting(dev, p).ordered(lambda n: _may_lose(n, p, dev, keep, free), keep)
         nodes = [n for n in self._members[tier][p] if _may_lose(n, p, dev, keep, free)]
-        candidates = self._ranked(tier, nodes)
-        candidates.sort()
-        return candidates
+        return iter([n for *_, n in sorted(self._ranked(tier, nodes))])
 
     def _evict_out_of_window(self, tier: Tier, p: int, want: int, result: EvictionResult) -> None:
         """Tombstone window data outside the last window of every prefix the tier holds, lowest
         rank first, before any window data a prefix needs (and before the anchor's pages). A
         node whose last pages a prefix needs is split there and loses only its head."""
         name = self.pools[p].name
-        for _, _, node in self._component_candidates(tier, p, heads=True):
+        for node in self._component_candidates(tier, p, heads=True):
             if result.units.get(name, 0) >= want:
                 break
             tail = window_tail(node, tier, self._window[p], p)
@@ -374,7 +375,7 @@ class TreeEvictor:
         name = self.pools[p].name
         dev = tier is _DEVICE
         for heads in (False, True) if dev and self._window[p] else (False,):
-            for _, _, node in self._component_candidates(tier, p, heads=heads):
+            for node in self._component_candidates(tier, p, heads=heads):
                 if result.units.get(name, 0) >= want:
                     return
                 if (node.device_raw if dev else node.host_raw)[p] is None:
