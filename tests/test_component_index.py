@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from controller_support import open_cache, tokens
-from kvstrata.core import component_index
+from kvstrata.core import component_index, tree_eviction
 from kvstrata.core.component_index import ComponentHeap, ComponentIndex
 from kvstrata.core.retention import RetentionHint
 from kvstrata.core.tree import PrefixTree, Tier, TreeNode
 from kvstrata.core.tree_node import UNIT
 from test_lru_heap import _empty_tiers, _step
-from tree_stacks import Units, kv_spec, seq, swa_spec
+from tree_stacks import Units, kv_spec, mamba_spec, seq, swa_spec
 
 
 def scanned_backups(
@@ -203,3 +203,35 @@ def test_gained_components_keep_the_scans_order_among_equal_depths() -> None:
     for node in reversed(nodes):  # backed up newest first, the window not
         tree.set_host_value(node, "kv", units.take(1))
     assert tree.components.gained([1]) == nodes == scanned_gained(tree, [1])
+
+
+def test_an_eviction_that_may_delete_unbacked_nodes_finds_those_write_back_skipped() -> None:
+    """Write-back's eviction skips unbacked state holders (dropped from the heap until backed
+    up); the fallback that may delete them (nothing could be backed up) still finds them."""
+    tree, units = PrefixTree([kv_spec(), mamba_spec()]), Units()
+    nodes = [tree.insert(seq(i), {"kv": units.take(1), "mamba": units.take(1)}).node for i in range(10)]
+    assert not tree.evict_device({"mamba": 2}, delete_unbacked=False).units  # nothing backed up
+    assert tree.evict_device({"mamba": 2}, delete_unbacked=True).units == {"kv": 2, "mamba": 2}
+    assert [n.parent is None for n in nodes] == [True, True] + [False] * 8, "the two oldest went"
+    tree.check()
+
+
+def test_a_state_eviction_looks_at_the_nodes_it_drops_not_the_whole_tier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """3,000 state holders: evicting the oldest state asks about a few nodes, not 3,000."""
+    tree, units = PrefixTree([kv_spec(), mamba_spec()]), Units()
+    nodes = [tree.insert(seq(i), {"kv": units.take(1), "mamba": units.take(1)}).node for i in range(3000)]
+    tree.evict_device({"mamba": 1})  # (built here)
+    asked = [0]
+    may_lose = tree_eviction._may_lose
+
+    def counted(*args: Any) -> bool:
+        asked[0] += 1
+        return may_lose(*args)
+
+    monkeypatch.setattr(tree_eviction, "_may_lose", counted)
+    for _ in range(10):
+        assert tree.evict_device({"mamba": 1}).units["mamba"] == 1
+    assert asked[0] <= 20, f"{asked[0]} nodes asked for 10 evictions of one state in 3,000"
+    assert all(n.parent is None for n in nodes[:11]) and nodes[11].parent is tree.root, "LRU: the oldest went"
