@@ -10,7 +10,7 @@ code they replaced, kept here) at every call write-back makes and after every re
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from heapq import heappop
 from typing import Any
 
@@ -21,7 +21,7 @@ from controller_support import open_cache, tokens
 from kvstrata.core import component_index, tree_eviction
 from kvstrata.core.component_index import ComponentHeap, ComponentIndex
 from kvstrata.core.retention import RetentionHint
-from kvstrata.core.tree import PrefixTree, Tier, TreeNode
+from kvstrata.core.tree import LruOrder, PrefixTree, Tier, TreeNode
 from kvstrata.core.tree_node import UNIT
 from test_lru_heap import _empty_tiers, _step
 from tree_stacks import Units, kv_spec, mamba_spec, seq, swa_spec
@@ -74,6 +74,37 @@ def _compare_everything(tree: PrefixTree, rng: random.Random, calls: list[int]) 
         calls[0] += 1
 
 
+def _check_walks(monkeypatch: pytest.MonkeyPatch, trees: Sequence[PrefixTree] = ()) -> dict[bool, int]:
+    """Check every walk of the evictor's component heaps against the scan it replaced (every
+    holder that may lose the units, ranked at the walk's start); count the walks per tier
+    (device: True) that yielded a node."""
+    walks = {True: 0, False: 0}
+    ordered = ComponentHeap.ordered
+
+    def checked_ordered(heap: ComponentHeap, may_lose: Any, keep: bool) -> Iterator[TreeNode]:
+        for tree in trees:  # (retention levels and plugin orders rank by the scan)
+            tier = Tier.HOST if heap.host else Tier.DEVICE
+            assert tree.evictor._level is None and type(tree.evictor.orders[tier]) is LruOrder
+        members = heap.members
+        expected = sorted((n for n in members if may_lose(n)), key=lambda n: (n.last_access, n.id))
+        walk = ordered(heap, may_lose, keep)
+        i = 0
+        for node in walk:  # the scan's nodes that left the pool meanwhile: skipped by the evictor
+            while i < len(expected) and expected[i] not in members:
+                i += 1
+            assert i < len(expected) and node is expected[i], (
+                f"the heap yielded {node}, the scan {expected[i : i + 1]}"
+            )
+            i += 1
+            walks[not heap.host] += i == 1
+            yield node
+        missed = [n for n in expected[i:] if n in members]
+        assert not missed, f"the heap stopped with {missed[:3]} still to lose"
+
+    monkeypatch.setattr(ComponentHeap, "ordered", checked_ordered)
+    return walks
+
+
 @pytest.mark.parametrize(
     ("stack", "write"),
     [
@@ -113,27 +144,7 @@ def test_the_index_chooses_what_the_scans_choose(
 
     monkeypatch.setattr(ComponentIndex, "backups", checked_backups)
     monkeypatch.setattr(ComponentIndex, "gained", checked_gained)
-    walks = {True: 0, False: 0}  # the evictor's walks per tier (device?) that yielded a node
-    ordered = ComponentHeap.ordered
-
-    def checked_ordered(heap: ComponentHeap, may_lose: Any, keep: bool) -> Iterator[TreeNode]:
-        members = heap.members
-        expected = sorted((n for n in members if may_lose(n)), key=lambda n: (n.last_access, n.id))
-        walk = ordered(heap, may_lose, keep)
-        i = 0
-        for node in walk:  # the scan's nodes that left the pool meanwhile: skipped by the evictor
-            while i < len(expected) and expected[i] not in members:
-                i += 1
-            assert i < len(expected) and node is expected[i], (
-                f"the heap yielded {node}, the scan {expected[i : i + 1]}"
-            )
-            i += 1
-            walks[not heap.host] += i == 1
-            yield node
-        missed = [n for n in expected[i:] if n in members]
-        assert not missed, f"the heap stopped with {missed[:3]} still to lose"
-
-    monkeypatch.setattr(ComponentHeap, "ordered", checked_ordered)
+    walks = _check_walks(monkeypatch, trees)
     overrides = ["tiers.storage={}", f"policy.write={write}", "policy.retention.max_pinned_fraction=0.25"]
     if stack == "hybrid-mamba":  # fewer state slots than nodes: states are evicted on their own
         overrides += ["model.pools.mamba.device_units=4", "model.pools.mamba.host_units=6"]
@@ -235,3 +246,56 @@ def test_a_state_eviction_looks_at_the_nodes_it_drops_not_the_whole_tier(
         assert tree.evict_device({"mamba": 1}).units["mamba"] == 1
     assert asked[0] <= 20, f"{asked[0]} nodes asked for 10 evictions of one state in 3,000"
     assert all(n.parent is None for n in nodes[:11]) and nodes[11].parent is tree.root, "LRU: the oldest went"
+
+
+def test_component_evictions_on_a_bare_tree_take_what_the_scan_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window and a state pool evicted on their own in both tiers, out of window or not,
+    write-back's skipping of unbacked holders and its fallback, device and host locks (window
+    heads), splits by matches, backups and host copies dropped: every walk is the scan's."""
+    monkeypatch.setattr(component_index, "_SLACK", 0)
+    walks = _check_walks(monkeypatch)
+    tree, units, rng = PrefixTree([kv_spec(), swa_spec(), mamba_spec()]), Units(), random.Random(7)
+    locks: list[Any] = []
+    for step in range(1500):
+        roll = rng.random()
+        base = rng.randrange(8)
+        keys = seq(base, *(rng.randrange(40) for _ in range(rng.randint(0, 4))))
+        if roll < 0.3:
+            n = len(keys)
+            tree.insert(keys, {"kv": units.take(n), "swa": units.take(n), "mamba": units.take(1)})
+        elif roll < 0.4:
+            tree.match(keys[: rng.randint(1, len(keys))])
+        elif roll < 0.5:
+            path = tree.match(keys).path
+            _back_up(tree, units, [n for n in path if n.device_raw[0] is not None], rng)
+        elif roll < 0.6:
+            tier = rng.choice([Tier.DEVICE, Tier.HOST])
+            held = tree.holding("kv", tier)
+            if held:
+                locks.append(tree.lock(rng.choice(held), tier))
+        elif roll < 0.7 and locks:
+            tree.unlock(locks.pop(rng.randrange(len(locks))))
+        else:
+            name = rng.choice(["swa", "mamba", "swa", "mamba", "kv"])
+            want = {name: rng.randint(1, 6)}
+            tree.evictor.keep_copies = rng.random() < 0.5
+            if rng.random() < 0.6:
+                tree.evict_device(
+                    want, delete_unbacked=rng.random() < 0.4, out_of_window_only=rng.random() < 0.2
+                )
+            else:
+                tree.evict_host(want, out_of_window_only=rng.random() < 0.2)
+        if step % 50 == 49:
+            tree.check()
+    assert walks[True] > 50 and walks[False] > 20, walks
+
+
+def _back_up(tree: PrefixTree, units: Units, nodes: list[TreeNode], rng: random.Random) -> None:
+    """Host copies of ``nodes`` (root first): the anchor, and each component now and then."""
+    for node in nodes:
+        if node.host_raw[0] is None:
+            tree.set_host_value(node, "kv", units.take(node.pages))
+        for name, count in (("swa", node.pages), ("mamba", 1)):
+            p = tree.index[name]
+            if node.device_raw[p] is not None and node.host_raw[p] is None and rng.random() < 0.7:
+                tree.set_host_value(node, name, units.take(count))
