@@ -1,23 +1,29 @@
-"""Write-back's component (state, window) choices, kept across evictions.
+"""Component (state, window) eviction choices, kept across evictions.
 
-Before every device eviction write-back asks two things of each component pool: which
+Three questions about a component pool once ranked every holder of it at every eviction,
+O(tier) per allocation once the tier was full. Write-back, before every device eviction: which
 unbacked, unlocked device holders to back up, least recently used first, until the shortfall
-is covered (:func:`~kvstrata.core.write_back.eviction_backups`); and which backed-up holders
-gained a component after their backup (:func:`~kvstrata.core.write_back.gained_components`).
-Both scanned every device holder of every component pool at every eviction: O(tier) per
-allocation once full (5 ms per request with 3,000 device nodes on a window stack). The tree's
-setter tells this index whenever a component joins or leaves the device, or a node's host copy
-(its backup) comes or goes, so each answer costs what it looks at:
+is covered (:func:`~kvstrata.core.write_back.eviction_backups`: 5 ms per request with 3,000
+device nodes on a window stack), and which backed-up holders gained a component after their
+backup (:func:`~kvstrata.core.write_back.gained_components`). The evictor, under the LRU order
+without retention levels: which holders may lose the units in a tier, lowest stamp first
+(``TreeEvictor._component_candidates``: with one state slot per node, 8 ms per request with
+4,000 device nodes, every request evicting a state). The tree's setter tells this index
+whenever a component joins or leaves a tier, or a node's backup (host anchor) comes or goes,
+so each answer costs what it looks at:
 
-- per pool, a heap of ``(last_access, id, node)`` entries: pushed when the node joins the
-  pool's device holders and when it loses its backup; an entry is stale when its node left,
-  was stamped since (pushed again with its stamp: stamps only grow) or is backed up (dropped:
-  pushed again when the backup goes); a locked or already chosen node is put back after;
+- per pool, a heap of ``(last_access, id, node)`` entries of its unbacked device holders:
+  pushed when the node joins the pool's device holders and when it loses its backup; an entry
+  is stale when its node left, was stamped since (pushed again with its stamp: stamps only
+  grow) or is backed up (dropped: pushed again when the backup goes); a locked or already
+  chosen node is put back after;
 - per pool, the holders that are backed up without a host copy of the component (gained), and
-  each holder's position among the pool's holders (the order the scan met them in).
+  each holder's position among the pool's holders (the order the scan met them in);
+- per tier and pool, the evictor's :class:`ComponentHeap`.
 
-Not kept until the first question (a write-through cache never asks): then built from the
-membership. The answers are the scans' own, node for node and in order (tests/test_component_index.py).
+Nothing is kept until the first question (a write-through cache never asks write-back's):
+then built from the membership. The answers are the scans' own, node for node and in order
+(tests/test_component_index.py checks every one against the scan).
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ _SLACK = 64
 
 
 class ComponentIndex:
-    """Write-back's per component pool backup candidates and gained components (see the module
-    docstring); the tree's setter calls :meth:`moved`."""
+    """Write-back's per component pool backup candidates and gained components, and the
+    evictor's heaps (see the module docstring); the tree's setter calls :meth:`moved`."""
 
     __slots__ = (
         "_backing",
