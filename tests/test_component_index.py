@@ -20,6 +20,7 @@ import torch
 from controller_support import open_cache, tokens
 from kvstrata.core import component_index, tree_eviction
 from kvstrata.core.component_index import ComponentHeap, ComponentIndex
+from kvstrata.core.lru_heap import CopyHeap
 from kvstrata.core.retention import RetentionHint
 from kvstrata.core.tree import LruOrder, PrefixTree, Tier, TreeNode
 from kvstrata.core.tree_node import UNIT
@@ -253,7 +254,7 @@ def test_component_evictions_on_a_bare_tree_take_what_the_scan_takes(monkeypatch
     write-back's skipping of unbacked holders and its fallback, device and host locks (window
     heads), splits by matches, backups and host copies dropped: every walk is the scan's."""
     monkeypatch.setattr(component_index, "_SLACK", 0)
-    walks = _check_walks(monkeypatch)
+    walks, drops = _check_walks(monkeypatch), _check_copy_drops(monkeypatch)
     tree, units, rng = PrefixTree([kv_spec(), swa_spec(), mamba_spec()]), Units(), random.Random(7)
     locks: list[Any] = []
     for step in range(1500):
@@ -287,7 +288,7 @@ def test_component_evictions_on_a_bare_tree_take_what_the_scan_takes(monkeypatch
                 tree.evict_host(want, out_of_window_only=rng.random() < 0.2)
         if step % 50 == 49:
             tree.check()
-    assert walks[True] > 50 and walks[False] > 20, walks
+    assert walks[True] > 50 and walks[False] > 20 and drops[0] > 20, (walks, drops)
 
 
 def _back_up(tree: PrefixTree, units: Units, nodes: list[TreeNode], rng: random.Random) -> None:
@@ -299,3 +300,68 @@ def _back_up(tree: PrefixTree, units: Units, nodes: list[TreeNode], rng: random.
             p = tree.index[name]
             if node.device_raw[p] is not None and node.host_raw[p] is None and rng.random() < 0.7:
                 tree.set_host_value(node, name, units.take(count))
+
+
+def _check_copy_drops(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Check every host copy the kept heap drops against the scan's choice (the droppable host
+    copy of least stamp); count them."""
+    drops = [0]
+    evict = CopyHeap.evict
+
+    def checked(heap: CopyHeap, evictable: Any, drop: Any, *args: Any) -> None:
+        def drop_checked(node: TreeNode, tier: Tier, result: Any) -> object:
+            scan = min((n for n in heap.members if evictable(n, tier)), key=lambda n: (n.last_access, n.id))
+            assert node is scan, f"the heap dropped the copy of {node}, the scan {scan}"
+            drops[0] += 1
+            return drop(node, tier, result)
+
+        evict(heap, evictable, drop_checked, *args)
+        name, tier, want, result = args
+        if result.units.get(name, 0) < want:
+            missed = [n for n in heap.members if evictable(n, tier)]
+            assert not missed, f"the heap stopped with {missed[:3]} still droppable"
+
+    monkeypatch.setattr(CopyHeap, "evict", checked)
+    return drops
+
+
+def test_a_host_copy_drop_looks_at_the_copies_it_drops_not_the_whole_tier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """3,000 nodes on the device with host copies: dropping the oldest copy (the second host
+    pass) asks about a few nodes, not 3,000; a copy whose child has one stays."""
+    tree, units = PrefixTree([kv_spec()]), Units()
+    nodes = [tree.insert(seq(i), {"kv": units.take(1)}).node for i in range(3000)]
+    below = tree.insert(seq(0, 1), {"kv": units.take(2)}).node  # a child of the oldest
+    for node in [*nodes, below]:
+        tree.set_host_value(node, "kv", units.take(1))
+    tree.evict_host({"kv": 1})  # (the first takes the stamps given since the entries were pushed)
+    asked = [0]
+    droppable = tree_eviction._copy_droppable
+
+    def counted(node: TreeNode) -> bool:
+        asked[0] += 1
+        return droppable(node)
+
+    monkeypatch.setattr(tree_eviction, "_copy_droppable", counted)
+    for _ in range(10):
+        assert tree.evict_host({"kv": 1}).units == {"kv": 1}
+    assert asked[0] <= 40, f"{asked[0]} nodes asked for 10 drops of one copy in 3,000"
+    gone = [n for n in [*nodes, below] if n.host_raw[0] is None]
+    assert gone == nodes[1:12], "the oldest copies went, not the one whose child has a copy"
+
+
+def test_a_node_back_on_the_device_has_its_host_copy_dropped_again() -> None:
+    """A host copy whose node was host-only when the second host pass met it (dropped from the
+    heap) may go once the node is loaded back to the device."""
+    tree, units = PrefixTree([kv_spec()]), Units()
+    old, new = (tree.insert(seq(i), {"kv": units.take(1)}).node for i in range(2))
+    for node in (old, new):
+        tree.set_host_value(node, "kv", units.take(1))
+    assert tree.evict_device({"kv": 1}).demoted == [old]
+    lock = tree.lock(old, Tier.HOST)  # the host pass cannot take it: the second pass meets it
+    assert tree.evict_host({"kv": 1}).units == {"kv": 1} and new.host_raw[0] is None
+    tree.unlock(lock)
+    tree.set_device_value(old, "kv", units.take(1))  # loaded back
+    assert tree.evict_host({"kv": 1}).units == {"kv": 1} and old.host_raw[0] is None
+    tree.check()

@@ -79,7 +79,7 @@ class LruHeap:
         drops, in the same order."""
         if len(self.heap) > 2 * len(self.members) + _SLACK:
             self.rebuild()
-        heap, members, host = self.heap, self.members, self.host
+        heap, members = self.heap, self.members
         deferred = []
         self._evicting = True
         try:
@@ -93,12 +93,19 @@ class LruHeap:
                     continue
                 if evictable(node, tier):
                     drop(node, tier, result)  # (the setter pushes its parent, where it may go now)
-                elif not (node.device_raw[0] is not None or node.children if host else node.device_children):
+                elif self._may_wait(node):
                     deferred.append(entry)  # locked, or no backup: may go at a later eviction
         finally:
             self._evicting = False
             for entry in deferred:
                 heappush(heap, entry)
+
+    def _may_wait(self, node: TreeNode) -> bool:
+        """Whether ``node``, surfacing but not evictable, may go at a later eviction without the
+        setter pushing it again (it is locked, or has no backup): then it is put back."""
+        if self.host:
+            return not (node.device_raw[0] is not None or node.children)
+        return not node.device_children
 
     def leaves_first(self, leaves: Callable[[TreeNode], bool], enough: Callable[[], bool]) -> None:
         """Offer device members to ``leaves`` in the order an eviction takes them, until
@@ -146,18 +153,40 @@ class LruHeap:
                 heappush(heap, entry)
 
 
+class CopyHeap(LruHeap):
+    """The host copies of device nodes, for the second host pass (``_drop_copies`` in
+    ``core/tree_eviction.py``): a copy may go once no child has one (backups stay a prefix),
+    lowest stamp first. An entry is pushed when a node holds both copies (its host copy joins
+    while it is on the device, or it comes back to the device) and when its last host child
+    leaves; one surfacing with host children or no device copy is dropped (pushed again then),
+    a locked one put back after."""
+
+    __slots__ = ()
+
+    def rebuild(self) -> None:
+        heap = [(n.last_access, n.id, n) for n in self.members if n.device_raw[0] is not None]
+        heapify(heap)
+        self.heap = heap
+
+    def _may_wait(self, node: TreeNode) -> bool:
+        return node.device_raw[0] is not None and not node.host_children
+
+
 class LruHeaps:
     """The device and host heaps, told by the tree's setter whenever a node's anchor joins or
     leaves a tier (it also keeps the parents' child counts here)."""
 
-    __slots__ = ("device", "host")
+    __slots__ = ("copies", "device", "host")
 
     def __init__(self, membership: Membership) -> None:
         self.device = LruHeap(membership[_DEVICE][0], host=False)
         self.host = LruHeap(membership[Tier.HOST][0], host=True)
+        self.copies = CopyHeap(membership[Tier.HOST][0], host=True)
 
     def enable(self, tier: Tier, on: bool) -> None:
         (self.device if tier is _DEVICE else self.host).enable(on)
+        if tier is not _DEVICE:
+            self.copies.enable(on)
 
     def of(self, tier: Tier) -> LruHeap | None:
         """The tier's heap, while the LRU order ranks it."""
@@ -189,6 +218,8 @@ class LruHeaps:
         if joined:
             parent.device_children += 1
             self.device.push(node)
+            if node.host_raw[0] is not None:  # back on the device: its host copy may go
+                self.copies.push(node)
             return
         parent.device_children -= 1
         if parent.device_children == 0 and parent.parent is not None:  # (not the root)
@@ -200,10 +231,11 @@ class LruHeaps:
         parent: TreeNode = node.parent  # type: ignore[assignment]
         if joined:
             parent.host_children += 1
-            if node.device_raw[0] is None:
-                self.host.push(node)
+            (self.host if node.device_raw[0] is None else self.copies).push(node)
             return
         parent.host_children -= 1
+        if not parent.host_children and parent.device_raw[0] is not None and parent.host_raw[0] is not None:
+            self.copies.push(parent)  # its copy is the last of its path now
         # its last child may be leaving the tree (a host eviction deletes it after this)
         if parent.parent is not None and parent.device_raw[0] is None and len(parent.children) <= 1:
             self.host.push(parent)

@@ -396,6 +396,10 @@ def _drop_copies(evictor: TreeEvictor, want: int, result: EvictionResult) -> Non
     """Second host pass: host copies of pages that stay on the device go, deepest first in
     the order (their pages are still served from L1; the host tier needs the room)."""
     name = evictor.pools[0].name
+    if type(evictor.orders[_HOST]) is LruOrder and evictor._level is None:  # kept: core/lru_heap.py
+        drop = lambda node, tier, result: evictor._drop_copy(node, result)  # noqa: E731
+        evictor.heaps.copies.evict(lambda node, tier: _copy_droppable(node), drop, name, _HOST, want, result)
+        return
     heap = evictor._ranked(_HOST, [n for n in evictor._members[_HOST][0] if _copy_droppable(n)])
     heapq.heapify(heap)
     while heap and result.units.get(name, 0) < want:
