@@ -18,6 +18,8 @@ every eviction cost O(tier) per allocation once the tier was full: 79 ms per req
 So the node that surfaces is the one the scan ranked lowest: an eviction costs the nodes it
 looks at, not the tier. Dropped and stale entries are compacted away once the heap holds twice
 the tier. Plugin orders and retention levels (a rank that is not the stamp) rank by a scan.
+The host copies of device nodes the second host pass may drop are kept the same way
+(:class:`CopyHeap`).
 """
 
 from __future__ import annotations
