@@ -206,6 +206,20 @@ def test_an_eviction_backup_looks_at_the_nodes_it_takes_not_the_whole_tier(
     assert list(chosen) == [nodes[0]]
 
 
+def test_write_backs_choices_are_kept_from_their_first_ask_after_an_eviction_kept_first() -> None:
+    """A host tier evicting a component before write-back first asks (an L3 prefetch filled it)
+    keeps the evictor's heaps first: write-back's choices must still be built at its first ask
+    (they were never built: no backup chosen, no gained component, from then on)."""
+    tree, units = PrefixTree([kv_spec(), swa_spec()]), Units()
+    tree.evict_host({"swa": 1})  # the evictor's heap of host window holders is kept from here
+    nodes = [tree.insert(seq(i), {"kv": units.take(1), "swa": units.take(1)}).node for i in range(4)]
+    tree.set_host_value(nodes[3], "kv", units.take(1))  # backed up without its window
+    chosen: dict[TreeNode, None] = {}
+    tree.components.backups(1, chosen, 0, 2)
+    assert list(chosen) == nodes[:2] == scanned_backups(tree, 1, {}, 0, 2)
+    assert tree.components.gained([1]) == [nodes[3]] == scanned_gained(tree, [1])
+
+
 def test_gained_components_keep_the_scans_order_among_equal_depths() -> None:
     """Nodes of one depth come in the order they joined the pool's holders (the scan's), not
     the order they were backed up in."""

@@ -153,7 +153,7 @@ class ComponentIndex:
         """Add to ``chosen`` the unbacked device holders of pool ``p`` whose units are not locked,
         least recently used first, until ``have`` plus their units reach ``want``: what ranking
         every holder chose, in its order."""
-        if not self.active:
+        if not self._backing:  # (the evictor's heaps may have been kept first)
             self._activate()
         members = self._members[p]
         if len(self._heaps[p]) > 2 * len(members) + _SLACK:
@@ -186,7 +186,7 @@ class ComponentIndex:
         """The device holders of ``pools``' components that are backed up without a host copy
         of one and whose units are not locked, root first (ties: in ``pools``' order, each
         pool's holders in the order they joined): what scanning every holder found."""
-        if not self.active:
+        if not self._backing:  # (the evictor's heaps may have been kept first)
             self._activate()
         found: dict[TreeNode, tuple[int, int, int]] = {}
         for rank, p in enumerate(pools):
