@@ -197,22 +197,24 @@ class LruHeaps:
 
     def check(self) -> None:
         """Assert what makes the kept candidates the scan's: every member that may be a candidate
-        (device: no device child; host: no device copy, no child) has an entry ranked no later
-        than its stamp (``PrefixTree.check``; tests call it after every step)."""
-        for heap in (self.device, self.host):
+        (device: no device child; host: no device copy, no child; a host copy the second pass
+        may drop: on the device, no host child) has an entry ranked no later than its stamp
+        (``PrefixTree.check``; tests call it after every step)."""
+        kinds = {
+            "device": (self.device, lambda n: not n.device_children),
+            "host": (self.host, lambda n: n.device_raw[0] is None and not n.children),
+            "host copy": (self.copies, lambda n: n.device_raw[0] is not None and not n.host_children),
+        }
+        for kind, (heap, candidate) in kinds.items():
             if not heap.active:
                 continue
             ranks: dict[TreeNode, int] = {}
             for rank, _, node in heap.heap:
                 ranks[node] = min(rank, ranks.get(node, rank))
             for node in heap.members:
-                if heap.host and (node.device_raw[0] is not None or node.children):
-                    continue
-                if not heap.host and node.device_children:
-                    continue
                 rank = ranks.get(node)
-                assert rank is not None and rank <= node.last_access, (
-                    f"{node!r} may leave the {'host' if heap.host else 'device'} tier but has no LRU entry"
+                assert not candidate(node) or (rank is not None and rank <= node.last_access), (
+                    f"{node!r} may be a {kind} candidate but has no LRU entry"
                 )
 
     def device_moved(self, node: TreeNode, joined: bool) -> None:

@@ -397,8 +397,7 @@ class PrefixTree:
     # ------------------------------------------------------------------ sanity
     def check(self) -> None:
         """Assert every structural invariant; tests call it after each step."""
-        check_tree(self.layout, self.root, self._lru)
-        self.evictor.heaps.check()
+        check_tree(self.layout, self.root, self._lru, self.evictor.heaps)
 
 
 def tree_path(tree: PrefixTree, node: TreeNode, since: TreeNode | None = None) -> list[TreeNode]:

@@ -8,11 +8,19 @@ agree with window bounds and with the parent's counts.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvstrata.core.tree_node import _DEVICE, _HOST, UNIT, Membership, PoolLayout, Tier, TreeNode
 
+if TYPE_CHECKING:
+    from kvstrata.core.lru_heap import LruHeaps
 
-def check_tree(layout: PoolLayout, root: TreeNode, membership: Membership) -> None:
-    """Assert every structural invariant of the tree under ``root``."""
+
+def check_tree(
+    layout: PoolLayout, root: TreeNode, membership: Membership, heaps: LruHeaps | None = None
+) -> None:
+    """Assert every structural invariant of the tree under ``root`` (and the LRU order's kept
+    candidates: ``heaps``)."""
     seen: set[TreeNode] = set()
     stack = [root]
     assert root.parent is None and not root.pages
@@ -69,3 +77,5 @@ def check_tree(layout: PoolLayout, root: TreeNode, membership: Membership) -> No
         for p in range(layout.npools):
             for node in membership[tier][p]:
                 assert node in seen, f"{node!r} in {tier} LRU of pool {p} but not in the tree"
+    if heaps is not None:
+        heaps.check()
