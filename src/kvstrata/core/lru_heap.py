@@ -18,6 +18,8 @@ every eviction cost O(tier) per allocation once the tier was full: 79 ms per req
 So the node that surfaces is the one the scan ranked lowest: an eviction costs the nodes it
 looks at, not the tier. Dropped and stale entries are compacted away once the heap holds twice
 the tier. Plugin orders and retention levels (a rank that is not the stamp) rank by a scan.
+Nothing is kept until the first eviction asks (then built from the members): a cache that never
+evicts pays no push per insert (~3 us per sequence of a 30,000-sequence tree).
 The host copies of device nodes the second host pass may drop are kept the same way
 (:class:`CopyHeap`).
 """
@@ -36,13 +38,16 @@ _SLACK = 64
 class LruHeap:
     """One tier's candidates for the anchor's LRU eviction (see the module docstring)."""
 
-    __slots__ = ("_evicting", "active", "heap", "host", "members")
+    __slots__ = ("_evicting", "active", "heap", "host", "members", "ranks")
 
     def __init__(self, members: dict[TreeNode, None], host: bool) -> None:
         self.members = members  # the tier's anchor membership (the tree keeps it)
         self.host = host
         self.heap: list[tuple[int, int, TreeNode]] = []
-        self.active = True  # false while a plugin order ranks the tier: nothing is kept
+        self.ranks = True  # false while a plugin order ranks the tier
+        #: entries kept (pushed by the setter): from the first eviction that asks while ``ranks``,
+        #: so a cache that never evicts pays no push per insert
+        self.active = False
         self._evicting = False
 
     def push(self, node: TreeNode) -> None:
@@ -60,12 +65,17 @@ class LruHeap:
         self.heap = heap
 
     def enable(self, on: bool) -> None:
-        """Keep the heap (the LRU order ranks the tier) or not (a plugin order does)."""
-        if on and not self.active:
+        """The LRU order ranks the tier (the heap is built at the next eviction) or a plugin
+        order does (nothing is kept)."""
+        self.ranks = on
+        if not on:
+            self.heap, self.active = [], False
+
+    def _keep(self) -> None:
+        """Built from the members at the first ask, kept from then on."""
+        if not self.active:
             self.rebuild()
-        elif not on:
-            self.heap = []
-        self.active = on
+            self.active = True
 
     def evict(
         self,
@@ -79,6 +89,7 @@ class LruHeap:
         """``drop`` the least recently used nodes that are ``evictable`` from ``tier`` until
         ``want`` units of the anchor ``name`` left (or none may): what the evictor's ranked scan
         drops, in the same order."""
+        self._keep()
         if len(self.heap) > 2 * len(self.members) + _SLACK:
             self.rebuild()
         heap, members = self.heap, self.members
@@ -116,6 +127,7 @@ class LruHeap:
         leaves: write-back asks what to back up so that an eviction can free the shortfall
         (``core/write_back.py``). Costs the nodes it offers, not the tier; the heap is left as
         it was (stale entries refreshed, nodes with device children dropped, as in ``evict``)."""
+        self._keep()
         heap, members = self.heap, self.members
         taken: list[tuple[int, int, TreeNode]] = []  # live candidates popped: pushed back after
         ready: list[tuple[int, int, TreeNode]] = []  # parents whose every device child was offered
@@ -193,7 +205,7 @@ class LruHeaps:
     def of(self, tier: Tier) -> LruHeap | None:
         """The tier's heap, while the LRU order ranks it."""
         heap = self.device if tier is _DEVICE else self.host
-        return heap if heap.active else None
+        return heap if heap.ranks else None
 
     def check(self) -> None:
         """Assert what makes the kept candidates the scan's: every member that may be a candidate
