@@ -15,16 +15,14 @@ from heapq import heappop
 from typing import Any
 
 import pytest
-import torch
 
-from controller_support import open_cache, tokens
-from kvstrata.core import component_index, tree_eviction
+from controller_support import open_cache
+from kvstrata.core import component_index, lru_heap, tree_eviction
 from kvstrata.core.component_index import ComponentHeap, ComponentIndex
 from kvstrata.core.lru_heap import CopyHeap
-from kvstrata.core.retention import RetentionHint
 from kvstrata.core.tree import LruOrder, PrefixTree, Tier, TreeNode
 from kvstrata.core.tree_node import UNIT
-from test_lru_heap import _empty_tiers, _step
+from test_lru_heap import check_evictions, replay_requests
 from tree_stacks import Units, kv_spec, mamba_spec, seq, swa_spec
 
 
@@ -152,22 +150,12 @@ def test_the_index_chooses_what_the_scans_choose(
     calls = [0]
     with open_cache(stack, overrides=overrides) as cache:
         trees.append(cache.tree)
-        rng = random.Random(f"{stack}/{write}")
-        prompts = [tokens(seed, rng.randint(1, 3)) for seed in range(6)]
-        for n in range(100):
-            suffix = tokens(1000 + n, rng.randint(0, 4))
-            request = torch.cat([rng.choice(prompts), suffix]) if rng.random() < 0.7 else suffix
-            if not len(request):
-                continue
-            roll = rng.random()
-            timed = 30 <= n < 40 and roll < 0.3
-            hint = RetentionHint(ttl_s=60) if timed else RetentionHint(pin=True) if roll < 0.1 else None
-            if n == 55:
-                cache.parts.retention._levels.clear()
-                _empty_tiers(cache)
-            _step(cache, request, hint, chunked=rng.random() < 0.3)
+
+        def compare(n: int, rng: random.Random) -> None:
             if n % 3 == 0 and cache.tree.components.pools:
                 _compare_everything(cache.tree, rng, calls)
+
+        replay_requests(cache, f"{stack}/{write}", compare)
         cache.tree.check()
     if cache.tree.components.pools:
         assert calls[0] > 20
@@ -192,7 +180,7 @@ def test_an_eviction_backup_looks_at_the_nodes_it_takes_not_the_whole_tier(
         popped[0] += 1
         return heappop(heap)
 
-    monkeypatch.setattr(component_index, "heappop", counted)
+    monkeypatch.setattr(lru_heap, "heappop", counted)  # (pop_live pops for the index too)
     for i in range(10):
         chosen: dict[TreeNode, None] = {}
         tree.components.backups(p, chosen, 0, 2)
@@ -319,24 +307,7 @@ def _back_up(tree: PrefixTree, units: Units, nodes: list[TreeNode], rng: random.
 def _check_copy_drops(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Check every host copy the kept heap drops against the scan's choice (the droppable host
     copy of least stamp); count them."""
-    drops = [0]
-    evict = CopyHeap.evict
-
-    def checked(heap: CopyHeap, evictable: Any, drop: Any, *args: Any) -> None:
-        def drop_checked(node: TreeNode, tier: Tier, result: Any) -> object:
-            scan = min((n for n in heap.members if evictable(n, tier)), key=lambda n: (n.last_access, n.id))
-            assert node is scan, f"the heap dropped the copy of {node}, the scan {scan}"
-            drops[0] += 1
-            return drop(node, tier, result)
-
-        evict(heap, evictable, drop_checked, *args)
-        name, tier, want, result = args
-        if result.units.get(name, 0) < want:
-            missed = [n for n in heap.members if evictable(n, tier)]
-            assert not missed, f"the heap stopped with {missed[:3]} still droppable"
-
-    monkeypatch.setattr(CopyHeap, "evict", checked)
-    return drops
+    return check_evictions(monkeypatch, CopyHeap)[0]
 
 
 def test_a_host_copy_drop_looks_at_the_copies_it_drops_not_the_whole_tier(

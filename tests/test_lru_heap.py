@@ -9,6 +9,7 @@ the second test checks every node it drops against the scan's choice.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -78,6 +79,58 @@ def _empty_tiers(cache: CacheController) -> None:
     cache.tree.evict_host(everything, units.freer(Tier.HOST))
 
 
+def check_evictions(
+    monkeypatch: pytest.MonkeyPatch, heap_type: type[lru_heap.LruHeap]
+) -> tuple[list[int], list[int]]:
+    """Check every node a ``heap_type``'s ``evict`` drops against the scan's choice (the evictable
+    member of least stamp), and that it stops short of the want only where the scan finds
+    nothing either; count the drops and the stops."""
+    drops, stops = [0], [0]
+    evict = heap_type.evict
+
+    def checked(heap: lru_heap.LruHeap, evictable: Any, drop: Any, *args: Any) -> None:
+        def drop_checked(node: TreeNode, tier: Tier, result: Any) -> object:
+            scan = min((n for n in heap.members if evictable(n, tier)), key=lambda n: (n.last_access, n.id))
+            assert node is scan, f"the heap dropped {node}, the scan {scan}"
+            drops[0] += 1
+            return drop(node, tier, result)
+
+        evict(heap, evictable, drop_checked, *args)
+        name, tier, want, result = args
+        if result.units.get(name, 0) < want:
+            missed = [n for n in heap.members if evictable(n, tier)]
+            assert not missed, f"the heap stopped with {missed[:3]} still evictable"
+            stops[0] += 1
+
+    monkeypatch.setattr(heap_type, "evict", checked)
+    return drops, stops
+
+
+def replay_requests(
+    cache: CacheController, seed: str, after: Callable[[int, random.Random], None] | None = None
+) -> None:
+    """100 requests on shared prompts (hits, chunked inserts, pins), some with retention levels
+    (requests 30-39: ranked by a scan while a level lives); at request 55 the levels cleared and
+    the tiers emptied (the kept candidates again, the heap stopping short). ``after``: called
+    after each request with its number and the replay's random generator."""
+    rng = random.Random(seed)
+    prompts = [tokens(seed, rng.randint(1, 3)) for seed in range(6)]
+    for n in range(100):
+        suffix = tokens(1000 + n, rng.randint(0, 4))
+        request = torch.cat([rng.choice(prompts), suffix]) if rng.random() < 0.7 else suffix
+        if not len(request):
+            continue
+        roll = rng.random()
+        timed = 30 <= n < 40 and roll < 0.3
+        hint = RetentionHint(ttl_s=60) if timed else RetentionHint(pin=True) if roll < 0.1 else None
+        if n == 55:
+            cache.parts.retention._levels.clear()
+            _empty_tiers(cache)
+        _step(cache, request, hint, chunked=rng.random() < 0.3)
+        if after is not None:
+            after(n, rng)
+
+
 #: one write policy per stack in the fast loop (each case replays 100 requests)
 _FAST = {("kv", "write_back"), ("swa", "write_through"), ("hybrid-mamba", "write_through_selective")}
 
@@ -100,24 +153,7 @@ def test_the_kept_candidates_evict_what_the_ranked_scan_evicts(
     node's own values were set, a rebuild lost a demoted node: the host tier kept it past
     newer ones)."""
     monkeypatch.setattr(lru_heap, "_SLACK", 0)
-    drops, stops = [0], [0]
-    evict = lru_heap.LruHeap.evict
-
-    def checked(heap: lru_heap.LruHeap, evictable: Any, drop: Any, *args: Any) -> None:
-        def drop_checked(node: TreeNode, tier: Tier, result: Any) -> object:
-            scan = min((n for n in heap.members if evictable(n, tier)), key=lambda n: (n.last_access, n.id))
-            assert node is scan, f"the heap dropped {node}, the scan {scan}"
-            drops[0] += 1
-            return drop(node, tier, result)
-
-        evict(heap, evictable, drop_checked, *args)
-        name, tier, want, result = args
-        if result.units.get(name, 0) < want:  # stopped short: the scan finds nothing either
-            missed = [n for n in heap.members if evictable(n, tier)]
-            assert not missed, f"the heap stopped with {missed[:3]} still evictable"
-            stops[0] += 1
-
-    monkeypatch.setattr(lru_heap.LruHeap, "evict", checked)
+    drops, stops = check_evictions(monkeypatch, lru_heap.LruHeap)
     backups = [0]  # write-back: what to back up, walked from the kept candidates and by the scan
     walked = write_back._evictable_leaves
 
@@ -130,20 +166,7 @@ def test_the_kept_candidates_evict_what_the_ranked_scan_evicts(
     monkeypatch.setattr(write_back, "_evictable_leaves", compared)
     overrides = ["tiers.storage={}", f"policy.write={write}", "policy.retention.max_pinned_fraction=0.25"]
     with open_cache(stack, overrides=overrides) as cache:
-        rng = random.Random(f"{stack}/{write}")
-        prompts = [tokens(seed, rng.randint(1, 3)) for seed in range(6)]
-        for n in range(100):
-            suffix = tokens(1000 + n, rng.randint(0, 4))
-            request = torch.cat([rng.choice(prompts), suffix]) if rng.random() < 0.7 else suffix
-            if not len(request):
-                continue
-            roll = rng.random()
-            timed = 30 <= n < 40 and roll < 0.3  # a level: ranked by a scan while it lives
-            hint = RetentionHint(ttl_s=60) if timed else RetentionHint(pin=True) if roll < 0.1 else None
-            if n == 55:  # levels gone: the kept candidates again
-                cache.parts.retention._levels.clear()
-                _empty_tiers(cache)
-            _step(cache, request, hint, chunked=rng.random() < 0.3)
+        replay_requests(cache, f"{stack}/{write}")
         cache.parts.retention._levels.clear()
         _empty_tiers(cache)
         cache.tree.check()

@@ -29,9 +29,10 @@ then built from the membership. The answers are the scans' own, node for node an
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from heapq import heappop, heappush
+from heapq import heappush
 from itertools import count
 
+from kvstrata.core.lru_heap import Entry, pop_live
 from kvstrata.core.tree_node import _DEVICE, _HOST, UNIT, Membership, TreeNode
 
 #: entries beyond twice the pool's holders before its heap is rebuilt from them
@@ -62,7 +63,7 @@ class ComponentIndex:
         self.active = False  # whether the setter tells this index anything (once asked)
         self._backing = False  # write-back's choices kept (once asked)
         self._evicting: dict[tuple[bool, int], ComponentHeap] = {}  # (device?, pool): the evictor's
-        self._heaps: list[list[tuple[int, int, TreeNode]]] = [[] for _ in range(npools)]
+        self._heaps: list[list[Entry]] = [[] for _ in range(npools)]
         self._gained: list[dict[TreeNode, None]] = [{} for _ in range(npools)]
         self._seq: list[dict[TreeNode, int]] = [{} for _ in range(npools)]
         self._count = count()
@@ -159,17 +160,11 @@ class ComponentIndex:
         if len(self._heaps[p]) > 2 * len(members) + _SLACK:
             self._rebuild(p)
         heap = self._heaps[p]
-        taken: list[tuple[int, int, TreeNode]] = []  # live candidates popped: pushed back after
+        taken: list[Entry] = []  # live candidates popped: pushed back after
         seen: set[TreeNode] = set()  # (a node may have two entries of one stamp)
         try:
-            while heap and have < want:
-                entry = heappop(heap)
-                rank, _, node = entry
-                if node not in members:
-                    continue  # left: pushed again when it joins
-                if node.last_access != rank:
-                    heappush(heap, (node.last_access, node.id, node))  # stamped since
-                    continue
+            while have < want and (entry := pop_live(heap, members)) is not None:
+                node = entry[2]
                 if node.host_raw[0] is not None or node in seen:
                     continue  # backed up: pushed again when its host copy goes
                 seen.add(node)
@@ -211,7 +206,7 @@ class ComponentHeap:
     def __init__(self, members: dict[TreeNode, None], p: int, host: bool) -> None:
         self.members, self.p, self.host = members, p, host
         self._iterating = False
-        self._taken: list[tuple[int, int, TreeNode]] = []  # live entries popped: pushed back after
+        self._taken: list[Entry] = []  # live entries popped: pushed back after
         self.rebuild()
 
     def rebuild(self) -> None:
@@ -248,14 +243,8 @@ class ComponentHeap:
         seen: set[TreeNode] = set()  # (a node may have two entries of one stamp)
         self._iterating = True
         try:
-            while heap:
-                entry = heappop(heap)
-                rank, _, node = entry
-                if node not in members:
-                    continue  # left: pushed again when it joins
-                if node.last_access != rank:
-                    heappush(heap, (node.last_access, node.id, node))  # stamped since
-                    continue
+            while (entry := pop_live(heap, members)) is not None:
+                node = entry[2]
                 if node in seen:
                     continue
                 if host:

@@ -35,6 +35,24 @@ from kvstrata.core.tree_node import _DEVICE, EvictionResult, Membership, Tier, T
 _SLACK = 64
 
 
+Entry = tuple[int, int, TreeNode]  # (the stamp it was pushed with, the node's id, the node)
+
+
+def pop_live(heap: list[Entry], members: dict[TreeNode, None]) -> Entry | None:
+    """Pop the lowest entry whose node is still a member and carries the stamp it was pushed
+    with, or None once the heap is empty: entries of nodes that left are dropped, those of nodes
+    stamped since pushed again with their stamp (a stamp only grows: the old one ranked early)."""
+    while heap:
+        entry = heappop(heap)
+        rank, _, node = entry
+        if node not in members:
+            continue
+        if node.last_access == rank:
+            return entry
+        heappush(heap, (node.last_access, node.id, node))
+    return None
+
+
 class LruHeap:
     """One tier's candidates for the anchor's LRU eviction (see the module docstring)."""
 
@@ -43,7 +61,7 @@ class LruHeap:
     def __init__(self, members: dict[TreeNode, None], host: bool) -> None:
         self.members = members  # the tier's anchor membership (the tree keeps it)
         self.host = host
-        self.heap: list[tuple[int, int, TreeNode]] = []
+        self.heap: list[Entry] = []
         self.ranks = True  # false while a plugin order ranks the tier
         #: entries kept (pushed by the setter): from the first eviction that asks while ``ranks``,
         #: so a cache that never evicts pays no push per insert
@@ -96,14 +114,8 @@ class LruHeap:
         deferred = []
         self._evicting = True
         try:
-            while heap and result.units.get(name, 0) < want:
-                entry = heappop(heap)
-                rank, _, node = entry
-                if node not in members:
-                    continue  # left the tier
-                if node.last_access != rank:
-                    heappush(heap, (node.last_access, node.id, node))  # stamped since
-                    continue
+            while result.units.get(name, 0) < want and (entry := pop_live(heap, members)) is not None:
+                node = entry[2]
                 if evictable(node, tier):
                     drop(node, tier, result)  # (the setter pushes its parent, where it may go now)
                 elif self._may_wait(node):
@@ -129,8 +141,8 @@ class LruHeap:
         it was (stale entries refreshed, nodes with device children dropped, as in ``evict``)."""
         self._keep()
         heap, members = self.heap, self.members
-        taken: list[tuple[int, int, TreeNode]] = []  # live candidates popped: pushed back after
-        ready: list[tuple[int, int, TreeNode]] = []  # parents whose every device child was offered
+        taken: list[Entry] = []  # live candidates popped: pushed back after
+        ready: list[Entry] = []  # parents whose every device child was offered
         gone: dict[TreeNode, int] = {}  # per parent: its device children offered and leaving
         offered: set[TreeNode] = set()  # (a node may have two entries of one stamp: join, last child)
         try:
