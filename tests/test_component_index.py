@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from controller_support import open_cache
-from kvstrata.core import component_index, lru_heap, tree_eviction
+from kvstrata.core import lru_heap, tree_eviction
 from kvstrata.core.component_index import ComponentHeap, ComponentIndex
 from kvstrata.core.lru_heap import CopyHeap
 from kvstrata.core.tree import LruOrder, PrefixTree, Tier, TreeNode
@@ -119,7 +119,7 @@ def test_the_index_chooses_what_the_scans_choose(
     the scan's: shared prefixes, hits, chunked inserts (locked chains), pins, retention levels,
     splits leaving checkpoints, host copies dropped from device nodes (a node un-backed up is a
     candidate again). Heaps rebuilt often."""
-    monkeypatch.setattr(component_index, "_SLACK", 0)
+    monkeypatch.setattr(lru_heap, "_SLACK", 0)
     asked = {"backups": 0, "gained": 0, "found": 0}
     backups, gained = ComponentIndex.backups, ComponentIndex.gained
     trees: list[PrefixTree] = []
@@ -255,7 +255,7 @@ def test_component_evictions_on_a_bare_tree_take_what_the_scan_takes(monkeypatch
     """A window and a state pool evicted on their own in both tiers, out of window or not,
     write-back's skipping of unbacked holders and its fallback, device and host locks (window
     heads), splits by matches, backups and host copies dropped: every walk is the scan's."""
-    monkeypatch.setattr(component_index, "_SLACK", 0)
+    monkeypatch.setattr(lru_heap, "_SLACK", 0)
     walks, drops = _check_walks(monkeypatch), _check_copy_drops(monkeypatch)
     tree, units, rng = PrefixTree([kv_spec(), swa_spec(), mamba_spec()]), Units(), random.Random(7)
     locks: list[Any] = []

@@ -32,11 +32,8 @@ from collections.abc import Callable, Iterator, Sequence
 from heapq import heappush
 from itertools import count
 
-from kvstrata.core.lru_heap import Entry, pop_live
+from kvstrata.core.lru_heap import Entry, overgrown, pop_live
 from kvstrata.core.tree_node import _DEVICE, _HOST, UNIT, Membership, TreeNode
-
-#: entries beyond twice the pool's holders before its heap is rebuilt from them
-_SLACK = 64
 
 
 class ComponentIndex:
@@ -94,7 +91,7 @@ class ComponentIndex:
     def _push(self, p: int, node: TreeNode) -> None:
         heap = self._heaps[p]
         heappush(heap, (node.last_access, node.id, node))
-        if len(heap) > 2 * len(self._members[p]) + _SLACK:
+        if overgrown(heap, self._members[p]):
             self._rebuild(p)
 
     def _check(self, node: TreeNode, p: int) -> None:
@@ -157,7 +154,7 @@ class ComponentIndex:
         if not self._backing:  # (the evictor's heaps may have been kept first)
             self._activate()
         members = self._members[p]
-        if len(self._heaps[p]) > 2 * len(members) + _SLACK:
+        if overgrown(self._heaps[p], members):
             self._rebuild(p)
         heap = self._heaps[p]
         taken: list[Entry] = []  # live candidates popped: pushed back after
@@ -218,7 +215,7 @@ class ComponentHeap:
     def push(self, node: TreeNode) -> None:
         heap = self.heap
         heappush(heap, (node.last_access, node.id, node))
-        if len(heap) > 2 * len(self.members) + _SLACK and not self._iterating:
+        if overgrown(heap, self.members) and not self._iterating:
             self.rebuild()
 
     def ordered(self, may_lose: Callable[[TreeNode], bool], keep: bool) -> Iterator[TreeNode]:
@@ -226,7 +223,7 @@ class ComponentHeap:
         device, unbacked holders may not (write-back). What ranking every holder yields, in its
         order, while the eviction that walks it only drops and tombstones."""
         self._restore()
-        if (self.lossy and not keep) or len(self.heap) > 2 * len(self.members) + _SLACK:
+        if (self.lossy and not keep) or overgrown(self.heap, self.members):
             self.rebuild()
         return self._walk(may_lose, keep)
 

@@ -26,7 +26,7 @@ The host copies of device nodes the second host pass may drop are kept the same 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from heapq import heapify, heappop, heappush
 
 from kvstrata.core.tree_node import _DEVICE, EvictionResult, Membership, Tier, TreeNode
@@ -36,6 +36,12 @@ _SLACK = 64
 
 
 Entry = tuple[int, int, TreeNode]  # (the stamp it was pushed with, the node's id, the node)
+
+
+def overgrown(heap: list[Entry], members: Sized) -> bool:
+    """Whether a heap holds more than twice its members' entries (stale ones, dropped nodes'):
+    time to rebuild it from them."""
+    return len(heap) > 2 * len(members) + _SLACK
 
 
 def pop_live(heap: list[Entry], members: dict[TreeNode, None]) -> Entry | None:
@@ -72,7 +78,7 @@ class LruHeap:
         if self.active:
             heap = self.heap
             heappush(heap, (node.last_access, node.id, node))
-            if len(heap) > 2 * len(self.members) + _SLACK and not self._evicting:
+            if overgrown(heap, self.members) and not self._evicting:
                 self.rebuild()
 
     def rebuild(self) -> None:
@@ -108,7 +114,7 @@ class LruHeap:
         ``want`` units of the anchor ``name`` left (or none may): what the evictor's ranked scan
         drops, in the same order."""
         self._keep()
-        if len(self.heap) > 2 * len(self.members) + _SLACK:
+        if overgrown(self.heap, self.members):
             self.rebuild()
         heap, members = self.heap, self.members
         deferred = []
