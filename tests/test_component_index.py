@@ -10,14 +10,14 @@ code they replaced, kept here) at every call write-back makes and after every re
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from heapq import heappop
 from typing import Any
 
 import pytest
 
 from controller_support import open_cache
-from kvstrata.core import lru_heap, tree_eviction
+from kvstrata.core import lru_heap, tree_eviction, write_back
 from kvstrata.core.component_index import ComponentHeap, ComponentIndex
 from kvstrata.core.lru_heap import CopyHeap
 from kvstrata.core.tree import LruOrder, PrefixTree, Tier, TreeNode
@@ -120,29 +120,8 @@ def test_the_index_chooses_what_the_scans_choose(
     splits leaving checkpoints, host copies dropped from device nodes (a node un-backed up is a
     candidate again). Heaps rebuilt often."""
     monkeypatch.setattr(lru_heap, "_SLACK", 0)
-    asked = {"backups": 0, "gained": 0, "found": 0}
-    backups, gained = ComponentIndex.backups, ComponentIndex.gained
     trees: list[PrefixTree] = []
-
-    def checked_backups(
-        index: ComponentIndex, p: int, chosen: dict[TreeNode, None], have: int, want: int
-    ) -> None:
-        before = len(chosen)
-        expected = scanned_backups(trees[0], p, dict(chosen), have, want)
-        backups(index, p, chosen, have, want)
-        assert list(chosen)[before:] == expected
-        asked["backups"] += 1
-        asked["found"] += len(expected)
-
-    def checked_gained(index: ComponentIndex, pools: Any) -> list[TreeNode]:
-        found = gained(index, pools)
-        assert found == scanned_gained(trees[0], list(pools))
-        asked["gained"] += 1
-        asked["found"] += len(found)
-        return found
-
-    monkeypatch.setattr(ComponentIndex, "backups", checked_backups)
-    monkeypatch.setattr(ComponentIndex, "gained", checked_gained)
+    asked = check_index_answers(monkeypatch, trees)
     walks = _check_walks(monkeypatch, trees)
     overrides = ["tiers.storage={}", f"policy.write={write}", "policy.retention.max_pinned_fraction=0.25"]
     if stack == "hybrid-mamba":  # fewer state slots than nodes: states are evicted on their own
@@ -163,6 +142,64 @@ def test_the_index_chooses_what_the_scans_choose(
         assert asked["backups"] > 20 and asked["found"] > 20, asked
     if stack == "hybrid-mamba":
         assert walks[True] > 5 and (walks[False] > 5 or write != "write_through"), walks
+
+
+def check_index_answers(monkeypatch: pytest.MonkeyPatch, trees: list[PrefixTree]) -> dict[str, int]:
+    """Check every answer write-back gets from the index (the components to back up, those
+    backed-up nodes gained) against the scans, on the last tree of ``trees`` (the live cache's);
+    count the answers and the nodes they named."""
+    asked = {"backups": 0, "gained": 0, "found": 0}
+    backups, gained = ComponentIndex.backups, ComponentIndex.gained
+
+    def checked_backups(
+        index: ComponentIndex, p: int, chosen: dict[TreeNode, None], have: int, want: int
+    ) -> None:
+        before = len(chosen)
+        expected = scanned_backups(trees[-1], p, dict(chosen), have, want)
+        backups(index, p, chosen, have, want)
+        assert list(chosen)[before:] == expected
+        asked["backups"] += 1
+        asked["found"] += len(expected)
+
+    def checked_gained(index: ComponentIndex, pools: Any) -> list[TreeNode]:
+        found = gained(index, pools)
+        assert found == scanned_gained(trees[-1], list(pools))
+        asked["gained"] += 1
+        asked["found"] += len(found)
+        return found
+
+    monkeypatch.setattr(ComponentIndex, "backups", checked_backups)
+    monkeypatch.setattr(ComponentIndex, "gained", checked_gained)
+    return asked
+
+
+def check_against_scans(
+    monkeypatch: pytest.MonkeyPatch, trees: list[PrefixTree]
+) -> Callable[[], dict[str, int]]:
+    """Every choice the kept heaps and the index make checked against the scan it replaced
+    (anchor drops, host copy drops, component walks, write-back's leaves and components), on
+    the last tree of ``trees``; heaps rebuilt often. Returns what counts the checks so far:
+    ``drops`` (anchor nodes evictions dropped), ``copies``, ``walks``, ``leaves``, ``backups``,
+    ``gained``."""
+    monkeypatch.setattr(lru_heap, "_SLACK", 0)
+    drops = check_evictions(monkeypatch, lru_heap.LruHeap)[0]
+    copies = _check_copy_drops(monkeypatch)
+    walks = _check_walks(monkeypatch, trees)
+    asked = check_index_answers(monkeypatch, trees)
+    leaves = [0]
+    walked = write_back._evictable_leaves
+
+    def compared(tree: PrefixTree, layout: Any, want: int) -> list[TreeNode]:
+        chosen = walked(tree, layout, want)
+        assert chosen == write_back._evictable_leaves_ranked(tree, layout, want)
+        leaves[0] += 1
+        return chosen
+
+    monkeypatch.setattr(write_back, "_evictable_leaves", compared)
+    return lambda: {
+        "drops": drops[0], "copies": copies[0], "walks": walks[True] + walks[False], "leaves": leaves[0],
+        "backups": asked["backups"], "gained": asked["gained"],
+    }  # fmt: skip
 
 
 def test_an_eviction_backup_looks_at_the_nodes_it_takes_not_the_whole_tier(

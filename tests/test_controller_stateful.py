@@ -3,13 +3,15 @@ machine, derandomized: CI runs the same examples every time).
 
 Requests share prefixes of a few stems and are served whole or in chunks (``allocate``,
 ``fork_state``, compute, ``insert(close=False)``, ``extend``), up to three leases at once, under
-the example stacks' small tiers (16 device pages: nearly every step evicts), with releases,
-flushes, quiet re-reads of served requests and reopens on the same file L3 under another write
-policy and host size. What must hold after every step: the tree is consistent and every device
-unit is the tree's or an open lease's; every restored prefix holds exactly the bytes its pages
-were computed with; ``fork_state`` hands the engine the checkpoint it continues from; with no
-lease open, the host tier holds exactly what the tree indexes. (A hand-written driver over the
-same rules found the write-back wedge of audit 28.)
+the example stacks' small tiers (16 device pages: once a few requests are served, allocations
+evict), with releases, flushes, quiet re-reads of served requests and reopens on the same file L3
+under another write policy and host size. Engine steps are drawn three times as often as any
+other rule, and a flush or reopen waits for inserts to act on: drawn freely, hypothesis spent
+most steps on those two and an example evicted once or never. What must hold after every step:
+the tree is consistent and every device unit is the tree's or an open lease's; every restored
+prefix holds exactly the bytes its pages were computed with; ``fork_state`` hands the engine the
+checkpoint it continues from; with no lease open, the host tier holds exactly what the tree
+indexes. (A hand-written driver over the same rules found the write-back wedge of audit 28.)
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from controller_support import (
     verify,
 )
 from kvstrata.core.controller import CacheController, CacheFullError, Lease, PoolKind
+from kvstrata.core.tree import PrefixTree
+from test_component_index import check_against_scans
 
 PAGE = 64
 STEMS = 3  # request families; each request shares a prefix of one
@@ -57,6 +61,8 @@ class EngineLoop(RuleBasedStateMachine):
     """One cache of ``stack`` on one L3 directory, driven as an engine's scheduler would."""
 
     stack = "kv"
+    #: the live cache's tree, last (the scan checks of ``check_against_scans`` read it)
+    trees: list[PrefixTree] | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -65,13 +71,19 @@ class EngineLoop(RuleBasedStateMachine):
         self.stems = [tokens(9000 + i, 8) for i in range(STEMS)]
         self.open: list[Request] = []
         self.served: list[torch.Tensor] = []
+        #: inserts since the last flush / reopen: those two wait for some work to act on (drawn
+        #: freely, hypothesis spent most steps on them, and an example evicted once or never)
+        self.since_flush = self.since_reopen = 0
 
     def _open(self, write: str, host: int | None) -> CacheController:
         overrides = [f"policy.write={write}", "policy.prefetch.policy=wait_complete"]
         if host is not None:
             overrides.append(f"tiers.host.capacity_tokens={host * PAGE}")
         # L3 goes through the host tier: without one, this cache has none (the files stay)
-        return open_cache(self.stack, self.l3 if host != 0 else None, overrides)
+        cache = open_cache(self.stack, self.l3 if host != 0 else None, overrides)
+        if self.trees is not None:
+            self.trees[:] = [cache.tree]
+        return cache
 
     @initialize(write=st.sampled_from(WRITES), host=st.sampled_from(HOSTS))
     def start(self, write: str, host: int | None) -> None:
@@ -88,7 +100,7 @@ class EngineLoop(RuleBasedStateMachine):
     @rule(
         stem=st.integers(0, STEMS - 1),
         shared=st.integers(0, 8),
-        fresh=st.integers(0, 4),
+        fresh=st.integers(0, 8),
         chunk=st.sampled_from([0, 1, 2, 3]),
         seed=st.integers(0, 2**20),
     )
@@ -128,6 +140,8 @@ class EngineLoop(RuleBasedStateMachine):
         fill(cache, lease, units)
         last = lease.pages * PAGE >= len(request.tokens)
         cache.insert(lease, close=last)
+        self.since_flush += 1
+        self.since_reopen += 1
         if last:
             self.open.remove(request)
             self.served.append(request.tokens)
@@ -141,8 +155,14 @@ class EngineLoop(RuleBasedStateMachine):
         request = self.open.pop(pick % len(self.open))
         self.live.release(request.lease)
 
+    # an engine step is drawn most: it is what fills the tiers and evicts
+    advance_again = advance
+    advance_once_more = advance
+
+    @precondition(lambda self: self.since_flush >= 2)
     @rule()
     def flush(self) -> None:
+        self.since_flush = 0
         self.live.flush()
         if not self.open:
             in_use = host_units_in_use(self.live)  # (no host tier: no host allocator)
@@ -159,10 +179,12 @@ class EngineLoop(RuleBasedStateMachine):
         assert verify(self.live, lease) == 0, "a restored unit holds another page's bytes"
         self.live.release(lease)
 
+    @precondition(lambda self: self.since_reopen >= 6)
     @rule(write=st.sampled_from(WRITES), host=st.sampled_from(HOSTS))
     def reopen(self, write: str, host: int | None) -> None:
         """The engine restarts: open leases released, the cache closed, a new one on the same L3
         (what it serves now comes from L3 only)."""
+        self.since_reopen = 0
         for request in self.open:
             self.live.release(request.lease)
         self.open.clear()
@@ -189,8 +211,8 @@ class EngineLoop(RuleBasedStateMachine):
 
 
 SETTINGS = settings(
-    max_examples=12,
-    stateful_step_count=30,
+    max_examples=20,
+    stateful_step_count=60,
     deadline=None,
     derandomize=True,
     database=None,
@@ -200,8 +222,16 @@ SETTINGS = settings(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stack", ["kv", "swa-mamba", "hybrid-mamba", "logical-swa", "mla-nsa-draft"])
-def test_random_engine_loops_keep_bytes_and_accounting_exact(stack: str) -> None:
-    machine = type(f"EngineLoop_{stack}", (EngineLoop,), {"stack": stack})
+def test_random_engine_loops_keep_bytes_and_accounting_exact(
+    stack: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The machine's checks after every step, and every eviction choice the kept heaps and the
+    component index make checked against the scan they replaced (``check_against_scans``): the
+    engine loop is where those choices meet flushes, releases and reopens."""
+    trees: list[PrefixTree] = []
+    checked = check_against_scans(monkeypatch, trees)
+    machine = type(f"EngineLoop_{stack}", (EngineLoop,), {"stack": stack, "trees": trees})
     run = machine.TestCase("runTest")
     run.settings = SETTINGS
     run.runTest()
+    assert checked()["drops"] >= 30, checked()  # (drawn freely, flush and reopen left 0-7)
