@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
@@ -12,13 +13,14 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """One torch thread per test process: CI runs two xdist workers on two cores, where each
-    worker's OpenMP threads, spinning for work, stalled the other's small tensor operations (the
-    shared-prefix state machines ran 4.5x slower beside a second worker: 71 s against 16 s).
-    Engines the tests start in their own processes keep their own settings."""
+    """One OpenMP thread per test process and per process a test starts (engines, replays):
+    CI runs two xdist workers on two cores, and test engines side by side, where each process's
+    OpenMP threads, spinning for work, stalled the others (the shared-prefix state machines ran
+    71 s beside a second worker against 16 s; the vLLM adapter tests, alone, 188 s against 155)."""
     import torch
 
-    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # (read by the processes tests start)
+    torch.set_num_threads(1)  # (this process imported torch already)
 
 
 @pytest.fixture
