@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 
 from controller_support import open_cache
-from kvstrata.core import lru_heap, tree_eviction, write_back
+from kvstrata.core import lru_heap, tree_eviction
 from kvstrata.core.component_index import ComponentHeap, ComponentIndex
 from kvstrata.core.lru_heap import CopyHeap
 from kvstrata.core.tree import LruOrder, PrefixTree, Tier, TreeNode
 from kvstrata.core.tree_node import UNIT
-from test_lru_heap import check_evictions, replay_requests
+from test_lru_heap import check_evictions, check_leaves, replay_requests
 from tree_stacks import Units, kv_spec, mamba_spec, seq, swa_spec
 
 
@@ -186,16 +186,7 @@ def check_against_scans(
     copies = _check_copy_drops(monkeypatch)
     walks = _check_walks(monkeypatch, trees)
     asked = check_index_answers(monkeypatch, trees)
-    leaves = [0]
-    walked = write_back._evictable_leaves
-
-    def compared(tree: PrefixTree, layout: Any, want: int) -> list[TreeNode]:
-        chosen = walked(tree, layout, want)
-        assert chosen == write_back._evictable_leaves_ranked(tree, layout, want)
-        leaves[0] += 1
-        return chosen
-
-    monkeypatch.setattr(write_back, "_evictable_leaves", compared)
+    leaves = check_leaves(monkeypatch)
     return lambda: {
         "drops": drops[0], "copies": copies[0], "walks": walks[True] + walks[False], "leaves": leaves[0],
         "backups": asked["backups"], "gained": asked["gained"],

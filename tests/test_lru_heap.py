@@ -106,6 +106,22 @@ def check_evictions(
     return drops, stops
 
 
+def check_leaves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Check every choice of what write-back backs up before an eviction (walked from the kept
+    candidates) against the ranked scan's; count the choices."""
+    asked = [0]
+    walked = write_back._evictable_leaves
+
+    def compared(tree: PrefixTree, layout: Any, want: int) -> list[TreeNode]:
+        chosen = walked(tree, layout, want)
+        assert chosen == write_back._evictable_leaves_ranked(tree, layout, want)
+        asked[0] += 1
+        return chosen
+
+    monkeypatch.setattr(write_back, "_evictable_leaves", compared)
+    return asked
+
+
 def replay_requests(
     cache: CacheController, seed: str, after: Callable[[int, random.Random], None] | None = None
 ) -> None:
@@ -154,16 +170,7 @@ def test_the_kept_candidates_evict_what_the_ranked_scan_evicts(
     newer ones)."""
     monkeypatch.setattr(lru_heap, "_SLACK", 0)
     drops, stops = check_evictions(monkeypatch, lru_heap.LruHeap)
-    backups = [0]  # write-back: what to back up, walked from the kept candidates and by the scan
-    walked = write_back._evictable_leaves
-
-    def compared(tree: PrefixTree, layout: Any, want: int) -> list[TreeNode]:
-        chosen = walked(tree, layout, want)
-        assert chosen == write_back._evictable_leaves_ranked(tree, layout, want)
-        backups[0] += 1
-        return chosen
-
-    monkeypatch.setattr(write_back, "_evictable_leaves", compared)
+    backups = check_leaves(monkeypatch)
     overrides = ["tiers.storage={}", f"policy.write={write}", "policy.retention.max_pinned_fraction=0.25"]
     with open_cache(stack, overrides=overrides) as cache:
         replay_requests(cache, f"{stack}/{write}")
