@@ -170,7 +170,7 @@ def test_the_kept_candidates_evict_what_the_ranked_scan_evicts(
     newer ones)."""
     monkeypatch.setattr(lru_heap, "_SLACK", 0)
     drops, stops = check_evictions(monkeypatch, lru_heap.LruHeap)
-    backups = check_leaves(monkeypatch)
+    leaf_choices = check_leaves(monkeypatch)  # write-back: what it backs up before an eviction
     overrides = ["tiers.storage={}", f"policy.write={write}", "policy.retention.max_pinned_fraction=0.25"]
     with open_cache(stack, overrides=overrides) as cache:
         replay_requests(cache, f"{stack}/{write}")
@@ -179,4 +179,4 @@ def test_the_kept_candidates_evict_what_the_ranked_scan_evicts(
         cache.tree.check()
     assert drops[0] > 20, "the requests evicted"
     assert stops[0] >= 2, "the tiers were emptied"
-    assert backups[0] > 20 if write == "write_back" else not backups[0]
+    assert leaf_choices[0] > 20 if write == "write_back" else not leaf_choices[0]
