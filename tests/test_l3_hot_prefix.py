@@ -354,3 +354,27 @@ def test_an_l3_that_hangs_does_not_queue_an_ask_per_hit(tmp_path: Path) -> None:
         cache.flush()
         asked = cache.metrics.snapshot()["storage"]["exists_calls"] - before
         assert asked <= 300, f"{asked} exists calls queued for one hot prefix"
+
+
+def test_a_prompts_window_lost_before_any_hit_confirmed_it_is_stored_again(tmp_path: Path) -> None:
+    """As above, but the window objects go before any lookup's ask found them: the second chat
+    branched at the prompt's end and wrote its window (the write succeeded, so L3 held it), then
+    another process evicted it. The third chat's ask finds it missing; the window is written
+    again, so a fresh cache gets the prompt for a new question. Before, the end stayed counted
+    as stored (never confirmed by an ask, so not rewritten), and no later branch wrote it."""
+    l3 = tmp_path / "l3"
+    system = tokens(1, SYSTEM_PAGES)
+    chats = [torch.cat([system, tokens(10 + i, 2)]) for i in range(4)]
+    with open_cache("swa", l3) as cache:
+        for chat in chats[:2]:  # the second branches at the prompt's end: its window is stored
+            first, _ = serve(cache, chat)
+            cache.flush()
+        prompt = first.page_hashes[:SYSTEM_PAGES]
+        with open_cache("swa", l3) as elsewhere:  # its capacity eviction, as the store sees it
+            assert elsewhere.engine.discard("swa", prompt).ok == [True] * SYSTEM_PAGES
+        for chat in chats[2:]:
+            lease, bad = serve(cache, chat)
+            assert bad == 0 and lease.hit_pages["device"] == SYSTEM_PAGES
+            cache.flush()
+    new_question = torch.cat([system, tokens(77, 2)])
+    assert _fresh_hit("swa", l3, [], new_question) == (SYSTEM_PAGES, 0)

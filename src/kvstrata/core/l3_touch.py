@@ -192,10 +192,11 @@ class HitTouch:
 
     def lost(self, refused: Container[TreeNode]) -> list[TreeNode]:
         """Of the answered asks, the hit nodes to write again -- those with a page, state or
-        window L3 lost, that an earlier answer found whole -- while each is still on the host
-        with its parents (backups stay a contiguous prefix) and was not refused by the storage
-        admission filter (never in L3). Their windows are forgotten as stored, so the writes
-        carry them whole."""
+        window L3 lost, that an earlier answer found whole or, for a prefix end's window, that
+        this cache's own write stored (lost before any ask saw it) -- while each is still on
+        the host with its parents (backups stay a contiguous prefix) and was not refused by the
+        storage admission filter (never in L3). Their windows are forgotten as stored, so the
+        writes carry them whole."""
         self._ask(refused)
         nodes: dict[TreeNode, None] = {}
         while self._asked and self._asked[0].answer is not None and self._asked[0].answer.done():
@@ -212,7 +213,8 @@ class HitTouch:
                 start += node.pages
                 if start <= present and node not in lost_ends:
                     self._confirmed.add(node)
-                elif node in self._confirmed:  # held before: lost since
+                elif node in self._confirmed or (node in lost_ends and node in self.window_ends):
+                    # held before: lost since (a stored window end's write succeeded: held too)
                     self._confirmed.discard(node)
                     nodes[node] = None
         self.window_ends.difference_update(nodes)

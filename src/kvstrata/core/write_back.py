@@ -47,7 +47,8 @@ class StoredWindowEnds(NodeSet):
     end) is queued or written to L3: a request branching at a prefix end writes that window only
     where it is not (each branch at one system prompt, each turn of a conversation, wrote it
     again). A split's upper half is a new node, so it is never taken for its lower's. Nodes that
-    left the tree are swept out as the set grows; a failed write takes its nodes out again."""
+    left the tree are swept out as the set grows; a failed write takes its nodes out again, and
+    a window L3 lost later is written again when a hit's ask finds it missing (``l3_touch``)."""
 
     def settled(self, ends: Sequence[TreeNode], results: Mapping[str, Any]) -> None:
         """A write of ``ends``' windows finished: if any unit of it failed, they are not stored."""
