@@ -972,3 +972,21 @@ def test_resaved_blocks_counts_only_blocks_stored_again(engines: Any) -> None:
     _serve_after_local_hit(engine, engine.request("n", [*prompt[: 2 * BS], *range(700, 710)]), 2)
     assert engine.worker.stats["save_failures"] == 1, "block 0: held, lost, refused"
     assert engine.worker.stats["resaved_blocks"] == 0, "nothing was stored again"
+
+
+def test_a_lookup_after_a_preemption_is_counted_though_asked_with_the_same_arguments(engines: Any) -> None:
+    """A request preempted in its chunked prefill, before it sampled a token, whose blocks vLLM
+    evicted (preemptions come with memory pressure), is looked up again with the same (0, prompt
+    length): that lookup, and the blocks it offers (stored by the first chunk, then loaded), were
+    not counted -- ``offered_blocks`` fell below the blocks loaded. Asked again while it waits,
+    it is still counted once."""
+    engine = engines()
+    request = engine.request("r", list(range(1, 4 * BS + 3)), num_preemptions=0)
+    assert engine.scheduler.matched_tokens(request, 0) == (0, False)
+    engine.step({"r": 2 * BS})  # the first chunk: blocks 0 and 1 stored
+    request.num_computed_tokens = 0  # preempted, its blocks evicted by vLLM
+    request.num_preemptions = 1
+    stats = dict(engine.scheduler.stats)
+    assert [engine.scheduler.matched_tokens(request, 0) for _ in range(2)] == [(2 * BS, True)] * 2
+    assert engine.scheduler.stats["lookups"] - stats["lookups"] == 1
+    assert engine.scheduler.stats["offered_blocks"] - stats["offered_blocks"] == 2

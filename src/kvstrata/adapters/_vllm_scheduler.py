@@ -80,7 +80,7 @@ class _Request:
     stored_blocks: int = 0  # blocks known stored (found by the lookup, loaded, or saved)
     hit_blocks: int = 0  # last lookup's answer
     lookup_from: int = 0  # blocks vLLM had locally at the last lookup
-    last_lookup: tuple[int, int] | None = None  # (computed tokens, tokens) the last lookup was of
+    last_lookup: tuple[int, int, int] | None = None  # (computed tokens, tokens, preemptions) last asked
     save_from: int | None = None  # blocks vLLM had when the request was first scheduled
     #: tokens the request had when its prefill (first, or again after a preemption) began: a
     #: state checkpoint past it is a decode step's (see ``_vllm_checkpoints``)
@@ -258,8 +258,9 @@ class SchedulerSide:
             return 0, False
         # A request waiting for blocks is asked about at every step: each answer is fresh (its
         # own saves or another request's may have added blocks), but the stats count a lookup
-        # once per (computed tokens, prompt length) -- not once per step it waits.
-        asked = (num_computed_tokens, request.num_tokens)
+        # once per (computed tokens, prompt length, preemptions) -- not once per step it waits;
+        # a request preempted before it sampled a token, its blocks gone, asks the same again
+        asked = (num_computed_tokens, request.num_tokens, getattr(request, "num_preemptions", 0))
         counted = state.last_lookup != asked
         state.last_lookup = asked
         if counted:
