@@ -391,7 +391,7 @@ class SchedulerSide:
         plan.saves, plan.stored = once_each(saves.values(), plan.stored, self.block_size)
         self.stats["save_blocks_planned"] += sum(len(hashes) for hashes, _, _ in plan.stored)
         if self._written is not None:  # (loads and saves: the blocks this step writes)
-            moved = [*plan.saves, *(t for transfers in plan.loads.values() for t in transfers)]
+            moved = [*saves.values(), *(t for transfers in plan.loads.values() for t in transfers)]
             self._written.update(block for transfer in moved for block in transfer.block_ids)
             plan.held = written_since(plan.held, self._written)
         plan.drops, self.drops = self.drops, []  # removed after this step's saves
