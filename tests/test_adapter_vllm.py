@@ -729,3 +729,36 @@ def test_worker_events_sum_stored_where_every_rank_stored_and_removed_where_any_
     )
     out = json.loads(_in_vllm(check).strip().splitlines()[-1])
     assert out == [["BlockRemoved", "bb" * 16], ["BlockStored", "aa" * 16]]
+
+
+def test_a_block_one_rank_did_not_store_is_never_announced_stored() -> None:
+    """vLLM's ``KVOutputAggregator`` counts the ranks by the event reports it gets: a rank that
+    stored nothing in a step reported none (None), so another rank's ``BlockStored`` was taken as
+    every rank's and announced for a block whose other shard is missing (audit s41). Each rank of
+    a TP engine reports, empty or not; a single rank still reports only events."""
+    check = (
+        "from collections import deque\n"
+        "from types import SimpleNamespace\n"
+        "from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator\n"
+        "from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput\n"
+        "from kvstrata.adapters.vllm import KvstrataConnector\n"
+        "from kvstrata.adapters._vllm_worker import WorkerSide\n"
+        "def report(tp, hashes):\n"
+        "    connector = object.__new__(KvstrataConnector)\n"
+        "    connector.layout = SimpleNamespace(block_size=16, facts={'tp_size': tp, 'pp_size': 1})\n"
+        "    connector._worker = worker = object.__new__(WorkerSide)\n"
+        "    worker.stored_ranges = deque(([h], None, list(range(16))) for h in hashes)\n"
+        "    worker.removed_ranges = deque()\n"
+        "    return connector.get_kv_connector_kv_cache_events()\n"
+        "def announced(ranks):\n"
+        "    outputs = [ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output="
+        "KVConnectorOutput(kv_cache_events=report(len(ranks), hashes))) for hashes in ranks]\n"
+        "    events = KVOutputAggregator(len(ranks)).aggregate(outputs).kv_connector_output.kv_cache_events\n"
+        "    kept = events.aggregate().get_all_events() if events else []\n"
+        "    return [e.block_hashes[0].hex()[:2] for e in kept]\n"
+        "both, one = 'aa' * 16, 'cc' * 16\n"
+        "print(announced([[both, one], [both]]), announced([[one], []]), announced([[], [one]]),"
+        " report(1, []), announced([[one]]))\n"
+    )
+    out = _in_vllm(check).strip().splitlines()[-1]
+    assert out == "['aa'] [] [] None ['cc']"

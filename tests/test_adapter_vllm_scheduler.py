@@ -972,3 +972,51 @@ def test_resaved_blocks_counts_only_blocks_stored_again(engines: Any) -> None:
     _serve_after_local_hit(engine, engine.request("n", [*prompt[: 2 * BS], *range(700, 710)]), 2)
     assert engine.worker.stats["save_failures"] == 1, "block 0: held, lost, refused"
     assert engine.worker.stats["resaved_blocks"] == 0, "nothing was stored again"
+
+
+def test_a_lookup_after_a_preemption_is_counted_though_asked_with_the_same_arguments(engines: Any) -> None:
+    """A request preempted in its chunked prefill, before it sampled a token, whose blocks vLLM
+    evicted (preemptions come with memory pressure), is looked up again with the same (0, prompt
+    length): that lookup, and the blocks it offers (stored by the first chunk, then loaded), were
+    not counted -- ``offered_blocks`` fell below the blocks loaded. Asked again while it waits,
+    it is still counted once."""
+    engine = engines()
+    request = engine.request("r", list(range(1, 4 * BS + 3)), num_preemptions=0)
+    assert engine.scheduler.matched_tokens(request, 0) == (0, False)
+    engine.step({"r": 2 * BS})  # the first chunk: blocks 0 and 1 stored
+    request.num_computed_tokens = 0  # preempted, its blocks evicted by vLLM
+    request.num_preemptions = 1
+    stats = dict(engine.scheduler.stats)
+    assert [engine.scheduler.matched_tokens(request, 0) for _ in range(2)] == [(2 * BS, True)] * 2
+    assert engine.scheduler.stats["lookups"] - stats["lookups"] == 1
+    assert engine.scheduler.stats["offered_blocks"] - stats["offered_blocks"] == 2
+
+
+def test_blocks_two_requests_compute_in_one_step_are_put_and_announced_once(engines: Any) -> None:
+    """vLLM without its prefix cache (``enable_prefix_caching=False``): two requests of one prompt
+    in one step compute the same blocks, neither hitting the other's. Each object was put twice
+    in the same batch, counted twice in ``saved_blocks`` and ``save_blocks_planned``, and its
+    ``BlockStored`` announced twice; a longer third request announces only its own block."""
+    engine = engines()
+    prompt = list(range(1, 3 * BS + 5))
+    rows = {"a": range(1, 5), "b": range(5, 9), "c": range(9, 14)}
+    requests = [engine.request("a", prompt), engine.request("b", prompt)]
+    requests.append(engine.request("c", [*prompt[: 3 * BS], *range(900, 900 + BS + 1)]))
+    for request in requests:
+        engine.block_ids[request.request_id] = list(rows[request.request_id])
+        assert engine.scheduler.matched_tokens(request, 0) == (0, False)
+    puts: list[str] = []
+    real_put = engine.engine.put
+
+    def spy(pool: str, keys: list[str], units: Any) -> Any:
+        puts.extend(keys)
+        return real_put(pool, keys, units)
+
+    engine.engine.put = spy
+    plan = engine.step({r.request_id: len(r.all_token_ids) for r in requests})
+    assert len(puts) == len(set(puts)) == 4
+    assert engine.worker.stats["saved_blocks"] == 4
+    assert engine.scheduler.stats["save_blocks_planned"] == 4
+    hashes = engine.scheduler._hashes(engine.scheduler.requests["c"], 4)
+    assert [(h, parent) for h, parent, _ in plan.stored] == [(hashes[:3], None), (hashes[3:], hashes[2])]
+    assert plan.stored[1][2] == requests[2].all_token_ids[3 * BS : 4 * BS]

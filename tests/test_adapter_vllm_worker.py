@@ -294,3 +294,29 @@ def test_stored_ranges_nobody_takes_are_bounded(open_worker, monkeypatch: pytest
     taken = worker.take_stored_ranges()
     assert [tokens[0] for _, _, tokens in taken] == [2, 3, 4]
     assert worker.take_stored_ranges() == []
+
+
+def test_a_kv_split_tensor_of_smaller_kernel_blocks_is_refused_not_read_as_two_blocks(open_worker) -> None:
+    """FlashAttention's ``(2, num_blocks * k, block / k, ...)`` -- vLLM's block split into k kernel
+    blocks -- matched neither shape check: it was taken as a block-first cache of two blocks,
+    "block 1" being the V half (audit s41: the first kernel blocks' V saved under block 1's key,
+    and loaded over them). Refused by name."""
+    worker = open_worker()
+    caches = _caches("block_first", seed=10)
+    kernel = torch.zeros(
+        (2, 2 * BLOCKS, BLOCK_SIZE // 2, HEADS, HEAD_DIM), dtype=torch.bfloat16, device=DEVICE
+    )
+    caches["layers.1.self_attn"] = kernel
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn.*unsupported KV cache layout"):
+        worker.register(caches)
+
+
+def test_a_refused_registration_keeps_no_group_registered(open_worker) -> None:
+    """A layer refused in the second group left the first group's planes registered (over the
+    refused dict's tensors) next to the block count of an earlier registration: nothing is kept."""
+    worker = open_worker()
+    caches = _caches("block_first", seed=11)
+    del caches["layers.9.linear_attn"]
+    with pytest.raises(ValueError, match=r"layers\.9\.linear_attn"):
+        worker.register(caches)
+    assert worker.planes == {} and worker.columns == {} and worker.blocks == 0

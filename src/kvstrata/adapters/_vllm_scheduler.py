@@ -45,6 +45,9 @@ class GroupTransfer:
     block_ids: list[int]
 
 
+Stored = tuple[list[str], str | None, list[int]]  # blocks stored: hashes, parent hash, tokens
+
+
 @dataclass
 class StepPlan:
     """What the workers do in one step (sent inside the connector metadata)."""
@@ -53,7 +56,7 @@ class StepPlan:
     saves: list[GroupTransfer] = field(default_factory=list)
     #: per request range saved: (its block hashes, the parent hash, its token ids), for the
     #: ``BlockStored`` events the workers publish once the anchor objects are stored
-    stored: list[tuple[list[str], str | None, list[int]]] = field(default_factory=list)
+    stored: list[Stored] = field(default_factory=list)
     #: blocks of a prefix vLLM served from its own cache to a request starting now: the workers
     #: ask L3 for them, which keeps them recent in an LRU bound (the file backend's index), and
     #: store the ones L3 lost again -- else a hot prefix vLLM keeps serving locally was what L3
@@ -80,7 +83,7 @@ class _Request:
     stored_blocks: int = 0  # blocks known stored (found by the lookup, loaded, or saved)
     hit_blocks: int = 0  # last lookup's answer
     lookup_from: int = 0  # blocks vLLM had locally at the last lookup
-    last_lookup: tuple[int, int] | None = None  # (computed tokens, tokens) the last lookup was of
+    last_lookup: tuple[int, int, int] | None = None  # (computed tokens, tokens, preemptions) last asked
     save_from: int | None = None  # blocks vLLM had when the request was first scheduled
     #: tokens the request had when its prefill (first, or again after a preemption) began: a
     #: state checkpoint past it is a decode step's (see ``_vllm_checkpoints``)
@@ -160,6 +163,26 @@ def held_prefix(layout: StoreLayout, ids: tuple[list[int], ...], hashes: list[st
         if kept:
             transfers.append(GroupTransfer(group.group_id, [hashes[i] for i in kept], [row[i] for i in kept]))
     return transfers
+
+
+def once_each(
+    saves: Iterable[GroupTransfer], stored: list[Stored], block_size: int
+) -> tuple[list[GroupTransfer], list[Stored]]:
+    """A step's saves, each block once per group, and stored ranges less the blocks an earlier
+    one has (a chain: its head): requests computing the same blocks in one step (vLLM without its
+    prefix cache) put and announce each object once."""
+    unique = []
+    for transfer in saves:
+        pairs = dict(zip(transfer.hashes, transfer.block_ids, strict=True))
+        unique.append(GroupTransfer(transfer.group_id, list(pairs), list(pairs.values())))
+    announced: set[str] = set()
+    ranges = []
+    for hashes, parent, tokens in stored:
+        skip = next((i for i, h in enumerate(hashes) if h not in announced), len(hashes))
+        if skip < len(hashes):
+            ranges.append((hashes[skip:], hashes[skip - 1] if skip else parent, tokens[skip * block_size :]))
+        announced.update(hashes)
+    return unique, ranges
 
 
 def written_since(held: list[GroupTransfer], written: set[int]) -> list[GroupTransfer]:
@@ -258,8 +281,9 @@ class SchedulerSide:
             return 0, False
         # A request waiting for blocks is asked about at every step: each answer is fresh (its
         # own saves or another request's may have added blocks), but the stats count a lookup
-        # once per (computed tokens, prompt length) -- not once per step it waits.
-        asked = (num_computed_tokens, request.num_tokens)
+        # once per (computed tokens, prompt length, preemptions) -- not once per step it waits;
+        # a request preempted before it sampled a token, its blocks gone, asks the same again
+        asked = (num_computed_tokens, request.num_tokens, getattr(request, "num_preemptions", 0))
         counted = state.last_lookup != asked
         state.last_lookup = asked
         if counted:
@@ -364,9 +388,10 @@ class SchedulerSide:
                 plan.held += held_prefix(self.layout, ids, self._hashes(state, state.save_from))
             offered = offers.get(req_id, [])
             self._plan_checkpoints(req_id, state, computed, computed + scheduled, offered, saves)
-        plan.saves = list(saves.values())
+        plan.saves, plan.stored = once_each(saves.values(), plan.stored, self.block_size)
+        self.stats["save_blocks_planned"] += sum(len(hashes) for hashes, _, _ in plan.stored)
         if self._written is not None:  # (loads and saves: the blocks this step writes)
-            moved = [*plan.saves, *(t for transfers in plan.loads.values() for t in transfers)]
+            moved = [*saves.values(), *(t for transfers in plan.loads.values() for t in transfers)]
             self._written.update(block for transfer in moved for block in transfer.block_ids)
             plan.held = written_since(plan.held, self._written)
         plan.drops, self.drops = self.drops, []  # removed after this step's saves
@@ -427,7 +452,7 @@ class SchedulerSide:
         computed: int,
         scheduled: int,
         saves: dict[int, GroupTransfer],
-        stored: list[tuple[list[str], str | None, list[int]]],
+        stored: list[Stored],
     ) -> None:
         """Attention and window blocks this step completes (Mamba states: ``_plan_checkpoints``);
         the range goes to ``stored`` too (the workers announce it once stored)."""
@@ -455,7 +480,6 @@ class SchedulerSide:
                     target.hashes.append(hashes[i])
                     target.block_ids.append(row[i])
         state.stored_blocks = end
-        self.stats["save_blocks_planned"] += end - first
         tokens = state.request.all_token_ids[first * bs : end * bs]
         stored.append((hashes[first:end], hashes[first - 1] if first else None, list(tokens)))
 

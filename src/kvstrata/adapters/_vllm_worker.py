@@ -150,6 +150,14 @@ def _planes(name: str, tensor: torch.Tensor, layer_bytes: int, num_blocks: int |
             f"vLLM layer {name!r}: expected a (num_blocks, ...) or (2, num_blocks, ...) paged tensor, "
             f"got {tuple(tensor.shape)}"
         )
+    if not split and num_blocks is not None and tensor.shape[0] < num_blocks:
+        # e.g. FlashAttention's (2, num_blocks * k, ...) where vLLM's block is k kernel blocks:
+        # read as two blocks, block 1 was the V half (other blocks' bytes under a block's key)
+        raise ValueError(
+            f"vLLM layer {name!r}: a {tuple(tensor.shape)} tensor holds neither vLLM's {num_blocks} "
+            f"blocks (num_blocks, ...) nor (2, {num_blocks}, ...): unsupported KV cache layout (a "
+            "kernel block size other than vLLM's block size?)"
+        )
     halves = [tensor[0], tensor[1]] if split else [tensor]
     nbytes = layer_bytes // len(halves)
     try:
@@ -209,20 +217,21 @@ class WorkerSide:
         if len(devices) > 1:
             raise ValueError(f"vLLM registered KV caches on several devices {sorted(map(str, devices))}")
         counts = set()
+        planes_of: dict[int, list[_Plane]] = {}  # kept only once every group checks out
         for group in self.layout.groups:
             missing = [name for name in group.layer_names if name not in kv_caches]
             if missing:
                 raise ValueError(
                     f"vLLM registered no KV cache for layers {missing} of group {group.group_id}"
                 )
-            planes = [
+            planes_of[group.group_id] = [
                 plane
                 for name in group.layer_names
                 for plane in _planes(name, kv_caches[name], group.layer_bytes, self.layout.num_blocks)
             ]
-            counts.update(plane.rows.shape[0] for plane in planes)
-            self.planes[group.group_id] = planes
-            self.columns[group.group_id] = _Columns.of(planes)
+            counts.update(plane.rows.shape[0] for plane in planes_of[group.group_id])
+        self.columns = {group_id: _Columns.of(planes) for group_id, planes in planes_of.items()}
+        self.planes = planes_of
         self.blocks = min(counts, default=0)
         self.device = next(iter(devices), torch.device("cpu"))
         self.in_place = self.device.type == "cpu"

@@ -314,8 +314,13 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_kv_cache_events(self) -> KvstrataKVEvents | None:
         """Worker role: ``BlockStored`` for the block ranges whose anchor objects this rank stored
         since the last call (a failed save is never announced), ``BlockRemoved`` for loaded blocks
-        whose objects it refused as damaged or foreign and the blocks after them."""
-        if self._worker is None or not (self._worker.stored_ranges or self._worker.removed_ranges):
+        whose objects it refused as damaged or foreign and the blocks after them. With several
+        ranks an empty report still goes out: vLLM counts the ranks by their reports, so one
+        rank's ``BlockStored`` was announced whenever the others had stored nothing."""
+        if self._worker is None:
+            return None
+        ranks = int(self.layout.facts["tp_size"]) * int(self.layout.facts["pp_size"])
+        if ranks == 1 and not (self._worker.stored_ranges or self._worker.removed_ranges):
             return None
         events = EventLog(self.layout.block_size)
         for hashes, parent, tokens in self._worker.take_stored_ranges():
