@@ -612,6 +612,27 @@ def test_weights_changed_in_place_are_refused_and_unsaved_buffers_are_in_the_nam
         assert same.namespace == first and patched.namespace != first
 
 
+def test_a_weight_replaced_by_another_parameter_or_an_added_one_is_refused() -> None:
+    """A weight assigned anew (``layer.weight = Parameter(...)``) leaves the hashed one untouched
+    (same version, same address), and a LoRA-style layer adds parameters: either way the model
+    computes other KV than the namespace says, and the old KV was served to it."""
+    ids = hf.tokens(95, 2 * PAGE + 1)
+    model = tiny_model("llama")
+    with HFStateCache(model, page_size=PAGE) as cache, torch.no_grad():
+        cache.prefill(ids[: 2 * PAGE])
+        attention = model.model.layers[0].self_attn
+        attention.k_proj.weight = torch.nn.Parameter(attention.k_proj.weight * 1.5)
+        with pytest.raises(RuntimeError, match="weights changed"):
+            cache.restore(ids)
+        assert cache.cache.open_leases == 0
+    model = tiny_model("llama")
+    with HFStateCache(model, page_size=PAGE) as cache, torch.no_grad():
+        cache.prefill(ids[: 2 * PAGE])
+        model.model.layers[0].self_attn.lora_k = torch.nn.Linear(4, 4)
+        with pytest.raises(RuntimeError, match="weights changed"):
+            cache.commit(ids, 2 * PAGE, cache.new_cache())
+
+
 def test_an_attention_implementation_or_config_changed_after_start_is_refused() -> None:
     """The namespace hashed the config and the attention implementation: switched afterwards,
     the cache served KV the new attention did not compute (the weights were checked, not these)."""

@@ -132,8 +132,9 @@ class HFStateCache:
         self.page_size = self.cache.page_size
         self.last_restore: RestoreInfo | None = None
         self._owner = object()  # marks the caches this adapter hands out
-        #: each weight as the namespace hashed it: changed in place, the namespace no longer says it
-        self._weights = [(w, w._version, w.data_ptr()) for w in model.parameters()]
+        #: each weight as the namespace hashed it: changed in place or replaced by another
+        #: parameter (an assignment, an injected adapter), the namespace no longer says it
+        self._weights = _weights_now(model)
         self._config = _config_facts(model)  # and its config (set_attn_implementation changes it)
         self._hooks: ForwardHooks | None = ForwardHooks(model, self.layout.cache_argument, self._owner)
 
@@ -272,7 +273,7 @@ class HFStateCache:
         if self._hooks is None:
             raise RuntimeError("HFStateCache is closed")
         # (every restore and commit: a namespace names the weights it hashed at construction)
-        if any(w._version != version or w.data_ptr() != at for w, version, at in self._weights):
+        if not _same_weights(_weights_now(self.model), self._weights):
             raise RuntimeError(
                 "the model's weights changed since this HFStateCache hashed them (its namespace): "
                 "make a new HFStateCache for the new weights"
@@ -378,6 +379,22 @@ def model_identity(
         weights=weights if weights is not None else "xxh3-" + weights_digest([*state.items(), *unsaved]),
         dtypes=tuple(sorted({str(tensor.dtype) for tensor in state.values()})),
         layout=json.loads(json.dumps(layout_facts, sort_keys=True, default=str)),
+    )
+
+
+def _weights_now(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, int, int]]:
+    """Each parameter's name, object, version and address: a weight changed in place bumps its
+    version (or moves), one replaced (``layer.weight = Parameter(...)``, a LoRA layer injected)
+    is another object, one added or removed changes the list. (The objects are held, so an id
+    is never reused by a new parameter while compared.)"""
+    return [(name, w, w._version, w.data_ptr()) for name, w in model.named_parameters()]
+
+
+def _same_weights(
+    now: list[tuple[str, torch.Tensor, int, int]], then: list[tuple[str, torch.Tensor, int, int]]
+) -> bool:
+    return len(now) == len(then) and all(
+        a[0] == b[0] and a[1] is b[1] and a[2:] == b[2:] for a, b in zip(now, then, strict=True)
     )
 
 
