@@ -295,6 +295,31 @@ def test_window_layers_keep_whole_pages_across_multi_page_chunks() -> None:
         assert torch.equal(full.keys, witness.layers[1].keys[:, :, :cached])
 
 
+def test_window_layers_forget_pages_kvstrata_already_holds() -> None:
+    """A second run over a prompt whose pages are all stored: each commit finds them cached and
+    stores nothing. The window layers kept every page for it anyway (192 tokens against the
+    stock layer's 4: memory and a copy per forward growing with the prompt); they keep what a
+    commit that stored them keeps, and the model's outputs are unchanged."""
+    from kvstrata.adapters._hf_cache import PageKeepingSlidingWindowLayer
+
+    model = tiny_model("gemma3")
+    ids = hf.tokens(62, 12 * PAGE)
+    with HFStateCache(model, page_size=PAGE) as cache:
+        first = cache.new_cache()
+        want = hf.run_pages(cache, first, ids, 0, commit_every=1)
+        again = cache.new_cache()
+        got = hf.run_pages(cache, again, ids, 0, commit_every=1)
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        for past in (first, again):
+            kept = [
+                layer.keys.shape[-2]
+                for layer in past.layers
+                if isinstance(layer, PageKeepingSlidingWindowLayer)
+            ]
+            assert kept and max(kept) < PAGE, kept
+        assert cache.cache.open_leases == 0
+
+
 def test_commit_checks_its_arguments_and_stores_only_what_the_cache_can_give() -> None:
     with HFStateCache(tiny_model("qwen3_next"), page_size=PAGE, state_slots=32) as cache:
         ids = hf.tokens(70, 3 * PAGE)

@@ -213,7 +213,7 @@ class HFStateCache:
             have = lease.cached_pages
             if have >= pages or (self.layout.states and processed != pages * self.page_size):
                 self.cache.release(lease)
-                return have * self.page_size
+                return _stored(past_key_values, have * self.page_size)
             # window layers that lost the first new pages (a prefix evicted since the restore)
             # can still give their window
             held = [
@@ -222,15 +222,12 @@ class HFStateCache:
             units = self.cache.allocate(lease, window_only=max(held, default=0) > have * self.page_size)
             if not self._write(past_key_values, lease, units, pages):
                 self.cache.release(lease)
-                return have * self.page_size
+                return _stored(past_key_values, have * self.page_size)
             self.cache.insert(lease)
         except BaseException:
             self.cache.release(lease)
             raise
-        for layer in past_key_values.layers:
-            if isinstance(layer, PageKeepingSlidingWindowLayer):
-                layer.trim(pages * self.page_size)
-        return pages * self.page_size
+        return _stored(past_key_values, pages * self.page_size)
 
     def prefill(self, input_ids: torch.Tensor | list[int], *, chunk_pages: int = 1) -> PrefillResult:
         """Restore, run the model over the rest of ``input_ids`` in chunks of ``chunk_pages``
@@ -380,6 +377,16 @@ def model_identity(
         dtypes=tuple(sorted({str(tensor.dtype) for tensor in state.values()})),
         layout=json.loads(json.dumps(layout_facts, sort_keys=True, default=str)),
     )
+
+
+def _stored(past: Any, tokens: int) -> int:
+    """kvstrata holds the first ``tokens`` of ``past``'s prompt: its window layers may forget the
+    pages they kept for a commit before them (also when another request stored them first, or
+    every page was cached: kept, they grew with the prompt). Returns ``tokens``."""
+    for layer in past.layers:
+        if isinstance(layer, PageKeepingSlidingWindowLayer):
+            layer.trim(tokens)
+    return tokens
 
 
 def _weights_now(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, int, int]]:
