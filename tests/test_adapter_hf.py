@@ -503,6 +503,14 @@ def _one_element_changed(model: Any) -> Any:
     return other
 
 
+def _loaded_elsewhere(model: Any) -> Any:
+    """An equal model loaded from another directory (``from_pretrained`` records the path in
+    ``config._name_or_path``): the bytes are the same, so are the objects."""
+    other = tiny_model("llama")
+    other.config._name_or_path = "/mnt/shared/llama"
+    return other
+
+
 #: One field changed at a time: (model maker, keywords) and whether the reader must hit.
 HF_FIELDS: dict[str, tuple[Any, dict[str, Any], bool]] = {
     "one embedding row": (_one_row_changed, {}, False),
@@ -515,6 +523,7 @@ HF_FIELDS: dict[str, tuple[Any, dict[str, Any], bool]] = {
     "weights digest given by the caller": (lambda m: m, {"weights_digest": "release-2"}, False),
     "a restart (a new cache over the same model)": (lambda m: m, {}, True),
     "an equal copy of the model": (lambda m: tiny_model("llama"), {}, True),
+    "the directory the weights were loaded from": (_loaded_elsewhere, {}, True),
 }
 
 

@@ -409,7 +409,22 @@ def _config_facts(model: torch.nn.Module) -> tuple[str, str]:
     """The attention implementation and the whole config as the namespace hashes them (read
     again at every restore and commit, ~0.2 ms: a config changed in place no longer matches)."""
     config = model.config
-    return str(getattr(config, "_attn_implementation", None)), config.to_json_string(use_diff=False)
+    facts = _without_paths(json.loads(config.to_json_string(use_diff=False)))
+    return str(getattr(config, "_attn_implementation", None)), json.dumps(facts, sort_keys=True)
+
+
+#: config keys that say where a model was loaded from, not what it computes: the weights digest
+#: covers the bytes, so the same weights from another directory share the namespace
+_PATH_KEYS = frozenset({"_name_or_path"})
+
+
+def _without_paths(value: Any) -> Any:
+    """``value`` (a config as JSON, nested configs included) without :data:`_PATH_KEYS`."""
+    if isinstance(value, dict):
+        return {key: _without_paths(item) for key, item in value.items() if key not in _PATH_KEYS}
+    if isinstance(value, list):
+        return [_without_paths(item) for item in value]
+    return value
 
 
 def _sequence(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
