@@ -389,6 +389,9 @@ def test_constructor_errors_and_namespaces() -> None:
         HFStateCache(model, pagesize=16)
     with pytest.raises(ValueError, match=r"model\.pools"):
         HFStateCache(model, {"model": {"pools": {"kv": {"type": "kv"}}}})
+    with pytest.raises(ValueError, match=r"^name must be a non-empty string"):
+        HFStateCache(model, name="")
+    assert not model._forward_pre_hooks and not model._forward_hooks  # nothing left half made
     names = set()
     for built in (
         model,

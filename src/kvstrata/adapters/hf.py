@@ -104,6 +104,8 @@ class HFStateCache:
         self.model = model
         self.layout: ModelLayout = describe_model(model)
         prefix = str(overrides.pop("name", f"hf-{self.layout.model_type}"))
+        if not prefix:  # (else pydantic's error names EngineIdentity.model, not this keyword)
+            raise ValueError("name must be a non-empty string (the readable prefix of the namespace)")
         settings: dict[str, Any] = {}
         device = next(model.parameters()).device
         if device.type != "cpu":
