@@ -295,6 +295,31 @@ def test_window_layers_keep_whole_pages_across_multi_page_chunks() -> None:
         assert torch.equal(full.keys, witness.layers[1].keys[:, :, :cached])
 
 
+def test_window_layers_forget_pages_kvstrata_already_holds() -> None:
+    """A second run over a prompt whose pages are all stored: each commit finds them cached and
+    stores nothing. The window layers kept every page for it anyway (192 tokens against the
+    stock layer's 4: memory and a copy per forward growing with the prompt); they keep what a
+    commit that stored them keeps, and the model's outputs are unchanged."""
+    from kvstrata.adapters._hf_cache import PageKeepingSlidingWindowLayer
+
+    model = tiny_model("gemma3")
+    ids = hf.tokens(62, 12 * PAGE)
+    with HFStateCache(model, page_size=PAGE) as cache:
+        first = cache.new_cache()
+        want = hf.run_pages(cache, first, ids, 0, commit_every=1)
+        again = cache.new_cache()
+        got = hf.run_pages(cache, again, ids, 0, commit_every=1)
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        for past in (first, again):
+            kept = [
+                layer.keys.shape[-2]
+                for layer in past.layers
+                if isinstance(layer, PageKeepingSlidingWindowLayer)
+            ]
+            assert kept and max(kept) < PAGE, kept
+        assert cache.cache.open_leases == 0
+
+
 def test_commit_checks_its_arguments_and_stores_only_what_the_cache_can_give() -> None:
     with HFStateCache(tiny_model("qwen3_next"), page_size=PAGE, state_slots=32) as cache:
         ids = hf.tokens(70, 3 * PAGE)
@@ -364,6 +389,9 @@ def test_constructor_errors_and_namespaces() -> None:
         HFStateCache(model, pagesize=16)
     with pytest.raises(ValueError, match=r"model\.pools"):
         HFStateCache(model, {"model": {"pools": {"kv": {"type": "kv"}}}})
+    with pytest.raises(ValueError, match=r"^name must be a non-empty string"):
+        HFStateCache(model, name="")
+    assert not model._forward_pre_hooks and not model._forward_hooks  # nothing left half made
     names = set()
     for built in (
         model,
@@ -478,6 +506,14 @@ def _one_element_changed(model: Any) -> Any:
     return other
 
 
+def _loaded_elsewhere(model: Any) -> Any:
+    """An equal model loaded from another directory (``from_pretrained`` records the path in
+    ``config._name_or_path``): the bytes are the same, so are the objects."""
+    other = tiny_model("llama")
+    other.config._name_or_path = "/mnt/shared/llama"
+    return other
+
+
 #: One field changed at a time: (model maker, keywords) and whether the reader must hit.
 HF_FIELDS: dict[str, tuple[Any, dict[str, Any], bool]] = {
     "one embedding row": (_one_row_changed, {}, False),
@@ -490,6 +526,7 @@ HF_FIELDS: dict[str, tuple[Any, dict[str, Any], bool]] = {
     "weights digest given by the caller": (lambda m: m, {"weights_digest": "release-2"}, False),
     "a restart (a new cache over the same model)": (lambda m: m, {}, True),
     "an equal copy of the model": (lambda m: tiny_model("llama"), {}, True),
+    "the directory the weights were loaded from": (_loaded_elsewhere, {}, True),
 }
 
 
@@ -610,6 +647,27 @@ def test_weights_changed_in_place_are_refused_and_unsaved_buffers_are_in_the_nam
         HFStateCache(rotary, page_size=PAGE) as patched,
     ):
         assert same.namespace == first and patched.namespace != first
+
+
+def test_a_weight_replaced_by_another_parameter_or_an_added_one_is_refused() -> None:
+    """A weight assigned anew (``layer.weight = Parameter(...)``) leaves the hashed one untouched
+    (same version, same address), and a LoRA-style layer adds parameters: either way the model
+    computes other KV than the namespace says, and the old KV was served to it."""
+    ids = hf.tokens(95, 2 * PAGE + 1)
+    model = tiny_model("llama")
+    with HFStateCache(model, page_size=PAGE) as cache, torch.no_grad():
+        cache.prefill(ids[: 2 * PAGE])
+        attention = model.model.layers[0].self_attn
+        attention.k_proj.weight = torch.nn.Parameter(attention.k_proj.weight * 1.5)
+        with pytest.raises(RuntimeError, match="weights changed"):
+            cache.restore(ids)
+        assert cache.cache.open_leases == 0
+    model = tiny_model("llama")
+    with HFStateCache(model, page_size=PAGE) as cache, torch.no_grad():
+        cache.prefill(ids[: 2 * PAGE])
+        model.model.layers[0].self_attn.lora_k = torch.nn.Linear(4, 4)
+        with pytest.raises(RuntimeError, match="weights changed"):
+            cache.commit(ids, 2 * PAGE, cache.new_cache())
 
 
 def test_an_attention_implementation_or_config_changed_after_start_is_refused() -> None:

@@ -318,6 +318,22 @@ def test_bad_calls_fail_the_call_not_the_thread(writer: tuple[Any, Any]) -> None
     assert storage.clear() is False
 
 
+def test_bad_host_indices_are_a_failed_write_even_for_stored_keys(writer: tuple[Any, Any]) -> None:
+    """The dedup asked L3 first: keys already stored answered "stored" whatever the indices
+    (too few, outside the pool), and a batch with one new page failed the stored ones too."""
+    storage, pool = writer
+    keys = support.page_keys(3, seed=12)
+    indices = support.fill_mha(pool, [0, 1, 2], 12, [0, 1, 2])
+    assert storage.batch_set_v1(keys[:2], indices[: 2 * PAGE]) == [True, True]
+    assert storage.batch_set_v1(keys[:2], torch.arange(PAGE)) == [False, False]  # too few
+    assert storage.batch_set_v1(keys[:2], torch.arange(40 * PAGE, 42 * PAGE)) == [False, False]
+    side = PoolTransfer(name=PoolName.KV, keys=keys[:2], host_indices=torch.arange(PAGE))
+    storage.register_mem_host_pool_v2(pool, PoolName.KV)
+    assert storage.batch_set_v2([side]) == {PoolName.KV: [False, False]}
+    assert storage.batch_set_v1(keys, indices) == [True, True, True]  # good indices: as before
+    assert storage.batch_exists(keys) == 3
+
+
 def test_calls_before_any_pool_is_registered_answer_a_miss(l3: dict[str, Any]) -> None:
     storage = KvstrataHiCacheStorage(
         support.storage_config(extra_config={**support.ADAPTER, "kvstrata_config": l3})

@@ -104,6 +104,8 @@ class HFStateCache:
         self.model = model
         self.layout: ModelLayout = describe_model(model)
         prefix = str(overrides.pop("name", f"hf-{self.layout.model_type}"))
+        if not prefix:  # (else pydantic's error names EngineIdentity.model, not this keyword)
+            raise ValueError("name must be a non-empty string (the readable prefix of the namespace)")
         settings: dict[str, Any] = {}
         device = next(model.parameters()).device
         if device.type != "cpu":
@@ -132,8 +134,9 @@ class HFStateCache:
         self.page_size = self.cache.page_size
         self.last_restore: RestoreInfo | None = None
         self._owner = object()  # marks the caches this adapter hands out
-        #: each weight as the namespace hashed it: changed in place, the namespace no longer says it
-        self._weights = [(w, w._version, w.data_ptr()) for w in model.parameters()]
+        #: each weight as the namespace hashed it: changed in place or replaced by another
+        #: parameter (an assignment, an injected adapter), the namespace no longer says it
+        self._weights = _weights_now(model)
         self._config = _config_facts(model)  # and its config (set_attn_implementation changes it)
         self._hooks: ForwardHooks | None = ForwardHooks(model, self.layout.cache_argument, self._owner)
 
@@ -212,7 +215,7 @@ class HFStateCache:
             have = lease.cached_pages
             if have >= pages or (self.layout.states and processed != pages * self.page_size):
                 self.cache.release(lease)
-                return have * self.page_size
+                return _stored(past_key_values, have * self.page_size)
             # window layers that lost the first new pages (a prefix evicted since the restore)
             # can still give their window
             held = [
@@ -221,15 +224,12 @@ class HFStateCache:
             units = self.cache.allocate(lease, window_only=max(held, default=0) > have * self.page_size)
             if not self._write(past_key_values, lease, units, pages):
                 self.cache.release(lease)
-                return have * self.page_size
+                return _stored(past_key_values, have * self.page_size)
             self.cache.insert(lease)
         except BaseException:
             self.cache.release(lease)
             raise
-        for layer in past_key_values.layers:
-            if isinstance(layer, PageKeepingSlidingWindowLayer):
-                layer.trim(pages * self.page_size)
-        return pages * self.page_size
+        return _stored(past_key_values, pages * self.page_size)
 
     def prefill(self, input_ids: torch.Tensor | list[int], *, chunk_pages: int = 1) -> PrefillResult:
         """Restore, run the model over the rest of ``input_ids`` in chunks of ``chunk_pages``
@@ -272,7 +272,7 @@ class HFStateCache:
         if self._hooks is None:
             raise RuntimeError("HFStateCache is closed")
         # (every restore and commit: a namespace names the weights it hashed at construction)
-        if any(w._version != version or w.data_ptr() != at for w, version, at in self._weights):
+        if not _same_weights(_weights_now(self.model), self._weights):
             raise RuntimeError(
                 "the model's weights changed since this HFStateCache hashed them (its namespace): "
                 "make a new HFStateCache for the new weights"
@@ -381,11 +381,52 @@ def model_identity(
     )
 
 
+def _stored(past: Any, tokens: int) -> int:
+    """kvstrata holds the first ``tokens`` of ``past``'s prompt: its window layers may forget the
+    pages they kept for a commit before them (also when another request stored them first, or
+    every page was cached: kept, they grew with the prompt). Returns ``tokens``."""
+    for layer in past.layers:
+        if isinstance(layer, PageKeepingSlidingWindowLayer):
+            layer.trim(tokens)
+    return tokens
+
+
+def _weights_now(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, int, int]]:
+    """Each parameter's name, object, version and address: a weight changed in place bumps its
+    version (or moves), one replaced (``layer.weight = Parameter(...)``, a LoRA layer injected)
+    is another object, one added or removed changes the list. (The objects are held, so an id
+    is never reused by a new parameter while compared.)"""
+    return [(name, w, w._version, w.data_ptr()) for name, w in model.named_parameters()]
+
+
+def _same_weights(
+    now: list[tuple[str, torch.Tensor, int, int]], then: list[tuple[str, torch.Tensor, int, int]]
+) -> bool:
+    return len(now) == len(then) and all(
+        a[0] == b[0] and a[1] is b[1] and a[2:] == b[2:] for a, b in zip(now, then, strict=True)
+    )
+
+
 def _config_facts(model: torch.nn.Module) -> tuple[str, str]:
     """The attention implementation and the whole config as the namespace hashes them (read
     again at every restore and commit, ~0.2 ms: a config changed in place no longer matches)."""
     config = model.config
-    return str(getattr(config, "_attn_implementation", None)), config.to_json_string(use_diff=False)
+    facts = _without_paths(json.loads(config.to_json_string(use_diff=False)))
+    return str(getattr(config, "_attn_implementation", None)), json.dumps(facts, sort_keys=True)
+
+
+#: config keys that say where a model was loaded from, not what it computes: the weights digest
+#: covers the bytes, so the same weights from another directory share the namespace
+_PATH_KEYS = frozenset({"_name_or_path"})
+
+
+def _without_paths(value: Any) -> Any:
+    """``value`` (a config as JSON, nested configs included) without :data:`_PATH_KEYS`."""
+    if isinstance(value, dict):
+        return {key: _without_paths(item) for key, item in value.items() if key not in _PATH_KEYS}
+    if isinstance(value, list):
+        return [_without_paths(item) for item in value]
+    return value
 
 
 def _sequence(input_ids: torch.Tensor | list[int]) -> torch.Tensor:

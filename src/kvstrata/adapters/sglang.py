@@ -229,10 +229,11 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
         pool = self._anchor()
+        pages = _checked_pages(pool, host_indices, len(keys))  # (before the dedup: see its docstring)
+        if pages is None:
+            return [False] * len(keys)
         self.pages.refresh(_prefix_keys(extra_info), pool)
-        return self.pages.write(
-            pool, keys, lambda at: pool.write_units(pool.pages(host_indices, len(keys))[at])
-        )
+        return self.pages.write(pool, keys, lambda at: pool.write_units(pages[at]))
 
     @_never_raises(_all_false)
     def batch_get_v1(
@@ -325,10 +326,8 @@ class KvstrataHiCacheStorage(HiCacheStorage):
                 "kvstrata L3: pool %r was never registered (register_mem_host_pool_v2)", transfer.name
             )
             return None
-        if transfer.host_indices is None:
-            log.warning("kvstrata L3: transfer of pool %r has no host indices", transfer.name)
-            return None
-        return pool, keys, transfer.host_indices
+        pages = _checked_pages(pool, transfer.host_indices, len(keys))
+        return None if pages is None else (pool, keys, pages)
 
     @_never_raises(_per_transfer_false)
     def batch_get_v2(
@@ -340,11 +339,9 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             if found is None:
                 results[transfer.name] = [False] * len(transfer.keys or [])
                 continue
-            pool, keys, indices = found
+            pool, keys, pages = found
             results[transfer.name] = self.pages.read(
-                pool,
-                keys,
-                lambda pool=pool, keys=keys, indices=indices: pool.read_units(pool.pages(indices, len(keys))),
+                pool, keys, lambda pool=pool, pages=pages: pool.read_units(pages)
             )
         return results
 
@@ -358,14 +355,10 @@ class KvstrataHiCacheStorage(HiCacheStorage):
             if found is None:
                 results[transfer.name] = [False] * len(transfer.keys or [])
                 continue
-            pool, keys, indices = found
+            pool, keys, pages = found
             self.pages.refresh(_prefix_keys(extra_info), pool)
             results[transfer.name] = self.pages.write(
-                pool,
-                keys,
-                lambda at, pool=pool, keys=keys, indices=indices: pool.write_units(
-                    pool.pages(indices, len(keys))[at]
-                ),
+                pool, keys, lambda at, pool=pool, pages=pages: pool.write_units(pages[at])
             )
         return results
 
@@ -395,6 +388,20 @@ class KvstrataHiCacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         self.storage.close()
+
+
+def _checked_pages(pool: PageFormat, host_indices: Any, count: int) -> torch.Tensor | None:
+    """The page numbers of ``count`` pages at ``host_indices`` in ``pool``, or None (logged) where
+    they do not fit it. Checked before a write's dedup: bad indices are a failed write, never
+    "stored" because the keys happened to be (nor a batch of pages stored before failed whole)."""
+    if host_indices is None:
+        log.warning("kvstrata L3: transfer of pool %r has no host indices", pool.name)
+        return None
+    try:
+        return pool.pages(host_indices, count)
+    except ValueError as exc:
+        log.warning("kvstrata L3: bad host indices for %d pages: %s", count, exc)
+        return None
 
 
 def _prefix_keys(extra_info: HiCacheStorageExtraInfo | None) -> list[str]:
