@@ -1,13 +1,14 @@
 """Two deployments on ONE file L3 whose model configs differ in one field: the second never
-restores the first's state (issue: audit 41, "another model's state").
+restores the first's state (audit 41, "another model's state").
 
 Hypothesis draws the stack, the field and its new value; the first cache stores a request, the
 second serves the same tokens. Wherever the field changes what a pool's bytes mean (dtype, shapes,
-layers and which model layers, page size, a window, a Mamba state's shape or dtype, the model
-name, the tenant salt) the second gets no page from L3, refuses no object as foreign (the keys
-differ: it never even reads them) and the first still restores everything afterwards. A
-reader with a pool the writer lacked (a Mamba pool added) gets nothing; one without a pool the
-writer had (a draft pool dropped) may hit, and then every byte it restores is verified.
+layers and which model layers, page size, a window, a Mamba state's shape, dtype or declared
+dimension order, the model name, the tenant salt) the second gets no page from L3, refuses no
+object as foreign (the keys differ: it never even reads them) and the first still restores
+everything afterwards. A reader with a pool the writer lacked (a Mamba pool added) gets nothing;
+one without a pool the writer had (a draft pool dropped) may hit, and then every byte it restores
+is verified.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ FIELDS: list[tuple[str, str, st.SearchStrategy[Any]]] = [
     ("hybrid-mamba", "model.pools.mamba.layers", _not(6, _SMALL)),
     ("hybrid-mamba", "model.pools.mamba.layer_ids", st.just([10, 11, 12, 13, 14, 15])),
     ("hybrid-mamba", "model.pools.mamba.conv", st.just([{"shape": [3, 256], "dtype": "bfloat16"}])),
+    ("hybrid-mamba", "model.pools.mamba.temporal.dims", st.permutations(["heads", "key_dim", "value_dim"])),
     ("hybrid-mamba", "model.pools.kv.head_dim", _not(128, st.sampled_from([32, 64, 256]))),
     ("swa", "model.pools.swa.window", _not(128, st.integers(1, 512))),
     ("swa", "model.pools.swa.head_dim", _not(64, st.sampled_from([32, 128]))),
