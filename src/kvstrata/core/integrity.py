@@ -144,10 +144,15 @@ def layout_fingerprint(spec: PoolSpec, suffix: str) -> bytes:
 def _buffer_description(buffer: BufferSpec) -> list[object]:
     """What shapes a buffer's bytes. A head-major unit can have the token-major unit's shape
     (``kv_heads == page_size``), so the unit layout is named, but only when it is not the
-    default: every fingerprint written before unit layouts existed stays the same."""
+    default: every fingerprint written before unit layouts existed stays the same. A buffer with
+    no unit layout (a state slot) says its dimension order only by the names it declares: a GDN
+    state ``[heads, key_dim, value_dim]`` and its transpose have one shape when the two dims are
+    equal, so declared names are part of it too (none declared: the fingerprint is as before)."""
     described: list[object] = [buffer.name, buffer.dtype, buffer.layers, list(buffer.unit_shape)]
     if buffer.unit_layout is not None and buffer.unit_layout != UnitLayout.TOKEN_MAJOR:
         described.append(str(buffer.unit_layout))
+    elif buffer.unit_layout is None and buffer.unit_dims:
+        described.append(list(buffer.unit_dims))
     return described
 
 

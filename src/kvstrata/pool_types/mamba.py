@@ -59,7 +59,8 @@ class StateShape(UserConfig):
     dtype: Dtype = "bfloat16"
     dims: tuple[str, ...] = Field(
         default=(),
-        description="optional name of each shape dimension (e.g. [channels, kernel]) for tools",
+        description="optional name of each shape dimension (e.g. [channels, kernel]), in order: "
+        "part of the stored layout (a transposed state can have the same shape)",
     )
 
     @field_validator("shape")
