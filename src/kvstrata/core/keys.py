@@ -38,13 +38,16 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvstrata.core.config import ParallelConfig
-from kvstrata.core.integrity import layout_fingerprint, stored_objects
+from kvstrata.core.integrity import FORMAT_VERSION, layout_fingerprint, stored_objects
 from kvstrata.plugins.pool_type import PoolSpec, Replication
 
 #: Bytes of one page hash (hex strings are twice as long).
 PAGE_HASH_BYTES = 16
-#: Version tag of the key layout: bump when the schema or the chain changes (old entries miss).
-KEY_VERSION = "k2"
+#: Version tag of the key layout, which moves with the object format: bump FORMAT_VERSION when
+#: the schema, the chain or the format changes (old entries miss). Under one key a reader takes
+#: another format's object as foreign and removes it, so two releases sharing an L3 would
+#: delete each other's objects; under keys of their own they coexist.
+KEY_VERSION = f"k{FORMAT_VERSION}"
 
 _NAMESPACE_PERSON = b"kvstrata-ns-v1"
 _PAGE_PERSON = b"kvstrata-pg-v1"
