@@ -63,6 +63,11 @@ __all__ = [
 ]
 
 
+#: what the pages a get misses hold before it (and must hold after it): not zeros, so a backend
+#: that zero-fills the regions of a key it does not hold is caught
+MISS_FILL = 0x5A
+
+
 def _format(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc)).rstrip()
 
@@ -97,6 +102,8 @@ class CoreConformance(BackendKit):
         specs = conformance_specs()
         engine = self.engine(backend, specs, checksum=checksum)
         source, target = self.pools(specs, 4, seed=21), self.pools(specs, 4, seed=None)
+        for pool in target.values():  # not zeros: a backend writing zeros into a missed page shows
+            pool.backing.fill_(MISS_FILL)
         self.register(backend, engine, source)
         self.register(backend, engine, target)
         hashes = page_hashes(4, seed=21)
@@ -113,7 +120,10 @@ class CoreConformance(BackendKit):
             )
             self.assert_units_are(target[name], stored[name], range(3))
         missed = target["attn"].unit_bytes(3)
-        assert missed == bytes(len(missed)), "a miss writes nothing into the page"
+        assert missed == bytes([MISS_FILL]) * len(missed), (
+            f"backend {backend.name!r}: get() of a key it does not hold wrote into that key's regions "
+            "(a miss writes nothing into the page)"
+        )
         assert engine.metrics.corrupt_detected == 0
 
     def test_partial_batches_per_key(self, backend: StorageBackend) -> None:
