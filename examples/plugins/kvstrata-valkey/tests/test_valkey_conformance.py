@@ -48,6 +48,7 @@ def test_entry_point_makes_it_a_kvstrata_backend() -> None:
         ({"url": "http://127.0.0.1:6379/0"}, "scheme"),
         ({"url": "redis://127.0.0.1:6379/x"}, "must be a number"),
         ({"url": "redis://:6379/0"}, "no host"),
+        ({"url": "redis://127.0.0.1:6379/0?decode_responses=True"}, "remove decode_responses"),
         ({"host": "127.0.0.1"}, "Extra inputs are not permitted"),
     ],
 )

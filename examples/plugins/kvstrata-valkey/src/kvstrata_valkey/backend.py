@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import Field, field_validator
 
@@ -71,6 +71,10 @@ class ValkeyConfig(BackendConfig):
         db = parts.path.lstrip("/")
         if db and not db.isdigit():
             raise ValueError(f"the database after the port must be a number, got {db!r}")
+        if "decode_responses" in parse_qs(parts.query):
+            # the client would decode every value as text: each get raised UnicodeDecodeError
+            # while puts and exists still answered, so the L3 was written and never read
+            raise ValueError("remove decode_responses from the url: values are binary objects, read as bytes")
         return url
 
 
