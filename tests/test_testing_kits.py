@@ -4,6 +4,7 @@ kit's capability mixins; and each kit catches the plugin that breaks its rule.""
 
 from __future__ import annotations
 
+import ctypes
 import random
 import threading
 from collections.abc import Callable
@@ -390,6 +391,41 @@ def test_the_kit_catches_a_get_that_reports_more_bytes_than_it_read(backend_clas
     backend = backend_class("l3", MemoryConfig())
     with pytest.raises(AssertionError, match="an object cut in half was read as whole"):
         IntegrityConformance().test_cut_object_is_a_miss_without_checksums(backend)
+
+
+class OverrunsLastRegion(MemoryBackend):
+    """Breaks the contract on purpose (fault injection): a zero-copy get() writes the rest of a
+    stored object into its last region, unbounded. Every object the kit read was as long as its
+    regions, so it passed; an object of another layout then overwrote the host pool's next pages."""
+
+    capabilities = MemoryBackend.capabilities.model_copy(
+        update={"pools": {ANY_POOL: PoolCapabilities(zero_copy=True)}}
+    )
+
+    def get(self, objects):  # type: ignore[no-untyped-def]
+        out = []
+        for obj in objects:
+            with self._lock:
+                data = self._objects.get(obj.key)
+            if data is None:
+                out.append(-1)
+                continue
+            regions, offset = [r for r in obj.regions if r.nbytes], 0
+            for position, region in enumerate(regions):
+                last = position == len(regions) - 1
+                take = len(data) - offset if last else min(region.nbytes, len(data) - offset)
+                ctypes.memmove(region.ptr, data[offset : offset + take], take)
+                offset += take
+            out.append(offset)
+        return out
+
+
+def test_the_kit_catches_a_get_that_writes_past_its_regions() -> None:
+    # the kit's target keeps two spare units after the last one read: the overrun stays in it
+    with pytest.raises(AssertionError, match="wrote past them, into the next page's memory"):
+        CoreConformance().test_longer_object_is_read_no_further_than_its_regions(
+            OverrunsLastRegion("l3", MemoryConfig())
+        )
 
 
 class ReversedExists(MemoryBackend):
