@@ -135,3 +135,29 @@ def test_failures_of_both_kinds_name_both_settings() -> None:
     )
     tier_only = ReplayDetails(failed_requests=2, longest_failed_tokens=9000)
     assert "model.pools" not in failed_requests_sentence(result, tier_only)
+
+
+def test_start_up_line_hides_a_url_password() -> None:
+    """``kvstrata replay`` prints each L3's ``url``: a password in it (``redis://user:secret@host``,
+    the valkey plugin's documented form) went to stderr, and from there into CI logs."""
+    from types import SimpleNamespace
+    from typing import Literal, cast
+
+    from kvstrata.cli.replay_cmd import describe_storage
+    from kvstrata.plugins.storage_backend import BackendConfig
+
+    class UrlConfig(BackendConfig):
+        type: Literal["urlstore"] = "urlstore"
+        url: str
+
+    storage = {
+        "l3": UrlConfig(url="redis://alice:s3cret@10.0.0.5:6379/0"),
+        "l4": UrlConfig(url="rediss://:t0ken@cache.internal:6380/1"),
+        "l5": UrlConfig(url="redis://10.0.0.6:6379/0"),
+    }
+    lines = describe_storage(cast(Any, SimpleNamespace(tiers=SimpleNamespace(storage=storage))))
+    assert lines == [
+        "L3 l3 (urlstore): redis://alice:***@10.0.0.5:6379/0",
+        "L3 l4 (urlstore): rediss://:***@cache.internal:6380/1",
+        "L3 l5 (urlstore): redis://10.0.0.6:6379/0",
+    ]

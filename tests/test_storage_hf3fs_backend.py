@@ -38,6 +38,8 @@ def test_without_mount_open_refuses_with_the_reason(tmp_path: Path) -> None:
     config = HF3FSConfig(path=tmp_path)
     reason = HF3FSBackend.unavailable_reason(config)
     assert reason is not None and "hf3fs_fuse.io" in reason and "mock: true" in reason
+    # and where it comes from: no pip extra brings it (kvstrata[hf3fs] installs nothing)
+    assert "ships with a 3FS deployment" in reason and "not on PyPI" in reason
     backend = HF3FSBackend("l3", config)
     with pytest.raises(PluginUnavailableError, match=r"hf3fs_fuse\.io"):
         backend.open()

@@ -4,6 +4,7 @@ kit's capability mixins; and each kit catches the plugin that breaks its rule.""
 
 from __future__ import annotations
 
+import ctypes
 import random
 import threading
 from collections.abc import Callable
@@ -344,6 +345,131 @@ class CountsPresentKeys(MemoryBackend):
 def test_the_kit_catches_a_leading_exists_that_counts_past_a_gap() -> None:
     with pytest.raises(AssertionError, match="stops at the first absent key"):
         CoreConformance().test_existence_prefix_semantics(CountsPresentKeys("l3", MemoryConfig()))
+
+
+class ZeroFillsOnMiss(MemoryBackend):
+    """Breaks the contract on purpose (fault injection): a zero-copy get() zero-fills the regions
+    of a key it does not hold. The kit's target pages started as zeros, so it passed."""
+
+    capabilities = MemoryBackend.capabilities.model_copy(
+        update={"pools": {ANY_POOL: PoolCapabilities(zero_copy=True)}}
+    )
+
+    def get(self, objects):  # type: ignore[no-untyped-def]
+        found = super().get(objects)
+        for obj, nbytes in zip(objects, found, strict=True):
+            if nbytes < 0:
+                for view in object_views(obj):
+                    view[:] = bytes(len(view))
+        return found
+
+
+def test_the_kit_catches_a_get_that_writes_zeros_for_a_missing_key() -> None:
+    backend = ZeroFillsOnMiss("l3", MemoryConfig())
+    with pytest.raises(AssertionError, match="get\\(\\) of a key it does not hold wrote into"):
+        CoreConformance().test_round_trip_through_registered_host_memory(backend, "xxh3")
+
+
+class ClaimsRegionLength(MemoryBackend):
+    """Breaks the contract on purpose (fault injection): get() reports the length of the regions
+    it was given for every object found, not the bytes it read. A cut object then passed the
+    kit: its checksum failed on whatever the rest of the page held, so it was refused anyway."""
+
+    def get(self, objects):  # type: ignore[no-untyped-def]
+        found = super().get(objects)
+        return [obj.nbytes if nbytes >= 0 else nbytes for obj, nbytes in zip(objects, found, strict=True)]
+
+
+class ClaimsRegionLengthZeroCopy(ClaimsRegionLength):
+    capabilities = MemoryBackend.capabilities.model_copy(
+        update={"pools": {ANY_POOL: PoolCapabilities(zero_copy=True)}}
+    )
+
+
+@pytest.mark.parametrize("backend_class", [ClaimsRegionLength, ClaimsRegionLengthZeroCopy])
+def test_the_kit_catches_a_get_that_reports_more_bytes_than_it_read(backend_class: type) -> None:
+    backend = backend_class("l3", MemoryConfig())
+    with pytest.raises(AssertionError, match="an object cut in half was read as whole"):
+        IntegrityConformance().test_cut_object_is_a_miss_without_checksums(backend)
+
+
+class OverrunsLastRegion(MemoryBackend):
+    """Breaks the contract on purpose (fault injection): a zero-copy get() writes the rest of a
+    stored object into its last region, unbounded. Every object the kit read was as long as its
+    regions, so it passed; an object of another layout then overwrote the host pool's next pages."""
+
+    capabilities = MemoryBackend.capabilities.model_copy(
+        update={"pools": {ANY_POOL: PoolCapabilities(zero_copy=True)}}
+    )
+
+    def get(self, objects):  # type: ignore[no-untyped-def]
+        out = []
+        for obj in objects:
+            with self._lock:
+                data = self._objects.get(obj.key)
+            if data is None:
+                out.append(-1)
+                continue
+            regions, offset = [r for r in obj.regions if r.nbytes], 0
+            for position, region in enumerate(regions):
+                last = position == len(regions) - 1
+                take = len(data) - offset if last else min(region.nbytes, len(data) - offset)
+                ctypes.memmove(region.ptr, data[offset : offset + take], take)
+                offset += take
+            out.append(offset)
+        return out
+
+
+def test_the_kit_catches_a_get_that_writes_past_its_regions() -> None:
+    # the kit's target keeps two spare units after the last one read: the overrun stays in it
+    with pytest.raises(AssertionError, match="wrote past them, into the next page's memory"):
+        CoreConformance().test_longer_object_is_read_no_further_than_its_regions(
+            OverrunsLastRegion("l3", MemoryConfig())
+        )
+
+
+class ReversedExists(MemoryBackend):
+    """Fault injection: exists() answers in reverse order."""
+
+    def exists(self, keys):  # type: ignore[no-untyped-def]
+        return super().exists(keys)[::-1]
+
+
+class ReversedGet(MemoryBackend):
+    """Fault injection: get() reads each object into its own regions, answers in reverse order."""
+
+    def get(self, objects):  # type: ignore[no-untyped-def]
+        return super().get(objects)[::-1]
+
+
+class DropsEveryOtherPut(MemoryBackend):
+    """Fault injection: put() stores every other object and reports all of them stored."""
+
+    def put(self, objects):  # type: ignore[no-untyped-def]
+        super().put(objects[::2])
+        return [True] * len(objects)
+
+
+class OneByteLong(MemoryBackend):
+    """Fault injection: get() reports one byte more than it read."""
+
+    def get(self, objects):  # type: ignore[no-untyped-def]
+        return [nbytes + 1 if nbytes >= 0 else nbytes for nbytes in super().get(objects)]
+
+
+@pytest.mark.parametrize("backend_class", [ReversedExists, ReversedGet, DropsEveryOtherPut, OneByteLong])
+def test_the_kit_catches_misaligned_or_false_per_key_answers(backend_class: type) -> None:
+    """Answers out of key order, "stored" for what was not, a wrong byte count: each fails the
+    kit's per-key checks (a guard: these were caught before)."""
+    kit = CoreConformance()
+    checks = [kit.test_partial_batches_per_key, kit.test_round_trip_multi_region]
+    failures = 0
+    for check in checks:
+        try:
+            check(backend_class("l3", MemoryConfig()))
+        except AssertionError:
+            failures += 1
+    assert failures, f"{backend_class.__name__} passed the kit's per-key checks"
 
 
 # --- pool-type kit on the built-in kinds ------------------------------------------------------------

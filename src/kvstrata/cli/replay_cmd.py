@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit, urlunsplit
 
 import typer
 from rich.markup import escape
@@ -41,6 +42,16 @@ def _human_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def without_password(value: str) -> str:
+    """``value`` as printed: a URL's password (``redis://user:secret@host``) replaced by ``***``,
+    since the start-up lines land in terminals and CI logs."""
+    parts = urlsplit(value)
+    if parts.password is None:
+        return value
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    return urlunsplit(parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{host}"))
+
+
 def describe_storage(config: KvstrataConfig, host: PluginHost | None = None) -> list[str]:
     """One line per storage instance: where its objects live, how much it may keep and (from
     the backend's own ``where()``, when ``host`` is given) how long they last."""
@@ -48,6 +59,7 @@ def describe_storage(config: KvstrataConfig, host: PluginHost | None = None) -> 
     for instance, backend in config.tiers.storage.items():
         fields = backend.model_dump(mode="json")
         where = next((str(fields[k]) for k in ("path", "url", "master") if fields.get(k)), "")
+        where = without_password(where)
         text = f"L3 {instance} ({backend.type})" + (f": {where}" if where else "")
         if "capacity_bytes" in fields:
             cap = fields["capacity_bytes"]

@@ -63,6 +63,11 @@ __all__ = [
 ]
 
 
+#: what the pages a get misses hold before it (and must hold after it): not zeros, so a backend
+#: that zero-fills the regions of a key it does not hold is caught
+MISS_FILL = 0x5A
+
+
 def _format(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc)).rstrip()
 
@@ -97,6 +102,8 @@ class CoreConformance(BackendKit):
         specs = conformance_specs()
         engine = self.engine(backend, specs, checksum=checksum)
         source, target = self.pools(specs, 4, seed=21), self.pools(specs, 4, seed=None)
+        for pool in target.values():  # not zeros: a backend writing zeros into a missed page shows
+            pool.backing.fill_(MISS_FILL)
         self.register(backend, engine, source)
         self.register(backend, engine, target)
         hashes = page_hashes(4, seed=21)
@@ -113,7 +120,10 @@ class CoreConformance(BackendKit):
             )
             self.assert_units_are(target[name], stored[name], range(3))
         missed = target["attn"].unit_bytes(3)
-        assert missed == bytes(len(missed)), "a miss writes nothing into the page"
+        assert missed == bytes([MISS_FILL]) * len(missed), (
+            f"backend {backend.name!r}: get() of a key it does not hold wrote into that key's regions "
+            "(a miss writes nothing into the page)"
+        )
         assert engine.metrics.corrupt_detected == 0
 
     def test_partial_batches_per_key(self, backend: StorageBackend) -> None:
@@ -206,6 +216,27 @@ class CoreConformance(BackendKit):
         assert other_layout.get("attn", hashes, target["attn"].units(range(2))).ok == [False, False]
         assert other_layout.metrics.foreign_reasons.get("fingerprint_mismatch", 0) >= 2
         assert other_layout.metrics.corrupt_detected == 0, "another layout is not damage"
+
+    def test_longer_object_is_read_no_further_than_its_regions(self, backend: StorageBackend) -> None:
+        """An object longer than the regions it is read into (another layout's, copied or crafted
+        under the key) fills those regions at most: on a zero-copy plan the memory after them
+        holds the host pool's next pages, which the cache serves without reading them again."""
+        specs, longer = conformance_specs(), conformance_specs(dtype="float32")
+        reader = self.engine(backend, specs)
+        hashes = page_hashes(4, seed=19)
+        self._forge(backend, longer, reader, "attn", hashes[0::2], self.pools(longer, 2, seed=19))
+        target = self.pools(specs, 6, seed=None)  # units 4, 5: room for an overrun of unit 2
+        for pool in target.values():
+            pool.backing.fill_(MISS_FILL)
+        self.register(backend, reader, target)
+        got = reader.get("attn", hashes, target["attn"].units(range(4))).ok
+        assert got == [False] * 4, f"two objects of another layout and two absent keys: {got}"
+        for unit in (1, 3):
+            after = target["attn"].unit_bytes(unit)
+            assert after == bytes([MISS_FILL]) * len(after), (
+                f"backend {backend.name!r}: get() of an object longer than its regions wrote past them, "
+                f"into the next page's memory (unit {unit})"
+            )
 
     def test_concurrent_distinct_and_same_keys(self, backend: StorageBackend) -> None:
         specs = conformance_specs()

@@ -37,6 +37,25 @@ class IntegrityConformance(BackendKit):
         assert engine.metrics.corrupt_detected == 1
         assert sum(engine.metrics.corrupt_reasons.values()) == 1
 
+    def test_cut_object_is_a_miss_without_checksums(self, backend: StorageBackend) -> None:
+        """With ``policy.checksum: none`` the byte count ``get`` returns is all that tells a cut
+        object from a whole one: a backend reporting the length it was asked for, not what it
+        read, served the rest of the page as it was (stale or uninitialised bytes)."""
+        specs = conformance_specs()
+        engine = self.engine(backend, specs, checksum="none")
+        source, target = self.pools(specs, 3, seed=17), self.pools(specs, 3, seed=None)
+        hashes = page_hashes(3, seed=17)
+        assert all(engine.put("state", hashes, source["state"].units(range(3))).ok)
+        key = engine.object_keys("state", hashes[1:2])[0][0]
+        assert self.corrupt(backend, key, "truncate")
+        result = engine.get("state", hashes, target["state"].units(range(3)))
+        assert result.ok == [True, False, True], (
+            f"backend {backend.name!r}: an object cut in half was read as whole ({result.ok}, checksum "
+            "none): get() must return the bytes it read, not the length of the regions it was given"
+        )
+        self.assert_units_equal(source["state"], target["state"], [0, 2])
+        assert engine.metrics.corrupt_detected == 1
+
     def test_damaged_marker_is_a_miss(self, backend: StorageBackend) -> None:
         """A damaged marker object (a bufferless anchor's page) is a miss, and the sidecar page
         it gates is not read at all."""

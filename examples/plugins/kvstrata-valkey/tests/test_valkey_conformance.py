@@ -48,6 +48,7 @@ def test_entry_point_makes_it_a_kvstrata_backend() -> None:
         ({"url": "http://127.0.0.1:6379/0"}, "scheme"),
         ({"url": "redis://127.0.0.1:6379/x"}, "must be a number"),
         ({"url": "redis://:6379/0"}, "no host"),
+        ({"url": "redis://127.0.0.1:6379/0?decode_responses=True"}, "remove decode_responses"),
         ({"host": "127.0.0.1"}, "Extra inputs are not permitted"),
     ],
 )
@@ -108,3 +109,42 @@ def test_probe_before_open_bounds_its_reads_by_the_timeout(monkeypatch: pytest.M
     backend = ValkeyBackend("l3", ValkeyConfig(url=url, socket_timeout_s=0.5))
     assert "unreachable" in (backend.probe() or "")
     assert made and made[0]["socket_timeout"] == 0.5 and made[0]["socket_connect_timeout"] == 0.5
+
+
+def test_more_callers_than_connections_wait_for_one(server: ValkeyServer) -> None:
+    """kvstrata calls a backend from several threads at once (writer, prefetcher, request path).
+    The client's default pool raised ``ConnectionError('Too many connections')`` for a call that
+    found every connection busy, failing the whole batch; the pool now makes it wait."""
+    import ctypes
+    import threading
+
+    from kvstrata.plugins import BufferRegion, StorageObject
+
+    backend = ValkeyBackend("pool", ValkeyConfig(url=server.url, max_connections=1))
+    backend.open()
+    payload = ctypes.create_string_buffer(b"v" * 65536, 65536)
+    errors: list[str] = []
+    answers: list[bool] = []
+
+    def work(index: int) -> None:
+        objects = [
+            StorageObject(f"pool-{index}-{i}", (BufferRegion(ctypes.addressof(payload), 65536),))
+            for i in range(8)
+        ]
+        for _ in range(10):
+            try:
+                answers.extend(backend.put(objects))
+                answers.extend(count == 65536 for count in backend.get(objects))
+            except Exception as exc:
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        backend.close()
+    assert not errors, f"{len(errors)} calls failed: {errors[:3]}"
+    assert answers and all(answers)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import Field, field_validator
 
@@ -50,7 +50,11 @@ class ValkeyConfig(BackendConfig):
     )
     key_prefix: str = Field(default="kvstrata:", description="prepended to every key")
     socket_timeout_s: float = Field(default=5.0, gt=0, description="per call; a dead server fails fast")
-    max_connections: int = Field(default=8, ge=1, description="connection pool size")
+    max_connections: int = Field(
+        default=8,
+        ge=1,
+        description="connection pool size; a call finding all busy waits (up to socket_timeout_s)",
+    )
 
     @field_validator("url")
     @classmethod
@@ -67,6 +71,10 @@ class ValkeyConfig(BackendConfig):
         db = parts.path.lstrip("/")
         if db and not db.isdigit():
             raise ValueError(f"the database after the port must be a number, got {db!r}")
+        if "decode_responses" in parse_qs(parts.query):
+            # the client would decode every value as text: each get raised UnicodeDecodeError
+            # while puts and exists still answered, so the L3 was written and never read
+            raise ValueError("remove decode_responses from the url: values are binary objects, read as bytes")
         return url
 
 
@@ -94,27 +102,39 @@ class ValkeyBackend(StorageBackend):
     def __init__(self, instance: str, config: BackendConfig) -> None:
         super().__init__(instance, config)
         self._client: Any = None
+        self._pool: Any = None
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     def open(self) -> None:
         import valkey  # the heavy import happens here, not when kvstrata lists plugins
 
-        self._client = valkey.Valkey.from_url(
+        # A blocking pool: a call finding every connection busy waits for one (up to the timeout).
+        # The client's default pool raises "Too many connections" instead, which failed whole
+        # batches (and opened kvstrata's circuit breaker) whenever more threads called at once
+        # than max_connections allows: kvstrata's writer, prefetcher and request threads do.
+        timeout = self.config.socket_timeout_s
+        pool = valkey.BlockingConnectionPool.from_url(
             self.config.url,
-            socket_timeout=self.config.socket_timeout_s,
-            socket_connect_timeout=self.config.socket_timeout_s,
             max_connections=self.config.max_connections,
+            timeout=timeout,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
         )
+        self._pool = pool  # a client given a pool leaves it open on close(): close() does it
+        self._client = valkey.Valkey(connection_pool=pool)
         reason = self.probe()
         if reason is not None:
             self.close()
             raise StorageError(f"valkey backend {self.instance!r}: {reason}")
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        client, pool = self._client, self._pool
+        self._client = self._pool = None
+        if client is not None:
+            client.close()
+        if pool is not None:
+            pool.disconnect()
 
     def probe(self) -> str | None:
         client = self._client
@@ -142,9 +162,10 @@ class ValkeyBackend(StorageBackend):
         return self.config.key_prefix + key
 
     def _pipeline(self) -> Any:
-        if self._client is None:
+        client = self._client  # read once: close() on another thread clears it
+        if client is None:
             raise RuntimeError(f"valkey backend {self.instance!r} is not open")
-        return self._client.pipeline(transaction=False)
+        return client.pipeline(transaction=False)
 
     # -- the data path: one round trip per batch --------------------------------------------------
 
