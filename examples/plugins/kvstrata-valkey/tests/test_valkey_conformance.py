@@ -3,15 +3,16 @@ plugin should have. Needs ``valkey-server`` or ``redis-server`` on PATH."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from kvstrata_valkey import ValkeyBackend, ValkeyConfig
-from kvstrata_valkey.testing import ValkeyServer
+from kvstrata_valkey.testing import LOOPBACK, ValkeyServer, free_loopback_port
 from pydantic import ValidationError
 
-from kvstrata.plugins import PluginHost, StorageBackend, StorageError
+from kvstrata.plugins import BufferRegion, PluginHost, StorageBackend, StorageError, StorageObject
 from kvstrata.testing.conformance import BackendConformance
 
 
@@ -148,3 +149,27 @@ def test_more_callers_than_connections_wait_for_one(server: ValkeyServer) -> Non
         backend.close()
     assert not errors, f"{len(errors)} calls failed: {errors[:3]}"
     assert answers and all(answers)
+
+
+def test_a_server_refusing_every_read_fails_the_call_not_a_cold_cache(tmp_path: Path) -> None:
+    """A replica whose master is down (``replica-serve-stale-data no``) answers MASTERDOWN to
+    every read: the call fails (kvstrata's breaker counts it), where it read as all misses."""
+    import valkey
+
+    with ValkeyServer(tmp_path / "server") as running:
+        backend = opened("l3", running.url)
+        admin = valkey.Valkey.from_url(running.url)
+        try:
+            assert backend.exists(["k"]) == [False]  # answered: a real miss
+            admin.config_set("replica-serve-stale-data", "no")
+            admin.replicaof(LOOPBACK, free_loopback_port())  # nothing listens there
+            with pytest.raises(StorageError, match=r"refused every read.*MASTERDOWN"):
+                backend.exists(["k", "j"])
+            target = (ctypes.c_char * 8)()
+            with pytest.raises(StorageError, match="MASTERDOWN"):
+                backend.get([StorageObject("k", (BufferRegion(ctypes.addressof(target), 8),))])
+            admin.replicaof("NO", "ONE")
+            assert backend.exists(["k"]) == [False]  # the server answers again
+        finally:
+            admin.close()
+            backend.close()

@@ -173,7 +173,7 @@ class ValkeyBackend(StorageBackend):
         pipe = self._pipeline()
         for key in keys:
             pipe.exists(self._key(key))
-        return [result is True or result == 1 for result in pipe.execute(raise_on_error=False)]
+        return [result is True or result == 1 for result in self._read(pipe)]
 
     def put(self, objects: Sequence[StorageObject]) -> list[bool]:
         pipe = self._pipeline()
@@ -188,7 +188,7 @@ class ValkeyBackend(StorageBackend):
         for obj in objects:
             pipe.get(self._key(obj.key))
         results = []
-        for obj, value in zip(objects, pipe.execute(raise_on_error=False), strict=True):
+        for obj, value in zip(objects, self._read(pipe), strict=True):
             if isinstance(value, Exception) and str(value).startswith("WRONGTYPE"):
                 # another type (a list, a hash) under our key: found, zero bytes of an object, so
                 # kvstrata counts it as damage and removes it (a miss would keep it forever: puts
@@ -208,6 +208,19 @@ class ValkeyBackend(StorageBackend):
                 done += take
             results.append(done)  # short when the value is: kvstrata's length check makes it a miss
         return results
+
+    def _read(self, pipe: Any) -> list[Any]:
+        """A read pipeline's answers, one per command. A server that refused every command of
+        the batch (a replica whose master is down: MASTERDOWN; LOADING after a restart) fails the
+        call: read as misses, it looked like a cold cache, so kvstrata's breaker never opened and
+        every request paid the round trip. Another type under a key (WRONGTYPE) is that key's."""
+        answers = pipe.execute(raise_on_error=False)
+        refused = [a for a in answers if isinstance(a, Exception) and not str(a).startswith("WRONGTYPE")]
+        if answers and len(refused) == len(answers):
+            raise StorageError(
+                f"valkey backend {self.instance!r}: the server refused every read: {refused[0]}"
+            )
+        return answers
 
     def remove(self, keys: Sequence[str]) -> list[bool]:
         pipe = self._pipeline()
