@@ -1,0 +1,74 @@
+"""A stateful policy's own bookkeeping follows the tree: through a real cache (splits, demotions,
+host evictions), its per-node dicts hold only nodes of its tier, with their page counts, and its
+ghosts stay within their bounds; a split node keeps its place in the policy's queues."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from controller_support import open_cache, serve, tokens
+from kvstrata.core.tree import Tier, TreeNode
+from kvstrata.plugins import PluginHost
+
+HOST = PluginHost()
+POLICIES = HOST.eviction_policies
+STATEFUL = [name for name in POLICIES.names() if POLICIES.get(name).capabilities.events]
+
+
+def tracked(policy: Any) -> dict[str, list[TreeNode]]:
+    """Every dict, set or queue of the policy keyed by tree nodes."""
+    out = {}
+    for name, value in vars(policy).items():
+        keys = list(value) if isinstance(value, dict | set) else None
+        if keys is None and isinstance(getattr(value, "_next", None), dict):  # s3fifo's CLOCK
+            keys = [node for node in value._next if node is not None]
+        if keys and isinstance(keys[0], TreeNode):
+            out[name] = keys
+    return out
+
+
+def check_policy(policy: Any, alive: set[TreeNode]) -> None:
+    for name, keys in tracked(policy).items():
+        assert set(keys) <= alive, f"{type(policy).__name__}.{name} holds nodes that left the tier"
+    for sizes in (getattr(policy, "_size", None), getattr(policy, "size", None)):
+        if isinstance(sizes, dict):
+            assert all(node.pages == pages for node, pages in sizes.items()), "a node's pages went stale"
+    if hasattr(policy, "b1"):  # arc: T1/T2 sums and the directory bounds of the paper
+        c, lists = policy.capacity, policy._list
+        t1 = sum(p for node, p in policy._size.items() if lists[node] == 1)
+        t2 = sum(p for node, p in policy._size.items() if lists[node] == 2)
+        assert [t1, t2] == policy.sizes[1:]
+        assert t1 + policy.b1.pages <= c, "|T1| + |B1| > c"
+        assert t1 + t2 + policy.b1.pages + policy.b2.pages <= 2 * c, "|T1| + |T2| + |B1| + |B2| > 2c"
+    if hasattr(policy, "small_pages"):  # s3fifo
+        queues = policy._queue
+        assert policy.small_pages == sum(p for node, p in policy._size.items() if queues[node] == 0)
+        assert len(policy._main) == sum(1 for q in queues.values() if q == 1)
+        assert policy.ghosts.pages <= policy.capacity
+    if hasattr(policy, "segment"):  # reuse
+        sizes, segments = policy.size, policy.segment
+        assert policy.pages == [sum(p for n, p in sizes.items() if segments[n] == s) for s in (0, 1)]
+        assert all(g.pages <= g.limit for g in policy.ghosts)
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_policy_state_follows_the_tree_through_a_cache(name: str) -> None:
+    """Shared documents cut at random pages (splits) with random tails, through a device tier of
+    16 pages and a host tier of 24 (demotions, host evictions, load-backs)."""
+    rng = random.Random(3)
+    overrides = ["tiers.device.capacity_tokens=1024", "tiers.host.capacity_tokens=1536"]
+    with open_cache("kv", None, [*overrides, f"policy.eviction={name}"]) as cache:
+        page = cache.page_size
+        docs = [tokens(100 + i, 8, page) for i in range(6)]
+        for _ in range(60):
+            head = docs[rng.randrange(len(docs))][: rng.randint(1, 8) * page]
+            serve(cache, torch.cat([head, tokens(rng.randrange(40), rng.randint(0, 3), page)]))
+            nodes = cache.tree.nodes()
+            on_device = {n for n in nodes if n.device_raw[0] is not None}
+            on_host = {n for n in nodes if n.host_raw[0] is not None}
+            check_policy(cache.tree.eviction_order(Tier.DEVICE), on_device)
+            check_policy(cache.tree.eviction_order(Tier.HOST), on_host)
