@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from controller_support import open_cache, serve, tokens
+from kvstrata.core.policies import make_policy, policy_config
 from kvstrata.core.tree import Tier, TreeNode
-from kvstrata.plugins import PluginHost
+from kvstrata.plugins import PluginHost, PolicyContext
+from kvstrata.replay.simulate import HitRateSimulator
+from kvstrata.replay.trace import TraceRequest
 
 HOST = PluginHost()
 POLICIES = HOST.eviction_policies
@@ -72,3 +75,19 @@ def test_policy_state_follows_the_tree_through_a_cache(name: str) -> None:
             on_host = {n for n in nodes if n.host_raw[0] is not None}
             check_policy(cache.tree.eviction_order(Tier.DEVICE), on_device)
             check_policy(cache.tree.eviction_order(Tier.HOST), on_host)
+
+
+def test_s3fifo_split_upper_half_takes_its_place_in_the_clock() -> None:
+    """Room for 4 pages, a small queue of 2. (1, 2) and then 3 enter the main queue, 3 banks two
+    reads; (1, 9) splits (1, 2): the new (1) holds the first pages of (1, 2), so it takes its
+    place at the head of the CLOCK (and banks the split request's read). The miss on 7 evicts
+    (2): the hand passes (1), which cannot leave (9 is below it), spending its read. The miss on
+    12 then passes 3 (a read spent) and evicts (1), read no more. Appended at the back instead,
+    (1) was never passed, kept its read, and the fresh 7 left in its place."""
+    context = PolicyContext(tier="device", capacity_pages=4, page_size=1)
+    s3fifo = make_policy(HOST, policy_config(HOST, {"type": "s3fifo", "small_fraction": 0.5}), context)
+    cache = HitRateSimulator(1, 4, s3fifo)
+    for ids in [(1, 2), (1, 2), (3,), (3,), (3,), (3,), (1, 9), (7,), (8,), (7,), (12,)]:
+        cache.access(TraceRequest(0.0, len(ids), 1, ids))
+    held = {x for x in (1, 3, 7, 8, 12) if cache.lookup(TraceRequest(0.0, 1, 1, (x,)))}
+    assert held == {3, 7, 8, 12}
