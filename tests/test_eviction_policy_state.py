@@ -13,6 +13,7 @@ import torch
 from controller_support import open_cache, serve, tokens
 from kvstrata.core.policies import make_policy, policy_config
 from kvstrata.core.tree import Tier, TreeNode
+from kvstrata.eviction_policies._ghosts import ghost_key
 from kvstrata.plugins import PluginHost, PolicyContext
 from kvstrata.replay.simulate import HitRateSimulator
 from kvstrata.replay.trace import TraceRequest
@@ -91,3 +92,31 @@ def test_s3fifo_split_upper_half_takes_its_place_in_the_clock() -> None:
         cache.access(TraceRequest(0.0, len(ids), 1, ids))
     held = {x for x in (1, 3, 7, 8, 12) if cache.lookup(TraceRequest(0.0, 1, 1, (x,)))}
     assert held == {3, 7, 8, 12}
+
+
+@pytest.mark.parametrize("name", ["arc", "reuse"])
+def test_a_prefix_loaded_back_from_the_host_tier_is_a_ghost_return(name: str) -> None:
+    """Device tier of 4 pages over a host tier: A (2 pages) leaves the device for the host when C
+    comes (B, read twice, stays), a ghost of A stays in the device policy, and a request for A
+    loads it back. That is ARC's ghost hit (A enters T2, the target grows) and ``reuse``'s (A
+    enters main). The tree told policies only of inserts, so a loaded-back A ranked as new (T1,
+    probation) with its ghost still remembered beside it: on a device tier over a host tier,
+    where a prefix that comes back is loaded rather than computed again, no ghost ever returned."""
+    overrides = ["tiers.device.capacity_tokens=256", "tiers.host.capacity_tokens=1024"]
+    with open_cache("kv", None, [*overrides, f"policy.eviction={name}"]) as cache:
+        policy = cache.tree.eviction_order(Tier.DEVICE)
+        a, b, c = (tokens(seed, 2, cache.page_size) for seed in (1, 2, 3))
+        for prompt in (a, b, b, c):
+            serve(cache, prompt)
+        (gone,) = [node for node in cache.tree.nodes() if node.device_raw[0] is None]
+        assert gone.host_raw[0] is not None and ghost_key(gone) in (
+            policy.b1 if name == "arc" else policy.ghosts[0]
+        )
+        host = cache.tree.eviction_order(Tier.HOST)  # and the host tier's heard of the backup
+        assert gone in (host._list if name == "arc" else host.segment)
+        lease, bad = serve(cache, a)
+        assert lease.cached_pages == 2 and bad == 0 and gone.device_raw[0] is not None
+        if name == "arc":
+            assert policy._list[gone] == 2 and policy.target == 2 and ghost_key(gone) not in policy.b1
+        else:
+            assert policy.segment[gone] == 1 and ghost_key(gone) not in policy.ghosts[0]

@@ -67,7 +67,7 @@ class ArcPolicy(EvictionPolicy):
         out = []
         for node in entries:
             which = self._list.get(node)
-            if which is None:  # entered the tier without an insert (load-back, backup): new
+            if which is None:  # unheard of (an insert revived a host-only node): new
                 self._place(node, 1)
                 which = 1
             out.append(((which != first) * _LIST + self._stamp[node], node.id, node))

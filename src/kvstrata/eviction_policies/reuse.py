@@ -127,7 +127,7 @@ class ReusePolicy(EvictionPolicy):
         out = []
         for node in entries:
             segment = self.segment.get(node)
-            if segment is None:  # entered the tier without an insert (load-back, backup): new
+            if segment is None:  # unheard of (an insert revived a host-only node): new
                 self._enter(node, _PROBATION)
                 segment = _PROBATION
             rank = self.stamp[node]

@@ -112,7 +112,7 @@ class S3FifoPolicy(EvictionPolicy):
         out = []
         for node in entries:
             queue = self._queue.get(node)
-            if queue is None:  # entered the tier without an insert (load-back, backup): new
+            if queue is None:  # unheard of (an insert revived a host-only node): new
                 self._enter(node, _SMALL)
                 queue = _SMALL
             if queue == _SMALL:
