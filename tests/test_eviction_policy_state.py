@@ -120,3 +120,18 @@ def test_a_prefix_loaded_back_from_the_host_tier_is_a_ghost_return(name: str) ->
             assert policy._list[gone] == 2 and policy.target == 2 and ghost_key(gone) not in policy.b1
         else:
             assert policy.segment[gone] == 1 and ghost_key(gone) not in policy.ghosts[0]
+
+
+@pytest.mark.parametrize("write", ["write_through", "write_back"])
+def test_write_back_evicts_by_the_policy_not_by_recency(write: str) -> None:
+    """Device tier of 4 pages: A, then B, then A read again; C needs room. ``fifo`` evicts A
+    (first in) under either write policy. Write-back backs up, before evicting, the nodes the
+    eviction will take, and chose them by recency under every policy: only B was backed up, so
+    only B could leave (the policy's order was ignored)."""
+    overrides = ["tiers.device.capacity_tokens=256", "tiers.host.capacity_tokens=1024"]
+    with open_cache("kv", None, [*overrides, "policy.eviction=fifo", f"policy.write={write}"]) as cache:
+        a, b, c = (tokens(seed, 2, cache.page_size) for seed in (1, 2, 3))
+        for prompt in (a, b, a, c):
+            serve(cache, prompt)
+        heads = {name: cache.tree.root.children[cache.tree.keys_of(t)[0]] for name, t in (("a", a), ("b", b))}
+        assert heads["a"].device_raw[0] is None and heads["b"].device_raw[0] is not None
