@@ -135,3 +135,44 @@ def test_write_back_evicts_by_the_policy_not_by_recency(write: str) -> None:
             serve(cache, prompt)
         heads = {name: cache.tree.root.children[cache.tree.keys_of(t)[0]] for name, t in (("a", a), ("b", b))}
         assert heads["a"].device_raw[0] is None and heads["b"].device_raw[0] is not None
+
+
+class _Entry:
+    """A one-page entry as a policy reads it (hashed by identity, as tree nodes are)."""
+
+    def __init__(self, node_id: int, hits: int, stamp: int) -> None:
+        self.id, self.hit_count, self.last_access = node_id, hits, stamp
+        self.pages, self.keys, self.depth_end = 1, [(node_id,)], 1
+
+
+def _entry(node_id: int, hits: int, stamp: int) -> _Entry:
+    return _Entry(node_id, hits, stamp)
+
+
+@pytest.mark.parametrize("hits", [1, 600, 100_000])
+def test_lfu_ties_go_to_the_least_recent_at_any_hit_count(hits: int) -> None:
+    """Float ranks (hits x 2^44 + stamp) lost the stamp's low bits past 2^53: at 600 hits,
+    stamps 11 and 12 ranked equal and the node id (the older node) decided."""
+    lfu = make_policy(
+        HOST, policy_config(HOST, "lfu"), PolicyContext(tier="device", capacity_pages=8, page_size=1)
+    )
+    older_but_recent, newer_but_stale = _entry(1, hits, 12), _entry(2, hits, 11)
+    ranks = sorted(lfu.ranked([older_but_recent, newer_but_stale]))  # type: ignore[list-item]
+    assert ranks[0][2] is newer_but_stale
+
+
+def test_s3fifo_ranks_stay_exact_at_the_highest_read_level() -> None:
+    """``max_reads`` 15, the small queue under its share (main goes first): a small-queue leaf
+    ranks at level 16, and 16 x 2^50 as a float has a spacing of 4, so the small queue's FIFO
+    order was lost among 4 consecutive entries (the node ids decided)."""
+    context = PolicyContext(tier="device", capacity_pages=8, page_size=1)
+    s3fifo = make_policy(
+        HOST, policy_config(HOST, {"type": "s3fifo", "max_reads": 15, "small_fraction": 0.9}), context
+    )
+    main = _entry(9, 0, 0)
+    s3fifo.inserted([main])  # type: ignore[list-item]
+    s3fifo.accessed([main])  # type: ignore[list-item]  # into the main queue: main goes first now
+    small = [_entry(i, 0, 0) for i in (1, 2, 3)]
+    s3fifo.inserted(list(reversed(small)))  # type: ignore[arg-type]  # 3 entered first
+    order = [entry[2].id for entry in sorted(s3fifo.ranked([*small, main]))]  # type: ignore[list-item]
+    assert order == [9, 3, 2, 1]

@@ -27,7 +27,7 @@ from kvstrata.plugins.eviction_policy import (
     PolicyContext,
 )
 
-_LEVEL = float(1 << 50)  # a queue or pass level ranks after every sequence number below it
+_LEVEL = 1 << 50  # a queue or pass level ranks after every sequence number below it (int: exact)
 _SMALL, _MAIN = 0, 1
 
 
