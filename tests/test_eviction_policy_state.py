@@ -176,3 +176,23 @@ def test_s3fifo_ranks_stay_exact_at_the_highest_read_level() -> None:
     s3fifo.inserted(list(reversed(small)))  # type: ignore[arg-type]  # 3 entered first
     order = [entry[2].id for entry in sorted(s3fifo.ranked([*small, main]))]  # type: ignore[list-item]
     assert order == [9, 3, 2, 1]
+
+
+@pytest.mark.parametrize(("main", "returning", "target"), [(4, 1, 10 + 4 / 2), (2, 5, 10 - 4 / 2)])
+def test_reuse_adapts_its_target_by_ghost_pages_counting_the_returning_prefix(
+    main: int, returning: int, target: float
+) -> None:
+    """Six one-page prefixes leave a 100-page tier (target 10), the last ``main`` of them from
+    main. A return from the probation ghost grows the target by |main ghost| / |probation
+    ghost|, one from the main ghost shrinks it by the inverse (at least a page each): ARC's
+    delta, with the returning prefix still in its ghost. Counted after taking it out, 4 / 2
+    was 4 / 1 and the target moved twice as far."""
+    context = PolicyContext(tier="device", capacity_pages=100, page_size=1)
+    reuse = make_policy(HOST, policy_config(HOST, "reuse"), context)
+    entries = [_entry(i, 0, 0) for i in range(1, 7)]
+    reuse.inserted(entries)  # type: ignore[arg-type]
+    reuse.accessed(entries[6 - main :])  # type: ignore[arg-type]  # into main
+    reuse.removed(entries)  # type: ignore[arg-type]
+    assert reuse.target == 10
+    reuse.inserted([_entry(returning, 0, 0)])  # type: ignore[list-item]
+    assert reuse.target == target
