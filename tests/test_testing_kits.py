@@ -221,6 +221,29 @@ def test_the_policy_kit_names_the_ranking_rule(kvstrata_host: PluginHost, policy
         run_workload(kvstrata_host, policy.name, ops)
 
 
+class GeneratorRankConfig(EvictionPolicyConfig):
+    type: Literal["generator_rank"] = "generator_rank"
+
+
+class GeneratorRankPolicy(MruPolicy):
+    """Breaks the ranking contract on purpose: a generator of entries, not a list. The kit took
+    a list of it and passed; a live cache's eviction heapifies it (a TypeError at allocate)."""
+
+    name = "generator_rank"
+    Config = GeneratorRankConfig
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        return (entry for entry in super().ranked(entries))
+
+
+def test_the_policy_kit_wants_a_list_of_ranks(kvstrata_host: PluginHost) -> None:
+    kvstrata_host.eviction_policies.register(GeneratorRankPolicy)
+    kit = EvictionPolicyConformance()
+    kit.policy = "generator_rank"
+    with pytest.raises(AssertionError, match=r"ranked\(\) must return a list .* not a generator"):
+        kit.test_the_workload_evicts_at_all(kvstrata_host)
+
+
 class ByAddressConfig(EvictionPolicyConfig):
     type: Literal["by_address"] = "by_address"
 

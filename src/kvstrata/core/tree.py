@@ -104,8 +104,7 @@ class PrefixTree:
     Owns the nodes (``root``), the per-tier membership sets and the one setter that keeps them
     in step with the nodes' values; matching, insertion, locks and eviction are parts it builds
     once and hands that shared state to. Every public operation is a method here (the
-    ``evictor``'s modes, such as ``keep_copies``, are set on it).
-    """
+    ``evictor``'s modes, such as ``keep_copies``, are set on it)."""
 
     def __init__(self, specs: Iterable[PoolSpec]) -> None:
         layout = PoolLayout(specs)
@@ -123,8 +122,7 @@ class PrefixTree:
         # Per-tier, per-pool membership: the nodes holding a value of that pool in that tier,
         # the candidates of eviction (ordered then by the tier's eviction order).
         self._lru: Membership = {_DEVICE: [{} for _ in self.pools], _HOST: [{} for _ in self.pools]}
-        self._device_lru = self._lru[_DEVICE]
-        self._host_lru = self._lru[_HOST]
+        self._device_lru, self._host_lru = self._lru[_DEVICE], self._lru[_HOST]
         ids, clock = count(1), AccessClock()
         self._matcher = TreeMatcher(layout, self.root, ids, clock, self._set, self._node_type)
         self._inserter = TreeInserter(
@@ -274,6 +272,7 @@ class PrefixTree:
         if p != 0 and node.device_raw[0] is None:
             raise TreeError(f"load the anchor of {node!r} to device before component {name!r}")
         self._set(node, _DEVICE, p, unit_bytes(value))
+        self.evictor.entered(_DEVICE, (node,) if p == 0 else ())  # a load-back: told as an insert
 
     def set_host_value(self, node: TreeNode, name: str, value: torch.Tensor | bytes) -> None:
         """Record a host copy of one pool's units (units or their int64 bytes) on ``node``: a
@@ -287,6 +286,7 @@ class PrefixTree:
         """A backup of ``nodes`` (none backed up yet) in one call: ``values[pool]`` their host
         units in node order (int64 bytes), each node taking as many as it holds on the device."""
         self._inserter.record_host(nodes, values)
+        self.evictor.entered(_HOST, nodes)  # (told to the host tier's order as inserted)
 
     def drop_component(self, node: TreeNode, name: str, tier: Tier | str) -> torch.Tensor:
         """Tombstone one component of a node in a tier and return its units for the caller to free.

@@ -12,7 +12,8 @@ pool's units there); the evictor ranks the ones that may leave and takes the low
 else an order declares (``capabilities``) the evictor honours here, off the per-page path:
 
 - ``events``: the order hears ``accessed`` (one call per matched request path), ``inserted``
-  (the nodes an insert created in its tier), ``split`` and ``removed`` (after each eviction);
+  (the nodes an insert created in its tier, or a load-back or backup brought there), ``split``
+  and ``removed`` (after each eviction);
 - ``chain_aware``: a chosen leaf longer than what is still needed is trimmed -- its tail pages
   go, its head stays -- on stacks without node-state pools (a trimmed head has no state).
 
@@ -171,6 +172,13 @@ class TreeEvictor:
             node = node.parent  # type: ignore[assignment]
         created.reverse()
         order.inserted(created)
+
+    def entered(self, tier: Tier, nodes: Sequence[TreeNode]) -> None:
+        """``nodes`` joined ``tier`` from the other tier (a load-back, a backup): inserted into it,
+        one at a time, so a policy's ghosts see a prefix it evicted come back."""
+        order = self._hearing.get(tier)
+        for node in nodes if order is not None else ():  # (one check when no order hears)
+            order.inserted([node])  # type: ignore[union-attr]
 
     def split(self, upper: TreeNode, lower: TreeNode) -> None:
         """``upper`` was cut off the top of ``lower``: orders and hints carry their state over."""

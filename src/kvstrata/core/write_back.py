@@ -206,11 +206,14 @@ def _evictable_leaves(tree: PrefixTree, layout: StackLayout, want: int) -> list[
 
 
 def _evictable_leaves_ranked(tree: PrefixTree, layout: StackLayout, want: int) -> list[TreeNode]:
-    """:func:`_evictable_leaves` by ranking every device node (a plugin order ranks the tier)."""
+    """:func:`_evictable_leaves` by the ranks of the device tier's order (a plugin's), as its
+    eviction takes them (by recency, the backups let a write-back eviction drop only what LRU
+    would have: ``fifo`` kept its first prefix and dropped a later one)."""
     backed_up = tree.backed_up
+    ranked = tree.eviction_order(Tier.DEVICE).ranked
     nodes = tree.holding(layout.anchor, Tier.DEVICE)
     below = {n: n.device_children for n in nodes}
-    ready = [(n.last_access, n.id, n) for n, count in below.items() if count == 0]
+    ready = ranked([n for n, count in below.items() if count == 0])
     heapq.heapify(ready)
     chosen, pages = [], 0
     while ready and pages < want:
@@ -224,7 +227,7 @@ def _evictable_leaves_ranked(tree: PrefixTree, layout: StackLayout, want: int) -
         if parent in below:
             below[parent] -= 1
             if below[parent] == 0:
-                heapq.heappush(ready, (parent.last_access, parent.id, parent))
+                heapq.heappush(ready, ranked([parent])[0])
     return chosen
 
 

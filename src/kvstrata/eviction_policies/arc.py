@@ -4,7 +4,11 @@ T1 holds prefixes seen once since they entered the tier, T2 those reused; B1 / B
 each evicted (ghosts, by first page key). A prefix returning from B1 says T1 was too small and
 grows its target ``p``; one returning from B2 shrinks it. An eviction takes the least recently
 used leaf of T1 while T1 exceeds ``p``, else of T2. Sizes are pages (nodes differ in length),
-and the list to evict from is fixed for the length of one eviction (ranks must compare).
+and the list to evict from is fixed for the length of one eviction (ranks must compare). The
+directory stays within the paper's bounds (|T1| + |B1| <= c, all four <= 2c) after every
+eviction and insert. A missed prefix is heard of only at its insert, after the eviction that
+made room for it: that eviction runs on the ``p`` before the prefix's ghost adapts it (and
+without the paper's "x in B2 and |T1| == p" case).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class ArcPolicy(EvictionPolicy):
         out = []
         for node in entries:
             which = self._list.get(node)
-            if which is None:  # entered the tier without an insert (load-back, backup): new
+            if which is None:  # unheard of (an insert revived a host-only node): new
                 self._place(node, 1)
                 which = 1
             out.append(((which != first) * _LIST + self._stamp[node], node.id, node))
@@ -74,18 +78,19 @@ class ArcPolicy(EvictionPolicy):
             if node in self._list:
                 continue
             key = ghost_key(node)
-            if key in self.b1:
-                self.b1.take(key)
+            if key in self.b1:  # the paper's delta counts x in its ghost list
                 grow = max(self.b2.pages / max(self.b1.pages, 1), 1.0) * node.pages
+                self.b1.take(key)
                 self.target = min(float(self.capacity), self.target + grow)
                 self._place(node, 2)
             elif key in self.b2:
-                self.b2.take(key)
                 shrink = max(self.b1.pages / max(self.b2.pages, 1), 1.0) * node.pages
+                self.b2.take(key)
                 self.target = max(0.0, self.target - shrink)
                 self._place(node, 2)
             else:
                 self._place(node, 1)
+        self._bound()
 
     def accessed(self, entries: Sequence[E]) -> None:
         for node in entries:  # deepest first: a parent ends up more recent than its child
@@ -115,6 +120,9 @@ class ArcPolicy(EvictionPolicy):
             pages = self._size.pop(node)
             self.sizes[which] -= pages
             (self.b1 if which == 1 else self.b2).add(ghost_key(node), pages)
+        self._bound()
+
+    def _bound(self) -> None:
         # |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c, as ARC keeps its directory
         self.b1.trim(max(0, self.capacity - self.sizes[1]))
         self.b2.trim(max(0, 2 * self.capacity - self.sizes[1] - self.sizes[2] - self.b1.pages))

@@ -1,7 +1,7 @@
 """``fifo``: first in, first out: the order nodes entered the tier, whatever was read since.
 
-A node cut in two keeps its entry time on both halves; a node first seen as a candidate (it
-reached the tier by a load-back or a backup) enters then.
+A node cut in two keeps its entry time on both halves; a node first seen as a candidate (an
+insert revived it from the host tier) enters then.
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ class LearnedPolicy(EvictionPolicy):
         out = []
         for node in entries:
             stamp = self.stamp.get(node)
-            if stamp is None:  # entered the tier without an insert (load-back, backup): as new
+            if stamp is None:  # unheard of (an insert revived a host-only node): as new
                 stamp = self.stamp[node] = self.requests
             x = self.insert_features.get(node)
             if x is None:

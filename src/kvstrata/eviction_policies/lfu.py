@@ -8,8 +8,9 @@ from typing import Literal
 
 from kvstrata.plugins.eviction_policy import E, EvictionPolicy, EvictionPolicyConfig, PolicyCapabilities
 
-#: hit counts are weighted above any recency stamp the tree hands out
-_HITS = float(1 << 44)
+#: hit counts are weighted above any recency stamp the tree hands out (an int: exact at any
+#: count; as a float, past 512 hits stamps a few apart tied and the older node left first)
+_HITS = 1 << 44
 
 
 class LfuConfig(EvictionPolicyConfig):

@@ -127,7 +127,7 @@ class ReusePolicy(EvictionPolicy):
         out = []
         for node in entries:
             segment = self.segment.get(node)
-            if segment is None:  # entered the tier without an insert (load-back, backup): new
+            if segment is None:  # unheard of (an insert revived a host-only node): new
                 self._enter(node, _PROBATION)
                 segment = _PROBATION
             rank = self.stamp[node]
@@ -144,15 +144,15 @@ class ReusePolicy(EvictionPolicy):
             if node in self.segment:
                 continue
             key = ghost_key(node)
+            # ghost pages as ARC's delta counts them: with the returning prefix in its ghost
+            probation, main = self.ghosts[_PROBATION].pages, self.ghosts[_MAIN].pages
             from_probation = self.ghosts[_PROBATION].take(key)
             from_main = None if from_probation is not None else self.ghosts[_MAIN].take(key)
             if from_probation is not None:
-                probation, main = self.ghosts[_PROBATION].pages, self.ghosts[_MAIN].pages
                 self.target = min(self.high, self.target + max(main / max(probation, 1), 1.0) * node.pages)
                 self.reused[from_probation[1]] += 1  # it left probation and came back
                 self._enter(node, _MAIN)
             elif from_main is not None:
-                probation, main = self.ghosts[_PROBATION].pages, self.ghosts[_MAIN].pages
                 self.target = max(self.low, self.target - max(probation / max(main, 1), 1.0) * node.pages)
                 self._enter(node, _MAIN)
             else:

@@ -13,8 +13,7 @@ is moved after each eviction, over the queue up to the last leaf it took.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 from pydantic import Field
@@ -28,7 +27,7 @@ from kvstrata.plugins.eviction_policy import (
     PolicyContext,
 )
 
-_LEVEL = float(1 << 50)  # a queue or pass level ranks after every sequence number below it
+_LEVEL = 1 << 50  # a queue or pass level ranks after every sequence number below it (int: exact)
 _SMALL, _MAIN = 0, 1
 
 
@@ -36,6 +35,45 @@ class S3FifoConfig(EvictionPolicyConfig):
     type: Literal["s3fifo"] = "s3fifo"
     small_fraction: float = Field(0.1, gt=0, lt=1, description="share of the tier for new prefixes")
     max_reads: int = Field(3, ge=1, le=15, description="reads a main-queue prefix can bank")
+
+
+class _Clock:
+    """The main queue in CLOCK order, oldest first: a linked list, so that the upper half of a
+    split node takes its lower half's place (an OrderedDict can only append: at the back, the
+    hand went round the whole queue, spending a read of every node, before it reached it)."""
+
+    __slots__ = ("_next", "_prev")
+
+    def __init__(self) -> None:
+        self._next: dict[object, object] = {None: None}  # None: the sentinel before the oldest
+        self._prev: dict[object, object] = {None: None}
+
+    def __len__(self) -> int:
+        return len(self._next) - 1
+
+    def __contains__(self, node: object) -> bool:
+        return node is not None and node in self._next
+
+    def __iter__(self) -> Iterator[object]:
+        node = self._next[None]
+        while node is not None:
+            yield node
+            node = self._next[node]
+
+    def append(self, node: object, before: object = None) -> None:
+        """Put ``node`` just before ``before`` (at the back when None)."""
+        prev = self._prev[before]
+        self._next[prev], self._prev[node] = node, prev
+        self._next[node], self._prev[before] = before, node
+
+    def remove(self, node: object) -> None:
+        prev, after = self._prev.pop(node), self._next.pop(node)
+        self._next[prev], self._prev[after] = after, prev
+
+    def popleft(self) -> object:
+        node = self._next[None]
+        self.remove(node)
+        return node
 
 
 class S3FifoPolicy(EvictionPolicy):
@@ -53,7 +91,7 @@ class S3FifoPolicy(EvictionPolicy):
         self._seq: dict[object, int] = {}
         self._reads: dict[object, int] = {}
         self._size: dict[object, int] = {}
-        self._main: OrderedDict[object, None] = OrderedDict()  # CLOCK order, oldest first
+        self._main = _Clock()
         self.small_pages = 0
         self.ghosts = Ghosts(self.capacity)
         self._tick = 0
@@ -67,14 +105,14 @@ class S3FifoPolicy(EvictionPolicy):
         if queue == _SMALL:
             self.small_pages += node.pages
         else:
-            self._main[node] = None
+            self._main.append(node)
 
     def ranked(self, entries: list[E]) -> list[tuple[float, int, E]]:
         small_first = self.small_pages >= self.small_limit or not self._main
         out = []
         for node in entries:
             queue = self._queue.get(node)
-            if queue is None:  # entered the tier without an insert (load-back, backup): new
+            if queue is None:  # unheard of (an insert revived a host-only node): new
                 self._enter(node, _SMALL)
                 queue = _SMALL
             if queue == _SMALL:
@@ -100,7 +138,7 @@ class S3FifoPolicy(EvictionPolicy):
                 self._queue[node] = _MAIN
                 self._tick += 1
                 self._seq[node] = self._tick
-                self._main[node] = None
+                self._main.append(node)
             else:
                 self._reads[node] = min(self._reads[node] + 1, self.max_reads)
 
@@ -113,11 +151,11 @@ class S3FifoPolicy(EvictionPolicy):
         self._reads[upper] = self._reads[lower]
         self._size[upper] = upper.pages
         self._size[lower] = lower.pages
-        if queue == _MAIN:
-            self._main[upper] = None
+        if queue == _MAIN:  # in lower's place: the hand reaches them together
+            self._main.append(upper, before=lower)
 
     def removed(self, entries: Sequence[E]) -> None:
-        taken = set()
+        taken = []  # main-queue leaves, in the order they were evicted
         for node in entries:
             queue = self._queue.pop(node, None)
             if queue is None:
@@ -127,31 +165,33 @@ class S3FifoPolicy(EvictionPolicy):
                 self.small_pages -= pages
                 self.ghosts.add(ghost_key(node), pages)
             else:
-                taken.add(node)
-        if taken:
-            self._sweep(taken)
+                taken.append(node)
+        self._sweep(taken)
         for node in entries:
             self._seq.pop(node, None)
             self._reads.pop(node, None)
 
-    def _sweep(self, taken: set[object]) -> None:
-        """Move the CLOCK hand over the main queue until every evicted leaf is behind it: a leaf
-        with reads left spends one and goes to the back, as do leaves that could not leave. A
-        leaf evicted with reads left (every other had as many) took the hand that many whole
-        laps first: each lap spends one read of every node (spending one per sweep, a node kept
-        reads a real CLOCK had spent, and a fresher leaf left in its place)."""
+    def _sweep(self, taken: list[object]) -> None:
+        """Move the CLOCK hand as the evictions went, one evicted leaf at a time in the order they
+        left: a leaf evicted with reads left (every other had as many) took the hand that many
+        whole laps first, each lap spending one read of every node; then the hand passes the
+        nodes before it, each spending a read and going to the back (leaves that could not leave
+        too). Swept all at once in queue order, a leaf evicted later but queued earlier spent its
+        laps on the nodes before a leaf evicted first, which a real CLOCK had passed once."""
         main, reads = self._main, self._reads
-        while taken and main:
-            node, _ = main.popitem(last=False)
-            if node in taken:
-                taken.discard(node)
-                laps = reads.get(node, 0)
-                if laps:
-                    for other in main:
-                        reads[other] = max(0, reads[other] - laps)
+        for gone in taken:
+            if gone not in main:
                 continue
-            if reads[node] > 0:
-                reads[node] -= 1
-            self._tick += 1
-            self._seq[node] = self._tick
-            main[node] = None
+            laps = reads.get(gone, 0)
+            if laps:
+                for other in main:
+                    reads[other] = max(0, reads[other] - laps)
+            while True:
+                node = main.popleft()
+                if node is gone:
+                    break
+                if reads[node] > 0:
+                    reads[node] -= 1
+                self._tick += 1
+                self._seq[node] = self._tick
+                main.append(node)

@@ -13,7 +13,8 @@ stays), so every policy evicts tails before heads; a ``chain_aware`` policy also
 trim a leaf, evicting exactly the tail pages it needs and keeping the head.
 
 Policies that keep their own state (queues, clocks, ghosts) declare ``events`` and hear about the
-tier: ``inserted`` (new nodes), ``accessed`` (one event per request per prefix: the matched path,
+tier: ``inserted`` (nodes new to it: an insert's, or a load-back's or backup's from the other
+tier), ``accessed`` (one event per request per prefix: the matched path,
 never one per page or per decoded token), ``split`` (a node was cut in two) and ``removed`` (nodes
 that left the tier, after each eviction). Events are plain method calls on the owner thread,
 per request or per eviction, never per page; a policy without ``events`` is never called for them.
@@ -131,7 +132,8 @@ class EvictionPolicy(ABC):
     # --- events (called only when ``capabilities.events``) ---------------------------------------
 
     def inserted(self, entries: Sequence[E]) -> None:  # noqa: B027 - optional event
-        """New nodes entered this tier (root-most first)."""
+        """Nodes entered this tier (root-most first): created by an insert, or brought from the other
+        tier by a load-back or a backup (then one call per node), so ghosts see a prefix return."""
 
     def accessed(self, entries: Sequence[E]) -> None:  # noqa: B027 - optional event
         """One request's matched prefix, deepest node first (the order the tree stamps)."""

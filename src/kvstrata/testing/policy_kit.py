@@ -166,12 +166,16 @@ def run_workload(host: PluginHost, policy: str | dict[str, Any], ops: list[Op]) 
 
 
 def _checked_ranked(policy: str | dict[str, Any], ranked: Any) -> Any:
-    """``ranked`` checked against the contract: one ``(rank, node.id, node)`` entry per given
-    node, each exactly once, and no other node; and a node ranked again alone gets the same rank,
+    """``ranked`` checked against the contract: a list of one ``(rank, node.id, node)`` entry per
+    given node, each exactly once, and no other node; and a node ranked again alone gets the same rank,
     comparable with the others'."""
 
     def check(nodes: list[TreeNode]) -> list[tuple[Any, int, TreeNode]]:
-        entries = list(ranked(nodes))
+        entries = ranked(nodes)
+        assert type(entries) is list, (
+            f"policy {policy!r}: ranked() must return a list (the eviction heapifies it in place "
+            f"and indexes it), not a {type(entries).__name__}"
+        )
         given = sorted(node.id for node in nodes)
         got = sorted(entry[2].id for entry in entries)
         assert got == given, (
