@@ -239,12 +239,12 @@ class CacheController(UnitMemory, ClosingApi):
         Sidecars share their owner's units; a window pool every new page where it has room, else
         (or ``window_only``) the last ones down to its window; a state pool one slot per insert."""
         self._check_lease(lease)
-        if not lease.admitted:
-            self.admit(lease)
-        pages = lease.pages
+        pages = lease.pages  # (``end_page`` is checked before the admit: refused, it admits nothing)
         end = pages if end_page is None else page_number(end_page, "end_page")
         if not 0 <= end <= pages:
             raise ValueError(f"end_page {end} outside [0, {pages}] (the lease's whole pages)")
+        if not lease.admitted:
+            self.admit(lease)
         end = max(end + int(partial_page and end == pages), lease.allocated_pages)
         # the whole request sits locked in the anchor's device tier: one longer than the tier is
         # refused before anything is evicted for it (an eviction that cannot make room)
