@@ -334,3 +334,19 @@ def test_allocated_first_page_before_any_allocate_is_a_clear_error() -> None:
         ):
             lease.allocated_first_page("kv")
         cache.release(lease)
+
+
+@pytest.mark.parametrize("end_page", [1.5, 4, -1])
+def test_a_refused_end_page_does_not_admit_the_lease(end_page: object) -> None:
+    """``allocate`` admits a lease that was not admitted; it did so before checking ``end_page``,
+    so a refused call had already ended the L3 prefetch (what had not arrived was lost) and
+    settled the lease."""
+    cache = open_cache("kv")
+    lease = cache.lookup(tokens(1, 3))
+    with pytest.raises((TypeError, ValueError), match="end_page"):
+        cache.allocate(lease, end_page=end_page)  # type: ignore[arg-type]
+    assert not lease.admitted and lease.allocated_pages == 0
+    assert cache.pools.pools["kv"].device_allocator.used == 0
+    cache.admit(lease)
+    cache.release(lease)
+    cache.close()

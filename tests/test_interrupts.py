@@ -11,8 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from controller_support import fill, open_cache, serve, tokens
+from controller_support import computed, fill, open_cache, serve, tokens, verify
 from kvstrata import hookimpl
+from kvstrata.core import lease_units
+from kvstrata.core.controller import CacheController
+from kvstrata.core.lease import Lease
+from kvstrata.core.tree import PrefixTree
 from kvstrata.plugins import PluginHost
 
 
@@ -101,3 +105,96 @@ def test_an_interrupt_in_the_closing_hook_still_closes_the_backend(tmp_path: Pat
     with pytest.raises(Interrupt):
         cache.close()
     assert closed == ["closed"]
+
+
+def _device_exact(cache: CacheController) -> None:
+    """Every device unit in use is the tree's (no lease open)."""
+    pool = cache.pools.pools["kv"]
+    assert pool.device_allocator.used == cache.tree.units("kv", "device"), (
+        "device units leaked or freed twice"
+    )
+
+
+def test_an_interrupt_before_the_lease_records_an_allocation_frees_its_units(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``allocate`` took the units, then was interrupted before the lease recorded them: no one
+    held them, and they were never freed."""
+    cache = open_cache("kv", overrides=["tiers.storage={}"])
+    real = Lease.add_allocation
+
+    def interrupted(self: Lease, *args: object) -> object:
+        monkeypatch.setattr(Lease, "add_allocation", real)
+        raise Interrupt("allocate")
+
+    monkeypatch.setattr(Lease, "add_allocation", interrupted)
+    lease = cache.lookup(tokens(1, 4))
+    with pytest.raises(Interrupt):
+        cache.allocate(lease)
+    cache.release(lease)
+    _device_exact(cache)
+    for seed in range(2, 8):  # every unit of the tier is handed out again
+        assert serve(cache, tokens(seed, 4))[1] == 0
+    _device_exact(cache)
+    cache.close()
+
+
+def _reread_after_others(cache: CacheController, request: torch.Tensor, pages: int) -> int:
+    """Restore ``request`` (its lease keeps it on the device), serve requests enough to hand out
+    every free unit, then count its wrong units (a unit the tree indexes that was freed went to
+    another request, whose bytes it holds now)."""
+    lease = cache.lookup(request)
+    cache.admit(lease)
+    assert lease.cached_pages == pages and verify(cache, lease) == 0
+    for seed in range(20, 26):
+        serve(cache, tokens(seed, 3))
+    bad = verify(cache, lease)
+    cache.release(lease)
+    return bad
+
+
+def test_an_interrupt_while_insert_moves_the_lock_leaves_the_tree_its_units(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``insert`` handed the pages to the tree, then was interrupted before the lease dropped
+    them (here: moving its lock): the engine's ``release`` freed units the tree indexed, and the
+    next requests' writes were served as this prompt's pages."""
+    cache = open_cache("kv", overrides=["tiers.storage={}"])
+    request = tokens(1, 4)
+    lease = computed(cache, request)
+    real = PrefixTree.lock
+
+    def interrupted(self: PrefixTree, *args: object) -> object:
+        monkeypatch.setattr(PrefixTree, "lock", real)
+        raise Interrupt("insert")
+
+    monkeypatch.setattr(PrefixTree, "lock", interrupted)
+    with pytest.raises(Interrupt):
+        cache.insert(lease)
+    cache.release(lease)
+    assert _reread_after_others(cache, request, 4) == 0, "another request's bytes served"
+    _device_exact(cache)
+    cache.close()
+
+
+def test_an_interrupt_while_insert_frees_duplicates_leaves_the_tree_its_units(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As above, interrupted while freeing the pages another request had inserted first: the
+    lease's pages after them were the tree's and the lease's both."""
+    cache = open_cache("kv", overrides=["tiers.storage={}"])
+    first, request = tokens(1, 2), tokens(1, 4)
+    shorter, longer = computed(cache, first), computed(cache, request)
+    cache.insert(shorter)
+
+    def interrupted(*args: object) -> object:
+        raise Interrupt("insert")
+
+    monkeypatch.setattr(lease_units, "free_duplicates", interrupted)
+    with pytest.raises(Interrupt):
+        cache.insert(longer)
+    monkeypatch.undo()
+    cache.release(longer)  # (its 2 duplicated units: freed here, never by the interrupted insert)
+    assert _reread_after_others(cache, request, 4) == 0, "another request's bytes served"
+    _device_exact(cache)
+    cache.close()

@@ -56,7 +56,8 @@ from kvstrata.core.lease import CacheFullError, Lease, require_lease
 from kvstrata.core.lease_units import (
     allocate_units,
     device_full,
-    free_duplicates,
+    hand_to_lease,
+    hand_to_tree,
     page_number,
     take_for_insert,
 )
@@ -239,12 +240,12 @@ class CacheController(UnitMemory, ClosingApi):
         Sidecars share their owner's units; a window pool every new page where it has room, else
         (or ``window_only``) the last ones down to its window; a state pool one slot per insert."""
         self._check_lease(lease)
-        if not lease.admitted:
-            self.admit(lease)
-        pages = lease.pages
+        pages = lease.pages  # (``end_page`` is checked before the admit: refused, it admits nothing)
         end = pages if end_page is None else page_number(end_page, "end_page")
         if not 0 <= end <= pages:
             raise ValueError(f"end_page {end} outside [0, {pages}] (the lease's whole pages)")
+        if not lease.admitted:
+            self.admit(lease)
         end = max(end + int(partial_page and end == pages), lease.allocated_pages)
         # the whole request sits locked in the anchor's device tier: one longer than the tier is
         # refused before anything is evicted for it (an eviction that cannot make room)
@@ -256,8 +257,7 @@ class CacheController(UnitMemory, ClosingApi):
             self.metrics.fail()
             pinned = self.parts.retention.pinned_pages
             raise device_full(self.layout, lease, end, self.units, pinned, too_long=not fits)
-        if dropped := lease.add_allocation(self.layout, got, end):  # a window pool's stale units
-            self.units.free(_DEVICE, dropped)
+        hand_to_lease(self.units, self.layout, lease, got, end)
         if self.layout.self_owned:  # the tensors are the caller's: the lease keeps bytes of its own
             return got[0]
         return {name: got[0][owner] for name, owner in self.layout.owner_of.items()}
@@ -281,8 +281,7 @@ class CacheController(UnitMemory, ClosingApi):
             values, rest = take_for_insert(self.layout, lease, end)
             above = lease.node
             result = self.tree.insert(lease.keys[lease.committed_pages : end], values, at=above)
-            kept = result.has_duplicates and free_duplicates(self.units, self.layout, result, close)
-            lease.mark_inserted(self.tree, result.node, end, rest, kept or None)
+            hand_to_tree(self.units, self.layout, self.tree, lease, result, end, rest, close)
             writer = self.writer
             if self.policy.write == "write_through" or writer.digests is not None or writer.hears_inserts:
                 hashes, cached = lease.hashes_source, lease.cached_pages

@@ -294,11 +294,11 @@ class Lease:
     ) -> None:
         """``insert``: pages through ``end`` are in the tree, ending at ``node``: move the device lock
         there, keep ``rest`` (:func:`take_for_insert`) for the next chunk and ``kept`` to close."""
-        lock = self._device_lock
-        self._device_lock = tree.lock(node, _DEVICE) if lock is None else tree.move_lock(lock, node)
+        lock = self._device_lock  # (the units first: the tree holds them, whatever the lock does)
         self._node, self.committed_pages, self._allocated = node, end, rest
         if kept:
             self._duplicates = [*(self._duplicates or ()), kept]
+        self._device_lock = tree.lock(node, _DEVICE) if lock is None else tree.move_lock(lock, node)
 
     def take_pending(self) -> list[Mapping[str, np.ndarray | torch.Tensor]]:
         """``insert`` (closing) / ``release``: the units it holds outside the tree (allocated and

@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvstrata.core.lease import CacheFullError, Lease
+from kvstrata.core.lease import CacheFullError, Lease, unit_arrays
 from kvstrata.core.stack import NO_UNITS, PoolKind, StackLayout
 from kvstrata.core.tree import Tier
 from kvstrata.core.tree_bytes import UNIT
 
 if TYPE_CHECKING:
     from kvstrata.core.tier_units import TierUnits
+    from kvstrata.core.tree import PrefixTree
     from kvstrata.core.tree_node import InsertResult
 
 #: enum members without the descriptor lookup (~0.1 us each): every chunk reads a few
@@ -180,3 +181,43 @@ def free_duplicates(
     if len(kept) < len(duplicates):
         units.free(_DEVICE, {name: value for name, value in duplicates.items() if name not in kept})
     return kept
+
+
+def hand_to_lease(
+    units: TierUnits,
+    layout: StackLayout,
+    lease: Lease,
+    got: tuple[dict[str, torch.Tensor], dict[str, bytes]],
+    end: int,
+) -> None:
+    """``allocate``: record ``got`` (:func:`allocate_units`) in the lease and free the window units
+    it no longer needs; interrupted before the lease recorded them (a Ctrl-C), they are freed:
+    units no one holds were never freed again."""
+    try:
+        dropped = lease.add_allocation(layout, got, end)
+    except BaseException:
+        units.free(_DEVICE, unit_arrays(got[1]))
+        raise
+    if dropped:  # a window pool's stale units
+        units.free(_DEVICE, dropped)
+
+
+def hand_to_tree(
+    units: TierUnits,
+    layout: StackLayout,
+    tree: PrefixTree,
+    lease: Lease,
+    result: InsertResult,
+    end: int,
+    rest: dict[str, bytes],
+    close: bool,
+) -> None:
+    """``insert``, once the tree holds the lease's values: free the duplicates and mark the lease
+    inserted, that also when something raises between (a Ctrl-C; the duplicates not freed then
+    are the lease's, freed at its close): left pending, the values were freed by the lease's
+    release while the tree served them, and the next request's writes became their bytes."""
+    kept = result.duplicates if result.has_duplicates else None  # the lease's to free, unless freed now
+    try:
+        kept = free_duplicates(units, layout, result, close) if kept else None
+    finally:
+        lease.mark_inserted(tree, result.node, end, rest, kept or None)
