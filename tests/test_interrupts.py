@@ -11,11 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from controller_support import computed, fill, open_cache, serve, tokens, verify
+from controller_support import (
+    computed,
+    fill,
+    host_units_held_by_tree,
+    host_units_in_use,
+    open_cache,
+    serve,
+    tokens,
+    verify,
+)
 from kvstrata import hookimpl
-from kvstrata.core import lease_units
+from kvstrata.core import lease_units, prefetcher
 from kvstrata.core.controller import CacheController
 from kvstrata.core.lease import Lease
+from kvstrata.core.prefetcher import Prefetcher
 from kvstrata.core.tree import PrefixTree
 from kvstrata.plugins import PluginHost
 
@@ -197,4 +207,114 @@ def test_an_interrupt_while_insert_frees_duplicates_leaves_the_tree_its_units(
     cache.release(longer)  # (its 2 duplicated units: freed here, never by the interrupted insert)
     assert _reread_after_others(cache, request, 4) == 0, "another request's bytes served"
     _device_exact(cache)
+    cache.close()
+
+
+# --- a finished L3 read, detached from the lease, interrupted on its way into the tree ---------------
+
+
+def _stored(tmp_path: Path, request: torch.Tensor) -> Path:
+    """An L3 holding ``request``'s pages, written by another cache."""
+    l3 = tmp_path / "l3"
+    with open_cache("kv", l3) as writer:
+        serve(writer, request)
+        writer.flush()
+    return l3
+
+
+def _prefetched(cache: CacheController, request: torch.Tensor) -> Lease:
+    """A lease whose L3 read of every page of ``request`` has finished."""
+    lease = cache.lookup(request, prefetch="wait")
+    assert lease.prefetch is not None and lease.prefetch.done.wait(30)
+    return lease
+
+
+def _host_exact(cache: CacheController) -> None:
+    """Every host unit in use is the tree's, and no prefetch counts as in flight."""
+    assert host_units_in_use(cache) == host_units_held_by_tree(cache), "host units leaked or freed twice"
+    assert cache.prefetcher is not None
+    assert cache.prefetcher.reserved_pages == 0 and not cache.prefetcher.orphans
+
+
+@pytest.mark.parametrize("call", ["admit", "release"])
+def test_an_interrupt_as_a_prefetch_commits_frees_its_host_units(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """``admit`` / ``release`` took the finished read off the lease, then ``commit`` was
+    interrupted at its entry: the read belonged to no one, its host units were never freed and
+    its pages stayed in ``reserved_pages`` (throttling every later prefetch)."""
+    request = tokens(1, 5)
+    cache = open_cache("kv", _stored(tmp_path, request))
+    real = Prefetcher.commit
+
+    def interrupted(self: Prefetcher, *args: object, **kwargs: object) -> int:
+        monkeypatch.setattr(Prefetcher, "commit", real)
+        raise Interrupt("commit")
+
+    lease = _prefetched(cache, request)
+    monkeypatch.setattr(Prefetcher, "commit", interrupted)
+    with pytest.raises(Interrupt):
+        getattr(cache, call)(lease)
+    cache.release(lease)
+    _host_exact(cache)
+    assert serve(cache, request)[1] == 0  # read from L3 again, exactly
+    _host_exact(cache)
+    cache.close()
+
+
+def test_an_interrupt_while_a_prefetch_checks_its_digests_frees_its_host_units(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, interrupted inside ``check_span`` (``debug.unit_digests``), before the tree
+    took the pages: ``reserved_pages`` was settled, the host units never freed."""
+    request = tokens(2, 5)
+    cache = open_cache("kv", _stored(tmp_path, request), ["debug.unit_digests=true"])
+    real = prefetcher.check_span
+
+    def interrupted(*args: object) -> bool:
+        monkeypatch.setattr(prefetcher, "check_span", real)
+        raise Interrupt("check_span")
+
+    lease = _prefetched(cache, request)
+    monkeypatch.setattr(prefetcher, "check_span", interrupted)
+    with pytest.raises(Interrupt):
+        cache.admit(lease)
+    cache.release(lease)
+    _host_exact(cache)
+    assert serve(cache, request)[1] == 0
+    _host_exact(cache)
+    cache.close()
+
+
+class InterruptAtPrefetchCommitted:
+    """Raises once, from the hook told a prefetch's pages are in the tree."""
+
+    def __init__(self) -> None:
+        self.armed = True
+
+    @hookimpl
+    def kvstrata_prefetch_committed(self, request_id: str, tokens: int, pools: list[str]) -> None:
+        if self.armed:
+            self.armed = False
+            raise Interrupt("prefetch committed")
+
+
+def test_an_interrupt_after_a_prefetch_is_in_the_tree_leaves_the_tree_its_units(tmp_path: Path) -> None:
+    """Interrupted once the tree holds the read's pages (the committed hook): what frees the
+    rest of an interrupted read must not free the units the tree indexes too."""
+    request = tokens(3, 5)
+    l3 = _stored(tmp_path, request)
+    host = PluginHost()
+    observer = InterruptAtPrefetchCommitted()
+    host.register_plugin(observer, "interrupt")
+    cache = open_cache("kv", l3, host=host)
+    lease = _prefetched(cache, request)
+    with pytest.raises(Interrupt):
+        cache.admit(lease)
+    assert not observer.armed  # it fired where meant
+    cache.release(lease)
+    _host_exact(cache)
+    assert cache.tree.units("kv", "host") >= 5  # the pages it read are the tree's
+    assert _reread_after_others(cache, request, 5) == 0, "another request's bytes served"
+    _host_exact(cache)
     cache.close()

@@ -210,13 +210,15 @@ class CacheController(UnitMemory, ClosingApi):
         backed = pages <= 0 or op.start <= 0
         try:  # (the op is detached: dropped in ``finally`` also when the backup raised)
             backed = backed or back_up_prefix(self.writer, lease.keys[: op.start], lease.hashes_source)
-        finally:
+            if backed:
+                request = str(id(lease))
+                committed = self.prefetcher.commit(op, lease.keys, pages, request, lease.skipped, unused)
+                lease.prefetched(committed)
+        finally:  # what a raise (KeyboardInterrupt) left the op holding is freed; else a no-op
+            self.prefetcher.release(op)
             if not backed:  # host-only pages below a device-only page would break "backups form
                 # a contiguous prefix from the root" and pin that page on the device: drop the refill
                 self.prefetcher.drop(op, SkipReason.UNBACKED_PARENT, lease.skipped)
-        if backed:
-            request = str(id(lease))
-            lease.prefetched(self.prefetcher.commit(op, lease.keys, pages, request, lease.skipped, unused))
 
     def _settle(self, lease: Lease, match: MatchResult) -> None:
         lease.settle(self.tree, self.layout, match)

@@ -39,6 +39,8 @@ class PrefetchOp:
     #: anchor pages found but not usable, by reason (filled by the worker)
     lost: dict[SkipReason, int] = field(default_factory=dict)
     cancelled: bool = False
+    #: its pages count in ``Prefetcher.reserved_pages`` (cleared once, by ``Prefetcher.release``)
+    counted: bool = True
     #: ``finish`` gave up waiting (what was read after that is a timeout's loss, not a rank's)
     timed_out: bool = False
     #: revoked before ``found_known``: the skip reason and the lease's ``skipped`` to count

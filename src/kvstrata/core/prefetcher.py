@@ -338,8 +338,7 @@ class Prefetcher:
         request was released), else a timeout where ``finish`` gave up waiting, else another
         rank holding less."""
         if not op.done.is_set():  # still reading into the slots: free them when it finishes
-            op.cancelled = True
-            self.orphans.append(op)
+            self.release(op)
             self.metrics.count(Operation.PREFETCHES_REVOKED)
             why = unused or SkipReason.TIMEOUT
             if op.found_known:
@@ -347,7 +346,6 @@ class Prefetcher:
             else:  # still asking L3 what it holds: counted when the worker ends (``drain``)
                 op.revoked = (why, skipped)
             return 0
-        self.reserved_pages -= len(op.hashes)
         if op.short is not None:  # released before ``finish`` made room for the pages L3 holds
             op.short = None
             _lose(op, unused or SkipReason.HOST_FULL, op.read_end)
@@ -360,7 +358,7 @@ class Prefetcher:
         if not (pages > 0 and (pages == op.pages or self.layout.clampable)):
             if op.found:
                 self.metrics.count(Operation.PREFETCHES_DROPPED)
-            self.units.free(Tier.HOST, op.reserved)
+            self.release(op)
             return 0
         values: dict[str, torch.Tensor] = {}
         spare: dict[str, torch.Tensor] = {}
@@ -370,11 +368,14 @@ class Prefetcher:
             values[tp.name] = have[: hi - lo]
             spare[tp.name] = have[hi - lo :]
         if self.digests and not check_span(self.digests, "l3_restore", values, op.hashes[:pages], Tier.HOST):
-            self.units.free(Tier.HOST, op.reserved)  # not the bytes committed for them: a miss
+            self.release(op)  # not the bytes committed for them: a miss
             return 0
+        op.reserved = spare  # the tree's from here (insert_host interrupted midway: they leak)
         result = self.tree.insert_host(list(keys[: op.start + pages]), values)
-        self.units.free(Tier.HOST, spare)
-        self.units.free(Tier.HOST, result.duplicates)
+        try:
+            self.release(op)
+        finally:
+            self.units.free(Tier.HOST, result.duplicates)
         self.metrics.count(Operation.PREFETCHES_COMMITTED)
         self.notify(
             "kvstrata_prefetch_committed",
@@ -391,6 +392,20 @@ class Prefetcher:
             op.pages = 0
         self.commit(op, [], 0, request_id="", skipped=skipped)
 
+    def release(self, op: PrefetchOp) -> None:
+        """Give back, once, what a detached ``op`` holds: its pages in flight and its host units
+        (not those ``commit`` gave the tree); a read still running is revoked, freed by ``drain``."""
+        if not op.done.is_set():
+            if op not in self.orphans:  # (its units are the worker's until it ends)
+                op.cancelled = True
+                self.orphans.append(op)
+            return
+        if op.counted:
+            op.counted = False
+            self.reserved_pages -= len(op.hashes)
+        units, op.reserved = op.reserved, {}
+        self.units.free(Tier.HOST, units)
+
     def drain(self) -> bool:
         """Free the units of revoked prefetches whose worker has finished (returns whether any had)."""
         if not self.orphans:
@@ -398,8 +413,7 @@ class Prefetcher:
         alive = []
         for op in self.orphans:
             if op.done.is_set():
-                self.reserved_pages -= len(op.hashes)
-                self.units.free(Tier.HOST, op.reserved)
+                self.release(op)
                 if op.revoked is not None:
                     self.metrics.skip(*op.revoked_loss(op.revoked[0]), op.revoked[1])
             else:
