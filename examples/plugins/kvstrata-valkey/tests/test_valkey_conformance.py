@@ -4,6 +4,7 @@ plugin should have. Needs ``valkey-server`` or ``redis-server`` on PATH."""
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,7 +13,14 @@ from kvstrata_valkey import ValkeyBackend, ValkeyConfig
 from kvstrata_valkey.testing import LOOPBACK, ValkeyServer, free_loopback_port
 from pydantic import ValidationError
 
-from kvstrata.plugins import BufferRegion, PluginHost, StorageBackend, StorageError, StorageObject
+from kvstrata.plugins import (
+    BufferRegion,
+    MissingDependencyError,
+    PluginHost,
+    StorageBackend,
+    StorageError,
+    StorageObject,
+)
 from kvstrata.testing.conformance import BackendConformance
 
 
@@ -41,6 +49,16 @@ def test_entry_point_makes_it_a_kvstrata_backend() -> None:
     entry = host.storage_backends.entry("valkey")
     assert entry.provider == "kvstrata-valkey"
     assert host.storage_backends.require("valkey") is ValkeyBackend
+
+
+def test_a_missing_valkey_client_names_the_command_that_installs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin is installed (kvstrata found it) but its client is not: the hint is the client's
+    own requirement, not a reinstall of the plugin that pip would call already satisfied."""
+    monkeypatch.setitem(sys.modules, "valkey", None)  # what find_spec reports as not importable
+    host = PluginHost(autoload=True, disabled=set())
+    with pytest.raises(MissingDependencyError) as info:
+        host.storage_backends.require("valkey")
+    assert "pip install 'valkey>=6'" in str(info.value)
 
 
 @pytest.mark.parametrize(

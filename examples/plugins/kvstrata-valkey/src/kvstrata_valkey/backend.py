@@ -37,7 +37,8 @@ from kvstrata.plugins import (
 MISS = -1
 #: Valkey's and Redis's default ``proto-max-bulk-len``: the largest value one SET accepts.
 MAX_VALUE_BYTES = 512 * 1024 * 1024
-INSTALL = "pip install 'kvstrata-valkey'"
+#: The client's own requirement (pyproject.toml): the plugin itself is installed if kvstrata found it.
+INSTALL = "pip install 'valkey>=6'"
 
 
 class ValkeyConfig(BackendConfig):
