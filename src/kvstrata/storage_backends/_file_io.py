@@ -186,7 +186,7 @@ class FileIO(FileIndex):
         if entry is None:
             self._adopt(directory, name, size)
         else:
-            self._seen((name,))
+            self._seen((name,), size)
         return True
 
     def put(self, objects: Sequence[StorageObject]) -> list[bool]:
@@ -221,7 +221,7 @@ class FileIO(FileIndex):
             if entry is None:
                 self._adopt(directory, name, size)
             else:
-                self._seen((name,))
+                self._seen((name,), size)
             return True  # skip_existing: equal keys carry equal bytes
         nbytes = obj.nbytes
         fits, recycled = self._reserve(nbytes)
