@@ -27,6 +27,7 @@ from kvstrata.testing.conformance import (
     conformance_specs,
     page_hashes,
 )
+from storage_objects import Blobs
 
 
 def open_file_backend(path: Path, instance: str = "l3", **config: object) -> FileBackend:
@@ -625,4 +626,33 @@ def test_a_readv_the_kernel_cut_short_is_finished_and_size_mismatches_are_report
     assert out["a"] == blobs["a"]
     assert out["short"][:1000] == blobs["short"]
     assert out["long"] == blobs["long"][:4096]
+    backend.close()
+
+
+@pytest.mark.parametrize("recycle", [False, True])
+def test_an_interrupted_put_leaves_no_temp_file_and_no_reserved_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recycle: bool
+) -> None:
+    """A put's calling thread writes a share of the batch itself: an interrupt (KeyboardInterrupt,
+    any BaseException) there left the temp file (this process's: no sweep removes it while it
+    lives) and the object's bytes reserved against the capacity for good."""
+    blobs = Blobs()
+    size = len(OBJECT_MAGIC) + 100
+    backend = FileBackend("l3", FileConfig(path=tmp_path, capacity_bytes=2 * size))
+    backend.open()
+    backend.set_read_verification(recycle)
+    assert backend.put([blobs.obj(f"old-{i}", bytes(100)) for i in range(2)]) == [True, True]
+
+    def interrupted(fd: int, views: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(file_backend_io, "_write_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        backend.put([blobs.obj("new", bytes(100))])  # evicts (recycles) old-0 first
+    monkeypatch.undo()
+    leftovers = [path.name for path in tmp_path.rglob(".*.tmp-*")]
+    assert leftovers == [], f"temp files left: {leftovers}"
+    assert backend.used_bytes == size, "only old-1 is counted"
+    assert backend.put([blobs.obj("new", bytes(100))]) == [True]
+    assert backend.exists(["old-1", "new"]) == [True, True]
     backend.close()
