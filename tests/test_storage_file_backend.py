@@ -487,6 +487,28 @@ def test_fsync_mode_syncs_the_directory_after_the_rename(
     backend.close()
 
 
+def test_fsync_mode_syncs_the_entries_of_the_directories_open_creates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OBSERVATION INJECTION as above. A root that open created (and any parent it created) is an
+    entry of its parent: unsynced, a power loss could take the root, and every object fsync mode
+    had reported durable with it."""
+    real_fsync = os.fsync
+    synced: set[int] = set()
+
+    def record(fd: int) -> None:
+        synced.add(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    root = tmp_path / "new" / "store"
+    backend = open_file_backend(root, fsync=True)
+    assert backend.put([_raw_object("durable", bytearray(OBJECT_MAGIC + b"payload"))]) == [True]
+    backend.close()
+    assert tmp_path.stat().st_ino in synced, "the entry of the created parent is synced"
+    assert (tmp_path / "new").stat().st_ino in synced, "the entry of the created root is synced"
+
+
 def test_leading_exists_stops_at_the_first_missing_key(tmp_path: Path) -> None:
     """``exists(keys, leading=True)`` answers the leading run exactly and checks nothing after the
     first missing key (a prefix query: SGLang's batch_exists); without it every key is answered.
