@@ -468,6 +468,25 @@ def test_standalone_stages_an_object_larger_than_the_staging_area(standalone: Mo
     assert torch.equal(target, pages)
 
 
+def test_standalone_read_of_a_shorter_object_leaves_the_rest_of_its_region(
+    standalone: MooncakeBackend,
+) -> None:
+    # a region read through the staging area received the whole area's span: past a shorter
+    # object's end, what earlier transfers had left there -- other keys' bytes
+    keys = fresh_keys(2)
+    longer = torch.full((1024,), 0x02, dtype=torch.uint8)  # ordinary memory: staged
+    shorter = torch.full((256,), 0x01, dtype=torch.uint8)
+    assert standalone.put(
+        [StorageObject(keys[0], (region_of(longer),)), StorageObject(keys[1], (region_of(shorter),))]
+    ) == [True, True]
+    other = torch.zeros(1024, dtype=torch.uint8)
+    assert standalone.get([StorageObject(keys[0], (region_of(other),))]) == [1024]  # now in the area
+    target = torch.full((1024,), 0x5A, dtype=torch.uint8)
+    assert standalone.get([StorageObject(keys[1], (region_of(target),))]) == [256]
+    assert bool((target[:256] == 0x01).all())
+    assert bool((target[256:] == 0x5A).all()), "bytes past the object's end were written (another key's)"
+
+
 def test_standalone_refuses_foreign_memory_and_covers_late_pools(standalone: MooncakeBackend) -> None:
     foreign = torch.zeros(4096, dtype=torch.uint8)
     with pytest.raises(StorageError, match="allocate_host_memory"):

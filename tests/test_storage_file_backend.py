@@ -27,6 +27,7 @@ from kvstrata.testing.conformance import (
     conformance_specs,
     page_hashes,
 )
+from storage_objects import Blobs
 
 
 def open_file_backend(path: Path, instance: str = "l3", **config: object) -> FileBackend:
@@ -486,6 +487,28 @@ def test_fsync_mode_syncs_the_directory_after_the_rename(
     backend.close()
 
 
+def test_fsync_mode_syncs_the_entries_of_the_directories_open_creates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OBSERVATION INJECTION as above. A root that open created (and any parent it created) is an
+    entry of its parent: unsynced, a power loss could take the root, and every object fsync mode
+    had reported durable with it."""
+    real_fsync = os.fsync
+    synced: set[int] = set()
+
+    def record(fd: int) -> None:
+        synced.add(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    root = tmp_path / "new" / "store"
+    backend = open_file_backend(root, fsync=True)
+    assert backend.put([_raw_object("durable", bytearray(OBJECT_MAGIC + b"payload"))]) == [True]
+    backend.close()
+    assert tmp_path.stat().st_ino in synced, "the entry of the created parent is synced"
+    assert (tmp_path / "new").stat().st_ino in synced, "the entry of the created root is synced"
+
+
 def test_leading_exists_stops_at_the_first_missing_key(tmp_path: Path) -> None:
     """``exists(keys, leading=True)`` answers the leading run exactly and checks nothing after the
     first missing key (a prefix query: SGLang's batch_exists); without it every key is answered.
@@ -625,4 +648,33 @@ def test_a_readv_the_kernel_cut_short_is_finished_and_size_mismatches_are_report
     assert out["a"] == blobs["a"]
     assert out["short"][:1000] == blobs["short"]
     assert out["long"] == blobs["long"][:4096]
+    backend.close()
+
+
+@pytest.mark.parametrize("recycle", [False, True])
+def test_an_interrupted_put_leaves_no_temp_file_and_no_reserved_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recycle: bool
+) -> None:
+    """A put's calling thread writes a share of the batch itself: an interrupt (KeyboardInterrupt,
+    any BaseException) there left the temp file (this process's: no sweep removes it while it
+    lives) and the object's bytes reserved against the capacity for good."""
+    blobs = Blobs()
+    size = len(OBJECT_MAGIC) + 100
+    backend = FileBackend("l3", FileConfig(path=tmp_path, capacity_bytes=2 * size))
+    backend.open()
+    backend.set_read_verification(recycle)
+    assert backend.put([blobs.obj(f"old-{i}", bytes(100)) for i in range(2)]) == [True, True]
+
+    def interrupted(fd: int, views: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(file_backend_io, "_write_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        backend.put([blobs.obj("new", bytes(100))])  # evicts (recycles) old-0 first
+    monkeypatch.undo()
+    leftovers = [path.name for path in tmp_path.rglob(".*.tmp-*")]
+    assert leftovers == [], f"temp files left: {leftovers}"
+    assert backend.used_bytes == size, "only old-1 is counted"
+    assert backend.put([blobs.obj("new", bytes(100))]) == [True]
+    assert backend.exists(["old-1", "new"]) == [True, True]
     backend.close()

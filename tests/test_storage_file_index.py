@@ -318,3 +318,36 @@ def test_a_directory_this_process_may_not_read_fails_only_its_keys(
     new = [key for key in candidates if key not in there][:4] + there
     assert backend.put([blobs.obj(key, b"y" * 100) for key in new]) == [True] * 4 + [False] * 4
     backend.close()
+
+
+def _disk_bytes(root: Path) -> int:
+    files = [path for path in root.rglob("*") if path.is_file() and path.name != REMOVALS_FILE]
+    return sum(path.stat().st_size for path in files)
+
+
+@pytest.mark.parametrize("restat", ["exists", "put"])
+def test_an_object_another_process_replaced_by_another_length_is_counted_by_its_length(
+    tmp_path: Path, restat: str
+) -> None:
+    """An entry kept the length this instance first saw after another process replaced the object
+    by one of another length (a cut object removed as damage and written again, another layout's
+    under the key): ``exists`` and a skipped ``put`` stat the file and found it, yet the capacity
+    went on counting the old length, and the directory grew past ``capacity_bytes``."""
+    blobs = Blobs()
+    small, large = 100, 3000
+    capacity = 2 * (len(OBJECT_MAGIC) + large)
+    first = open_backend(tmp_path, capacity_bytes=capacity, exists_recheck_s=3600)
+    other = open_backend(tmp_path)
+    assert first.put([blobs.obj("k", bytes(small))]) == [True]
+    assert other.remove(["k"]) == [True]
+    assert other.put([blobs.obj("k", bytes(large))]) == [True]
+    if restat == "exists":
+        assert first.exists(["k"]) == [True]  # the other's removal was noticed: checked on disk
+    else:
+        assert first.put([blobs.obj("k", bytes(large))]) == [True]  # already there: skipped
+    assert first.used_bytes == len(OBJECT_MAGIC) + large, "counted by the length on disk"
+    assert first.put([blobs.obj(f"new-{i}", bytes(large)) for i in range(2)]) == [True, True]
+    assert _disk_bytes(tmp_path) <= capacity, "the directory stays within the capacity"
+    assert first.used_bytes == _disk_bytes(tmp_path)
+    for backend in (first, other):
+        backend.close()

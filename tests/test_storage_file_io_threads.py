@@ -283,3 +283,70 @@ def test_large_reads_are_placed_and_writes_and_small_reads_are_not(
     assert threading.get_ident() in writers
     placed = large and len(ALLOWED) >= 2 and _io_threads._cpu_reader() is not None
     assert (threading.get_ident() in readers) is not placed
+
+
+class Running:
+    """A piece that runs until released: how many pieces are running when the batch is over."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.now = 0
+        self._lock = threading.Lock()
+
+    def piece(self, start: int, stop: int) -> list[int]:
+        with self._lock:
+            self.now += 1
+        self.started.set()
+        self.release.wait(10)
+        time.sleep(0.01)  # still writing into the caller's regions a moment after the release
+        with self._lock:
+            self.now -= 1
+        return list(range(start, stop))
+
+
+def test_a_worker_that_cannot_start_leaves_no_piece_running(
+    threads: IOThreads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool shut down (the backend closed) between two submits: the batch raised at once
+    while the worker already started read on into the caller's regions, which the caller frees."""
+    running = Running()
+    real_submit = threads._pool.submit
+    submitted: list[object] = []
+
+    def submit(*args: object) -> object:
+        if submitted:
+            running.started.wait(10)
+            threading.Timer(0.1, running.release.set).start()
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        submitted.append(args)
+        return real_submit(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(threads._pool, "submit", submit)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        threads.map_rows(running.piece, 64, 3, 8, placed=False)
+    assert running.now == 0, "a piece was still running after the batch raised"
+
+
+def test_an_interrupt_in_the_callers_wait_leaves_no_piece_running(
+    threads: IOThreads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A placed batch's caller only waits: an interrupt there (Ctrl-C during a large get) left
+    the workers reading into regions the caller then freed."""
+    running = Running()
+    real_wait = _io_threads.wait
+    calls: list[int] = []
+
+    def wait(futures: object) -> object:
+        calls.append(1)
+        if len(calls) == 1:
+            running.started.wait(10)
+            threading.Timer(0.1, running.release.set).start()
+            raise KeyboardInterrupt
+        return real_wait(futures)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_io_threads, "wait", wait)
+    monkeypatch.setattr(threads, "_cpus_per_worker", lambda workers: [set(ALLOWED)] * workers)
+    with pytest.raises(KeyboardInterrupt):
+        threads.map_rows(running.piece, 64, 2, 8, placed=True)
+    assert running.now == 0, "a piece was still running after the batch raised"

@@ -235,8 +235,10 @@ class FileIndex:
         """Where ``key`` lives (also used by tests to corrupt objects on purpose)."""
         return Path(self._path(key))
 
-    def _seen(self, names: Sequence[str]) -> None:
-        """Objects just proven on disk (read, written, stat-ed): most recently used, seen now."""
+    def _seen(self, names: Sequence[str], size: int = -1) -> None:
+        """Objects just proven on disk (read, written, stat-ed): most recently used, seen now. A
+        stat's ``size`` (of the one name) replaces the length counted: another process may have
+        replaced the object by one of another length (the capacity drifted by the difference)."""
         now = time.monotonic()
         index = self._index
         with self._lock:
@@ -245,6 +247,9 @@ class FileIndex:
                 if entry is not None:
                     entry.seen = now
                     index.move_to_end(name)
+                    if size >= 0:
+                        self._used += size - entry.size
+                        entry.size = size
 
     def _adopt(self, directory: str, name: str, size: int, fd: int | None = None) -> None:
         """Index an object another process wrote at a key's path, once its magic proves it ours."""

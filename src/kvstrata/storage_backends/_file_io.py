@@ -186,7 +186,7 @@ class FileIO(FileIndex):
         if entry is None:
             self._adopt(directory, name, size)
         else:
-            self._seen((name,))
+            self._seen((name,), size)
         return True
 
     def put(self, objects: Sequence[StorageObject]) -> list[bool]:
@@ -221,7 +221,7 @@ class FileIO(FileIndex):
             if entry is None:
                 self._adopt(directory, name, size)
             else:
-                self._seen((name,))
+                self._seen((name,), size)
             return True  # skip_existing: equal keys carry equal bytes
         nbytes = obj.nbytes
         fits, recycled = self._reserve(nbytes)
@@ -237,10 +237,12 @@ class FileIO(FileIndex):
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-        except OSError:
-            self._release(nbytes)
+        except BaseException as exc:  # an interrupt too (the caller's thread writes a share):
+            self._release(nbytes)  # no temp file nor reserved bytes left for the process's life
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            if not isinstance(exc, OSError):
+                raise
             return False
         self._stored(directory, name, nbytes)
         return True

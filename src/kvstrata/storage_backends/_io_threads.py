@@ -36,7 +36,7 @@ import ctypes
 import logging
 import os
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 log = logging.getLogger(__name__)
@@ -99,14 +99,19 @@ class IOThreads:
                 parts[k] = fn(bounds[k], bounds[k + 1])
 
         cpus = self._cpus_per_worker(workers) if placed else None
-        if cpus is None:  # unplaced: the calling thread is a worker instead of waiting idle
-            futures = [self._pool.submit(work) for _ in range(workers - 1)]
-            try:
+        futures: list[Future[None]] = []
+        try:  # whatever raises here (a pool shut down between two submits, an interrupt in the
+            # caller's wait), the workers started go on writing into the caller's regions: the
+            # ``finally`` waits for them, so nothing is written after this returns or raises
+            if cpus is None:  # unplaced: the calling thread is a worker instead of waiting idle
+                for _ in range(workers - 1):
+                    futures.append(self._pool.submit(work))
                 work()
-            finally:
+            else:
+                for held in cpus:
+                    futures.append(self._pool.submit(self._placed, work, held))
                 wait(futures)
-        else:
-            futures = [self._pool.submit(self._placed, work, held) for held in cpus]
+        finally:
             wait(futures)
         for future in futures:
             future.result()  # a worker's error, once every piece is done

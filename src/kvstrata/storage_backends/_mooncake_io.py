@@ -58,7 +58,7 @@ class MooncakeIO(MooncakeMemory):
         results = [False] * len(objects)
         for indexes, ptrs, sizes, staged in self._plan_batches(objects):
             with self._staging_guard(staged):
-                for _, scratch, source, nbytes in staged:
+                for _, scratch, source, nbytes, _offset in staged:
                     ctypes.memmove(scratch, source, nbytes)
                 codes = self._transfer("put", [objects[i].key for i in indexes], ptrs, sizes)
             for index, code in zip(indexes, codes, strict=True):
@@ -156,9 +156,12 @@ class MooncakeIO(MooncakeMemory):
         for indexes, ptrs, sizes, staged in self._plan_batches(objects):
             with self._staging_guard(staged):
                 codes = self._transfer("get", [objects[i].key for i in indexes], ptrs, sizes)
-                for position, scratch, target, nbytes in staged:
-                    if codes[position] >= 0:
-                        ctypes.memmove(target, scratch, nbytes)
+                for position, scratch, target, nbytes, offset in staged:
+                    # only what was read: past a short object the staging area holds the bytes
+                    # of earlier transfers (other keys'), which the target must never receive
+                    read = min(nbytes, codes[position] - offset)
+                    if read > 0:
+                        ctypes.memmove(target, scratch, read)
             for index, code in zip(indexes, codes, strict=True):
                 results[index] = code
                 if code < 0:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import itertools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -19,8 +20,9 @@ from kvstrata.storage_backends._mooncake_protocol import INVALID_PARAMS, STAGING
 
 _log = logging.getLogger("kvstrata.storage_backends.mooncake")
 
-#: (position of the object in one Mooncake call, scratch ptr, original ptr, nbytes)
-_Staged = tuple[int, int, int, int]
+#: (position of the object in one Mooncake call, scratch ptr, original ptr, nbytes, offset of the
+#: region in its object)
+_Staged = tuple[int, int, int, int, int]
 
 
 class _Ranges:
@@ -249,6 +251,7 @@ class MooncakeMemory:
                 raise StorageError(f"mooncake backend {self.instance!r}: object {obj.key!r} has no regions")
             obj_ptrs = [region.ptr for region in obj.regions]
             obj_sizes = [region.nbytes for region in obj.regions]
+            offsets = list(itertools.accumulate(obj_sizes, initial=0))
             obj_staged = [
                 (position, region.nbytes)
                 for position, region in enumerate(obj.regions)
@@ -279,7 +282,7 @@ class MooncakeMemory:
                 indexes, ptrs, sizes, staged, used = [], [], [], [], 0
             for position, nbytes in obj_staged:
                 scratch = staging.ptr + used  # type: ignore[union-attr]
-                staged.append((len(indexes), scratch, obj_ptrs[position], nbytes))
+                staged.append((len(indexes), scratch, obj_ptrs[position], nbytes, offsets[position]))
                 obj_ptrs[position] = scratch
                 used += _aligned(nbytes)
             indexes.append(index)

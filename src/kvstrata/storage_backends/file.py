@@ -57,7 +57,7 @@ from kvstrata.plugins.storage_backend import (
     StorageBackend,
 )
 from kvstrata.storage_backends._file_config import FileConfig
-from kvstrata.storage_backends._file_io import MISS, FileIO, _usable_cpus
+from kvstrata.storage_backends._file_io import MISS, FileIO, _fsync_directory, _usable_cpus
 from kvstrata.storage_backends._io_threads import IOThreads
 
 #: Less free space than this on the directory's file system: the backend reports itself unusable.
@@ -95,12 +95,18 @@ class FileBackend(FileIO, StorageBackend):
         self._read_threads = min(self.config.io_threads, _usable_cpus())
 
     def open(self) -> None:
+        # fsync mode: the directories this open creates are entries of their parents, which must
+        # be durable too, else a power loss can take the whole store with the root's entry
+        created = [d for d in (self.root, *self.root.parents) if not d.exists()] if self.config.fsync else []
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # say which directory and why, not a bare errno from pathlib
             raise StorageError(
                 f"file backend {self.instance!r}: cannot create {self.root}: {exc.strerror or exc}"
             ) from exc
+        for directory in created:
+            if not _fsync_directory(os.fspath(directory.parent)):
+                raise StorageError(f"file backend {self.instance!r}: cannot fsync {directory.parent}")
         self._adopt_existing()
         self._pool = IOThreads(self.config.io_threads, f"kvstrata-file-{self.instance}")
 
