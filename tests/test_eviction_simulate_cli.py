@@ -131,7 +131,11 @@ def test_a_sweep_applies_the_warm_up_and_refuses_the_options_of_one_simulation(t
 
 @pytest.mark.parametrize(
     ("policies", "message"),
-    [("lru,nope", "unknown eviction policy 'nope'"), (",", "--policies: no policy named"), (" ", "no policy")],
+    [
+        ("lru,nope", "unknown eviction policy 'nope'"),
+        (",", "--policies: no policy named"),
+        (" ", "no policy"),
+    ],
 )
 def test_sweep_policies_are_checked_before_the_trace_is_read(
     policies: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
