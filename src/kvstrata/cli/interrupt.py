@@ -1,9 +1,11 @@
-"""Ctrl-C during ``kvstrata replay``: one line saying what was kept, exit 130, never a traceback.
+"""Ctrl-C during ``kvstrata replay``: the report of what was replayed, one line saying what was
+kept, exit 130, never a traceback.
 
 A ``KeyboardInterrupt`` raised wherever the main thread happens to be (a logging filter, a torch
 call, the middle of an insert) prints a traceback and leaves the run's state unknown. Instead a
 SIGINT handler only sets a flag while the replay runs: the driver stops between two requests,
-flushes its L3 writes and returns, and the command prints one line and exits 130. A second
+flushes its L3 writes and returns, and the command reports the requests replayed so far (the
+summary, ``--json``, ``--plot``), prints one line and exits 130. A second
 Ctrl-C exits at once, saying how many L3 write batches it abandons (objects are written to a
 temporary name and renamed, so an abandoned write leaves no half object behind), and removes the
 run's temporary L3 directory first (the exit skips every ``finally``). Before the
