@@ -153,3 +153,15 @@ def test_sweep_policies_are_checked_before_the_trace_is_read(
     assert out.exit_code == 2, out.output
     assert message in out.output and "Traceback" not in out.output
     assert not png.exists()
+
+
+def test_the_table_says_how_many_requests_the_cache_refused() -> None:
+    """A cache smaller than a request refuses it (nothing inserted): the JSON counted them in
+    ``refused_requests``, the table only showed a low hit rate."""
+    args = ["simulate", "--limit", "20", "--capacity-tokens", "4096"]
+    refused = json.loads(runner.invoke(app, [*args, "--json"]).stdout)["refused_requests"]
+    assert refused > 0
+    table = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    row = next(line for line in table.output.splitlines() if "refused requests" in line)
+    assert row.split("│")[2].strip() == f"{refused:,}", row

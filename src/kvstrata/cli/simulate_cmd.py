@@ -185,6 +185,7 @@ def _simulate_one(
     table.add_row("measured input tokens", f"{result.tokens:,}")
     table.add_row("hit tokens (full blocks)", f"{result.hit_tokens:,}")
     table.add_row("unique / evicted blocks", f"{result.unique_blocks:,} / {result.evicted_blocks:,}")
+    table.add_row("refused requests (more new blocks than the cache holds)", f"{result.refused_requests:,}")
     table.add_row("[bold]hit rate[/]", f"[bold]{result.hit_rate:.2%}[/]")
     out.print(table)
 
