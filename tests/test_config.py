@@ -312,6 +312,21 @@ def test_an_override_that_creates_a_bad_section_is_blamed_not_the_file(
     assert culprit in line and "c.yaml" not in line, line
 
 
+@pytest.mark.parametrize(
+    "override",
+    ["tiers.storage.l3.type=nosuch", "model.pools.kv.type=nosuch", "model.pools.kv={type: nosuch}"],
+)
+def test_an_unknown_type_an_override_set_is_blamed_on_it(override: str, tmp_path: Path) -> None:
+    """The error about a node's unknown ``type`` sits at the node (``tiers.storage.l3``), above
+    the override's path (``tiers.storage.l3.type``), in a section the file has: it read
+    "invalid configuration in c.yaml" although the file names a valid type."""
+    config = write(tmp_path / "c.yaml", BASE)
+    result = validate_in_process(str(config), "--set", override)
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert f"--set {override}" in line and "c.yaml" not in line, line
+
+
 def test_an_error_in_a_section_the_file_has_stays_the_files(tmp_path: Path) -> None:
     data = json.loads(json.dumps(BASE))
     data["tiers"]["storage"]["l3"] = {"path": "/tmp/a"}  # the file forgot the type

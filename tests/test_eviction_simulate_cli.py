@@ -127,3 +127,41 @@ def test_a_sweep_applies_the_warm_up_and_refuses_the_options_of_one_simulation(t
     ):
         out = runner.invoke(app, [*sweep, option, value])
         assert out.exit_code == 2 and option in out.output and takes in out.output, out.output
+
+
+@pytest.mark.parametrize(
+    ("policies", "message"),
+    [
+        ("lru,nope", "unknown eviction policy 'nope'"),
+        (",", "--policies: no policy named"),
+        (" ", "no policy"),
+    ],
+)
+def test_sweep_policies_are_checked_before_the_trace_is_read(
+    policies: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unknown name after a known one failed only once the known one's sweep had run (minutes
+    on a full trace); ``--policies ,`` plotted an empty sweep and exited 0."""
+    import kvstrata.replay.trace as trace_module
+
+    def never(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the trace was read before --policies was checked")
+
+    monkeypatch.setattr(trace_module, "read_trace", never)
+    png = tmp_path / "sweep.png"
+    out = runner.invoke(app, ["simulate", "--limit", "20", "--sweep", str(png), "--policies", policies])
+    assert out.exit_code == 2, out.output
+    assert message in out.output and "Traceback" not in out.output
+    assert not png.exists()
+
+
+def test_the_table_says_how_many_requests_the_cache_refused() -> None:
+    """A cache smaller than a request refuses it (nothing inserted): the JSON counted them in
+    ``refused_requests``, the table only showed a low hit rate."""
+    args = ["simulate", "--limit", "20", "--capacity-tokens", "4096"]
+    refused = json.loads(runner.invoke(app, [*args, "--json"]).stdout)["refused_requests"]
+    assert refused > 0
+    table = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    row = next(line for line in table.output.splitlines() if "refused requests" in line)
+    assert row.split("│")[2].strip() == f"{refused:,}", row

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -161,3 +162,72 @@ def test_start_up_line_hides_a_url_password() -> None:
         "L3 l4 (urlstore): rediss://:***@cache.internal:6380/1",
         "L3 l5 (urlstore): redis://10.0.0.6:6379/0",
     ]
+
+
+def _stop_after(checks: int) -> Any:
+    """``sigint_handled`` whose stop turns true at the ``checks``-th look (a Ctrl-C between two
+    requests), without a signal."""
+    from contextlib import contextmanager
+
+    from kvstrata.cli.interrupt import ReplayInterrupt
+
+    class Stop(ReplayInterrupt):
+        seen = 0
+
+        @property  # type: ignore[override]
+        def requested(self) -> bool:
+            Stop.seen += 1
+            return Stop.seen > checks
+
+        @requested.setter
+        def requested(self, _value: bool) -> None:
+            pass
+
+    @contextmanager
+    def handled() -> Any:
+        yield Stop()
+
+    return handled
+
+
+def test_ctrl_c_keeps_the_report_of_what_was_replayed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C printed one line and exited 130: the summary of the requests replayed so far and
+    the ``--json`` / ``--plot`` asked for were lost (a long run left nothing to read)."""
+    import kvstrata.cli.replay_cmd as replay_cmd
+
+    monkeypatch.setattr(replay_cmd, "sigint_handled", _stop_after(3))
+    report, plot = tmp_path / "partial.json", tmp_path / "partial.png"
+    args = ["replay", "-c", str(REPO / "examples" / "configs" / "demo.yaml"), "--set", "tiers.storage={}"]
+    extra = ["--limit", "10", "--json", str(report)]
+    if importlib.util.find_spec("matplotlib") is not None:
+        extra += ["--plot", str(plot)]
+    result = CliRunner().invoke(app, [*args, *extra])
+    assert result.exit_code == 130, result.output
+    words = " ".join(result.output.split())
+    assert "interrupted after 3 of 10 requests" in words, words
+    assert "corrupt_pages_served" in words  # the summary table
+    data = json.loads(report.read_text())
+    assert set(data) == REQUIRED_JSON_KEYS and data["requests"] == 3
+    assert not importlib.util.find_spec("matplotlib") or plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ctrl_c_in_the_warm_up_writes_a_report_of_nothing_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped before any request was measured: the JSON says 0 requests, no plot is drawn (there
+    is nothing to draw), and the exit is still 130, not a traceback."""
+    import kvstrata.cli.replay_cmd as replay_cmd
+
+    monkeypatch.setattr(replay_cmd, "sigint_handled", _stop_after(2))
+    report, plot = tmp_path / "partial.json", tmp_path / "partial.png"
+    args = ["replay", "-c", str(REPO / "examples" / "configs" / "demo.yaml"), "--set", "tiers.storage={}"]
+    extra = ["--limit", "10", "--warmup-fraction", "0.5", "--json", str(report)]
+    if importlib.util.find_spec("matplotlib") is not None:
+        extra += ["--plot", str(plot)]
+    result = CliRunner().invoke(app, [*args, *extra])
+    assert result.exit_code == 130, result.output
+    assert "Traceback" not in result.output and "interrupted after 2 of 10" in result.output
+    assert json.loads(report.read_text())["requests"] == 0
+    assert not plot.exists()

@@ -354,3 +354,22 @@ def test_the_latency_count_is_every_measured_operation_not_the_samples_kept(
         lookups = cache.metrics.latency_count["match"] - before
     assert lookups >= 20 and len(cache.metrics.latency_s["match"]) == 8
     assert details.latencies["match"].count == lookups
+
+
+def test_warm_up_l3_writes_still_in_flight_are_not_counted_as_measured(tmp_path: Path) -> None:
+    """The measured part's bytes are its own requests': the warm-up's L3 writes still queued
+    when the measured part began landed in it (``host_to_storage`` with no measured write)."""
+    from kvstrata.core.collective import LocalCollective
+    from kvstrata.core.controller import CacheController
+    from kvstrata.replay.driver import replay_with_cache
+
+    tier = {"capacity_tokens": 8192}
+    slow = {"l3": {"type": "memory", "latency_s": 0.3}}  # the warm-up's write is still in flight
+    stack = tiny_stack(tmp_path, page_size=512, device=tier, host=tier, storage=slow)
+    # the second request repeats the first: served whole from the device, it writes nothing
+    requests = [TraceRequest(float(i), 4 * 512, 1, (1, 2, 3, 4)) for i in range(2)]
+    with CacheController(config(stack), PluginHost(), collective=LocalCollective()) as cache:
+        result, _details = replay_with_cache(cache, requests, warmup_fraction=0.5)
+        assert cache.metrics.snapshot()["bytes"]["host_to_storage"] > 0  # the warm-up wrote to L3
+    assert result.requests == 1 and result.hit_rate.device > 0
+    assert result.bytes.host_to_storage == 0 and result.bytes.device_to_host == 0, result.bytes

@@ -237,3 +237,23 @@ def test_ctrl_c_in_another_command_is_one_line_and_130(tmp_path: Path) -> None:
     assert code == 130, term.text
     assert "Traceback" not in term.text and "Aborted" not in term.text, term.text
     assert "interrupted" in term.text
+
+
+def test_sigterm_removes_the_temporary_l3_directory(tmp_path: Path) -> None:
+    """``timeout`` and CI cancel a run with SIGTERM: Python's default action ended the process
+    without its ``finally``, so the run's temporary L3 directory stayed in $TMPDIR (hundreds of
+    MB after a longer run). It now goes, with one line and exit 143 (128 + SIGTERM)."""
+    import signal
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**environment(tmp_path), "TMPDIR": str(scratch)}
+    term = Terminal([*console_script(), "replay"], env, tmp_path)  # the packaged stack, temporary L3
+    assert term.read_until(r"replayed", 240), term.text
+    assert list(scratch.glob("kvstrata-replay-l3-*")), "the run's L3 is in a temporary directory"
+    os.kill(term.pid, signal.SIGTERM)
+    code = term.wait(60)
+    text = term.text
+    assert code == 143, text
+    assert "Traceback" not in text and "terminated" in text, text
+    assert list(scratch.glob("kvstrata-replay-l3-*")) == [], text

@@ -158,3 +158,23 @@ def test_a_directory_is_not_a_trace(tmp_path: Path) -> None:
 def test_limit_never_reads_past_the_last_line_wanted(tmp_path: Path) -> None:
     path = write_bytes(tmp_path, json.dumps(GOOD).encode() + b"\n\xff\xff\xff\n")
     assert len(read_trace(path, limit=1)) == 1
+
+
+def test_a_gzip_trace_is_named_as_compressed(tmp_path: Path) -> None:
+    """A compressed trace read as 'not UTF-8 text (byte 0x8b at column 2)'."""
+    import gzip
+
+    path = write_bytes(tmp_path, gzip.compress((json.dumps(GOOD) + "\n").encode()))
+    with pytest.raises(TraceError, match=r":1: gzip-compressed: decompress it first"):
+        read_trace(path)
+
+
+def test_unsorted_timestamps_of_a_long_trace_are_told_apart(tmp_path: Path) -> None:
+    """Six significant digits printed 3537002 and 3537001 alike: 'timestamp 3.537e+06 is before the
+    previous line's 3.537e+06'."""
+    path = write(tmp_path, [json.dumps({**GOOD, "timestamp": t}) for t in (3_537_002, 3_537_001)])
+    with pytest.raises(TraceError, match=r"timestamp 3537001 is before the previous line's 3537002"):
+        read_trace(path)
+    path = write(tmp_path, [json.dumps({**GOOD, "timestamp": t}) for t in (0.25, 0.125)])
+    with pytest.raises(TraceError, match=r"timestamp 0.125 is before the previous line's 0.25"):
+        read_trace(path)

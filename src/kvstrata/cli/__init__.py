@@ -7,7 +7,9 @@ Exit codes (every command):
   failed ones), a backend or the machine cannot do what the config asks;
 - 2: invalid input: a bad config (including one start-up would refuse), trace, option or output
   path, or an unknown plugin; always checked before any work starts, one ``error:`` line;
-- 3: ``replay`` served corrupt data (``corrupt_pages_served`` > 0); never tolerated.
+- 3: ``replay`` served corrupt data (``corrupt_pages_served`` > 0); never tolerated;
+- 130: interrupted (Ctrl-C); ``replay`` first reports the requests it replayed;
+- 143: ``replay`` terminated (SIGTERM), its temporary L3 directory removed first.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def blame_overrides(
 ) -> ConfigError:
     """The same errors, each blamed on the ``--set`` (or environment override) that set the bad
     field instead of on the config files, which never contained that value. An error at or below
-    an override's path is that override's; so is one at a section above it that the files
+    an override's path is that override's, and so is one at the node whose ``type`` it set (an
+    unknown type is reported at the node); so is one at a section above it that the files
     (``files_data``, their composed mapping) do not have: the override created it (a typo such as
     ``tiers.hostt.capacity_tokens``, or an L3 instance without a ``type``)."""
     culprits = _override_culprits(overrides)
@@ -53,8 +54,8 @@ def blame_overrides(
         low = path.lower()  # a variable's path is lower-cased; the files may spell it ``SSD``
         for where, text in reversed(culprits):
             where = where.lower()
-            if low == where or low.startswith(where + "."):
-                return text
+            if low == where or low.startswith(where + ".") or where == low + ".type":
+                return text  # at or below the override's path, or the node whose type it set
             created = files_data is not None and not _holds(files_data, path)
             if created and where.startswith(low + "."):
                 return text

@@ -1,12 +1,15 @@
-"""Ctrl-C during ``kvstrata replay``: one line saying what was kept, exit 130, never a traceback.
+"""Ctrl-C during ``kvstrata replay``: the report of what was replayed, one line saying what was
+kept, exit 130, never a traceback.
 
 A ``KeyboardInterrupt`` raised wherever the main thread happens to be (a logging filter, a torch
 call, the middle of an insert) prints a traceback and leaves the run's state unknown. Instead a
 SIGINT handler only sets a flag while the replay runs: the driver stops between two requests,
-flushes its L3 writes and returns, and the command prints one line and exits 130. A second
+flushes its L3 writes and returns, and the command reports the requests replayed so far (the
+summary, ``--json``, ``--plot``), prints one line and exits 130. A second
 Ctrl-C exits at once, saying how many L3 write batches it abandons (objects are written to a
 temporary name and renamed, so an abandoned write leaves no half object behind), and removes the
-run's temporary L3 directory first (the exit skips every ``finally``). Before the
+run's temporary L3 directory first (the exit skips every ``finally``); SIGTERM (``timeout``, a
+cancelled CI job) exits at once the same way, with 143. Before the
 replay starts (config, trace, reference simulation) nothing has been written: a Ctrl-C there
 exits 130 at once.
 """
@@ -52,6 +55,17 @@ class ReplayInterrupt(StopRequest):
         self.requested = True
         _say("interrupt: finishing the current request and flushing L3 writes (Ctrl-C again exits at once)")
 
+    def terminate(self, signum: int, _frame: FrameType | None) -> None:
+        """SIGTERM (``timeout``, a cancelled CI job): exit at once, as the default action does,
+        but first remove the temporary L3 directory, which that action leaves behind."""
+        code = 128 + signum
+        if not self.running:  # nothing written yet: the command's ``finally`` removes it
+            _say("terminated before the replay started; nothing was written")
+            raise SystemExit(code)
+        abandoned = self.pending_writes()
+        _say(f"terminated: exiting at once; L3 write batches abandoned: {abandoned}" + self._remove_scratch())
+        os._exit(code)
+
     def _remove_scratch(self) -> str:
         """Remove the temporary L3 directory; what the exit line adds about it ("" when none).
         A write still in flight may recreate a sub-directory: removal is retried, and a
@@ -84,15 +98,17 @@ def _say(line: str) -> None:
 
 @contextmanager
 def sigint_handled() -> Iterator[ReplayInterrupt]:
-    """Install the replay's SIGINT handler for the block (main thread only; elsewhere, e.g. a
-    test calling the app from a worker thread, the default behaviour stays)."""
+    """Install the replay's SIGINT and SIGTERM handlers for the block (main thread only;
+    elsewhere, e.g. a test calling the app from a worker thread, the default behaviour stays)."""
     interrupt = ReplayInterrupt()
     try:
         previous = signal.signal(signal.SIGINT, interrupt.handle)
     except ValueError:  # not the main thread
         yield interrupt
         return
+    previous_term = signal.signal(signal.SIGTERM, interrupt.terminate)
     try:
         yield interrupt
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)

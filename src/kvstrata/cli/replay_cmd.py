@@ -206,8 +206,7 @@ def replay(
                 baseline_label="reference simulator (unlimited LRU, blocks)",
                 stop=interrupt,
             )
-            if details.interrupted_after is not None:
-                _interrupted(result, details, len(requests))
+            # an interrupted run reports what it replayed too (table, --json, --plot), then exits 130
             render_summary(result, details, out)
             if json_out is not None:
                 try:
@@ -216,7 +215,11 @@ def replay(
                     raise _fail(
                         f"cannot write --json {json_out}: {describe_os_error(exc)}", EXIT_RUNTIME
                     ) from None
-            if plot_out is not None:
+            if plot_out is not None and not details.timeline_tokens:  # stopped in the warm-up
+                err.print(
+                    f"--plot {plot_out}: not drawn, no request was measured", highlight=False, markup=False
+                )
+            elif plot_out is not None:
                 try:
                     plot_hit_rates(
                         details, plot_out, title=f"kvstrata replay: {trace or 'bundled sample trace'}"
@@ -226,6 +229,8 @@ def replay(
                         f"cannot write --plot {plot_out}: {describe_os_error(exc)}", EXIT_RUNTIME
                     ) from None
                 err.print(f"plot written to {plot_out}", highlight=False, markup=False)
+            if details.interrupted_after is not None:
+                _interrupted(result, details, len(requests))
             _finish_replay(result, details, config, tolerate_failures)
         finally:
             if scratch is not None:
@@ -271,7 +276,8 @@ def _run_quietly(config: KvstrataConfig, host: PluginHost, requests: Any, **opti
 
 
 def _interrupted(result: Any, details: Any, total: int) -> None:
-    """The one line a Ctrl-C leaves (exit 130); served corruption still exits 3."""
+    """The line a Ctrl-C adds after the report of what was replayed (exit 130); served
+    corruption still exits 3."""
     from kvstrata.cli.interrupt import EXIT_INTERRUPTED
     from kvstrata.replay.report import corruption_sentence
 

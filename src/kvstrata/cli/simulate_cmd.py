@@ -111,6 +111,7 @@ def simulate(
     host = PluginHost()
     sizes = _sweep_sizes(sweep_out, capacities) if sweep_out is not None else None  # before any work
     try:
+        names = _sweep_policies(host, policies) if sweep_out is not None else []
         config = SimulationConfig(
             block_size=block_size,
             capacity_tokens=capacity_tokens,
@@ -129,9 +130,23 @@ def simulate(
     except (TraceError, PluginError, ValueError) as exc:
         raise _fail(exc, EXIT_INVALID) from None
     if sweep_out is not None and sizes is not None:
-        _simulate_sweep(requests, host, sweep_out, policies, sizes, config, trace, as_json)
+        _simulate_sweep(requests, host, sweep_out, names, sizes, config, trace, as_json)
         return
     _simulate_one(requests, host, config, trace, as_json)
+
+
+def _sweep_policies(host: PluginHost, policies: str | None) -> list[str]:
+    """``--policies`` of a sweep, each checked before any work (an unknown name failed only
+    after the sweep of the names before it had run); the default set is what is installed."""
+    if policies is None:
+        installed = host.eviction_policies.names()
+        return [p for p in SWEEP_POLICIES if p in installed]
+    names = list(dict.fromkeys(p.strip() for p in policies.split(",") if p.strip()))
+    if not names:
+        raise ValueError(f"--policies: no policy named in {policies!r} (comma-separated names)")
+    for name in names:
+        _check_eviction(host, name)
+    return names
 
 
 def _check_eviction(host: PluginHost, setting: str | dict[str, Any]) -> None:
@@ -170,6 +185,7 @@ def _simulate_one(
     table.add_row("measured input tokens", f"{result.tokens:,}")
     table.add_row("hit tokens (full blocks)", f"{result.hit_tokens:,}")
     table.add_row("unique / evicted blocks", f"{result.unique_blocks:,} / {result.evicted_blocks:,}")
+    table.add_row("refused requests (more new blocks than the cache holds)", f"{result.refused_requests:,}")
     table.add_row("[bold]hit rate[/]", f"[bold]{result.hit_rate:.2%}[/]")
     out.print(table)
 
@@ -203,7 +219,7 @@ def _simulate_sweep(
     requests: list[Any],
     host: PluginHost,
     png: Path,
-    policies: str | None,
+    names: list[str],
     sizes: list[int],
     config: SimulationConfig,
     trace: Path | None,
@@ -211,12 +227,6 @@ def _simulate_sweep(
 ) -> None:
     from kvstrata.replay.simulate import plot_sweep, sweep
 
-    installed = host.eviction_policies.names()
-    names = (
-        [p.strip() for p in policies.split(",") if p.strip()]
-        if policies
-        else [p for p in SWEEP_POLICIES if p in installed]
-    )
     try:
         warmup = config.warmup_fraction
         rates = sweep(requests, names, sizes, block_size=config.block_size, host=host, warmup_fraction=warmup)

@@ -233,7 +233,8 @@ def replay_with_cache(
 
     The first ``int(len(requests) * warmup_fraction)`` requests only warm the cache: hits, bytes,
     failures and latencies are counted from the first measured request on (controller metrics as
-    deltas). Everything still in flight is flushed before the clock stops.
+    deltas). The warm-up's L3 writes are flushed before the measured part starts, and
+    everything still in flight is flushed before the clock stops.
 
     ``stop``: checked before each request; once requested, the replay ends there and the
     details say after how many requests (``interrupted_after``) and how many L3 write batches
@@ -269,6 +270,7 @@ def replay_with_cache(
             window = requests[index : index + _TOKENIZE_AHEAD]
             tokenizer.blocks(list(dict.fromkeys(h for r in window for h in r.hash_ids)))
         if index == warmup and warmup:
+            cache.flush()  # the warm-up's L3 writes land (bytes, latencies) before measuring starts
             before = cache.metrics.snapshot()
             started = time.perf_counter()
         tokens = tokenizer.request_tokens(request)

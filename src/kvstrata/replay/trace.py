@@ -39,6 +39,9 @@ _LINE_BYTES_SLACK = 64 * 1024
 
 _REQUIRED_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 
+#: The first bytes of a gzip file (a trace kept compressed).
+_GZIP_MAGIC = b"\x1f\x8b"
+
 
 class TraceError(KvstrataError):
     """A trace file is missing or a line is malformed; the message names file and line number."""
@@ -94,6 +97,12 @@ def _json_problem(line: str, exc: json.JSONDecodeError) -> str:
         chars = f"{len(text)} character" + ("" if len(text) == 1 else "s")
         return f"truncated: the line ends (after {chars}) before its JSON object does"
     return f"not valid JSON: {exc.msg} at column {exc.colno}"
+
+
+def _ms(value: float) -> str:
+    """A timestamp as written: whole ms without a fraction, never cut to 6 digits (``:g`` printed
+    3537002 and 3537001 alike)."""
+    return str(int(value)) if value.is_integer() and value < 1e15 else repr(value)
 
 
 def _finite(value: int | float) -> bool:
@@ -157,6 +166,8 @@ def _lines(handle: BinaryIO, source: Path, max_tokens: int, block_size: int) -> 
     lineno = 0
     while raw := handle.readline(max_bytes + 1):
         lineno += 1
+        if lineno == 1 and raw.startswith(_GZIP_MAGIC):
+            raise TraceError(str(source), 1, "gzip-compressed: decompress it first (gunzip)")
         if len(raw) > max_bytes:
             raise TraceError(
                 str(source),
@@ -215,7 +226,7 @@ def iter_trace(
                 raise TraceError(
                     str(source),
                     lineno,
-                    f"timestamp {request.timestamp_ms:g} is before the previous line's {last_ts:g}"
+                    f"timestamp {_ms(request.timestamp_ms)} is before the previous line's {_ms(last_ts)}"
                     " (traces must be sorted by arrival)",
                 )
             last_ts = request.timestamp_ms
