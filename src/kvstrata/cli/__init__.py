@@ -4,9 +4,11 @@ Exit codes (every command):
 
 - 0: success;
 - 1: runtime failure: requests or operations failed (``replay --tolerate-failures`` accepts
-  failed ones), a backend or the machine cannot do what the config asks;
-- 2: invalid input: a bad config (including one start-up would refuse), trace, option or output
-  path, or an unknown plugin; always checked before any work starts, one ``error:`` line;
+  failed ones), a backend failed, ``doctor`` found host memory short or a backend unusable, an
+  output could not be written;
+- 2: invalid input: a bad config (including one start-up refuses on this machine: a device that
+  is not there, an unusable L3), trace, option or output path, or an unknown plugin; always
+  checked before any work starts, one ``error:`` line;
 - 3: ``replay`` served corrupt data (``corrupt_pages_served`` > 0); never tolerated;
 - 130: interrupted (Ctrl-C); ``replay`` first reports the requests it replayed;
 - 143: ``replay`` terminated (SIGTERM), its temporary L3 directory removed first.
