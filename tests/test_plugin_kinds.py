@@ -95,3 +95,41 @@ def test_a_hook_plugin_registers_into_every_kind_s_registry() -> None:
         assert hasattr(host.hook, kind.register_hook)  # a declared hook spec
         cls = renamed[attribute]
         assert getattr(host, attribute).get(cls.name) is cls
+
+
+class _SpecConfig(KVPoolType.Config):  # type: ignore[name-defined,misc]
+    type: Literal["speckv"] = "speckv"
+
+
+def _spec_plugin(**update: Any) -> type:
+    """A kv pool type named ``speckv`` whose spec() changes ``update`` (a plugin's slip)."""
+
+    def spec(self: KVPoolType) -> Any:
+        return KVPoolType.spec(self).model_copy(update=update)
+
+    return type("SpecKV", (KVPoolType,), {"name": "speckv", "Config": _SpecConfig, "spec": spec})
+
+
+@pytest.mark.parametrize(
+    ("update", "named"),
+    [
+        ({"name": "main"}, "name is 'main', not the instance name 'kv'"),
+        ({"pool_type": "kv"}, "pool_type is 'kv', not the plugin's name 'speckv'"),
+        ({"page_size": 16}, "page_size is 16, not the model's page_size 4"),
+    ],
+)
+def test_a_pool_spec_that_contradicts_its_instance_is_refused_naming_the_plugin(
+    update: dict[str, Any], named: str
+) -> None:
+    """A spec naming another instance crashed start-up with a bare KeyError; another type or
+    page size was accepted (another type's capabilities and keys, a tree in other pages)."""
+    host = PluginHost(autoload=False)
+    host.pool_types.register(_spec_plugin(**update))
+    pool = {"type": "speckv", "layers": 1, "kv_heads": 1, "head_dim": 4, "dtype": "float32"}
+    config = {
+        "model": {"name": "m", "page_size": 4, "pools": {"kv": pool}},
+        "tiers": {"device": {"capacity_tokens": 64}, "host": {"capacity_tokens": 128}},
+    }
+    with pytest.raises(kvstrata.plugins.PluginError, match="pool type 'speckv' from in-process") as info:
+        kvstrata.open(config, plugins=host, environ={}).close()
+    assert named in str(info.value)
