@@ -10,8 +10,10 @@ import sys
 import warnings
 from pathlib import Path
 
+import pluggy
 import pytest
 
+import kvstrata
 from kvstrata.plugins import (
     MissingDependencyError,
     PluginCollisionError,
@@ -455,3 +457,70 @@ def test_the_cli_runs_beside_a_half_installed_package(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert "half" in proc.stdout and "file" in proc.stdout
+
+
+OBSERVER = """
+import kvstrata
+seen = []
+
+@kvstrata.hookimpl
+def {hook}(tier, pool, units):
+    seen.append((tier, pool, units))
+"""
+
+
+def test_a_hook_plugin_with_a_misspelt_hook_is_reported_not_silently_deaf(make_distribution) -> None:
+    # pluggy took the implementation of a hook no spec declares and never called it; nothing ran
+    # its check_pending, so a metrics plugin with a typo was deaf without a word
+    make_distribution(
+        "kvstrata-typo",
+        "1.0",
+        {"kvstrata.plugins": {"typo": "kvstrata_typo"}},
+        {"kvstrata_typo": OBSERVER.format(hook="kvstrata_evicton")},
+    )
+    with pytest.warns(UserWarning, match="kvstrata_evicton"):
+        host = PluginHost(autoload=True, disabled=set())
+    [error] = host.hook_plugin_errors
+    assert error.distribution == "kvstrata-typo" and "kvstrata_evicton" in error.error
+    assert not error.import_failed, "a reinstall cannot mend a misspelt hook"
+    assert host.pm.get_plugin("typo") is None
+
+
+def test_an_in_process_plugin_with_a_misspelt_hook_is_refused() -> None:
+    class Typo:
+        @kvstrata.hookimpl
+        def kvstrata_evicton(self, tier: str, pool: str, units: int) -> None: ...
+
+    class Newer:  # a hook of a later kvstrata, marked optional: accepted
+        @kvstrata.hookimpl(optionalhook=True)
+        def kvstrata_future_event(self) -> None: ...
+
+    host = PluginHost(autoload=False)
+    typo = Typo()
+    with pytest.raises(pluggy.PluginValidationError, match="kvstrata_evicton"):
+        host.register_plugin(typo)
+    assert not host.pm.is_registered(typo)
+    host.register_plugin(Newer())
+
+
+def test_two_distributions_hook_plugins_of_one_name_are_reported_not_silently_dropped(
+    make_distribution, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the second was skipped without a word: its observers never ran
+    for dist, module in (("kvstrata-obs-a", "obs_a"), ("kvstrata-obs-b", "obs_b")):
+        make_distribution(
+            dist,
+            "1.0",
+            {"kvstrata.plugins": {"obs": module}},
+            {module: OBSERVER.format(hook="kvstrata_eviction")},
+        )
+    with pytest.warns(UserWarning, match="is taken by kvstrata-obs-"):
+        host = PluginHost(autoload=True, disabled=set())
+    [error] = host.hook_plugin_errors
+    first = "kvstrata-obs-b" if error.distribution == "kvstrata-obs-a" else "kvstrata-obs-a"
+    assert f"taken by {first} 1.0" in error.error and not error.import_failed
+    assert f"KVSTRATA_DISABLED_PLUGINS={error.distribution}:obs" in error.error
+    assert host.pm.get_plugin("obs") is not None, "the first one still loads"
+    # the fix it names works: blocking one distribution's entry loads the other, with no error
+    blocked = PluginHost(autoload=True, disabled={f"{first}:obs"})
+    assert blocked.hook_plugin_errors == [] and blocked.pm.get_plugin("obs") is not None

@@ -27,7 +27,15 @@ from kvstrata.plugins.eviction_policy import (
     PolicyCapabilities,
 )
 from kvstrata.plugins.pool_type import POOL_API_VERSION, PoolConfig, PoolRole, PoolType
-from kvstrata.plugins.registry import DistributionNames, Registry, check_name, installed_entry_points
+from kvstrata.plugins.registry import (
+    UNKNOWN_DISTRIBUTION,
+    DistributionNames,
+    Registry,
+    check_name,
+    disabled_item,
+    distribution_of,
+    installed_entry_points,
+)
 from kvstrata.plugins.storage_backend import (
     BACKEND_API_VERSION,
     BackendCapabilities,
@@ -241,35 +249,66 @@ class PluginHost:
                 log.debug("kvstrata plugin %r: hook %s", impl.plugin_name, event, exc_info=True)
 
     def register_plugin(self, plugin: object, name: str | None = None) -> None:
-        """Register a hook plugin (module or object) in-process."""
+        """Register a hook plugin (module or object) in-process; one implementing a hook kvstrata
+        has no spec for (a misspelt name) is refused (``pluggy.PluginValidationError``)."""
         self.pm.register(plugin, name=name)
+        self._check_known_hooks(plugin)
+
+    def _check_known_hooks(self, plugin: object) -> None:
+        """pluggy accepts an implementation of a hook no spec declares and never calls it (its
+        ``check_pending``, which nothing ran, would say so): a misspelt ``kvstrata_evicton``
+        observer was silently deaf. Refuse the plugin, unregistered, naming the hook."""
+        unknown = sorted(
+            caller.name
+            for caller in self.pm.get_hookcallers(plugin) or []
+            if not caller.has_spec()
+            and any(impl.plugin is plugin and not impl.optionalhook for impl in caller.get_hookimpls())
+        )
+        if unknown:
+            self.pm.unregister(plugin)
+            raise pluggy.PluginValidationError(
+                plugin,
+                f"implements {', '.join(unknown)}, which kvstrata does not call (misspelt? the hooks "
+                "are in kvstrata.hookspecs; mark a hook of a newer kvstrata optionalhook=True)",
+            )
 
     def _load_hook_plugins(self, points: Iterable[importlib.metadata.EntryPoint]) -> None:
         # A custom loop instead of pluggy's load_setuptools_entrypoints: one broken plugin is
         # reported with its distribution and does not hide the others.
+        loaded: dict[str, str] = {}  # hook plugin name -> the distribution it was loaded from
         for ep in points:
-            if ep.name in self.disabled or self.pm.get_plugin(ep.name) is not None:
+            dist_name, version = distribution_of(ep, {})
+            if disabled_item(self.disabled, ep.name, dist_name) is not None:
                 continue
-            dist = getattr(ep, "dist", None)
-            imported = False
+            origin = " ".join(filter(None, (dist_name, version)))
+            imported = taken = False
             try:
+                if self.pm.get_plugin(ep.name) is not None:  # (it was skipped without a word)
+                    taken = True
+                    raise ValueError(
+                        f"the name {ep.name!r} is taken by {loaded.get(ep.name, 'another plugin')}'s "
+                        f"hook plugin; uninstall one, or block this one with "
+                        f"KVSTRATA_DISABLED_PLUGINS={dist_name}:{ep.name}"
+                    )
                 plugin = ep.load()
                 imported = True
                 self.pm.register(plugin, name=ep.name)  # runs its registration hooks too
+                self._check_known_hooks(plugin)
+                loaded[ep.name] = origin
             except (Exception, SystemExit) as exc:  # (a plugin calling sys.exit at import)
-                if self.pm.get_plugin(ep.name) is not None:
+                if imported and self.pm.get_plugin(ep.name) is not None:
                     self.pm.unregister(name=ep.name)
+                known = dist_name != UNKNOWN_DISTRIBUTION
                 error = HookPluginError(
                     ep.name,
-                    dist.name if dist else None,
-                    dist.version if dist else None,
+                    dist_name if known else None,
+                    version,
                     f"{type(exc).__name__}: {exc}",
-                    import_failed=not imported,
+                    import_failed=not imported and not taken,
                 )
                 self.hook_plugin_errors.append(error)
                 warnings.warn(
-                    f"kvstrata hook plugin {ep.name!r} from {error.distribution} failed to load: "
-                    f"{error.error}",
+                    f"kvstrata hook plugin {ep.name!r} from {origin} failed to load: {error.error}",
                     stacklevel=2,
                 )
 

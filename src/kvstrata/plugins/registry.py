@@ -76,7 +76,7 @@ UNKNOWN_DISTRIBUTION = "unknown distribution"
 DistributionNames = dict[importlib.metadata.Distribution, tuple[str, str | None]]
 
 
-def _distribution_of(ep: importlib.metadata.EntryPoint, about: DistributionNames) -> tuple[str, str | None]:
+def distribution_of(ep: importlib.metadata.EntryPoint, about: DistributionNames) -> tuple[str, str | None]:
     """(name, version) of the distribution declaring ``ep``, memoised in ``about``."""
     dist = getattr(ep, "dist", None)
     if dist is None:
@@ -184,7 +184,7 @@ class Registry(Generic[T]):
         self._points = {}
         about = {} if distributions is None else distributions
         for ep in points:
-            provider, version = _distribution_of(ep, about)
+            provider, version = distribution_of(ep, about)
             key = (ep.name, provider, ep.value)
             if key in seen:  # same dist seen twice on sys.path
                 continue
@@ -290,7 +290,7 @@ class Registry(Generic[T]):
             return found
         about: DistributionNames = {}
         for ep in installed_entry_points()[0].select(group=self.group, name=entry.name):
-            if ep.value == entry.target and _distribution_of(ep, about)[0] == entry.provider:
+            if ep.value == entry.target and distribution_of(ep, about)[0] == entry.provider:
                 return ep
         raise LookupError(
             f"entry point {entry.name} = {entry.target} of {entry.origin} is no longer installed"
