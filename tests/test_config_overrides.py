@@ -4,6 +4,7 @@ an unset variable in a path is blamed."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -142,3 +143,16 @@ def test_a_variable_or_set_gives_a_string_field_its_text_where_yaml_reads_a_numb
     # a value given in Python is taken as given: an int for a string is the caller's mistake
     with pytest.raises(ConfigError, match=r"model\.cache_salt: Input should be a valid string"):
         kvstrata.load({"model": MODEL}, environ={}, overrides={"model.cache_salt": 12345})
+
+
+@pytest.mark.parametrize("name", ["STACK.TOML", "stack.Json"])
+def test_a_config_file_suffix_in_capitals_picks_its_format(tmp_path: Path, name: str) -> None:
+    """``.TOML`` was read as YAML: a valid file refused with a YAML parse error."""
+    path = tmp_path / name
+    if name.lower().endswith(".toml"):
+        path.write_text(
+            '[model]\nname = "x"\n[model.pools.kv]\ntype = "kv"\nlayers = 2\nkv_heads = 1\nhead_dim = 8\n'
+        )
+    else:
+        path.write_text('{"model": {"name": "x", "pools": {"kv": ' + json.dumps(KV) + "}}}")
+    assert kvstrata.load(path, environ={}).model.pools["kv"].type == "kv"

@@ -23,7 +23,9 @@ ENV_NESTING = "__"
 
 def parse_config_text(text: str, suffix: str) -> Any:
     """``.toml``, ``.json``, anything else YAML; raises the parser's error (``ValueError`` for
-    JSON, with ``JSONDecodeError`` a subclass of it)."""
+    JSON, with ``JSONDecodeError`` a subclass of it). The suffix in any case: ``STACK.TOML`` was
+    read as YAML and refused with a YAML parse error."""
+    suffix = suffix.lower()
     if suffix == ".toml":
         return tomllib.loads(text)
     if suffix == ".json":
