@@ -524,3 +524,22 @@ def test_two_distributions_hook_plugins_of_one_name_are_reported_not_silently_dr
     # the fix it names works: blocking one distribution's entry loads the other, with no error
     blocked = PluginHost(autoload=True, disabled={f"{first}:obs"})
     assert blocked.hook_plugin_errors == [] and blocked.pm.get_plugin("obs") is not None
+
+
+def test_a_required_module_whose_package_raises_at_import_is_missing_not_a_traceback(
+    make_distribution,
+) -> None:
+    # find_spec imports a dotted module's parents: a RuntimeError there escaped `kvstrata plugins`
+    # (every plugin's listing) and a cache's open (instead of the install command)
+    from kvstrata.cli.plugins_cmd import plugin_rows
+
+    root = make_distribution("kvstrata-dep", "1.0", {}, {"kvstrata_brokendep.io": ""})
+    (root / "kvstrata_brokendep" / "__init__.py").write_text("raise RuntimeError('half upgraded')\n")
+    host = PluginHost(autoload=False)
+    host.storage_backends.register(
+        backend_class("needy", "{'kvstrata_brokendep.io': 'pip install kvstrata-dep'}")
+    )
+    [row] = [row for row in plugin_rows(host) if row["name"] == "needy"]
+    assert row["status"] == "missing dependency" and row["install"] == "pip install kvstrata-dep"
+    with pytest.raises(MissingDependencyError, match="pip install kvstrata-dep"):
+        host.storage_backends.require("needy")

@@ -127,12 +127,15 @@ def literal_type_name(config_cls: type) -> str | None:
 
 
 def missing_requirements(cls: type) -> list[tuple[str, str]]:
-    """``(module, install command)`` for each module in ``cls.requires`` that cannot be found."""
+    """``(module, install command)`` for each module in ``cls.requires`` that cannot be found.
+    A dotted module's parents are imported to find it: one that raises at import (any error: a
+    half-upgraded package) makes the module missing, never a traceback out of ``kvstrata
+    plugins`` for every plugin or out of ``open`` instead of the install command."""
     missing = []
     for module, install in getattr(cls, "requires", {}).items():
         try:
             found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
+        except (Exception, SystemExit):
             found = False
         if not found:
             missing.append((module, install))
