@@ -241,6 +241,15 @@ def test_env_switches_disable_autoload_and_single_plugins(monkeypatch: pytest.Mo
     assert PluginHost().storage_backends.names() == []
 
 
+def test_an_empty_switch_variable_is_an_unset_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `KVSTRATA_DISABLE_PLUGIN_AUTOLOAD=` (a compose file's way to leave it off) stopped every
+    # command: "Input should be a valid boolean"
+    monkeypatch.setenv("KVSTRATA_DISABLE_PLUGIN_AUTOLOAD", "")
+    monkeypatch.setenv("KVSTRATA_DISABLED_PLUGINS", "")
+    host = PluginHost()
+    assert host.autoload and not host.disabled and "file" in host.storage_backends.names()
+
+
 def test_broken_hook_plugin_is_reported_not_fatal(make_distribution) -> None:
     make_distribution(
         "kvstrata-observer",

@@ -52,9 +52,11 @@ log = logging.getLogger(__name__)
 
 
 class PluginSettings(BaseSettings):
-    """Environment switches that control discovery (read once per host)."""
+    """Environment switches that control discovery (read once per host). An empty variable is an
+    unset one (``KVSTRATA_DISABLE_PLUGIN_AUTOLOAD=`` in a compose file or CI matrix stopped every
+    command with "Input should be a valid boolean")."""
 
-    model_config = SettingsConfigDict(env_prefix="KVSTRATA_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="KVSTRATA_", extra="ignore", env_ignore_empty=True)
 
     disable_plugin_autoload: bool = Field(
         default=False, description="scan no entry points; only in-process registrations count"
