@@ -55,6 +55,17 @@ def test_a_built_in_passes_and_each_broken_contract_is_named(attribute: str) -> 
             kind.validate(name, _variant(cls, capabilities=newer))
 
 
+@pytest.mark.parametrize("attribute", list(BUILT_INS))
+@pytest.mark.parametrize("extra", ["ignore", "allow"])
+def test_a_plugin_config_that_accepts_unknown_keys_is_a_load_error(attribute: str, extra: str) -> None:
+    """A third-party Config setting extra='ignore' loaded: a misspelt key (``capacity_byts``)
+    was dropped without a word, the setting it meant left at its default."""
+    name, cls = BUILT_INS[attribute]
+    lax = type("Lax", (cls.Config,), {"model_config": {**cls.Config.model_config, "extra": extra}})
+    with pytest.raises(ValueError, match=f"Config sets extra='{extra}'"):
+        PLUGIN_KINDS[attribute].validate(name, _variant(cls, Config=lax))
+
+
 def test_a_pool_type_needs_a_default_role() -> None:
     with pytest.raises(ValueError, match="default_role must be a PoolRole"):
         PLUGIN_KINDS["pool_types"].validate("kv", _variant(KVPoolType, default_role="anchor"))

@@ -111,6 +111,12 @@ class PluginKind:
         check_name(self.kind, name, cls)
         if not issubclass(cls.Config, self.config_base):
             raise ValueError(f"{cls.__qualname__}.Config must subclass kvstrata {self.config_base.__name__}")
+        extra = cls.Config.model_config.get("extra")
+        if extra != "forbid":  # (a subclass may set it again): a misspelt key would be ignored
+            raise ValueError(
+                f"{cls.__qualname__}.Config sets extra={extra!r}: a plugin's config forbids unknown "
+                "keys (extra='forbid'), so a misspelt one is an error, not silently ignored"
+            )
         api = cls.api_version
         if self.capabilities is not None:
             caps = getattr(cls, "capabilities", None)
