@@ -156,3 +156,22 @@ def test_a_config_file_suffix_in_capitals_picks_its_format(tmp_path: Path, name:
     else:
         path.write_text('{"model": {"name": "x", "pools": {"kv": ' + json.dumps(KV) + "}}}")
     assert kvstrata.load(path, environ={}).model.pools["kv"].type == "kv"
+
+
+def test_an_admission_filter_error_names_the_path_as_written() -> None:
+    """The tagged union put the filter's ``type`` in the location: the error named
+    ``policy.admission.storage.reuse.min_hits``, a key nobody wrote (and the CLI could not blame
+    the ``--set`` that gave it); a section without ``type`` read "Unable to extract tag"."""
+    overrides = ["policy.admission.storage.type=reuse", "policy.admission.storage.min_hits=0"]
+    with pytest.raises(ConfigError) as info:
+        kvstrata.load({"model": MODEL}, environ={}, overrides=overrides)
+    assert [path for path, _ in info.value.errors] == ["policy.admission.storage.min_hits"]
+    with pytest.raises(ConfigError) as info:
+        kvstrata.load({"model": MODEL}, environ={}, overrides=["policy.admission.host.min_hits=2"])
+    assert info.value.errors == [("policy.admission.host", "missing `type`")]
+    from kvstrata.cli._checks import blame_overrides
+
+    blamed = blame_overrides(
+        ConfigError([("policy.admission.storage.min_hits", "x")]), ["policy.admission.storage.min_hits=0"]
+    )
+    assert blamed.source == "--set policy.admission.storage.min_hits=0"

@@ -320,11 +320,29 @@ def validate_config(
             for loc in as_text:
                 set_path(retried, list(loc), texts[loc])
             return validate_config(retried, host, source)
-        raise ConfigError([(dotted(err["loc"]), err["msg"]) for err in errors], source) from None
+        raise ConfigError([_located(err, data) for err in errors], source) from None
 
 
 def _loc(loc: Sequence[str | int]) -> tuple[str, ...]:
     return tuple(str(part) for part in loc)
+
+
+def _located(error: Any, data: Mapping[str, Any]) -> tuple[str, str]:
+    """(dotted path, reason) of one pydantic error, the path as the user wrote it: a tagged
+    union (``policy.admission.*``) puts the ``type`` it chose in the location, and
+    ``policy.admission.storage.reuse.min_hits`` is no key anyone wrote (nor one the CLI can blame
+    on the ``--set`` that gave it)."""
+    path: list[str | int] = []
+    node: Any = data
+    for part in error["loc"]:
+        if isinstance(node, Mapping) and part not in node and node.get("type") == part:
+            continue  # the tag of a tagged union, not a key
+        path.append(part)
+        node = node.get(part) if isinstance(node, Mapping) else None
+    reason = error["msg"]
+    if error["type"] == "union_tag_not_found":  # pydantic: "Unable to extract tag using discriminator"
+        reason = f"missing `{error['ctx']['discriminator'].strip(chr(39))}`"
+    return dotted(path), reason
 
 
 #: what :func:`load` reads: a file, files (later override earlier), a mapping or a config object
