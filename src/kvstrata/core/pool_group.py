@@ -167,12 +167,12 @@ def _check_late_pool(instance: str, spec: PoolSpec, anchor: str, pools: Mapping[
         raise ValueError(f"pool {instance!r}: index_source {spec.index_source!r} is not in the group")
 
 
-def checked_spec(plugin: PoolType, host: PluginHost, page_size: int, anchor: str | None) -> PoolSpec:
+def checked_spec(plugin: PoolType, host: PluginHost, anchor: str | None) -> PoolSpec:
     """``plugin.spec()``, refused naming the plugin's package when it contradicts what the core keys,
     plans and sizes by (instance, type, the model's page size, anchor role): it failed later with a
     bare ``KeyError``, or got another type's capabilities and keys, or another page size."""
     spec = plugin.spec()
-    instance, type_name = plugin.instance, plugin.name
+    instance, type_name, page_size = plugin.instance, plugin.name, plugin.model.page_size
     wrong: list[str] = []
     if not isinstance(spec, PoolSpec):
         wrong.append(f"returned a {type(spec).__name__}, not a PoolSpec")
@@ -240,10 +240,7 @@ class PoolGroup:
             )
 
         plugins_by_name = {name: self._instantiate(name, cfg) for name, cfg in config.model.pools.items()}
-        specs = {
-            name: checked_spec(plugin, plugins, self.page_size, self.anchor_name)
-            for name, plugin in plugins_by_name.items()
-        }
+        specs = {name: checked_spec(p, plugins, self.anchor_name) for name, p in plugins_by_name.items()}
         order = build_order(specs)
         units = {}
         for name in order:
@@ -411,7 +408,7 @@ class PoolGroup:
 
     def _add_late(self, instance: str, config: PoolConfig | Mapping[str, Any]) -> Pool:
         plugin = self._instantiate(instance, config)
-        spec = checked_spec(plugin, self.plugins, self.page_size, None)  # (a late anchor: refused below)
+        spec = checked_spec(plugin, self.plugins, None)  # (a late anchor: refused below)
         _check_late_pool(instance, spec, self.anchor_name, self.pools)
         units = self._units(spec, plugin.config, {})
         self._check_memory(self._tier_bytes(spec, units), f"pool {instance!r}")
