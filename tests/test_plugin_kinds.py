@@ -144,3 +144,43 @@ def test_a_pool_spec_that_contradicts_its_instance_is_refused_naming_the_plugin(
     with pytest.raises(kvstrata.plugins.PluginError, match="pool type 'speckv' from in-process") as info:
         kvstrata.open(config, plugins=host, environ={}).close()
     assert named in str(info.value)
+
+
+@pytest.mark.parametrize(("returned", "named"), [("dict", "returned a dict"), ("api", "returned api 2")])
+def test_instance_capabilities_outside_the_contract_fail_the_open_and_close_the_backend(
+    returned: str, named: str
+) -> None:
+    """The class's ``capabilities`` are checked at load, an instance's never: a dict failed start-up
+    with a bare AttributeError and the opened backend left open; another API's were planned from."""
+    closed: list[str] = []
+
+    class Odd(MemoryBackend):
+        def instance_capabilities(self) -> Any:
+            caps = super().instance_capabilities()
+            return caps.model_dump() if returned == "dict" else caps.model_copy(update={"api": 2})
+
+        def close(self) -> None:
+            closed.append(self.instance)
+            super().close()
+
+    odd = type(
+        "Odd",
+        (Odd,),
+        {
+            "name": "oddmem",
+            "Config": create_model(
+                "OddConfig", __base__=MemoryBackend.Config, type=(Literal["oddmem"], "oddmem")
+            ),
+        },
+    )
+    host = PluginHost(autoload=False)
+    host.storage_backends.register(odd)
+    host.pool_types.register(KVPoolType)
+    pool = {"type": "kv", "layers": 1, "kv_heads": 1, "head_dim": 4, "dtype": "float32"}
+    config = {
+        "model": {"name": "m", "page_size": 4, "pools": {"kv": pool}},
+        "tiers": {"host": {"capacity_tokens": 128}, "storage": {"l3": {"type": "oddmem"}}},
+    }
+    with pytest.raises(kvstrata.plugins.PluginError, match=f"instance_capabilities\\(\\) of 'l3' {named}"):
+        kvstrata.open(config, plugins=host, environ={}).close()
+    assert closed == ["l3"]
