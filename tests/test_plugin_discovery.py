@@ -552,3 +552,25 @@ def test_a_required_module_whose_package_raises_at_import_is_missing_not_a_trace
     assert row["status"] == "missing dependency" and row["install"] == "pip install kvstrata-dep"
     with pytest.raises(MissingDependencyError, match="pip install kvstrata-dep"):
         host.storage_backends.require("needy")
+
+
+def test_kvstrata_plugins_lists_an_installed_hook_plugin_that_loaded(make_distribution) -> None:
+    # only a hook plugin that failed was listed: a working metrics plugin was invisible, so nobody
+    # could tell it was installed and loaded
+    from kvstrata.cli.plugins_cmd import _details, plugin_rows
+
+    make_distribution(
+        "kvstrata-metrics",
+        "3.1",
+        {"kvstrata.plugins": {"metrics": "kvstrata_metrics"}},
+        {"kvstrata_metrics": OBSERVER.format(hook="kvstrata_eviction")},
+    )
+    host = PluginHost(autoload=True, disabled=set())
+    [row] = [r for r in plugin_rows(host) if r["kind"] == "hook plugin"]
+    assert (row["name"], row["distribution"], row["version"], row["status"]) == (
+        "metrics",
+        "kvstrata-metrics",
+        "3.1",
+        "available",
+    )
+    assert row["hooks"] == ["kvstrata_eviction"] and _details(row) == "hooks: kvstrata_eviction"

@@ -200,6 +200,8 @@ class PluginHost:
         self.storage_backends: Registry[StorageBackend] = self._registry("storage_backends")
         self.eviction_policies: Registry[EvictionPolicy] = self._registry("eviction_policies")
         self.hook_plugin_errors: list[HookPluginError] = []
+        #: installed hook plugins that loaded: name -> (distribution, version)
+        self.hook_plugins: dict[str, tuple[str | None, str | None]] = {}
         #: installed packages whose entry points could not be read (skipped, never fatal)
         self.distribution_errors: list[str] = []
         if self.autoload:
@@ -283,18 +285,18 @@ class PluginHost:
     def _load_hook_plugins(self, points: Iterable[importlib.metadata.EntryPoint]) -> None:
         # A custom loop instead of pluggy's load_setuptools_entrypoints: one broken plugin is
         # reported with its distribution and does not hide the others.
-        loaded: dict[str, str] = {}  # hook plugin name -> the distribution it was loaded from
         for ep in points:
             dist_name, version = distribution_of(ep, {})
             if disabled_item(self.disabled, ep.name, dist_name) is not None:
                 continue
             origin = " ".join(filter(None, (dist_name, version)))
+            known = dist_name if dist_name != UNKNOWN_DISTRIBUTION else None
             imported = taken = False
             try:
-                if self.pm.get_plugin(ep.name) is not None:  # (it was skipped without a word)
+                if self.pm.get_plugin(ep.name) is not None:  # (it was once skipped without a word)
                     taken = True
                     raise ValueError(
-                        f"the name {ep.name!r} is taken by {loaded.get(ep.name, 'another plugin')}'s "
+                        f"the name {ep.name!r} is taken by {self._origin(ep.name)}'s "
                         f"hook plugin; uninstall one, or block this one with "
                         f"KVSTRATA_DISABLED_PLUGINS={dist_name}:{ep.name}"
                     )
@@ -302,14 +304,13 @@ class PluginHost:
                 imported = True
                 self.pm.register(plugin, name=ep.name)  # runs its registration hooks too
                 self._check_known_hooks(plugin)
-                loaded[ep.name] = origin
+                self.hook_plugins[ep.name] = (known, version)
             except (Exception, SystemExit) as exc:  # (a plugin calling sys.exit at import)
                 if imported and self.pm.get_plugin(ep.name) is not None:
                     self.pm.unregister(name=ep.name)
-                known = dist_name != UNKNOWN_DISTRIBUTION
                 error = HookPluginError(
                     ep.name,
-                    dist_name if known else None,
+                    known,
                     version,
                     f"{type(exc).__name__}: {exc}",
                     import_failed=not imported and not taken,
@@ -319,6 +320,12 @@ class PluginHost:
                     f"kvstrata hook plugin {ep.name!r} from {origin} failed to load: {error.error}",
                     stacklevel=2,
                 )
+
+    def _origin(self, name: str) -> str:
+        """The distribution (and version) a loaded hook plugin came from, as errors name it."""
+        if name not in self.hook_plugins:
+            return "another plugin"
+        return " ".join(filter(None, self.hook_plugins[name])) or UNKNOWN_DISTRIBUTION
 
     def close(self) -> None:
         for plugin in list(self.pm.get_plugins()):
