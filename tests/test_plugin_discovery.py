@@ -574,3 +574,20 @@ def test_kvstrata_plugins_lists_an_installed_hook_plugin_that_loaded(make_distri
         "available",
     )
     assert row["hooks"] == ["kvstrata_eviction"] and _details(row) == "hooks: kvstrata_eviction"
+
+
+def test_a_rediscovery_after_an_install_loads_what_failed_before(make_distribution) -> None:
+    # discover() says it is safe to call again after installs, but get() kept raising the import
+    # error it cached before the missing module was installed
+    make_distribution(
+        "kvstrata-late",
+        "1.0",
+        {BACKENDS: {"late": "kvstrata_late:EchoBackend"}},
+        {"kvstrata_late": "import kvstrata_late_dep\n" + backend_module("late")},
+    )
+    host = PluginHost(autoload=True, disabled=set())
+    with pytest.raises(PluginLoadError, match="kvstrata_late_dep"):
+        host.storage_backends.get("late")
+    make_distribution("kvstrata-late-dep", "1.0", {}, {"kvstrata_late_dep": ""})  # the pip install
+    host.storage_backends.discover()
+    assert host.storage_backends.get("late").name == "late"

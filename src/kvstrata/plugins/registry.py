@@ -185,6 +185,7 @@ class Registry(Generic[T]):
         seen: set[tuple[str, str, str]] = set()
         self._blocked = []
         self._points = {}
+        self._errors = {}  # what failed to load may load now (its missing module installed since)
         about = {} if distributions is None else distributions
         for ep in points:
             provider, version = distribution_of(ep, about)
