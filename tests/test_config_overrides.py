@@ -4,6 +4,7 @@ an unset variable in a path is blamed."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -117,3 +118,60 @@ def test_an_unset_variable_in_a_set_path_names_the_set_and_the_field(tmp_path: P
     assert proc.returncode == 2, proc.stderr
     assert f"--set {setting}" in proc.stderr and "tiers.storage.l3.path:" in proc.stderr
     assert "KVSTRATA_TEST_UNSET_VARIABLE" in proc.stderr and str(DEMO) not in proc.stderr
+
+
+def test_a_variable_or_set_gives_a_string_field_its_text_where_yaml_reads_a_number(tmp_path: Path) -> None:
+    """A variable's value is text, but YAML read ``12345`` as a number and ``no`` as a boolean:
+    ``KVSTRATA_MODEL__CACHE_SALT=12345`` was refused ("Input should be a valid string"), a tenant
+    salt of ``no`` or a model named ``2024-01-01`` too, unless quoted twice."""
+    environ = {
+        "KVSTRATA_MODEL__CACHE_SALT": "0123",  # YAML 1.1: octal 83; the salt must stay as written
+        "KVSTRATA_MODEL__NAME": "2024-01-01",
+        "KVSTRATA_TIERS__STORAGE__L3__TYPE": "file",
+        "KVSTRATA_TIERS__STORAGE__L3__PATH": str(tmp_path / "l3"),
+    }
+    config = kvstrata.load({"model": MODEL}, environ=environ, overrides=["tiers.storage.l3.path=2024"])
+    assert (config.model.cache_salt, config.model.name) == ("0123", "2024-01-01")
+    assert str(config.tiers.storage["l3"].path) == "2024"
+    config = kvstrata.load({"model": MODEL}, environ={}, overrides=["model.cache_salt= no "])
+    assert config.model.cache_salt == "no"
+    # numbers and booleans still are numbers and booleans where a field takes them
+    config = kvstrata.load({"model": MODEL}, environ={"KVSTRATA_TIERS__HOST__PIN_MEMORY": "no"})
+    assert config.tiers.host.pin_memory is False
+    with pytest.raises(ConfigError, match=r"tiers\.host\.capacity_tokens"):
+        kvstrata.load({"model": MODEL}, environ={"KVSTRATA_TIERS__HOST__CAPACITY_TOKENS": "yes"})
+    # a value given in Python is taken as given: an int for a string is the caller's mistake
+    with pytest.raises(ConfigError, match=r"model\.cache_salt: Input should be a valid string"):
+        kvstrata.load({"model": MODEL}, environ={}, overrides={"model.cache_salt": 12345})
+
+
+@pytest.mark.parametrize("name", ["STACK.TOML", "stack.Json"])
+def test_a_config_file_suffix_in_capitals_picks_its_format(tmp_path: Path, name: str) -> None:
+    """``.TOML`` was read as YAML: a valid file refused with a YAML parse error."""
+    path = tmp_path / name
+    if name.lower().endswith(".toml"):
+        path.write_text(
+            '[model]\nname = "x"\n[model.pools.kv]\ntype = "kv"\nlayers = 2\nkv_heads = 1\nhead_dim = 8\n'
+        )
+    else:
+        path.write_text('{"model": {"name": "x", "pools": {"kv": ' + json.dumps(KV) + "}}}")
+    assert kvstrata.load(path, environ={}).model.pools["kv"].type == "kv"
+
+
+def test_an_admission_filter_error_names_the_path_as_written() -> None:
+    """The tagged union put the filter's ``type`` in the location: the error named
+    ``policy.admission.storage.reuse.min_hits``, a key nobody wrote (and the CLI could not blame
+    the ``--set`` that gave it); a section without ``type`` read "Unable to extract tag"."""
+    overrides = ["policy.admission.storage.type=reuse", "policy.admission.storage.min_hits=0"]
+    with pytest.raises(ConfigError) as info:
+        kvstrata.load({"model": MODEL}, environ={}, overrides=overrides)
+    assert [path for path, _ in info.value.errors] == ["policy.admission.storage.min_hits"]
+    with pytest.raises(ConfigError) as info:
+        kvstrata.load({"model": MODEL}, environ={}, overrides=["policy.admission.host.min_hits=2"])
+    assert info.value.errors == [("policy.admission.host", "missing `type`")]
+    from kvstrata.cli._checks import blame_overrides
+
+    blamed = blame_overrides(
+        ConfigError([("policy.admission.storage.min_hits", "x")]), ["policy.admission.storage.min_hits=0"]
+    )
+    assert blamed.source == "--set policy.admission.storage.min_hits=0"

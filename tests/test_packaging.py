@@ -132,3 +132,18 @@ def test_wheel_in_a_fresh_venv_replays_with_no_argument(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["requests"] == 20 and result["failures"] == 0 and result["hit_rate"]["total"] > 0
+
+
+def test_the_hf_adapter_without_transformers_names_its_extra() -> None:
+    """Without transformers the adapter's import said only "No module named 'transformers'"; a
+    plain ``pip install transformers`` brings a version the adapter is not pinned to."""
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "try:\n    import kvstrata.adapters.hf\n"
+        "except ModuleNotFoundError as exc:\n    print(exc.name, '|', exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert result.stdout.strip() == (
+        "transformers | kvstrata.adapters.hf needs transformers: run `pip install 'kvstrata[hf]'`"
+    )

@@ -10,8 +10,10 @@ import sys
 import warnings
 from pathlib import Path
 
+import pluggy
 import pytest
 
+import kvstrata
 from kvstrata.plugins import (
     MissingDependencyError,
     PluginCollisionError,
@@ -239,6 +241,15 @@ def test_env_switches_disable_autoload_and_single_plugins(monkeypatch: pytest.Mo
     assert PluginHost().storage_backends.names() == []
 
 
+def test_an_empty_switch_variable_is_an_unset_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `KVSTRATA_DISABLE_PLUGIN_AUTOLOAD=` (a compose file's way to leave it off) stopped every
+    # command: "Input should be a valid boolean"
+    monkeypatch.setenv("KVSTRATA_DISABLE_PLUGIN_AUTOLOAD", "")
+    monkeypatch.setenv("KVSTRATA_DISABLED_PLUGINS", "")
+    host = PluginHost()
+    assert host.autoload and not host.disabled and "file" in host.storage_backends.names()
+
+
 def test_broken_hook_plugin_is_reported_not_fatal(make_distribution) -> None:
     make_distribution(
         "kvstrata-observer",
@@ -455,3 +466,128 @@ def test_the_cli_runs_beside_a_half_installed_package(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert "half" in proc.stdout and "file" in proc.stdout
+
+
+OBSERVER = """
+import kvstrata
+seen = []
+
+@kvstrata.hookimpl
+def {hook}(tier, pool, units):
+    seen.append((tier, pool, units))
+"""
+
+
+def test_a_hook_plugin_with_a_misspelt_hook_is_reported_not_silently_deaf(make_distribution) -> None:
+    # pluggy took the implementation of a hook no spec declares and never called it; nothing ran
+    # its check_pending, so a metrics plugin with a typo was deaf without a word
+    make_distribution(
+        "kvstrata-typo",
+        "1.0",
+        {"kvstrata.plugins": {"typo": "kvstrata_typo"}},
+        {"kvstrata_typo": OBSERVER.format(hook="kvstrata_evicton")},
+    )
+    with pytest.warns(UserWarning, match="kvstrata_evicton"):
+        host = PluginHost(autoload=True, disabled=set())
+    [error] = host.hook_plugin_errors
+    assert error.distribution == "kvstrata-typo" and "kvstrata_evicton" in error.error
+    assert not error.import_failed, "a reinstall cannot mend a misspelt hook"
+    assert host.pm.get_plugin("typo") is None
+
+
+def test_an_in_process_plugin_with_a_misspelt_hook_is_refused() -> None:
+    class Typo:
+        @kvstrata.hookimpl
+        def kvstrata_evicton(self, tier: str, pool: str, units: int) -> None: ...
+
+    class Newer:  # a hook of a later kvstrata, marked optional: accepted
+        @kvstrata.hookimpl(optionalhook=True)
+        def kvstrata_future_event(self) -> None: ...
+
+    host = PluginHost(autoload=False)
+    typo = Typo()
+    with pytest.raises(pluggy.PluginValidationError, match="kvstrata_evicton"):
+        host.register_plugin(typo)
+    assert not host.pm.is_registered(typo)
+    host.register_plugin(Newer())
+
+
+def test_two_distributions_hook_plugins_of_one_name_are_reported_not_silently_dropped(
+    make_distribution, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the second was skipped without a word: its observers never ran
+    for dist, module in (("kvstrata-obs-a", "obs_a"), ("kvstrata-obs-b", "obs_b")):
+        make_distribution(
+            dist,
+            "1.0",
+            {"kvstrata.plugins": {"obs": module}},
+            {module: OBSERVER.format(hook="kvstrata_eviction")},
+        )
+    with pytest.warns(UserWarning, match="is taken by kvstrata-obs-"):
+        host = PluginHost(autoload=True, disabled=set())
+    [error] = host.hook_plugin_errors
+    first = "kvstrata-obs-b" if error.distribution == "kvstrata-obs-a" else "kvstrata-obs-a"
+    assert f"taken by {first} 1.0" in error.error and not error.import_failed
+    assert f"KVSTRATA_DISABLED_PLUGINS={error.distribution}:obs" in error.error
+    assert host.pm.get_plugin("obs") is not None, "the first one still loads"
+    # the fix it names works: blocking one distribution's entry loads the other, with no error
+    blocked = PluginHost(autoload=True, disabled={f"{first}:obs"})
+    assert blocked.hook_plugin_errors == [] and blocked.pm.get_plugin("obs") is not None
+
+
+def test_a_required_module_whose_package_raises_at_import_is_missing_not_a_traceback(
+    make_distribution,
+) -> None:
+    # find_spec imports a dotted module's parents: a RuntimeError there escaped `kvstrata plugins`
+    # (every plugin's listing) and a cache's open (instead of the install command)
+    from kvstrata.cli.plugins_cmd import plugin_rows
+
+    root = make_distribution("kvstrata-dep", "1.0", {}, {"kvstrata_brokendep.io": ""})
+    (root / "kvstrata_brokendep" / "__init__.py").write_text("raise RuntimeError('half upgraded')\n")
+    host = PluginHost(autoload=False)
+    host.storage_backends.register(
+        backend_class("needy", "{'kvstrata_brokendep.io': 'pip install kvstrata-dep'}")
+    )
+    [row] = [row for row in plugin_rows(host) if row["name"] == "needy"]
+    assert row["status"] == "missing dependency" and row["install"] == "pip install kvstrata-dep"
+    with pytest.raises(MissingDependencyError, match="pip install kvstrata-dep"):
+        host.storage_backends.require("needy")
+
+
+def test_kvstrata_plugins_lists_an_installed_hook_plugin_that_loaded(make_distribution) -> None:
+    # only a hook plugin that failed was listed: a working metrics plugin was invisible, so nobody
+    # could tell it was installed and loaded
+    from kvstrata.cli.plugins_cmd import _details, plugin_rows
+
+    make_distribution(
+        "kvstrata-metrics",
+        "3.1",
+        {"kvstrata.plugins": {"metrics": "kvstrata_metrics"}},
+        {"kvstrata_metrics": OBSERVER.format(hook="kvstrata_eviction")},
+    )
+    host = PluginHost(autoload=True, disabled=set())
+    [row] = [r for r in plugin_rows(host) if r["kind"] == "hook plugin"]
+    assert (row["name"], row["distribution"], row["version"], row["status"]) == (
+        "metrics",
+        "kvstrata-metrics",
+        "3.1",
+        "available",
+    )
+    assert row["hooks"] == ["kvstrata_eviction"] and _details(row) == "hooks: kvstrata_eviction"
+
+
+def test_a_rediscovery_after_an_install_loads_what_failed_before(make_distribution) -> None:
+    # discover() says it is safe to call again after installs, but get() kept raising the import
+    # error it cached before the missing module was installed
+    make_distribution(
+        "kvstrata-late",
+        "1.0",
+        {BACKENDS: {"late": "kvstrata_late:EchoBackend"}},
+        {"kvstrata_late": "import kvstrata_late_dep\n" + backend_module("late")},
+    )
+    host = PluginHost(autoload=True, disabled=set())
+    with pytest.raises(PluginLoadError, match="kvstrata_late_dep"):
+        host.storage_backends.get("late")
+    make_distribution("kvstrata-late-dep", "1.0", {}, {"kvstrata_late_dep": ""})  # the pip install
+    host.storage_backends.discover()
+    assert host.storage_backends.get("late").name == "late"

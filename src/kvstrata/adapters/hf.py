@@ -31,7 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
+
+try:
+    import transformers
+except ModuleNotFoundError as exc:  # the extra pins the version the adapter is tested with
+    if exc.name != "transformers":
+        raise
+    raise ModuleNotFoundError(
+        "kvstrata.adapters.hf needs transformers: run `pip install 'kvstrata[hf]'`", name="transformers"
+    ) from exc
 
 import kvstrata
 from kvstrata.adapters._hf_cache import (

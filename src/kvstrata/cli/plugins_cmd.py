@@ -114,6 +114,24 @@ def plugin_rows(host: PluginHost) -> list[dict[str, Any]]:
                 "capabilities": None,
             }
         )
+    for name, (distribution, version) in host.hook_plugins.items():  # (listed only when it failed)
+        plugin = host.pm.get_plugin(name)
+        hooks = sorted(caller.name for caller in host.pm.get_hookcallers(plugin) or [])
+        rows.append(
+            {
+                "kind": "hook plugin",
+                "name": name,
+                "distribution": distribution,
+                "version": version,
+                "source": "entry_point",
+                "status": "available",
+                "error": None,
+                "install": None,
+                "missing": [],
+                "capabilities": None,
+                "hooks": hooks,
+            }
+        )
     for failed in host.hook_plugin_errors:
         rows.append(
             {
@@ -139,6 +157,8 @@ def _details(row: dict[str, Any]) -> str:
         return "; ".join(f"needs {m['module']}: {m['install']}" for m in row["missing"])
     if row["install"]:
         return f"{details}; fix: {row['install']}"
+    if row.get("hooks"):
+        return "hooks: " + ", ".join(row["hooks"])
     if row["capabilities"] and not row["error"]:
         caps = row["capabilities"]
         flags = [k for k, v in caps.items() if v is True]

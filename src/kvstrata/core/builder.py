@@ -51,7 +51,7 @@ from kvstrata.core.writer import Writer
 from kvstrata.plugins import PluginHost
 from kvstrata.plugins.errors import ConfigError, PluginError, StorageError
 from kvstrata.plugins.pool_type import PoolSpec
-from kvstrata.plugins.storage_backend import StorageBackend
+from kvstrata.plugins.storage_backend import BACKEND_API_VERSION, BackendCapabilities, StorageBackend
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ def open_storage_backend(
     try:  # the constructor and the capabilities are the plugin's code too: the same error
         backend = backend_class(instance, backend_config)
         backend.open()
-        backend.instance_capabilities()  # what the caller asks next: an open backend answers it
+        _check_capabilities(plugins, backend)  # what the caller asks next: an open backend answers it
     except PluginError:
         _close_quietly(backend)
         raise
@@ -293,6 +293,20 @@ def open_storage_backend(
             f"could not be opened: {what}"
         ) from exc
     return backend
+
+
+def _check_capabilities(plugins: PluginHost, backend: StorageBackend) -> None:
+    """An instance's capabilities are held to the class's contract (a ``BackendCapabilities`` of
+    this backend API): anything else failed after the open, with the backend left open."""
+    caps = backend.instance_capabilities()
+    if isinstance(caps, BackendCapabilities) and caps.api == BACKEND_API_VERSION:
+        return
+    what = f"api {caps.api}" if isinstance(caps, BackendCapabilities) else f"a {type(caps).__name__}"
+    origin = plugins.storage_backends.entry(backend.name).origin
+    raise PluginError(
+        f"storage backend {backend.name!r} from {origin}: instance_capabilities() of {backend.instance!r} "
+        f"returned {what}, not the BackendCapabilities of backend API {BACKEND_API_VERSION}"
+    )
 
 
 def _close_quietly(backend: StorageBackend | None) -> None:

@@ -33,10 +33,12 @@ from pydantic import (
 
 from kvstrata.core.config_text import (
     deep_merge,
+    env_items,
     env_overrides,
     match_case,
     parse_config_text,
     parse_override,
+    scalar_text,
     set_path,
 )
 from kvstrata.core.policy_config import AdmissionTiers, RetentionConfig
@@ -294,13 +296,53 @@ def dotted(loc: Sequence[str | int]) -> str:
     return ".".join(str(part) for part in loc)
 
 
-def validate_config(data: Mapping[str, Any], host: PluginHost, source: str | None = None) -> KvstrataConfig:
-    """Validate a composed mapping; errors carry the dotted path of each bad field."""
+#: pydantic's errors for a value a string (or path) field does not take
+_NOT_TEXT = frozenset({"string_type", "path_type"})
+
+
+def validate_config(
+    data: Mapping[str, Any],
+    host: PluginHost,
+    source: str | None = None,
+    texts: Mapping[tuple[str, ...], str] | None = None,
+) -> KvstrataConfig:
+    """Validate a composed mapping; errors carry the dotted path of each bad field. ``texts``:
+    the text of each environment / ``--set`` value YAML read as a number, boolean or date, by
+    path: a string field refusing that value takes the text as written instead."""
     try:
         return KvstrataConfig.model_validate(dict(data), context={"plugins": host})
     except ValidationError as exc:
-        errors = [(dotted(err["loc"]), err["msg"]) for err in exc.errors()]
-        raise ConfigError(errors, source) from None
+        errors = exc.errors()
+        texts = texts or {}
+        as_text = [loc for err in errors if err["type"] in _NOT_TEXT and (loc := _loc(err["loc"])) in texts]
+        if as_text:
+            retried = _plain(data)
+            for loc in as_text:
+                set_path(retried, list(loc), texts[loc])
+            return validate_config(retried, host, source)
+        raise ConfigError([_located(err, data) for err in errors], source) from None
+
+
+def _loc(loc: Sequence[str | int]) -> tuple[str, ...]:
+    return tuple(str(part) for part in loc)
+
+
+def _located(error: Any, data: Mapping[str, Any]) -> tuple[str, str]:
+    """(dotted path, reason) of one pydantic error, the path as the user wrote it: a tagged
+    union (``policy.admission.*``) puts the ``type`` it chose in the location, and
+    ``policy.admission.storage.reuse.min_hits`` is no key anyone wrote (nor one the CLI can blame
+    on the ``--set`` that gave it)."""
+    path: list[str | int] = []
+    node: Any = data
+    for part in error["loc"]:
+        if isinstance(node, Mapping) and part not in node and node.get("type") == part:
+            continue  # the tag of a tagged union, not a key
+        path.append(part)
+        node = node.get(part) if isinstance(node, Mapping) else None
+    reason = error["msg"]
+    if error["type"] == "union_tag_not_found":  # pydantic: "Unable to extract tag using discriminator"
+        reason = f"missing `{error['ctx']['discriminator'].strip(chr(39))}`"
+    return dotted(path), reason
 
 
 #: what :func:`load` reads: a file, files (later override earlier), a mapping or a config object
@@ -326,23 +368,38 @@ def load(
     of the bad field whichever form was used.
     """
     host = plugins or PluginHost()
-    pairs = (
-        [(key.split("."), value) for key, value in overrides.items()]
-        if isinstance(overrides, Mapping)
-        else [parse_override(text) for text in _strings(overrides, "overrides")]
-    )
+    texts: list[str | None]  # each override's text (a mapping's values are Python values: none)
+    if isinstance(overrides, Mapping):
+        pairs = [(key.split("."), value) for key, value in overrides.items()]
+        texts = [None] * len(pairs)
+    else:
+        strings = _strings(overrides, "overrides")
+        pairs = [parse_override(text) for text in strings]
+        texts = [text.partition("=")[2] for text in strings]
     source: str | None = None
     if isinstance(config, KvstrataConfig | Mapping):
         # a config object: every field, also one assigned on a section that came from defaults
         data = config.model_dump(mode="json") if isinstance(config, KvstrataConfig) else _plain(config)
-        for path, value in env_overrides(environ):
-            set_path(data, match_case(data, path), value)
     else:
         files = [config] if isinstance(config, str | Path) else _paths(config)
-        data, source = compose(files, (), environ), ", ".join(str(f) for f in files)
-    for path, value in pairs:
-        set_path(data, [part.strip() for part in path], value)
-    return validate_config(data, host, source)
+        data, source = compose(files, (), {}), ", ".join(str(f) for f in files)
+    written: dict[tuple[str, ...], str] = {}  # by path: the text of an env / --set number or boolean
+    for path, value, raw in env_items(environ):
+        _override(data, match_case(data, path), value, raw, written)
+    for (path, value), raw in zip(pairs, texts, strict=True):
+        _override(data, [part.strip() for part in path], value, raw, written)
+    return validate_config(data, host, source, written)
+
+
+def _override(
+    data: dict[str, Any], path: list[str], value: Any, raw: str | None, texts: dict[tuple[str, ...], str]
+) -> None:
+    set_path(data, path, value)
+    text = None if raw is None else scalar_text(raw, value)
+    if text is None:
+        texts.pop(tuple(path), None)
+    else:
+        texts[tuple(path)] = text
 
 
 def _plain(data: Mapping[str, Any]) -> dict[str, Any]:

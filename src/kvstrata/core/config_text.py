@@ -23,7 +23,9 @@ ENV_NESTING = "__"
 
 def parse_config_text(text: str, suffix: str) -> Any:
     """``.toml``, ``.json``, anything else YAML; raises the parser's error (``ValueError`` for
-    JSON, with ``JSONDecodeError`` a subclass of it)."""
+    JSON, with ``JSONDecodeError`` a subclass of it). The suffix in any case: ``STACK.TOML`` was
+    read as YAML and refused with a YAML parse error."""
+    suffix = suffix.lower()
     if suffix == ".toml":
         return tomllib.loads(text)
     if suffix == ".json":
@@ -112,11 +114,25 @@ def set_path(data: dict[str, Any], path: Sequence[str], value: Any) -> dict[str,
     return data
 
 
+def scalar_text(raw: str, value: Any) -> str | None:
+    """The text of an override whose value YAML read as a number, boolean or date (``12345``,
+    ``yes``, ``2024-01-01``): what a string field takes instead, as written (a variable's value is
+    text; quoting it again, ``'"12345"'``, is not what anyone writes for a tenant salt)."""
+    if value is None or isinstance(value, str | list | dict):
+        return None
+    return raw.strip()
+
+
 def env_overrides(environ: Mapping[str, str] | None = None) -> list[tuple[list[str], Any]]:
     """``KVSTRATA_TIERS__HOST__CAPACITY_TOKENS=0`` -> (["tiers", "host", "capacity_tokens"], 0).
 
     Only names containing ``__`` are config; single-level ``KVSTRATA_*`` names are switches.
     """
+    return [(path, value) for path, value, _ in env_items(environ)]
+
+
+def env_items(environ: Mapping[str, str] | None = None) -> list[tuple[list[str], Any, str]]:
+    """:func:`env_overrides` with each variable's text: (path, value parsed as YAML, text)."""
     environ = os.environ if environ is None else environ
     result = []
     names = [name for name in environ if name.startswith(ENV_PREFIX) and ENV_NESTING in name]
@@ -127,7 +143,7 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> list[tuple[list[s
         except ConfigError as exc:  # the field and the variable the user set, not "x"
             errors = [(".".join(path), message) for _, message in exc.errors]
             raise ConfigError(errors, f"environment variable {name}") from None
-        result.append((path, value))
+        result.append((path, value, environ[name]))
     return result
 
 

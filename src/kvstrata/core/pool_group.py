@@ -40,7 +40,7 @@ from kvstrata.core.allocator import UnitAllocator
 from kvstrata.core.buffers import EngineTensor, HostAllocatorFn, PoolBuffers, engine_tensor_units
 from kvstrata.core.config import HostTierConfig, KvstrataConfig, anchor_instances, dotted
 from kvstrata.core.transfer import TransferHandle, as_index, copy_unit_bytes, copy_units
-from kvstrata.plugins.errors import ConfigError
+from kvstrata.plugins.errors import ConfigError, PluginError
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.pool_type import (
     Granularity,
@@ -167,6 +167,34 @@ def _check_late_pool(instance: str, spec: PoolSpec, anchor: str, pools: Mapping[
         raise ValueError(f"pool {instance!r}: index_source {spec.index_source!r} is not in the group")
 
 
+def checked_spec(plugin: PoolType, host: PluginHost, anchor: str | None) -> PoolSpec:
+    """``plugin.spec()``, refused naming the plugin's package when it contradicts what the core keys,
+    plans and sizes by (instance, type, the model's page size, anchor role): it failed later with a
+    bare ``KeyError``, or got another type's capabilities and keys, or another page size."""
+    spec = plugin.spec()
+    instance, type_name, page_size = plugin.instance, plugin.name, plugin.model.page_size
+    wrong: list[str] = []
+    if not isinstance(spec, PoolSpec):
+        wrong.append(f"returned a {type(spec).__name__}, not a PoolSpec")
+    else:
+        if spec.name != instance:
+            wrong.append(f"name is {spec.name!r}, not the instance name {instance!r}")
+        if spec.pool_type != type_name:
+            wrong.append(f"pool_type is {spec.pool_type!r}, not the plugin's name {type_name!r}")
+        if spec.page_size != page_size:
+            wrong.append(f"page_size is {spec.page_size}, not the model's page_size {page_size}")
+        if anchor is not None and (spec.role is PoolRole.ANCHOR) != (instance == anchor):
+            should = "the anchor" if instance == anchor else f"not the anchor (that is {anchor!r})"
+            wrong.append(f"role is {spec.role.value}, but by its type's default_role it is {should}")
+    if wrong:
+        origin = host.pool_types.entry(type_name).origin
+        raise PluginError(
+            f"pool type {type_name!r} from {origin} declared an inconsistent spec for pool {instance!r}: "
+            + "; ".join(wrong)
+        )
+    return spec
+
+
 class PoolGroup:
     """All pools of one model stack on this rank (see the module docstring for sizing)."""
 
@@ -212,7 +240,7 @@ class PoolGroup:
             )
 
         plugins_by_name = {name: self._instantiate(name, cfg) for name, cfg in config.model.pools.items()}
-        specs = {name: plugin.spec() for name, plugin in plugins_by_name.items()}
+        specs = {name: checked_spec(p, plugins, self.anchor_name) for name, p in plugins_by_name.items()}
         order = build_order(specs)
         units = {}
         for name in order:
@@ -380,7 +408,7 @@ class PoolGroup:
 
     def _add_late(self, instance: str, config: PoolConfig | Mapping[str, Any]) -> Pool:
         plugin = self._instantiate(instance, config)
-        spec = plugin.spec()
+        spec = checked_spec(plugin, self.plugins, None)  # (a late anchor: refused below)
         _check_late_pool(instance, spec, self.anchor_name, self.pools)
         units = self._units(spec, plugin.config, {})
         self._check_memory(self._tier_bytes(spec, units), f"pool {instance!r}")

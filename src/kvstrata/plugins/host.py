@@ -27,7 +27,15 @@ from kvstrata.plugins.eviction_policy import (
     PolicyCapabilities,
 )
 from kvstrata.plugins.pool_type import POOL_API_VERSION, PoolConfig, PoolRole, PoolType
-from kvstrata.plugins.registry import DistributionNames, Registry, check_name, installed_entry_points
+from kvstrata.plugins.registry import (
+    UNKNOWN_DISTRIBUTION,
+    DistributionNames,
+    Registry,
+    check_name,
+    disabled_item,
+    distribution_of,
+    installed_entry_points,
+)
 from kvstrata.plugins.storage_backend import (
     BACKEND_API_VERSION,
     BackendCapabilities,
@@ -44,9 +52,11 @@ log = logging.getLogger(__name__)
 
 
 class PluginSettings(BaseSettings):
-    """Environment switches that control discovery (read once per host)."""
+    """Environment switches that control discovery (read once per host). An empty variable is an
+    unset one (``KVSTRATA_DISABLE_PLUGIN_AUTOLOAD=`` in a compose file or CI matrix stopped every
+    command with "Input should be a valid boolean")."""
 
-    model_config = SettingsConfigDict(env_prefix="KVSTRATA_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="KVSTRATA_", extra="ignore", env_ignore_empty=True)
 
     disable_plugin_autoload: bool = Field(
         default=False, description="scan no entry points; only in-process registrations count"
@@ -101,6 +111,12 @@ class PluginKind:
         check_name(self.kind, name, cls)
         if not issubclass(cls.Config, self.config_base):
             raise ValueError(f"{cls.__qualname__}.Config must subclass kvstrata {self.config_base.__name__}")
+        extra = cls.Config.model_config.get("extra")
+        if extra != "forbid":  # (a subclass may set it again): a misspelt key would be ignored
+            raise ValueError(
+                f"{cls.__qualname__}.Config sets extra={extra!r}: a plugin's config forbids unknown "
+                "keys (extra='forbid'), so a misspelt one is an error, not silently ignored"
+            )
         api = cls.api_version
         if self.capabilities is not None:
             caps = getattr(cls, "capabilities", None)
@@ -184,6 +200,8 @@ class PluginHost:
         self.storage_backends: Registry[StorageBackend] = self._registry("storage_backends")
         self.eviction_policies: Registry[EvictionPolicy] = self._registry("eviction_policies")
         self.hook_plugin_errors: list[HookPluginError] = []
+        #: installed hook plugins that loaded: name -> (distribution, version)
+        self.hook_plugins: dict[str, tuple[str | None, str | None]] = {}
         #: installed packages whose entry points could not be read (skipped, never fatal)
         self.distribution_errors: list[str] = []
         if self.autoload:
@@ -241,37 +259,73 @@ class PluginHost:
                 log.debug("kvstrata plugin %r: hook %s", impl.plugin_name, event, exc_info=True)
 
     def register_plugin(self, plugin: object, name: str | None = None) -> None:
-        """Register a hook plugin (module or object) in-process."""
+        """Register a hook plugin (module or object) in-process; one implementing a hook kvstrata
+        has no spec for (a misspelt name) is refused (``pluggy.PluginValidationError``)."""
         self.pm.register(plugin, name=name)
+        self._check_known_hooks(plugin)
+
+    def _check_known_hooks(self, plugin: object) -> None:
+        """pluggy accepts an implementation of a hook no spec declares and never calls it (its
+        ``check_pending``, which nothing ran, would say so): a misspelt ``kvstrata_evicton``
+        observer was silently deaf. Refuse the plugin, unregistered, naming the hook."""
+        unknown = sorted(
+            caller.name
+            for caller in self.pm.get_hookcallers(plugin) or []
+            if not caller.has_spec()
+            and any(impl.plugin is plugin and not impl.optionalhook for impl in caller.get_hookimpls())
+        )
+        if unknown:
+            self.pm.unregister(plugin)
+            raise pluggy.PluginValidationError(
+                plugin,
+                f"implements {', '.join(unknown)}, which kvstrata does not call (misspelt? the hooks "
+                "are in kvstrata.hookspecs; mark a hook of a newer kvstrata optionalhook=True)",
+            )
 
     def _load_hook_plugins(self, points: Iterable[importlib.metadata.EntryPoint]) -> None:
         # A custom loop instead of pluggy's load_setuptools_entrypoints: one broken plugin is
         # reported with its distribution and does not hide the others.
         for ep in points:
-            if ep.name in self.disabled or self.pm.get_plugin(ep.name) is not None:
+            dist_name, version = distribution_of(ep, {})
+            if disabled_item(self.disabled, ep.name, dist_name) is not None:
                 continue
-            dist = getattr(ep, "dist", None)
-            imported = False
+            origin = " ".join(filter(None, (dist_name, version)))
+            known = dist_name if dist_name != UNKNOWN_DISTRIBUTION else None
+            imported = taken = False
             try:
+                if self.pm.get_plugin(ep.name) is not None:  # (it was once skipped without a word)
+                    taken = True
+                    raise ValueError(
+                        f"the name {ep.name!r} is taken by {self._origin(ep.name)}'s "
+                        f"hook plugin; uninstall one, or block this one with "
+                        f"KVSTRATA_DISABLED_PLUGINS={dist_name}:{ep.name}"
+                    )
                 plugin = ep.load()
                 imported = True
                 self.pm.register(plugin, name=ep.name)  # runs its registration hooks too
+                self._check_known_hooks(plugin)
+                self.hook_plugins[ep.name] = (known, version)
             except (Exception, SystemExit) as exc:  # (a plugin calling sys.exit at import)
-                if self.pm.get_plugin(ep.name) is not None:
+                if imported and self.pm.get_plugin(ep.name) is not None:
                     self.pm.unregister(name=ep.name)
                 error = HookPluginError(
                     ep.name,
-                    dist.name if dist else None,
-                    dist.version if dist else None,
+                    known,
+                    version,
                     f"{type(exc).__name__}: {exc}",
-                    import_failed=not imported,
+                    import_failed=not imported and not taken,
                 )
                 self.hook_plugin_errors.append(error)
                 warnings.warn(
-                    f"kvstrata hook plugin {ep.name!r} from {error.distribution} failed to load: "
-                    f"{error.error}",
+                    f"kvstrata hook plugin {ep.name!r} from {origin} failed to load: {error.error}",
                     stacklevel=2,
                 )
+
+    def _origin(self, name: str) -> str:
+        """The distribution (and version) a loaded hook plugin came from, as errors name it."""
+        if name not in self.hook_plugins:
+            return "another plugin"
+        return " ".join(filter(None, self.hook_plugins[name])) or UNKNOWN_DISTRIBUTION
 
     def close(self) -> None:
         for plugin in list(self.pm.get_plugins()):

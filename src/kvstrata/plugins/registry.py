@@ -76,7 +76,7 @@ UNKNOWN_DISTRIBUTION = "unknown distribution"
 DistributionNames = dict[importlib.metadata.Distribution, tuple[str, str | None]]
 
 
-def _distribution_of(ep: importlib.metadata.EntryPoint, about: DistributionNames) -> tuple[str, str | None]:
+def distribution_of(ep: importlib.metadata.EntryPoint, about: DistributionNames) -> tuple[str, str | None]:
     """(name, version) of the distribution declaring ``ep``, memoised in ``about``."""
     dist = getattr(ep, "dist", None)
     if dist is None:
@@ -127,12 +127,15 @@ def literal_type_name(config_cls: type) -> str | None:
 
 
 def missing_requirements(cls: type) -> list[tuple[str, str]]:
-    """``(module, install command)`` for each module in ``cls.requires`` that cannot be found."""
+    """``(module, install command)`` for each module in ``cls.requires`` that cannot be found.
+    A dotted module's parents are imported to find it: one that raises at import (any error: a
+    half-upgraded package) makes the module missing, never a traceback out of ``kvstrata
+    plugins`` for every plugin or out of ``open`` instead of the install command."""
     missing = []
     for module, install in getattr(cls, "requires", {}).items():
         try:
             found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
+        except (Exception, SystemExit):
             found = False
         if not found:
             missing.append((module, install))
@@ -182,9 +185,10 @@ class Registry(Generic[T]):
         seen: set[tuple[str, str, str]] = set()
         self._blocked = []
         self._points = {}
+        self._errors = {}  # what failed to load may load now (its missing module installed since)
         about = {} if distributions is None else distributions
         for ep in points:
-            provider, version = _distribution_of(ep, about)
+            provider, version = distribution_of(ep, about)
             key = (ep.name, provider, ep.value)
             if key in seen:  # same dist seen twice on sys.path
                 continue
@@ -290,7 +294,7 @@ class Registry(Generic[T]):
             return found
         about: DistributionNames = {}
         for ep in installed_entry_points()[0].select(group=self.group, name=entry.name):
-            if ep.value == entry.target and _distribution_of(ep, about)[0] == entry.provider:
+            if ep.value == entry.target and distribution_of(ep, about)[0] == entry.provider:
                 return ep
         raise LookupError(
             f"entry point {entry.name} = {entry.target} of {entry.origin} is no longer installed"
