@@ -278,6 +278,7 @@ class Run:
         needs = {name: rng.randint(1, 5) for name in rng.sample(self.pools, rng.randint(1, len(self.pools)))}
         protected = self.locked_units(tier)
         ooo = rng.random() < 0.2
+        ends = self.usable_ends(tier) if ooo else []
         if tier is Tier.DEVICE:
             res = tree.evict_device(needs, delete_unbacked=rng.random() < 0.7, out_of_window_only=ooo)
         else:
@@ -287,6 +288,28 @@ class Run:
                 for unit in part.tolist():
                     assert (name, unit) not in protected, f"evicted locked {name} unit {unit}"
                     self.model.free(tier, name, unit)
+        for prefix in ends:  # out-of-window data is no held prefix's
+            assert self.model.usable(prefix, tier, {len(prefix)}) == len(prefix), prefix
+
+    def usable_ends(self, tier: Tier) -> list[Prefix]:
+        """The usable prefixes ``tier`` holds: where its paths end or branch, or (with state
+        pools) where a node holds every state."""
+
+        def held(node: TreeNode, name: str) -> bool:
+            p = self.tree.index[name]
+            return node.device_raw[p] is not None or (tier is Tier.HOST and node.host_raw[p] is not None)
+
+        states = [name for name in self.pools if name.startswith("mamba")]
+        out = []
+        for node in self.tree.nodes():
+            if not held(node, "kv"):
+                continue
+            below = sum(held(child, "kv") for child in node.children.values())
+            if below != 1 or (states and all(held(node, name) for name in states)):
+                prefix = self.path_prefix(node)
+                if self.model.usable(prefix, tier, {len(prefix)}) == len(prefix):
+                    out.append(prefix)
+        return out
 
     def lock(self) -> None:
         rng, tree = self.rng, self.tree
