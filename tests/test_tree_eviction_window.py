@@ -17,7 +17,7 @@ from kvstrata.core.tier_units import room_by_evicting
 from kvstrata.core.tree import PrefixTree, Tier
 from kvstrata.core.tree_eviction import window_tail
 from kvstrata.core.tree_node import TreeNode
-from tree_stacks import PAGE, Units, kv_spec, seq, swa_spec
+from tree_stacks import PAGE, Units, kv_spec, mamba_spec, seq, swa_spec
 
 #: window 3 pages (192 tokens), no host tier, no L3: what leaves the device is gone
 WINDOW = ["model.pools.swa.window=192", "tiers.host.capacity_tokens=0", "tiers.storage={}"]
@@ -122,3 +122,48 @@ def test_two_open_leases_on_sibling_branches_each_allocate_their_window() -> Non
         again, bad = serve(cache, requests[1])  # the last one inserted is cached whole
         assert again.cached_pages == 10 and bad == 0
         assert serve(cache, requests[0])[1] == 0  # (its room was made from the first's pages)
+
+
+def test_out_of_window_eviction_keeps_the_window_of_a_state_checkpoint() -> None:
+    """With a state pool, a prefix is served only where a node holds a state: a chunk's
+    checkpoint inside a path is such an end. Out-of-window eviction counted only the ends and
+    branch points of paths, tombstoned the checkpoint's last window, and the prefix ending there
+    (its state still held) was lost. Chunks [0, 4) and [4, 8), window 2 pages: only pages
+    [0, 2) and [4, 6) are outside every window."""
+    tree, units = PrefixTree([kv_spec(), swa_spec(2 * PAGE), mamba_spec()]), Units()
+    first = tree.insert(seq(1, 2, 3, 4), {"kv": units.take(4), "swa": units.take(4), "mamba": units.take(1)})
+    tree.insert(
+        seq(5, 6, 7, 8), {"kv": units.take(4), "swa": units.take(4), "mamba": units.take(1)}, at=first.node
+    )
+    out = tree.evict_device({"swa": 8}, out_of_window_only=True)
+    tree.check()
+    assert out.out_of_window == {"swa": 4}
+    assert tree.match(seq(1, 2, 3, 4, 9), count_hit=False).device_pages == 4
+    assert tree.match(seq(1, 2, 3, 4, 5, 6, 7, 8), count_hit=False).device_pages == 8
+
+
+def test_a_chunked_requests_checkpoint_stays_reusable_under_window_pressure() -> None:
+    """A 12-page request in 6-page chunks (window 4 pages, a full window pool), then a request
+    needing 2 window units: out-of-window data is pages [0, 2) and [6, 8) only, but its eviction
+    tombstoned the least recent chunk's whole window, the checkpoint at page 6's included, and a
+    prompt sharing those 6 pages then reused none."""
+    overrides = [
+        "tiers.storage={}",
+        "tiers.host.capacity_tokens=0",
+        "model.pools.swa.device_units=12",
+        "model.pools.mamba.device_units=8",
+    ]
+    with open_cache("swa-mamba", overrides=overrides) as cache:
+        assert cache.tree_pools["swa"].window == 4
+        request, step = tokens(1, 12), 6 * cache.page_size
+        lease = cache.lookup(request[:step])
+        cache.admit(lease)
+        for start in range(0, len(request), step):
+            if start:
+                lease.extend(request[start : start + step])
+            fill(cache, lease, cache.allocate(lease))
+            cache.insert(lease, close=start + step >= len(request))
+        assert serve(cache, tokens(2, 2))[1] == 0  # its 2 window units: the pool is full
+        again, bad = serve(cache, torch.cat([request[:step], tokens(3, 2)]))
+        assert again.cached_pages == 6 and bad == 0
+        assert cache.metrics.snapshot()["operations"]["out_of_window_device"] == 4  # [0, 2), then [6, 8)

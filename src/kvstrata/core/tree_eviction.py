@@ -117,7 +117,7 @@ class TreeEvictor:
         self._set = set_value  # sets a node's value and its tier membership (PrefixTree._set)
         self._split = split  # the matcher's split (trims a leaf for chain-aware orders)
         self._can_trim = not layout.stateful and split is not None
-        self._window = layout.window  # trailing-window pages per pool (0: not a window pool)
+        self._window, self._stateful = layout.window, layout.stateful  # window pages per pool; states
         self._eviction_rank = layout.eviction_rank
         self.orders: dict[Tier, EvictionOrder] = {_DEVICE: LruOrder(), _HOST: LruOrder()}
         self._hearing: dict[Tier, Any] = {}  # tiers whose order hears events
@@ -361,7 +361,7 @@ class TreeEvictor:
         for node in self._component_candidates(tier, p, heads=True):
             if result.units.get(name, 0) >= want:
                 break
-            tail = window_tail(node, tier, self._window[p], p)
+            tail = window_tail(node, tier, self._window[p], p, self._stateful)
             locks = node.device_windows.get(p) if tier is _DEVICE else None
             if locks:  # a request's window reaches into the node: its head is no one's
                 tail = max(tail, node.depth_end - min(locks))
@@ -432,20 +432,21 @@ def _in_tier(node: TreeNode, tier: Tier, p: int = 0) -> bool:
     return node.device_raw[p] is not None or (tier is _HOST and node.host_raw[p] is not None)
 
 
-def window_tail(node: TreeNode, tier: Tier, window: int, p: int) -> int:
+def window_tail(node: TreeNode, tier: Tier, window: int, p: int, stateful: Sequence[int] = ()) -> int:
     """How many of ``node``'s last pages lie in the last window (``window`` pages of pool ``p``)
     of a prefix the tier holds; the pages before them are out-of-window data. A held prefix ends
-    where the tier's paths end or branch (a request's end, a shared prompt), at ``node`` or below
-    it; an end within the window below a node without its window data is unusable (its window
-    reaches that node): the path's usable part ends above that node. Walks only the nodes ending
-    within the window below ``node``."""
+    at ``node`` or below it where the tier's paths end or branch (a request's end, a shared
+    prompt) or at a node holding every state pool's (``stateful``) state in the tier (a chunk's
+    checkpoint); an end within the window below a node without its window data is unusable: the
+    path's usable part ends above that node. Walks the nodes ending within the window below."""
     limit = node.depth_end + window
     nearest = window  # distance from node's end to the nearest prefix end within the window
     stack: list[tuple[TreeNode, TreeNode | None]] = [(node, None)]  # (node, where usable data ends)
     while stack:
         cur, cut = stack.pop()
         below = [c for c in cur.children.values() if _in_tier(c, tier)]
-        if len(below) != 1:  # a leaf of the tier, or a branch point: no nearer end below it
+        # a leaf of the tier, a branch point or a checkpoint: no nearer end below it
+        if len(below) != 1 or (stateful and all(_in_tier(cur, tier, q) for q in stateful)):
             nearest = min(nearest, (cut or cur).depth_end - node.depth_end)
         elif below[0].depth_end < limit:
             stack.append((below[0], cut or (None if _in_tier(below[0], tier, p) else cur)))
