@@ -4,6 +4,7 @@ a stopped master -- is in test_mooncake_backend.py."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,6 +56,27 @@ def test_breaker_opens_after_consecutive_failures_and_lets_one_trial_through() -
     clock.now += 10.1
     assert breaker.allow() and breaker.record(ok=True) is BreakerState.CLOSED
     assert breaker.state is BreakerState.CLOSED and breaker.allow()
+
+
+def test_a_call_ending_during_the_trial_does_not_let_a_second_trial_through() -> None:
+    """A call allowed before the breaker opened (another thread's, waiting out an RPC deadline)
+    fails while the trial is in flight: its record released the trial, so one cooldown later a
+    second trial went through while the first still hung -- one more caller blocked on a backend
+    that answers nothing. The trial's own outcome still decides."""
+    clock = FakeClock()
+    breaker = CircuitBreaker(failures=1, cooldown_s=10, clock=clock)
+    assert breaker.allow()  # the stale call: allowed while closed, ends below on its own thread
+    assert breaker.allow() and breaker.record(ok=False) is BreakerState.OPEN
+    clock.now += 10.1
+    assert breaker.allow(), "the trial"
+    stale = threading.Thread(target=breaker.record, args=(False,))
+    stale.start()
+    stale.join()
+    clock.now += 60
+    assert not breaker.allow(), "a second trial while the first is in flight"
+    assert breaker.state is BreakerState.HALF_OPEN
+    assert breaker.record(ok=True) is BreakerState.CLOSED  # the trial answered
+    assert breaker.allow()
 
 
 def test_breaker_with_zero_failures_never_opens() -> None:

@@ -37,6 +37,9 @@ class CircuitBreaker:
         self._consecutive = 0
         self._open_until: float | None = None
         self._trial = False
+        #: the thread whose call is the trial: an allowed call is recorded on the thread that
+        #: made it, so only that thread's outcome ends the trial
+        self._trial_thread: int | None = None
         self.trips = 0  # closed -> open transitions
 
     @property
@@ -54,6 +57,7 @@ class CircuitBreaker:
             if self._trial or self._clock() < self._open_until:
                 return False
             self._trial = True  # half-open: this call is the trial
+            self._trial_thread = threading.get_ident()
             return True
 
     def refusing(self) -> bool:
@@ -65,10 +69,18 @@ class CircuitBreaker:
             return self._trial or self._clock() < self._open_until
 
     def record(self, ok: bool) -> BreakerState | None:
-        """The outcome of an allowed call; returns the new state when this call changed it."""
+        """The outcome of an allowed call (recorded on the thread that made it); returns the new
+        state when this call changed it.
+
+        A call allowed before the breaker opened may end while the trial is in flight (another
+        thread's): its outcome counts, but the trial stays claimed until the trial itself ends.
+        Releasing it there let a second trial through one cooldown later while the first still
+        hung -- one more caller blocked on a backend that answers nothing."""
         with self._lock:
             was_open = self._open_until is not None
-            self._trial = False
+            if self._trial and self._trial_thread == threading.get_ident():
+                self._trial = False
+                self._trial_thread = None
             if ok:
                 self._consecutive = 0
                 self._open_until = None
