@@ -104,7 +104,7 @@ class BackendCalls:
             self._count(get_units=count, get_misses=count)
         else:
             self._count(exists_calls=1)
-        return BatchResult([False] * count, error, failed=count)
+        return BatchResult([False] * count, error, failed=count, transient=True)
 
     def _refused(self, operation: StorageOperation) -> str:
         """Count a call the open breaker refused, and say why."""

@@ -20,6 +20,11 @@ def in_tree(node: TreeNode) -> bool:
     return node.parent is not None
 
 
+def on_host(node: TreeNode) -> bool:
+    """Whether a node still waits for an L3 write of its host copy: in the tree, with host units."""
+    return node.parent is not None and node.host[0] is not None
+
+
 class NodeSet:
     """Nodes kept while ``keep(node)`` holds; the others are dropped at the next sweep."""
 

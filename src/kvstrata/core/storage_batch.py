@@ -51,6 +51,9 @@ class BatchResult:
     #: a get's units whose objects were refused (damaged or foreign: removed where the backend
     #: can), in batch order: what left the store, unlike a miss or a failed call
     rejected: tuple[int, ...] = ()
+    #: the whole call failed where a later one may not (it raised, timed out, or the open breaker
+    #: refused it) -- unlike objects the backend answered "not stored" (full, read-only)
+    transient: bool = False
 
     @property
     def prefix(self) -> int:
@@ -251,7 +254,7 @@ def on_subset(
     for position, index in enumerate(keep):
         ok[index] = sub.ok[position]
     rejected = tuple(keep[position] for position in sub.rejected)
-    return BatchResult(ok, sub.error, sub.skipped, sub.failed, sub.foreign, rejected)
+    return BatchResult(ok, sub.error, sub.skipped, sub.failed, sub.foreign, rejected, sub.transient)
 
 
 #: the checksum's hasher (:func:`~kvstrata.core.integrity.prefixed_checksum`), read once

@@ -186,13 +186,13 @@ class StorageEngine(BackendCalls):
             flat = [key for keys in zip(*per_object, strict=True) for key in keys]
             found, error = self._call_backend(StorageOperation.EXISTS, pool, flat, leading=True)
             if found is None:
-                return BatchResult([False] * count, error, failed=count)
+                return BatchResult([False] * count, error, failed=count, transient=True)
             n_obj = len(per_object)
             return BatchResult([all(found[i * n_obj : (i + 1) * n_obj]) for i in range(count)])
         flat = [key for keys in per_object for key in keys]
         found, error = self._call_backend(StorageOperation.EXISTS, pool, flat)
         if found is None:
-            return BatchResult([False] * count, error, failed=count)
+            return BatchResult([False] * count, error, failed=count, transient=True)
         if len(per_object) == 1:
             return BatchResult([bool(flag) for flag in found])
         per_key = [found[j * count : (j + 1) * count] for j in range(len(per_object))]
@@ -213,7 +213,7 @@ class StorageEngine(BackendCalls):
         flat = [key for keys in self.object_keys(pool, page_hashes) for key in keys]
         removed, error = self._call_backend(StorageOperation.REMOVE, pool, flat)
         if removed is None:
-            return BatchResult([False] * count, error, failed=count)
+            return BatchResult([False] * count, error, failed=count, transient=True)
         ok = [all(removed[i::count]) for i in range(count)]  # object-major: unit i every count-th
         return BatchResult(ok, failed=ok.count(False))
 
@@ -278,7 +278,7 @@ class StorageEngine(BackendCalls):
         stored, error = self._call_backend(StorageOperation.PUT, pool, batch.objects)
         if stored is None:
             self._count(put_units=count, put_failed=count)
-            return BatchResult([False] * count, error, failed=count)
+            return BatchResult([False] * count, error, failed=count, transient=True)
         ok = batch.per_unit(stored)
         failed = ok.count(False)
         written = sum(obj.nbytes for obj, flag in zip(batch.objects, stored, strict=True) if flag)
@@ -318,7 +318,7 @@ class StorageEngine(BackendCalls):
         read, error = self._call_backend(StorageOperation.GET, pool, batch.objects, **options)
         if read is None:
             self._count(get_units=count, get_misses=count)
-            return BatchResult([False] * count, error, failed=count)
+            return BatchResult([False] * count, error, failed=count, transient=True)
         good, rejected = verify_batch(batch, read, self.checksum, checks)
         ok = batch.per_unit(good)
         if staging is not None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.core.metrics import CacheMetrics, count_failure
-from kvstrata.core.node_set import NodeSet
+from kvstrata.core.node_set import NodeSet, on_host
 from kvstrata.core.stack import PoolKind, StackLayout
 from kvstrata.core.storage_metrics import StorageOperation
 from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
@@ -298,6 +298,8 @@ class PendingWrite:
     future: Future[dict[str, BatchResult]]
     #: nodes whose last window this write stores (window stacks): unmarked if it fails
     ends: Sequence[TreeNode] = ()
+    #: the nodes written: offered again at a reuse if a transient failure lost the write
+    nodes: Sequence[TreeNode] = ()
     #: set by the future's done callback (or by whoever waited on the future): ``drain`` runs at
     #: every call and reads this plain flag instead of ``future.done()``, which takes the
     #: future's lock (contended by the writer thread)
@@ -326,3 +328,37 @@ def count_refused_writes(engine: StorageEngine, metrics: CacheMetrics, per_pool:
     for name, (page_hashes, _values) in per_pool.items():
         if engine.plans[name].writes:
             count_failure(metrics, engine.refused(StorageOperation.PUT, len(page_hashes)))
+
+
+class RetryWrites:
+    """Nodes whose L3 write a transient failure lost -- the put raised or timed out, or the open
+    breaker refused it -- offered again at their next reuse once the breaker lets writes
+    through. Nothing else writes them again while they stay in L1/L2 (a hit reads no L3), and
+    every key below them chains through their pages: one timed-out put of a hot prompt left
+    every later page written under it unreachable to a fresh cache. A write the backend
+    answered "not stored" (full, read-only, over a size limit) is not retried: the failures of
+    a run would then depend on when answers came."""
+
+    def __init__(self, tree: PrefixTree) -> None:
+        self._nodes = NodeSet(on_host)
+        tree.on_split(self._split)
+
+    def __bool__(self) -> bool:
+        return bool(len(self._nodes))
+
+    def lost(self, nodes: Iterable[TreeNode]) -> None:
+        """A transient failure lost ``nodes``' write (or some of it: what was stored is skipped)."""
+        self._nodes.update(nodes)
+
+    def due(self, path: Sequence[TreeNode], engine: StorageEngine | None) -> list[TreeNode]:
+        """Of a reused ``path`` (root first), the nodes to write again, each once (a later
+        failure brings it back) and still on the host; none while the breaker refuses writes."""
+        if engine is None or engine.write_breaker.refusing():
+            return []
+        due = [node for node in path if node in self._nodes]
+        self._nodes.difference_update(due)
+        return [node for node in due if node.host[0] is not None]
+
+    def _split(self, upper: TreeNode, lower: TreeNode) -> None:
+        if lower in self._nodes:  # both halves still wait for their L3 write
+            self._nodes.add(upper)

@@ -36,7 +36,7 @@ from kvstrata.core.l3_values import (
     trailing_windows,
 )
 from kvstrata.core.metrics import Operation, count_failure
-from kvstrata.core.node_set import NodeSet
+from kvstrata.core.node_set import NodeSet, on_host
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.stack import PoolKind, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
@@ -47,6 +47,7 @@ from kvstrata.core.write_back import (
     OpenBackups,
     OpenChain,
     PendingWrite,
+    RetryWrites,
     StoredWindowEnds,
     count_refused_writes,
     device_only_ancestors,
@@ -78,7 +79,8 @@ class Writer:
         self.hears_inserts = policy.write != "write_through" and (
             self.host_admission.selective or self.storage_admission.selective
         )
-        self._refused = NodeSet(_on_host)  # refused by the storage filter: offered again at a reuse
+        self._refused = NodeSet(on_host)  # refused by the storage filter: offered again at a reuse
+        self.retry = RetryWrites(self.tree)  # lost to a transient failure: offered again at a reuse
         self.window_ends = StoredWindowEnds()
         if self.storage_admission.selective:
             self.tree.on_split(self._split)
@@ -120,6 +122,8 @@ class Writer:
         """A request reused ``match``'s path: L3 is asked for it (``l3_touch``), selective write-
         through backs up the nodes that turned hot, admission filters hear of the reuse."""
         self.hit_touch.after_lookup(match, hashes, record)
+        if self.retry and (again := self.retry.due(match.host_path, self.engine)):
+            self._queue_write(again, hashes, admitted=None)
         host, storage = self.host_admission, self.storage_admission
         if not (host.selective or storage.selective or self.policy.write == "write_through_selective"):
             return
@@ -271,14 +275,15 @@ class Writer:
         return taken
 
     def _queue_write(
-        self, nodes: Sequence[TreeNode], hashes: PageHashes | None, *, admitted: bool = False
+        self, nodes: Sequence[TreeNode], hashes: PageHashes | None, *, admitted: bool | None = False
     ) -> None:
         """L2 -> L3 for freshly backed-up nodes: batches built here, written on the worker.
-        ``hashes()`` -- the request's page hashes -- is the one place a request's pages are hashed."""
+        ``hashes()`` -- the request's page hashes -- is the one place a request's pages are hashed.
+        ``admitted``: True, admitted now (counted); None, admitted and counted before (a retry)."""
         assert self.engine is not None
         if admitted:
             self.metrics.count(Operation.STORAGE_ADMITTED, sum(n.pages for n in nodes))
-        else:
+        elif admitted is not None:
             nodes = self._admit_writes(nodes)
         request_hashes = hashes() if hashes is not None and nodes else None
         per_pool, ends = host_values_per_pool(
@@ -292,6 +297,7 @@ class Writer:
         assert self.engine is not None
         if self.engine.write_breaker.refusing():
             count_refused_writes(self.engine, self.metrics, per_pool)
+            self.retry.lost(nodes)
             return
         batches: dict[str, PoolBatch] = {}
         for name, (page_hashes, values) in per_pool.items():
@@ -305,7 +311,7 @@ class Writer:
             future = self._thread.submit(_checked_put, self.engine, self.digests, batches, per_pool)
         else:
             future = self._thread.submit(self.engine.put_group, batches)
-        write = PendingWrite(locks, future, ends)
+        write = PendingWrite(locks, future, ends, nodes)
         self.window_ends.update(ends)
         self.pending.append(write)
         future.add_done_callback(write.mark_finished)
@@ -336,6 +342,8 @@ class Writer:
             count_failure(self.metrics, result)
             nbytes += sum(result.ok) * self.pools.pools[name].spec.bytes_per_unit
         self.window_ends.settled(write.ends, results)  # failed: the next request ending there writes it
+        if any(result.transient for result in results.values()):
+            self.retry.lost(write.nodes)
         self.metrics.add_bytes("host_to_storage", nbytes)
         for shared in write.locks:
             shared.refs -= 1
@@ -357,11 +365,6 @@ class Writer:
     def shutdown(self, wait: bool = True) -> None:
         """Stop the writer thread; ``wait=False`` cancels queued writes and returns at once."""
         self._thread.shutdown(wait=wait, cancel_futures=not wait)
-
-
-def _on_host(node: TreeNode) -> bool:
-    """Whether a refused node still waits for its L3 write: in the tree, with host units."""
-    return node.parent is not None and node.host[0] is not None
 
 
 def _wait_for_room(writer: Writer, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None:
