@@ -10,7 +10,8 @@ How a prefetch decides, in order:
    a state pool ends it at the last page that has a state, a window pool at the last page whose
    whole window L3 holds (scanning down; none: the prefetch is dropped).
 3. **Read** (worker thread): into free host units; when the host tier has too few free units the
-   worker leaves the read to the owner, which makes room at ``admit``. An object that fails
+   worker leaves the read to the owner, which makes room at its next call (``drain``; the read
+   ``admit`` ends at once: per policy, in ``finish``). An object that fails
    verification truncates the prefix at the last page where every pool verifies (for a state
    pool: the last earlier checkpoint; for a window pool: a window that is whole), re-reading only
    the state and window objects of the shorter prefix.
