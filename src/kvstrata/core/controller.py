@@ -63,6 +63,7 @@ from kvstrata.core.lease_units import (
 )
 from kvstrata.core.metrics import SkipReason
 from kvstrata.core.pool_group import Pool
+from kvstrata.core.prefetch_op import PrefetchOp
 from kvstrata.core.prefetcher import Prefetcher, PrefetchMode
 from kvstrata.core.retention import RetentionHint
 from kvstrata.core.stack import PoolKind, TreePool
@@ -161,8 +162,8 @@ class CacheController(UnitMemory, ClosingApi):
             self.metrics.latency("match", time.perf_counter() - started)
             self.writer.on_lookup(match, lease.hashes_source, record)
             if self.prefetcher is not None and lease.pages > lease.host_pages:
-                hashes = lease.page_hashes[lease.host_pages :]
-                lease.attach_prefetch(self.prefetcher.start(lease.host_pages, hashes, lease.skipped, mode))
+                at, hashes, node = lease.host_pages, lease.page_hashes[lease.host_pages :], lease.locked_node
+                lease.attach_prefetch(self.prefetcher.start(at, hashes, lease.skipped, mode, node))
         except BaseException:
             self.release(lease)  # a failed lookup holds nothing
             raise
@@ -177,8 +178,8 @@ class CacheController(UnitMemory, ClosingApi):
         self._check_lease(lease)
         if lease.admitted:
             raise RuntimeError("lease already admitted")
-        self.poll()
         op = lease.prefetch
+        self._drain(ending=op)  # (``poll``; room for ``op``'s read is ``finish``'s to make, per policy)
         if op is not None:
             local = self.prefetcher.finish(op, lease.locked_node)  # type: ignore[union-attr]
             self._commit_prefetch(lease, self.ranks.prefetch_pages(op.start, local))
@@ -348,11 +349,12 @@ class CacheController(UnitMemory, ClosingApi):
         prefetch slots. Called at the start of every public call; cheap when nothing finished."""
         self._drain()
 
-    def _drain(self) -> bool:
+    def _drain(self, ending: PrefetchOp | None = None) -> bool:
         """``poll`` for calls already inside the guard (no second trip through it per chunk);
-        whether any L3 write or revoked read had finished (their units and locks freed now)."""
+        whether any L3 write or revoked read had finished (their units and locks freed now).
+        ``ending``: the read ``admit`` ends next (no room is made for it here)."""
         took = self.writer.drain()
-        return (self.prefetcher is not None and self.prefetcher.drain()) or took
+        return (self.prefetcher is not None and self.prefetcher.drain(ending)) or took
 
     @exclusive
     def flush(self, timeout: float | None = None) -> None:

@@ -22,7 +22,8 @@ class PrefetchEnd(ABC):
     """One end policy. ``name`` is its value of ``policy.prefetch.policy``."""
 
     name: ClassVar[str]
-    #: when the worker left a read to the owner (host tier full): make room and read at admit
+    #: when the worker left a read to the owner (host tier full) and no call since made room
+    #: for it: make room and read at admit
     makes_room: ClassVar[bool] = True
 
     def __init__(self, config: PrefetchPolicyConfig) -> None:
@@ -35,7 +36,9 @@ class PrefetchEnd(ABC):
 
 
 class BestEffort(PrefetchEnd):
-    """Take what is done at admit; never wait, never evict for a read."""
+    """Take what is done at admit; never wait there, nor evict there for a read it would not
+    wait for (a read that found the host tier full gets its room at the owner's next call before
+    ``admit``: ``Prefetcher.drain``)."""
 
     name = "best_effort"
     makes_room = False

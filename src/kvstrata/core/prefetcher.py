@@ -10,7 +10,8 @@ How a prefetch decides, in order:
    a state pool ends it at the last page that has a state, a window pool at the last page whose
    whole window L3 holds (scanning down; none: the prefetch is dropped).
 3. **Read** (worker thread): into free host units; when the host tier has too few free units the
-   worker leaves the read to the owner, which makes room at ``admit``. An object that fails
+   worker leaves the read to the owner, which makes room at its next call (``drain``; the read
+   ``admit`` ends at once: per policy, in ``finish``). An object that fails
    verification truncates the prefix at the last page where every pool verifies (for a state
    pool: the last earlier checkpoint; for a window pool: a window that is whole), re-reading only
    the state and window objects of the shorter prefix.
@@ -37,7 +38,7 @@ from enum import StrEnum
 import torch
 
 from kvstrata.core.backend_calls import Notify
-from kvstrata.core.metrics import Operation, SkipReason, count_failure
+from kvstrata.core.metrics import CacheMetrics, Operation, SkipReason, count_failure
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.prefetch_end import PrefetchEnd, prefetch_end
@@ -130,6 +131,52 @@ def usable_length(op: PrefetchOp, pools: PoolGroup, layout: StackLayout, exists:
     return end
 
 
+def read_prefix(
+    engine: StorageEngine,
+    pools: PoolGroup,
+    layout: StackLayout,
+    metrics: CacheMetrics,
+    op: PrefetchOp,
+    end: int,
+    *,
+    pages_read: bool = False,
+) -> tuple[int, int]:
+    """Read the objects of a prefix of ``end`` pages (relative to op.start) into the reserved
+    host units. Returns ``(pages, usable)``: the leading pages every all-pages pool verified,
+    and the longest prefix end at or below it where the state and window pools verified too
+    (``usable == end`` when everything verified). ``pages_read``: the all-pages pools verified
+    ``[0, end)`` already; read only the window and state objects."""
+    batches: dict[str, PoolBatch] = {}
+    for tp in layout.tree_pools.values():
+        if pages_read and tp.kind is PoolKind.PAGES:
+            continue
+        lo, hi = tp.slots(0, end)
+        units = op.reserved[tp.name][: hi - lo]
+        for name in tp.followers:
+            if engine.plans[name].enabled:
+                batches[name] = pool_batch(pools, name, units, op.hashes[lo:hi])
+    results = engine.get_group(batches)
+    nbytes = 0
+    pages = end
+    usable = end
+    for name, result in results.items():
+        count_failure(metrics, result)
+        op.foreign += result.foreign
+        op.damaged |= bool(result.rejected or result.failed or result.error is not None)
+        nbytes += sum(result.ok) * pools.pools[name].spec.bytes_per_unit
+        tp = layout.owner(name)
+        have = longest_present_prefix(result.ok)
+        if tp.kind is PoolKind.PAGES:
+            pages = min(pages, have)
+        elif tp.kind is PoolKind.STATE and not all(result.ok):
+            usable = min(usable, end - 1)  # the state at ``end`` is bad: an earlier checkpoint
+        elif tp.kind is PoolKind.WINDOW and have < len(result.ok):
+            lo = end - len(result.ok)
+            usable = min(usable, lo + have)  # the window may end just before the bad page
+    metrics.add_bytes("storage_to_host", nbytes)
+    return pages, min(usable, pages)
+
+
 class Prefetcher:
     """L3 -> L2 reads for leases (see the module docstring for the decision steps)."""
 
@@ -143,6 +190,8 @@ class Prefetcher:
         self.page_size = context.page_size
         self.orphans: list[PrefetchOp] = []  # revoked prefetches whose worker has not finished
         self.reserved_pages = 0  # pages in flight (the rate limit counts them)
+        #: reads a lease holds, with the node making room for them must keep (``_make_room``)
+        self._held: dict[PrefetchOp, TreeNode | None] = {}
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-prefetch")
         self.digests: UnitDigests | None = None  # debug.unit_digests
 
@@ -158,9 +207,11 @@ class Prefetcher:
         hashes: Sequence[str],
         skipped: dict[str, int],
         mode: PrefetchMode = PrefetchMode.POLICY,
+        protect: TreeNode | None = None,
     ) -> PrefetchOp | None:
         """Start reading pages ``[start, start + len(hashes))`` if the gates allow; a gate that
-        refuses counts the pages in ``skipped`` (the lease's) and in the metrics."""
+        refuses counts the pages in ``skipped`` (the lease's) and in the metrics. ``protect``:
+        the lease's locked node, kept when room is made for the read."""
         count = len(hashes)
         if count <= 0:
             return None
@@ -185,6 +236,7 @@ class Prefetcher:
         op = PrefetchOp(start, list(hashes), time.perf_counter(), blocking=mode is PrefetchMode.WAIT)
         self.reserved_pages += count
         self.metrics.count(Operation.PREFETCHES_STARTED)
+        self._held[op] = protect
         self._thread.submit(self._run, op)
         return op
 
@@ -224,40 +276,7 @@ class Prefetcher:
         return result.ok
 
     def _read(self, op: PrefetchOp, end: int, *, pages_read: bool = False) -> tuple[int, int]:
-        """Read the objects of a prefix of ``end`` pages (relative to op.start) into the reserved
-        host units. Returns ``(pages, usable)``: the leading pages every all-pages pool verified,
-        and the longest prefix end at or below it where the state and window pools verified too
-        (``usable == end`` when everything verified). ``pages_read``: the all-pages pools verified
-        ``[0, end)`` already; read only the window and state objects."""
-        batches: dict[str, PoolBatch] = {}
-        for tp in self.layout.tree_pools.values():
-            if pages_read and tp.kind is PoolKind.PAGES:
-                continue
-            lo, hi = tp.slots(0, end)
-            units = op.reserved[tp.name][: hi - lo]
-            for name in tp.followers:
-                if self.engine.plans[name].enabled:
-                    batches[name] = pool_batch(self.pools, name, units, op.hashes[lo:hi])
-        results = self.engine.get_group(batches)
-        nbytes = 0
-        pages = end
-        usable = end
-        for name, result in results.items():
-            count_failure(self.metrics, result)
-            op.foreign += result.foreign
-            op.damaged |= bool(result.rejected or result.failed or result.error is not None)
-            nbytes += sum(result.ok) * self.pools.pools[name].spec.bytes_per_unit
-            tp = self.layout.owner(name)
-            have = longest_present_prefix(result.ok)
-            if tp.kind is PoolKind.PAGES:
-                pages = min(pages, have)
-            elif tp.kind is PoolKind.STATE and not all(result.ok):
-                usable = min(usable, end - 1)  # the state at ``end`` is bad: an earlier checkpoint
-            elif tp.kind is PoolKind.WINDOW and have < len(result.ok):
-                lo = end - len(result.ok)
-                usable = min(usable, lo + have)  # the window may end just before the bad page
-        self.metrics.add_bytes("storage_to_host", nbytes)
-        return pages, min(usable, pages)
+        return read_prefix(self.engine, self.pools, self.layout, self.metrics, op, end, pages_read=pages_read)
 
     def _read_verified(self, op: PrefetchOp, end: int) -> int:
         """Read a prefix of ``end`` pages; a damaged or missing object truncates it to the
@@ -301,6 +320,7 @@ class Prefetcher:
         Every wait is bounded (``wait_complete`` and ``prefetch="wait"`` by ``timeout_max_s``):
         a backend call that never returns costs the request its L3 pages, not the scheduler
         thread; the read goes on as an orphan whose units are freed when it ends."""
+        self._held.pop(op, None)
         wait = self.policy.timeout_max_s if op.blocking else self.end.wait_s(len(op.hashes) * self.page_size)
         if not op.done.wait(wait):
             op.timed_out = True
@@ -395,6 +415,7 @@ class Prefetcher:
     def release(self, op: PrefetchOp) -> None:
         """Give back, once, what a detached ``op`` holds: its pages in flight and its host units
         (not those ``commit`` gave the tree); a read still running is revoked, freed by ``drain``."""
+        self._held.pop(op, None)
         if not op.done.is_set():
             if op not in self.orphans:  # (its units are the worker's until it ends)
                 op.cancelled = True
@@ -406,8 +427,30 @@ class Prefetcher:
         units, op.reserved = op.reserved, {}
         self.units.free(Tier.HOST, units)
 
-    def drain(self) -> bool:
-        """Free the units of revoked prefetches whose worker has finished (returns whether any had)."""
+    def _make_room(self, ending: PrefetchOp | None) -> None:
+        """Make room now for the reads whose worker found the host tier full, and read on the
+        worker while their requests wait for ``admit``. A full host tier is every host tier once
+        warm: made room for only at ``admit``, no such read overlapped the request's wait, and
+        ``best_effort`` (no wait there) never restored from L3 at all. Not for ``ending``: room
+        for the read ``admit`` ends is ``finish``'s to make, per policy (``best_effort`` would
+        evict for a read it does not wait for)."""
+        for op, protect in list(self._held.items()):
+            if op is ending or not op.done.is_set():
+                continue
+            del self._held[op]  # (once: a read still short at ``admit`` is tried there again)
+            if op.short is None or op.cancelled:
+                continue
+            got = self.units.alloc_protecting(protect, Tier.HOST, op.short)
+            if got is not None:
+                op.short, op.reserved = None, got
+                op.done.clear()
+                self._thread.submit(self._run, op, late=True)
+
+    def drain(self, ending: PrefetchOp | None = None) -> bool:
+        """Make room for reads that found the host tier full (``ending``'s aside); free the units
+        of revoked prefetches whose worker has finished (returns whether any had)."""
+        if self._held:
+            self._make_room(ending)
         if not self.orphans:
             return False
         alive = []
