@@ -11,8 +11,12 @@ call stays O(1) however large the tree grows: sweeping at every call past a fixe
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from kvstrata.core.tree_node import TreeNode
+
+if TYPE_CHECKING:
+    from kvstrata.core.tree import PrefixTree
 
 
 def in_tree(node: TreeNode) -> bool:
@@ -66,3 +70,16 @@ class NodeSet:
         keep = self._keep
         self._nodes = {node: None for node in self._nodes if keep(node)}
         self._sweep_at = max(self.FIRST_SWEEP, 2 * len(self._nodes))
+
+
+class SplitFollowingSet(NodeSet):
+    """A :class:`NodeSet` of nodes waiting for something (an L3 write): a node the tree cuts in
+    two stays in it as both halves, each still waiting."""
+
+    def __init__(self, tree: PrefixTree, keep: Callable[[TreeNode], bool] = in_tree) -> None:
+        super().__init__(keep)
+        tree.on_split(self._split)
+
+    def _split(self, upper: TreeNode, lower: TreeNode) -> None:
+        if lower in self:
+            self.add(upper)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.core.metrics import CacheMetrics, count_failure
-from kvstrata.core.node_set import NodeSet, on_host
+from kvstrata.core.node_set import NodeSet, SplitFollowingSet, on_host
 from kvstrata.core.stack import PoolKind, StackLayout
 from kvstrata.core.storage_metrics import StorageOperation
 from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
@@ -340,8 +340,7 @@ class RetryWrites:
     a run would then depend on when answers came."""
 
     def __init__(self, tree: PrefixTree) -> None:
-        self._nodes = NodeSet(on_host)
-        tree.on_split(self._split)
+        self._nodes = SplitFollowingSet(tree, on_host)
 
     def __bool__(self) -> bool:
         return bool(len(self._nodes))
@@ -358,7 +357,3 @@ class RetryWrites:
         due = [node for node in path if node in self._nodes]
         self._nodes.difference_update(due)
         return [node for node in due if node.host[0] is not None]
-
-    def _split(self, upper: TreeNode, lower: TreeNode) -> None:
-        if lower in self._nodes:  # both halves still wait for their L3 write
-            self._nodes.add(upper)

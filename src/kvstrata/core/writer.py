@@ -36,7 +36,7 @@ from kvstrata.core.l3_values import (
     trailing_windows,
 )
 from kvstrata.core.metrics import Operation, count_failure
-from kvstrata.core.node_set import NodeSet, on_host
+from kvstrata.core.node_set import SplitFollowingSet, on_host
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.stack import PoolKind, pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
@@ -79,11 +79,9 @@ class Writer:
         self.hears_inserts = policy.write != "write_through" and (
             self.host_admission.selective or self.storage_admission.selective
         )
-        self._refused = NodeSet(on_host)  # refused by the storage filter: offered again at a reuse
+        self._refused = SplitFollowingSet(self.tree, on_host)  # by the storage filter: offered at a reuse
         self.retry = RetryWrites(self.tree)  # lost to a transient failure: offered again at a reuse
         self.window_ends = StoredWindowEnds()
-        if self.storage_admission.selective:
-            self.tree.on_split(self._split)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
         self.hit_touch = HitTouch.of(engine, context, self._thread, self.window_ends)  # hot prefixes stay
         self.digests: UnitDigests | None = None  # debug.unit_digests
@@ -147,10 +145,6 @@ class Writer:
             ready = [n for n in ready if n.host[0] is not None]
             if ready:
                 self._queue_write(ready, hashes, admitted=True)
-
-    def _split(self, upper: TreeNode, lower: TreeNode) -> None:
-        if lower in self._refused:  # both halves still wait for their L3 write
-            self._refused.add(upper)
 
     def back_up(
         self, nodes: Iterable[TreeNode], *, hashes: PageHashes | None = None, admit: bool = False
