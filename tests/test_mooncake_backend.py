@@ -777,3 +777,31 @@ def test_stopped_master_opens_the_breaker_then_recovers(tmp_path: Path) -> None:
     assert seen["recovered"] == "closed"
     assert seen["read_back"] == [True] * 3 and seen["bit_exact"]
     assert seen.get("closed") is True, "close blocked on the stopped master"
+
+
+class _AnsweringStore:
+    """Fault injection: a store whose every ``batch_remove`` answers ``code`` for each key."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def batch_remove(self, keys: list[str], force: bool) -> list[int]:
+        return [self.code] * len(keys)
+
+
+@pytest.mark.parametrize(
+    ("code", "outage"),
+    [(-900, True), (-999, True), (-1010, True), (-1100, False), (-1300, False), (-1700, False)],
+)
+def test_only_rpc_and_failover_codes_make_a_call_an_outage(code: int, outage: bool) -> None:
+    """Every key answering an RPC (-9xx) or failover (-10xx) code is the service not answering: the
+    call raises (the breaker counts it). A tenant's quota (-1700), offload off (-1300) or a file
+    error (-11xx) refuses those keys only -- read as an outage, a full quota opened the breaker."""
+    backend = MooncakeBackend("l3", MooncakeBackend.Config())
+    backend._store = _AnsweringStore(code)
+    if outage:
+        with pytest.raises(StorageError, match="unreachable or not answering"):
+            backend.remove(["a", "b"])
+    else:
+        assert backend.remove(["a", "b"]) == [False, False]
+        assert backend.code_counts[code] == 2

@@ -17,9 +17,9 @@ from kvstrata.storage_backends._mooncake_protocol import (
     NOT_READY_BACKOFF_S,
     OBJECT_NOT_FOUND,
     REPLICA_NOT_READY,
-    RPC_FAIL,
     STAGING_TOO_SMALL,
     TRANSFER_FAIL,
+    outage_code,
 )
 
 
@@ -195,7 +195,7 @@ class MooncakeIO(MooncakeMemory):
                 codes = list(getattr(store, method)(*args))
             except Exception as exc:  # a pybind error fails this operation, never the process
                 raise StorageError(f"mooncake backend {self.instance!r}: {method} raised {exc!r}") from exc
-        self._rpc_failing = bool(codes) and all(code <= RPC_FAIL for code in codes)
+        self._rpc_failing = bool(codes) and all(outage_code(code) for code in codes)
         if self._rpc_failing:
             self.code_counts.update(codes)
             role, address = self._endpoint

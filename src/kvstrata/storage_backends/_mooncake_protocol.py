@@ -19,12 +19,20 @@ OBJECT_NOT_FOUND = -704
 #: process is finishing; Mooncake reports success to the second writer at once). ~40 ms in all.
 NOT_READY_BACKOFF_S = (0.001, 0.002, 0.004, 0.008, 0.025)
 TRANSFER_FAIL = -800  # e.g. a multi-buffer read whose regions do not match the object size
-RPC_FAIL = -900  # -9xx (<= -900): master / client RPC failed
+RPC_FAIL = -900  # -9xx: master / client RPC failed
 #: Mooncake refuses smaller segments ("Total size must be at least 16777216").
 MIN_SEGMENT_BYTES = 16 << 20
 #: Returned by :meth:`MooncakeBackend.get` for an object the backend could not even try to read
 #: (kvstrata's own code: Mooncake's -600 means a target smaller than the object).
 STAGING_TOO_SMALL = -1600
+
+
+def outage_code(code: int) -> bool:
+    """Whether a code says the service did not answer -- an RPC failure (-9xx) or a master in
+    high-availability transition (-10xx) -- rather than refusing one object: a file-offload
+    error (-11xx), a bucket limit (-12xx), offload off (-13xx), a task limit (-14xx) or a
+    tenant's quota (-17xx) is that key not stored, never an outage that opens the breaker."""
+    return -1100 < code <= RPC_FAIL
 
 
 def _split_address(address: str) -> tuple[str, int]:

@@ -21,8 +21,9 @@ transferred in several calls.
 Return codes (per key): ``0`` / byte count = success; ``-200`` = no space (not stored, not fatal:
 the master evicts asynchronously); ``-704`` = object not found (a miss); ``-9xx`` = RPC failure
 (master or client unreachable: a dead one answers after ~4 s; after such a batch the backend
-TCP-probes the endpoint before each call and fails in milliseconds while it is down). A batch in
-which every key failed with an RPC code raises :class:`StorageError`: an outage is a failed call
+TCP-probes the endpoint before each call and fails in milliseconds while it is down); ``-10xx`` =
+a master in failover. A batch in which every key failed with one of those raises
+:class:`StorageError`: an outage is a failed call
 (which the core's circuit breaker counts), never a cold cache. Counts of every non-success code
 are kept in :attr:`MooncakeBackend.code_counts`.
 
