@@ -82,6 +82,16 @@ def tiny_stack(path: Path, device_tokens: int, host_tokens: int = 0) -> Path:
     return path
 
 
+def test_no_warning_for_a_longest_request_whose_whole_pages_fit(tmp_path: Path) -> None:
+    """1000 tokens of device tier are 2 pages of 512 (capacity rounds up to whole pages), and a
+    1024-token request needs those 2: it was warned about (1024 > 1000) and then served."""
+    trace = write_trace(tmp_path / "t.jsonl", 2, 1)
+    stack = tiny_stack(tmp_path / "stack.yaml", device_tokens=1000)
+    proc = run_cli("replay", str(trace), "-c", str(stack), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "smaller than the longest request" not in proc.stderr
+
+
 # --- 1 and 2: failed requests are said loudly, counted once, and not counted as throughput ------
 
 

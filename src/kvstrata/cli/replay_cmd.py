@@ -187,12 +187,14 @@ def replay(
                     highlight=False,
                     markup=False,
                 )
-            longest = max((r.input_length for r in requests), default=0)
-            if longest > config.tiers.device.capacity_tokens:
+            # a request holds its whole pages on the device; the tier is whole pages, rounded up
+            longest, page = max((r.input_length for r in requests), default=0), config.model.page_size
+            if longest // page > -(-config.tiers.device.capacity_tokens // page):
                 err.print(
                     f"warning: tiers.device.capacity_tokens={config.tiers.device.capacity_tokens:,} is "
-                    f"smaller than the longest request of the trace ({longest:,} tokens): requests "
-                    "longer than the device tier will fail",
+                    f"smaller than the longest request of the trace ({longest:,} tokens, "
+                    f"{longest // page:,} whole pages of {page}): requests longer than the device tier "
+                    "will fail",
                     style="bold yellow",
                     highlight=False,
                     markup=False,
