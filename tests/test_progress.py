@@ -24,7 +24,9 @@ def test_the_completion_line_is_printed_once_however_often_the_end_is_reported(
     (100%)" twice."""
     monkeypatch.setenv(INTERVAL_ENV, "3600")
     console = _piped()
-    requests = [TraceRequest(timestamp_ms=i, input_length=512, output_length=1, hash_ids=(i,)) for i in range(256)]
+    requests = [
+        TraceRequest(timestamp_ms=i, input_length=512, output_length=1, hash_ids=(i,)) for i in range(256)
+    ]
     with progress(console, "simulated", len(requests)) as update:
         simulate(requests, progress=lambda n: update(n, len(requests)))
     lines = console.file.getvalue().splitlines()  # type: ignore[attr-defined]
