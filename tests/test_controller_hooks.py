@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
+
+import pytest
 
 from controller_support import host_units_held_by_tree, host_units_in_use, open_cache, serve, tokens
 from kvstrata import hookimpl
-from kvstrata.plugins import PluginHost
+from kvstrata.eviction_policies.lru import LruPolicy
+from kvstrata.plugins import EvictionPolicyConfig, PluginHost, PolicyCapabilities
 
 
 class Recorder:
@@ -150,3 +154,35 @@ def test_an_observer_that_raises_silences_no_other_plugin(tmp_path: Path, caplog
         assert names[:2] == ["configure", "opened"] and "evicted" in names and "closing" in names
     assert "kvstrata plugin 'broken': hook kvstrata_eviction raised RuntimeError: observer bug" in caplog.text
     assert "kvstrata plugin 'configure': hook kvstrata_configure raised ValueError" in caplog.text
+
+
+class _RefusingConfig(EvictionPolicyConfig):
+    type: Literal["refuses_host"] = "refuses_host"
+
+
+class _RefusingPolicy(LruPolicy):
+    """A policy plugin whose constructor refuses the host tier: the cache's start-up fails after
+    its backend opened."""
+
+    name = "refuses_host"
+    Config = _RefusingConfig
+    capabilities = PolicyCapabilities()
+
+    def __init__(self, config: EvictionPolicyConfig, context) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(config, context)
+        if context.tier == "host":
+            raise RuntimeError("this policy has no host tier support")
+
+
+def test_a_backend_opened_for_a_cache_that_fails_to_start_is_announced_closing(tmp_path: Path) -> None:
+    """An observer counting open backends heard ``kvstrata_backend_opened`` and then, when the
+    start-up failed past it (here a policy plugin raised), never ``kvstrata_backend_closing``,
+    though the backend was closed: the backend stayed open for it for good."""
+    host = PluginHost()
+    host.eviction_policies.register(_RefusingPolicy)
+    recorder = Recorder()
+    host.register_plugin(recorder, "recorder")
+    with pytest.raises(RuntimeError, match="no host tier support"):
+        open_cache("kv", tmp_path, ["policy.eviction=refuses_host"], host=host)
+    names = [name for name, _ in recorder.events]
+    assert names == ["configure", "opened", "closing"]

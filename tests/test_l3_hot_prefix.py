@@ -378,3 +378,30 @@ def test_a_prompts_window_lost_before_any_hit_confirmed_it_is_stored_again(tmp_p
             cache.flush()
     new_question = torch.cat([system, tokens(77, 2)])
     assert _fresh_hit("swa", l3, [], new_question) == (SYSTEM_PAGES, 0)
+
+
+def test_a_failed_ask_is_counted_as_a_failed_storage_call(tmp_path: Path) -> None:
+    """``failures`` counts one per failed storage call: an ask's existence query that raised was
+    counted by the engine (``backend_errors``) but never in the cache's ``failures``, unlike the
+    same query from the prefetcher; an ask a plugin's BaseException ended neither."""
+    chat, again, other = _chats(3)
+    with open_cache("kv", tmp_path / "l3", ["policy.prefetch.threshold_tokens=1000000"]) as cache:
+        serve(cache, chat)
+        cache.flush()
+        real = cache.engine.backend.exists
+        raised: list[BaseException] = [RuntimeError("L3 gone"), asyncio.CancelledError("loop closed")]
+
+        def fails(keys: object, **options: object) -> list[bool]:
+            raise raised.pop(0)
+
+        cache.engine.backend.exists = fails  # type: ignore[method-assign]
+        try:
+            for request in (again, other):  # each hits the system prompt: one ask each
+                before = cache.metrics.snapshot()
+                serve(cache, request)
+                cache.flush()
+                after = cache.metrics.snapshot()
+                assert after["failures"] - before["failures"] == 1, request
+        finally:
+            cache.engine.backend.exists = real  # type: ignore[method-assign]
+        assert cache.metrics.snapshot()["storage"]["backend_errors"] == 1  # (the BaseException is not one)

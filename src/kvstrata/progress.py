@@ -67,13 +67,14 @@ def progress(console: Console, verb: str, total: int, *, quiet: bool = False) ->
         return
     interval = _interval()
     started = last = time.monotonic()
+    ended = False  # the completion line is printed (a caller may report the end twice)
 
     def update(done: int, of: int) -> None:
-        nonlocal last
+        nonlocal last, ended
         now = time.monotonic()
-        if done < of and now - last < interval:
+        if ended or (done < of and now - last < interval):
             return
-        last = now
+        last, ended = now, done >= of
         elapsed = now - started
         share = done / of if of else 1.0
         tail = (

@@ -193,6 +193,7 @@ def build_cache(
     _check_device(config, machine=True)
     _check_eviction(config, plugins)
     backend, host_allocator = _open_backend(config, plugins)
+    announced = False  # the plugins heard the backend open (its engine was made)
     try:
         pools = PoolGroup(config, plugins, host_allocator=host_allocator, device_tensors=device_tensors)
         _check_device_units(config, {name: (pool.device.units, 0) for name, pool in pools.pools.items()})
@@ -200,10 +201,15 @@ def build_cache(
         parts = CacheParts(config, plugins, pools, tree, StackLayout.of(pools, tree), CacheMetrics())
         if backend is not None:
             _attach_storage(parts, backend)
+            announced = True
         _wire(parts)
     except BaseException:
         if backend is not None:
-            backend.close()
+            try:  # observers that heard it open hear it close, as at close()
+                if announced:
+                    plugins.notify("kvstrata_backend_closing", instance=backend.instance, backend=backend)
+            finally:
+                backend.close()
         raise
     return parts
 

@@ -29,6 +29,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 from kvstrata.core.l3_values import PageHashes
+from kvstrata.core.metrics import CacheMetrics, count_failure
 from kvstrata.core.node_set import NodeSet
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.stack import PoolKind, TreePool
@@ -68,7 +69,7 @@ class HitTouch:
         window_ends: StoredWindowEnds,
     ) -> None:
         self.engine, self.tree, self.window_ends = engine, context.tree, window_ends
-        self.layout = context.layout
+        self.layout, self.metrics = context.layout, context.metrics
         self._submit = executor.submit if executor is not None else None
         self.paged: list[str] = []  # all-pages pools, by the names they are stored under
         #: state and window pools: (tree pool index, the pool's rule, the names it is stored under)
@@ -164,6 +165,7 @@ class HitTouch:
             pages = ask.pages
             for pool in self.paged:
                 result = self.engine.exists(pool, pages, leading=True)
+                count_failure(self.metrics, result)  # a failed ask is a failed storage call too
                 if result.error is not None:
                     return None
                 pages = pages[: result.prefix]
@@ -171,6 +173,7 @@ class HitTouch:
             for pool in {name for keys in ask.end_keys for name in keys}:  # one query per pool
                 asked = [(i, keys[pool]) for i, keys in enumerate(ask.end_keys) if pool in keys]
                 result = self.engine.exists(pool, [key for _, keys in asked for key in keys])
+                count_failure(self.metrics, result)
                 if result.error is not None:
                     return None
                 found = iter(result.ok)
@@ -201,7 +204,7 @@ class HitTouch:
         nodes: dict[TreeNode, None] = {}
         while self._asked and self._asked[0].answer is not None and self._asked[0].answer.done():
             ask = self._asked.popleft()
-            answer = _answer(ask.answer)  # type: ignore[arg-type]
+            answer = _answer(ask.answer, self.metrics)  # type: ignore[arg-type]
             if answer is None or ask.last.parent is None:
                 continue
             present, missing = answer
@@ -221,14 +224,15 @@ class HitTouch:
         return list(nodes)
 
 
-def _answer(answer: Future) -> tuple[int, set[int]] | None:
+def _answer(answer: Future, metrics: CacheMetrics) -> tuple[int, set[int]] | None:
     """An ask's answer; None where it was cancelled (``close``) or raised past ``_present``'s
     guard (a plugin's ``asyncio.CancelledError`` / ``SystemExit`` on the writer thread: it fails
-    that ask, not the owner thread's next call, as a write's does in ``Writer._finish``)."""
+    that ask, counted, not the owner thread's next call, as a write's does in ``Writer._finish``)."""
     if answer.cancelled():
         return None
     error = answer.exception()
     if error is not None:
         log.warning("asking L3 for a hit prefix failed", exc_info=error)
+        metrics.fail()
         return None
     return answer.result()

@@ -4,7 +4,11 @@ The hook specs are part of the plugin API, so they live beside the contracts in
 ``kvstrata.plugins``; ``kvstrata.hookspecs`` re-exports them under their first name.
 
 Hooks carry *registration* and *events*. They are called per operation or per batch, never per
-page or per token: a pluggy call costs microseconds, which the data path cannot afford.
+page or per token: a pluggy call costs microseconds, which the data path cannot afford. Events
+come from more than one thread: stored batches and failed backend calls from the thread of the
+storage call (a cache's storage worker threads, an engine adapter's own), a cache's
+``kvstrata_backend_closing`` from its closing thread, the rest from the cache's caller; an
+observer that keeps state guards it with a lock.
 
 Hook-only plugins are modules listed under the ``kvstrata.plugins`` entry-point group, or objects
 an application passes to ``PluginHost(plugins=[...])`` / ``PluginHost.register_plugin``.
@@ -72,7 +76,8 @@ def kvstrata_backend_closing(instance: str, backend: StorageBackend) -> None:
 
 @hookspec
 def kvstrata_pages_stored(instance: str, pool: str, pages: int, nbytes: int) -> None:
-    """A batch of pages of one pool reached a storage backend."""
+    """A batch of pages (or slots) of one pool reached a storage backend: ``pages`` stored of
+    the batch, ``nbytes`` the bytes of their objects (a cache calls it on its L3 writer thread)."""
 
 
 @hookspec
@@ -87,4 +92,8 @@ def kvstrata_eviction(tier: str, pool: str, units: int) -> None:
 
 @hookspec
 def kvstrata_operation_failed(operation: str, instance: str, error: BaseException) -> None:
-    """A storage operation failed (the cache keeps serving; this is for metrics and alerts)."""
+    """A backend call raised or answered nonsense (a wrong number of results); ``operation`` is
+    ``exists``, ``put``, ``get`` or ``remove``. The cache keeps serving; this is for metrics and
+    alerts. Not called for calls the open circuit breaker refused, nor for objects a backend
+    answered "not stored" (full, read-only): the storage counters ``breaker_rejected`` and
+    ``put_failed`` count those."""
