@@ -197,15 +197,23 @@ class DecodeLoop(RuleBasedStateMachine):
         fresh=st.sampled_from([0, 0, 1, 3, 10, 24]),
         first=st.integers(1, 8),
         seed=st.integers(0, 2**20),
+        before_admit=st.sampled_from([0, 0, 1, 3, 40]),
     )
-    def open_request(self, stem: int, shared: int, fresh: int, first: int, seed: int) -> None:
+    def open_request(
+        self, stem: int, shared: int, fresh: int, first: int, seed: int, before_admit: int
+    ) -> None:
+        """A new request: its first chunk looked up, and (``before_admit``) extended by a few
+        tokens before the admit settles what is cached."""
         page = self.page
         gen = torch.Generator().manual_seed(seed)
         extra = torch.randint(0, 50_000, (fresh * page // 4 + fresh % 5,), generator=gen)
         request = torch.cat([self.stems[stem][: shared * page], extra])
         if not len(request):
             return
-        lease = self.live.lookup(request[: max(1, first * page // 2)])
+        at = max(1, first * page // 2)
+        lease = self.live.lookup(request[:at])
+        if before_admit:
+            lease.extend(request[at : at + before_admit])
         self.live.admit(lease)
         self._check_prefix(lease)
         self.open.append(Request(lease, request, lease.cached_tokens))
