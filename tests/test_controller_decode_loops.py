@@ -9,7 +9,8 @@ of that partial page (a later request served them would see them), and advances 
 working slot in place (the state after ``n`` tokens; mid-page states have bytes of their own).
 What must hold: every restored prefix holds exactly the bytes of its pages (``verify``), a window
 pool's prefix covers the last window, ``fork_state`` hands the engine the state it has run to
-(after a cached prefix from the device, the host or L3 too), and the tree and the device units
+(after a cached prefix from the device, the host or L3 too), a request closed with no partial
+page allocated past its end is served whole right after, and the tree and the device units
 stay consistent. Stacks: kv + sliding window + Mamba state, and kv + a draft sidecar, at page
 sizes 1, 16 and 64.
 """
@@ -250,11 +251,19 @@ class DecodeLoop(RuleBasedStateMachine):
         lease = request.lease
         if lease.allocated_pages < lease.pages or request.done < lease.pages * self.page:
             return  # the engine has not run every whole page yet
+        # a state pool's slot is the checkpoint at the end where no partial page runs past it
+        whole = self.kind == "kv-draft" or lease.allocated_pages == lease.pages
         self.live.insert(lease, close=close)
         self.since_reopen += 1
         if close:
             self.open.remove(request)
             self.served.append(lease.tokens)
+            if whole:  # what was just inserted is served whole
+                again = self.live.lookup(lease.tokens, prefetch="off")
+                self.live.admit(again)
+                assert again.cached_pages == lease.pages, f"{again.cached_pages} of {lease.pages} pages"
+                self._check_prefix(again)
+                self.live.release(again)
 
     @precondition(lambda self: self.open)
     @rule(pick=st.integers(0, MAX_OPEN - 1))
