@@ -194,7 +194,12 @@ class UnitAccess:
             word = self.word_bytes(name)
             layer_bytes = buffer.bytes_per_unit_per_layer
             rows = tensor.to(self.device).contiguous().view(*lead, layer_bytes // dtype.itemsize)
-            staged.append((name, word, rows.view(torch.uint8).view(WORDS[word])))
+            raw = rows.view(torch.uint8)
+            if raw.storage_offset() % word or raw.data_ptr() % word:
+                # a dense view that starts between words (a slice of a larger tensor): word
+                # views need aligned starts, so move a copy, not the caller's odd offset
+                raw = raw.clone()
+            staged.append((name, word, raw.view(WORDS[word])))
         if idx.numel() == 0:
             return
         for name, word, rows in staged:
