@@ -8,8 +8,10 @@ was given, in one ``ValueError``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from kvstrata.plugins.pool_type import BufferSpec, Layout, PoolSpec
@@ -56,6 +58,36 @@ def _unit_contiguous(tensor: torch.Tensor, unit_shape: tuple[int, ...]) -> bool:
     return True
 
 
+#: most unit blocks :func:`_units_overlap` enumerates to settle a layout its stride test cannot
+_MAX_ENUMERATED_BLOCKS = 1 << 22
+
+
+def _units_overlap(tensor: torch.Tensor, unit_shape: tuple[int, ...]) -> bool:
+    """True when two units (or two layers of a unit) of ``tensor`` share memory: a broadcast
+    (``expand``, stride 0) or an ``as_strided`` view whose units are closer than a unit's size.
+    Each unit is dense (checked before), so the units are blocks of ``prod(unit_shape)``
+    elements at the offsets the outer (layer, unit) dimensions make."""
+    unit, lead = math.prod(unit_shape), tensor.dim() - len(unit_shape)
+    dims = zip(tensor.shape[:lead], tensor.stride()[:lead], strict=True)
+    outer = sorted((abs(stride), size) for size, stride in dims if size > 1)
+    extent = unit
+    for stride, size in outer:  # nested dimensions: each step clears all the inner ones
+        if stride < extent:
+            break
+        extent += (size - 1) * stride
+    else:
+        return False
+    if any(stride == 0 for stride, _ in outer):
+        return True
+    if math.prod(size for _, size in outer) > _MAX_ENUMERATED_BLOCKS:
+        return False  # an interleaving too large to enumerate: left unverified, as before
+    starts = np.zeros(1, dtype=np.int64)
+    for stride, size in outer:
+        starts = (starts[:, None] + np.arange(size, dtype=np.int64)[None, :] * stride).ravel()
+    starts.sort()
+    return bool((np.diff(starts) < unit).any())
+
+
 def _check_engine_tensor(
     where: str, buffer: BufferSpec, given: EngineTensor, units: int, layout: Layout
 ) -> list[torch.Tensor]:
@@ -100,6 +132,12 @@ def _check_engine_tensor(
                 f"{what}: expected each unit {_shape_text(unit)} contiguous in memory (C order), got "
                 f"strides {tuple(tensor.stride())} for shape {tuple(tensor.shape)}; pass a contiguous "
                 "tensor or one whose unit dimensions are dense"
+            )
+        if _units_overlap(tensor, buffer.unit_shape):
+            raise ValueError(
+                f"{what}: expected units that do not share memory, got strides {tuple(tensor.stride())} "
+                f"for shape {tuple(tensor.shape)} (a broadcast or overlapping view?): a write to one "
+                "unit would change another; pass a tensor with memory for every unit"
             )
         tensors.append(tensor)
     return tensors

@@ -1,0 +1,84 @@
+"""Unit memory at its edges: engine input that is valid but oddly placed (a dense slice starting
+between words), and engine tensors whose units share memory (refused, never silently aliased)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstrata.core.buffers import PoolBuffers
+from kvstrata.plugins.pool_type import Layout, ModelContext
+from kvstrata.pool_types.kv import KVConfig, KVPoolType
+from kvstrata.pool_types.mamba import MambaConfig, MambaPoolType
+
+PAGE = 4
+CONTEXT = ModelContext(page_size=PAGE, anchor="kv")
+
+
+def kv_spec(dtype: str = "float16"):
+    return KVPoolType("kv", KVConfig(layers=2, kv_heads=2, head_dim=8, dtype=dtype), CONTEXT).spec()
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu().contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("layout", [Layout.LAYER_FIRST, Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT])
+@settings(max_examples=10, deadline=None)
+@given(offset=st.integers(1, 7), units=st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True))
+def test_write_units_takes_a_dense_slice_that_starts_between_words(
+    layout: Layout, offset: int, units: list[int]
+) -> None:
+    # a contiguous slice of a larger float16 tensor starting at an odd element was refused with
+    # torch's "storage_offset() must be divisible by 8" RuntimeError (the tier moves int64 words)
+    spec = kv_spec()
+    tier = PoolBuffers(spec, 6, layout=layout)
+    n = len(units)
+    payload = {}
+    for buffer in spec.buffers:
+        count = n * buffer.layers * buffer.bytes_per_unit_per_layer // 2
+        big = torch.randint(-(2**15), 2**15, (offset + count,), dtype=torch.int16).view(torch.float16)
+        payload[buffer.name] = big[offset:].view(n, buffer.layers, *buffer.unit_shape)
+        assert payload[buffer.name].is_contiguous() and payload[buffer.name].storage_offset() == offset
+    tier.write_units(units, payload)
+    got = tier.read_units(units)
+    for name, value in payload.items():
+        assert torch.equal(bits(got[name]), bits(value))
+    one = {"k": payload["k"][:1, 1]}  # one layer of one unit, still at the odd offset
+    tier.write_units(units[:1], one, layer=1)
+    assert torch.equal(bits(tier.read_units(units[:1], layer=1)["k"]), bits(one["k"]))
+
+
+def test_engine_tensors_whose_units_share_memory_are_refused() -> None:
+    # an expand()ed or overlapping view was accepted: writing one unit changed the others
+    spec = kv_spec("bfloat16")
+    unit = (PAGE, 2, 8)
+    v = torch.zeros(2, 5, *unit, dtype=torch.bfloat16)
+    broadcast_units = torch.zeros(2, 1, *unit, dtype=torch.bfloat16).expand(2, 5, *unit)
+    broadcast_layers = torch.zeros(1, 5, *unit, dtype=torch.bfloat16).expand(2, 5, *unit)
+    flat = torch.zeros(1000, dtype=torch.bfloat16)
+    close_units = flat.as_strided((2, 5, *unit), (320, 32, 16, 8, 1))  # a unit is 64 elements
+    for k in (broadcast_units, broadcast_layers, close_units):
+        with pytest.raises(ValueError, match="buffer 'k': expected units that do not share memory"):
+            PoolBuffers.from_tensors(spec, {"k": k, "v": v})
+    layer = torch.zeros(1, *unit, dtype=torch.bfloat16).expand(5, *unit)
+    with pytest.raises(ValueError, match="buffer 'k' layer 0: expected units that do not share memory"):
+        PoolBuffers.from_tensors(spec, {"k": [layer, layer.clone()], "v": v})
+    # units and layers interleaved in one allocation without overlap stay accepted
+    interleaved = flat.as_strided((2, 5, *unit), (64, 128, 16, 8, 1))  # unit-major, layers inside
+    halves = torch.zeros(2, 5, 2, *unit, dtype=torch.bfloat16)[:, :, 1]  # one half of [L, U, 2, ...]
+    tier = PoolBuffers.from_tensors(spec, {"k": interleaved, "v": halves})
+    payload = torch.arange(2 * 2 * 64, dtype=torch.int16).view(torch.bfloat16).view(2, 2, *unit)
+    tier.write_units([4, 1], {"k": payload})
+    assert torch.equal(bits(tier.read_units([4, 1])["k"]), bits(payload))
+
+
+def test_broadcast_state_slots_are_refused() -> None:
+    spec = MambaPoolType(
+        "mamba", MambaConfig.model_validate({"layers": 2, "states": {"conv": {"shape": [6, 3]}}}), CONTEXT
+    ).spec()
+    one_slot = torch.zeros(2, 1, 6, 3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="buffer 'conv': expected units that do not share memory"):
+        PoolBuffers.from_tensors(spec, {"conv": one_slot.expand(2, 4, 6, 3)})
