@@ -82,3 +82,32 @@ def test_broadcast_state_slots_are_refused() -> None:
     one_slot = torch.zeros(2, 1, 6, 3, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="buffer 'conv': expected units that do not share memory"):
         PoolBuffers.from_tensors(spec, {"conv": one_slot.expand(2, 4, 6, 3)})
+
+
+@pytest.mark.parametrize("kind", ["owned", "engine_whole", "engine_per_layer"])
+@pytest.mark.parametrize("layout", [Layout.LAYER_FIRST, Layout.PAGE_FIRST_DIRECT])
+def test_write_units_from_a_view_of_the_same_tier(kind: str, layout: Layout) -> None:
+    # copying unit 3 to unit 4 by writing a zero-copy view of unit 3 raised torch's "some
+    # elements of the input tensor and the written-to tensor refer to a single memory location"
+    spec = kv_spec()
+    if kind == "owned":
+        tier = PoolBuffers(spec, 6, layout=layout)
+    elif kind == "engine_whole":
+        shape = (2, 6) if layout is Layout.LAYER_FIRST else (6, 2)
+        tensors = {b.name: torch.zeros(*shape, *b.unit_shape, dtype=torch.float16) for b in spec.buffers}
+        tier = PoolBuffers.from_tensors(spec, tensors, layout=layout)
+    else:
+        if layout is not Layout.LAYER_FIRST:
+            pytest.skip("per-layer tensors are layer_first")
+        tensors = {
+            b.name: [torch.zeros(6, *b.unit_shape, dtype=torch.float16) for _ in range(2)]
+            for b in spec.buffers
+        }
+        tier = PoolBuffers.from_tensors(spec, tensors)
+    fill = {b.name: torch.randn(6, 2, *b.unit_shape).to(torch.float16) for b in spec.buffers}
+    tier.write_units(range(6), fill)
+    if not tier.split_layers("k"):
+        tier.write_units([4, 5], {"k": tier.buffer_view("k")[2:4]})  # overlapping rows too
+        assert torch.equal(bits(tier.read_units([4, 5])["k"]), bits(fill["k"][2:4]))
+    tier.write_units([1], {"v": tier.buffer_view("v", layer=1)[3:4]}, layer=1)
+    assert torch.equal(bits(tier.read_units([1], layer=1)["v"]), bits(fill["v"][3:4, 1]))

@@ -65,6 +65,7 @@ class UnitAccess:
     placements: dict[str, Placement]
     _layer_tensors: dict[str, list[torch.Tensor]]
     tensors: dict[str, torch.Tensor]
+    backing: torch.Tensor | None
 
     def _placement(self, name: str) -> Placement:  # provided by PoolBuffers
         raise NotImplementedError
@@ -195,9 +196,10 @@ class UnitAccess:
             layer_bytes = buffer.bytes_per_unit_per_layer
             rows = tensor.to(self.device).contiguous().view(*lead, layer_bytes // dtype.itemsize)
             raw = rows.view(torch.uint8)
-            if raw.storage_offset() % word or raw.data_ptr() % word:
+            if raw.storage_offset() % word or raw.data_ptr() % word or self._holds(raw):
                 # a dense view that starts between words (a slice of a larger tensor): word
-                # views need aligned starts, so move a copy, not the caller's odd offset
+                # views need aligned starts; a view of this tier's own memory (another unit's
+                # buffer_view): the scatter refuses a source inside its target. Move a copy
                 raw = raw.clone()
             staged.append((name, word, raw.view(WORDS[word])))
         if idx.numel() == 0:
@@ -212,6 +214,14 @@ class UnitAccess:
                     self.unit_view(name, word, layer=i).index_copy_(0, idx, rows[:, i])
             else:
                 self.unit_view(name, word, layer=layer).index_copy_(0, idx, rows)
+
+    def _holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lies in this tier's memory (its backing or an engine tensor)."""
+        where = tensor.untyped_storage().data_ptr()
+        if self.backing is not None and self.backing.untyped_storage().data_ptr() == where:
+            return True
+        held = [*self.tensors.values(), *(t for layers in self._layer_tensors.values() for t in layers)]
+        return any(t.untyped_storage().data_ptr() == where for t in held)
 
     # --- word views of an engine's own tensors -------------------------------------------------
 
