@@ -349,6 +349,8 @@ class PoolGroup:
 
     def _add(self, name: str, plugin: PoolType, spec: PoolSpec, units: tuple[int, int]) -> Pool:
         device_units, host_units = units
+        if spec.index_source is not None:  # before any memory is taken for it
+            spec.check_index_source(self.pools[spec.index_source].spec)
         if name in self._device_tensors:
             device = PoolBuffers.from_tensors(
                 spec,
