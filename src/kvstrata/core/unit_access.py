@@ -10,6 +10,7 @@ its user-facing access each read on one screen.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -215,13 +216,18 @@ class UnitAccess:
             else:
                 self.unit_view(name, word, layer=layer).index_copy_(0, idx, rows)
 
+    @functools.cached_property
+    def _storages(self) -> frozenset[int]:
+        """Where the storages of this tier's memory start (its backing, the engine's tensors):
+        fixed for the tier's life, so found once."""
+        held = [*self.tensors.values(), *(t for layers in self._layer_tensors.values() for t in layers)]
+        if self.backing is not None:
+            held.append(self.backing)
+        return frozenset(t.untyped_storage().data_ptr() for t in held)
+
     def _holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lies in this tier's memory (its backing or an engine tensor)."""
-        where = tensor.untyped_storage().data_ptr()
-        if self.backing is not None and self.backing.untyped_storage().data_ptr() == where:
-            return True
-        held = [*self.tensors.values(), *(t for layers in self._layer_tensors.values() for t in layers)]
-        return any(t.untyped_storage().data_ptr() == where for t in held)
+        return tensor.untyped_storage().data_ptr() in self._storages
 
     # --- word views of an engine's own tensors -------------------------------------------------
 
