@@ -248,3 +248,12 @@ def test_pinning_follows_the_device(plugins: PluginHost) -> None:
     assert group.pin_memory is (DEVICE.startswith("cuda"))
     assert group.anchor.host.pinned is (DEVICE.startswith("cuda"))
     assert group.anchor.host.backing.is_pinned() is group.anchor.host.pinned
+
+
+@pytest.mark.parametrize(("stack", "pool"), [("hybrid-mamba.yaml", "mamba"), ("swa.yaml", "swa")])
+def test_index_source_on_a_component_is_refused(plugins: PluginHost, stack: str, pool: str) -> None:
+    # swa and mamba are components whatever their config says: an index_source on one was
+    # silently ignored (the pool kept its own indices, not the ones the config named)
+    anchor = "kv" if stack == "hybrid-mamba.yaml" else "full"
+    with pytest.raises(ValueError, match=rf"pool '{pool}' \({pool}\): index_source '{anchor}' is set, but"):
+        build(plugins, stack, f"model.pools.{pool}.index_source={anchor}")

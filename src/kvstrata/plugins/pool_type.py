@@ -413,6 +413,13 @@ class PoolType(ABC):
         self.instance = instance
         self.config = config
         self.model = model
+        if config.index_source is not None and self.role is not PoolRole.SIDECAR:
+            # (a type whose role is fixed -- swa, mamba, logical -- ignored it without a word)
+            raise ValueError(
+                f"pool {instance!r} ({self.name}): index_source {config.index_source!r} is set, but a "
+                f"{self.name} pool is a {self.role.value} with its own indices; only sidecars share "
+                "another pool's indices. Remove index_source"
+            )
 
     @abstractmethod
     def spec(self) -> PoolSpec:
