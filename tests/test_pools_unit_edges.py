@@ -111,3 +111,27 @@ def test_write_units_from_a_view_of_the_same_tier(kind: str, layout: Layout) -> 
         assert torch.equal(bits(tier.read_units([4, 5])["k"]), bits(fill["k"][2:4]))
     tier.write_units([1], {"v": tier.buffer_view("v", layer=1)[3:4]}, layer=1)
     assert torch.equal(bits(tier.read_units([1], layer=1)["v"]), bits(fill["v"][3:4, 1]))
+
+
+def test_engine_tensors_that_overlap_each_other_are_refused() -> None:
+    # per-layer tensors (or buffers) that overlap without starting at one address were accepted:
+    # only equal starts were caught, so an off-by-one slice of one allocation aliased units
+    spec = kv_spec("bfloat16")
+    unit = (PAGE, 2, 8)
+    v = torch.zeros(2, 5, *unit, dtype=torch.bfloat16)
+    flat = torch.zeros(6, *unit, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="buffer 'k' layer 1: shares memory with buffer 'k' layer 0"):
+        PoolBuffers.from_tensors(spec, {"k": [flat[0:5], flat[1:6]], "v": v})
+    both = torch.zeros(3, 5, *unit, dtype=torch.bfloat16)  # k = layers 0-1, v = layers 1-2
+    with pytest.raises(ValueError, match="shares memory with"):
+        PoolBuffers.from_tensors(spec, {"k": both[0:2], "v": both[1:3]})
+    interleaved = torch.zeros(5, 2, 2, *unit, dtype=torch.bfloat16)  # [pages, 2, L, ...]: no overlap
+    k_layers, v_layers = interleaved[:, 0].transpose(0, 1), interleaved[:, 1].transpose(0, 1)
+    tier = PoolBuffers.from_tensors(spec, {"k": k_layers, "v": v_layers})
+    payload = torch.arange(2 * 2 * 64, dtype=torch.int16).view(torch.bfloat16).view(2, 2, *unit)
+    tier.write_units([4, 1], {"k": payload, "v": payload})
+    assert torch.equal(bits(tier.read_units([4, 1])["v"]), bits(payload))
+    per_layer = torch.zeros(2, 5, 2, *unit, dtype=torch.bfloat16)  # vLLM: per layer [pages, 2, ...]
+    PoolBuffers.from_tensors(
+        spec, {"k": [per_layer[i][:, 0] for i in range(2)], "v": [per_layer[i][:, 1] for i in range(2)]}
+    )

@@ -8,12 +8,11 @@ was given, in one ``ValueError``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 
+from kvstrata.core.memory_overlap import Blocks, first_shared, overlaps_itself
 from kvstrata.plugins.pool_type import BufferSpec, Layout, PoolSpec
 
 #: what an engine hands over per buffer: one tensor, or one tensor per layer
@@ -56,36 +55,6 @@ def _unit_contiguous(tensor: torch.Tensor, unit_shape: tuple[int, ...]) -> bool:
             return False
         expected *= size
     return True
-
-
-#: most unit blocks :func:`_units_overlap` enumerates to settle a layout its stride test cannot
-_MAX_ENUMERATED_BLOCKS = 1 << 22
-
-
-def _units_overlap(tensor: torch.Tensor, unit_shape: tuple[int, ...]) -> bool:
-    """True when two units (or two layers of a unit) of ``tensor`` share memory: a broadcast
-    (``expand``, stride 0) or an ``as_strided`` view whose units are closer than a unit's size.
-    Each unit is dense (checked before), so the units are blocks of ``prod(unit_shape)``
-    elements at the offsets the outer (layer, unit) dimensions make."""
-    unit, lead = math.prod(unit_shape), tensor.dim() - len(unit_shape)
-    dims = zip(tensor.shape[:lead], tensor.stride()[:lead], strict=True)
-    outer = sorted((abs(stride), size) for size, stride in dims if size > 1)
-    extent = unit
-    for stride, size in outer:  # nested dimensions: each step clears all the inner ones
-        if stride < extent:
-            break
-        extent += (size - 1) * stride
-    else:
-        return False
-    if any(stride == 0 for stride, _ in outer):
-        return True
-    if math.prod(size for _, size in outer) > _MAX_ENUMERATED_BLOCKS:
-        return False  # an interleaving too large to enumerate: left unverified, as before
-    starts = np.zeros(1, dtype=np.int64)
-    for stride, size in outer:
-        starts = (starts[:, None] + np.arange(size, dtype=np.int64)[None, :] * stride).ravel()
-    starts.sort()
-    return bool((np.diff(starts) < unit).any())
 
 
 def _check_engine_tensor(
@@ -133,7 +102,7 @@ def _check_engine_tensor(
                 f"strides {tuple(tensor.stride())} for shape {tuple(tensor.shape)}; pass a contiguous "
                 "tensor or one whose unit dimensions are dense"
             )
-        if _units_overlap(tensor, buffer.unit_shape):
+        if tensor.numel() and overlaps_itself(Blocks.of(tensor, buffer.unit_shape)):
             raise ValueError(
                 f"{what}: expected units that do not share memory, got strides {tuple(tensor.stride())} "
                 f"for shape {tuple(tensor.shape)} (a broadcast or overlapping view?): a write to one "
@@ -184,6 +153,7 @@ def check_engine_tensors(
     whole: dict[str, torch.Tensor] = {}
     first_device: torch.device | None = None
     starts: dict[int, str] = {}  # where each buffer's memory begins: no two may share it
+    blocks: list[tuple[str, Blocks]] = []  # every part's units: no two may share bytes either
     for buffer in spec.buffers:
         given = tensors[buffer.name]
         parts = _check_engine_tensor(where, buffer, given, units, layout)
@@ -191,6 +161,7 @@ def check_engine_tensors(
             what = f"buffer {buffer.name!r}" + (f" layer {index}" if len(parts) > 1 else "")
             if part.numel() and part.device.type != "meta":
                 other = starts.setdefault(part.data_ptr(), what)
+                blocks.append((what, Blocks.of(part, buffer.unit_shape)))
                 if other != what:
                     raise ValueError(
                         f"{where} {what}: the same memory as {other} (one tensor passed twice?): "
@@ -215,4 +186,10 @@ def check_engine_tensors(
             whole[buffer.name] = given
         else:
             found[buffer.name] = parts
+    shared = first_shared(blocks)
+    if shared is not None:
+        raise ValueError(
+            f"{where} {shared[1]}: shares memory with {shared[0]} (overlapping slices of one "
+            "allocation?): a write to one would change the other; each buffer and layer needs its own"
+        )
     return units, whole, found, first_device or expected_device or torch.device("cpu")
