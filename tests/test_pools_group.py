@@ -119,6 +119,22 @@ def test_draft_added_after_start_grows_required_bytes(plugins: PluginHost) -> No
         group.add_pool("d2", {"type": "draft", "layers": 1, "kv_heads": 1, "head_dim": 8, "host_units": 3})
 
 
+def test_a_page_sidecar_of_a_state_pool_is_refused(plugins: PluginHost) -> None:
+    # an nsa or draft sidecar naming a mamba pool as its index_source was accepted: it got one
+    # unit per tree node (a state slot's index), where its data needs one per page
+    with pytest.raises(ValueError, match=r"sidecar pool 'ix' \(nsa\) holds token_pages units, but its "):
+        build(plugins, "hybrid-mamba.yaml", "model.pools.ix.type=nsa", "model.pools.ix.layers=2",
+              "model.pools.ix.index_source=mamba")  # fmt: skip
+    group = build(plugins, "hybrid-mamba.yaml")
+    with pytest.raises(ValueError, match="index_source 'mamba' \\(mamba\\) hands out node_state units"):
+        group.add_pool(
+            "draft", {"type": "draft", "layers": 1, "kv_heads": 1, "head_dim": 8, "index_source": "mamba"}
+        )
+    assert "draft" not in group.pools
+    # the anchor's indices: fine
+    group.add_pool("draft", {"type": "draft", "layers": 1, "kv_heads": 1, "head_dim": 8})
+
+
 def device_rows(pool: Pool, name: str, indices: torch.Tensor) -> torch.Tensor:
     """Units ``indices`` of buffer ``name`` in the pool's device tier, as CPU bytes."""
     return pool.device.unit_view(name).index_select(0, indices.to(pool.device.device)).cpu()
@@ -232,3 +248,12 @@ def test_pinning_follows_the_device(plugins: PluginHost) -> None:
     assert group.pin_memory is (DEVICE.startswith("cuda"))
     assert group.anchor.host.pinned is (DEVICE.startswith("cuda"))
     assert group.anchor.host.backing.is_pinned() is group.anchor.host.pinned
+
+
+@pytest.mark.parametrize(("stack", "pool"), [("hybrid-mamba.yaml", "mamba"), ("swa.yaml", "swa")])
+def test_index_source_on_a_component_is_refused(plugins: PluginHost, stack: str, pool: str) -> None:
+    # swa and mamba are components whatever their config says: an index_source on one was
+    # silently ignored (the pool kept its own indices, not the ones the config named)
+    anchor = "kv" if stack == "hybrid-mamba.yaml" else "full"
+    with pytest.raises(ValueError, match=rf"pool '{pool}' \({pool}\): index_source '{anchor}' is set, but"):
+        build(plugins, stack, f"model.pools.{pool}.index_source={anchor}")

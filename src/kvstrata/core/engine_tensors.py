@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from kvstrata.core.memory_overlap import Blocks, first_shared, overlaps_itself
 from kvstrata.plugins.pool_type import BufferSpec, Layout, PoolSpec
 
 #: what an engine hands over per buffer: one tensor, or one tensor per layer
@@ -101,6 +102,12 @@ def _check_engine_tensor(
                 f"strides {tuple(tensor.stride())} for shape {tuple(tensor.shape)}; pass a contiguous "
                 "tensor or one whose unit dimensions are dense"
             )
+        if tensor.numel() and overlaps_itself(Blocks.of(tensor, buffer.unit_shape)):
+            raise ValueError(
+                f"{what}: expected units that do not share memory, got strides {tuple(tensor.stride())} "
+                f"for shape {tuple(tensor.shape)} (a broadcast or overlapping view?): a write to one "
+                "unit would change another; pass a tensor with memory for every unit"
+            )
         tensors.append(tensor)
     return tensors
 
@@ -146,6 +153,7 @@ def check_engine_tensors(
     whole: dict[str, torch.Tensor] = {}
     first_device: torch.device | None = None
     starts: dict[int, str] = {}  # where each buffer's memory begins: no two may share it
+    blocks: list[tuple[str, Blocks]] = []  # every part's units: no two may share bytes either
     for buffer in spec.buffers:
         given = tensors[buffer.name]
         parts = _check_engine_tensor(where, buffer, given, units, layout)
@@ -153,6 +161,7 @@ def check_engine_tensors(
             what = f"buffer {buffer.name!r}" + (f" layer {index}" if len(parts) > 1 else "")
             if part.numel() and part.device.type != "meta":
                 other = starts.setdefault(part.data_ptr(), what)
+                blocks.append((what, Blocks.of(part, buffer.unit_shape)))
                 if other != what:
                     raise ValueError(
                         f"{where} {what}: the same memory as {other} (one tensor passed twice?): "
@@ -177,4 +186,10 @@ def check_engine_tensors(
             whole[buffer.name] = given
         else:
             found[buffer.name] = parts
+    shared = first_shared(blocks)
+    if shared is not None:
+        raise ValueError(
+            f"{where} {shared[1]}: shares memory with {shared[0]} (overlapping slices of one "
+            "allocation?): a write to one would change the other; each buffer and layer needs its own"
+        )
     return units, whole, found, first_device or expected_device or torch.device("cpu")

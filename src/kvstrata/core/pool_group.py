@@ -130,10 +130,11 @@ def build_order(specs: Mapping[str, PoolSpec], existing: Sequence[str] = ()) -> 
         ready = [n for n, s in pending.items() if s.index_source is None or s.index_source in placed]
         if not ready:
             raise ValueError(f"sidecar index_source cycle or unknown source among {sorted(pending)}")
-        for name in ready:
-            order.append(name)
-            placed.add(name)
-            del pending[name]
+        for name in ready:  # a sidecar holds what its source hands out (pages, or state slots)
+            if (source := pending.pop(name).index_source) in specs:
+                specs[name].check_index_source(specs[source])
+        order += ready
+        placed.update(ready)
     return order
 
 
@@ -165,6 +166,8 @@ def _check_late_pool(instance: str, spec: PoolSpec, anchor: str, pools: Mapping[
         )
     if spec.index_source is not None and spec.index_source not in pools:
         raise ValueError(f"pool {instance!r}: index_source {spec.index_source!r} is not in the group")
+    if spec.index_source is not None:
+        spec.check_index_source(pools[spec.index_source].spec)
 
 
 def checked_spec(plugin: PoolType, host: PluginHost, anchor: str | None) -> PoolSpec:

@@ -10,6 +10,7 @@ its user-facing access each read on one screen.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -65,6 +66,7 @@ class UnitAccess:
     placements: dict[str, Placement]
     _layer_tensors: dict[str, list[torch.Tensor]]
     tensors: dict[str, torch.Tensor]
+    backing: torch.Tensor | None
 
     def _placement(self, name: str) -> Placement:  # provided by PoolBuffers
         raise NotImplementedError
@@ -194,7 +196,13 @@ class UnitAccess:
             word = self.word_bytes(name)
             layer_bytes = buffer.bytes_per_unit_per_layer
             rows = tensor.to(self.device).contiguous().view(*lead, layer_bytes // dtype.itemsize)
-            staged.append((name, word, rows.view(torch.uint8).view(WORDS[word])))
+            raw = rows.view(torch.uint8)
+            if raw.storage_offset() % word or raw.data_ptr() % word or self._holds(raw):
+                # a dense view that starts between words (a slice of a larger tensor): word
+                # views need aligned starts; a view of this tier's own memory (another unit's
+                # buffer_view): the scatter refuses a source inside its target. Move a copy
+                raw = raw.clone()
+            staged.append((name, word, raw.view(WORDS[word])))
         if idx.numel() == 0:
             return
         for name, word, rows in staged:
@@ -207,6 +215,19 @@ class UnitAccess:
                     self.unit_view(name, word, layer=i).index_copy_(0, idx, rows[:, i])
             else:
                 self.unit_view(name, word, layer=layer).index_copy_(0, idx, rows)
+
+    @functools.cached_property
+    def _storages(self) -> frozenset[int]:
+        """Where the storages of this tier's memory start (its backing, the engine's tensors):
+        fixed for the tier's life, so found once."""
+        held = [*self.tensors.values(), *(t for layers in self._layer_tensors.values() for t in layers)]
+        if self.backing is not None:
+            held.append(self.backing)
+        return frozenset(t.untyped_storage().data_ptr() for t in held)
+
+    def _holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lies in this tier's memory (its backing or an engine tensor)."""
+        return tensor.untyped_storage().data_ptr() in self._storages
 
     # --- word views of an engine's own tensors -------------------------------------------------
 

@@ -270,6 +270,18 @@ class PoolSpec(BaseModel):
                 )
         return self
 
+    def check_index_source(self, source: PoolSpec) -> None:
+        """A sidecar holds one unit per index of ``source`` (its index_source): a page where
+        that pool hands out pages, a state slot where it hands out slots. A page sidecar of a
+        state pool got one unit per tree node, where its data needs one per page."""
+        if self.granularity is not source.granularity:
+            raise ValueError(
+                f"sidecar pool {self.name!r} ({self.pool_type}) holds {self.granularity.value} units, "
+                f"but its index_source {source.name!r} ({source.pool_type}) hands out "
+                f"{source.granularity.value} units: a sidecar shares its source's indices, so both "
+                "need one granularity (choose another index_source)"
+            )
+
     @property
     def layers(self) -> int:
         """Layers of the pool (0 for a logical pool); every buffer of a built-in type has as many."""
@@ -401,6 +413,13 @@ class PoolType(ABC):
         self.instance = instance
         self.config = config
         self.model = model
+        if config.index_source is not None and self.role is not PoolRole.SIDECAR:
+            # (a type whose role is fixed -- swa, mamba, logical -- ignored it without a word)
+            raise ValueError(
+                f"pool {instance!r} ({self.name}): index_source {config.index_source!r} is set, but a "
+                f"{self.name} pool is a {self.role.value} with its own indices; only sidecars share "
+                "another pool's indices. Remove index_source"
+            )
 
     @abstractmethod
     def spec(self) -> PoolSpec:
