@@ -118,15 +118,17 @@ class Writer:
 
     def on_lookup(self, match: MatchResult, hashes: PageHashes, record: bool = True) -> None:
         """A request reused ``match``'s path: L3 is asked for it (``l3_touch``), selective write-
-        through backs up the nodes that turned hot, admission filters hear of the reuse."""
+        through backs up the nodes that turned hot, admission filters hear of the reuse (not of a
+        later chunk's: ``record`` False)."""
         self.hit_touch.after_lookup(match, hashes, record)
         if self.retry and (again := self.retry.due(match.host_path, self.engine)):
             self._queue_write(again, hashes, admitted=None)
         host, storage = self.host_admission, self.storage_admission
         if not (host.selective or storage.selective or self.policy.write == "write_through_selective"):
             return
-        host.seen(match.path)
-        storage.seen(match.path)
+        if record:  # (a later chunk's lookup: its hits are the request's own pages, no reuse)
+            host.seen(match.path)
+            storage.seen(match.path)
         if self.policy.write == "write_through_selective":
             hot = [n for n in match.device_path if n.hit_count >= self.policy.write_through_threshold]
             earlier = [n for n in hot if n.host_raw[0] is not None]  # may have gained a component
