@@ -6,8 +6,10 @@ and checks that no page's object goes out twice, nor one the cache just read fro
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from controller_support import fill, open_cache, serve, tokens, verify
@@ -53,3 +55,64 @@ def test_a_window_restored_from_l3_is_not_written_back_to_it(tmp_path: Path) -> 
             cache.flush()
             assert _pages(keys, lease.page_hashes, "swa") == list(range(4, 4 + extra))
             assert _pages(keys, lease.page_hashes, "full") == list(range(4, 4 + extra))
+
+
+def test_a_branch_inside_a_node_writes_the_window_above_it_once(tmp_path: Path) -> None:
+    """A 3-page prompt is written (its window ends at page 3); a request branching after its
+    first page splits the node there and adds 1 page. That insert wrote page 0's ``swa`` object
+    twice: the new node's window (pages 0-1) took its head from the branch point, and then the
+    window ending at the branch point (page 0) went out on its own."""
+    prompt = tokens(1, 3)
+    branch = torch.cat([prompt[:64], tokens(2, 1)])
+    with open_cache("swa", tmp_path / "l3") as cache:
+        serve(cache, prompt)
+        cache.flush()
+        keys = _spy_puts(cache)
+        lease, bad = serve(cache, branch)
+        cache.flush()
+        assert bad == 0 and lease.cached_pages == 1
+        assert sorted(_pages(keys, lease.page_hashes, "swa")) == [0, 1]
+        assert _pages(keys, lease.page_hashes, "full") == [1]
+    with open_cache("swa", tmp_path / "l3") as fresh:  # and the window ending at page 2 is whole
+        restored = fresh.lookup(branch, prefetch="wait")
+        fresh.admit(restored)
+        assert restored.cached_pages == 2 and verify(fresh, restored) == 0
+        fresh.release(restored)
+
+
+def _slow_exists(cache: CacheController, seconds: float) -> None:
+    """Each existence query of ``cache``'s backend takes ``seconds`` longer (an L3 behind)."""
+    assert cache.engine is not None
+    exists = cache.engine.backend.exists
+
+    def slow(*args: object, **options: object) -> object:
+        time.sleep(seconds)
+        return exists(*args, **options)  # type: ignore[arg-type]
+
+    cache.engine.backend.exists = slow  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("confirmed", [True, False])
+def test_a_branch_inside_a_hit_node_does_not_write_the_node_again(tmp_path: Path, confirmed: bool) -> None:
+    """An 8-page prompt is written; a request reusing its first 6 pages from the device adds 1
+    page. The hit is asked about (``l3_touch``), and the window ending at the branch point (a
+    new prefix end) is not in L3 yet: the insert writes it. The whole 6-page node above the
+    branch point was written again, every page, as lost by L3: where an earlier hit's answer
+    had confirmed the prompt (``confirmed``: its split's upper half inherited that, end and
+    all), and where the ask's answer came after the insert queued that window (a slow L3),
+    which then counted as a stored end L3 had lost."""
+    prompt = tokens(1, 8)
+    with open_cache("swa", tmp_path / "l3") as cache:
+        serve(cache, prompt)
+        cache.flush()
+        if confirmed:
+            serve(cache, torch.cat([prompt, tokens(3, 1)]))  # a hit whose answer confirms the prompt
+            cache.flush()
+        else:
+            _slow_exists(cache, 0.3)
+        keys = _spy_puts(cache)
+        lease, bad = serve(cache, torch.cat([prompt[: 6 * cache.page_size], tokens(2, 1)]))
+        cache.flush()
+        assert bad == 0 and lease.cached_pages == 6
+        assert sorted(_pages(keys, lease.page_hashes, "swa")) == [4, 5, 6]
+        assert _pages(keys, lease.page_hashes, "full") == [6]

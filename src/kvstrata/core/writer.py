@@ -424,17 +424,18 @@ def _back_up_chain(writer: Writer, chain: OpenChain) -> None:
     # nodes on the path that were on the host before this insert (split by it, where it left a
     # checkpoint or diverged): a backup carries every component, these may lack the new ones
     earlier = [node for node in path if node.host_raw[0] is not None]
-    writer.back_up(path, hashes=chain.hashes, admit=True)
     if earlier:
         _back_up_components(writer, earlier, chain.hashes)
-    if writer.engine is None or not writer.layout.windowed:
-        return
-    # a prefix end that was inside a node when that node went to L3 gets its last window there:
-    # the cached prefix this insert starts from, and the ends of those earlier nodes
-    since = chain.since
-    ends = [since] if since is not None and since.depth_end == chain.cached else []
-    for end in ends + earlier:
-        _window_end_to_l3(writer, end, chain.hashes)
+    if writer.engine is not None and writer.layout.windowed:
+        # a prefix end that was inside a node when that node went to L3 gets its last window
+        # there: the cached prefix this insert starts from, and the ends of those earlier nodes.
+        # Before the new nodes' write, whose windows then leave out the pages these hold (each
+        # went out twice: in the window below the end, and on its own)
+        since = chain.since
+        ends = [since] if since is not None and since.depth_end == chain.cached else []
+        for end in ends + earlier:
+            _window_end_to_l3(writer, end, chain.hashes)
+    writer.back_up(path, hashes=chain.hashes, admit=True)
 
 
 def _back_up_gained(writer: Writer) -> None:
