@@ -131,10 +131,7 @@ class Writer:
             storage.seen(match.path)
         if self.policy.write == "write_through_selective":
             hot = [n for n in match.device_path if n.hit_count >= self.policy.write_through_threshold]
-            earlier = [n for n in hot if n.host_raw[0] is not None]  # may have gained a component
-            self.back_up(hot, hashes=hashes, admit=host.selective)
-            if earlier:
-                _back_up_components(self, earlier, hashes)
+            _back_up_hot(self, hot, hashes, admit=host.selective)
         elif host.selective and self.policy.write == "write_through":
             unbacked = [n for n in match.device_path if not self.tree.backed_up(n)]
             self.back_up(unbacked, hashes=hashes, admit=True)
@@ -436,6 +433,20 @@ def _back_up_chain(writer: Writer, chain: OpenChain) -> None:
         for end in ends + earlier:
             _window_end_to_l3(writer, end, chain.hashes)
     writer.back_up(path, hashes=chain.hashes, admit=True)
+
+
+def _back_up_hot(writer: Writer, hot: Sequence[TreeNode], hashes: PageHashes, *, admit: bool) -> None:
+    """Selective write-through of the nodes a reuse made hot. Those on the host already may
+    have gained a component, and one a branch split (its upper half: a new prefix end, a shared
+    prompt's) gets its last window in L3, as write-through's insert gives it -- never written,
+    a fresh cache restored none of the prompt for a new question. Before the new backups,
+    whose windows then leave out the pages it holds."""
+    earlier = [n for n in hot if n.host_raw[0] is not None]
+    if earlier:
+        _back_up_components(writer, earlier, hashes)
+        for end in earlier if writer.engine is not None and writer.layout.windowed else ():
+            _window_end_to_l3(writer, end, hashes)
+    writer.back_up(hot, hashes=hashes, admit=admit)
 
 
 def _back_up_gained(writer: Writer) -> None:
