@@ -133,3 +133,20 @@ def test_selective_write_through_writes_the_window_at_a_branch_point_once_it_is_
                 assert bad == 0
         cache.flush()
     _restores_from_l3("swa", tmp_path, torch.cat([system, tokens(90, 2)]), 4)
+
+
+def test_write_back_writes_the_window_at_a_branch_point_inside_a_backed_up_node(tmp_path: Path) -> None:
+    """Write-back: a chat on a 4-page system prompt is backed up and written whole as it leaves
+    the device (its window at page 6). A second chat, served from the host copy, splits it at
+    the prompt's end: the upper half is backed up already, so no eviction writes it, and its
+    last window reached L3 never -- a fresh cache restored 0 pages of the prompt for a new
+    question."""
+    system = tokens(83, 4)
+    with open_cache("swa", tmp_path, [*WAIT, "policy.write=write_back"]) as cache:
+        for i in range(2):
+            _, bad = serve(cache, torch.cat([system, tokens(84 + i, 2)]))
+            assert bad == 0
+            for j in range(12):  # the chat leaves the device (backed up, written to L3)
+                serve(cache, tokens(100 + 20 * i + j, 4))
+        cache.flush()
+    _restores_from_l3("swa", tmp_path, torch.cat([system, tokens(90, 2)]), 4)
