@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from controller_support import open_cache, serve, tokens, verify
+from controller_support import fill, open_cache, serve, tokens, verify
 from kvstrata.core.admission import ADMISSION_FILTERS, FrequencyFilter, ReuseFilter, make_admission
 from kvstrata.core.policy_config import AdmissionConfig, AdmissionTiers
 
@@ -117,3 +117,23 @@ def test_tinylfu_min_count_2_storage_takes_a_prefix_inserted_then_reused(tmp_pat
         f"{write}: inserted + reused prefix not in L3 "
         f"(storage_admitted {snap['storage_admitted']}, storage_rejected {snap['storage_rejected']})"
     )
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_tinylfu_does_not_count_a_requests_own_later_chunk_as_a_reuse(tmp_path: Path, host: bool) -> None:
+    """A chunked prefill looks its later chunks up with ``record=False``: their "hits" are the
+    request's own earlier chunks. The sketch counted them as sightings, so with min_count=2 a
+    prefix used by one request only reached L3 (its first chunk, re-offered at the second
+    chunk's lookup) or, for the host filter, the host tier."""
+    tier = "host" if host else "storage"
+    sets = [f"policy.admission.{tier}={{type: tinylfu, min_count: 2}}"]
+    request = tokens(7, 4)
+    with open_cache("kv", tmp_path, sets) as cache:
+        for pages, record in ((2, True), (4, False)):
+            lease = cache.lookup(request[: pages * cache.page_size], record=record)
+            cache.admit(lease)
+            fill(cache, lease, cache.allocate(lease))
+            cache.insert(lease)
+        cache.flush()
+        operations = cache.metrics.snapshot()["operations"]
+        assert operations[f"{tier}_admitted"] == 0 and operations[f"{tier}_rejected"] > 0

@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from controller_support import fill, host_units_held_by_tree, host_units_in_use, open_cache, tokens, verify
+from controller_support import (
+    fill,
+    host_units_held_by_tree,
+    host_units_in_use,
+    open_cache,
+    serve,
+    tokens,
+    verify,
+)
 
 PAGE = 64
 WAIT = ["policy.prefetch.policy=wait_complete"]
@@ -108,3 +116,37 @@ def test_write_back_backs_up_the_checkpoint_a_backed_up_node_gained_before_evict
         cache.release(lease)
         cache.flush()
     _restores_from_l3(stack, tmp_path, torch.cat([a[: 3 * PAGE], tokens(86, 2)]), 3)
+
+
+def test_selective_write_through_writes_the_window_at_a_branch_point_once_it_is_hot(tmp_path: Path) -> None:
+    """Chats on a 4-page system prompt, each served twice (hot at once: threshold 1). The first
+    chat's node went to L3 whole, its window at page 6; the second split it at the prompt's end,
+    an upper half on the host already, whose last window nothing wrote (write-through's insert
+    writes it, selective's lookup did not): a fresh cache restored 0 pages of the prompt for a
+    new question."""
+    selective = [*WAIT, "policy.write=write_through_selective", "policy.write_through_threshold=1"]
+    system = tokens(78, 4)
+    with open_cache("swa", tmp_path, selective) as cache:
+        for chat in (torch.cat([system, tokens(79 + i, 2)]) for i in range(2)):
+            for _ in range(2):
+                _, bad = serve(cache, chat)  # (one insert: the prompt is not a node end)
+                assert bad == 0
+        cache.flush()
+    _restores_from_l3("swa", tmp_path, torch.cat([system, tokens(90, 2)]), 4)
+
+
+def test_write_back_writes_the_window_at_a_branch_point_inside_a_backed_up_node(tmp_path: Path) -> None:
+    """Write-back: a chat on a 4-page system prompt is backed up and written whole as it leaves
+    the device (its window at page 6). A second chat, served from the host copy, splits it at
+    the prompt's end: the upper half is backed up already, so no eviction writes it, and its
+    last window reached L3 never -- a fresh cache restored 0 pages of the prompt for a new
+    question."""
+    system = tokens(83, 4)
+    with open_cache("swa", tmp_path, [*WAIT, "policy.write=write_back"]) as cache:
+        for i in range(2):
+            _, bad = serve(cache, torch.cat([system, tokens(84 + i, 2)]))
+            assert bad == 0
+            for j in range(12):  # the chat leaves the device (backed up, written to L3)
+                serve(cache, tokens(100 + 20 * i + j, 4))
+        cache.flush()
+    _restores_from_l3("swa", tmp_path, torch.cat([system, tokens(90, 2)]), 4)

@@ -39,5 +39,5 @@ def test_every_set_of_nodes_the_write_path_remembers_is_one(tmp_path: Path) -> N
     """The nodes refused by a storage filter, the window ends stored, the hits L3 confirmed."""
     with open_cache("swa", tmp_path, ["policy.admission.storage.type=tinylfu"]) as cache:
         writer = cache.writer
-        for remembered in (writer._refused, writer.window_ends, writer.hit_touch._confirmed):
+        for remembered in (writer.refused, writer.window_ends, writer.hit_touch._confirmed):
             assert isinstance(remembered, NodeSet)

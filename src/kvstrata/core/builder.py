@@ -252,7 +252,7 @@ def _wire(parts: CacheParts) -> None:
     parts.load_back = LoadBack(parts.context)
     parts.writer = Writer(parts.context, parts.engine)
     if parts.engine is not None:
-        parts.prefetcher = Prefetcher(parts.context, parts.engine, notify)
+        parts.prefetcher = Prefetcher(parts.context, parts.engine, notify, parts.writer.window_ends)
     if parts.config.debug.unit_digests:
         parts.writer.digests = UnitDigests(parts.pools, parts.layout)
         if parts.prefetcher is not None:

@@ -1,4 +1,4 @@
-"""Write-through of a component a node gained after its backup.
+"""L3 writes of what a node gained after its backup: a component, the last window at its end.
 
 A backup is decided on a node's anchor: once its pages are on the host, the node counts as
 backed up. A component can join such a node later: a request whose chunk ends inside another
@@ -7,18 +7,53 @@ keep -- lands in the upper half, whose anchor went to the host with the first re
 component stayed on the device only, and once it left, the prefix ending there was lost to the
 host tier and to L3 (audit 29: a Mamba checkpoint at a shared prefix's end, 0 of 3 pages from
 L3). Here such components are copied down and written to L3 on their own.
+
+A prefix end can also come after a node's L3 write: a branch inside the node splits it, and the
+upper half's end needs its last window in L3 for a restore ending there (a shared prompt's end).
+Each write policy writes it where it sees that end (:func:`window_end_to_l3`): write-through at
+the insert, selective write-through once the node is hot, write-back at the lookup.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Sequence
+from typing import Protocol
 
-from kvstrata.core.l3_values import PerPool
+from kvstrata.core.l3_values import PageHashes, PerPool, host_values_per_pool, path_hashes, trailing_windows
 from kvstrata.core.metrics import Operation
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.stack import PoolKind, StackLayout, unit_bytes
-from kvstrata.core.tree import Tier, TreeNode
+from kvstrata.core.storage_engine import StorageEngine
+from kvstrata.core.tree import MatchResult, PrefixTree, Tier, TreeNode
 from kvstrata.core.tree_bytes import UNIT, unit_tensor
+from kvstrata.core.write_back import gained_components
+
+
+class EndWriter(Protocol):
+    """What these writes use of :class:`~kvstrata.core.writer.Writer` (which imports them)."""
+
+    @property
+    def context(self) -> PartContext: ...
+    @property
+    def engine(self) -> StorageEngine | None: ...
+    @property
+    def layout(self) -> StackLayout: ...
+    @property
+    def tree(self) -> PrefixTree: ...
+    @property
+    def namespace_root(self) -> str: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def refused(self) -> Container[TreeNode]: ...  # by the storage admission filter
+    @property
+    def window_ends(self) -> Container[TreeNode]: ...  # stored last windows
+
+    def back_up(
+        self, nodes: Iterable[TreeNode], *, hashes: PageHashes | None = None, admit: bool = False
+    ) -> None: ...
+
+    def submit(self, nodes: Sequence[TreeNode], per_pool: PerPool, ends: Sequence[TreeNode] = ()) -> None: ...
 
 
 def unbacked_components(context: PartContext, nodes: Sequence[TreeNode]) -> list[tuple[TreeNode, str]]:
@@ -76,3 +111,67 @@ def only_pools(per_pool: PerPool, layout: StackLayout, names: set[str]) -> PerPo
     sidecars following them: the rest of those nodes is in L3 already."""
     followers = {follower for name in names for follower in layout.tree_pools[name].followers}
     return {name: entry for name, entry in per_pool.items() if name in followers}
+
+
+def lookup_end_to_l3(writer: EndWriter, match: MatchResult, hashes: PageHashes) -> None:
+    """Write-back: the last window at a lookup's prefix end where it ends at a node on the host
+    (a branch split a backed-up node there: its upper half, a shared prompt's end). No eviction
+    writes it -- the node is backed up -- and no insert does under write-back: a fresh cache
+    restored none of the prompt for a new question."""
+    end = match.path[-1] if match.path and writer.layout.windowed else None
+    if writer.engine is not None and end is not None and end.host_raw[0] is not None:
+        window_end_to_l3(writer, end, hashes)
+
+
+def back_up_hot(writer: EndWriter, hot: Sequence[TreeNode], hashes: PageHashes, *, admit: bool) -> None:
+    """Selective write-through of the nodes a reuse made hot. Those on the host already may
+    have gained a component, and one a branch split (its upper half: a new prefix end, a shared
+    prompt's) gets its last window in L3, as write-through's insert gives it -- never written,
+    a fresh cache restored none of the prompt for a new question. Before the new backups,
+    whose windows then leave out the pages it holds."""
+    earlier = [n for n in hot if n.host_raw[0] is not None]
+    if earlier:
+        back_up_components(writer, earlier, hashes)
+        for end in earlier if writer.engine is not None and writer.layout.windowed else ():
+            window_end_to_l3(writer, end, hashes)
+    writer.back_up(hot, hashes=hashes, admit=admit)
+
+
+def back_up_gained(writer: EndWriter) -> None:
+    """Write-back, before an eviction: the components nodes gained after their backup (see
+    :func:`~kvstrata.core.write_back.gained_components`) to the host and L3, and the window
+    ending at such a node (a prefix end inside the node L3 got it with) to L3."""
+    gained = gained_components(writer.tree, writer.layout)
+    if not gained:
+        return
+    back_up_components(writer, gained, None)
+    for node in gained if writer.engine is not None and writer.layout.windowed else ():
+        window_end_to_l3(
+            writer, node, path_hashes(writer.tree, node, writer.page_size, writer.namespace_root)
+        )
+
+
+def window_end_to_l3(writer: EndWriter, end: TreeNode, hashes: PageHashes) -> None:
+    """The last window ending at ``end`` to L3, where a prefix ends inside the node L3 got it
+    with (storage admission refused the prefix: its own write carries it)."""
+    if end not in writer.window_ends and end not in writer.refused:
+        writer.submit([end], trailing_windows(writer.tree, writer.layout, end, hashes), [end])
+
+
+def back_up_components(writer: EndWriter, nodes: Sequence[TreeNode], hashes: PageHashes | None) -> None:
+    """Host copies and the L3 write of the components ``nodes`` gained after their backup
+    (``hashes``: the request's page hashes; None: hashed from the nodes' path)."""
+    copied, names = copy_components(writer.context, nodes)
+    copied = [node for node in copied if node not in writer.refused]  # storage admission's call
+    if writer.engine is None or not copied:
+        return
+    per_pool, ends = host_values_per_pool(
+        writer.tree,
+        writer.layout,
+        writer.namespace_root,
+        copied,
+        hashes() if hashes else None,
+        writer.window_ends,
+    )
+    windows = any(writer.layout.tree_pools[name].kind is PoolKind.WINDOW for name in names)
+    writer.submit(copied, only_pools(per_pool, writer.layout, names), ends if windows else ())

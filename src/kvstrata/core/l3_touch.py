@@ -54,6 +54,8 @@ class _Ask:
     pages: list[str]  # their page hashes, asked of every all-pages pool
     ends: list[TreeNode] = field(default_factory=list)  # nodes whose end objects are asked
     end_keys: list[dict[str, list[str]]] = field(default_factory=list)  # per end: pool -> keys
+    #: ends whose last window this cache's write had stored or queued (ahead of the ask) by then
+    stored: set[TreeNode] = field(default_factory=set)
     answer: Future | None = None  # (leading pages present, indices of ends missing an object)
 
 
@@ -82,6 +84,9 @@ class HitTouch:
         #: again when lost (a write that failed -- a full or read-only disk -- is not retried at
         #: every hit: the failures of a run would depend on when answers came)
         self._confirmed = NodeSet()
+        #: confirmed upper halves of a split: their pages were found, their end objects never
+        #: were (the end is new: a branch there writes its window after the ask answered)
+        self._new_end = NodeSet()
         if self._submit is not None:
             context.tree.on_split(self._split)
 
@@ -117,6 +122,7 @@ class HitTouch:
         never repaired: only the lower half, below it, was written again)."""
         if lower in self._confirmed:
             self._confirmed.add(upper)
+            self._new_end.add(upper)
 
     def after_lookup(self, match: MatchResult, hashes: PageHashes, record: bool) -> None:
         """A request's lookup (``record``: not a later chunk's, whose hits are its own pages)."""
@@ -156,6 +162,8 @@ class HitTouch:
         if keys:
             ask.ends.append(node)
             ask.end_keys.append(keys)
+            if node in self.window_ends:
+                ask.stored.add(node)
 
     def _present(self, ask: _Ask) -> tuple[int, set[int]] | None:
         """Leading pages L3 holds in every all-pages pool, and the ends missing an object; None
@@ -195,13 +203,15 @@ class HitTouch:
 
     def lost(self, refused: Container[TreeNode]) -> list[TreeNode]:
         """Of the answered asks, the hit nodes to write again -- those with a page, state or
-        window L3 lost, that an earlier answer found whole or, for a prefix end's window, that
-        this cache's own write stored (lost before any ask saw it) -- while each is still on
+        window L3 lost, that an earlier answer found whole (a split's upper half: its pages; its
+        end is new) or, for a prefix end's window, that this cache's own write queued before the
+        ask stored (lost before any ask saw it) -- while each is still on
         the host with its parents (backups stay a contiguous prefix) and was not refused by the
         storage admission filter (never in L3). Their windows are forgotten as stored, so the
         writes carry them whole."""
         self._ask(refused)
         nodes: dict[TreeNode, None] = {}
+        ends = self.window_ends
         while self._asked and self._asked[0].answer is not None and self._asked[0].answer.done():
             ask = self._asked.popleft()
             answer = _answer(ask.answer, self.metrics)  # type: ignore[arg-type]
@@ -214,10 +224,16 @@ class HitTouch:
                 if start >= ask.backed or node.host_raw[0] is None or node in refused:
                     break
                 start += node.pages
-                if start <= present and node not in lost_ends:
+                held = start <= present
+                if held and node not in lost_ends:
                     self._confirmed.add(node)
-                elif node in self._confirmed or (node in lost_ends and node in self.window_ends):
-                    # held before: lost since (a stored window end's write succeeded: held too)
+                    self._new_end.discard(node)
+                elif (node in self._confirmed and not (held and node in self._new_end)) or (
+                    node in lost_ends and node in ask.stored and node in ends
+                ):
+                    # held before: lost since (a stored window end's write, queued before the ask
+                    # and not failed, held it too; one queued after it -- the insert that follows
+                    # the lookup asking writes the window at its branch point -- had not run)
                     self._confirmed.discard(node)
                     nodes[node] = None
         self.window_ends.difference_update(nodes)

@@ -47,6 +47,7 @@ from kvstrata.core.stack import PoolKind, StackLayout, pool_batch
 from kvstrata.core.storage_engine import PoolBatch, StorageEngine, longest_present_prefix
 from kvstrata.core.tree import PageKey, Tier, TreeNode
 from kvstrata.core.unit_digests import UnitDigests, check_span
+from kvstrata.core.write_back import StoredWindowEnds
 from kvstrata.plugins.pool_type import PartialHit
 
 log = logging.getLogger(__name__)
@@ -180,8 +181,10 @@ def read_prefix(
 class Prefetcher:
     """L3 -> L2 reads for leases (see the module docstring for the decision steps)."""
 
-    def __init__(self, context: PartContext, engine: StorageEngine, notify: Notify) -> None:
-        self.context = context
+    def __init__(
+        self, context: PartContext, engine: StorageEngine, notify: Notify, window_ends: StoredWindowEnds
+    ) -> None:
+        self.context, self.window_ends = context, window_ends  # (the writer's: what L3 holds)
         self.pools, self.tree, self.layout = context.pools, context.tree, context.layout
         self.units, self.metrics = context.units, context.metrics
         self.engine = engine
@@ -392,6 +395,8 @@ class Prefetcher:
             return 0
         op.reserved = spare  # the tree's from here (insert_host interrupted midway: they leak)
         result = self.tree.insert_host(list(keys[: op.start + pages]), values)
+        if self.layout.windowed:  # its last window was just read from L3: no write puts it back
+            self.window_ends.add(result.node)
         try:
             self.release(op)
         finally:

@@ -25,20 +25,24 @@ import torch
 
 from kvstrata.core.admission import make_admission
 from kvstrata.core.backup_plan import Raw, Units, backup_candidates, device_units, joined, unit_counts
-from kvstrata.core.component_backup import copy_components, only_pools
+from kvstrata.core.component_backup import (
+    back_up_components,
+    back_up_gained,
+    back_up_hot,
+    lookup_end_to_l3,
+    window_end_to_l3,
+)
 from kvstrata.core.l3_touch import HitTouch
 from kvstrata.core.l3_values import (
     PageHashes,
     PerPool,
     host_values_per_pool,
     node_hashes_from_path,
-    path_hashes,
-    trailing_windows,
 )
 from kvstrata.core.metrics import Operation, count_failure
 from kvstrata.core.node_set import SplitFollowingSet, on_host
 from kvstrata.core.part_context import PartContext
-from kvstrata.core.stack import PoolKind, pool_batch, unit_bytes
+from kvstrata.core.stack import pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
 from kvstrata.core.tree import MatchResult, PageKey, Tier, TreeNode, tree_path
 from kvstrata.core.tree_bytes import UNIT, unit_tensor
@@ -52,7 +56,6 @@ from kvstrata.core.write_back import (
     count_refused_writes,
     device_only_ancestors,
     eviction_backups,
-    gained_components,
     host_locks,
     unbacked_above,
     wait_writes,
@@ -79,7 +82,7 @@ class Writer:
         self.hears_inserts = policy.write != "write_through" and (
             self.host_admission.selective or self.storage_admission.selective
         )
-        self._refused = SplitFollowingSet(self.tree, on_host)  # by the storage filter: offered at a reuse
+        self.refused = SplitFollowingSet(self.tree, on_host)  # by the storage filter: offered at a reuse
         self.retry = RetryWrites(self.tree)  # lost to a transient failure: offered again at a reuse
         self.window_ends = StoredWindowEnds()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
@@ -118,29 +121,30 @@ class Writer:
 
     def on_lookup(self, match: MatchResult, hashes: PageHashes, record: bool = True) -> None:
         """A request reused ``match``'s path: L3 is asked for it (``l3_touch``), selective write-
-        through backs up the nodes that turned hot, admission filters hear of the reuse."""
+        through backs up the nodes that turned hot, admission filters hear of the reuse (not of a
+        later chunk's: ``record`` False)."""
         self.hit_touch.after_lookup(match, hashes, record)
         if self.retry and (again := self.retry.due(match.host_path, self.engine)):
             self._queue_write(again, hashes, admitted=None)
+        if self.policy.write == "write_back":
+            lookup_end_to_l3(self, match, hashes)  # (a branch inside a backed-up node)
         host, storage = self.host_admission, self.storage_admission
         if not (host.selective or storage.selective or self.policy.write == "write_through_selective"):
             return
-        host.seen(match.path)
-        storage.seen(match.path)
+        if record:  # (a later chunk's lookup: its hits are the request's own pages, no reuse)
+            host.seen(match.path)
+            storage.seen(match.path)
         if self.policy.write == "write_through_selective":
             hot = [n for n in match.device_path if n.hit_count >= self.policy.write_through_threshold]
-            earlier = [n for n in hot if n.host_raw[0] is not None]  # may have gained a component
-            self.back_up(hot, hashes=hashes, admit=host.selective)
-            if earlier:
-                _back_up_components(self, earlier, hashes)
+            back_up_hot(self, hot, hashes, admit=host.selective)
         elif host.selective and self.policy.write == "write_through":
             unbacked = [n for n in match.device_path if not self.tree.backed_up(n)]
             self.back_up(unbacked, hashes=hashes, admit=True)
-        if self._refused and self.engine is not None:
+        if self.refused and self.engine is not None:
             ready = []
             for n in match.host_path:  # root first: a node goes only once its parent has gone
-                if n in self._refused and n.parent not in self._refused and storage.admit(n):
-                    self._refused.discard(n)
+                if n in self.refused and n.parent not in self.refused and storage.admit(n):
+                    self.refused.discard(n)
                     ready.append(n)
             ready = [n for n in ready if n.host[0] is not None]
             if ready:
@@ -245,7 +249,7 @@ class Writer:
             if self.engine is not None and nodes:
                 above = self.copy_to_host(device_only_ancestors(self.tree, nodes))
                 self._queue_write(with_backed_up_prefix(self.tree, above + nodes), None)
-            _back_up_gained(self)  # and components nodes backed up earlier gained since
+            back_up_gained(self)  # and components nodes backed up earlier gained since
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
 
@@ -259,8 +263,8 @@ class Writer:
             return nodes
         taken, refused = [], 0
         for n in nodes:
-            if n.parent in self._refused or not admission.admit(n):
-                self._refused.add(n)
+            if n.parent in self.refused or not admission.admit(n):
+                self.refused.add(n)
                 refused += n.pages
             else:
                 taken.append(n)
@@ -283,9 +287,9 @@ class Writer:
         per_pool, ends = host_values_per_pool(
             self.tree, self.layout, self.namespace_root, nodes, request_hashes, self.window_ends
         )
-        self._submit(nodes, per_pool, ends)
+        self.submit(nodes, per_pool, ends)
 
-    def _submit(self, nodes: Sequence[TreeNode], per_pool: PerPool, ends: Sequence[TreeNode] = ()) -> None:
+    def submit(self, nodes: Sequence[TreeNode], per_pool: PerPool, ends: Sequence[TreeNode] = ()) -> None:
         """Queue the L3 write of ``per_pool`` (host units of ``nodes``, locked meanwhile; ``ends``
         the nodes whose last window it stores)."""
         assert self.engine is not None
@@ -320,7 +324,7 @@ class Writer:
         took = bool(pending) and pending[0].finished
         while pending and pending[0].finished:
             self._finish(pending.popleft())
-        if lost := self.hit_touch.lost(self._refused):
+        if lost := self.hit_touch.lost(self.refused):
             self._queue_write(lost, None, admitted=True)  # hit pages L3 lost: stored again
         return took
 
@@ -352,7 +356,7 @@ class Writer:
             self.end_open()
         finally:
             self.room_deadline = None
-        if self.hit_touch.wait(deadline, self._refused):
+        if self.hit_touch.wait(deadline, self.refused):
             self.drain()  # (what L3 lost of a hit: written again, waited for below)
         wait_writes(self.pending, deadline)
 
@@ -422,57 +426,18 @@ def _back_up_chain(writer: Writer, chain: OpenChain) -> None:
     # nodes on the path that were on the host before this insert (split by it, where it left a
     # checkpoint or diverged): a backup carries every component, these may lack the new ones
     earlier = [node for node in path if node.host_raw[0] is not None]
-    writer.back_up(path, hashes=chain.hashes, admit=True)
     if earlier:
-        _back_up_components(writer, earlier, chain.hashes)
-    if writer.engine is None or not writer.layout.windowed:
-        return
-    # a prefix end that was inside a node when that node went to L3 gets its last window there:
-    # the cached prefix this insert starts from, and the ends of those earlier nodes
-    since = chain.since
-    ends = [since] if since is not None and since.depth_end == chain.cached else []
-    for end in ends + earlier:
-        _window_end_to_l3(writer, end, chain.hashes)
-
-
-def _back_up_gained(writer: Writer) -> None:
-    """Write-back, before an eviction: the components nodes gained after their backup (see
-    :func:`~kvstrata.core.write_back.gained_components`) to the host and L3, and the window
-    ending at such a node (a prefix end inside the node L3 got it with) to L3."""
-    gained = gained_components(writer.tree, writer.layout)
-    if not gained:
-        return
-    _back_up_components(writer, gained, None)
-    for node in gained if writer.engine is not None and writer.layout.windowed else ():
-        _window_end_to_l3(
-            writer, node, path_hashes(writer.tree, node, writer.page_size, writer.namespace_root)
-        )
-
-
-def _window_end_to_l3(writer: Writer, end: TreeNode, hashes: PageHashes) -> None:
-    """The last window ending at ``end`` to L3, where a prefix ends inside the node L3 got it
-    with (storage admission refused the prefix: its own write carries it)."""
-    if end not in writer.window_ends and end not in writer._refused:
-        writer._submit([end], trailing_windows(writer.tree, writer.layout, end, hashes), [end])
-
-
-def _back_up_components(writer: Writer, nodes: Sequence[TreeNode], hashes: PageHashes | None) -> None:
-    """Host copies and the L3 write of the components ``nodes`` gained after their backup
-    (``hashes``: the request's page hashes; None: hashed from the nodes' path)."""
-    copied, names = copy_components(writer.context, nodes)
-    copied = [node for node in copied if node not in writer._refused]  # storage admission's call
-    if writer.engine is None or not copied:
-        return
-    per_pool, ends = host_values_per_pool(
-        writer.tree,
-        writer.layout,
-        writer.namespace_root,
-        copied,
-        hashes() if hashes else None,
-        writer.window_ends,
-    )
-    windows = any(writer.layout.tree_pools[name].kind is PoolKind.WINDOW for name in names)
-    writer._submit(copied, only_pools(per_pool, writer.layout, names), ends if windows else ())
+        back_up_components(writer, earlier, chain.hashes)
+    if writer.engine is not None and writer.layout.windowed:
+        # a prefix end that was inside a node when that node went to L3 gets its last window
+        # there: the cached prefix this insert starts from, and the ends of those earlier nodes.
+        # Before the new nodes' write, whose windows then leave out the pages these hold (each
+        # went out twice: in the window below the end, and on its own)
+        since = chain.since
+        ends = [since] if since is not None and since.depth_end == chain.cached else []
+        for end in ends + earlier:
+            window_end_to_l3(writer, end, chain.hashes)
+    writer.back_up(path, hashes=chain.hashes, admit=True)
 
 
 def _checked_put(
