@@ -144,8 +144,12 @@ def device_accounting(cache: CacheController, open_leases: list[Lease]) -> None:
 def holds_page(cache: CacheController, pool: str, units: torch.Tensor, page_hash: str) -> bool:
     """Whether every unit in ``units`` of ``pool`` holds the bytes ``fill`` writes for the page
     ``page_hash`` (a state slot: the state after that page)."""
+    return holds_ids(cache, pool, units, _ids([page_hash] * len(units)))
+
+
+def holds_ids(cache: CacheController, pool: str, units: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Whether unit ``units[i]`` of ``pool`` holds the bytes of content id ``ids[i]``."""
     spec = cache.pools.pools[pool]
-    ids = _ids([page_hash] * len(units))
     for buffer in spec.spec.buffers:
         view = spec.device.unit_view(buffer.name)
         expected = _content(pool, buffer.name, ids, view.shape[1], view.shape[2])

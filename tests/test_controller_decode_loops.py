@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvstrata
-from controller_support import _content, _ids, device_accounting, verify
+from controller_support import _content, _ids, device_accounting, holds_ids, verify
 from kvstrata.core.controller import CacheController, CacheFullError, Lease, PoolKind
 
 STEMS = 2
@@ -83,16 +83,6 @@ def _write(cache: CacheController, pool: str, units: torch.Tensor, ids: torch.Te
         view[units.to(view.device)] = _content(pool, buffer.name, ids, view.shape[1], view.shape[2]).to(
             view.device
         )
-
-
-def _holds(cache: CacheController, pool: str, units: torch.Tensor, ids: torch.Tensor) -> bool:
-    spec = cache.pools.pools[pool]
-    for buffer in spec.spec.buffers:
-        view = spec.device.unit_view(buffer.name)
-        expected = _content(pool, buffer.name, ids, view.shape[1], view.shape[2])
-        if not torch.equal(view[units.to(view.device)].cpu(), expected):
-            return False
-    return True
 
 
 @dataclass
@@ -175,7 +165,7 @@ class DecodeLoop(RuleBasedStateMachine):
                 request.slots[name] = slot
                 if request.done:
                     want = self._state_id(request, request.done)
-                    assert _holds(cache, name, slot, want), (
+                    assert holds_ids(cache, name, slot, want), (
                         f"{name}: the working slot is not the state after {request.done}"
                     )
             else:
