@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from kvstrata.cli._app import (
     EXIT_INVALID,
@@ -229,3 +230,31 @@ def config_paths(files: Sequence[Path] | None, option: Sequence[Path] | None) ->
         markup=False,
     )
     return [default_config_path()]
+
+
+def without_password(value: str) -> str:
+    """``value`` as printed: a URL's password (``redis://user:secret@host``) replaced by ``***``,
+    since what the CLI prints lands in terminals and CI logs."""
+    try:
+        parts = urlsplit(value)
+        password = parts.password
+    except ValueError:  # not a URL (a bracket in a path, a port that is no number)
+        return value
+    if password is None:
+        return value
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    return urlunsplit(parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{host}"))
+
+
+def without_passwords(data: Any) -> tuple[Any, int]:
+    """``data`` (a config dump) with every URL's password masked, and how many were."""
+    if isinstance(data, dict):
+        masked = [(key, without_passwords(value)) for key, value in data.items()]
+        return {key: value for key, (value, _) in masked}, sum(n for _, (_, n) in masked)
+    if isinstance(data, list):
+        items = [without_passwords(value) for value in data]
+        return [value for value, _ in items], sum(n for _, n in items)
+    if isinstance(data, str) and "://" in data:
+        shown = without_password(data)
+        return shown, int(shown != data)
+    return data, 0

@@ -17,7 +17,7 @@ from kvstrata.cli._app import (
     err,
     out,
 )
-from kvstrata.cli._checks import check_stack, config_paths, load_cli_config
+from kvstrata.cli._checks import check_stack, config_paths, load_cli_config, without_passwords
 from kvstrata.core.config import (
     KvstrataConfig,
     config_json_schema,
@@ -48,13 +48,21 @@ def config_show(
     config_option: ConfigOption = None,
     set_: SetOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON instead of YAML")] = False,
+    reveal_secrets: Annotated[
+        bool, typer.Option("--reveal-secrets", help="print URL passwords (masked as *** by default)")
+    ] = False,
 ) -> None:
-    """Print the resolved configuration, defaults included."""
+    """Print the resolved configuration, defaults included (URL passwords masked)."""
     paths = config_paths(files, config_option)
     config = load_cli_config(paths, set_ or [], PluginHost(), user_overrides=set_ or [])
-    data = config.model_dump(mode="json")
+    data, masked = config.model_dump(mode="json"), 0
+    if not reveal_secrets:  # what it prints lands in terminals and CI logs, as replay's lines do
+        data, masked = without_passwords(data)
     for line in capacity_rounding(config):
         err.print(f"note: {line}", markup=False, highlight=False)
+    if masked:
+        note = f"note: {masked} URL password(s) shown as ***; --reveal-secrets prints them"
+        err.print(note, markup=False, highlight=False)
     if as_json:
         print(json.dumps(data, indent=2))
     else:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import urlsplit, urlunsplit
 
 import typer
 from rich.markup import escape
@@ -28,6 +27,7 @@ from kvstrata.cli._checks import (
     default_config_path,
     describe_os_error,
     load_cli_config,
+    without_password,
 )
 from kvstrata.cli.interrupt import sigint_handled
 from kvstrata.core.config import (
@@ -40,16 +40,6 @@ from kvstrata.progress import progress
 
 def _human_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def without_password(value: str) -> str:
-    """``value`` as printed: a URL's password (``redis://user:secret@host``) replaced by ``***``,
-    since the start-up lines land in terminals and CI logs."""
-    parts = urlsplit(value)
-    if parts.password is None:
-        return value
-    userinfo, host = parts.netloc.rsplit("@", 1)
-    return urlunsplit(parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{host}"))
 
 
 def describe_storage(config: KvstrataConfig, host: PluginHost | None = None) -> list[str]:

@@ -191,3 +191,29 @@ def test_a_server_refusing_every_read_fails_the_call_not_a_cold_cache(tmp_path: 
         finally:
             admin.close()
             backend.close()
+
+
+def test_config_show_masks_the_url_password_unless_asked(tmp_path: Path) -> None:
+    """``kvstrata config show`` lands in terminals and CI logs: a ``url``'s password is ``***``
+    (it was printed in full), and ``--reveal-secrets`` prints it for a config meant to be reused."""
+    import json
+    import subprocess
+
+    url = "redis://kv:s3cret@127.0.0.1:6379/0"
+    config = tmp_path / "stack.yaml"
+    config.write_text(
+        "model: {name: demo, page_size: 16, pools: {kv: {type: kv, layers: 1, kv_heads: 1, head_dim: 8}}}\n"
+        f"tiers: {{storage: {{l3: {{type: valkey, url: '{url}'}}}}}}\n"
+    )
+
+    def show(*extra: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "kvstrata", "config", "show", str(config), "--json", *extra]
+        return subprocess.run(command, capture_output=True, text=True, check=False)
+
+    masked = show()
+    assert masked.returncode == 0, masked.stderr
+    assert "s3cret" not in masked.stdout + masked.stderr
+    assert json.loads(masked.stdout)["tiers"]["storage"]["l3"]["url"] == "redis://kv:***@127.0.0.1:6379/0"
+    assert "1 URL password(s) shown as ***" in masked.stderr
+    revealed = show("--reveal-secrets")
+    assert json.loads(revealed.stdout)["tiers"]["storage"]["l3"]["url"] == url
