@@ -184,27 +184,33 @@ def test_a_new_request_on_a_hot_system_prompt_is_served_from_a_bounded_shared_l3
     )
 
 
-def test_a_hit_prompts_window_another_process_evicted_is_stored_again(tmp_path: Path) -> None:
-    """As the test above, for a window pool: another process sharing the L3 evicted the system
-    prompt's window objects while this cache kept serving the prompt from its device. The next
-    lookup that hits it notices and writes the window again (no longer counted stored), so a
-    fresh cache gets the prompt for a new question."""
-    l3 = tmp_path / "l3"
+def _prompt_window_evicted_elsewhere(l3: Path, before: int) -> None:
+    """``before`` chats share a system prompt on the swa stack (the second branches at the
+    prompt's end: its window is stored); then another process evicts the prompt's window objects
+    and two more chats hit the prompt on the device. A fresh cache must get the prompt whole."""
     system = tokens(1, SYSTEM_PAGES)
-    chats = [torch.cat([system, tokens(10 + i, 2)]) for i in range(5)]
+    chats = [torch.cat([system, tokens(10 + i, 2)]) for i in range(before + 2)]
     with open_cache("swa", l3) as cache:
-        for chat in chats[:3]:  # the second branches at the prompt's end: its window is stored
-            first, _ = serve(cache, chat)  # (the third hears from L3 that it holds it)
+        for chat in chats[:before]:
+            first, _ = serve(cache, chat)
             cache.flush()
         prompt = first.page_hashes[:SYSTEM_PAGES]
         with open_cache("swa", l3) as elsewhere:  # its capacity eviction, as the store sees it
             assert elsewhere.engine.discard("swa", prompt).ok == [True] * SYSTEM_PAGES
-        for chat in chats[3:]:
+        for chat in chats[before:]:
             lease, bad = serve(cache, chat)
             assert bad == 0 and lease.hit_pages["device"] == SYSTEM_PAGES
             cache.flush()
     new_question = torch.cat([system, tokens(77, 2)])
     assert _fresh_hit("swa", l3, [], new_question) == (SYSTEM_PAGES, 0)
+
+
+def test_a_hit_prompts_window_another_process_evicted_is_stored_again(tmp_path: Path) -> None:
+    """As the test above, for a window pool: another process sharing the L3 evicted the system
+    prompt's window objects while this cache kept serving the prompt from its device. The next
+    lookup that hits it notices and writes the window again (no longer counted stored), so a
+    fresh cache gets the prompt for a new question."""
+    _prompt_window_evicted_elsewhere(tmp_path / "l3", before=3)  # (the third hears L3 holds it)
 
 
 def test_a_late_answer_never_writes_again_what_admission_let_through_meanwhile(
@@ -362,22 +368,7 @@ def test_a_prompts_window_lost_before_any_hit_confirmed_it_is_stored_again(tmp_p
     another process evicted it. The third chat's ask finds it missing; the window is written
     again, so a fresh cache gets the prompt for a new question. Before, the end stayed counted
     as stored (never confirmed by an ask, so not rewritten), and no later branch wrote it."""
-    l3 = tmp_path / "l3"
-    system = tokens(1, SYSTEM_PAGES)
-    chats = [torch.cat([system, tokens(10 + i, 2)]) for i in range(4)]
-    with open_cache("swa", l3) as cache:
-        for chat in chats[:2]:  # the second branches at the prompt's end: its window is stored
-            first, _ = serve(cache, chat)
-            cache.flush()
-        prompt = first.page_hashes[:SYSTEM_PAGES]
-        with open_cache("swa", l3) as elsewhere:  # its capacity eviction, as the store sees it
-            assert elsewhere.engine.discard("swa", prompt).ok == [True] * SYSTEM_PAGES
-        for chat in chats[2:]:
-            lease, bad = serve(cache, chat)
-            assert bad == 0 and lease.hit_pages["device"] == SYSTEM_PAGES
-            cache.flush()
-    new_question = torch.cat([system, tokens(77, 2)])
-    assert _fresh_hit("swa", l3, [], new_question) == (SYSTEM_PAGES, 0)
+    _prompt_window_evicted_elsewhere(tmp_path / "l3", before=2)
 
 
 def test_a_failed_ask_is_counted_as_a_failed_storage_call(tmp_path: Path) -> None:

@@ -231,23 +231,13 @@ class Run:
             if handle.tier is not tier:  # type: ignore[attr-defined]
                 continue
             for name in self.pools:
-                if name.startswith("mamba"):
-                    ks = [length]
-                elif name in WINDOWS:
-                    ks = list(range(max(1, length - WINDOWS[name] + 1), length + 1))
-                else:
-                    ks = [] if local else list(range(1, length + 1))
+                ks = _held_lengths(name, length, whole=not local)
                 out |= {(name, held[name][seq[:k]]) for k in ks if seq[:k] in held[name]}
         if tier is Tier.DEVICE:
             for pin, seq, length in self.pins:
                 if pin.held:  # type: ignore[attr-defined]  # (a lapsed one goes as an eviction starts)
                     for name in self.pools:
-                        if name.startswith("mamba"):
-                            ks = [length]
-                        elif name in WINDOWS:
-                            ks = list(range(max(1, length - WINDOWS[name] + 1), length + 1))
-                        else:
-                            ks = list(range(1, length + 1))
+                        ks = _held_lengths(name, length, whole=True)
                         out |= {(name, held[name][seq[:k]]) for k in ks if seq[:k] in held[name]}
         return out
 
@@ -471,3 +461,13 @@ def test_hybrid_operations_under_policies_and_retention(
     for _ in range(200):
         run.step()
     run.finish()
+
+
+def _held_lengths(name: str, length: int, *, whole: bool) -> list[int]:
+    """Prefix lengths whose ``name`` units a lock or pin on ``length`` pages holds: the state at
+    its end, the window's last pages, every page of an all-pages pool (``whole``: not a local lock)."""
+    if name.startswith("mamba"):
+        return [length]
+    if name in WINDOWS:
+        return list(range(max(1, length - WINDOWS[name] + 1), length + 1))
+    return list(range(1, length + 1)) if whole else []
