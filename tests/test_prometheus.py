@@ -157,3 +157,27 @@ def test_a_cache_added_while_a_scrape_runs_does_not_fail_that_scrape() -> None:
     thread.join(10)
     assert not errors, errors
     assert b'kvstrata_requests_total{cache="draft"} 0.0' in generate_latest(registry)  # the next scrape
+
+
+def test_a_removed_cache_leaves_the_endpoint_and_its_name_can_be_reused() -> None:
+    """A process that closes a cache and opens another under the same name (a reload): before
+    ``remove`` the closed cache's frozen counters stayed in every scrape and ``add`` refused the
+    name for good. An unknown name is refused, naming those exported."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    with open_cache("kv") as old:
+        registry = CollectorRegistry()
+        collector = register(old.metrics, registry, cache="target")
+        serve(old, tokens(71, 2))
+        serve(old, tokens(72, 2))
+    assert 'kvstrata_requests_total{cache="target"} 2.0' in generate_latest(registry).decode()
+    collector.remove("target")
+    assert 'cache="target"' not in generate_latest(registry).decode()
+    with pytest.raises(ValueError, match=r"no cache named 'target' is exported.*\[\]"):
+        collector.remove("target")
+    with open_cache("kv") as new:
+        collector.add(new.metrics, "target")
+        serve(new, tokens(73, 2))
+        text = generate_latest(registry).decode()
+    assert 'kvstrata_requests_total{cache="target"} 1.0' in text
+    assert text.count("# TYPE kvstrata_requests_total counter") == 1

@@ -8,6 +8,7 @@ cache, labelled by ``cache``; an exposition with a family twice is invalid text.
     from kvstrata.prometheus import serve_metrics
     collector = serve_metrics(target, port=9464, name="target")   # http://127.0.0.1:9464/metrics
     collector.add(draft.metrics, "draft")
+    collector.remove("draft")          # a closed cache leaves the endpoint; its name is free again
 """
 
 from __future__ import annotations
@@ -50,6 +51,18 @@ class CacheCollector:
                 f"its own name (exported: {sorted(self.caches)})"
             )
         self.caches[cache] = metrics
+
+    def remove(self, cache: str) -> None:
+        """Stop serving a cache's counters (a closed cache's would stay frozen in every scrape,
+        and a reopened cache could not take its name back). Its series end at the next scrape;
+        a cache added again under the name starts its counters from zero, which Prometheus reads
+        as a counter reset. An unknown name is refused, naming those exported."""
+        if cache not in self.caches:
+            raise ValueError(
+                f"no cache named {cache!r} is exported by this collector (exported: {sorted(self.caches)})"
+            )
+        # a new dict, not a deletion: ``collect`` on the server thread copies the one it reads
+        self.caches = {name: metrics for name, metrics in self.caches.items() if name != cache}
 
     def describe(self) -> list[Any]:
         """The family names (values empty): a registry refuses a second collector of them."""
