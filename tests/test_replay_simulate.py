@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from kvstrata.replay.simulate import HitRateSimulator, SimulationConfig, simulate
+from kvstrata.replay.simulate import HitRateSimulator, SimulationConfig, simulate, simulation_policy
 from kvstrata.replay.trace import TraceRequest, read_trace
 from trace_files import full_trace
 
@@ -46,6 +46,19 @@ def test_lru_capacity_in_full_blocks() -> None:
     sim.access(req(10, 1))  # reads block 1 only: its tail 2 is now the oldest leaf
     sim.access(req(10, 9))
     assert sim.lookup(req(20, 1, 2)) == 10 and sim.lookup(req(10, 8)) == 10
+
+
+def test_capacity_rounds_up_to_whole_blocks_as_the_tiers_do() -> None:
+    """``tiers.*.capacity_tokens`` rounds up to whole pages; the simulator rounded down, so
+    25 tokens of 10-token blocks simulated a 2-block tier where ``replay`` builds 3, and refused
+    a 3-block request that tier serves. A capacity of 0 holds nothing, and its policy is told
+    so (it was told "unlimited")."""
+    sim = HitRateSimulator(block_size=10, capacity_tokens=25)
+    assert sim.access(req(30, 1, 2, 3)) == 0 and sim.refused == 0
+    assert sim.lookup(req(30, 1, 2, 3)) == 30
+    assert simulate([req(30, 1, 2, 3)] * 2, SimulationConfig(block_size=10, capacity_tokens=25)).hit_rate > 0
+    none = SimulationConfig(block_size=10, capacity_tokens=0, eviction={"type": "arc"})
+    assert simulation_policy(none).capacity == 1  # ARC's floor of one page, not 2**40
 
 
 def test_a_request_larger_than_the_cache_is_not_inserted() -> None:

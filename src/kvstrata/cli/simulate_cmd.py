@@ -54,7 +54,10 @@ def simulate(
         Path | None, typer.Argument(help="Mooncake-format JSONL trace (default: the bundled sample)")
     ] = None,
     capacity_tokens: Annotated[
-        int | None, typer.Option("--capacity-tokens", help="cache size in tokens (default: unlimited)")
+        int | None,
+        typer.Option(
+            "--capacity-tokens", help="cache size in tokens, rounded up to whole blocks (default: unlimited)"
+        ),
     ] = None,
     eviction: Annotated[
         str | None,

@@ -128,6 +128,12 @@ def full_blocks(request: TraceRequest, block_size: int) -> tuple[int, ...]:
     return request.hash_ids[: request.input_length // block_size]
 
 
+def capacity_blocks(capacity_tokens: int | None, block_size: int) -> int | None:
+    """Whole blocks a capacity holds, rounded up as ``tiers.*.capacity_tokens`` is: the simulated
+    tier is the tier ``replay`` would build from the same number (None: unlimited)."""
+    return None if capacity_tokens is None else -(-capacity_tokens // block_size)
+
+
 class HitRateSimulator:
     """The prefix tree of one tier with a capacity in blocks; feed requests with :meth:`access`."""
 
@@ -138,7 +144,7 @@ class HitRateSimulator:
         policy: EvictionPolicy | None = None,
     ) -> None:
         self.block_size = block_size
-        self.capacity = None if capacity_tokens is None else capacity_tokens // block_size
+        self.capacity = capacity_blocks(capacity_tokens, block_size)
         self.tree = PrefixTree([block_spec(block_size)])
         if policy is not None:
             self.tree.set_eviction_order(Tier.DEVICE, policy)
@@ -225,9 +231,12 @@ def simulation_policy(
     """The configured policy for one simulated tier; offline policies get ``future``."""
     host = host or PluginHost()
     settings = policy_config(host, config.eviction)
-    capacity = None if config.capacity_tokens is None else config.capacity_tokens // config.block_size
+    capacity = capacity_blocks(config.capacity_tokens, config.block_size)
     context = PolicyContext(
-        tier=Tier.DEVICE.value, capacity_pages=capacity or 1 << 40, page_size=config.block_size, page_bytes=1
+        tier=Tier.DEVICE.value,
+        capacity_pages=1 << 40 if capacity is None else capacity,
+        page_size=config.block_size,
+        page_bytes=1,
     )
     policy = make_policy(host, settings, context)
     if policy.capabilities.needs_future:
