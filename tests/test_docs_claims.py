@@ -1,9 +1,11 @@
 """Claims the docs make that a change elsewhere can silently falsify (audit s35): the tests the
-docs cite as proof exist, and ``kvstrata.open`` raises the documented ``ConfigError`` for every
-config ``kvstrata config validate`` refuses at start-up."""
+docs cite as proof exist, ``kvstrata.open`` raises the documented ``ConfigError`` for every
+config ``kvstrata config validate`` refuses at start-up, and (s43) every config example of the
+docs validates and every config key they name exists."""
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -52,3 +54,101 @@ def test_open_raises_config_error_for_a_config_start_up_refuses(case: str, tmp_p
         kvstrata.open(config, environ={})
     assert isinstance(raised.value, ValueError)
     assert raised.value.errors and str(raised.value)
+
+
+# --- every config example of the docs validates with the current schema (audit s43) ---------------
+
+#: What a docs fragment that is not a whole config is merged into.
+BASE_STACK = {
+    "model": {"name": "docs", "page_size": 512, "pools": {}},
+    "tiers": {"device": {"capacity_tokens": 262144}, "host": {"capacity_tokens": 1048576}},
+}
+ANCHOR_TYPES = {"kv", "mla", "logical"}
+DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))]
+DOCS.append("examples/plugins/kvstrata-valkey/README.md")
+
+
+def yaml_examples() -> list[tuple[str, str]]:
+    """``(file:line, text)`` of every ``yaml`` block of the README, docs/ and the plugin guide."""
+    found = []
+    for name in DOCS:
+        text = (REPO / name).read_text()
+        for block in re.finditer(r"```yaml\n(.*?)```", text, re.S):
+            found.append((f"{name}:{text[: block.start()].count(chr(10)) + 1}", block.group(1)))
+    return found
+
+
+def as_config(fragment: dict) -> dict:
+    """A whole config from a docs block: a root config, a ``pools:`` mapping or bare pool entries;
+    a stack without an anchor pool gets one (``kv``)."""
+    config = copy.deepcopy(BASE_STACK)
+    if set(fragment) <= {"model", "tiers", "policy", "parallel", "debug"}:
+        for key, value in fragment.items():
+            config.setdefault(key, {}).update(value)
+        pools = config["model"]["pools"]
+    else:
+        pools = config["model"]["pools"] = dict(fragment.get("pools", fragment))
+    if not any(p.get("type") in ANCHOR_TYPES and "index_source" not in p for p in pools.values()):
+        pools["anchor"] = {"type": "kv", "layers": 2, "kv_heads": 1, "head_dim": 16}
+    return config
+
+
+def test_the_docs_have_config_examples() -> None:
+    assert len(yaml_examples()) >= 10
+
+
+@pytest.mark.parametrize(("where", "text"), yaml_examples(), ids=[w for w, _ in yaml_examples()])
+def test_every_docs_config_example_validates(
+    where: str, text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import yaml
+
+    monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path))
+    fragment = yaml.safe_load(text)
+    assert isinstance(fragment, dict), where
+    kvstrata.load(as_config(fragment), environ={})
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "examples/configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_config_validates(
+    example: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path))
+    kvstrata.load(example, environ={})
+
+
+#: Dotted keys the docs name that belong to an adapter's own config model, not ``KvstrataConfig``.
+ADAPTER_KEYS = {"model.weights_digest", "model.kv_cache_dtype", "model.weights"}
+
+
+def names_a_field(model: type, parts: list[str]) -> bool:
+    """Whether ``parts`` is a path of fields under ``model`` (anything below a plugin's config or
+    a mapping is the plugin's to check)."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    for part in parts:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return True
+        field = model.model_fields.get(part)
+        if field is None:
+            return False
+        model = field.annotation
+        if typing.get_origin(model) in (typing.Union, types.UnionType):
+            model = next(a for a in typing.get_args(model) if a is not type(None))
+    return True
+
+
+def test_every_config_key_the_docs_name_exists() -> None:
+    from kvstrata.core.config import KvstrataConfig
+
+    unknown = []
+    for name in DOCS:
+        text = (REPO / name).read_text()
+        for key in sorted(set(re.findall(r"`((?:model|tiers|policy|parallel|debug)\.[a-z_.]+)", text))):
+            key = key.rstrip(".")
+            if key not in ADAPTER_KEYS and not names_a_field(KvstrataConfig, key.split(".")):
+                unknown.append(f"{name}: {key}")
+    assert not unknown, "config keys the docs name that the schema lacks:\n" + "\n".join(unknown)

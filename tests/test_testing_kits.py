@@ -644,6 +644,21 @@ def test_core_tests_need_no_damage_hook_and_integrity_tests_say_they_do() -> Non
         IntegrityConformance().test_damaged_marker_is_a_miss(NoCorruptHook("l3", MemoryConfig()))
 
 
+class SilentCorruptHook(MemoryBackend):
+    """Damages the object but returns None, as a hook written from a guide that left out the answer."""
+
+    def corrupt_for_test(self, key: str, mode: Literal["flip", "truncate"], offset: int = -1) -> bool:
+        super().corrupt_for_test(key, mode, offset)
+        return None  # type: ignore[return-value]
+
+
+def test_a_damage_hook_returning_nothing_is_named_not_a_bare_assert() -> None:
+    """The integrity tests read the hook's answer: None failed them with ``assert False`` and no
+    word of the hook; now the failure says it must return True."""
+    with pytest.raises(pytest.fail.Exception, match="corrupt_for_test returned None; it must return True"):
+        IntegrityConformance().test_integrity_rejection(SilentCorruptHook("l3", MemoryConfig()), "flip")
+
+
 def test_the_policy_kit_says_how_to_install_hypothesis(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 

@@ -230,7 +230,14 @@ class BackendKit:
                 "the test class, for IntegrityConformance and RemovalConformance's damage checks",
                 pytrace=False,
             )
-        return bool(hook(key, mode))
+        done = hook(key, mode)
+        if not isinstance(done, bool):  # a hook that damaged the object but returned nothing
+            pytest.fail(
+                f"backend {backend.name!r}: corrupt_for_test returned {done!r}; it must return True "
+                "once it damaged the object (False: no such object)",
+                pytrace=False,
+            )
+        return done
 
     @staticmethod
     def pools(specs: dict[str, PoolSpec], units: int, seed: int | None) -> dict[str, HostPoolForTests]:
