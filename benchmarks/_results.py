@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
+
+#: exit status of a script whose optional peer or dependency is not installed here (automake's
+#: "skipped"): ``run_all.py`` lists it as skipped, with the reason, not as a failure
+SKIP_EXIT = 77
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,13 @@ class Figure:
         """A figure whose ratio is computed here (value / baseline), so every script agrees on it."""
         ratio = value / baseline if baseline not in (None, 0) and math.isfinite(baseline) else None
         return cls(metric, value, unit, baseline, ratio, label)
+
+
+def skip(reason: str) -> NoReturn:
+    """End a script that cannot run here (a peer or an optional dependency missing): the reason
+    on stderr, exit status :data:`SKIP_EXIT`."""
+    print(f"skipped: {reason}", file=sys.stderr, flush=True)
+    raise SystemExit(SKIP_EXIT)
 
 
 def write_results(path: str | Path, name: str, figures: list[Figure]) -> None:

@@ -25,12 +25,11 @@ asks for 19.7 % (conversation) and 38.0 % (synthetic) at 3M tokens.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from _eviction import FixedInsertScore, hit_rate
-from _results import Figure, write_results
+from _results import Figure, skip, write_results
 from _traces import find_trace
 
 from kvstrata.eviction_policies.learned import LearnedConfig, LearnedPolicy
@@ -131,7 +130,7 @@ def main() -> None:
     try:
         import sklearn  # noqa: F401
     except ImportError:
-        sys.exit("eviction_ceiling.py needs scikit-learn (benchmark only): pip install scikit-learn")
+        skip("eviction_ceiling.py needs scikit-learn (benchmark only): pip install scikit-learn")
     capacity, horizon = args.capacity_tokens, args.horizon
     figures: list[Figure] = []
     shifts: list[tuple[str, float | None]] = [("learned's shift", None)]

@@ -13,7 +13,9 @@ file L3. Then, per family, side by side:
   read, verify, L2 -> L1, copies. Files written moments ago are usually in the OS page cache.
 
 The ratio restore / recompute is the fraction of the prefill a restore costs (medians of
-``--rounds``). ``--quick`` uses the tiny test models and a 512-token prefix.
+``--rounds``). Outside the timing, a cache restored from L1 and one from L3 must give the same
+next-token logits, bit for bit, as the committed cache continued (else no figure is reported).
+``--quick`` uses the tiny test models and a 512-token prefix.
 
     python benchmarks/hf.py [--quick] [--rounds N] [--json OUT]
 """
@@ -94,6 +96,19 @@ def restore_seconds(cache: Any, ids: torch.Tensor, tokens: int) -> float:
     return seconds
 
 
+def next_logits(model: Any, argument: str, past: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of the tokens after the cache's: what a restored cache must reproduce."""
+    with torch.no_grad():
+        return model(input_ids=ids.unsqueeze(0), use_cache=True, **{argument: past}).logits
+
+
+def check_restored(family: str, where: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Refuse to report a restore whose cache does not continue as the committed one does."""
+    if not torch.equal(got, want):
+        diff = (got - want).abs().max().item()
+        raise SystemExit(f"{family}: a cache restored from {where} gives other logits (max diff {diff:g})")
+
+
 def bench_family(family: str, tokens: int, rounds: int, quick: bool, l3: Path) -> list[Figure]:
     from kvstrata.adapters.hf import HFStateCache
     from kvstrata.testing.hf_models import tiny_model
@@ -111,12 +126,20 @@ def bench_family(family: str, tokens: int, rounds: int, quick: bool, l3: Path) -
             raise RuntimeError(f"{family}: the commit stored less than {tokens} tokens")
         recompute = statistics.median(recompute_seconds(model, argument, prefix) for _ in range(rounds))
         from_l1 = statistics.median(restore_seconds(cache, ids, tokens) for _ in range(rounds))
+        # outside the timing: the restored cache continues as the committed one does
+        restored, _ = cache.restore(ids)
+        got = next_logits(model, argument, restored, ids[tokens:])
+        want = next_logits(model, argument, past, ids[tokens:])
+        check_restored(family, "L1", got, want)
     from_l3 = []
     for _ in range(rounds):
         with HFStateCache(model, config(l3), page_size=PAGE, state_slots=8) as fresh:
             from_l3.append(restore_seconds(fresh, ids, tokens))
             if fresh.last_restore.pages["storage"] != tokens // PAGE:
                 raise RuntimeError(f"{family}: the fresh cache did not read L3: {fresh.last_restore.pages}")
+    with HFStateCache(model, config(l3), page_size=PAGE, state_slots=8) as fresh:
+        restored, _ = fresh.restore(ids)
+        check_restored(family, "file L3", next_logits(model, argument, restored, ids[tokens:]), want)
     label = f"recompute ({params:.1f}M params)"
     figures = [
         Figure.against(

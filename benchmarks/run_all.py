@@ -1,8 +1,10 @@
 """Run every benchmark in benchmarks/ and print one markdown table of figures and ratios.
 
 Each benchmark is a script following the convention in README.md (``--json OUT``). Scripts that
-do not exist yet are listed as "not yet available"; a script that fails is listed with its exit
-status and the last line of its stderr, and the others still run.
+do not exist yet are listed as "not yet available"; one that exits with ``SKIP_EXIT`` (77: a peer
+or an optional dependency not installed here) as "skipped" with its reason; a script that fails
+is listed with its exit status and the last line of its stderr, and the others still run. The
+exit status is 1 when any failed (not when some were skipped).
 
     python benchmarks/run_all.py [--quick] [--only NAME ...] [--json OUT] [--timeout S]
 """
@@ -18,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _results import read_results
+from _results import SKIP_EXIT, read_results
 
 HERE = Path(__file__).resolve().parent
 #: Benchmark name -> script, in the order the table shows them.
@@ -73,8 +75,10 @@ def run_one(name: str, script: Path, quick: bool, timeout: float) -> tuple[str, 
         except subprocess.TimeoutExpired:
             return f"timed out after {timeout:.0f} s", [], time.perf_counter() - start
         seconds = time.perf_counter() - start
+        last = (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+        if proc.returncode == SKIP_EXIT:  # a peer or optional dependency not installed here
+            return (last if last.startswith("skipped") else f"skipped: {last}"), [], seconds
         if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1]
             return f"failed (exit {proc.returncode}): {last}", [], seconds
         try:
             data = read_results(out)
@@ -122,7 +126,9 @@ def main() -> int:
     if args.json:
         payload = [{"name": n, "status": s, "seconds": t, "figures": f} for n, s, f, t in rows]
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
-    failed = [n for n, s, _, _ in rows if s != "ok" and s != "not yet available"]
+    failed = [
+        n for n, s, _, _ in rows if s != "ok" and s != "not yet available" and not s.startswith("skipped")
+    ]
     return 1 if failed else 0
 
 

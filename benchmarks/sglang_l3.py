@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _results import Figure, write_results
+from _results import Figure, skip, write_results
 
 from kvstrata.testing.sglang_cpu import (
     SGLangUnavailable,
@@ -175,7 +174,7 @@ def main() -> None:
             layout="page_first",
         )
     except SGLangUnavailable as exc:
-        sys.exit(f"sglang_l3: {exc}")
+        skip(f"sglang_l3: {exc}")
     generator = torch.Generator().manual_seed(0)
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=generator).to(pool.kv_buffer.dtype))
     original = pool.kv_buffer.clone()

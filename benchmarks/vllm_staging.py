@@ -10,7 +10,9 @@ and block-first), for scattered block ids, interleaved with two baselines measur
 * ``plain``: one contiguous pinned copy of the same bytes between the same devices (the bus);
 * ``per-layer``: the connector's first version, a gather and a pageable copy per layer.
 
-Prints GiB/s and ratios (goal: >= 0.8 of the plain copy).
+Prints GiB/s and ratios (goal: >= 0.8 of the plain copy). Once per shape, outside the timing,
+the staged bytes are checked against the per-layer path's and a load into zeroed blocks against
+them.
 
     python benchmarks/vllm_staging.py --device cuda
     python benchmarks/vllm_staging.py --quick          # CPU: the code path only, not the bus
@@ -114,6 +116,29 @@ def _per_layer_in(
             column += width
 
 
+def _check(
+    worker: WorkerSide, caches: dict[str, torch.Tensor], split: bool, ids: list[int], index: torch.Tensor
+) -> torch.Tensor:
+    """Outside the timing, once per shape: the save path stages the bytes the first version's
+    per-layer path gathers, and the load path puts them back into blocks zeroed first; so a fast
+    but wrong copy cannot report a figure. Returns the staging buffer holding the blocks (the
+    timed load path's input, as before)."""
+    staged = worker._staged(0, ids).clone()  # (the staging buffer is reused by the next call)
+    _sync(index.device)
+    want = _per_layer_out(caches, split, index)
+    if not torch.equal(staged.cpu().view(torch.uint8).reshape(want.shape), want):
+        raise SystemExit("vLLM staging: the save path staged wrong bytes; refusing to report")
+    for tensor in caches.values():
+        for plane in _byte_rows(tensor, split):
+            plane.index_fill_(0, index, 0)
+    _load(worker, ids, staged)
+    again = worker._staged(0, ids)
+    _sync(index.device)
+    if not torch.equal(again.cpu(), staged.cpu()):
+        raise SystemExit("vLLM staging: the load path wrote wrong bytes; refusing to report")
+    return again
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -162,8 +187,8 @@ def main() -> None:
         worker = WorkerSide(None, layout)  # type: ignore[arg-type]  # staging needs no storage
         worker.register(caches)
         worker.in_place = False
-        staged = worker._staged(0, ids)
         index = block_ids.to(device)
+        staged = _check(worker, caches, shape == "kv_split", ids, index)
 
         out, rounds_out = _timed(
             {

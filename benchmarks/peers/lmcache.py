@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != HERE]
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: the shared results helpers
 
-from _results import Figure, write_results  # noqa: E402
+from _results import Figure, skip, write_results  # noqa: E402
 
 SIDES = ("kvstrata", "LMCache")
 OPERATIONS = ("store", "retrieve")
@@ -387,9 +387,7 @@ def main() -> None:
         worker_main(args)
         return
     if not Path(args.peer_python).exists():
-        raise SystemExit(
-            f"no LMCache environment at {args.peer_python}: run benchmarks/peers/setup.sh lmcache"
-        )
+        skip(f"no LMCache environment at {args.peer_python}: run benchmarks/peers/setup.sh lmcache")
 
     times: dict[tuple[str, str], list[float]] = {}
     sides = [Side("kvstrata", sys.executable, args), Side("LMCache", args.peer_python, args)]
