@@ -781,3 +781,18 @@ def test_the_pool_kit_runs_two_page_sizes_and_names_the_rule(kvstrata_host: Plug
         if page_size != 16:
             with pytest.raises(AssertionError, match=r"take it from ModelContext\.page_size"):
                 kit.test_declares_a_consistent_spec(kvstrata_host, page_size)
+
+
+def test_an_undeclared_shared_backend_is_told_to_declare_it() -> None:
+    """Two instances over one store, declared private: the kit's failure read only "pool 'attn'
+    unit 0 differs" and did not point at ``shared_across_instances``."""
+    shared: dict[str, MemoryBackend] = {}
+
+    def factory(instance: str = "conformance") -> StorageBackend:
+        backend = MemoryBackend(instance, MemoryConfig())
+        first = shared.setdefault("store", backend)
+        backend._objects = first._objects  # one store behind every instance, undeclared
+        return backend
+
+    with pytest.raises(AssertionError, match="does not declare shared_across_instances"):
+        CoreConformance().test_second_instance(factory)

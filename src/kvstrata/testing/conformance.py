@@ -338,6 +338,12 @@ class CoreConformance(BackendKit):
                     assert all(
                         self.engine(backend, specs).get("attn", hashes, target["attn"].units(range(2))).ok
                     )
+                    assert target["attn"].unit_bytes(0) == expected["attn"].unit_bytes(0), (
+                        f"backend {first.name!r} does not declare shared_across_instances, but one instance "
+                        "read what another wrote under the same keys: declare it shared "
+                        "(instance_capabilities().shared_across_instances) or keep each instance's "
+                        "storage private"
+                    )
                     self.assert_units_equal(expected["attn"], target["attn"], range(2))
             finally:
                 second.close()
