@@ -9,8 +9,8 @@ default); a ``torch.distributed`` process group (gloo, CPU tensors) does it acro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -23,6 +23,14 @@ class Collective(Protocol):
     def world_size(self) -> int: ...
 
     def all_min(self, values: Sequence[int]) -> list[int]: ...
+
+
+class _Prefix(Protocol):
+    @property
+    def device_pages(self) -> int: ...
+
+
+Match = TypeVar("Match", bound=_Prefix)
 
 
 class LocalCollective:
@@ -85,8 +93,9 @@ class RankAgreement:
     """The two points where ranks agree on what a request reuses, named so a reader finds them.
 
     ``prefetch_pages``: after each rank ended its prefetch, where the prefix every rank holds ends;
-    ``cached_pages``: after the load-back, the device prefix every rank holds. Each is one MIN
-    over the group, reached in the same order on every rank. ``disagreements`` counts the calls
+    ``cached_match``: after the load-back, the device prefix every rank holds. Each is one MIN
+    over the group (``cached_match``: more rounds where ranks' trees end prefixes at different
+    pages), reached in the same order on every rank. ``disagreements`` counts the calls
     where this rank had more than the group agreed on (pages it holds but may not serve).
     """
 
@@ -109,5 +118,21 @@ class RankAgreement:
         end = self._agree(start + local)
         return min(local, max(0, end - start))
 
-    def cached_pages(self, local: int) -> int:
-        return self._agree(local)
+    def cached_match(self, match: Match, within: Callable[[int], Match]) -> Match:
+        """This rank's match of the device prefix every rank holds, from its own ``match``.
+        ``within(n)``: this rank's match of the first ``n`` pages, whose prefix a state or window
+        pool may end below ``n`` (a rank whose state is at page 12 only holds no 8-page prefix:
+        one MIN of 8 and 12 served 8 pages on one rank and 0 on the other). Each round agrees on
+        the MIN and the MAX; every rank sees both, so all stop at the same round, once every rank
+        holds the MIN."""
+        low, high = self._bounds(match.device_pages)
+        if low < match.device_pages:
+            self.disagreements += 1
+        while low != high:
+            match = within(low)
+            low, high = self._bounds(match.device_pages)
+        return match
+
+    def _bounds(self, local: int) -> tuple[int, int]:
+        low, negated = self.collective.all_min([local, -local])
+        return low, -negated
