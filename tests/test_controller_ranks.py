@@ -130,3 +130,44 @@ def test_ranks_agree_on_a_prefix_every_rank_has_a_state_for(tmp_path: Path) -> N
     assert [r["alone"] for r in reports] == [12, 8]  # (each alone: rank 0 still has 12 via page 12)
     assert [r["cached"] for r in reports] == [0, 0]
     assert all(r["bad"] == 0 for r in reports)
+
+
+#: per case, this rank's ``parallel`` settings in a group of 2: what ``open`` says of each
+GROUPS = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch.distributed as dist
+    from controller_support import open_cache
+    from kvstrata.core.collective import TorchCollective
+    rank, port = int(sys.argv[2]), int(sys.argv[3])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    cases = {
+        "no_tp_size": [],
+        "same_tp_rank": ["parallel.tp_size=2", "parallel.tp_rank=0"],
+        "one_rank_says_1": ["parallel.tp_size=2", "parallel.tp_rank=0"] if rank == 0 else [],
+        "right": ["parallel.tp_size=2", f"parallel.tp_rank={rank}"],
+    }
+    report = {}
+    for case, sets in cases.items():
+        try:
+            open_cache("kv", None, sets, collective=TorchCollective()).close()
+            report[case] = "opened"
+        except ValueError as error:
+            report[case] = str(error)
+    dist.destroy_process_group()
+    print(json.dumps(report))
+    """
+)
+
+
+def test_a_group_that_is_not_the_configs_ranks_is_refused_on_every_rank(tmp_path: Path) -> None:
+    # two ranks both configured as the only rank (or both as TP rank 0) wrote their shards under
+    # one key: one rank then restored the other's bytes
+    reports = _run_ranks(GROUPS, tmp_path)
+    for report in reports:
+        assert "group has 2 ranks but this config describes" in report["no_tp_size"]
+        assert "the same coordinates" in report["same_tp_rank"]
+        # refused on both ranks (one refusing alone would leave the other waiting in a collective)
+        assert "the group's configs say 1 to 2" in report["one_rank_says_1"]
+        assert report["right"] == "opened"

@@ -77,7 +77,9 @@ def agreement_for(collective: Collective | None, parallel: Any) -> RankAgreement
     several (tensor, pipeline or context parallel) with no collective is refused: each rank
     would decide alone what a request reuses and, one rank missing an object, they would serve
     different prefix lengths. ``LocalCollective()`` passed explicitly says this process decides
-    alone on purpose (a tool reading one rank's objects)."""
+    alone on purpose (a tool reading one rank's objects). A group of several ranks must be
+    exactly this config's ranks, each with its own coordinates (checked with one MIN: every rank
+    of the group opens its cache, as every rank calls ``admit``)."""
     ranks = parallel.tp_size * parallel.pp_size * parallel.cp_size
     if collective is None and ranks > 1:
         raise ValueError(
@@ -86,7 +88,34 @@ def agreement_for(collective: Collective | None, parallel: Any) -> RankAgreement
             "request reuses: pass collective=TorchCollective(group) (kvstrata.core.collective, a gloo "
             "group of those ranks), or collective=LocalCollective() where this process decides alone"
         )
+    size = 1 if collective is None else collective.world_size
+    if size > 1:
+        _check_group(collective, parallel, ranks)  # type: ignore[arg-type]
     return RankAgreement(collective or LocalCollective())
+
+
+def _check_group(collective: Collective, parallel: Any, ranks: int) -> None:
+    """Refuse a group that is not exactly this config's ranks: a group of 2 ranks whose configs
+    both said ``tp_size=1`` (or both ``tp_rank=0``) wrote both shards under one key, and one rank
+    then restored the other's bytes. One MIN at open that every rank reaches before it decides
+    (a rank refusing alone would leave the others waiting in it): the MIN and MAX of each rank's
+    count of ranks, and per place in the group whether some rank holds it (-1)."""
+    size = collective.world_size
+    place = (parallel.pp_rank * parallel.cp_size + parallel.cp_rank) * parallel.tp_size + parallel.tp_rank
+    low, negated, *taken = collective.all_min([ranks, -ranks, *(-int(i == place) for i in range(size))])
+    if low != -negated or low != size:
+        raise ValueError(
+            f"parallel: the collective's group has {size} ranks but this config describes {ranks} "
+            f"(tp_size={parallel.tp_size} x pp_size={parallel.pp_size} x cp_size={parallel.cp_size}; "
+            f"the group's configs say {low} to {-negated}): the group must be exactly the ranks that "
+            "share each page (not the data-parallel replicas)"
+        )
+    if any(t == 0 for t in taken):
+        raise ValueError(
+            f"parallel: two ranks of the collective's group have the same coordinates (this one: "
+            f"tp_rank={parallel.tp_rank}, pp_rank={parallel.pp_rank}, cp_rank={parallel.cp_rank}): "
+            "each rank must set its own parallel.*_rank"
+        )
 
 
 class RankAgreement:
