@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -170,7 +171,10 @@ class _OtherRankHolds:
 def test_rank_agreement_takes_the_min_and_counts_what_this_rank_gave_up() -> None:
     agreement = RankAgreement(_OtherRankHolds(3))
     assert agreement.prefetch_pages(0, 2) == 2 and agreement.disagreements == 0
-    assert agreement.cached_pages(5) == 3 and agreement.disagreements == 1
+    prefix = SimpleNamespace(device_pages=5)
+    within = SimpleNamespace(device_pages=3)
+    assert agreement.cached_match(prefix, lambda pages: within if pages == 3 else prefix) is within
+    assert agreement.disagreements == 1
 
 
 def test_ranks_agree_on_where_the_prefix_they_all_hold_ends_not_on_pages_read() -> None:

@@ -1,5 +1,6 @@
 """Two ranks (two processes, torch.distributed gloo on loopback) agree on L3 prefetch lengths:
-where one rank misses a window page both drop the prefetch, where both hold it both adopt it."""
+where one rank misses a window page both drop the prefetch, where both hold it both adopt it;
+and on a device prefix every rank holds whole (a state at its end on each)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ RANK = textwrap.dedent(
 )
 
 
-def test_two_ranks_drop_or_adopt_a_prefetch_together(tmp_path: Path) -> None:
+def _run_ranks(script: str, tmp_path: Path) -> list[dict]:
+    """``script`` as ranks 0 and 1 of a gloo group; each rank's last stdout line, as JSON."""
     port = free_loopback_port()
     env = {
         "PYTHONPATH": str(REPO / "src"),
@@ -56,7 +58,7 @@ def test_two_ranks_drop_or_adopt_a_prefetch_together(tmp_path: Path) -> None:
     }
     ranks = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK, str(REPO / "tests"), str(rank), str(port), str(tmp_path / "l3")],
+            [sys.executable, "-c", script, str(REPO / "tests"), str(rank), str(port), str(tmp_path / "l3")],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -74,6 +76,11 @@ def test_two_ranks_drop_or_adopt_a_prefetch_together(tmp_path: Path) -> None:
         for process in ranks:
             if process.poll() is None:
                 process.kill()
+    return reports
+
+
+def test_two_ranks_drop_or_adopt_a_prefetch_together(tmp_path: Path) -> None:
+    reports = _run_ranks(RANK, tmp_path)
     for rank, report in enumerate(reports):
         missed, held = report["one_rank_misses"], report["both_hold"]
         assert missed["storage"] == 0, f"rank {rank} used a prefetch another rank could not complete"
@@ -82,3 +89,85 @@ def test_two_ranks_drop_or_adopt_a_prefetch_together(tmp_path: Path) -> None:
     assert reports[0]["one_rank_misses"]["dropped"] == 1, "rank 0 read the pages and dropped them"
     assert reports[0]["one_rank_misses"]["skipped"] == {"rank_disagreement": 8}, "the drop says why"
     assert reports[0]["both_hold"]["skipped"] == {} and reports[1]["both_hold"]["skipped"] == {}
+
+
+#: rank 0 lost its mamba state at page 8, rank 1 the one at page 12 (a rank-local state eviction,
+#: injected with ``drop_component``): each holds a different prefix of the same 12 pages
+STATES = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch.distributed as dist
+    from controller_support import open_cache, serve, tokens, verify
+    from kvstrata.core.collective import TorchCollective
+    from kvstrata.core.tree import Tier
+    rank, port = int(sys.argv[2]), int(sys.argv[3])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    sets = [f"parallel.tp_rank={rank}", "parallel.tp_size=2"]
+    request = tokens(5, 12)
+    with open_cache("hybrid-mamba", None, sets, collective=TorchCollective()) as cache:
+        serve(cache, request[: 8 * 64])
+        serve(cache, request)
+        path = cache.tree.match(cache.tree.keys_of(request), count_hit=False).path
+        node = next(n for n in path if n.depth_end == (8 if rank == 0 else 12))
+        for tier in (Tier.DEVICE, Tier.HOST):
+            if node in cache.tree.holding("mamba", tier):
+                cache.units.free(tier, {"mamba": cache.tree.drop_component(node, "mamba", tier)})
+        alone = cache.tree.match(cache.tree.keys_of(request), count_hit=False).device_pages
+        lease = cache.lookup(request)
+        cache.admit(lease)
+        print(json.dumps({"alone": alone, "cached": lease.cached_pages, "bad": verify(cache, lease)}))
+        cache.release(lease)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_ranks_agree_on_a_prefix_every_rank_has_a_state_for(tmp_path: Path) -> None:
+    """A MIN of 8 (rank 0: state at 8) and 12 (rank 1: state at 12 only) is no prefix rank 1
+    holds: rank 1 served 0 pages while rank 0 served 8. Both must serve the same prefix (0)."""
+    reports = _run_ranks(STATES, tmp_path)
+    assert [r["alone"] for r in reports] == [12, 8]  # (each alone: rank 0 still has 12 via page 12)
+    assert [r["cached"] for r in reports] == [0, 0]
+    assert all(r["bad"] == 0 for r in reports)
+
+
+#: per case, this rank's ``parallel`` settings in a group of 2: what ``open`` says of each
+GROUPS = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch.distributed as dist
+    from controller_support import open_cache
+    from kvstrata.core.collective import TorchCollective
+    rank, port = int(sys.argv[2]), int(sys.argv[3])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    cases = {
+        "no_tp_size": [],
+        "same_tp_rank": ["parallel.tp_size=2", "parallel.tp_rank=0"],
+        "one_rank_says_1": ["parallel.tp_size=2", "parallel.tp_rank=0"] if rank == 0 else [],
+        "right": ["parallel.tp_size=2", f"parallel.tp_rank={rank}"],
+    }
+    report = {}
+    for case, sets in cases.items():
+        try:
+            open_cache("kv", None, sets, collective=TorchCollective()).close()
+            report[case] = "opened"
+        except ValueError as error:
+            report[case] = str(error)
+    dist.destroy_process_group()
+    print(json.dumps(report))
+    """
+)
+
+
+def test_a_group_that_is_not_the_configs_ranks_is_refused_on_every_rank(tmp_path: Path) -> None:
+    # two ranks both configured as the only rank (or both as TP rank 0) wrote their shards under
+    # one key: one rank then restored the other's bytes
+    reports = _run_ranks(GROUPS, tmp_path)
+    for report in reports:
+        assert "group has 2 ranks but this config describes" in report["no_tp_size"]
+        assert "the same coordinates" in report["same_tp_rank"]
+        # refused on both ranks (one refusing alone would leave the other waiting in a collective)
+        assert "the group's configs say 1 to 2" in report["one_rank_says_1"]
+        assert report["right"] == "opened"

@@ -9,8 +9,8 @@ default); a ``torch.distributed`` process group (gloo, CPU tensors) does it acro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -23,6 +23,14 @@ class Collective(Protocol):
     def world_size(self) -> int: ...
 
     def all_min(self, values: Sequence[int]) -> list[int]: ...
+
+
+class _Prefix(Protocol):
+    @property
+    def device_pages(self) -> int: ...
+
+
+Match = TypeVar("Match", bound=_Prefix)
 
 
 class LocalCollective:
@@ -69,7 +77,9 @@ def agreement_for(collective: Collective | None, parallel: Any) -> RankAgreement
     several (tensor, pipeline or context parallel) with no collective is refused: each rank
     would decide alone what a request reuses and, one rank missing an object, they would serve
     different prefix lengths. ``LocalCollective()`` passed explicitly says this process decides
-    alone on purpose (a tool reading one rank's objects)."""
+    alone on purpose (a tool reading one rank's objects). A group of several ranks must be
+    exactly this config's ranks, each with its own coordinates (checked with one MIN: every rank
+    of the group opens its cache, as every rank calls ``admit``)."""
     ranks = parallel.tp_size * parallel.pp_size * parallel.cp_size
     if collective is None and ranks > 1:
         raise ValueError(
@@ -78,15 +88,43 @@ def agreement_for(collective: Collective | None, parallel: Any) -> RankAgreement
             "request reuses: pass collective=TorchCollective(group) (kvstrata.core.collective, a gloo "
             "group of those ranks), or collective=LocalCollective() where this process decides alone"
         )
+    size = 1 if collective is None else collective.world_size
+    if size > 1:
+        _check_group(collective, parallel, ranks)  # type: ignore[arg-type]
     return RankAgreement(collective or LocalCollective())
+
+
+def _check_group(collective: Collective, parallel: Any, ranks: int) -> None:
+    """Refuse a group that is not exactly this config's ranks: a group of 2 ranks whose configs
+    both said ``tp_size=1`` (or both ``tp_rank=0``) wrote both shards under one key, and one rank
+    then restored the other's bytes. One MIN at open that every rank reaches before it decides
+    (a rank refusing alone would leave the others waiting in it): the MIN and MAX of each rank's
+    count of ranks, and per place in the group whether some rank holds it (-1)."""
+    size = collective.world_size
+    place = (parallel.pp_rank * parallel.cp_size + parallel.cp_rank) * parallel.tp_size + parallel.tp_rank
+    low, negated, *taken = collective.all_min([ranks, -ranks, *(-int(i == place) for i in range(size))])
+    if low != -negated or low != size:
+        raise ValueError(
+            f"parallel: the collective's group has {size} ranks but this config describes {ranks} "
+            f"(tp_size={parallel.tp_size} x pp_size={parallel.pp_size} x cp_size={parallel.cp_size}; "
+            f"the group's configs say {low} to {-negated}): the group must be exactly the ranks that "
+            "share each page (not the data-parallel replicas)"
+        )
+    if any(t == 0 for t in taken):
+        raise ValueError(
+            f"parallel: two ranks of the collective's group have the same coordinates (this one: "
+            f"tp_rank={parallel.tp_rank}, pp_rank={parallel.pp_rank}, cp_rank={parallel.cp_rank}): "
+            "each rank must set its own parallel.*_rank"
+        )
 
 
 class RankAgreement:
     """The two points where ranks agree on what a request reuses, named so a reader finds them.
 
     ``prefetch_pages``: after each rank ended its prefetch, where the prefix every rank holds ends;
-    ``cached_pages``: after the load-back, the device prefix every rank holds. Each is one MIN
-    over the group, reached in the same order on every rank. ``disagreements`` counts the calls
+    ``cached_match``: after the load-back, the device prefix every rank holds. Each is one MIN
+    over the group (``cached_match``: more rounds where ranks' trees end prefixes at different
+    pages), reached in the same order on every rank. ``disagreements`` counts the calls
     where this rank had more than the group agreed on (pages it holds but may not serve).
     """
 
@@ -109,5 +147,21 @@ class RankAgreement:
         end = self._agree(start + local)
         return min(local, max(0, end - start))
 
-    def cached_pages(self, local: int) -> int:
-        return self._agree(local)
+    def cached_match(self, match: Match, within: Callable[[int], Match]) -> Match:
+        """This rank's match of the device prefix every rank holds, from its own ``match``.
+        ``within(n)``: this rank's match of the first ``n`` pages, whose prefix a state or window
+        pool may end below ``n`` (a rank whose state is at page 12 only holds no 8-page prefix:
+        one MIN of 8 and 12 served 8 pages on one rank and 0 on the other). Each round agrees on
+        the MIN and the MAX; every rank sees both, so all stop at the same round, once every rank
+        holds the MIN."""
+        low, high = self._bounds(match.device_pages)
+        if low < match.device_pages:
+            self.disagreements += 1
+        while low != high:
+            match = within(low)
+            low, high = self._bounds(match.device_pages)
+        return match
+
+    def _bounds(self, local: int) -> tuple[int, int]:
+        low, negated = self.collective.all_min([local, -local])
+        return low, -negated

@@ -198,10 +198,10 @@ class CacheController(UnitMemory, ClosingApi):
             self.metrics.latency("load_back", time.perf_counter() - started)
         else:
             self.metrics.skip(SkipReason.BELOW_LOAD_BACK_THRESHOLD, host_only, lease.skipped)
-        cached = self.ranks.cached_pages(match.device_pages)
-        if cached < match.device_pages:
-            self.metrics.skip(SkipReason.RANK_DISAGREEMENT, match.device_pages - cached, lease.skipped)
-            match = self.tree.match(lease.keys[:cached], count_hit=False)
+        local = match.device_pages
+        match = self.ranks.cached_match(match, lambda n: self.tree.match(lease.keys[:n], count_hit=False))
+        if match.device_pages < local:
+            self.metrics.skip(SkipReason.RANK_DISAGREEMENT, local - match.device_pages, lease.skipped)
         self._settle(lease, match)
         return lease
 
