@@ -10,11 +10,13 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+import kvstrata.storage_backends._file_io as file_io
 import kvstrata.storage_backends.file as file_module
 from kvstrata.plugins.storage_backend import OBJECT_MAGIC, BufferRegion, StorageObject
 from kvstrata.storage_backends._file_removals import REMOVALS_FILE
@@ -351,3 +353,59 @@ def test_an_object_another_process_replaced_by_another_length_is_counted_by_its_
     assert first.used_bytes == _disk_bytes(tmp_path)
     for backend in (first, other):
         backend.close()
+
+
+# --- a miss that forgot an object written meanwhile (FAULT INJECTION: ``os.open`` of the read is
+# wrapped so that, at the moment the file is found missing, this process's writer thread puts the
+# key again and finishes before the read goes on: the interleaving of a removal race) -------------
+
+
+@pytest.mark.parametrize("operation", ["get", "exists", "get_unindexed"])
+def test_a_miss_does_not_forget_the_object_a_put_stored_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, operation: str
+) -> None:
+    """A read found the file gone (another process removed it) while the writer thread put the
+    key again: the read then dropped the *new* entry from the index, so this process no longer
+    counted the object against ``capacity_bytes`` nor ever evicted it (the directory grew past
+    the capacity by one object per such race)."""
+    blobs = Blobs()
+    size = len(OBJECT_MAGIC) + 1000
+    backend = open_backend(tmp_path, capacity_bytes=2 * size, exists_recheck_s=0)
+    key = "k" if operation != "get_unindexed" else "q" * 300  # stored under its digest
+    assert backend.put([blobs.obj(key, bytes(1000))]) == [True]
+    path = str(backend.path_for(key))
+    os.unlink(path)  # another process's eviction
+    real_open, real_stat, raced = os.open, os.stat, []
+
+    def put_meanwhile() -> None:
+        raced.append(True)  # once: the writer thread writes the key again, start to end
+        writer = threading.Thread(target=backend.put, args=([blobs.obj(key, bytes(1000))],))
+        writer.start()
+        writer.join(30)
+        assert not writer.is_alive()
+
+    def racing_open(target: str, *args: object, **kwargs: object) -> int:
+        if os.fspath(target) == path and not raced:
+            put_meanwhile()
+            raise FileNotFoundError(2, "removed", path)
+        return real_open(target, *args, **kwargs)  # type: ignore[arg-type]
+
+    def racing_stat(target: str, *args: object, **kwargs: object) -> os.stat_result:
+        if os.fspath(target) == path and not raced:
+            put_meanwhile()
+            raise FileNotFoundError(2, "removed", path)
+        return real_stat(target, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(file_io.os, "open", racing_open)
+    monkeypatch.setattr(file_io.os, "stat", racing_stat)
+    if operation == "exists":
+        assert backend.exists([key]) == [False]
+    else:
+        obj, _ = blobs.target(key, size)
+        assert backend.get([obj]) == [file_io.MISS]
+    monkeypatch.undo()
+    assert raced and os.path.exists(path), "the put stored the object again"
+    assert backend.used_bytes == _disk_bytes(tmp_path) == size, "the new object is still counted"
+    assert backend.put([blobs.obj(f"new-{i}", bytes(1000)) for i in range(2)]) == [True, True]
+    assert _disk_bytes(tmp_path) <= 2 * size, "and evicted like any other: the capacity holds"
+    backend.close()

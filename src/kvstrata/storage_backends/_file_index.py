@@ -269,10 +269,15 @@ class FileIndex:
             ):
                 self._used -= self._index.popitem(last=False)[1].size
 
-    def _forget(self, name: str) -> None:
+    def _forget(self, name: str, seen: _Entry | None = None) -> None:
+        """Drop ``name`` from the index; with ``seen`` (the entry a read found missing on disk),
+        only while the index still holds that entry: a put of the key on another thread may have
+        stored it again meanwhile, and dropping that new entry left its file uncounted, never
+        evicted (the directory grew past ``capacity_bytes``)."""
         with self._lock:
-            entry = self._index.pop(name, None)
-            if entry is not None:
+            entry = self._index.get(name)
+            if entry is not None and (seen is None or entry is seen):
+                del self._index[name]
                 self._used -= entry.size
 
     def _stored(self, directory: str, name: str, nbytes: int) -> None:

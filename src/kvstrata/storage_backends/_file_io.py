@@ -179,7 +179,7 @@ class FileIO(FileIndex):
             size = _object_size(f"{directory}/{name}")
         except FileNotFoundError:
             if entry is not None:
-                self._forget(name)  # removed by another process
+                self._forget(name, entry)  # removed by another process
             return False
         except OSError:  # e.g. a directory this process may not search: not provably there
             return False
@@ -214,7 +214,7 @@ class FileIO(FileIndex):
             size = _object_size(path)
         except FileNotFoundError:
             if entry is not None:
-                self._forget(name)
+                self._forget(name, entry)
         except OSError:  # e.g. a directory this process may not search: this object fails alone
             return False
         else:
@@ -320,7 +320,7 @@ class FileIO(FileIndex):
                 try:
                     fd = open_(f"{entry.directory}/{key}", _READ_FLAGS)
                 except FileNotFoundError:
-                    self._forget(key)  # removed by another process
+                    self._forget(key, entry)  # removed by another process
                     got = MISS
                 except OSError as exc:
                     got = -(exc.errno or 1)
@@ -350,7 +350,7 @@ class FileIO(FileIndex):
             fd = os.open(f"{directory}/{name}", _READ_FLAGS)
         except FileNotFoundError:
             if entry is not None:
-                self._forget(name)
+                self._forget(name, entry)
             return MISS
         except OSError as exc:
             return -(exc.errno or 1)
