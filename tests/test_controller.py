@@ -685,6 +685,40 @@ def test_write_back_writes_a_page_to_l3_only_with_its_prefix(tmp_path: Path, bac
             assert not any(stored[first_missing:]), f"objects below a page L3 lacks: {stored}"
 
 
+def test_write_back_writes_a_leaf_held_back_for_its_prefix_once_the_prefix_is_written(tmp_path: Path) -> None:
+    # an evicted leaf fit on the host, its device-only shared prefix did not (in-flight L3 writes
+    # locked the rest): the leaf went to L2 only, as it must, but when the prefix left the device
+    # and was written, nothing wrote the leaf, still on the host: a fresh cache found the prefix
+    # in L3 and not the leaf below it (2 of 4 pages)
+    overrides = [
+        "policy.write=write_back",
+        "tiers.device.capacity_tokens=512",  # 8 pages
+        "tiers.host.capacity_tokens=640",  # 10 pages
+        "policy.backup_wait_s=0.05",
+        *WAIT,
+    ]
+    shared = tokens(32, 2)
+    requests = [torch.cat([shared, tokens(800 + i, 2)]) for i in range(4)]
+    with open_cache("kv", tmp_path, overrides) as cache:
+        assert cache.engine is not None
+        gate = threading.Event()  # fault injection: L3 writes held, their host sources locked
+        put_group = cache.engine.put_group
+        cache.engine.put_group = lambda batches: (gate.wait(60), put_group(batches))[1]  # type: ignore[method-assign]
+        serve(cache, tokens(700, 4))
+        serve(cache, tokens(701, 4))  # both evicted below: 8 host pages locked by their writes
+        hashes = [serve(cache, request)[0].page_hashes for request in requests]  # the last evicts
+        assert cache.metrics.snapshot()["operations"]["backups_skipped"] >= 1  # the prefix's backup
+        gate.set()
+        cache.flush()
+        push_off_device(cache, seed=1300)  # the prefix leaves the device: backed up and written
+        cache.flush()
+    with open_cache("kv", tmp_path, WAIT) as cold:
+        assert cold.engine is not None
+        assert [sum(cold.engine.exists("kv", page_hashes).ok) for page_hashes in hashes] == [4] * 4
+        lease, bad = serve(cold, requests[0])
+        assert (lease.hit_pages["storage"], bad) == (4, 0)
+
+
 @pytest.mark.parametrize(
     ("stack", "write"),
     [

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -163,17 +163,25 @@ def unbacked_above(tree: PrefixTree, path: Sequence[TreeNode]) -> list[TreeNode]
     return found
 
 
-def with_backed_up_prefix(tree: PrefixTree, nodes: Sequence[TreeNode]) -> list[TreeNode]:
-    """Those of ``nodes`` whose every ancestor has a host copy, root first: what write-back may
-    write to L3 (an object below a page L3 never gets is found by no later cache)."""
-    kept = []
+def with_backed_up_prefix(
+    tree: PrefixTree, nodes: Iterable[TreeNode], waiting: Container[TreeNode] = ()
+) -> list[TreeNode]:
+    """Those of ``nodes`` whose every ancestor has a host copy and is not ``waiting`` (for its
+    own L3 write) unless kept here, root first: what write-back may write to L3 (an object
+    below a page L3 never gets is found by no later cache)."""
+    kept: dict[TreeNode, None] = {}
     for node in sorted(nodes, key=lambda n: n.depth_end):
         parent = node.parent
-        while parent is not None and parent is not tree.root and parent.host_raw[0] is not None:
+        while (
+            parent is not None
+            and parent is not tree.root
+            and parent.host_raw[0] is not None
+            and (parent not in waiting or parent in kept)
+        ):
             parent = parent.parent
         if parent is None or parent is tree.root:
-            kept.append(node)
-    return kept
+            kept[node] = None
+    return list(kept)
 
 
 def _evictable_leaves(tree: PrefixTree, layout: StackLayout, want: int) -> list[TreeNode]:
@@ -357,3 +365,32 @@ class RetryWrites:
         due = [node for node in path if node in self._nodes]
         self._nodes.difference_update(due)
         return [node for node in due if node.host[0] is not None]
+
+
+class PrefixWaits:
+    """Write-back: nodes on the host whose L3 write waits for their prefix's. An eviction backs
+    a leaf up with its device-only ancestors; where the host tier could not take an ancestor (in-
+    flight writes, leases, pins hold it), the leaf went to L2 only (:func:`with_backed_up_prefix`)
+    and nothing wrote it later: not the ancestor's own write once it left the device, not host
+    eviction. Its pages were lost to every fresh cache, though L3 came to hold their whole prefix.
+    They wait here and go with the first write that completes their prefix; a split's halves
+    both wait. Scanned at each eviction's write while any wait: O(waiting x depth), none mostly."""
+
+    def __init__(self, tree: PrefixTree) -> None:
+        self.tree = tree
+        self._nodes = SplitFollowingSet(tree, on_host)
+
+    def __bool__(self) -> bool:
+        return bool(len(self._nodes))
+
+    def ready(self, fresh: Sequence[TreeNode]) -> list[TreeNode]:
+        """Of ``fresh`` host copies and the waiting nodes still on the host, those to write now,
+        root first (:func:`with_backed_up_prefix`); the others with a host copy wait."""
+        held = [node for node in self._nodes if on_host(node)]
+        candidates = [*fresh, *held] if held else fresh
+        kept = with_backed_up_prefix(self.tree, candidates, self._nodes)
+        if len(kept) < len(candidates):
+            taken = set(kept)
+            self._nodes.update(n for n in candidates if n not in taken and n.host_raw[0] is not None)
+        self._nodes.difference_update(kept)
+        return kept

@@ -51,6 +51,7 @@ from kvstrata.core.write_back import (
     OpenBackups,
     OpenChain,
     PendingWrite,
+    PrefixWaits,
     RetryWrites,
     StoredWindowEnds,
     count_refused_writes,
@@ -59,7 +60,6 @@ from kvstrata.core.write_back import (
     host_locks,
     unbacked_above,
     wait_writes,
-    with_backed_up_prefix,
 )
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class Writer:
         )
         self.refused = SplitFollowingSet(self.tree, on_host)  # by the storage filter: offered at a reuse
         self.retry = RetryWrites(self.tree)  # lost to a transient failure: offered again at a reuse
+        self.waits = PrefixWaits(self.tree)  # write-back: on the host, L3 waits for their prefix
         self.window_ends = StoredWindowEnds()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
         self.hit_touch = HitTouch.of(engine, context, self._thread, self.window_ends)  # hot prefixes stay
@@ -243,12 +244,12 @@ class Writer:
         :func:`~kvstrata.core.write_back.eviction_backups`) and, with an L3, their device-only
         ancestors: what L3 holds is found only below its prefix (a hot shared prefix never left
         the device, and after close no page written below it was found). A node goes to L3 only
-        with its whole prefix backed up (where the host tier cannot hold both, L2 only)."""
+        with its whole prefix backed up (where the host tier cannot hold both, L2 until then)."""
         with self.units.keeping_copies():  # the other device pages' host copies let them leave
             nodes = self.copy_to_host(eviction_backups(self.tree, self.layout, shortfall))  # first
             if self.engine is not None and nodes:
                 above = self.copy_to_host(device_only_ancestors(self.tree, nodes))
-                self._queue_write(with_backed_up_prefix(self.tree, above + nodes), None)
+                self._queue_write(self.waits.ready(above + nodes), None)  # (and what waited for them)
             back_up_gained(self)  # and components nodes backed up earlier gained since
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
@@ -405,7 +406,11 @@ def back_up_prefix(writer: Writer, keys: Sequence[PageKey], hashes: PageHashes) 
     match = writer.tree.match(keys, count_hit=False)
     if match.host_pages < len(keys):
         return False
-    if not all(writer.tree.backed_up(n) for n in match.path):
+    if writer.waits:  # write-back: nodes below the path wait for its L3 write, or it for theirs
+        todo = writer.copy_to_host(match.path)
+        if writer.engine is not None and (ready := writer.waits.ready(todo)):
+            writer._queue_write(ready, None)
+    elif not all(writer.tree.backed_up(n) for n in match.path):
         writer.back_up(match.path, hashes=hashes)
     return all(writer.tree.backed_up(n) for n in match.path)
 
