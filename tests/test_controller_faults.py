@@ -10,8 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from controller_support import host_units_held_by_tree, host_units_in_use, open_cache, serve, tokens
+from controller_support import (
+    device_accounting,
+    host_units_held_by_tree,
+    host_units_in_use,
+    open_cache,
+    serve,
+    tokens,
+)
 from kvstrata.core.controller import CacheController
+from kvstrata.core.tree import Tier
 from kvstrata.engine_kit import open_storage
 from kvstrata.plugins import PluginHost
 from kvstrata.plugins.errors import StorageError
@@ -254,3 +262,26 @@ def test_writes_close_cancelled_are_counted_once_as_abandoned(caplog: pytest.Log
     # the write running in the backend ended on its own and its answer counts (this fake stores
     # nothing: one failure); the two close cancelled count nothing more
     assert cache.metrics.snapshot()["failures"] == failures + 1
+
+
+@pytest.mark.parametrize("stack", ["kv", "hybrid-mamba"])
+def test_a_load_back_whose_copy_raises_gives_back_its_device_units(stack: str) -> None:
+    """A host -> device copy that raises (fault injection: a patched copy) left the units the
+    load-back had allocated for it in use by no one: 6 device units lost per failed load-back."""
+    with open_cache(stack) as cache:
+        request = tokens(1, 6)
+        serve(cache, request)  # write-through: the host holds the prefix
+        cache.tree.evict_device({name: 1 << 30 for name in cache.tree_pools}, cache.units.freer(Tier.DEVICE))
+        lease = cache.lookup(request)
+
+        def copy_fails(*args: object, **kwargs: object) -> list:
+            raise RuntimeError("injected copy fault")
+
+        cache.pools.host_to_device = copy_fails  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="injected copy fault"):
+            cache.admit(lease)
+        del cache.pools.host_to_device
+        cache.release(lease)
+        device_accounting(cache, [])
+        again, bad = serve(cache, request)
+        assert again.cached_pages == 6 and bad == 0, "the next request loads the prefix back"

@@ -1,6 +1,7 @@
 """Two ranks (two processes, torch.distributed gloo on loopback) agree on L3 prefetch lengths:
 where one rank misses a window page both drop the prefetch, where both hold it both adopt it;
-and on a device prefix every rank holds whole (a state at its end on each)."""
+and on a device prefix every rank holds whole (a state at its end on each); and a rank whose
+``admit`` raises still meets the others at the agreement points (they reuse nothing)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from controller_support import DEVICE, REPO
+from kvstrata.core.collective import FAILED, RankAgreement
 from kvstrata.testing.mooncake_servers import free_loopback_port
 
 RANK = textwrap.dedent(
@@ -47,7 +52,7 @@ RANK = textwrap.dedent(
 )
 
 
-def _run_ranks(script: str, tmp_path: Path) -> list[dict]:
+def _run_ranks(script: str, tmp_path: Path, timeout: float = 240) -> list[dict]:
     """``script`` as ranks 0 and 1 of a gloo group; each rank's last stdout line, as JSON."""
     port = free_loopback_port()
     env = {
@@ -69,7 +74,7 @@ def _run_ranks(script: str, tmp_path: Path) -> list[dict]:
     reports = []
     try:
         for process in ranks:
-            out, err = process.communicate(timeout=240)
+            out, err = process.communicate(timeout=timeout)
             assert process.returncode == 0, err[-3000:]
             reports.append(json.loads(out.strip().splitlines()[-1]))
     finally:
@@ -171,3 +176,156 @@ def test_a_group_that_is_not_the_configs_ranks_is_refused_on_every_rank(tmp_path
         # refused on both ranks (one refusing alone would leave the other waiting in a collective)
         assert "the group's configs say 1 to 2" in report["one_rank_says_1"]
         assert report["right"] == "opened"
+
+
+#: rank 0 alone fails inside ``admit`` (fault injection: its drain interrupted before the prefetch
+#: point; between the two points its host -> device copy raising, or its device eviction policy's
+#: ``ranked`` while the load-back makes room), in a gloo group whose timeout
+#: is 20 s: rank 1 waited in the collective for it (30 minutes at gloo's default), and rank 0's
+#: next admit then met rank 1's stale point (every later agreement one admit apart)
+FAULTS = textwrap.dedent(
+    """
+    import datetime, json, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch.distributed as dist
+    from controller_support import open_cache, serve, tokens
+    from kvstrata.core.collective import TorchCollective
+    from kvstrata.core.tree import Tier
+    rank, port = int(sys.argv[2]), int(sys.argv[3])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
+    sets = [f"parallel.tp_rank={rank}", "parallel.tp_size=2", "policy.eviction=s3fifo"]
+
+    class Interrupt(BaseException):
+        pass
+
+    def interrupted(*args, **kwargs):
+        raise Interrupt("injected interrupt")
+
+    def copy_fails(*args, **kwargs):
+        raise RuntimeError("injected copy fault")
+
+    def policy_fails(*args, **kwargs):
+        raise RuntimeError("injected policy fault")
+
+    report = {}
+    with open_cache("kv", None, sets, collective=TorchCollective()) as cache:
+        policy = cache.tree.evictor.orders[Tier.DEVICE]
+        for case, seed, part, name, fault in (
+            ("eviction_policy", 3, policy, "ranked", policy_fails),  # (first: the host holds all)
+            ("before_prefetch_point", 1, cache, "_drain", interrupted),
+            ("load_back_copy", 2, cache.pools, "host_to_device", copy_fails),
+        ):
+            request = tokens(seed, 6)
+            serve(cache, request)  # write-through: the host holds all 6 pages
+            cache.tree.evict_device({n: 1 << 30 for n in cache.tree_pools}, cache.units.freer(Tier.DEVICE))
+            if name == "ranked":  # the device full (16 pages): loading the 6 back evicts
+                serve(cache, tokens(30, 8))
+                serve(cache, tokens(31, 8))
+            lease = cache.lookup(request)
+            if rank == 0:
+                setattr(part, name, fault)
+            try:
+                cache.admit(lease)
+                outcome = lease.cached_pages
+            except (Interrupt, RuntimeError) as error:
+                outcome = str(error)
+            finally:
+                part.__dict__.pop(name, None)
+            cache.release(lease)
+            again, bad = serve(cache, request)  # the ranks still meet in step
+            report[case] = {"outcome": outcome, "again": again.cached_pages, "bad": bad}
+    dist.destroy_process_group()
+    print(json.dumps(report))
+    """
+)
+
+
+def test_a_rank_failing_inside_admit_still_meets_the_others(tmp_path: Path) -> None:
+    """Rank 0 raises inside ``admit`` (injected); rank 1 reuses nothing of that request instead
+    of waiting in the collective until the group's timeout, and both serve the next one whole."""
+    reports = _run_ranks(FAULTS, tmp_path, timeout=120)
+    assert reports[0]["before_prefetch_point"]["outcome"] == "injected interrupt"
+    assert reports[0]["load_back_copy"]["outcome"] == "injected copy fault"
+    assert reports[0]["eviction_policy"]["outcome"] == "injected policy fault"
+    for case in ("before_prefetch_point", "load_back_copy", "eviction_policy"):
+        assert reports[1][case]["outcome"] == 0, f"rank 1 reused pages rank 0 failed to load ({case})"
+        assert [r[case]["again"] for r in reports] == [6, 6] and all(r[case]["bad"] == 0 for r in reports)
+
+
+class _Scripted:
+    """The group as this rank sees it: per call, what the other rank offers (or the collective's
+    own error); every vector this rank offered is kept."""
+
+    world_size = 2
+
+    def __init__(self, *others: list[int] | Exception) -> None:
+        self.others, self.offered = list(others), list[list[int]]()
+
+    def all_min(self, values: list[int]) -> list[int]:
+        self.offered.append(list(values))
+        other = self.others.pop(0)
+        if isinstance(other, Exception):
+            raise other
+        return [min(v, o) for v, o in zip(values, other, strict=True)]
+
+
+def _pages(n: int) -> SimpleNamespace:
+    return SimpleNamespace(device_pages=n)
+
+
+class _Interrupt(BaseException):
+    pass
+
+
+def test_an_admit_that_raises_nowhere_meets_each_point_once() -> None:
+    group = _Scripted([4], [4, -4])
+    agreement = RankAgreement(group)
+    with agreement:
+        assert agreement.prefetch_pages(0, 4) == 4
+        assert agreement.cached_match(_pages(4), _pages).device_pages == 4
+    assert group.offered == [[4], [4, -4]] and agreement.failures == 0  # nothing more on exit
+
+
+def test_a_rank_failing_before_the_prefetch_point_offers_failed_there_only() -> None:
+    group = _Scripted([4])
+    agreement = RankAgreement(group)
+    with pytest.raises(_Interrupt), agreement:
+        raise _Interrupt  # (a plugin, a drain: before this rank reached the point)
+    assert group.offered == [[FAILED]], "every rank saw the failure there: no device point follows"
+
+
+def test_a_rank_failing_between_rounds_of_the_device_point_meets_the_next_round() -> None:
+    group = _Scripted([6], [3, -3], [3, -3])
+    agreement = RankAgreement(group)
+
+    def within(n: int) -> SimpleNamespace:
+        raise RuntimeError("injected: a state pool's match failed")
+
+    with pytest.raises(RuntimeError, match="injected"), agreement:
+        agreement.prefetch_pages(0, 6)
+        agreement.cached_match(_pages(5), within)  # the others hold 3: a second round follows
+    assert group.offered == [[6], [5, -5], [FAILED, -FAILED]] and agreement.failures == 1
+
+
+def test_the_others_reuse_nothing_after_a_rank_failed_at_either_point() -> None:
+    at_prefetch = _Scripted([FAILED])
+    agreement = RankAgreement(at_prefetch)
+    with agreement:
+        assert agreement.prefetch_pages(2, 4) == 0
+        assert agreement.cached_match(_pages(6), _pages).device_pages == 0
+    assert at_prefetch.offered == [[6]], "the device point is agreed without a call"
+    at_device = _Scripted([6], [FAILED, -FAILED])
+    agreement = RankAgreement(at_device)
+    with agreement:
+        assert agreement.prefetch_pages(2, 4) == 4
+        assert agreement.cached_match(_pages(6), _pages).device_pages == 0
+    assert agreement.failures == 1 and len(at_device.offered) == 2
+
+
+def test_an_error_of_the_collective_itself_meets_no_further_point() -> None:
+    group = _Scripted(RuntimeError("gloo: timed out"))
+    agreement = RankAgreement(group)
+    with pytest.raises(RuntimeError, match="gloo"), agreement:
+        agreement.prefetch_pages(0, 4)
+    assert group.offered == [[4]], "a broken group is not called again"

@@ -2,17 +2,21 @@
 
 Every rank of a tensor/context-parallel group holds its own shard of each page, so a prefix is
 usable only if *every* rank holds it: the controller takes the MIN of its local lengths at fixed
-points (one call per ``admit``), which all ranks reach in the same order because the engine drives
-them in lockstep. A single process needs no communication (:class:`LocalCollective`, the
-default); a ``torch.distributed`` process group (gloo, CPU tensors) does it across processes.
+points (one call per point of each ``admit``), which all ranks reach in the same order because
+the engine drives them in lockstep, also when an ``admit`` raises on one of them. A single
+process needs no communication (:class:`LocalCollective`, the default); a ``torch.distributed``
+process group (gloo, CPU tensors) does it across processes.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -118,6 +122,13 @@ def _check_group(collective: Collective, parallel: Any, ranks: int) -> None:
         )
 
 
+#: What a rank that failed inside ``admit`` offers at the agreement points it still owes: a
+#: length no rank holds, so the MIN tells every rank that one failed (all then agree on 0)
+FAILED = -1
+#: the agreement points of one ``admit``, in the order every rank meets them
+_PREFETCH, _DEVICE = "prefetch", "device"
+
+
 class RankAgreement:
     """The two points where ranks agree on what a request reuses, named so a reader finds them.
 
@@ -126,16 +137,52 @@ class RankAgreement:
     over the group (``cached_match``: more rounds where ranks' trees end prefixes at different
     pages), reached in the same order on every rank. ``disagreements`` counts the calls
     where this rank had more than the group agreed on (pages it holds but may not serve).
+
+    One ``admit`` runs inside ``with agreement:``. A rank whose admit raises (a plugin, a copy, an
+    interrupt) still meets the points it owes, offering :data:`FAILED`, then re-raises: alone, it
+    left the others waiting in the collective until the group's timeout (30 minutes for gloo), or
+    its next admit met their stale point. The others see the failure and reuse nothing of that
+    request (``failures`` counts such admits, on every rank). An error of the collective itself
+    meets nothing more (the group is broken). An interrupt arriving inside the collective call is
+    taken as having met that point (Python runs signal handlers once the call has returned).
     """
 
     def __init__(self, collective: Collective) -> None:
         self.collective = collective
         self.disagreements = 0
+        self.failures = 0
+        self._owed: str | None = None  # the point this admit meets next (None: nothing owed)
+        self._failed = False  # a point of this admit showed a failed rank: later ones agree on 0
+
+    def __enter__(self) -> RankAgreement:
+        self._owed, self._failed = _PREFETCH, False
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: Any) -> None:
+        (owed, self._owed), (failed, self._failed) = (self._owed, None), (self._failed, False)
+        if error is None or owed is None or (owed == _DEVICE and failed):
+            return
+        try:  # meet the owed point with a length no rank holds (then every rank has seen it)
+            self.collective.all_min([FAILED] if owed == _PREFETCH else [FAILED, -FAILED])
+            self.failures += 1
+        except Exception:  # the group's own error: the admit's error is the one to raise
+            log.exception("rank agreement: could not tell the group this rank failed")
+
+    def _reduce(self, values: list[int]) -> list[int]:
+        try:
+            return self.collective.all_min(values)
+        except Exception:
+            self._owed = None  # the collective failed: the group meets no further point
+            raise
 
     def _agree(self, local: int) -> int:
-        (agreed,) = self.collective.all_min([local])
+        self._owed = _DEVICE  # (before the call: see the class docstring on interrupts)
+        (agreed,) = self._reduce([local])
         if agreed < local:
             self.disagreements += 1
+        if agreed == FAILED:  # (no length is negative: only a failed rank offers one)
+            self._failed = True
+            self.failures += 1
         return agreed
 
     def prefetch_pages(self, start: int, local: int) -> int:
@@ -153,15 +200,25 @@ class RankAgreement:
         pool may end below ``n`` (a rank whose state is at page 12 only holds no 8-page prefix:
         one MIN of 8 and 12 served 8 pages on one rank and 0 on the other). Each round agrees on
         the MIN and the MAX; every rank sees both, so all stop at the same round, once every rank
-        holds the MIN."""
+        holds the MIN. After a failed rank (this admit's prefetch point said so) every rank
+        agrees on 0 without a call."""
+        if self._failed:
+            self._owed = None
+            return within(0)
         low, high = self._bounds(match.device_pages)
         if low < match.device_pages:
             self.disagreements += 1
-        while low != high:
+        while low != high and low != FAILED:
             match = within(low)
             low, high = self._bounds(match.device_pages)
+        self._owed = None
+        if low == FAILED:
+            self.failures += 1
+            return within(0)
         return match
 
     def _bounds(self, local: int) -> tuple[int, int]:
-        low, negated = self.collective.all_min([local, -local])
+        self._owed = None  # (an interrupt inside the call: met, and taken as the last round)
+        low, negated = self._reduce([local, -local])
+        self._owed = _DEVICE  # until ``cached_match`` returns: another round may follow
         return low, -negated

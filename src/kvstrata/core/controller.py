@@ -30,7 +30,9 @@ clamped where every such pool declares ``clamp`` and dropped whole otherwise.
 
 Ranks. Lengths that decide what a request reuses are agreed with a MIN through the
 :class:`~kvstrata.core.collective.Collective` at two fixed points of ``admit`` (after the prefetch,
-after the load-back), so every rank serves the same prefix.
+after the load-back), so every rank serves the same prefix. A rank raising inside ``admit``
+still meets the points it owes (the others then reuse nothing of that request): alone in the
+collective, the others waited there until the group's timeout.
 """
 
 from __future__ import annotations
@@ -178,31 +180,31 @@ class CacheController(UnitMemory, ClosingApi):
         self._check_lease(lease)
         if lease.admitted:
             raise RuntimeError("lease already admitted")
-        op = lease.prefetch
-        self._drain(ending=op)  # (``poll``; room for ``op``'s read is ``finish``'s to make, per policy)
-        if op is not None:
-            local = self.prefetcher.finish(op, lease.locked_node)  # type: ignore[union-attr]
-            self._commit_prefetch(lease, self.ranks.prefetch_pages(op.start, local))
-        else:
-            self.ranks.prefetch_pages(lease.host_pages, 0)
-        started = time.perf_counter()
-        match = self.tree.match(lease.keys, count_hit=False)
-        host_only = match.host_pages - match.device_pages
-        if host_only * self.page_size >= max(1, self.policy.load_back_threshold_tokens):
-            result = self.load_back.run(self.load_back.plan(match))
-            # matched again whatever it did: making room for a load-back that then failed may
-            # have evicted device pages the first match counted (a window pool's tail)
+        with self.ranks:  # raising in here, a rank still meets the others' agreement points
+            op = lease.prefetch
+            self._drain(ending=op)  # (``poll``; room for ``op``'s read is ``finish``'s to make, per policy)
+            local = self.prefetcher.finish(op, lease.locked_node) if op else 0  # type: ignore[union-attr]
+            pages = self.ranks.prefetch_pages(lease.host_pages if op is None else op.start, local)
+            if op is not None:
+                self._commit_prefetch(lease, pages)
+            started = time.perf_counter()
             match = self.tree.match(lease.keys, count_hit=False)
-            if result.device_full:
-                self.metrics.skip(SkipReason.DEVICE_FULL, host_only, lease.skipped)
-            self.metrics.latency("load_back", time.perf_counter() - started)
-        else:
-            self.metrics.skip(SkipReason.BELOW_LOAD_BACK_THRESHOLD, host_only, lease.skipped)
-        local = match.device_pages
-        match = self.ranks.cached_match(match, lambda n: self.tree.match(lease.keys[:n], count_hit=False))
-        if match.device_pages < local:
-            self.metrics.skip(SkipReason.RANK_DISAGREEMENT, local - match.device_pages, lease.skipped)
-        self._settle(lease, match)
+            host_only = match.host_pages - match.device_pages
+            if host_only * self.page_size >= max(1, self.policy.load_back_threshold_tokens):
+                result = self.load_back.run(self.load_back.plan(match))
+                # matched again whatever it did: making room for a load-back that then failed may
+                # have evicted device pages the first match counted (a window pool's tail)
+                match = self.tree.match(lease.keys, count_hit=False)
+                if result.device_full:
+                    self.metrics.skip(SkipReason.DEVICE_FULL, host_only, lease.skipped)
+                self.metrics.latency("load_back", time.perf_counter() - started)
+            else:
+                self.metrics.skip(SkipReason.BELOW_LOAD_BACK_THRESHOLD, host_only, lease.skipped)
+            local = match.device_pages
+            match = self.ranks.cached_match(match, lambda n: self.tree.match(lease.keys[:n], count_hit=False))
+            if match.device_pages < local:
+                self.metrics.skip(SkipReason.RANK_DISAGREEMENT, local - match.device_pages, lease.skipped)
+            self._settle(lease, match)
         return lease
 
     def _commit_prefetch(self, lease: Lease, pages: int, unused: SkipReason | None = None) -> None:
