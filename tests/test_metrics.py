@@ -52,6 +52,7 @@ STORAGE_COUNTERS = [
     "foreign_objects",
     "foreign_removed",
     "foreign_remove_failed",
+    "reread_cleared",
     "backend_errors",
     "breaker_trips",
     "breaker_rejected",

@@ -202,3 +202,52 @@ def test_a_recycling_put_notes_the_removal_after_the_file_left_its_name(
     assert asker.exists(["x", "z"]) == [False, True]
     for backend in (writer, asker):
         backend.close()
+
+
+@pytest.mark.parametrize("stored_again", [True, False])
+def test_a_read_that_raced_a_recycling_removes_nothing_and_counts_no_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stored_again: bool
+) -> None:
+    """Three "processes" (three backends on one directory). A's verified read (no lock) opens
+    K1's file and, FAULT INJECTION, pauses in ``os.readv`` while B evicts K1 and recycles that
+    file into K2 and (``stored_again``) C stores K1 afresh. A read K2's bytes (``key_mismatch``):
+    removing K1 by key deleted C's valid object, and a false corruption was counted. The rejected
+    object is read once more first: C's K1 (a hit) or nothing (a miss), nothing removed."""
+
+    def opened(capacity_bytes: int | None = None) -> FileBackend:
+        backend = FileBackend("l3", FileConfig(path=tmp_path, io_threads=1, capacity_bytes=capacity_bytes))
+        backend.open()
+        return backend
+
+    specs = conformance_specs()
+    a, c = opened(), opened()
+    engine_a, engine_c = KIT.engine(a, specs), KIT.engine(c, specs)
+    hashes, source = page_hashes(2, seed=5), KIT.pools(specs, 2, seed=5)["index"]
+    assert all(engine_c.put("index", hashes[:1], source.units([0])).ok)
+    size = sum(path.stat().st_size for path in tmp_path.rglob("*") if path.name in files_of(tmp_path))
+    b = opened(capacity_bytes=size + 10)  # adopts K1 at open; room for one object
+    engine_b = KIT.engine(b, specs)
+    readv, paused = os.readv, []
+
+    def pausing_readv(fd: int, buffers: Sequence[memoryview]) -> int:
+        if not paused:  # A's first read, its file open: the others run now
+            paused.append(fd)
+            assert engine_b.put("index", hashes[1:], source.units([1])).ok == [True]
+            assert b.recycled_files == 1, "K1's file, open in A, now holds K2"
+            if stored_again:
+                assert engine_c.put("index", hashes[:1], source.units([0])).ok == [True]
+        return readv(fd, buffers)
+
+    monkeypatch.setattr(os, "readv", pausing_readv)
+    target = KIT.pools(specs, 2, seed=None)["index"]
+    result = engine_a.get("index", hashes[:1], target.units([0]))
+    monkeypatch.setattr(os, "readv", readv)
+    assert paused and result.ok == [stored_again] and result.rejected == ()
+    if stored_again:
+        KIT.assert_units_equal(source, target, [0])
+    metrics = engine_a.metrics
+    assert (metrics.corrupt_detected, metrics.corrupt_removed, metrics.reread_cleared) == (0, 0, 1)
+    assert engine_c.exists("index", hashes[:1]).ok == [stored_again], "C's fresh K1 kept"
+    assert engine_c.exists("index", hashes[1:]).ok == [True]
+    for backend in (a, b, c):
+        backend.close()

@@ -217,7 +217,11 @@ def test_a_bad_object_is_a_counted_miss_wherever_it_is_verified(
     assert engine.metrics.corrupt_removed == 2
     KIT.assert_units_equal(source["attn"], target["attn"], [i for i in range(units) if i not in (7, 30)])
     if isinstance(backend, ObservedFileBackend):
-        assert sorted(backend.checked_rows) == list(range(2 * units)), "every object found is checked"
+        # every object found is checked; the two rejected ones again when read once more (a
+        # batch of their own: storage_reread), before they were counted and removed
+        first, again = backend.checked_rows[: 2 * units], backend.checked_rows[2 * units :]
+        assert sorted(first) == list(range(2 * units)), "every object found is checked"
+        assert sorted(again) == [0, 1] and engine.metrics.reread_cleared == 0
         # which thread takes which piece is tests/test_storage_file_io_threads.py's (and timing:
         # under load one thread may take every piece); here, each row is checked on the thread
         # that read it (a second pass on another thread would fail this)
@@ -292,3 +296,51 @@ def test_batch_objects_carry_views_of_exactly_their_own_regions(staged: bool) ->
         ]
     bare = StorageObject("c", regions(pages[0]))  # built by hand: views made on demand
     assert bare.views is None and [len(v) for v in object_views(bare)] == [100]
+
+
+class OnceBadFileBackend(FileBackend):
+    """FAULT INJECTION: the first get hands back one object with a flipped payload byte (a bad
+    transfer, or a file rewritten under the reader); ``fail_again``: the next get raises."""
+
+    fail_again = False
+    gets = 0
+
+    def get(self, objects: Sequence[StorageObject], check: ReadCheck | None = None) -> list[int]:
+        self.gets += 1
+        if self.gets == 1:
+            read = super().get(objects)  # checked below, after the byte is flipped
+            object_views(objects[0])[-1][0] ^= 0xFF
+            if check is not None:
+                for row, nbytes in enumerate(read):
+                    check(row, nbytes)
+            return read
+        if self.fail_again:
+            raise OSError("backend down")
+        return super().get(objects, check)
+
+
+@pytest.mark.parametrize("fail_again", [False, True])
+def test_a_rejected_object_is_read_once_more_before_it_counts_or_is_removed(
+    tmp_path: Path, fail_again: bool
+) -> None:
+    backend = OnceBadFileBackend("l3", FileConfig(path=tmp_path))
+    backend.fail_again = fail_again
+    backend.open()
+    specs = conformance_specs()
+    engine = KIT.engine(backend, specs)
+    source, target = KIT.pools(specs, 3, seed=43), KIT.pools(specs, 3, seed=None)
+    hashes = page_hashes(3, seed=43)
+    assert all(engine.put("attn", hashes, source["attn"].units(range(3))).ok)
+    result = engine.get("attn", hashes, target["attn"].units(range(3)))
+    assert backend.gets == 2, "one more read, of the rejected object only"
+    metrics = engine.metrics
+    if fail_again:  # the second read failed: the first verdict stands
+        assert result.ok == [False, True, True] and result.rejected == (0,)
+        assert (metrics.corrupt_detected, metrics.corrupt_removed, metrics.reread_cleared) == (1, 1, 0)
+        assert engine.exists("attn", hashes).ok == [False, True, True]
+    else:  # read again intact: served and kept, counted apart
+        assert result.ok == [True, True, True] and result.rejected == ()
+        KIT.assert_units_equal(source["attn"], target["attn"], range(3))
+        assert (metrics.corrupt_detected, metrics.corrupt_removed, metrics.reread_cleared) == (0, 0, 1)
+        assert engine.exists("attn", hashes).ok == [True, True, True]
+    backend.close()

@@ -15,10 +15,11 @@ from __future__ import annotations
 import logging
 import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.core.breaker import BreakerState, CircuitBreaker
+from kvstrata.core.integrity import FOREIGN, Verdict
 from kvstrata.core.storage_batch import BatchResult
 from kvstrata.core.storage_metrics import StorageMetrics, StorageOperation
 
@@ -43,6 +44,8 @@ class BackendCalls:
     write_breaker: CircuitBreaker
     _lock: threading.Lock
     _notify: Notify | None
+    _removable: bool  # the backend declares ``removable``
+    keep_foreign: bool
 
     def breaker(self, operation: StorageOperation) -> CircuitBreaker:
         """The breaker guarding ``operation``: the write breaker for puts and removes, the read
@@ -92,6 +95,27 @@ class BackendCalls:
             raise
         self._breaker_outcome(operation, ok=True)
         return answer, None
+
+    def _remove_rejected(self, pool: str, rejected: Mapping[Verdict, Sequence[str]]) -> None:
+        """Drop objects that failed verification, where the backend can remove (one call)."""
+        if not self._removable:
+            return
+        if self.keep_foreign:
+            rejected = {verdict: keys for verdict, keys in rejected.items() if verdict not in FOREIGN}
+            if not rejected:
+                return
+        keys = [key for keys in rejected.values() for key in keys]
+        is_foreign = [verdict in FOREIGN for verdict, keys in rejected.items() for _ in keys]
+        removed, _error = self._call_backend(StorageOperation.REMOVE, pool, keys)
+        if removed is None:
+            removed = [False] * len(keys)
+        counts = dict.fromkeys(
+            ("corrupt_removed", "corrupt_remove_failed", "foreign_removed", "foreign_remove_failed"), 0
+        )
+        for gone, foreign in zip(removed, is_foreign, strict=True):
+            kind = "foreign" if foreign else "corrupt"
+            counts[f"{kind}_removed" if gone else f"{kind}_remove_failed"] += 1
+        self._count(**counts)
 
     def refused(self, operation: StorageOperation, count: int) -> BatchResult:
         """The answer to an ``exists`` / ``put`` / ``get`` of ``count`` units that the open breaker

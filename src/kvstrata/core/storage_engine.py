@@ -32,7 +32,6 @@ from kvstrata.core.integrity import (
     DAMAGE,
     FOREIGN,
     ChecksumPolicy,
-    Verdict,
     fill_headers,
     fingerprint_words,
     layout_fingerprint,
@@ -54,10 +53,10 @@ from kvstrata.core.storage_batch import (
     read_order,
     stage_in,
     stage_out,
-    verify_batch,
     write_order,
 )
 from kvstrata.core.storage_metrics import StorageMetrics, StorageOperation
+from kvstrata.core.storage_reread import verify_read
 from kvstrata.plugins.pool_type import PoolSpec
 from kvstrata.plugins.storage_backend import BackendConfig, BreakerConfig, StorageBackend
 
@@ -313,13 +312,14 @@ class StorageEngine(BackendCalls):
         self, pool: str, units: Sequence[UnitRegions], staging: np.ndarray | None, batch: ObjectBatch
     ) -> BatchResult:
         count = batch.units
-        checks = ReadChecks(batch, trusted=self._reads_checked) if self.checksum == "xxh3" else None
-        options = {"check": checks} if checks is not None and self._backend_checks_reads else {}
-        read, error = self._call_backend(StorageOperation.GET, pool, batch.objects, **options)
+        read, error, checks = self._read(pool, batch)
         if read is None:
             self._count(get_units=count, get_misses=count)
             return BatchResult([False] * count, error, failed=count, transient=True)
-        good, rejected = verify_batch(batch, read, self.checksum, checks)
+        # a rejected object is read once more before it counts or is removed (see storage_reread)
+        good, rejected, cleared = verify_read(
+            batch, read, self.checksum, checks, lambda b: self._read(pool, b)
+        )
         ok = batch.per_unit(good)
         if staging is not None:
             stage_in(staging, units, ok, self._unit_bytes[pool])
@@ -328,7 +328,7 @@ class StorageEngine(BackendCalls):
         corrupt = {v.value: len(keys) for v, keys in rejected.items() if v not in FOREIGN}
         foreign = {v.value: len(keys) for v, keys in rejected.items() if v in FOREIGN}
         with self._lock:
-            self.metrics.record_get(count, ok.count(True), nbytes, corrupt, foreign)
+            self.metrics.record_get(count, ok.count(True), nbytes, corrupt, foreign, cleared)
         if corrupt:
             log.warning("pool %r: rejected damaged objects %s", pool, corrupt)
         if foreign:
@@ -343,26 +343,12 @@ class StorageEngine(BackendCalls):
         units_refused = sorted({i // per_unit for i, obj in enumerate(batch.objects) if obj.key in refused})
         return BatchResult(ok, foreign=sum(foreign.values()), rejected=tuple(units_refused))
 
-    def _remove_rejected(self, pool: str, rejected: Mapping[Verdict, Sequence[str]]) -> None:
-        """Drop objects that failed verification, where the backend can remove (one call)."""
-        if not self._removable:
-            return
-        if self.keep_foreign:
-            rejected = {verdict: keys for verdict, keys in rejected.items() if verdict not in FOREIGN}
-            if not rejected:
-                return
-        keys = [key for keys in rejected.values() for key in keys]
-        is_foreign = [verdict in FOREIGN for verdict, keys in rejected.items() for _ in keys]
-        removed, _error = self._call_backend(StorageOperation.REMOVE, pool, keys)
-        if removed is None:
-            removed = [False] * len(keys)
-        counts = dict.fromkeys(
-            ("corrupt_removed", "corrupt_remove_failed", "foreign_removed", "foreign_remove_failed"), 0
-        )
-        for gone, foreign in zip(removed, is_foreign, strict=True):
-            kind = "foreign" if foreign else "corrupt"
-            counts[f"{kind}_removed" if gone else f"{kind}_remove_failed"] += 1
-        self._count(**counts)
+    def _read(self, pool: str, batch: ObjectBatch) -> tuple[list[int] | None, str | None, ReadChecks | None]:
+        """Bytes read per object (None: the call failed, and why) and the checks the backend's
+        I/O threads ran (verified reads)."""
+        checks = ReadChecks(batch, trusted=self._reads_checked) if self.checksum == "xxh3" else None
+        options = {"check": checks} if checks is not None and self._backend_checks_reads else {}
+        return (*self._call_backend(StorageOperation.GET, pool, batch.objects, **options), checks)
 
     # --- multi-pool ---------------------------------------------------------------------------
 

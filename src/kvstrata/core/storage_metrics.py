@@ -46,6 +46,10 @@ class StorageMetrics:
     foreign_reasons: dict[str, int] = field(default_factory=dict)
     foreign_removed: int = 0  # deleted so the key can be written again in this reader's layout
     foreign_remove_failed: int = 0
+    #: objects a get rejected and then, read again at once, did not (served, or a miss): neither
+    #: counted above nor removed -- the first read raced a rewrite of the object's file (the
+    #: ``file`` backend recycling it for another key) or the store served bad bytes once
+    reread_cleared: int = 0
     backend_errors: int = 0
     breaker_trips: int = 0  # times the circuit breaker opened
     breaker_rejected: int = 0  # calls refused at once while it was open (failed, not attempted)
@@ -59,9 +63,16 @@ class StorageMetrics:
         return {f.name: value for f in fields(self) if isinstance(value := getattr(self, f.name), int)}
 
     def record_get(
-        self, units: int, hits: int, nbytes: int, corrupt: Mapping[str, int], foreign: Mapping[str, int]
+        self,
+        units: int,
+        hits: int,
+        nbytes: int,
+        corrupt: Mapping[str, int],
+        foreign: Mapping[str, int],
+        cleared: int = 0,
     ) -> None:
         """Count one get batch (the caller holds the engine's lock)."""
+        self.reread_cleared += cleared
         self.get_units += units
         self.get_hits += hits
         self.get_misses += units - hits
