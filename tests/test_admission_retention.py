@@ -11,6 +11,7 @@ import torch
 from controller_support import fill, open_cache, serve, tokens, verify
 from kvstrata.core.controller import CacheController, CacheFullError, Lease
 from kvstrata.core.retention import RetentionHint
+from kvstrata.core.tree import page_keys
 
 WAIT = ["policy.prefetch.policy=wait_complete", "policy.prefetch.host_fraction_limit=1"]
 #: 4 device pages, 16 host pages: every new 2-page request evicts on the device
@@ -453,3 +454,18 @@ def test_a_chunked_pin_holds_one_state_slot() -> None:
         assert again.pinned and ops(cache)["pins_refused"] == 1
         cache.unpin(again)
         assert cache.parts.retention.pinned_pages == 0
+
+
+@pytest.mark.parametrize("policy", [[], ["policy.eviction={type: fifo}"]])
+def test_write_back_backs_up_what_the_retention_levels_evict(policy: list[str]) -> None:
+    """Write-back backs up the nodes the eviction will drop, picked by recency (or the plugin's
+    order) alone: the prioritised prefix, the oldest, was the one backed up, the only node the
+    eviction could then drop, and it left the device before ordinary pages."""
+    overrides = ["tiers.storage={}", "policy.write=write_back", *SMALL, *policy]
+    with open_cache("kv", overrides=overrides) as cache:
+        system = tokens(1, 1)
+        serve_hinted(cache, system, RetentionHint(priority=2))
+        _stream(cache, 100, 2)  # 1 + 2 x 2 pages: the device tier is full
+        serve(cache, tokens(200, 1))  # one eviction
+        keys = list(page_keys(system, cache.page_size))
+        assert cache.tree.match(keys, count_hit=False).device_pages == 1, "the prioritised prefix left"
