@@ -469,3 +469,21 @@ def test_write_back_backs_up_what_the_retention_levels_evict(policy: list[str]) 
         serve(cache, tokens(200, 1))  # one eviction
         keys = list(page_keys(system, cache.page_size))
         assert cache.tree.match(keys, count_hit=False).device_pages == 1, "the prioritised prefix left"
+
+
+def test_host_admission_counts_every_page_it_keeps_out() -> None:
+    """A chunked request backs up its chunks' nodes together; the host filter refusing the first
+    counted that node's pages only, the chunks below it (kept out with it) in neither counter,
+    while the storage filter counts them as refused."""
+    overrides = ["tiers.storage={}", "policy.admission.host={type: reuse, min_hits: 1}"]
+    with open_cache("kv", overrides=overrides) as cache:
+        request = tokens(9, 3)
+        lease = cache.lookup(request[:64])
+        cache.admit(lease)
+        for chunk in range(3):
+            if chunk:
+                lease.extend(request[64 * chunk : 64 * (chunk + 1)])
+            fill(cache, lease, cache.allocate(lease))
+            cache.insert(lease, close=chunk == 2)
+        assert cache.tree.units("kv", "host") == 0
+        assert ops(cache)["host_rejected"] == 3 and ops(cache)["host_admitted"] == 0
