@@ -487,3 +487,22 @@ def test_host_admission_counts_every_page_it_keeps_out() -> None:
             cache.insert(lease, close=chunk == 2)
         assert cache.tree.units("kv", "host") == 0
         assert ops(cache)["host_rejected"] == 3 and ops(cache)["host_admitted"] == 0
+
+
+def test_a_negative_priority_leaves_the_cached_prefix_it_shares_ordinary() -> None:
+    """A scratch request (priority -1) marked its whole prefix, the system prompt every request
+    reuses included: once a leaf, the prompt went before every ordinary page, however recently
+    it was read, and no unhinted request ever set it back."""
+    with open_cache(
+        "kv", overrides=["tiers.storage={}", "tiers.host.capacity_tokens=0", *SMALL[:1]]
+    ) as cache:
+        system = tokens(1, 1)
+        serve(cache, system)
+        serve_hinted(cache, torch.cat([system, tokens(2, 1)]), RetentionHint(priority=-1))
+        serve(cache, tokens(3, 1))
+        serve(cache, tokens(4, 1))  # 4 pages: the prompt, the scratch page, two ordinary ones
+        serve(cache, tokens(5, 1))  # evicts the scratch page (-1): the prompt is a leaf now
+        serve(cache, system)  # read last
+        serve(cache, tokens(6, 1))  # evicts the least recently used ordinary page, not the prompt
+        keys = list(page_keys(system, cache.page_size))
+        assert cache.tree.match(keys, count_hit=False).device_pages == 1, "the shared prompt went first"

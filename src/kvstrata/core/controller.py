@@ -318,7 +318,8 @@ class CacheController(UnitMemory, ClosingApi):
 
     def _retain(self, lease: Lease) -> None:
         if lease.retention is not None and lease.node is not None:
-            lease.hold_pin(self.parts.retention.apply(lease.node, lease.retention, lease.pin))
+            retention = self.parts.retention
+            lease.hold_pin(retention.apply(lease.node, lease.retention, lease.pin, lease.cached_pages))
 
     @exclusive
     def unpin(self, lease: Lease) -> None:

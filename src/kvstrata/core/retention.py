@@ -6,7 +6,9 @@ so per request (``cache.lookup(tokens, retention=RetentionHint(...))``); the hin
 request's whole prefix once it is inserted:
 
 - ``priority``: a level above the eviction policy -- a node leaves a tier only after every node
-  of a lower level, whatever the policy ranks (negative: before ordinary pages);
+  of a lower level, whatever the policy ranks (negative: before ordinary pages; only the pages
+  the request added, not the prefix it found cached: a scratch request's shared system prompt
+  is other requests' too);
 - ``ttl_s``: the priority (1 when none is given) lasts this long after the insert, then the pages
   are ordinary again. Soft: reads alone never renew it, only another hinted request does;
 - ``pin``: the prefix stays on the device tier (a lock) until ``cache.unpin(lease)`` or its TTL.
@@ -145,13 +147,14 @@ class Retention:
 
     # --- what a request asks for -------------------------------------------------------------
 
-    def apply(self, node: TreeNode, hint: RetentionHint, held: Pin | None) -> Pin | None:
-        """Give the prefix ending at ``node`` its level and, for a pin, replace the pin ``held``
-        (the lease's) by one there; returns the pin the lease holds now (None: refused)."""
+    def apply(self, node: TreeNode, hint: RetentionHint, held: Pin | None, own_from: int = 0) -> Pin | None:
+        """Give the prefix ending at ``node`` its level (a negative one: only from page
+        ``own_from``, where the request's own pages start) and, for a pin, replace the pin
+        ``held`` (the lease's) by one there; returns the pin the lease holds now (None: refused)."""
         now = self.clock()
         deadline = None if hint.ttl_s is None else now + hint.ttl_s
         if hint.level:
-            self._set_levels(node, hint.level, deadline, now)
+            self._set_levels(node, hint.level, deadline, now, own_from if hint.level < 0 else 0)
         if not hint.pin:
             return held
         self._expire_pins(now)  # a lapsed pin holds no share of max_pinned_fraction
@@ -163,14 +166,16 @@ class Retention:
             self.release(held)
         return pin
 
-    def _set_levels(self, node: TreeNode, level: int, deadline: float | None, now: float) -> None:
+    def _set_levels(
+        self, node: TreeNode, level: int, deadline: float | None, now: float, start: int = 0
+    ) -> None:
         levels = self._levels
         if len(levels) > self._sweep_at:
             for stale in [n for n, (p, _, d) in levels.items() if p is None and (d is None or d <= now)]:
                 del levels[stale]
             self._sweep_at = max(_SWEEP_AT, 2 * len(levels))
         cur: TreeNode | None = node
-        while cur is not None and cur is not self.tree.root:
+        while cur is not None and cur is not self.tree.root and cur.depth_start >= start:
             permanent, timed, until = levels.get(cur, (None, 0, None))
             if deadline is None:
                 permanent = level if permanent is None else max(permanent, level)
