@@ -180,12 +180,12 @@ def test_retention_levels_of_a_large_tree_are_not_swept_at_every_hinted_insert()
     10,000. A sweep now waits for the levels to double; expired ones still go at the sweep."""
     with open_cache("kv", overrides=["tiers.storage={}"]) as cache:
         retention = cache.parts.retention
-        held = _CountedLevels({object(): (1, 0, None) for _ in range(4097)})  # permanent levels
+        held = _CountedLevels({object(): (1, ()) for _ in range(4097)})  # permanent levels
         retention._levels = held  # type: ignore[assignment]
         for n in range(20):
             serve_hinted(cache, tokens(n, 2), RetentionHint(priority=1))
         assert held.sweeps == 1, f"{held.sweeps} sweeps of every level in 20 hinted inserts"
-        lapsed = _CountedLevels({object(): (None, 1, 0.0) for _ in range(4 * len(held))})  # TTLs run out
+        lapsed = _CountedLevels({object(): (None, ((1, 0.0),)) for _ in range(4 * len(held))})  # TTLs run out
         retention._levels = lapsed  # type: ignore[assignment]
         serve_hinted(cache, tokens(99, 2), RetentionHint(priority=1))
         assert lapsed.sweeps == 1 and len(lapsed) <= 2, "expired levels are swept out"
@@ -506,3 +506,23 @@ def test_a_negative_priority_leaves_the_cached_prefix_it_shares_ordinary() -> No
         serve(cache, tokens(6, 1))  # evicts the least recently used ordinary page, not the prompt
         keys = list(page_keys(system, cache.page_size))
         assert cache.tree.match(keys, count_hit=False).device_pages == 1, "the shared prompt went first"
+
+
+def test_a_higher_shorter_ttl_does_not_end_a_lower_longer_one() -> None:
+    """One timed level per node: a second hint with a higher priority and a shorter TTL replaced
+    the first's, and once it lapsed the prefix was ordinary though the first TTL still ran."""
+    now = [0.0]
+    with open_cache(
+        "kv", overrides=["tiers.storage={}", "tiers.host.capacity_tokens=0", *SMALL[:1]]
+    ) as cache:
+        cache.parts.retention.clock = lambda: now[0]
+        session = tokens(1, 2)
+        serve_hinted(cache, session, RetentionHint(ttl_s=100))  # level 1 for 100 s
+        serve_hinted(cache, session, RetentionHint(priority=2, ttl_s=10))  # level 2 for 10 s
+        now[0] = 50.0
+        _stream(cache, 100, 3)
+        keys = list(page_keys(session, cache.page_size))
+        assert cache.tree.match(keys, count_hit=False).device_pages == 2, "the 100 s TTL ended at 10 s"
+        now[0] = 101.0
+        _stream(cache, 200, 2)
+        assert cache.tree.match(keys, count_hit=False).device_pages == 0, "ordinary after both TTLs"
