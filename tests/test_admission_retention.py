@@ -11,6 +11,7 @@ import torch
 from controller_support import fill, open_cache, serve, tokens, verify
 from kvstrata.core.controller import CacheController, CacheFullError, Lease
 from kvstrata.core.retention import RetentionHint
+from kvstrata.core.tree import page_keys
 
 WAIT = ["policy.prefetch.policy=wait_complete", "policy.prefetch.host_fraction_limit=1"]
 #: 4 device pages, 16 host pages: every new 2-page request evicts on the device
@@ -179,12 +180,12 @@ def test_retention_levels_of_a_large_tree_are_not_swept_at_every_hinted_insert()
     10,000. A sweep now waits for the levels to double; expired ones still go at the sweep."""
     with open_cache("kv", overrides=["tiers.storage={}"]) as cache:
         retention = cache.parts.retention
-        held = _CountedLevels({object(): (1, 0, None) for _ in range(4097)})  # permanent levels
+        held = _CountedLevels({object(): (1, ()) for _ in range(4097)})  # permanent levels
         retention._levels = held  # type: ignore[assignment]
         for n in range(20):
             serve_hinted(cache, tokens(n, 2), RetentionHint(priority=1))
         assert held.sweeps == 1, f"{held.sweeps} sweeps of every level in 20 hinted inserts"
-        lapsed = _CountedLevels({object(): (None, 1, 0.0) for _ in range(4 * len(held))})  # TTLs run out
+        lapsed = _CountedLevels({object(): (None, ((1, 0.0),)) for _ in range(4 * len(held))})  # TTLs run out
         retention._levels = lapsed  # type: ignore[assignment]
         serve_hinted(cache, tokens(99, 2), RetentionHint(priority=1))
         assert lapsed.sweeps == 1 and len(lapsed) <= 2, "expired levels are swept out"
@@ -453,3 +454,75 @@ def test_a_chunked_pin_holds_one_state_slot() -> None:
         assert again.pinned and ops(cache)["pins_refused"] == 1
         cache.unpin(again)
         assert cache.parts.retention.pinned_pages == 0
+
+
+@pytest.mark.parametrize("policy", [[], ["policy.eviction={type: fifo}"]])
+def test_write_back_backs_up_what_the_retention_levels_evict(policy: list[str]) -> None:
+    """Write-back backs up the nodes the eviction will drop, picked by recency (or the plugin's
+    order) alone: the prioritised prefix, the oldest, was the one backed up, the only node the
+    eviction could then drop, and it left the device before ordinary pages."""
+    overrides = ["tiers.storage={}", "policy.write=write_back", *SMALL, *policy]
+    with open_cache("kv", overrides=overrides) as cache:
+        system = tokens(1, 1)
+        serve_hinted(cache, system, RetentionHint(priority=2))
+        _stream(cache, 100, 2)  # 1 + 2 x 2 pages: the device tier is full
+        serve(cache, tokens(200, 1))  # one eviction
+        keys = list(page_keys(system, cache.page_size))
+        assert cache.tree.match(keys, count_hit=False).device_pages == 1, "the prioritised prefix left"
+
+
+def test_host_admission_counts_every_page_it_keeps_out() -> None:
+    """A chunked request backs up its chunks' nodes together; the host filter refusing the first
+    counted that node's pages only, the chunks below it (kept out with it) in neither counter,
+    while the storage filter counts them as refused."""
+    overrides = ["tiers.storage={}", "policy.admission.host={type: reuse, min_hits: 1}"]
+    with open_cache("kv", overrides=overrides) as cache:
+        request = tokens(9, 3)
+        lease = cache.lookup(request[:64])
+        cache.admit(lease)
+        for chunk in range(3):
+            if chunk:
+                lease.extend(request[64 * chunk : 64 * (chunk + 1)])
+            fill(cache, lease, cache.allocate(lease))
+            cache.insert(lease, close=chunk == 2)
+        assert cache.tree.units("kv", "host") == 0
+        assert ops(cache)["host_rejected"] == 3 and ops(cache)["host_admitted"] == 0
+
+
+def test_a_negative_priority_leaves_the_cached_prefix_it_shares_ordinary() -> None:
+    """A scratch request (priority -1) marked its whole prefix, the system prompt every request
+    reuses included: once a leaf, the prompt went before every ordinary page, however recently
+    it was read, and no unhinted request ever set it back."""
+    with open_cache(
+        "kv", overrides=["tiers.storage={}", "tiers.host.capacity_tokens=0", *SMALL[:1]]
+    ) as cache:
+        system = tokens(1, 1)
+        serve(cache, system)
+        serve_hinted(cache, torch.cat([system, tokens(2, 1)]), RetentionHint(priority=-1))
+        serve(cache, tokens(3, 1))
+        serve(cache, tokens(4, 1))  # 4 pages: the prompt, the scratch page, two ordinary ones
+        serve(cache, tokens(5, 1))  # evicts the scratch page (-1): the prompt is a leaf now
+        serve(cache, system)  # read last
+        serve(cache, tokens(6, 1))  # evicts the least recently used ordinary page, not the prompt
+        keys = list(page_keys(system, cache.page_size))
+        assert cache.tree.match(keys, count_hit=False).device_pages == 1, "the shared prompt went first"
+
+
+def test_a_higher_shorter_ttl_does_not_end_a_lower_longer_one() -> None:
+    """One timed level per node: a second hint with a higher priority and a shorter TTL replaced
+    the first's, and once it lapsed the prefix was ordinary though the first TTL still ran."""
+    now = [0.0]
+    with open_cache(
+        "kv", overrides=["tiers.storage={}", "tiers.host.capacity_tokens=0", *SMALL[:1]]
+    ) as cache:
+        cache.parts.retention.clock = lambda: now[0]
+        session = tokens(1, 2)
+        serve_hinted(cache, session, RetentionHint(ttl_s=100))  # level 1 for 100 s
+        serve_hinted(cache, session, RetentionHint(priority=2, ttl_s=10))  # level 2 for 10 s
+        now[0] = 50.0
+        _stream(cache, 100, 3)
+        keys = list(page_keys(session, cache.page_size))
+        assert cache.tree.match(keys, count_hit=False).device_pages == 2, "the 100 s TTL ended at 10 s"
+        now[0] = 101.0
+        _stream(cache, 200, 2)
+        assert cache.tree.match(keys, count_hit=False).device_pages == 0, "ordinary after both TTLs"

@@ -114,7 +114,8 @@ def check_leaves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     def compared(tree: PrefixTree, layout: Any, want: int) -> list[TreeNode]:
         chosen = walked(tree, layout, want)
-        assert chosen == write_back._evictable_leaves_ranked(tree, layout, want)
+        level = tree.evictor.retention.levels() if tree.evictor.retention is not None else None
+        assert chosen == write_back._evictable_leaves_ranked(tree, layout, want, level)  # levels first
         asked[0] += 1
         return chosen
 

@@ -29,14 +29,17 @@ Admit = Callable[[TreeNode], bool] | None
 
 def backup_candidates(
     tree: PrefixTree, nodes: Iterable[TreeNode], *, contiguous: bool, admit: Admit
-) -> tuple[list[TreeNode], TreeNode | None]:
-    """The device-only nodes of ``nodes`` to back up, root first; and the node the admission
-    filter refused (None: none). Stops at the first node whose parent has no backup and is not a
-    candidate itself (``contiguous``: backups stay a prefix from the root) or that ``admit``
-    refuses. A node's backup copies its device units: their count per pool is what it needs."""
+) -> tuple[list[TreeNode], int]:
+    """The device-only nodes of ``nodes`` to back up, root first; and the pages the admission
+    filter refused (0: none): the refused node's and those of the device-only nodes after it,
+    which wait for it (counted as the storage filter counts a node below one it refuses).
+    Stops at the first node whose parent has no backup and is not a candidate itself
+    (``contiguous``: backups stay a prefix from the root) or that ``admit`` refuses. A node's
+    backup copies its device units: their count per pool is what it needs."""
     root = tree.root
     out: list[TreeNode] = []
-    for node in nodes:
+    nodes = list(nodes)
+    for i, node in enumerate(nodes):
         if node.host_raw[0] is not None or node.device_raw[0] is None:
             continue  # backed up already, or no device copy to back up
         parent = node.parent
@@ -48,9 +51,11 @@ def backup_candidates(
         ):
             break
         if admit is not None and not admit(node):
-            return out, node
+            return out, sum(
+                n.pages for n in nodes[i:] if n.host_raw[0] is None and n.device_raw[0] is not None
+            )
         out.append(node)
-    return out, None
+    return out, 0
 
 
 def device_units(nodes: Sequence[TreeNode], index: Mapping[str, int]) -> Raw:

@@ -319,8 +319,8 @@ class CacheController(UnitMemory, ClosingApi):
     # --- retention (the lookup's hint on the inserted prefix) ---------------------------------
 
     def _retain(self, lease: Lease) -> None:
-        if lease.retention is not None and lease.node is not None:
-            lease.hold_pin(self.parts.retention.apply(lease.node, lease.retention, lease.pin))
+        if (hint := lease.retention) is not None and lease.node is not None:
+            lease.hold_pin(self.parts.retention.apply(lease.node, hint, lease.pin, lease.cached_pages))
 
     @exclusive
     def unpin(self, lease: Lease) -> None:

@@ -6,7 +6,9 @@ so per request (``cache.lookup(tokens, retention=RetentionHint(...))``); the hin
 request's whole prefix once it is inserted:
 
 - ``priority``: a level above the eviction policy -- a node leaves a tier only after every node
-  of a lower level, whatever the policy ranks (negative: before ordinary pages);
+  of a lower level, whatever the policy ranks (negative: before ordinary pages; only the pages
+  the request added, not the prefix it found cached: a scratch request's shared system prompt
+  is other requests' too);
 - ``ttl_s``: the priority (1 when none is given) lasts this long after the insert, then the pages
   are ordinary again. Soft: reads alone never renew it, only another hinted request does;
 - ``pin``: the prefix stays on the device tier (a lock) until ``cache.unpin(lease)`` or its TTL.
@@ -35,6 +37,11 @@ from kvstrata.core.tree_bytes import UNIT
 #: what the one before kept (sweeping at every hinted insert past a fixed bound cost O(levels)
 #: per insert once more nodes than that held a live level: 3.8 ms at 10,000)
 _SWEEP_AT = 4096
+
+#: a node's timed levels, (level, when it lapses): by deadline, levels falling
+Steps = tuple[tuple[int, float], ...]
+#: a node's permanent level (None: none) and its timed levels
+Entry = tuple[int | None, Steps]
 
 
 @dataclass(frozen=True)
@@ -92,9 +99,9 @@ class Retention:
         self.unit_caps = unit_caps or {}
         self.metrics = metrics
         self.clock = clock
-        #: node -> (its permanent level or None, its timed level, when that lapses): a timed hint
-        #: never replaces a permanent one, so the node is back at its permanent level after the TTL
-        self._levels: dict[TreeNode, tuple[int | None, int, float | None]] = {}
+        #: node -> (its permanent level or None, its timed levels): a timed hint never replaces a
+        #: permanent one, so the node is back at its permanent level after the TTL
+        self._levels: dict[TreeNode, Entry] = {}
         self._pins: dict[int, Pin] = {}  # id(pin) -> pin, for TTL expiry
         self._pin_counts: dict[TreeNode, int] = {}
         self.pinned_pages = 0
@@ -145,13 +152,14 @@ class Retention:
 
     # --- what a request asks for -------------------------------------------------------------
 
-    def apply(self, node: TreeNode, hint: RetentionHint, held: Pin | None) -> Pin | None:
-        """Give the prefix ending at ``node`` its level and, for a pin, replace the pin ``held``
-        (the lease's) by one there; returns the pin the lease holds now (None: refused)."""
+    def apply(self, node: TreeNode, hint: RetentionHint, held: Pin | None, own_from: int = 0) -> Pin | None:
+        """Give the prefix ending at ``node`` its level (a negative one: only from page
+        ``own_from``, where the request's own pages start) and, for a pin, replace the pin
+        ``held`` (the lease's) by one there; returns the pin the lease holds now (None: refused)."""
         now = self.clock()
         deadline = None if hint.ttl_s is None else now + hint.ttl_s
         if hint.level:
-            self._set_levels(node, hint.level, deadline, now)
+            self._set_levels(node, hint.level, deadline, now, own_from if hint.level < 0 else 0)
         if not hint.pin:
             return held
         self._expire_pins(now)  # a lapsed pin holds no share of max_pinned_fraction
@@ -163,20 +171,22 @@ class Retention:
             self.release(held)
         return pin
 
-    def _set_levels(self, node: TreeNode, level: int, deadline: float | None, now: float) -> None:
+    def _set_levels(
+        self, node: TreeNode, level: int, deadline: float | None, now: float, start: int = 0
+    ) -> None:
         levels = self._levels
         if len(levels) > self._sweep_at:
-            for stale in [n for n, (p, _, d) in levels.items() if p is None and (d is None or d <= now)]:
+            for stale in [n for n, (p, steps) in levels.items() if p is None and not _live(steps, now)]:
                 del levels[stale]
             self._sweep_at = max(_SWEEP_AT, 2 * len(levels))
         cur: TreeNode | None = node
-        while cur is not None and cur is not self.tree.root:
-            permanent, timed, until = levels.get(cur, (None, 0, None))
+        while cur is not None and cur is not self.tree.root and cur.depth_start >= start:
+            permanent, steps = levels.get(cur, (None, ()))
             if deadline is None:
                 permanent = level if permanent is None else max(permanent, level)
-            elif until is None or until <= now or _stronger(level, deadline, timed, until):
-                timed, until = level, deadline
-            levels[cur] = (permanent, timed, until)
+            else:
+                steps = _with_step(steps, level, deadline, now)
+            levels[cur] = (permanent, steps)
             cur = cur.parent
 
     def _take(self, node: TreeNode, deadline: float | None, held: Pin | None) -> Pin | None:
@@ -240,21 +250,28 @@ class Retention:
         return len(pins)
 
 
-def _level_at(entry: tuple[int | None, int, float | None], now: float) -> int:
+def _live(steps: Steps, now: float) -> Steps:
+    return tuple(step for step in steps if step[1] > now)
+
+
+def _level_at(entry: Entry, now: float) -> int:
     """A node's level at ``now``: the higher of its permanent level and its live timed one."""
-    permanent, timed, until = entry
-    live = until is not None and until > now
+    permanent, steps = entry
+    timed = next((level for level, until in steps if until > now), None)  # the highest live one
     if permanent is None:
-        return timed if live else 0
-    return max(permanent, timed) if live else permanent
+        return 0 if timed is None else timed
+    return permanent if timed is None else max(permanent, timed)
 
 
-def _stronger(level: int, deadline: float, old_level: int, old_deadline: float) -> bool:
-    """Whether a new timed level should replace a live one: a higher level, or the same level
-    for longer (a hinted request renews its TTL; reads never reach here)."""
-    if level != old_level:
-        return level > old_level
-    return deadline > old_deadline
+def _with_step(steps: Steps, level: int, deadline: float, now: float) -> Steps:
+    """``steps`` and a new timed level: each hint holds its level until its own deadline, so a
+    higher, shorter one does not end a lower, longer one (the prefix fell to ordinary when the
+    shorter lapsed). The live steps no other outlasts at its level or above are kept: by
+    deadline, levels falling (a longer hint of the same level renews the TTL; reads never
+    reach here)."""
+    live = {*_live(steps, now), (level, deadline)}
+    kept = [s for s in live if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in live)]
+    return tuple(sorted(kept, key=lambda step: step[1]))
 
 
 def _window_units(tree: PrefixTree, p: int, ends: list[TreeNode]) -> int:

@@ -192,10 +192,14 @@ def _evictable_leaves(tree: PrefixTree, layout: StackLayout, want: int) -> list[
     backed-up node can leave as it is, an unbacked one once backed up, a locked one never
     (nor can its ancestors). Under the LRU order the walk takes the evictor's kept
     candidates (``core/lru_heap.py``): ranking every device node cost O(tier) per eviction
-    (4 ms per request with 5,000 device nodes)."""
+    (4 ms per request with 5,000 device nodes). Retention levels rank above the order, as the
+    eviction ranks them: by recency alone a prioritised prefix was backed up, the only node the
+    eviction could then drop, and it left the device before ordinary pages."""
+    retention = tree.evictor.retention
+    level = retention.levels() if retention is not None else None
     heap = tree.evictor.heaps.of(Tier.DEVICE)
-    if heap is None:
-        return _evictable_leaves_ranked(tree, layout, want)
+    if heap is None or level is not None:
+        return _evictable_leaves_ranked(tree, layout, want, level)
     backed_up = tree.backed_up
     chosen: list[TreeNode] = []
     pages = 0
@@ -213,12 +217,20 @@ def _evictable_leaves(tree: PrefixTree, layout: StackLayout, want: int) -> list[
     return chosen
 
 
-def _evictable_leaves_ranked(tree: PrefixTree, layout: StackLayout, want: int) -> list[TreeNode]:
-    """:func:`_evictable_leaves` by the ranks of the device tier's order (a plugin's), as its
-    eviction takes them (by recency, the backups let a write-back eviction drop only what LRU
-    would have: ``fifo`` kept its first prefix and dropped a later one)."""
+def _evictable_leaves_ranked(
+    tree: PrefixTree, layout: StackLayout, want: int, level: Callable[[TreeNode], int] | None = None
+) -> list[TreeNode]:
+    """:func:`_evictable_leaves` by the ranks of the device tier's order (a plugin's) under the
+    retention ``level`` of each node, as its eviction takes them (by recency, the backups let a
+    write-back eviction drop only what LRU would have: ``fifo`` kept its first prefix and
+    dropped a later one)."""
     backed_up = tree.backed_up
-    ranked = tree.eviction_order(Tier.DEVICE).ranked
+    order = tree.eviction_order(Tier.DEVICE).ranked
+
+    def ranked(nodes: list[TreeNode]) -> list[tuple[Any, int, TreeNode]]:
+        entries = order(nodes)
+        return entries if level is None else [((level(n), rank), i, n) for rank, i, n in entries]
+
     nodes = tree.holding(layout.anchor, Tier.DEVICE)
     below = {n: n.device_children for n in nodes}
     ready = ranked([n for n, count in below.items() if count == 0])

@@ -172,8 +172,8 @@ class Writer:
             admit=self.host_admission.admit if admit else None,
         )
         todo, device, host = self._host_units(candidates)
-        if refused is not None and len(todo) == len(candidates):
-            self.metrics.count(Operation.HOST_REJECTED, refused.pages)
+        if refused and len(todo) == len(candidates):
+            self.metrics.count(Operation.HOST_REJECTED, refused)
         if not todo:
             return []
         # every page entering the host tier (the filter's or not: write-back, a refill's prefix)
