@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from controller_support import GoneNode, LiveNode, open_cache
+import pytest
+
+from controller_support import GoneNode, LiveNode, open_cache, serve, tokens
 from kvstrata.core.node_set import NodeSet
 
 
@@ -41,3 +43,37 @@ def test_every_set_of_nodes_the_write_path_remembers_is_one(tmp_path: Path) -> N
         writer = cache.writer
         for remembered in (writer.refused, writer.window_ends, writer.hit_touch._confirmed):
             assert isinstance(remembered, NodeSet)
+
+
+def _remembered(cache: object) -> dict[str, NodeSet]:
+    writer = cache.writer  # type: ignore[attr-defined]
+    return {
+        "refused": writer.refused,
+        "retry": writer.retry._nodes,
+        "waits": writer.waits._nodes,
+        "window_ends": writer.window_ends,
+        "confirmed": writer.hit_touch._confirmed,
+        "new_end": writer.hit_touch._new_end,
+    }
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["policy.admission.storage.type=tinylfu"], ["policy.write=write_back"]],
+    ids=["write_through_tinylfu", "write_back"],
+)
+def test_a_node_eviction_deletes_leaves_every_write_path_set(tmp_path: Path, overrides: list[str]) -> None:
+    """A deleted node (and its page keys: 8 bytes per token) leaves every set at once. The sweep
+    waits for 8192 nodes, and a deleted node can be any size: each set held up to 8192 dead
+    nodes' keys (34 MiB after 1,500 short requests on 512-token pages; a 32k-token prompt's node
+    alone is 256 KiB) long after the tree let them go."""
+    with open_cache("swa", tmp_path, overrides) as cache:
+        for i in range(120):  # three times the host tier's pages: eviction deletes all the time
+            for _ in range(2):  # the second time a hit (L3 asked, the reuse admitted)
+                serve(cache, tokens(i, 3))
+            cache.flush()
+        sets = _remembered(cache)
+        held = {name: len(nodes) for name, nodes in sets.items()}
+        dead = {name: sum(node.parent is None for node in nodes) for name, nodes in sets.items()}
+        assert sum(held.values()) > 0  # (the sets were used)
+        assert dead == dict.fromkeys(dead, 0), held

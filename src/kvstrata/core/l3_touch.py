@@ -83,10 +83,10 @@ class HitTouch:
         #: nodes an answer found whole in L3: only what L3 is known to have held is written
         #: again when lost (a write that failed -- a full or read-only disk -- is not retried at
         #: every hit: the failures of a run would depend on when answers came)
-        self._confirmed = NodeSet()
+        self._confirmed = NodeSet(tree=context.tree)
         #: confirmed upper halves of a split: their pages were found, their end objects never
         #: were (the end is new: a branch there writes its window after the ask answered)
-        self._new_end = NodeSet()
+        self._new_end = NodeSet(tree=context.tree)
         if self._submit is not None:
             context.tree.on_split(self._split)
 

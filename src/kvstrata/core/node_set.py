@@ -2,10 +2,13 @@
 
 Parts of the L3 write path remember nodes past the call that saw them -- the nodes the storage
 admission filter refused (offered again at a reuse), the nodes whose last window is in L3, the
-hit nodes L3 confirmed (``core/l3_touch.py``) -- and nothing tells them when a node leaves the
-tree or its host tier. They sweep instead, once the set has doubled since the last sweep, so a
-call stays O(1) however large the tree grows: sweeping at every call past a fixed bound cost
-4.6-5.9 ms per insert with 20,000 live nodes.
+hit nodes L3 confirmed (``core/l3_touch.py``). Given the tree, a set drops a node the moment
+eviction deletes it: a deleted node keeps its page keys (8 bytes per token), and the sweep
+alone let each set hold up to 8192 of them (34 MiB after 1,500 short requests on 512-token
+pages, 256 KiB per node of a 32k-token prompt). Nothing tells a set when a node only leaves
+its host tier: it sweeps for that, once the set has doubled since the last sweep, so a call
+stays O(1) however large the tree grows (sweeping at every call past a fixed bound cost
+4.6-5.9 ms per insert with 20,000 live nodes).
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ class NodeSet:
     #: size of the first sweep; each later one waits for twice what the one before kept
     FIRST_SWEEP = 8192
 
-    def __init__(self, keep: Callable[[TreeNode], bool] = in_tree) -> None:
+    def __init__(self, keep: Callable[[TreeNode], bool] = in_tree, tree: PrefixTree | None = None) -> None:
         self._nodes: dict[TreeNode, None] = {}
         self._keep = keep
         self._sweep_at = self.FIRST_SWEEP
+        if tree is not None:  # a deleted node goes at once (see the module docstring)
+            tree.evictor.delete_listeners.append(self.discard)
 
     def __contains__(self, node: object) -> bool:
         return node in self._nodes
@@ -77,7 +82,7 @@ class SplitFollowingSet(NodeSet):
     two stays in it as both halves, each still waiting."""
 
     def __init__(self, tree: PrefixTree, keep: Callable[[TreeNode], bool] = in_tree) -> None:
-        super().__init__(keep)
+        super().__init__(keep, tree)
         tree.on_split(self._split)
 
     def _split(self, upper: TreeNode, lower: TreeNode) -> None:

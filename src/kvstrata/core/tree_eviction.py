@@ -126,8 +126,9 @@ class TreeEvictor:
         self.hears = False
         #: retention hints (priority, TTL), or None; pins are locks and need nothing here
         self.retention: RetentionLevels | None = None
-        #: other owners of per-node state told of splits (the writer's refused L3 writes)
+        #: other owners of per-node state told of splits and of deleted nodes (the writer's sets)
         self.split_listeners: list[Callable[[TreeNode, TreeNode], None]] = []
+        self.delete_listeners: list[Callable[[TreeNode], None]] = []
         self._gone: list[TreeNode] | None = None  # nodes leaving the tier in this eviction
         self._level: Callable[[TreeNode], int] | None = None  # retention levels of this eviction
         self._delete_unbacked = True  # see evict_device
@@ -145,9 +146,7 @@ class TreeEvictor:
         caps = getattr(order, "capabilities", None)
         self._trims[tier] = bool(getattr(caps, "chain_aware", False)) and self._can_trim
         if getattr(caps, "events", False):
-            self._hearing[tier] = GuardedEvents(
-                order, tier.value
-            )  # (a policy's bug never fails the operation)
+            self._hearing[tier] = GuardedEvents(order, tier.value)  # (a policy's bug fails nothing)
         else:
             self._hearing.pop(tier, None)
         self.hears = bool(self._hearing)
@@ -304,6 +303,8 @@ class TreeEvictor:
         result.deleted += 1
         if self.retention is not None:
             self.retention.forget(node)
+        for forget in self.delete_listeners:
+            forget(node)
         return parent
 
     # ------------------------------------------------------------------ per pool kind
@@ -322,8 +323,7 @@ class TreeEvictor:
             _drop_copies(self, want, result)
 
     def _evict_ranked(self, tier: Tier, name: str, want: int, result: EvictionResult) -> None:
-        """:meth:`_evict_anchor` by the tier's order (a plugin's) or retention levels: every
-        candidate ranked."""
+        """:meth:`_evict_anchor` by the tier's order (a plugin's) or retention levels: all ranked."""
         trims = self._trims[tier]
         heap = self._ranked(tier, [n for n in self._members[tier][0] if self._node_evictable(n, tier)])
         heapq.heapify(heap)

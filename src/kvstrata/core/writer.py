@@ -85,7 +85,7 @@ class Writer:
         self.refused = SplitFollowingSet(self.tree, on_host)  # by the storage filter: offered at a reuse
         self.retry = RetryWrites(self.tree)  # lost to a transient failure: offered again at a reuse
         self.waits = PrefixWaits(self.tree)  # write-back: on the host, L3 waits for their prefix
-        self.window_ends = StoredWindowEnds()
+        self.window_ends = StoredWindowEnds(tree=self.tree)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
         self.hit_touch = HitTouch.of(engine, context, self._thread, self.window_ends)  # hot prefixes stay
         self.digests: UnitDigests | None = None  # debug.unit_digests
