@@ -181,3 +181,23 @@ def test_a_removed_cache_leaves_the_endpoint_and_its_name_can_be_reused() -> Non
         text = generate_latest(registry).decode()
     assert 'kvstrata_requests_total{cache="target"} 1.0' in text
     assert text.count("# TYPE kvstrata_requests_total counter") == 1
+
+
+def test_open_leases_are_a_gauge_in_the_snapshot_and_the_exporter() -> None:
+    """An engine that drops leases without insert or release holds their device units until
+    close, and only close warned: the snapshot and the exporter now show the count rise."""
+    from prometheus_client import CollectorRegistry
+
+    with open_cache("kv") as cache:
+        registry = CollectorRegistry()
+        register(cache.metrics, registry, cache="c")
+        leases = [cache.lookup(tokens(81 + i, 2)) for i in range(3)]
+        assert cache.metrics.snapshot()["open_leases"] == 3
+        assert registry.get_sample_value("kvstrata_open_leases", {"cache": "c"}) == 3
+        cache.allocate(leases[0])
+        cache.insert(leases[0])
+        cache.release(leases[1])
+        assert cache.metrics.snapshot()["open_leases"] == 1 == cache.open_leases
+        assert registry.get_sample_value("kvstrata_open_leases", {"cache": "c"}) == 1
+        cache.release(leases[2])
+    assert cache.metrics.snapshot()["open_leases"] == 0

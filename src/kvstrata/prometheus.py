@@ -109,6 +109,14 @@ class CacheCollector:
                     evicted.add_metric([cache, tier, pool], value)
         yield evicted
         yield counter("kvstrata_corrupt_objects", "Objects the integrity check refused", "corrupt_detected")
+        held = "Leases looked up and neither inserted nor released (their device units are held)"
+        yield family(
+            core.GaugeMetricFamily,
+            "kvstrata_open_leases",
+            held,
+            [],
+            (([c], s["open_leases"]) for c, s in snaps.items()),
+        )
         events = "Storage engine counters (foreign_objects, breaker_trips, put_failed, ...)"
         yield per("kvstrata_storage_events", events, "event", "storage")
         latency = core.SummaryMetricFamily(
@@ -134,7 +142,7 @@ _EMPTY: dict[str, Any] = {
         "storage",
         "latency_count",
     )
-} | {"requests": 0, "lookup_tokens": 0, "failures": 0, "corrupt_detected": 0}
+} | {"requests": 0, "lookup_tokens": 0, "failures": 0, "corrupt_detected": 0, "open_leases": 0}
 
 
 def register(metrics: CacheMetrics, registry: Any | None = None, cache: str = "default") -> CacheCollector:

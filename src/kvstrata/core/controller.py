@@ -96,12 +96,12 @@ class CacheController(UnitMemory, ClosingApi):
         self.ranks = agreement_for(collective, config.parallel)  # refused before anything opens
         self._closed, self._leases = False, dict[int, Lease]()  # open leases, oldest first
         self._guard, self._inside = threading.RLock(), ""  # one thread at a time (boundary.exclusive)
-        self._slot_index = {}  # fork_state's source slots (UnitMemory)
-        self._forks = None  # fork_state's plan (UnitMemory)
+        self._slot_index, self._forks = {}, None  # fork_state's source slots and plan (UnitMemory)
         self.parts: CacheParts = build_cache(config, plugins, device_tensors=device_tensors)
         parts = self.parts
         self.page_size, self.namespace_root = parts.page_size, parts.namespace_root
         self.metrics, self.pools, self.tree = parts.metrics, parts.pools, parts.tree
+        self.metrics.lease_count = self._leases.__len__  # (the dict only: no cycle through the cache)
         self.layout, self.backend, self.engine = parts.layout, parts.backend, parts.engine
         self.units, self.load_back, self.writer = parts.units, parts.load_back, parts.writer
         self.prefetcher: Prefetcher | None = parts.prefetcher

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -114,6 +114,9 @@ class CacheMetrics:
     evicted_units: dict[str, dict[str, int]] = field(default_factory=lambda: {"device": {}, "host": {}})
     #: the storage engine's counters, attached at start-up when the cache has L3 (:meth:`attach`)
     storage: StorageMetrics | None = None
+    #: the controller's count of open leases (a gauge, set at start-up): an engine that drops
+    #: leases without insert or release holds their units until close, and this shows it first
+    lease_count: Callable[[], int] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def attach(self, storage: StorageMetrics) -> None:
@@ -183,6 +186,7 @@ class CacheMetrics:
                 "skipped_pages": {str(reason): n for reason, n in self.skipped_pages.items()},
                 "evicted_units": {tier: dict(pools) for tier, pools in self.evicted_units.items()},
                 "corrupt_detected": self.corrupt_detected,
+                "open_leases": self.lease_count() if self.lease_count is not None else 0,
                 "storage": self.storage.counters() if self.storage is not None else {},
                 "latency_s": {kind: list(kept) for kind, kept in self.latency_s.items()} if samples else {},
                 "latency_count": dict(self.latency_count),
