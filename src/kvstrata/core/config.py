@@ -221,7 +221,8 @@ class DebugConfig(UserConfig):
     unit_digests: bool = Field(
         default=False,
         description="digest every unit's bytes at commit and check them at backup, L3 write and "
-        "L3 restore, naming the first stage where they changed (a pass over every byte moved)",
+        "L3 restore, naming the first stage where they changed (a pass over every byte moved; "
+        "memory grows by one digest per page and pool ever committed: tests and replays only)",
     )
 
 
