@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,18 @@ from kvstrata.core.tree import page_keys
 WAIT = ["policy.prefetch.policy=wait_complete", "policy.prefetch.host_fraction_limit=1"]
 #: 4 device pages, 16 host pages: every new 2-page request evicts on the device
 SMALL = ["tiers.device.capacity_tokens=256", "tiers.host.capacity_tokens=1024"]
+
+
+@contextmanager
+def device_only_cache(now: list[float] | None = None) -> Iterator[CacheController]:
+    """A kv cache of a 256-token device tier and no host or L3: what a level keeps is what stays
+    on the device. ``now``: the retention clock reads ``now[0]`` (a TTL without sleeping)."""
+    with open_cache(
+        "kv", overrides=["tiers.storage={}", "tiers.host.capacity_tokens=0", *SMALL[:1]]
+    ) as cache:
+        if now is not None:
+            cache.parts.retention.clock = lambda: now[0]
+        yield cache
 
 
 def ops(cache: CacheController) -> dict[str, int]:
@@ -111,10 +125,7 @@ def test_a_prioritised_prefix_outlives_ordinary_traffic(hint: RetentionHint | No
 
 def test_a_ttl_decays_to_ordinary_and_reads_do_not_renew_it() -> None:
     now = [0.0]
-    with open_cache(
-        "kv", overrides=["tiers.storage={}", "tiers.host.capacity_tokens=0", *SMALL[:1]]
-    ) as cache:
-        cache.parts.retention.clock = lambda: now[0]
+    with device_only_cache(now) as cache:
         session = tokens(1, 2)
         serve_hinted(cache, session, RetentionHint(ttl_s=60))
         _stream(cache, 100, 3)
@@ -147,10 +158,7 @@ def test_pins_hold_until_unpinned_and_are_capped() -> None:
 
 def test_a_pin_with_a_ttl_lapses_on_its_own() -> None:
     now = [0.0]
-    with open_cache(
-        "kv", overrides=["tiers.storage={}", "tiers.host.capacity_tokens=0", *SMALL[:1]]
-    ) as cache:
-        cache.parts.retention.clock = lambda: now[0]
+    with device_only_cache(now) as cache:
         lease = serve_hinted(cache, tokens(1, 2), RetentionHint(pin=True, ttl_s=5))
         now[0] = 4.9
         assert lease.pinned
@@ -493,9 +501,7 @@ def test_a_negative_priority_leaves_the_cached_prefix_it_shares_ordinary() -> No
     """A scratch request (priority -1) marked its whole prefix, the system prompt every request
     reuses included: once a leaf, the prompt went before every ordinary page, however recently
     it was read, and no unhinted request ever set it back."""
-    with open_cache(
-        "kv", overrides=["tiers.storage={}", "tiers.host.capacity_tokens=0", *SMALL[:1]]
-    ) as cache:
+    with device_only_cache() as cache:
         system = tokens(1, 1)
         serve(cache, system)
         serve_hinted(cache, torch.cat([system, tokens(2, 1)]), RetentionHint(priority=-1))
@@ -512,10 +518,7 @@ def test_a_higher_shorter_ttl_does_not_end_a_lower_longer_one() -> None:
     """One timed level per node: a second hint with a higher priority and a shorter TTL replaced
     the first's, and once it lapsed the prefix was ordinary though the first TTL still ran."""
     now = [0.0]
-    with open_cache(
-        "kv", overrides=["tiers.storage={}", "tiers.host.capacity_tokens=0", *SMALL[:1]]
-    ) as cache:
-        cache.parts.retention.clock = lambda: now[0]
+    with device_only_cache(now) as cache:
         session = tokens(1, 2)
         serve_hinted(cache, session, RetentionHint(ttl_s=100))  # level 1 for 100 s
         serve_hinted(cache, session, RetentionHint(priority=2, ttl_s=10))  # level 2 for 10 s
