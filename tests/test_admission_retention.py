@@ -106,9 +106,9 @@ def test_by_default_every_page_is_admitted_and_counted(tmp_path: Path, write: st
         assert counted["storage_admitted"] == counted["host_admitted"] and counted["storage_rejected"] == 0
 
 
-def _stream(cache: CacheController, first_seed: int, count: int) -> None:
+def _stream(cache: CacheController, first_seed: int, count: int, pages: int = 2) -> None:
     for seed in range(first_seed, first_seed + count):
-        serve(cache, tokens(seed, 2))
+        serve(cache, tokens(seed, pages))
 
 
 @pytest.mark.parametrize("hint", [None, RetentionHint(priority=2)])
@@ -477,6 +477,36 @@ def test_write_back_backs_up_what_the_retention_levels_evict(policy: list[str]) 
         serve(cache, tokens(200, 1))  # one eviction
         keys = list(page_keys(system, cache.page_size))
         assert cache.tree.match(keys, count_hit=False).device_pages == 1, "the prioritised prefix left"
+
+
+#: (stack, its component pool, device units, host units, pages per request): only that pool runs out
+COMPONENT_BOUND = [
+    ("hybrid-mamba", "mamba", 3, 1, 1),
+    ("swa-mamba", "mamba", 3, 1, 1),
+    ("swa", "swa", 6, 2, 2),
+]
+
+
+@pytest.mark.parametrize("policy", [[], ["policy.eviction={type: fifo}"]])
+@pytest.mark.parametrize(("stack", "pool", "device", "host", "pages"), COMPONENT_BOUND)
+def test_write_back_backs_up_the_component_the_retention_levels_evict(
+    stack: str, pool: str, device: int, host: int, pages: int, policy: list[str]
+) -> None:
+    """Write-back backed up a state (window) pool's units by recency alone, ignoring retention
+    levels: the prioritised prefix's, the oldest, were the ones backed up, the only ones the
+    eviction could then drop, and with a small host pool the prefix was lost to both tiers
+    before any ordinary request's."""
+    units = [f"model.pools.{pool}.device_units={device}", f"model.pools.{pool}.host_units={host}"]
+    overrides = ["tiers.storage={}", "policy.write=write_back", *units, *policy]
+    with open_cache(stack, overrides=overrides) as cache:
+        system = tokens(1, pages)
+        serve_hinted(cache, system, RetentionHint(priority=2))
+        _stream(cache, 100, 6, pages)  # more than once through the pool's device units
+        lease = cache.lookup(system)
+        cache.admit(lease)
+        assert lease.hit_pages["device"] == pages, "the prioritised prefix lost its state / window"
+        assert verify(cache, lease) == 0
+        cache.release(lease)
 
 
 def test_host_admission_counts_every_page_it_keeps_out() -> None:

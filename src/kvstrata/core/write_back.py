@@ -24,6 +24,7 @@ from kvstrata.core.node_set import NodeSet, SplitFollowingSet, on_host
 from kvstrata.core.stack import PoolKind, StackLayout
 from kvstrata.core.storage_metrics import StorageOperation
 from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode
+from kvstrata.core.tree_bytes import UNIT
 
 if TYPE_CHECKING:
     from kvstrata.core.l3_values import PerPool
@@ -109,19 +110,56 @@ def eviction_backups(tree: PrefixTree, layout: StackLayout, shortfall: Mapping[s
     inner nodes above unbacked leaves and nodes whose units were locked, freed nothing, and
     raised ``CacheFullError`` on a tier of evictable pages (issue 29). The components'
     candidates are kept across evictions (``core/component_index.py``): ranking every holder
-    cost O(tier) per eviction (5 ms per request with 3,000 device nodes)."""
+    cost O(tier) per eviction (5 ms per request with 3,000 device nodes). Retention levels (and
+    a plugin's order) rank them as the eviction does: by recency alone a prioritised prefix's
+    state checkpoint was backed up, the only one the eviction could then drop."""
     anchor = layout.anchor
     chosen: dict[TreeNode, None] = {}
     if shortfall.get(anchor, 0):
         chosen.update(dict.fromkeys(_evictable_leaves(tree, layout, shortfall[anchor])))
+    ranked, level = None, None  # (read once a component needs backups)
     for name, want in shortfall.items():
         if name == anchor or want <= 0:
             continue
         p = tree.index[name]
         have = sum(len(n.device[p]) for n in chosen if n.device[p] is not None)
-        if have < want:  # (the anchor's backups may cover it)
+        if have >= want:  # (the anchor's backups may cover it)
+            continue
+        if ranked is None:
+            retention = tree.evictor.retention
+            level = retention.levels() if retention is not None else None
+            ranked = level is not None or tree.evictor.heaps.of(Tier.DEVICE) is None
+        if ranked:
+            _component_backups_ranked(tree, name, chosen, have, want, level)
+        else:
             tree.components.backups(p, chosen, have, want)
     return sorted(chosen, key=lambda n: n.depth_end)
+
+
+def _component_backups_ranked(
+    tree: PrefixTree,
+    name: str,
+    chosen: dict[TreeNode, None],
+    have: int,
+    want: int,
+    level: Callable[[TreeNode], int] | None,
+) -> None:
+    """:meth:`~kvstrata.core.component_index.ComponentIndex.backups` by the ranks of the device
+    tier's order under the retention ``level`` of each node, as the eviction's
+    ``_component_candidates`` takes them: O(holders), only while a level is live or a plugin
+    ranks the tier (whose anchor eviction ranks every node then too)."""
+    p = tree.index[name]
+    holders = [n for n in tree.holding(name, Tier.DEVICE) if n.host_raw[0] is None]
+    entries: list[tuple[Any, int, TreeNode]]
+    entries = tree.eviction_order(Tier.DEVICE).ranked([n for n in holders if not n.device_lock[p]])
+    if level is not None:
+        entries = [((level(n), rank), i, n) for rank, i, n in entries]
+    for *_, node in sorted(entries):
+        if have >= want:
+            return
+        if node not in chosen:
+            chosen[node] = None
+            have += len(node.device_raw[p]) // UNIT  # type: ignore[arg-type]
 
 
 def gained_components(tree: PrefixTree, layout: StackLayout) -> list[TreeNode]:
