@@ -187,6 +187,12 @@ class TokenEngine(RuleBasedStateMachine):
         bad = verify(self.live, lease)
         for tier, n in lease.hit_pages.items():
             self.seen[str(tier)] += n
+        device, host = lease.hit_pages["device"], lease.hit_pages["host"]
+        end = lease.cached_pages - 1  # a state slot is the state after the prefix's last page
+        tier = "device" if end < device else "host" if end < device + host else "storage"
+        states = [n for n in self.live.pools.pools if self.live.pool_kind(n) is PoolKind.STATE]
+        if end >= 0 and states:
+            self.seen[f"state_{tier}"] = self.seen.get(f"state_{tier}", 0) + 1
         assert bad == 0, f"{bad} restored units wrong (cached {lease.cached_pages} pages)"
 
     @precondition(lambda self: len(self.open) < 3)
@@ -382,10 +388,48 @@ class TokenEngine(RuleBasedStateMachine):
             shutil.rmtree(self.l3, ignore_errors=True)
 
 
-def run(kind: str, page: int, examples: int, steps: int = 50, derandomize: bool = True) -> dict[str, int]:
+class StateTiers(TokenEngine):
+    """The machine tuned so state checkpoints come back from host and L3 in most examples (the
+    plain draws restore them almost only from the device): every object admitted, a host tier
+    larger than a request (L3 writes go through it), small shared stems, a fresh request that
+    pushes the device's pages down before served requests are read again, the ``learned`` policy
+    and the ``timeout`` prefetch end."""
+
+    @initialize(
+        write=st.sampled_from(WRITES),
+        evict=st.sampled_from([None, "learned", "lru"]),
+        prefetch=st.sampled_from(["wait_complete", "timeout"]),
+        l3cap=st.sampled_from([0, 1500]),
+        recycle=st.booleans(),
+    )
+    def start(self, write, evict, prefetch, l3cap, recycle) -> None:  # type: ignore[override]
+        self.l3cap, self.recycle, self.io_threads = l3cap, recycle, 1
+        self.stems = [tok(7000 + i, 6 * self.page + 3) for i in range(3)]
+        self.args = (write, 14, evict, 2, 14, prefetch, False)
+        self.cache = self._open(*self.args, ("policy.load_back_threshold_tokens=0",))
+
+    @precondition(lambda self: not self.open)
+    @rule(
+        stem=st.integers(0, 2),
+        chunk=st.sampled_from([1, 3, 4, 8]),
+        seed=st.integers(0, 2**16),
+        picks=st.lists(st.tuples(st.integers(0, 99), st.integers(0, 9)), max_size=3),
+    )
+    def churn_and_reread(self, stem: int, chunk: int, seed: int, picks: list[tuple[int, int]]) -> None:
+        for request in ((stem, 99, 5, chunk, False, seed), (0, 0, 8 * self.page, 0, False, seed)):
+            self.open_request(*request)  # a stem in chunks (checkpoints), then a fresh request
+            while self.open:
+                self.advance(0)
+        for pick, cut in picks:
+            self.reread(pick, cut)
+
+
+def run(
+    kind: str, page: int, examples: int, steps: int = 50, derandomize: bool = True, base: type = TokenEngine
+) -> dict[str, int]:
     """Run the machine on one stack and page size; returns what it saw."""
     seen = dict.fromkeys(("device", "host", "storage", "forks", "intact"), 0)
-    machine = type(f"TokenEngine_{kind}_{page}", (TokenEngine,), {"kind": kind, "page": page, "seen": seen})
+    machine = type(f"{base.__name__}_{kind}_{page}", (base,), {"kind": kind, "page": page, "seen": seen})
     case = machine.TestCase("runTest")
     case.settings = settings(
         max_examples=examples,
@@ -408,6 +452,12 @@ KINDS = ("kv", "kv-mamba", "kv-swa", "mla-nsa-draft", "all", "logical-swa")
 def test_token_level_engine_loops_restore_exact_bytes(kind: str, page: int) -> None:
     seen = run(kind, page, examples=4, steps=40)
     assert seen["device"] + seen["host"] + seen["storage"] > 0, seen
+
+
+@pytest.mark.parametrize(("kind", "page"), [("kv-mamba", 4), ("all", 1)])
+def test_state_checkpoints_restored_from_host_and_l3_hold_exact_bytes(kind: str, page: int) -> None:
+    seen = run(kind, page, examples=15, steps=30, base=StateTiers)
+    assert seen.get("state_host", 0) and seen.get("state_storage", 0), seen
 
 
 @pytest.mark.slow
