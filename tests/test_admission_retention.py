@@ -544,6 +544,26 @@ def test_a_negative_priority_leaves_the_cached_prefix_it_shares_ordinary() -> No
         assert cache.tree.match(keys, count_hit=False).device_pages == 1, "the shared prompt went first"
 
 
+def test_a_negative_priority_leaves_a_host_prompt_it_computed_again_ordinary() -> None:
+    """The shared prompt was on the host only and not loaded back (below the load-back threshold
+    here; a full device under pressure): the scratch request computed it again and its insert
+    adopted the prompt's node, which then took the request's -1 as if the request had added it
+    (evict-first on both tiers)."""
+    overrides = ["tiers.storage={}", *SMALL, "policy.load_back_threshold_tokens=100000"]
+    with open_cache("kv", overrides=overrides) as cache:
+        system = tokens(1, 1)
+        serve(cache, system)
+        keys = list(page_keys(system, cache.page_size))
+        cache.writer.copy_to_host(cache.tree.match(keys, count_hit=False).path)
+        cache.tree.evict_device({cache.layout.anchor: 1 << 20})  # the prompt: host only
+        assert cache.tree.match(keys, count_hit=False).device_pages == 0
+        lease = serve_hinted(cache, torch.cat([system, tokens(2, 1)]), RetentionHint(priority=-1))
+        assert lease.cached_pages == 0, "the prompt was computed again, not loaded back"
+        level = cache.parts.retention.levels()
+        assert level is not None and level(lease.node) == -1, "the request's own page is marked"
+        assert level(cache.tree.match(keys, count_hit=False).path[-1]) == 0, "the shared prompt is not"
+
+
 def test_a_higher_shorter_ttl_does_not_end_a_lower_longer_one() -> None:
     """One timed level per node: a second hint with a higher priority and a shorter TTL replaced
     the first's, and once it lapsed the prefix was ordinary though the first TTL still ran."""

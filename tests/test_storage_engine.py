@@ -323,6 +323,44 @@ def test_an_object_of_another_layout_under_this_key_is_foreign_and_removed(
     backend.close()
 
 
+class CountingFileBackend(FileBackend):
+    """Counts its ``get`` calls."""
+
+    gets = 0
+
+    def get(self, objects: Sequence[StorageObject], check: object = None) -> list[int]:
+        self.gets += 1
+        return super().get(objects, check)  # type: ignore[arg-type]
+
+
+def test_a_reader_keeping_foreign_objects_reads_them_once_per_get(tmp_path: Path) -> None:
+    """The second read of a rejected object (``core/storage_reread.py``) is there to spare a
+    fresh object its removal; a reader that keeps foreign objects removes none, and read twice at
+    every get, another writer's objects doubled its reads for as long as they stayed."""
+    backend = CountingFileBackend("l3", FileConfig(path=tmp_path))
+    backend.open()
+    old_specs, new_specs = conformance_specs(), conformance_specs(dtype="bfloat16")
+    hashes = page_hashes(2, seed=37)
+    old_attn = KIT.engine(backend, old_specs, model_name="same")
+    assert all(old_attn.put("attn", hashes, KIT.pools(old_specs, 2, seed=37)["attn"].units(range(2))).ok)
+    engine = KIT.engine(backend, new_specs, model_name="same")
+    for old_keys, new_keys in zip(
+        old_attn.object_keys("attn", hashes), engine.object_keys("attn", hashes), strict=True
+    ):
+        for old_key, new_key in zip(old_keys, new_keys, strict=True):
+            backend.path_for(new_key).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(backend.path_for(old_key), backend.path_for(new_key))
+    engine.keep_foreign = True
+    target = KIT.pools(new_specs, 2, seed=None)
+    for _ in range(2):
+        backend.gets = 0
+        assert engine.get("attn", hashes, target["attn"].units(range(2))).ok == [False, False]
+        assert backend.gets == 1, "kept foreign objects are not read again"
+    assert engine.metrics.foreign_objects == 8 and engine.metrics.reread_cleared == 0
+    assert engine.metrics.foreign_removed == 0 and engine.exists("attn", hashes).ok == [True, True]
+    backend.close()
+
+
 # --- per-object put failures are failures (issue 15, defect 4) ---------------------------------------
 
 

@@ -2,8 +2,9 @@
 
 Every rank of a tensor/context-parallel group holds its own shard of each page, so a prefix is
 usable only if *every* rank holds it: the controller takes the MIN of its local lengths at fixed
-points (one call per point of each ``admit``), which all ranks reach in the same order because
-the engine drives them in lockstep, also when an ``admit`` raises on one of them. A single
+points of each ``admit`` (one call each; the device point repeats while the ranks' trees end
+the prefix at different pages), which all ranks reach in the same order because the engine
+drives them in lockstep, also when an ``admit`` raises on one of them. A single
 process needs no communication (:class:`LocalCollective`, the default); a ``torch.distributed``
 process group (gloo, CPU tensors) does it across processes.
 """

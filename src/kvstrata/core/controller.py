@@ -54,7 +54,7 @@ from kvstrata.core.builder import (
 )
 from kvstrata.core.collective import Collective, agreement_for
 from kvstrata.core.config import KvstrataConfig
-from kvstrata.core.lease import CacheFullError, Lease, require_lease
+from kvstrata.core.lease import CacheFullError, Lease, found_pages, require_lease
 from kvstrata.core.lease_units import (
     allocate_units,
     device_full,
@@ -320,7 +320,7 @@ class CacheController(UnitMemory, ClosingApi):
 
     def _retain(self, lease: Lease) -> None:
         if (hint := lease.retention) is not None and lease.node is not None:
-            lease.hold_pin(self.parts.retention.apply(lease.node, hint, lease.pin, lease.cached_pages))
+            lease.hold_pin(self.parts.retention.apply(lease.node, hint, lease.pin, found_pages(lease)))
 
     @exclusive
     def unpin(self, lease: Lease) -> None:

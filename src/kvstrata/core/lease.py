@@ -344,6 +344,13 @@ class Lease:
             raise RuntimeError("call cache.admit(lease) before reading its prefix")
 
 
+def found_pages(lease: Lease) -> int:
+    """Pages of ``lease`` some tier held before it ran: the device prefix it reuses and the host
+    and L3 pages its lookup and prefetch found, used or not (a host-only prompt it did not load
+    back and computed again is other requests' prefix all the same, not pages it added)."""
+    return max(lease.cached_pages, lease.host_pages + lease._storage_pages)
+
+
 def require_lease(lease: Lease, cache: object) -> None:
     """Refuse anything but a lease ``cache`` issued: another cache's units are not this one's
     (indexing them would hand them out twice and serve the other model's bytes)."""

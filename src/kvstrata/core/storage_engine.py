@@ -317,8 +317,9 @@ class StorageEngine(BackendCalls):
             self._count(get_units=count, get_misses=count)
             return BatchResult([False] * count, error, failed=count, transient=True)
         # a rejected object is read once more before it counts or is removed (see storage_reread)
+        kept = FOREIGN if self.keep_foreign else ()  # (not removed: not read again either)
         good, rejected, cleared = verify_read(
-            batch, read, self.checksum, checks, lambda b: self._read(pool, b)
+            batch, read, self.checksum, checks, lambda b: self._read(pool, b), kept
         )
         ok = batch.per_unit(good)
         if staging is not None:

@@ -14,12 +14,14 @@ between it and the removal is still removed.
 
 Cost: nothing on the normal path (nothing rejected); one more read of each rejected object,
 once, in one backend call (a store full of another layout's objects reads each of them twice
-before removing it).
+before removing it). Objects of a verdict the reader keeps (``keep``: a reader that keeps
+foreign objects) are not read again: nothing removes them, and read twice at every get they
+doubled that reader's reads of another writer's objects for as long as they stayed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from kvstrata.core.integrity import ChecksumPolicy, Verdict
 from kvstrata.core.storage_batch import ObjectBatch, ReadChecks, verify_batch
@@ -30,26 +32,41 @@ Reader = Callable[[ObjectBatch], tuple[list[int] | None, str | None, ReadChecks 
 
 
 def verify_read(
-    batch: ObjectBatch, read: list[int], checksum: ChecksumPolicy, checks: ReadChecks | None, reread: Reader
+    batch: ObjectBatch,
+    read: list[int],
+    checksum: ChecksumPolicy,
+    checks: ReadChecks | None,
+    reread: Reader,
+    keep: Container[Verdict] = (),
 ) -> tuple[list[bool], dict[Verdict, list[str]], int]:
     """:func:`~kvstrata.core.storage_batch.verify_batch`, with the rejected objects read again
-    (``reread``) and verified once more: per object whether it is good, the keys rejected both
-    times by their second verdict, and how many first rejections the second read cleared (a hit
-    or a miss). ``read`` is updated in place with the second read's byte counts."""
+        (``reread``) and verified once more: per object whether it is good, the keys rejected both
+        times by their second verdict, and how many first rejections the second read cleared (a hit
+        or a miss); those of a verdict in ``keep`` keep their first one, unread. ``read`` is updated in
+    place with the second read's byte counts."""
     good, rejected = verify_batch(batch, read, checksum, checks)
-    if not rejected:
+    kept = {verdict: keys for verdict, keys in rejected.items() if verdict in keep}
+    if len(kept) == len(rejected):  # (nothing rejected, or nothing that would be removed)
         return good, rejected, 0
-    rows = [row for row, (ok, nbytes) in enumerate(zip(good, read, strict=True)) if not ok and nbytes >= 0]
+    skip = {key for keys in kept.values() for key in keys}
+    rows = [
+        row
+        for row, (ok, nbytes) in enumerate(zip(good, read, strict=True))
+        if not ok and nbytes >= 0 and batch.objects[row].key not in skip
+    ]
     again = _subset(batch, rows)
     second, _error, second_checks = reread(again)
     if second is None:  # the backend failed this time: the first verdicts stand
         return good, rejected, 0
     again.headers[...] = batch.headers[rows]  # the headers as read again (into the batch's rows)
-    second_good, rejected = verify_batch(again, second, checksum, second_checks)
+    second_good, again_rejected = verify_batch(again, second, checksum, second_checks)
     for position, row in enumerate(rows):
         read[row] = second[position]
         good[row] = second_good[position]
-    return good, rejected, len(rows) - sum(len(keys) for keys in rejected.values())
+    cleared = len(rows) - sum(len(keys) for keys in again_rejected.values())
+    for verdict, keys in kept.items():
+        again_rejected.setdefault(verdict, []).extend(keys)
+    return good, again_rejected, cleared
 
 
 def _subset(batch: ObjectBatch, rows: Sequence[int]) -> ObjectBatch:
