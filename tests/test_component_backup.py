@@ -150,3 +150,42 @@ def test_write_back_writes_the_window_at_a_branch_point_inside_a_backed_up_node(
                 serve(cache, tokens(100 + 20 * i + j, 4))
         cache.flush()
     _restores_from_l3("swa", tmp_path, torch.cat([system, tokens(90, 2)]), 4)
+
+
+def _prefill_page_by_page(cache, request: torch.Tensor) -> None:
+    """A chunked prefill of one page per chunk: a checkpoint at every page, one lease."""
+    lease = cache.lookup(request[:PAGE])
+    cache.admit(lease)
+    for end in range(1, len(request) // PAGE + 1):
+        if end > 1:
+            lease.extend(request[(end - 1) * PAGE : end * PAGE])
+        units = cache.allocate(lease)
+        cache.fork_state(lease)
+        fill(cache, lease, units)
+        cache.insert(lease, close=end == len(request) // PAGE)
+
+
+@pytest.mark.parametrize("batch", [1, 64], ids=["batch1", "batch64"])
+def test_write_through_writes_every_checkpoint_with_fewer_host_state_slots_than_checkpoints(
+    batch: int, tmp_path: Path
+) -> None:
+    """3 host state slots, a prompt prefilled page by page (8 checkpoints). The first 3 nodes'
+    host copies kept every slot while they stayed on the device (a state pool's host copies of
+    device checkpoints could not go), so checkpoints 4-8 -- and the next request's whole node --
+    were skipped, reached neither host nor L3, and were lost with the device copies: a fresh
+    cache restored 3 of the prompt's 8 pages. In one batch (``batch64``) the units the batch had
+    taken held the room itself: it now goes in rounds, each waiting for the last one's write."""
+    slots = [*WAIT, "model.pools.mamba.host_units=3", f"policy.write_through_batch_pages={batch}"]
+    prompt, other = tokens(91, 8), tokens(92, 8)
+    with open_cache("hybrid-mamba", tmp_path, slots) as cache:
+        _prefill_page_by_page(cache, prompt)
+        _, bad = serve(cache, other)  # one node, one checkpoint: backed up beside the prompt's
+        assert bad == 0
+        for seed in (93, 94):  # the prompt leaves the device
+            assert serve(cache, tokens(seed, 8))[1] == 0
+        cache.flush()
+        assert cache.metrics.snapshot(samples=False)["operations"]["backups_skipped"] == 0
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+    for k in (4, 8):
+        _restores_from_l3("hybrid-mamba", tmp_path, torch.cat([prompt[: k * PAGE], tokens(95, 1)]), k)
+    _restores_from_l3("hybrid-mamba", tmp_path, other, 8)

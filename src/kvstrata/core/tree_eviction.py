@@ -11,24 +11,22 @@ The candidates of a pool in a tier are the tree's membership set for it (the nod
 pool's units there); the evictor ranks the ones that may leave and takes the lowest first. What
 else an order declares (``capabilities``) the evictor honours here, off the per-page path:
 
-- ``events``: the order hears ``accessed`` (one call per matched request path), ``inserted``
-  (the nodes an insert created in its tier, or a load-back or backup brought there), ``split``
-  and ``removed`` (after each eviction);
-- ``chain_aware``: a chosen leaf longer than what is still needed is trimmed -- its tail pages
-  go, its head stays -- on stacks without node-state pools (a trimmed head has no state).
+- ``events``: the order hears ``accessed`` (one call per matched request path), ``inserted`` (the nodes an
+  insert created in its tier, or a load-back or backup brought there), ``split``, ``removed`` (per eviction);
+- ``chain_aware``: a chosen leaf longer than what is still needed is trimmed -- its tail pages go, its head
+  stays -- on stacks without node-state pools (a trimmed head has no state).
 
-Window (trailing_pages) pools have a class of their own that leaves first: window data outside
-the last window of every prefix the tier holds (:func:`window_tail`), tombstoned before anything
-a cached prefix needs; a window pool makes room after the anchor, whose leaves free its units too.
-On the device a window lock (a request's, a pin's) holds only its last window: the older part of
-a node it reaches into is such data too (the node is split where the lock's window starts); one
-an unlocked end still needs goes after every unlocked node, so what :func:`room_by_evicting`
-counts is freed. A host lock may be an L3 write's source, which reads the whole node: it holds
-the node whole.
+Window (trailing_pages) pools have a class of their own that leaves first: window data outside the last window
+of every prefix the tier holds (:func:`window_tail`), tombstoned before anything a cached prefix needs; a
+window pool makes room after the anchor, whose leaves free its units too. On the device a window lock (a
+request's, a pin's) holds only its last window: the older part of a node it reaches into is such data too (the
+node is split where the lock's window starts); one an unlocked end still needs goes after every unlocked node,
+so what :func:`room_by_evicting` counts is freed. A host lock may be an L3 write's source (it reads the whole
+node): it holds the node whole. Host copies of what stays on the device go last (:func:`_drop_copies`,
+:mod:`kvstrata.core.state_copies`).
 
-Retention hints (:mod:`kvstrata.core.retention`) rank above the order: a node with a higher
-retention level leaves only after every node of a lower one. The tree never frees memory: it
-reports what it dropped and the owner frees it.
+Retention hints (:mod:`kvstrata.core.retention`) rank above the order: a node with a higher retention level
+leaves only after every node of a lower one. The tree never frees memory: the owner frees what it dropped.
 """
 
 from __future__ import annotations
@@ -42,6 +40,7 @@ import torch
 from kvstrata.core.component_index import ComponentIndex
 from kvstrata.core.lru_heap import LruHeaps
 from kvstrata.core.policy_events import GuardedEvents
+from kvstrata.core.state_copies import drop_state_copies
 from kvstrata.core.tree_node import (
     _DEVICE,
     _HOST,
@@ -309,10 +308,9 @@ class TreeEvictor:
 
     # ------------------------------------------------------------------ per pool kind
     def _evict_anchor(self, tier: Tier, want: int, result: EvictionResult) -> None:
-        """Drop whole leaves of the tier, lowest rank first; a parent left without children in
-        the tier becomes a candidate in turn. A chain-aware order trims the last leaf it needs
-        to the pages still wanted. The LRU order's candidates are kept (``core/lru_heap.py``):
-        ranking the whole tier at every eviction cost O(tier) per allocation."""
+        """Drop whole leaves of the tier, lowest rank first; a parent left without children in the tier
+        becomes a candidate in turn. A chain-aware order trims the last leaf it needs to the pages still
+        wanted. The LRU order's candidates are kept (``core/lru_heap.py``): ranking them all cost O(tier)."""
         name = self.pools[0].name
         kept = self.heaps.of(tier) if type(self.orders[tier]) is LruOrder and self._level is None else None
         if kept is not None:
@@ -376,10 +374,9 @@ class TreeEvictor:
             result.out_of_window[name] = result.out_of_window.get(name, 0) + value.shape[0]
 
     def _evict_component(self, tier: Tier, p: int, want: int, result: EvictionResult) -> None:
-        """Drop one component's units, lowest rank first: a whole node where it may leave the
-        tier (its pages are useless without the component), else a tombstone. Then a device
-        window pool tombstones locked nodes' heads above every lock's window, which
-        ``room_by_evicting`` counts as room (no lock needs them; an unlocked end may)."""
+        """Drop one component's units, lowest rank first: a whole node where it may leave the tier (its
+        pages are useless without the component), else a tombstone. Then a device window pool tombstones
+        locked nodes' heads above every lock window (no lock needs them; ``room_by_evicting`` counts them)"""
         name = self.pools[p].name
         dev = tier is _DEVICE
         for heads in (False, True) if dev and self._window[p] else (False,):
@@ -398,6 +395,8 @@ class TreeEvictor:
                 result._add_raw(name, value)
                 self._set(node, tier, p, None)
                 result.tombstoned += 1
+        if not dev and not self.keep_copies and p in self._stateful:  # then host copies of device states
+            drop_state_copies(self._members[_HOST][p], self._set, p, name, want, result)
 
 
 def _drop_copies(evictor: TreeEvictor, want: int, result: EvictionResult) -> None:

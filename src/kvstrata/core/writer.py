@@ -154,67 +154,44 @@ class Writer:
     def back_up(
         self, nodes: Iterable[TreeNode], *, hashes: PageHashes | None = None, admit: bool = False
     ) -> None:
-        """:meth:`copy_to_host`, then queue the L3 write of what was copied."""
-        todo = self.copy_to_host(nodes, admit=admit)
-        if todo and self.engine is not None:
-            self._queue_write(todo, hashes)
+        """:meth:`copy_to_host`, then queue the L3 write of what was copied. With an L3, in rounds
+        where the batch's own host units fill a pool (a chunked prompt's checkpoints, more than
+        the host tier has state slots): each round's write frees the units the next waits for."""
+        rest: list[TreeNode] | None = list(nodes)
+        while rest:
+            todo, rest = self._copy_round(rest, admit, rounds=self.engine is not None)
+            admit = False  # (the rest was admitted with the first round)
+            if todo and self.engine is not None:
+                self._queue_write(todo, hashes)
 
     def copy_to_host(self, nodes: Iterable[TreeNode], *, admit: bool = False) -> list[TreeNode]:
         """Copy device-only nodes to host, root first, stopping at the first that does not fit,
         whose parent has no backup (backups stay a contiguous prefix) or, with ``admit``, that the
         host admission filter refuses. Returns the nodes copied."""
+        return self._copy_round(nodes, admit)[0]
+
+    def _copy_round(
+        self, nodes: Iterable[TreeNode], admit: bool, *, rounds: bool = False
+    ) -> tuple[list[TreeNode], list[TreeNode] | None]:
+        """:meth:`copy_to_host`; with ``rounds``, also the candidates left for a next round
+        where those copied hold the room they need (None: no next round)."""
         if not self.pools.host_enabled:
-            return []
+            return [], None
         candidates, refused = backup_candidates(
             self.tree,
             nodes,
             contiguous=self.policy.write != "write_back",
             admit=self.host_admission.admit if admit else None,
         )
-        todo, device, host = self._host_units(candidates)
-        if refused and len(todo) == len(candidates):
+        todo, device, host, stalled = _host_units(self, candidates, rounds)
+        if refused and (len(todo) == len(candidates) or stalled):
             self.metrics.count(Operation.HOST_REJECTED, refused)
         if not todo:
-            return []
+            return [], None
         # every page entering the host tier (the filter's or not: write-back, a refill's prefix)
         self.metrics.count(Operation.HOST_ADMITTED, len(device[self.layout.anchor]) // UNIT)
         self._copy_down(todo, device, host)
-        return todo
-
-    def _host_units(self, candidates: list[TreeNode]) -> tuple[list[TreeNode], Raw, Raw]:
-        """Host units for the leading candidates: the nodes, and per tree pool their device units
-        and the host units, both in node order as int64 bytes. All at once from free units, else
-        a node at a time (evicting, or waiting for L3 writes), stopping at the first that does
-        not fit."""
-        if not candidates:
-            return [], {}, {}
-        index = self.tree.index  # the tree pools, anchor first
-        device = device_units(candidates, index)
-        if len(candidates) > 1:
-            needs = {name: len(units) // UNIT for name, units in device.items()}
-            got = self.units.try_alloc(Tier.HOST, needs, arrays=True)
-            if got is not None:  # never evicts
-                return candidates, device, {name: units.tobytes() for name, units in got.items()}
-        todo: list[TreeNode] = []
-        allocated: list[Units] = []
-        for node in candidates:
-            needs = unit_counts(node, index)
-            try:
-                got = self.units.alloc_protecting(node, Tier.HOST, needs)
-                if got is None and self.pending:
-                    got = _wait_for_room(self, node, needs)
-            except BaseException:  # the units taken for earlier nodes are no one's yet
-                for taken in allocated:
-                    self.units.free(Tier.HOST, taken)
-                raise
-            if got is None:  # the host tier is full of pages other requests hold
-                self.metrics.count(Operation.BACKUPS_SKIPPED)
-                break
-            todo.append(node)
-            allocated.append(got)
-        if len(todo) < len(candidates):
-            device = device_units(todo, index)
-        return todo, device, joined(allocated)
+        return todo, candidates[len(todo) :] if stalled else None
 
     def _copy_down(self, nodes: Sequence[TreeNode], devices: Raw, hosts: Raw) -> None:
         """Device -> host copies of ``nodes`` (per pool, their device units in order) into
@@ -364,6 +341,50 @@ class Writer:
     def shutdown(self, wait: bool = True) -> None:
         """Stop the writer thread; ``wait=False`` cancels queued writes and returns at once."""
         self._thread.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def _host_units(
+    writer: Writer, candidates: list[TreeNode], rounds: bool
+) -> tuple[list[TreeNode], Raw, Raw, bool]:
+    """Host units for the leading candidates: the nodes, per tree pool their device units and
+    the host units, both in node order as int64 bytes, and whether it stalled. All at once
+    from free units, else a node at a time (evicting, or waiting for L3 writes), stopping at
+    the first that does not fit; with ``rounds``, where the units taken for earlier candidates
+    hold the room it needs (stalled: no eviction can take units no node holds yet, and no
+    write in flight frees them)."""
+    if not candidates:
+        return [], {}, {}, False
+    index = writer.tree.index  # the tree pools, anchor first
+    device = device_units(candidates, index)
+    if len(candidates) > 1:
+        needs = {name: len(units) // UNIT for name, units in device.items()}
+        got = writer.units.try_alloc(Tier.HOST, needs, arrays=True)
+        if got is not None:  # never evicts
+            return candidates, device, {name: units.tobytes() for name, units in got.items()}, False
+    todo: list[TreeNode] = []
+    allocated: list[Units] = []
+    stalled = False
+    for node in candidates:
+        needs = unit_counts(node, index)
+        try:
+            got = writer.units.alloc_protecting(node, Tier.HOST, needs)
+            if got is None and rounds and allocated:
+                stalled = True
+                break
+            if got is None and writer.pending:
+                got = _wait_for_room(writer, node, needs)
+        except BaseException:  # the units taken for earlier nodes are no one's yet
+            for taken in allocated:
+                writer.units.free(Tier.HOST, taken)
+            raise
+        if got is None:  # the host tier is full of pages other requests hold
+            writer.metrics.count(Operation.BACKUPS_SKIPPED)
+            break
+        todo.append(node)
+        allocated.append(got)
+    if len(todo) < len(candidates):
+        device = device_units(todo, index)
+    return todo, device, joined(allocated), stalled
 
 
 def _wait_for_room(writer: Writer, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None:
