@@ -271,6 +271,25 @@ def test_a_layout_change_gets_its_own_keys_and_leaves_the_other_layouts_objects_
     backend.close()
 
 
+def foreign_objects_under_our_keys(backend: FileBackend, seed: int) -> tuple[StorageEngine, list, list[str]]:
+    """Opens ``backend``; two pages of "attn" stored in one layout (float32), each object copied
+    under the key the same model gives it in another (bfloat16): (the bfloat16 engine, its
+    specs, the page hashes). What reaches the header check as foreign."""
+    backend.open()
+    old_specs, new_specs = conformance_specs(), conformance_specs(dtype="bfloat16")
+    hashes = page_hashes(2, seed=seed)
+    old_attn = KIT.engine(backend, old_specs, model_name="same")
+    assert all(old_attn.put("attn", hashes, KIT.pools(old_specs, 2, seed=seed)["attn"].units(range(2))).ok)
+    engine = KIT.engine(backend, new_specs, model_name="same")
+    for old_keys, new_keys in zip(
+        old_attn.object_keys("attn", hashes), engine.object_keys("attn", hashes), strict=True
+    ):
+        for old_key, new_key in zip(old_keys, new_keys, strict=True):
+            backend.path_for(new_key).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(backend.path_for(old_key), backend.path_for(new_key))
+    return engine, new_specs, hashes
+
+
 @pytest.mark.parametrize("keep_foreign", [False, True], ids=["removed", "kept-by-a-reader"])
 def test_an_object_of_another_layout_under_this_key_is_foreign_and_removed(
     tmp_path: Path, keep_foreign: bool
@@ -280,18 +299,7 @@ def test_an_object_of_another_layout_under_this_key_is_foreign_and_removed(
     objects (a read-only reader of a shared store: they are another writer's), which misses
     them and leaves them, while a damaged object is removed either way."""
     backend = FileBackend("l3", FileConfig(path=tmp_path))
-    backend.open()
-    old_specs, new_specs = conformance_specs(), conformance_specs(dtype="bfloat16")
-    hashes = page_hashes(2, seed=34)
-    old_attn = KIT.engine(backend, old_specs, model_name="same")
-    assert all(old_attn.put("attn", hashes, KIT.pools(old_specs, 2, seed=34)["attn"].units(range(2))).ok)
-    engine = KIT.engine(backend, new_specs, model_name="same")
-    for old_keys, new_keys in zip(
-        old_attn.object_keys("attn", hashes), engine.object_keys("attn", hashes), strict=True
-    ):
-        for old_key, new_key in zip(old_keys, new_keys, strict=True):
-            backend.path_for(new_key).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(backend.path_for(old_key), backend.path_for(new_key))
+    engine, new_specs, hashes = foreign_objects_under_our_keys(backend, seed=34)
     target = KIT.pools(new_specs, 2, seed=None)
     engine.keep_foreign = keep_foreign
     assert engine.get("attn", hashes, target["attn"].units(range(2))).ok == [False, False]
@@ -338,18 +346,7 @@ def test_a_reader_keeping_foreign_objects_reads_them_once_per_get(tmp_path: Path
     fresh object its removal; a reader that keeps foreign objects removes none, and read twice at
     every get, another writer's objects doubled its reads for as long as they stayed."""
     backend = CountingFileBackend("l3", FileConfig(path=tmp_path))
-    backend.open()
-    old_specs, new_specs = conformance_specs(), conformance_specs(dtype="bfloat16")
-    hashes = page_hashes(2, seed=37)
-    old_attn = KIT.engine(backend, old_specs, model_name="same")
-    assert all(old_attn.put("attn", hashes, KIT.pools(old_specs, 2, seed=37)["attn"].units(range(2))).ok)
-    engine = KIT.engine(backend, new_specs, model_name="same")
-    for old_keys, new_keys in zip(
-        old_attn.object_keys("attn", hashes), engine.object_keys("attn", hashes), strict=True
-    ):
-        for old_key, new_key in zip(old_keys, new_keys, strict=True):
-            backend.path_for(new_key).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(backend.path_for(old_key), backend.path_for(new_key))
+    engine, new_specs, hashes = foreign_objects_under_our_keys(backend, seed=37)
     engine.keep_foreign = True
     target = KIT.pools(new_specs, 2, seed=None)
     for _ in range(2):
