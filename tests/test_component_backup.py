@@ -189,3 +189,24 @@ def test_write_through_writes_every_checkpoint_with_fewer_host_state_slots_than_
     for k in (4, 8):
         _restores_from_l3("hybrid-mamba", tmp_path, torch.cat([prompt[: k * PAGE], tokens(95, 1)]), k)
     _restores_from_l3("hybrid-mamba", tmp_path, other, 8)
+
+
+def test_write_back_writes_every_checkpoint_an_eviction_drops_with_3_host_state_slots(tmp_path: Path) -> None:
+    """Write-back, 3 host state slots, a prompt prefilled page by page (8 checkpoints) that the
+    next requests evict. The eviction backed up what the free slots took and skipped the rest
+    (the host keeps a state copy while the device holds its node, and the batch's own copies
+    were not the tree's yet): the device dropped the skipped nodes unbacked, and a fresh cache
+    restored 4 of the 8 pages. The backups now go in rounds, each written to L3 before its
+    shallowest state copies give their host slots to the next."""
+    slots = [*WAIT, "policy.write=write_back", "model.pools.mamba.host_units=3"]
+    prompt = tokens(96, 8)
+    with open_cache("hybrid-mamba", tmp_path, slots) as cache:
+        _prefill_page_by_page(cache, prompt)
+        for seed in (97, 98):  # the prompt leaves the device
+            assert serve(cache, tokens(seed, 8))[1] == 0
+        cache.flush()
+        assert cache.metrics.snapshot(samples=False)["operations"]["backups_skipped"] == 0
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+        assert cache.tree.units("mamba", "host") == 3
+    for k in (4, 8):
+        _restores_from_l3("hybrid-mamba", tmp_path, torch.cat([prompt[: k * PAGE], tokens(99, 1)]), k)

@@ -137,11 +137,12 @@ def back_up_hot(writer: EndWriter, hot: Sequence[TreeNode], hashes: PageHashes, 
     writer.back_up(hot, hashes=hashes, admit=admit)
 
 
-def back_up_gained(writer: EndWriter) -> None:
+def back_up_gained(writer: EndWriter, skip: Container[TreeNode] = ()) -> None:
     """Write-back, before an eviction: the components nodes gained after their backup (see
     :func:`~kvstrata.core.write_back.gained_components`) to the host and L3, and the window
-    ending at such a node (a prefix end inside the node L3 got it with) to L3."""
-    gained = gained_components(writer.tree, writer.layout)
+    ending at such a node (a prefix end inside the node L3 got it with) to L3. ``skip``: nodes
+    whose host state copy this eviction's backups gave to a deeper node (L3 holds it)."""
+    gained = [n for n in gained_components(writer.tree, writer.layout) if n not in skip]
     if not gained:
         return
     back_up_components(writer, gained, None)

@@ -27,11 +27,11 @@ from kvstrata.core.admission import make_admission
 from kvstrata.core.backup_plan import Raw, Units, backup_candidates, device_units, joined, unit_counts
 from kvstrata.core.component_backup import (
     back_up_components,
-    back_up_gained,
     back_up_hot,
     lookup_end_to_l3,
     window_end_to_l3,
 )
+from kvstrata.core.eviction_rounds import back_up_for_eviction
 from kvstrata.core.l3_touch import HitTouch
 from kvstrata.core.l3_values import (
     PageHashes,
@@ -55,8 +55,6 @@ from kvstrata.core.write_back import (
     RetryWrites,
     StoredWindowEnds,
     count_refused_writes,
-    device_only_ancestors,
-    eviction_backups,
     host_locks,
     unbacked_above,
     wait_writes,
@@ -221,13 +219,9 @@ class Writer:
         :func:`~kvstrata.core.write_back.eviction_backups`) and, with an L3, their device-only
         ancestors: what L3 holds is found only below its prefix (a hot shared prefix never left
         the device, and after close no page written below it was found). A node goes to L3 only
-        with its whole prefix backed up (where the host tier cannot hold both, L2 until then)."""
-        with self.units.keeping_copies():  # the other device pages' host copies let them leave
-            nodes = self.copy_to_host(eviction_backups(self.tree, self.layout, shortfall))  # first
-            if self.engine is not None and nodes:
-                above = self.copy_to_host(device_only_ancestors(self.tree, nodes))
-                self._queue_write(self.waits.ready(above + nodes), None)  # (and what waited for them)
-            back_up_gained(self)  # and components nodes backed up earlier gained since
+        with its whole prefix backed up (where the host tier cannot hold both, L2 until then).
+        In rounds where host state slots run out (:mod:`~kvstrata.core.eviction_rounds`)."""
+        back_up_for_eviction(self, shortfall)
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
 

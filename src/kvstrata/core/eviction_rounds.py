@@ -1,0 +1,85 @@
+"""Write-back's backups ahead of a device eviction, in rounds where the host tier has fewer
+state slots than the eviction's checkpoints.
+
+An eviction of a chunked prompt's nodes backs up a checkpoint per node. With few host state
+slots (``model.pools.<mamba>.host_units: 3``) the batch took what was free and skipped the rest:
+the host keeps a node's state copy while the device holds the node (the drop pass of
+:mod:`kvstrata.core.state_copies` does not run while write-back backs up, whose other nodes'
+copies let them leave), and the copies the batch had just taken were not in the tree yet. The
+device then dropped the skipped nodes unbacked: checkpoints 5-8 of 8 reached neither the host
+tier nor L3. With an L3, the backups now go in rounds: each round is written, and once L3 has
+stored it the state copies of its shallowest nodes, which stay on the device until this
+eviction drops them, give their host slots to the next round (L3 holds them; the last round's,
+the deepest checkpoints, stay on the host). Without an L3 a dropped copy would be lost: one
+batch, as before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from kvstrata.core.backup_plan import unit_counts
+from kvstrata.core.component_backup import back_up_gained
+from kvstrata.core.stack import PoolKind
+from kvstrata.core.tree import Tier, TreeNode
+from kvstrata.core.write_back import PendingWrite, device_only_ancestors, eviction_backups, wait_writes
+
+if TYPE_CHECKING:
+    from kvstrata.core.writer import Writer
+
+
+def back_up_for_eviction(writer: Writer, shortfall: Mapping[str, int]) -> None:
+    """See :meth:`~kvstrata.core.writer.Writer.back_up_for_eviction`; in rounds with an L3."""
+    with writer.units.keeping_copies():  # the other device pages' host copies let them leave
+        rest: list[TreeNode] | None = eviction_backups(writer.tree, writer.layout, shortfall)
+        handed: set[TreeNode] = set()  # state copies given to a later round
+        while rest:
+            nodes, rest = writer._copy_round(rest, False, rounds=writer.engine is not None)
+            if writer.engine is None or not nodes:
+                break
+            above = writer.copy_to_host(device_only_ancestors(writer.tree, nodes))  # first
+            before = writer.pending[-1] if writer.pending else None
+            writer._queue_write(writer.waits.ready(above + nodes), None)  # (and what waited for them)
+            write = writer.pending[-1] if writer.pending else None
+            if rest and write is not None and write is not before:
+                handed.update(_hand_on_states(writer, write, rest))
+        back_up_gained(writer, skip=handed)  # and components nodes backed up earlier gained since
+
+
+def _hand_on_states(writer: Writer, write: PendingWrite, rest: Sequence[TreeNode]) -> list[TreeNode]:
+    """Wait for ``write`` (up to ``policy.backup_wait_s`` and a flush's deadline) and, where L3
+    stored all of it, drop the host state copies of its nodes that the device still holds,
+    shallowest first, until each state pool has the free host slots ``rest`` needs. Returns the
+    nodes whose copy went (their checkpoint: on the device, and in L3)."""
+    deadline = time.monotonic() + writer.policy.backup_wait_s
+    if writer.room_deadline is not None:
+        deadline = min(deadline, writer.room_deadline)
+    wait_writes(writer.pending, deadline)  # (one thread writes them in order: ``write`` is last)
+    if not write.future.done() or write.future.cancelled() or write.future.exception() is not None:
+        return []
+    results = write.future.result()
+    if not results or not all(all(r.ok) for r in results.values()):
+        return []  # (not stored: the next round skips, as one batch did)
+    writer.drain()  # (unlocks the write's host sources)
+    tree, units = writer.tree, writer.units
+    dropped: list[TreeNode] = []
+    for name, p in tree.index.items():
+        if writer.layout.tree_pools[name].kind is not PoolKind.STATE or name not in results:
+            continue
+        allocator = units.allocator(name, Tier.HOST)
+        if allocator is None:
+            continue
+        need = sum(unit_counts(node, {name: p})[name] for node in rest) - allocator.available
+        for node in sorted(write.nodes, key=lambda n: n.depth_end):
+            if need <= 0:
+                break
+            if node.host_raw[p] is not None and node.device_raw[p] is not None and not node.host_lock[p]:
+                freed = tree.drop_component(node, name, Tier.HOST)
+                units.free(Tier.HOST, {name: freed})
+                need -= freed.shape[0]
+                dropped.append(node)
+                units.on_eviction(Tier.HOST.value, name, freed.shape[0])
+                writer.metrics.evicted(Tier.HOST.value, {name: freed.shape[0]})
+    return dropped
