@@ -579,3 +579,25 @@ def test_a_higher_shorter_ttl_does_not_end_a_lower_longer_one() -> None:
         now[0] = 101.0
         _stream(cache, 200, 2)
         assert cache.tree.match(keys, count_hit=False).device_pages == 0, "ordinary after both TTLs"
+
+
+def test_lapsed_ttls_leave_evictions_unranked() -> None:
+    """Once every TTL set has run out, no node has a level: evictions (and write-back's backups
+    ahead of them) take the kept LRU candidates again. The lapsed entries stayed until the size
+    sweep at 4,096, and each eviction ranked its whole tier meanwhile."""
+    now = [0.0]
+    with device_only_cache(now) as cache:
+        retention = cache.parts.retention
+        serve_hinted(cache, tokens(1, 2), RetentionHint(ttl_s=60))
+        serve_hinted(cache, tokens(2, 2), RetentionHint(priority=2, ttl_s=30))
+        now[0] = 45.0
+        assert retention.levels() is not None  # the 60 s one still holds
+        now[0] = 61.0
+        assert retention.levels() is None and not retention.active
+        _stream(cache, 300, 3)  # (evicts: nothing ranks the tier)
+        serve_hinted(cache, tokens(3, 2), RetentionHint(priority=1))  # a permanent level stays
+        serve_hinted(cache, tokens(4, 2), RetentionHint(ttl_s=10))
+        now[0] = 100.0
+        level = retention.levels()
+        assert level is not None and retention.active
+        assert len(retention._levels) == 1  # (the permanent one's node)

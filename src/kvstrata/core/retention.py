@@ -106,6 +106,8 @@ class Retention:
         self._pin_counts: dict[TreeNode, int] = {}
         self.pinned_pages = 0
         self._sweep_at = _SWEEP_AT  # size of ``_levels`` that starts the next sweep
+        #: the last deadline of a timed level set, and the one the last lapse sweep passed
+        self._lapse_at = self._lapsed_at = -math.inf
 
     # --- what the evictor reads ------------------------------------------------------------
 
@@ -118,6 +120,8 @@ class Retention:
         pins whose TTL passed (an eviction is starting)."""
         now = self.clock()
         self._expire_pins(now)
+        if self._lapsed_at < self._lapse_at <= now:
+            self._sweep_lapsed()
         if not self._levels:
             return None
         levels = self._levels
@@ -127,6 +131,19 @@ class Retention:
             return 0 if entry is None else _level_at(entry, now)
 
         return level
+
+    def _sweep_lapsed(self) -> None:
+        """Every timed level set has lapsed: drop them (once per such moment, O(levels)). Until
+        the size sweep of ``_set_levels`` (4,096 entries) they kept ``levels()`` live after a
+        few TTLs ran out, and every eviction ranked its whole tier for levels all 0."""
+        self._lapsed_at = self._lapse_at
+        levels = self._levels
+        for node, (permanent, steps) in list(levels.items()):
+            if steps:
+                if permanent is None:
+                    del levels[node]
+                else:
+                    levels[node] = (permanent, ())
 
     def expire(self) -> None:
         """Release the pins whose TTL passed, before the allocator asks whether evicting could
@@ -179,6 +196,8 @@ class Retention:
             for stale in [n for n, (p, steps) in levels.items() if p is None and not _live(steps, now)]:
                 del levels[stale]
             self._sweep_at = max(_SWEEP_AT, 2 * len(levels))
+        if deadline is not None:
+            self._lapse_at = max(self._lapse_at, deadline)
         cur: TreeNode | None = node
         while cur is not None and cur is not self.tree.root and cur.depth_start >= start:
             permanent, steps = levels.get(cur, (None, ()))
