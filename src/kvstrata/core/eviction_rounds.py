@@ -17,17 +17,48 @@ batch, as before.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 from kvstrata.core.backup_plan import unit_counts
-from kvstrata.core.component_backup import back_up_gained
+from kvstrata.core.component_backup import EndWriter, back_up_gained
+from kvstrata.core.config import PolicyConfig
+from kvstrata.core.l3_values import PageHashes
+from kvstrata.core.metrics import CacheMetrics
 from kvstrata.core.stack import PoolKind
+from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import Tier, TreeNode
-from kvstrata.core.write_back import PendingWrite, device_only_ancestors, eviction_backups, wait_writes
+from kvstrata.core.write_back import (
+    PendingWrite,
+    PrefixWaits,
+    device_only_ancestors,
+    eviction_backups,
+    wait_writes,
+)
 
-if TYPE_CHECKING:
-    from kvstrata.core.writer import Writer
+
+class Writer(EndWriter, Protocol):
+    """What the rounds use of :class:`~kvstrata.core.writer.Writer` (which imports them)."""
+
+    units: TierUnits
+    metrics: CacheMetrics
+    policy: PolicyConfig
+    pending: deque[PendingWrite]
+    waits: PrefixWaits
+    room_deadline: float | None
+
+    def _copy_round(
+        self, nodes: Iterable[TreeNode], admit: bool, *, rounds: bool = False
+    ) -> tuple[list[TreeNode], list[TreeNode] | None]: ...
+
+    def copy_to_host(self, nodes: Iterable[TreeNode], *, admit: bool = False) -> list[TreeNode]: ...
+
+    def _queue_write(
+        self, nodes: Sequence[TreeNode], hashes: PageHashes | None, *, admitted: bool | None = False
+    ) -> None: ...
+
+    def drain(self) -> bool: ...
 
 
 def back_up_for_eviction(writer: Writer, shortfall: Mapping[str, int]) -> None:
