@@ -135,9 +135,10 @@ class RankAgreement:
 
     ``prefetch_pages``: after each rank ended its prefetch, where the prefix every rank holds ends;
     ``cached_match``: after the load-back, the device prefix every rank holds. Each is one MIN
-    over the group (``cached_match``: more rounds where ranks' trees end prefixes at different
-    pages), reached in the same order on every rank. ``disagreements`` counts the calls
-    where this rank had more than the group agreed on (pages it holds but may not serve).
+    over the group (more rounds where a rank cannot end its prefix at the MIN: a state or window
+    pool's objects at another page), reached in the same order on every rank. ``disagreements``
+    counts the calls where this rank had more than the group agreed on (pages it holds but may
+    not serve).
 
     One ``admit`` runs inside ``with agreement:``. A rank whose admit raises (a plugin, a copy, an
     interrupt) still meets the points it owes, offering :data:`FAILED`, then re-raises: alone, it
@@ -164,7 +165,7 @@ class RankAgreement:
         if error is None or owed is None or (owed == _DEVICE and failed):
             return
         try:  # meet the owed point with a length no rank holds (then every rank has seen it)
-            self.collective.all_min([FAILED] if owed == _PREFETCH else [FAILED, -FAILED])
+            self.collective.all_min([FAILED, -FAILED])  # (either point: two values)
             self.failures += 1
         except Exception:  # the group's own error: the admit's error is the one to raise
             log.exception("rank agreement: could not tell the group this rank failed")
@@ -176,24 +177,38 @@ class RankAgreement:
             self._owed = None  # the collective failed: the group meets no further point
             raise
 
-    def _agree(self, local: int) -> int:
-        self._owed = _DEVICE  # (before the call: see the class docstring on interrupts)
-        (agreed,) = self._reduce([local])
-        if agreed < local:
-            self.disagreements += 1
-        if agreed == FAILED:  # (no length is negative: only a failed rank offers one)
-            self._failed = True
-            self.failures += 1
-        return agreed
-
-    def prefetch_pages(self, start: int, local: int) -> int:
+    def prefetch_pages(self, start: int, local: int, shorter: Callable[[int], int] | None = None) -> int:
         """Pages of this rank's prefetch (``local`` read from page ``start``: it holds ``[0,
         start)`` already) that every rank holds. The ranks agree on where that prefix ends, not on
         how many pages each read: ranks whose trees differ start their reads at different pages
         (one holds 4 pages, another reads those 4 from L3: a MIN of the counts, 0 and 4, threw
-        away a prefix both held)."""
-        end = self._agree(start + local)
-        return min(local, max(0, end - start))
+        away a prefix both held). ``shorter(n)``: this rank's pages of a read ending at most
+        ``n`` pages after ``start`` (a window or state pool ends a prefix only where it holds
+        objects, maybe below ``n``; None: any ``n`` is one). Each round agrees on the MIN end and
+        the MAX end of a rank that may land below it; such a rank shortens and another round
+        follows (one round when every rank lands on the MIN: it clamps, or holds the MIN)."""
+        pages = local
+        low, top = self._prefetch_round(start + pages, shorter is not None and pages > 0)
+        gave_up = low < start + pages
+        while low != FAILED and top > low:
+            self._owed = _PREFETCH  # this rank owes the next round (also if ``shorter`` raises)
+            if start + pages > low:  # (``shorter`` is None: clamped exactly, it lands on ``low``)
+                fit = max(0, low - start)
+                pages = min(pages, fit) if shorter is None or fit >= pages else shorter(fit)
+            low, top = self._prefetch_round(start + pages, shorter is not None and pages > 0)
+        if low == FAILED:  # (no length is negative: only a failed rank offers one)
+            self._failed = True
+            self.failures += 1
+            return 0
+        self.disagreements += int(gave_up)
+        return min(pages, max(0, low - start))
+
+    def _prefetch_round(self, end: int, inexact: bool) -> tuple[int, int]:
+        """One round of the prefetch point: the MIN end, and the MAX end of the ranks that may
+        end below a MIN they shorten to (0 if none)."""
+        self._owed = _DEVICE  # (before the call: see the class docstring on interrupts)
+        low, negated = self._reduce([end, -end if inexact else 0])
+        return low, -negated
 
     def cached_match(self, match: Match, within: Callable[[int], Match]) -> Match:
         """This rank's match of the device prefix every rank holds, from its own ``match``.
