@@ -329,12 +329,14 @@ def test_the_others_reuse_nothing_after_a_rank_failed_at_either_point() -> None:
         assert agreement.prefetch_pages(2, 4) == 0
         assert agreement.cached_match(_pages(6), _pages).device_pages == 0
     assert at_prefetch.offered == [[6, 0]], "the device point is agreed without a call"
+    # a peer's failure counts as one (a failure), not as this rank giving up pages too
+    assert agreement.failures == 1 and agreement.disagreements == 0
     at_device = _Scripted([6, 0], [FAILED, -FAILED])
     agreement = RankAgreement(at_device)
     with agreement:
         assert agreement.prefetch_pages(2, 4) == 4
         assert agreement.cached_match(_pages(6), _pages).device_pages == 0
-    assert agreement.failures == 1 and len(at_device.offered) == 2
+    assert agreement.failures == 1 and agreement.disagreements == 0 and len(at_device.offered) == 2
 
 
 def test_an_error_of_the_collective_itself_meets_no_further_point() -> None:

@@ -138,7 +138,7 @@ class RankAgreement:
     over the group (more rounds where a rank cannot end its prefix at the MIN: a state or window
     pool's objects at another page), reached in the same order on every rank. ``disagreements``
     counts the calls where this rank had more than the group agreed on (pages it holds but may
-    not serve).
+    not serve), ``failures`` the calls a rank failed in (not also a disagreement).
 
     One ``admit`` runs inside ``with agreement:``. A rank whose admit raises (a plugin, a copy, an
     interrupt) still meets the points it owes, offering :data:`FAILED`, then re-raises: alone, it
@@ -222,7 +222,7 @@ class RankAgreement:
             self._owed = None
             return within(0)
         low, high = self._bounds(match.device_pages)
-        if low < match.device_pages:
+        if FAILED < low < match.device_pages:  # (a failed rank is counted once, in ``failures``)
             self.disagreements += 1
         while low != high and low != FAILED:
             match = within(low)
