@@ -269,7 +269,8 @@ def test_a_rank_failing_inside_admit_still_meets_the_others(tmp_path: Path) -> N
 
 class _Scripted:
     """The group as this rank sees it: per call, what the other rank offers (or the collective's
-    own error); every vector this rank offered is kept."""
+    own error); every vector this rank offered is kept, without the admit's number each call
+    carries last (a script that leaves it out: the other rank is in the same admit)."""
 
     world_size = 2
 
@@ -277,10 +278,11 @@ class _Scripted:
         self.others, self.offered = list(others), list[list[int]]()
 
     def all_min(self, values: list[int]) -> list[int]:
-        self.offered.append(list(values))
+        self.offered.append(list(values[:2]))
         other = self.others.pop(0)
         if isinstance(other, Exception):
             raise other
+        other = [*other, *values[len(other) :]][: len(values)]
         return [min(v, o) for v, o in zip(values, other, strict=True)]
 
 
@@ -362,3 +364,26 @@ def test_a_rank_whose_read_cannot_end_at_the_min_shortens_and_the_ranks_meet_aga
         assert agreement.prefetch_pages(0, 12, shorter) == 4
     assert asked == [8] and group.offered == [[12, -12], [4, -4], [4, -4]]
     assert agreement.disagreements == 1 and agreement.failures == 0
+
+
+def test_a_rank_a_call_out_of_step_is_met_again_or_failed_not_paired_with_another_request() -> None:
+    """An interrupt just after a call returned, before this rank noted that another round was
+    owed, left it a call short: its next admit's first call met the other rank's last round of
+    the previous admit (a MIN of two requests' lengths), and every later call too."""
+    group = _Scripted([4, 0], [4, -4], [3, -3, 1, -1], [4, 0], [4, -4])
+    agreement = RankAgreement(group)
+    with agreement:  # admit 1 (the other rank then meets one more round of it, 3 pages)
+        assert agreement.prefetch_pages(0, 4) == 4
+        assert agreement.cached_match(_pages(4), _pages).device_pages == 4
+    with agreement:  # admit 2: the other rank is still in admit 1's device point (3 pages)
+        assert agreement.prefetch_pages(0, 4) == 4, "a MIN with the other admit's 3"
+        assert agreement.cached_match(_pages(4), _pages).device_pages == 4
+    assert group.offered == [[4, 0], [4, -4], [4, 0], [4, 0], [4, -4]], "admit 2's first call again"
+    assert agreement.failures == 0 and agreement.disagreements == 0
+    # this rank a call behind: the other has left admit 1 (its prefetch point of admit 2 came)
+    group = _Scripted([6, 0], [3, -6], [9, 0, 2, -2])
+    agreement = RankAgreement(group)
+    with agreement:
+        assert agreement.prefetch_pages(0, 6) == 6
+        assert agreement.cached_match(_pages(6), _pages).device_pages == 0, "the other left it"
+    assert len(group.offered) == 3 and agreement.failures == 1

@@ -146,18 +146,22 @@ class RankAgreement:
     its next admit met their stale point. The others see the failure and reuse nothing of that
     request (``failures`` counts such admits, on every rank). An error of the collective itself
     meets nothing more (the group is broken). An interrupt arriving inside the collective call is
-    taken as having met that point (Python runs signal handlers once the call has returned).
+    taken as having met that point (Python runs signal handlers once the call has returned); one
+    landing between a call and what this rank notes it owes may leave it a call short or over,
+    which the next call finds and mends (``_in_step``: every call carries the admit's number).
     """
 
     def __init__(self, collective: Collective) -> None:
         self.collective = collective
         self.disagreements = 0
         self.failures = 0
+        self.admits = 0  # ``with`` blocks entered: the same on every rank (the engine's lockstep)
         self._owed: str | None = None  # the point this admit meets next (None: nothing owed)
         self._failed = False  # a point of this admit showed a failed rank: later ones agree on 0
 
     def __enter__(self) -> RankAgreement:
         self._owed, self._failed = _PREFETCH, False
+        self.admits += 1
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: Any) -> None:
@@ -165,17 +169,32 @@ class RankAgreement:
         if error is None or owed is None or (owed == _DEVICE and failed):
             return
         try:  # meet the owed point with a length no rank holds (then every rank has seen it)
-            self.collective.all_min([FAILED, -FAILED])  # (either point: two values)
+            self._in_step([FAILED, -FAILED])  # (either point: two values)
             self.failures += 1
         except Exception:  # the group's own error: the admit's error is the one to raise
             log.exception("rank agreement: could not tell the group this rank failed")
 
     def _reduce(self, values: list[int]) -> list[int]:
         try:
-            return self.collective.all_min(values)
+            return self._in_step(values)
         except Exception:
             self._owed = None  # the collective failed: the group meets no further point
             raise
+
+    def _in_step(self, values: list[int]) -> list[int]:
+        """The MIN of ``values`` over the group, each call tagged with this admit's number (its
+        MIN and MAX). An interrupt landing just before or after a call, before this rank noted
+        what it owes, left it a call short or over: it met another admit's point, and from then
+        on every MIN paired two requests. A rank that sees one already past this admit takes
+        this point as failed (that rank left it; it makes no further call of it); one that sees
+        a rank still in an earlier admit meets the group again (its call was that admit's)."""
+        tag = self.admits
+        while True:
+            *agreed, first, negated = self.collective.all_min([*values, tag, -tag])
+            if -negated > tag:
+                return [FAILED, *agreed[1:]]  # (as a failed rank's offer reads)
+            if first == tag:
+                return agreed
 
     def prefetch_pages(self, start: int, local: int, shorter: Callable[[int], int] | None = None) -> int:
         """Pages of this rank's prefetch (``local`` read from page ``start``: it holds ``[0,
