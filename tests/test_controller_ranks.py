@@ -1,7 +1,8 @@
 """Two ranks (two processes, torch.distributed gloo on loopback) agree on L3 prefetch lengths:
-where one rank misses a window page both drop the prefetch, where both hold it both adopt it;
-and on a device prefix every rank holds whole (a state at its end on each); and a rank whose
-``admit`` raises still meets the others at the agreement points (they reuse nothing)."""
+where one rank misses a window page both drop the prefetch, where one misses a later state both
+serve the checkpoint every rank holds, where both hold it both adopt it; and on a device prefix
+every rank holds whole (a state at its end on each); and a rank whose ``admit`` raises still
+meets the others at the agreement points (they reuse nothing)."""
 
 from __future__ import annotations
 
@@ -31,16 +32,21 @@ RANK = textwrap.dedent(
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     sets = [f"parallel.tp_rank={rank}", "parallel.tp_size=2", "policy.prefetch.policy=wait_complete"]
     report = {}
-    for case, seed in (("one_rank_misses", 21), ("both_hold", 22)):
-        with open_cache("swa", l3, sets, collective=TorchCollective()) as writer:
-            lease, _ = serve(writer, tokens(seed, 8))
+    # per case: the stack, the request's pages, the pool and page whose object rank 1 loses
+    cases = (("one_rank_misses", "swa", 21, 8, "swa", 6), ("both_hold", "swa", 22, 8, None, 0),
+             ("state_missing", "hybrid-mamba", 23, 12, "mamba", 11))
+    for case, stack, seed, pages, pool, page in cases:
+        with open_cache(stack, l3, sets, collective=TorchCollective()) as writer:
+            if stack == "hybrid-mamba":  # a checkpoint at page 8, then one at page 12
+                serve(writer, tokens(seed, pages)[: 8 * 64])
+            lease, _ = serve(writer, tokens(seed, pages))
             writer.flush()
-            if case == "one_rank_misses" and rank == 1:
-                (keys,) = writer.engine.object_keys("swa", lease.page_hashes[6:7])
+            if pool is not None and rank == 1:
+                (keys,) = writer.engine.object_keys(pool, lease.page_hashes[page : page + 1])
                 writer.backend.path_for(keys[0]).unlink()
         dist.barrier()
-        with open_cache("swa", l3, sets, collective=TorchCollective()) as cold:
-            lease, bad = serve(cold, tokens(seed, 8))
+        with open_cache(stack, l3, sets, collective=TorchCollective()) as cold:
+            lease, bad = serve(cold, tokens(seed, pages))
             ops = cold.metrics.snapshot()["operations"]
             report[case] = {"storage": lease.hit_pages["storage"], "bad": bad,
                             "dropped": ops["prefetches_dropped"], "committed": ops["prefetches_committed"],
@@ -84,15 +90,23 @@ def _run_ranks(script: str, tmp_path: Path, timeout: float = 240) -> list[dict]:
     return reports
 
 
-def test_two_ranks_drop_or_adopt_a_prefetch_together(tmp_path: Path) -> None:
+def test_two_ranks_settle_on_the_longest_prefetch_every_rank_can_end(tmp_path: Path) -> None:
+    """Rank 1 lost the window object of page 6 (L3 holds the last window only: it can end no
+    prefix) or the state at page 12 (its checkpoint is at page 8). Both ranks serve the longest
+    prefix every rank can end: none, or 8 pages -- rank 0 dropped its whole 12-page read (its
+    state object was the one at page 12) and both served nothing; it now re-reads page 8's."""
     reports = _run_ranks(RANK, tmp_path)
     for rank, report in enumerate(reports):
-        missed, held = report["one_rank_misses"], report["both_hold"]
+        missed, held, state = report["one_rank_misses"], report["both_hold"], report["state_missing"]
         assert missed["storage"] == 0, f"rank {rank} used a prefetch another rank could not complete"
+        assert state["storage"] == 8, f"rank {rank} did not serve the checkpoint every rank holds"
         assert held["storage"] == 8 and held["committed"] == 1, f"rank {rank} did not adopt a full prefetch"
-        assert missed["bad"] == 0 and held["bad"] == 0
+        assert missed["bad"] == 0 and held["bad"] == 0 and state["bad"] == 0
+        assert state["committed"] == 1 and state["dropped"] == 0
     assert reports[0]["one_rank_misses"]["dropped"] == 1, "rank 0 read the pages and dropped them"
     assert reports[0]["one_rank_misses"]["skipped"] == {"rank_disagreement": 8}, "the drop says why"
+    assert reports[0]["state_missing"]["skipped"] == {"rank_disagreement": 4}, "the pages given up"
+    assert reports[1]["state_missing"]["skipped"] == {"incomplete_stack": 4}
     assert reports[0]["both_hold"]["skipped"] == {} and reports[1]["both_hold"]["skipped"] == {}
 
 
@@ -255,7 +269,8 @@ def test_a_rank_failing_inside_admit_still_meets_the_others(tmp_path: Path) -> N
 
 class _Scripted:
     """The group as this rank sees it: per call, what the other rank offers (or the collective's
-    own error); every vector this rank offered is kept."""
+    own error); every vector this rank offered is kept, without the admit's number each call
+    carries last (a script that leaves it out: the other rank is in the same admit)."""
 
     world_size = 2
 
@@ -263,10 +278,11 @@ class _Scripted:
         self.others, self.offered = list(others), list[list[int]]()
 
     def all_min(self, values: list[int]) -> list[int]:
-        self.offered.append(list(values))
+        self.offered.append(list(values[:2]))
         other = self.others.pop(0)
         if isinstance(other, Exception):
             raise other
+        other = [*other, *values[len(other) :]][: len(values)]
         return [min(v, o) for v, o in zip(values, other, strict=True)]
 
 
@@ -279,24 +295,24 @@ class _Interrupt(BaseException):
 
 
 def test_an_admit_that_raises_nowhere_meets_each_point_once() -> None:
-    group = _Scripted([4], [4, -4])
+    group = _Scripted([4, 0], [4, -4])
     agreement = RankAgreement(group)
     with agreement:
         assert agreement.prefetch_pages(0, 4) == 4
         assert agreement.cached_match(_pages(4), _pages).device_pages == 4
-    assert group.offered == [[4], [4, -4]] and agreement.failures == 0  # nothing more on exit
+    assert group.offered == [[4, 0], [4, -4]] and agreement.failures == 0  # nothing more on exit
 
 
 def test_a_rank_failing_before_the_prefetch_point_offers_failed_there_only() -> None:
-    group = _Scripted([4])
+    group = _Scripted([4, 0])
     agreement = RankAgreement(group)
     with pytest.raises(_Interrupt), agreement:
         raise _Interrupt  # (a plugin, a drain: before this rank reached the point)
-    assert group.offered == [[FAILED]], "every rank saw the failure there: no device point follows"
+    assert group.offered == [[FAILED, -FAILED]], "every rank saw the failure there: no device point follows"
 
 
 def test_a_rank_failing_between_rounds_of_the_device_point_meets_the_next_round() -> None:
-    group = _Scripted([6], [3, -3], [3, -3])
+    group = _Scripted([6, 0], [3, -3], [3, -3])
     agreement = RankAgreement(group)
 
     def within(n: int) -> SimpleNamespace:
@@ -305,22 +321,24 @@ def test_a_rank_failing_between_rounds_of_the_device_point_meets_the_next_round(
     with pytest.raises(RuntimeError, match="injected"), agreement:
         agreement.prefetch_pages(0, 6)
         agreement.cached_match(_pages(5), within)  # the others hold 3: a second round follows
-    assert group.offered == [[6], [5, -5], [FAILED, -FAILED]] and agreement.failures == 1
+    assert group.offered == [[6, 0], [5, -5], [FAILED, -FAILED]] and agreement.failures == 1
 
 
 def test_the_others_reuse_nothing_after_a_rank_failed_at_either_point() -> None:
-    at_prefetch = _Scripted([FAILED])
+    at_prefetch = _Scripted([FAILED, -FAILED])
     agreement = RankAgreement(at_prefetch)
     with agreement:
         assert agreement.prefetch_pages(2, 4) == 0
         assert agreement.cached_match(_pages(6), _pages).device_pages == 0
-    assert at_prefetch.offered == [[6]], "the device point is agreed without a call"
-    at_device = _Scripted([6], [FAILED, -FAILED])
+    assert at_prefetch.offered == [[6, 0]], "the device point is agreed without a call"
+    # a peer's failure counts as one (a failure), not as this rank giving up pages too
+    assert agreement.failures == 1 and agreement.disagreements == 0
+    at_device = _Scripted([6, 0], [FAILED, -FAILED])
     agreement = RankAgreement(at_device)
     with agreement:
         assert agreement.prefetch_pages(2, 4) == 4
         assert agreement.cached_match(_pages(6), _pages).device_pages == 0
-    assert agreement.failures == 1 and len(at_device.offered) == 2
+    assert agreement.failures == 1 and agreement.disagreements == 0 and len(at_device.offered) == 2
 
 
 def test_an_error_of_the_collective_itself_meets_no_further_point() -> None:
@@ -328,4 +346,44 @@ def test_an_error_of_the_collective_itself_meets_no_further_point() -> None:
     agreement = RankAgreement(group)
     with pytest.raises(RuntimeError, match="gloo"), agreement:
         agreement.prefetch_pages(0, 4)
-    assert group.offered == [[4]], "a broken group is not called again"
+    assert group.offered == [[4, 0]], "a broken group is not called again"
+
+
+def test_a_rank_whose_read_cannot_end_at_the_min_shortens_and_the_ranks_meet_again() -> None:
+    # this rank read 12 pages of a state stack (checkpoints at 4 and 12), the other 8: told 8,
+    # this rank lands at 4, below the MIN; told 4 in the second round, the other lands there too
+    group = _Scripted([8, -8], [8, -8], [4, -4])
+    agreement = RankAgreement(group)
+    asked: list[int] = []
+
+    def shorter(n: int) -> int:
+        asked.append(n)
+        return 4 if n >= 4 else 0
+
+    with agreement:
+        assert agreement.prefetch_pages(0, 12, shorter) == 4
+    assert asked == [8] and group.offered == [[12, -12], [4, -4], [4, -4]]
+    assert agreement.disagreements == 1 and agreement.failures == 0
+
+
+def test_a_rank_a_call_out_of_step_is_met_again_or_failed_not_paired_with_another_request() -> None:
+    """An interrupt just after a call returned, before this rank noted that another round was
+    owed, left it a call short: its next admit's first call met the other rank's last round of
+    the previous admit (a MIN of two requests' lengths), and every later call too."""
+    group = _Scripted([4, 0], [4, -4], [3, -3, 1, -1], [4, 0], [4, -4])
+    agreement = RankAgreement(group)
+    with agreement:  # admit 1 (the other rank then meets one more round of it, 3 pages)
+        assert agreement.prefetch_pages(0, 4) == 4
+        assert agreement.cached_match(_pages(4), _pages).device_pages == 4
+    with agreement:  # admit 2: the other rank is still in admit 1's device point (3 pages)
+        assert agreement.prefetch_pages(0, 4) == 4, "a MIN with the other admit's 3"
+        assert agreement.cached_match(_pages(4), _pages).device_pages == 4
+    assert group.offered == [[4, 0], [4, -4], [4, 0], [4, 0], [4, -4]], "admit 2's first call again"
+    assert agreement.failures == 0 and agreement.disagreements == 0
+    # this rank a call behind: the other has left admit 1 (its prefetch point of admit 2 came)
+    group = _Scripted([6, 0], [3, -6], [9, 0, 2, -2])
+    agreement = RankAgreement(group)
+    with agreement:
+        assert agreement.prefetch_pages(0, 6) == 6
+        assert agreement.cached_match(_pages(6), _pages).device_pages == 0, "the other left it"
+    assert len(group.offered) == 3 and agreement.failures == 1

@@ -117,6 +117,10 @@ class ClosingApi:
     def flush(self, timeout: float | None = None) -> None:  # provided by the controller
         raise NotImplementedError
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("cache is closed")
+
     @property
     def open_leases(self) -> int:
         """Leases looked up and neither inserted nor released (their units are in use)."""

@@ -135,9 +135,10 @@ class RankAgreement:
 
     ``prefetch_pages``: after each rank ended its prefetch, where the prefix every rank holds ends;
     ``cached_match``: after the load-back, the device prefix every rank holds. Each is one MIN
-    over the group (``cached_match``: more rounds where ranks' trees end prefixes at different
-    pages), reached in the same order on every rank. ``disagreements`` counts the calls
-    where this rank had more than the group agreed on (pages it holds but may not serve).
+    over the group (more rounds where a rank cannot end its prefix at the MIN: a state or window
+    pool's objects at another page), reached in the same order on every rank. ``disagreements``
+    counts the calls where this rank had more than the group agreed on (pages it holds but may
+    not serve), ``failures`` the calls a rank failed in (not also a disagreement).
 
     One ``admit`` runs inside ``with agreement:``. A rank whose admit raises (a plugin, a copy, an
     interrupt) still meets the points it owes, offering :data:`FAILED`, then re-raises: alone, it
@@ -145,18 +146,22 @@ class RankAgreement:
     its next admit met their stale point. The others see the failure and reuse nothing of that
     request (``failures`` counts such admits, on every rank). An error of the collective itself
     meets nothing more (the group is broken). An interrupt arriving inside the collective call is
-    taken as having met that point (Python runs signal handlers once the call has returned).
+    taken as having met that point (Python runs signal handlers once the call has returned); one
+    landing between a call and what this rank notes it owes may leave it a call short or over,
+    which the next call finds and mends (``_in_step``: every call carries the admit's number).
     """
 
     def __init__(self, collective: Collective) -> None:
         self.collective = collective
         self.disagreements = 0
         self.failures = 0
+        self.admits = 0  # ``with`` blocks entered: the same on every rank (the engine's lockstep)
         self._owed: str | None = None  # the point this admit meets next (None: nothing owed)
         self._failed = False  # a point of this admit showed a failed rank: later ones agree on 0
 
     def __enter__(self) -> RankAgreement:
         self._owed, self._failed = _PREFETCH, False
+        self.admits += 1
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: Any) -> None:
@@ -164,36 +169,65 @@ class RankAgreement:
         if error is None or owed is None or (owed == _DEVICE and failed):
             return
         try:  # meet the owed point with a length no rank holds (then every rank has seen it)
-            self.collective.all_min([FAILED] if owed == _PREFETCH else [FAILED, -FAILED])
+            self._in_step([FAILED, -FAILED])  # (either point: two values)
             self.failures += 1
         except Exception:  # the group's own error: the admit's error is the one to raise
             log.exception("rank agreement: could not tell the group this rank failed")
 
     def _reduce(self, values: list[int]) -> list[int]:
         try:
-            return self.collective.all_min(values)
+            return self._in_step(values)
         except Exception:
             self._owed = None  # the collective failed: the group meets no further point
             raise
 
-    def _agree(self, local: int) -> int:
-        self._owed = _DEVICE  # (before the call: see the class docstring on interrupts)
-        (agreed,) = self._reduce([local])
-        if agreed < local:
-            self.disagreements += 1
-        if agreed == FAILED:  # (no length is negative: only a failed rank offers one)
-            self._failed = True
-            self.failures += 1
-        return agreed
+    def _in_step(self, values: list[int]) -> list[int]:
+        """The MIN of ``values`` over the group, each call tagged with this admit's number (its
+        MIN and MAX). An interrupt landing just before or after a call, before this rank noted
+        what it owes, left it a call short or over: it met another admit's point, and from then
+        on every MIN paired two requests. A rank that sees one already past this admit takes
+        this point as failed (that rank left it; it makes no further call of it); one that sees
+        a rank still in an earlier admit meets the group again (its call was that admit's)."""
+        tag = self.admits
+        while True:
+            *agreed, first, negated = self.collective.all_min([*values, tag, -tag])
+            if -negated > tag:
+                return [FAILED, *agreed[1:]]  # (as a failed rank's offer reads)
+            if first == tag:
+                return agreed
 
-    def prefetch_pages(self, start: int, local: int) -> int:
+    def prefetch_pages(self, start: int, local: int, shorter: Callable[[int], int] | None = None) -> int:
         """Pages of this rank's prefetch (``local`` read from page ``start``: it holds ``[0,
         start)`` already) that every rank holds. The ranks agree on where that prefix ends, not on
         how many pages each read: ranks whose trees differ start their reads at different pages
         (one holds 4 pages, another reads those 4 from L3: a MIN of the counts, 0 and 4, threw
-        away a prefix both held)."""
-        end = self._agree(start + local)
-        return min(local, max(0, end - start))
+        away a prefix both held). ``shorter(n)``: this rank's pages of a read ending at most
+        ``n`` pages after ``start`` (a window or state pool ends a prefix only where it holds
+        objects, maybe below ``n``; None: any ``n`` is one). Each round agrees on the MIN end and
+        the MAX end of a rank that may land below it; such a rank shortens and another round
+        follows (one round when every rank lands on the MIN: it clamps, or holds the MIN)."""
+        pages = local
+        low, top = self._prefetch_round(start + pages, shorter is not None and pages > 0)
+        gave_up = low < start + pages
+        while low != FAILED and top > low:
+            self._owed = _PREFETCH  # this rank owes the next round (also if ``shorter`` raises)
+            if start + pages > low:  # (``shorter`` is None: clamped exactly, it lands on ``low``)
+                fit = max(0, low - start)
+                pages = min(pages, fit) if shorter is None or fit >= pages else shorter(fit)
+            low, top = self._prefetch_round(start + pages, shorter is not None and pages > 0)
+        if low == FAILED:  # (no length is negative: only a failed rank offers one)
+            self._failed = True
+            self.failures += 1
+            return 0
+        self.disagreements += int(gave_up)
+        return min(pages, max(0, low - start))
+
+    def _prefetch_round(self, end: int, inexact: bool) -> tuple[int, int]:
+        """One round of the prefetch point: the MIN end, and the MAX end of the ranks that may
+        end below a MIN they shorten to (0 if none)."""
+        self._owed = _DEVICE  # (before the call: see the class docstring on interrupts)
+        low, negated = self._reduce([end, -end if inexact else 0])
+        return low, -negated
 
     def cached_match(self, match: Match, within: Callable[[int], Match]) -> Match:
         """This rank's match of the device prefix every rank holds, from its own ``match``.
@@ -207,7 +241,7 @@ class RankAgreement:
             self._owed = None
             return within(0)
         low, high = self._bounds(match.device_pages)
-        if low < match.device_pages:
+        if FAILED < low < match.device_pages:  # (a failed rank is counted once, in ``failures``)
             self.disagreements += 1
         while low != high and low != FAILED:
             match = within(low)

@@ -184,7 +184,8 @@ class CacheController(UnitMemory, ClosingApi):
             op = lease.prefetch
             self._drain(ending=op)  # (``poll``; room for ``op``'s read is ``finish``'s to make, per policy)
             local = self.prefetcher.finish(op, lease.locked_node) if op else 0  # type: ignore[union-attr]
-            pages = self.ranks.prefetch_pages(lease.host_pages if op is None else op.start, local)
+            cut = None if op is None else self.prefetcher.shorter(op)  # type: ignore[union-attr]
+            pages = self.ranks.prefetch_pages(lease.host_pages if op is None else op.start, local, cut)
             if op is not None:
                 self._commit_prefetch(lease, pages)
             started = time.perf_counter()
@@ -338,10 +339,6 @@ class CacheController(UnitMemory, ClosingApi):
             require_lease(lease, self)
         if lease.closed:
             raise RuntimeError("lease is closed (inserted or released)")
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("cache is closed")
 
     # --- owner-thread commit points -----------------------------------------------------------
 

@@ -30,6 +30,8 @@ class PrefetchOp:
     exists_failed: bool = False  # an existence query failed: its False answers say nothing
     pages: int = 0  # pages whose objects the worker read and verified, every pool included
     read_end: int = 0  # pages the worker tried to read (window/state objects sit at its end)
+    #: a shorter end the ranks settled on whose window/state objects the units now hold (0: none)
+    settled: int = 0
     blocking: bool = False  # admit waits for it whatever the end policy
     foreign: int = 0  # objects the reads refused as another layout / format (not damage)
     #: a read refused an object as damaged or failed: a short read is damage, not an eviction

@@ -23,7 +23,9 @@ How a prefetch decides, in order:
 Every page L3 held that a request could not use is counted by reason (:class:`SkipReason`) on the
 lease and in the metrics: no miss is silent.
 
-Worker threads never touch the tree: they fill the :class:`PrefetchOp` and set ``done``.
+Worker threads never touch the tree: they fill the :class:`PrefetchOp` and set ``done``. Steps 2
+and 3, and a read the ranks settle shorter (:meth:`Prefetcher.shorten`), decide in
+:mod:`~kvstrata.core.prefetch_read`.
 """
 
 from __future__ import annotations
@@ -38,22 +40,17 @@ from enum import StrEnum
 import torch
 
 from kvstrata.core.backend_calls import Notify
-from kvstrata.core.metrics import CacheMetrics, Operation, SkipReason, count_failure
+from kvstrata.core.metrics import Operation, SkipReason, count_failure
 from kvstrata.core.part_context import PartContext
-from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.prefetch_end import PrefetchEnd, prefetch_end
 from kvstrata.core.prefetch_op import PrefetchOp
-from kvstrata.core.stack import PoolKind, StackLayout, pool_batch
-from kvstrata.core.storage_engine import PoolBatch, StorageEngine, longest_present_prefix
+from kvstrata.core.prefetch_read import checkpoint, lose, read_prefix, read_verified, usable_length
+from kvstrata.core.storage_engine import StorageEngine
 from kvstrata.core.tree import PageKey, Tier, TreeNode
 from kvstrata.core.unit_digests import UnitDigests, check_span
 from kvstrata.core.write_back import StoredWindowEnds
-from kvstrata.plugins.pool_type import PartialHit
 
 log = logging.getLogger(__name__)
-
-#: an existence query of one pool's pages (the worker's, which notes a failed query on the op)
-Exists = Callable[[str, Sequence[str]], list[bool]]
 
 
 class PrefetchMode(StrEnum):
@@ -62,120 +59,6 @@ class PrefetchMode(StrEnum):
     POLICY = "policy"  # the configured gates and end policy
     WAIT = "wait"  # no gates; admit waits for the whole read (an engine that must not recompute)
     OFF = "off"  # no L3 read for this request
-
-
-def _lose(op: PrefetchOp, reason: SkipReason, pages: int) -> None:
-    if pages > 0:
-        op.lost[reason] = op.lost.get(reason, 0) + pages
-
-
-def _whole_windows(present: Sequence[bool], window: int) -> list[bool]:
-    """Per prefix end ``j + 1``: whether pages ``[j + 1 - window, j + 1)`` (from 0 at the start)
-    are all present."""
-    whole = []
-    run = 0
-    for j, flag in enumerate(present):
-        run = run + 1 if flag else 0
-        whole.append(run >= min(window, j + 1))
-    return whole
-
-
-def _all_of(per_pool: Sequence[Sequence[bool]]) -> list[bool]:
-    return [all(column) for column in zip(*per_pool, strict=True)]
-
-
-def _can_truncate(pools: PoolGroup, layout: StackLayout) -> bool:
-    """A verified shorter prefix is served unless an all-pages pool forbids partial hits."""
-    return all(
-        pools.pools[name].spec.partial_hit is PartialHit.CLAMP
-        for tp in layout.tree_pools.values()
-        if tp.kind is PoolKind.PAGES
-        for name in tp.followers
-        if name != layout.anchor
-    )
-
-
-def usable_length(op: PrefetchOp, pools: PoolGroup, layout: StackLayout, exists: Exists) -> int:
-    """Pages after ``op.start`` that every pool can serve from L3 (0 = drop), by each pool's
-    rule, from ``exists`` answers (the worker's existence queries, failures noted on ``op``)."""
-    hashes = op.hashes
-    anchor = layout.anchor
-    end = op.found = longest_present_prefix(exists(anchor, hashes))
-    op.found_known = True
-    if op.exists_failed:  # L3 could not say what it holds: every page asked for is unserved
-        _lose(op, SkipReason.STORAGE_DOWN, len(hashes))
-        return 0
-    tree_pools = list(layout.tree_pools.values())
-    for tp in tree_pools:  # all-pages pools (and the anchor's sidecars) clamp or drop
-        if tp.kind is not PoolKind.PAGES:
-            continue
-        for name in tp.followers[1:] if tp.name == anchor else tp.followers:
-            if end == 0:
-                break
-            have = longest_present_prefix(exists(name, hashes[:end]))
-            if have < end:
-                end = have if pools.pools[name].spec.partial_hit is PartialHit.CLAMP else 0
-    # where may the prefix end? where every state pool has a state, and every window pool
-    # has its whole window (the longest such prefix wins; shorter ones are fallbacks)
-    can_end = [True] * end
-    for tp in tree_pools:
-        if tp.kind is PoolKind.PAGES or end == 0:
-            continue
-        flags = _all_of([exists(name, hashes[:end]) for name in tp.followers])
-        if tp.kind is PoolKind.WINDOW:
-            flags = _whole_windows(flags, tp.window)
-        can_end = [a and b for a, b in zip(can_end, flags, strict=True)]
-    op.checkpoints = [j + 1 for j, ok in enumerate(can_end) if ok]
-    end = op.checkpoints[-1] if op.checkpoints else 0
-    why = SkipReason.STORAGE_DOWN if op.exists_failed else SkipReason.INCOMPLETE_STACK
-    _lose(op, why, op.found - end)
-    return end
-
-
-def read_prefix(
-    engine: StorageEngine,
-    pools: PoolGroup,
-    layout: StackLayout,
-    metrics: CacheMetrics,
-    op: PrefetchOp,
-    end: int,
-    *,
-    pages_read: bool = False,
-) -> tuple[int, int]:
-    """Read the objects of a prefix of ``end`` pages (relative to op.start) into the reserved
-    host units. Returns ``(pages, usable)``: the leading pages every all-pages pool verified,
-    and the longest prefix end at or below it where the state and window pools verified too
-    (``usable == end`` when everything verified). ``pages_read``: the all-pages pools verified
-    ``[0, end)`` already; read only the window and state objects."""
-    batches: dict[str, PoolBatch] = {}
-    for tp in layout.tree_pools.values():
-        if pages_read and tp.kind is PoolKind.PAGES:
-            continue
-        lo, hi = tp.slots(0, end)
-        units = op.reserved[tp.name][: hi - lo]
-        for name in tp.followers:
-            if engine.plans[name].enabled:
-                batches[name] = pool_batch(pools, name, units, op.hashes[lo:hi])
-    results = engine.get_group(batches)
-    nbytes = 0
-    pages = end
-    usable = end
-    for name, result in results.items():
-        count_failure(metrics, result)
-        op.foreign += result.foreign
-        op.damaged |= bool(result.rejected or result.failed or result.error is not None)
-        nbytes += sum(result.ok) * pools.pools[name].spec.bytes_per_unit
-        tp = layout.owner(name)
-        have = longest_present_prefix(result.ok)
-        if tp.kind is PoolKind.PAGES:
-            pages = min(pages, have)
-        elif tp.kind is PoolKind.STATE and not all(result.ok):
-            usable = min(usable, end - 1)  # the state at ``end`` is bad: an earlier checkpoint
-        elif tp.kind is PoolKind.WINDOW and have < len(result.ok):
-            lo = end - len(result.ok)
-            usable = min(usable, lo + have)  # the window may end just before the bad page
-    metrics.add_bytes("storage_to_host", nbytes)
-    return pages, min(usable, pages)
 
 
 class Prefetcher:
@@ -245,11 +128,15 @@ class Prefetcher:
 
     # --- length and read (worker thread) --------------------------------------------------------
 
-    def _run(self, op: PrefetchOp, late: bool = False) -> None:
+    def _run(self, op: PrefetchOp, late: bool = False, settle: int = 0) -> None:
         """Existence per pool, the usable length by each pool's rule, then the read (``late``:
-        only the read, into the units ``finish`` made room for). Never touches the tree;
-        ``done`` is always set."""
+        only the read, into the units ``finish`` made room for; ``settle``: a shorter end's
+        window and state objects, for ``shorten``). Never touches the tree; ``done`` is always set."""
+        late = late or settle > 0
         try:
+            if settle:
+                op.settled = checkpoint(functools.partial(self._read, op), op, settle, op.pages, op.pages)
+                return
             if late:
                 op.pages = self._read_verified(op, op.read_end)
                 return
@@ -282,33 +169,7 @@ class Prefetcher:
         return read_prefix(self.engine, self.pools, self.layout, self.metrics, op, end, pages_read=pages_read)
 
     def _read_verified(self, op: PrefetchOp, end: int) -> int:
-        """Read a prefix of ``end`` pages; a damaged or missing object truncates it to the
-        longest prefix where every pool verifies. Returns the pages usable (0 = drop)."""
-        pages, usable = self._read(op, end)
-        target = end
-        for _ in range(8):  # each round strictly shortens the prefix; bounded for safety
-            if usable == target:
-                break
-            # state and window pools can only end the prefix where L3 has their objects
-            target = max((c for c in op.checkpoints if c <= usable), default=0)
-            if target == 0:
-                break
-            _, usable = self._read(op, target, pages_read=True)
-            usable = min(usable, pages)
-        else:
-            target = 0
-        if usable != target:
-            target = 0
-        if target < end and not _can_truncate(self.pools, self.layout):
-            target = 0
-        # objects of another layout under our keys are a layout change, not damage; objects
-        # that were simply gone at the read were evicted (or removed) after the existence answer
-        if op.foreign:
-            reason = SkipReason.LAYOUT_MISMATCH
-        else:
-            reason = SkipReason.DAMAGED_OBJECT if op.damaged else SkipReason.OBJECT_GONE
-        _lose(op, reason, end - target)
-        return target
+        return read_verified(functools.partial(self._read, op), self.pools, self.layout, op, end)
 
     # --- end and commit (owner thread) ----------------------------------------------------------
 
@@ -336,7 +197,7 @@ class Prefetcher:
                 got = self.units.alloc_protecting(protect, Tier.HOST, op.short)
             op.short = None
             if got is None:
-                _lose(op, SkipReason.HOST_FULL, op.read_end)
+                lose(op, SkipReason.HOST_FULL, op.read_end)
             else:
                 op.reserved = got
                 op.done.clear()
@@ -345,6 +206,27 @@ class Prefetcher:
                     op.timed_out = True
                     return 0
         return op.pages
+
+    def shorter(self, op: PrefetchOp) -> Callable[[int], int] | None:
+        """How the rank agreement shortens ``op`` below what it read (``shorten``), or None where
+        it clamps at any page (every pool but the anchor an all-pages one that clamps)."""
+        return None if self.layout.clampable else functools.partial(self.shorten, op)
+
+    def shorten(self, op: PrefetchOp, end: int) -> int:
+        """Pages of ``op`` (as ``finish`` ended it) ending at most at ``end`` that every pool
+        can serve: the longest checkpoint there, its window and state objects re-read on the
+        worker (they sat at the end read); 0 if none, or the read did not end within
+        ``timeout_max_s`` (the other ranks wait for this one: a bounded wait, not the policy's)."""
+        held = op.settled or op.pages
+        if end >= held or end <= 0:
+            return min(held, max(0, end))
+        op.settled = 0  # (until the read verifies)
+        op.done.clear()
+        self._thread.submit(self._run, op, settle=end)
+        if not op.done.wait(self.policy.timeout_max_s):
+            op.timed_out = True
+            return 0
+        return op.settled
 
     def commit(
         self,
@@ -371,14 +253,14 @@ class Prefetcher:
             return 0
         if op.short is not None:  # released before ``finish`` made room for the pages L3 holds
             op.short = None
-            _lose(op, unused or SkipReason.HOST_FULL, op.read_end)
+            lose(op, unused or SkipReason.HOST_FULL, op.read_end)
         for reason, lost in op.lost.items():
             self.metrics.skip(reason, lost, skipped)
+        partial = pages > 0 and (self.layout.clampable or pages == op.settled)
         if pages < op.pages:
-            partial = pages > 0 and self.layout.clampable
             why = unused or (SkipReason.TIMEOUT if op.timed_out else SkipReason.RANK_DISAGREEMENT)
             self.metrics.skip(why, op.pages - pages if partial else op.pages, skipped)
-        if not (pages > 0 and (pages == op.pages or self.layout.clampable)):
+        if not (pages > 0 and (pages == op.pages or partial)):
             if op.found:
                 self.metrics.count(Operation.PREFETCHES_DROPPED)
             self.release(op)
