@@ -1,0 +1,31 @@
+"""The benchmark scripts' result conventions (benchmarks/README.md): no timing is asserted here,
+only that every script reports the same way, so ``run_all.py``'s table reads one way."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _figure_calls_with_own_ratio(path: Path) -> list[int]:
+    """Lines where ``Figure(...)`` is given a ratio of its own (5th argument or ``ratio=``)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Figure"):
+            continue
+        if len(node.args) >= 5 or any(kw.arg == "ratio" for kw in node.keywords):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_every_ratio_is_kvstrata_over_the_baseline() -> None:
+    """A ratio is value / baseline everywhere (``Figure.against``): a time's ratio < 1 means
+    kvstrata is faster, a throughput's > 1. One script inverting it for times (a "speed-up")
+    made its rows read the other way from every other row in the same table."""
+    scripts = sorted(BENCHMARKS.glob("*.py")) + sorted((BENCHMARKS / "peers").glob("*.py"))
+    assert scripts
+    found = {str(p.relative_to(BENCHMARKS)): _figure_calls_with_own_ratio(p) for p in scripts}
+    found = {name: lines for name, lines in found.items() if lines}
+    assert found == {}
