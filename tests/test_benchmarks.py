@@ -29,3 +29,39 @@ def test_every_ratio_is_kvstrata_over_the_baseline() -> None:
     found = {str(p.relative_to(BENCHMARKS)): _figure_calls_with_own_ratio(p) for p in scripts}
     found = {name: lines for name, lines in found.items() if lines}
     assert found == {}
+
+
+def _run_script(script: str, *args: str, tmp_path: Path) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from _results import read_results
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    out = tmp_path / "results.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCHMARKS.parent / "src"), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=BENCHMARKS.parent,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return read_results(out)
+
+
+def test_checksum_takes_quick_and_json_like_the_others(tmp_path: Path) -> None:
+    """``run_all.py`` passes ``--json OUT`` (and ``--quick``) to every script it lists."""
+    data = _run_script("checksum.py", "--quick", "--mib", "1", "--repeat", "1", tmp_path=tmp_path)
+    assert data["name"] == "checksum"
+    (figure,) = data["figures"]
+    assert figure["unit"] == "GiB/s" and figure["value"] > 0 and figure["baseline"] > 0
+    assert abs(figure["ratio"] - figure["value"] / figure["baseline"]) < 1e-9
+    run_all = (BENCHMARKS / "run_all.py").read_text()
+    assert '"checksum": "checksum.py"' in run_all
