@@ -31,7 +31,7 @@ def test_every_ratio_is_kvstrata_over_the_baseline() -> None:
     assert found == {}
 
 
-def _run_script(script: str, *args: str, tmp_path: Path) -> dict:
+def _run_script(script: str, *args: str, tmp_path: Path, stdout: list[str] | None = None) -> dict:
     import os
     import subprocess
     import sys
@@ -53,6 +53,8 @@ def _run_script(script: str, *args: str, tmp_path: Path) -> dict:
         cwd=BENCHMARKS.parent,
     )
     assert proc.returncode == 0, proc.stderr
+    if stdout is not None:
+        stdout.extend(proc.stdout.splitlines())
     return read_results(out)
 
 
@@ -65,3 +67,20 @@ def test_checksum_takes_quick_and_json_like_the_others(tmp_path: Path) -> None:
     assert abs(figure["ratio"] - figure["value"] / figure["baseline"]) < 1e-9
     run_all = (BENCHMARKS / "run_all.py").read_text()
     assert '"checksum": "checksum.py"' in run_all
+
+
+def test_engine_calls_writes_the_ratio_it_prints(tmp_path: Path) -> None:
+    """The printed chunk / whole ratio and the JSON's are one statistic (the ratio of the medians):
+    the JSON had the ratio of medians while the table printed the median of per-round ratios."""
+    lines: list[str] = []
+    args = ("--pages", "8", "--chunk", "2", "--rounds", "3")
+    data = _run_script("engine_calls.py", *args, tmp_path=tmp_path, stdout=lines)
+    printed = [
+        float(line.split(":", 1)[1].split()[0])
+        for line in lines
+        if line.startswith(("chunk / whole insert", "floor chunk / whole insert"))
+    ]
+    written = [figure["ratio"] for figure in data["figures"]]
+    assert len(printed) == len(written) == 2
+    for shown, ratio in zip(printed, written, strict=True):
+        assert abs(shown - ratio) < 0.006, (printed, written)
