@@ -84,3 +84,43 @@ def test_engine_calls_writes_the_ratio_it_prints(tmp_path: Path) -> None:
     assert len(printed) == len(written) == 2
     for shown, ratio in zip(printed, written, strict=True):
         assert abs(shown - ratio) < 0.006, (printed, written)
+
+
+def _load_peer_script(name: str):  # type: ignore[no-untyped-def]
+    """Import a benchmarks/peers script by path without leaving its sys.path edits behind."""
+    import importlib.util
+    import sys
+
+    saved = list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location(
+            f"_bench_peer_{name}", BENCHMARKS / "peers" / f"{name}.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
+def test_lmcache_side_gets_vllm_block_slots() -> None:
+    """LMCache is fed the slot mapping vLLM builds (16-token blocks, scattered, tokens in order
+    in a block), not one random slot per token, a layout no vLLM engine hands it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    lmcache = _load_peer_script("lmcache")
+    tokens, block = 1024, 16
+    blocks = 2 * tokens // block + 1
+    worker = SimpleNamespace(slots_total=blocks * block, args=SimpleNamespace(tokens=tokens))
+    slots = lmcache.LMCacheWorker._slots(worker, 3)
+    assert slots.shape == (tokens,) and len(set(slots.tolist())) == tokens
+    assert int(slots.min()) >= 0 and int(slots.max()) < blocks * block
+    rows = slots.reshape(-1, block)
+    assert torch.equal(rows - rows[:, :1], torch.arange(block).expand_as(rows))  # in order in a block
+    assert bool((rows[:, 0] % block == 0).all())  # each block starts on a block boundary
+    starts = rows[:, 0] // block
+    assert not torch.equal(starts, torch.arange(starts[0], starts[0] + len(starts)))  # scattered
+    assert torch.equal(slots, lmcache.LMCacheWorker._slots(worker, 3))  # the same each call
