@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -69,6 +71,7 @@ def test_checksum_takes_quick_and_json_like_the_others(tmp_path: Path) -> None:
     assert '"checksum": "checksum.py"' in run_all
 
 
+@pytest.mark.slow  # a subprocess measuring 3 rounds: ~8 s
 def test_engine_calls_writes_the_ratio_it_prints(tmp_path: Path) -> None:
     """The printed chunk / whole ratio and the JSON's are one statistic (the ratio of the medians):
     the JSON had the ratio of medians while the table printed the median of per-round ratios."""
