@@ -28,6 +28,7 @@ BENCHMARKS = {
     "pools": "pools.py",
     "vllm_staging": "vllm_staging.py",
     "storage": "storage.py",
+    "checksum": "checksum.py",
     "tree": "tree.py",
     "engine": "engine.py",
     "engine_calls": "engine_calls.py",

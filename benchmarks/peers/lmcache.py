@@ -9,7 +9,8 @@ bf16) and move ``--tokens`` tokens per request in chunks of ``--chunk`` tokens (
 
 * **LMCache**: ``LMCacheEngine.store(tokens, kvcaches=..., slot_mapping=...)`` and
   ``retrieve(...)`` with the ``local_cpu`` backend (``max_local_cpu_size`` 2 GB, no remote),
-  the vLLM paged layout ``(2, blocks, 16, heads, head_dim)`` per layer with scattered slots. Its
+  the vLLM paged layout ``(2, blocks, 16, heads, head_dim)`` per layer, the request in scattered
+  16-token blocks (its ``slot_mapping`` as vLLM builds it: :func:`vllm_slot_mapping`). Its
   vLLM connector needs CUDA streams; the worker's connector (:class:`CPUPagedConnector`) is that
   connector minus the streams, moving the bytes with LMCache's own CPU transfer
   (``device_ops.multi_layer_kv_transfer``, its vectorised non-CUDA path).
@@ -70,6 +71,19 @@ def request_kv(round_id: int, shape: tuple[int, ...]) -> Any:
 
     generator = torch.Generator().manual_seed(2_000 + round_id)
     return torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator).view(torch.bfloat16)
+
+
+def vllm_slot_mapping(round_id: int, blocks: int, tokens: int) -> Any:
+    """The slot of each token as vLLM hands it to LMCache: ``block_table[i // 16] * 16 + i % 16``,
+    the request's 16-token blocks scattered over the paged KV (a seeded draw of ``blocks``) and
+    its tokens in order within each block. A draw per token instead (each token's K and V alone
+    somewhere in the cache) is a mapping vLLM never makes, and costs LMCache's per-slot transfer
+    locality that kvstrata's whole pages keep."""
+    import torch
+
+    generator = torch.Generator().manual_seed(3_000 + round_id)
+    table = torch.randperm(blocks, generator=generator)[: -(-tokens // BLOCK)]
+    return (table.unsqueeze(1) * BLOCK + torch.arange(BLOCK)).reshape(-1)[:tokens]
 
 
 # --- the workers (run in their own process) ------------------------------------------------------
@@ -175,10 +189,7 @@ class LMCacheWorker:
         self.slots_total = blocks * BLOCK
 
     def _slots(self, round_id: int) -> Any:
-        import torch
-
-        generator = torch.Generator().manual_seed(3_000 + round_id)
-        return torch.randperm(self.slots_total, generator=generator)[: self.args.tokens]
+        return vllm_slot_mapping(round_id, self.slots_total // BLOCK, self.args.tokens)
 
     def _tokens_view(self, layer: int) -> Any:
         return self.kv[layer].view(2, -1, HEADS, HEAD_DIM)

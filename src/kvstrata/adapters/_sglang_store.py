@@ -5,6 +5,7 @@ every pool's hit policy allows. ``KvstrataHiCacheStorage`` maps SGLang's calls o
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -30,9 +31,20 @@ class PageStore:
     def __init__(self, engine: StorageEngine, stats: Stats) -> None:
         self.engine = engine
         self._stats = stats
+        # the prefix continuation (see ``refresh``): one count per call of this store, and
+        # (pool, last key, chain length, count) of the call that asked L3 for a whole chain
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._chain: tuple[str, str, int, int] | None = None
+
+    def _step(self) -> int:
+        with self._lock:
+            self._calls += 1
+            return self._calls
 
     def write(self, pool: PageFormat, keys: Sequence[str], make: Any) -> list[bool]:
         """Store the pages of ``keys`` not stored yet; ``make(positions)`` gives their Transfer."""
+        self._step()
         if not keys:
             return []
         hashes = [page_key(key) for key in keys]
@@ -56,19 +68,50 @@ class PageStore:
         self._stats.record(False, written, written * pool.unit_bytes, time.perf_counter() - start)
         return ok
 
-    def refresh(self, prefix_keys: Sequence[str], *pools: PageFormat) -> None:
+    def refresh(self, prefix_keys: Sequence[str], *pools: PageFormat) -> int:
         """Ask L3, in each of ``pools``, for the pages above a backup or a query (SGLang's
         ``prefix_keys``): SGLang serves them from its own tiers and never reads or writes them
         here again, so a store that evicts in LRU order (``capacity_bytes``) would drop that hot
         prefix first -- and every page keyed under it with it. Asking is a use to such a store;
-        the answer is not needed."""
-        if prefix_keys:
-            keys = [page_key(key) for key in prefix_keys]
-            for pool in pools:
-                self.engine.exists(pool.name, keys)
+        the answer is not needed.
+
+        SGLang splits a request into batches of 128 pages and names, above each, the prefix and
+        every batch before it: asking for all of them each time cost O(pages^2 / 128) lookups
+        (32k one-token pages: 4.2M). A continuation -- ``prefix_keys`` ending with the chain the
+        previous call on this store asked for whole (:meth:`asked`), no call of this store in
+        between -- asks nothing: that chain was used just now, in the same LRU order a repeat
+        would give it but for the last batch. Returns the count :meth:`asked` takes."""
+        with self._lock:
+            chain, self._chain = self._chain, None
+            self._calls += 1
+            call = self._calls
+        if not prefix_keys:
+            return call
+        if (
+            chain is not None
+            and len(pools) == 1
+            and chain == (pools[0].name, prefix_keys[-1], len(prefix_keys), call - 1)
+        ):
+            return call
+        keys = [page_key(key) for key in prefix_keys]
+        for pool in pools:
+            self.engine.exists(pool.name, keys)
+        return call
+
+    def asked(self, pool: PageFormat, prefix_keys: Sequence[str], keys: Sequence[str], since: int) -> None:
+        """The call whose :meth:`refresh` returned ``since`` has asked L3 (in ``pool``) for each of
+        ``keys`` after ``prefix_keys`` with one call of this store (a write or a leading query);
+        if no other call came in between, ``prefix_keys + keys`` is now the chain a next
+        ``refresh`` may take as used (SGLang's next batch names exactly that as its prefix)."""
+        if not keys:
+            return
+        with self._lock:
+            if self._calls == since + 1:
+                self._chain = (pool.name, keys[-1], len(prefix_keys) + len(keys), self._calls)
 
     def read(self, pool: PageFormat, keys: Sequence[str], make: Any) -> list[bool]:
         """Read the pages of ``keys``; ``make()`` gives the Transfer; only verified pages land."""
+        self._step()
         if not keys:
             return []
         start = time.perf_counter()
@@ -94,6 +137,7 @@ class PageStore:
         """Leading run of stored pages, asked in growing chunks (1, 16, 32, 64 ...) that stop at the
         first missing page: a prefix missing from the start costs one lookup, a partial hit a few,
         not one per page of the query."""
+        self._step()
         done, chunk = 0, 1
         while done < len(keys):
             batch = [page_key(key) for key in keys[done : done + chunk]]

@@ -232,8 +232,11 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         pages = _checked_pages(pool, host_indices, len(keys))  # (before the dedup: see its docstring)
         if pages is None:
             return [False] * len(keys)
-        self.pages.refresh(_prefix_keys(extra_info), pool)
-        return self.pages.write(pool, keys, lambda at: pool.write_units(pages[at]))
+        prefix = _prefix_keys(extra_info)
+        since = self.pages.refresh(prefix, pool)
+        ok = self.pages.write(pool, keys, lambda at: pool.write_units(pages[at]))
+        self.pages.asked(pool, prefix, keys, since)  # its dedup asked for every key
+        return ok
 
     @_never_raises(_all_false)
     def batch_get_v1(
@@ -298,8 +301,12 @@ class KvstrataHiCacheStorage(HiCacheStorage):
         """How many leading pages of ``keys`` the backend holds (SGLang's prefix length). The
         ``prefix_keys`` above them (pages SGLang serves itself) are asked for too: a request
         that reads its pages from L3 backs up nothing, so no ``batch_set`` names its prefix."""
-        self.pages.refresh(_prefix_keys(extra_info), self._anchor())
-        return self.pages.leading(self._anchor(), keys)
+        anchor, prefix = self._anchor(), _prefix_keys(extra_info)
+        since = self.pages.refresh(prefix, anchor)
+        found = self.pages.leading(anchor, keys)
+        if found == len(keys):  # every key asked for
+            self.pages.asked(anchor, prefix, keys, since)
+        return found
 
     # v2: hybrid stacks (every pool registered through register_mem_host_pool_v2)
 
