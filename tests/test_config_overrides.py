@@ -175,3 +175,37 @@ def test_an_admission_filter_error_names_the_path_as_written() -> None:
         ConfigError([("policy.admission.storage.min_hits", "x")]), ["policy.admission.storage.min_hits=0"]
     )
     assert blamed.source == "--set policy.admission.storage.min_hits=0"
+
+
+def test_a_key_a_yaml_base_set_is_reset_to_null_past_a_toml_file(tmp_path: Path) -> None:
+    """TOML has no null, and a key a TOML file leaves out keeps the base's value: the README's
+    ways to reset one whose null means something (no cap, Mooncake's own deadline) must work on
+    top of a TOML file."""
+    import yaml
+
+    base = tmp_path / "base.yaml"
+    storage = {"l3": {"type": "file", "path": str(tmp_path / "l3"), "capacity_bytes": 1 << 20}}
+    base.write_text(
+        yaml.safe_dump(
+            {"model": MODEL, "policy": {"prefetch": {"timeout_max_s": 10}}, "tiers": {"storage": storage}}
+        )
+    )
+    toml = tmp_path / "over.toml"
+    toml.write_text("[policy.prefetch]\ntimeout_base_s = 2.0\n")
+    later = tmp_path / "reset.json"
+    later.write_text(json.dumps({"policy": {"prefetch": {"timeout_max_s": None}}}))
+    kept = kvstrata.load([base, toml], environ={})
+    assert kept.policy.prefetch.timeout_max_s == 10 and kept.tiers.storage["l3"].capacity_bytes == 1 << 20
+    env = {
+        "KVSTRATA_POLICY__PREFETCH__TIMEOUT_MAX_S": "null",
+        "KVSTRATA_TIERS__STORAGE__L3__CAPACITY_BYTES": "null",
+    }
+    sets = ["policy.prefetch.timeout_max_s=null", "tiers.storage.l3.capacity_bytes=null"]
+    for config in (
+        kvstrata.load([base, toml], environ=env),
+        kvstrata.load([base, toml], environ={}, overrides=sets),
+    ):
+        assert (
+            config.policy.prefetch.timeout_max_s is None and config.tiers.storage["l3"].capacity_bytes is None
+        )
+    assert kvstrata.load([base, toml, later], environ={}).policy.prefetch.timeout_max_s is None

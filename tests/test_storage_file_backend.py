@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.plugins.storage_backend import OBJECT_MAGIC, BufferRegion, StorageBackend, StorageObject
+from kvstrata.storage_backends import _file_index
 from kvstrata.storage_backends import _file_io as file_backend_io
 from kvstrata.storage_backends import file as file_backend
 from kvstrata.storage_backends._file_index import _host_tag
@@ -339,14 +340,13 @@ def test_a_dead_writers_temp_file_of_this_host_is_swept_at_open_however_young(tm
     evicting nearly everything on each put (audit 28: 23 dead temp files, 1 object left). A temp
     name carries its writer's pid and host: one of this host's pids no process has is swept."""
     first = open_file_backend(tmp_path, capacity_bytes=10_000)
-    host = first._tmp_prefix.split("-")[2][:4]
+    host = first._tmp_prefix.split("-")[2][:8]
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # a pid no process has now
-    dead = _temp_name(first, "dead-writer", pid=child.pid, token=host + "0000")
-    alive = _temp_name(first, "live-writer", pid=os.getppid(), token=host + "0000")
-    elsewhere = _temp_name(
-        first, "other-host", pid=child.pid, token=("0000" if host != "0000" else "1111") + "0000"
-    )
+    dead = _temp_name(first, "dead-writer", pid=child.pid, token=host + "0" * 8)
+    alive = _temp_name(first, "live-writer", pid=os.getppid(), token=host + "0" * 8)
+    other = "0" * 8 if host != "0" * 8 else "1" * 8
+    elsewhere = _temp_name(first, "other-host", pid=child.pid, token=other + "0" * 8)
     first.close()
     for path in (dead, alive, elsewhere):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -364,14 +364,14 @@ def test_a_temp_file_of_a_writer_in_another_pid_namespace_of_this_host_is_not_sw
     name's host tag names the PID namespace too, so such a writer's young temp file is counted,
     not deleted under it (its put failed); one of this namespace's dead writers still goes."""
     first = open_file_backend(tmp_path, capacity_bytes=10_000)
-    here = first._tmp_prefix.split("-")[2][:4]
+    here = first._tmp_prefix.split("-")[2][:8]
     assert here == _host_tag()
     pod = _host_tag(socket.gethostname(), "pid:[1]")  # the same host name, another namespace
     assert pod != here
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # a pid no process has now (here)
-    theirs = _temp_name(first, "pod-writer", pid=child.pid, token=pod + "0000")
-    ours = _temp_name(first, "dead-writer", pid=child.pid, token=here + "0000")
+    theirs = _temp_name(first, "pod-writer", pid=child.pid, token=pod + "0" * 8)
+    ours = _temp_name(first, "dead-writer", pid=child.pid, token=here + "0" * 8)
     first.close()
     for path in (theirs, ours):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -379,6 +379,33 @@ def test_a_temp_file_of_a_writer_in_another_pid_namespace_of_this_host_is_not_sw
     backend = open_file_backend(tmp_path, capacity_bytes=10_000, stale_temp_s=600)
     assert theirs.exists(), "another PID namespace's live writer lost its temp file"
     assert not ours.exists() and backend.stale_temps_removed == 1
+    backend.close()
+
+
+def test_a_live_writer_of_another_host_keeps_its_temp_file_though_the_names_hash_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hosts sharing one directory tell their writers apart by a tag of host name and PID
+    namespace. 4 hex digits of it made ``node-106`` and ``node-154`` one host (two of ~150 hosts
+    likely share one): ``node-154`` opening took ``node-106``'s live writer, whose pid it has not,
+    for one of its own dead ones and deleted its young temp file under it (that put failed).
+    A temp file of an earlier release (4-digit tag) is counted, never judged by its pid."""
+    namespace = "pid:[4026531836]"
+    monkeypatch.setattr(_file_index, "_pid_namespace", lambda: namespace)
+    monkeypatch.setattr(_file_index.socket, "gethostname", lambda: "node-154")
+    first = open_file_backend(tmp_path, capacity_bytes=10_000)
+    tag = _host_tag("node-106", namespace)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a pid no process has here
+    theirs = _temp_name(first, "node-106-writer", pid=child.pid, token=tag + "0" * len(tag))
+    older = _temp_name(first, "old-release-writer", pid=child.pid, token=_host_tag()[:4] + "0" * 4)
+    first.close()
+    for path in (theirs, older):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes(1000))
+    backend = open_file_backend(tmp_path, capacity_bytes=10_000, stale_temp_s=600)
+    assert theirs.exists(), "another host's live writer lost its temp file"
+    assert older.exists() and backend.stale_temps_removed == 0 and backend.used_bytes == 2000
     backend.close()
 
 

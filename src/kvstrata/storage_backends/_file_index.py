@@ -28,9 +28,11 @@ from kvstrata.storage_backends._file_removals import RemovalsNote
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _TMP_MARK = ".tmp-"
-#: A temp file of this backend: ``.{object name}.tmp-{pid}-{host tag}{4 hex}-{serial}``.
+#: A temp file of this backend: ``.{object name}.tmp-{pid}-{host tag}{random}-{serial}``, tag and
+#: random 8 hex digits each. Earlier releases wrote 4 each: such names are still other writers'
+#: temp files, whose 4-digit tag never matches this host's (only their age makes them stale).
 _TMP_NAME = re.compile(
-    r"^\.(?P<name>[A-Za-z0-9_.-]{1,200})\.tmp-(?P<pid>\d+)-(?P<host>[0-9a-f]{4})[0-9a-f]{4}-\d+$"
+    r"^\.(?P<name>[A-Za-z0-9_.-]{1,200})\.tmp-(?P<pid>\d+)-(?P<token>[0-9a-f]{16}|[0-9a-f]{8})-\d+$"
 )
 _DIGEST_NAME = re.compile(r"^[0-9a-f]{32}$")
 _HEX = frozenset("0123456789abcdef")
@@ -85,7 +87,7 @@ class FileIndex:
         self._used = 0
         self._lock = threading.Lock()
         self._host = _host_tag()  # in each temp name: says whose pids this host can check
-        self._tmp_prefix = f"{_TMP_MARK}{os.getpid()}-{self._host}{uuid.uuid4().hex[:4]}-"
+        self._tmp_prefix = f"{_TMP_MARK}{os.getpid()}-{self._host}{uuid.uuid4().hex[:8]}-"
         #: Abandoned temp files (of writers that died) removed at open or under capacity pressure.
         self.stale_temps_removed = 0
         #: Evicted objects whose file could not be removed (they stay on disk, out of the index).
@@ -378,19 +380,26 @@ def _pid_namespace() -> str:
 
 
 def _host_tag(hostname: str | None = None, pid_namespace: str | None = None) -> str:
-    """4 hex digits of this host's name and PID namespace in each temp file's name: a writer's
+    """8 hex digits of this host's name and PID namespace in each temp file's name: a writer's
     pid says whether it is alive only where its pids are (containers with the host's network
-    share its name, not its pids: a pod's live writer looked dead to another pod)."""
+    share its name, not its pids: a pod's live writer looked dead to another pod). 32 bits: with
+    4 digits, two of ~150 hosts sharing a directory likely had one tag (``node-106`` and
+    ``node-154`` do), and each took the other's live writers for its own dead ones at open,
+    deleting their temp files under them (those puts failed)."""
     host = socket.gethostname() if hostname is None else hostname
     namespace = _pid_namespace() if pid_namespace is None else pid_namespace
-    return hashlib.blake2b(f"{host}\x00{namespace}".encode(), digest_size=2).hexdigest()
+    return hashlib.blake2b(f"{host}\x00{namespace}".encode(), digest_size=4).hexdigest()
 
 
 def _writer_gone(temp_name: str, host: str) -> bool:
     """Whether the temp file ``temp_name`` is a dead writer's: one of this host's pids that no
     process has now (another user's live process answers ``PermissionError``: alive)."""
     match = _TMP_NAME.match(temp_name)
-    if match is None or match["host"] != host or int(match["pid"]) == os.getpid():
+    if (
+        match is None
+        or match["token"][: len(match["token"]) // 2] != host
+        or int(match["pid"]) == os.getpid()
+    ):
         return False
     try:
         os.kill(int(match["pid"]), 0)

@@ -26,23 +26,29 @@ _Staged = tuple[int, int, int, int, int]
 
 
 class _Ranges:
-    """Sorted, merged address intervals: answers "is [ptr, ptr+n) fully covered?" by bisection."""
+    """Sorted, merged address intervals: answers "is [ptr, ptr+n) fully covered?" by bisection.
+
+    Copy-on-write: ``add`` (under the backend's state lock) builds new lists and publishes them in
+    one assignment, so a batch plan reads them without that lock. Edited in place, a plan running
+    beside a registration saw the starts of one version with the ends of another and called a
+    region in a gap registered (handing Mooncake memory it cannot move)."""
 
     def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.ends: list[int] = []
+        self._spans: tuple[list[int], list[int]] = ([], [])  # (starts, ends), never edited
 
     def covers(self, ptr: int, nbytes: int) -> bool:
-        index = bisect.bisect_right(self.starts, ptr) - 1
-        return index >= 0 and ptr + nbytes <= self.ends[index]
+        starts, ends = self._spans
+        index = bisect.bisect_right(starts, ptr) - 1
+        return index >= 0 and ptr + nbytes <= ends[index]
 
     def gaps(self, ptr: int, nbytes: int) -> list[tuple[int, int]]:
         """Sub-ranges of [ptr, ptr+n) not yet covered, as (start, length)."""
+        starts, ends = self._spans
         out: list[tuple[int, int]] = []
         cursor, end = ptr, ptr + nbytes
-        index = max(bisect.bisect_right(self.starts, ptr) - 1, 0)
-        while cursor < end and index < len(self.starts):
-            start, stop = self.starts[index], self.ends[index]
+        index = max(bisect.bisect_right(starts, ptr) - 1, 0)
+        while cursor < end and index < len(starts):
+            start, stop = starts[index], ends[index]
             if stop <= cursor:
                 index += 1
                 continue
@@ -57,14 +63,16 @@ class _Ranges:
         return out
 
     def add(self, ptr: int, nbytes: int) -> None:
+        starts, ends = list(self._spans[0]), list(self._spans[1])
         start, end = ptr, ptr + nbytes
-        index = bisect.bisect_left(self.ends, start)
-        while index < len(self.starts) and self.starts[index] <= end:
-            start = min(start, self.starts[index])
-            end = max(end, self.ends[index])
-            del self.starts[index], self.ends[index]
-        self.starts.insert(index, start)
-        self.ends.insert(index, end)
+        index = bisect.bisect_left(ends, start)
+        while index < len(starts) and starts[index] <= end:
+            start = min(start, starts[index])
+            end = max(end, ends[index])
+            del starts[index], ends[index]
+        starts.insert(index, start)
+        ends.insert(index, end)
+        self._spans = (starts, ends)
 
 
 class MooncakeMemory:

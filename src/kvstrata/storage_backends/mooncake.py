@@ -254,7 +254,9 @@ class MooncakeBackend(MooncakeIO, StorageBackend):
         with a 1 s RPC deadline for a stopped master; ~10 s for one killed a few seconds
         earlier, refusing connections), so the store is deliberately leaked with a warning, its
         destructor included (one extra reference), and the process goes on; the master drops
-        it once the process exits and its heartbeats stop."""
+        it once the process exits and its heartbeats stop. Its native threads run until then,
+        and Mooncake's exit handler still tears it down at process exit (~10 s there for a
+        killed master: docs/storage.md)."""
         store = self._detach_store()
         if store is not None:
             role, address = self._endpoint
