@@ -132,6 +132,19 @@ def usable_length(op: PrefetchOp, pools: PoolGroup, layout: StackLayout, exists:
     return end
 
 
+def _failed(op: PrefetchOp, metrics: CacheMetrics, asked: bool) -> None:
+    """A worker that raised read nothing: one failure, and the pages no reason counts yet lost
+    as a failed existence query's (``asked`` False: every page asked for) or a failed read's."""
+    metrics.fail()
+    op.pages = 0
+    if not asked:
+        op.exists_failed, op.found_known = True, True
+        op.lost.clear()
+        _lose(op, SkipReason.STORAGE_DOWN, len(op.hashes))
+    else:
+        _lose(op, SkipReason.DAMAGED_OBJECT, op.read_end)
+
+
 def read_prefix(
     engine: StorageEngine,
     pools: PoolGroup,
@@ -249,12 +262,13 @@ class Prefetcher:
         """Existence per pool, the usable length by each pool's rule, then the read (``late``:
         only the read, into the units ``finish`` made room for). Never touches the tree;
         ``done`` is always set."""
+        asked = late  # L3 said what it holds: a failure from here on fails the read
         try:
             if late:
                 op.pages = self._read_verified(op, op.read_end)
                 return
             end = usable_length(op, self.pools, self.layout, functools.partial(self._exists, op))
-            op.read_end = end
+            op.read_end, asked = end, True
             if end > 0 and not op.cancelled:
                 needs = self.layout.slot_counts(end)
                 got = self.units.try_alloc(Tier.HOST, needs)  # allocators are thread-safe
@@ -263,9 +277,9 @@ class Prefetcher:
                 else:
                     op.reserved = got
                     op.pages = self._read_verified(op, end)
-        except BaseException:  # an engine bug, or a plugin's BaseException (asyncio.CancelledError)
-            log.exception("prefetch failed")  # on this worker thread: the read fails, nothing leaks
-            op.pages = 0
+        except BaseException:  # an engine bug, or a plugin's BaseException (asyncio.CancelledError,
+            log.exception("prefetch failed")  # an interrupt): the read fails, counted; not re-raised,
+            _failed(op, self.metrics, asked)  # a worker's future is no one's to read
         finally:
             if not late:  # (one sample per prefetch)
                 self.metrics.latency("prefetch", time.perf_counter() - op.started_s)
