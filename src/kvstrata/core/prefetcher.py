@@ -42,10 +42,10 @@ from kvstrata.core.metrics import CacheMetrics, Operation, SkipReason, count_fai
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.prefetch_end import PrefetchEnd, prefetch_end
-from kvstrata.core.prefetch_op import PrefetchOp
+from kvstrata.core.prefetch_op import PrefetchOp, read_failed
 from kvstrata.core.stack import PoolKind, StackLayout, pool_batch
 from kvstrata.core.storage_engine import PoolBatch, StorageEngine, longest_present_prefix
-from kvstrata.core.tree import PageKey, Tier, TreeNode
+from kvstrata.core.tree import InsertResult, PageKey, Tier, TreeNode
 from kvstrata.core.unit_digests import UnitDigests, check_span
 from kvstrata.core.write_back import StoredWindowEnds
 from kvstrata.plugins.pool_type import PartialHit
@@ -132,19 +132,6 @@ def usable_length(op: PrefetchOp, pools: PoolGroup, layout: StackLayout, exists:
     return end
 
 
-def _failed(op: PrefetchOp, metrics: CacheMetrics, asked: bool) -> None:
-    """A worker that raised read nothing: one failure, and the pages no reason counts yet lost
-    as a failed existence query's (``asked`` False: every page asked for) or a failed read's."""
-    metrics.fail()
-    op.pages = 0
-    if not asked:
-        op.exists_failed, op.found_known = True, True
-        op.lost.clear()
-        _lose(op, SkipReason.STORAGE_DOWN, len(op.hashes))
-    else:
-        _lose(op, SkipReason.DAMAGED_OBJECT, op.read_end)
-
-
 def read_prefix(
     engine: StorageEngine,
     pools: PoolGroup,
@@ -189,6 +176,16 @@ def read_prefix(
             usable = min(usable, lo + have)  # the window may end just before the bad page
     metrics.add_bytes("storage_to_host", nbytes)
     return pages, min(usable, pages)
+
+
+def _insert_host(context: PartContext, keys: list[PageKey], values: dict[str, torch.Tensor]) -> InsertResult:
+    """``tree.insert_host``; where it raises (an eviction order's ``split`` / ``inserted`` hook
+    interrupted, before or after the tree took them), the units no node holds are no one's."""
+    try:
+        return context.tree.insert_host(keys, values)
+    except BaseException:
+        context.units.free_unowned(Tier.HOST, values)
+        raise
 
 
 class Prefetcher:
@@ -279,7 +276,7 @@ class Prefetcher:
                     op.pages = self._read_verified(op, end)
         except BaseException:  # an engine bug, or a plugin's BaseException (asyncio.CancelledError,
             log.exception("prefetch failed")  # an interrupt): the read fails, counted; not re-raised,
-            _failed(op, self.metrics, asked)  # a worker's future is no one's to read
+            read_failed(op, self.metrics, asked)  # a worker's future is no one's to read
         finally:
             if not late:  # (one sample per prefetch)
                 self.metrics.latency("prefetch", time.perf_counter() - op.started_s)
@@ -407,11 +404,11 @@ class Prefetcher:
         if self.digests and not check_span(self.digests, "l3_restore", values, op.hashes[:pages], Tier.HOST):
             self.release(op)  # not the bytes committed for them: a miss
             return 0
-        op.reserved = spare  # the tree's from here (insert_host interrupted midway: they leak)
-        result = self.tree.insert_host(list(keys[: op.start + pages]), values)
-        if self.layout.windowed:  # its last window was just read from L3: no write puts it back
-            self.window_ends.add(result.node)
+        op.reserved = spare  # the tree's from here
+        result = _insert_host(self.context, list(keys[: op.start + pages]), values)
         try:
+            if self.layout.windowed:  # its last window was just read from L3: no write puts it back
+                self.window_ends.add(result.node)
             self.release(op)
         finally:
             self.units.free(Tier.HOST, result.duplicates)
