@@ -352,6 +352,10 @@ def copy_units(
     Works for any layout pair and any devices. Between CUDA and host memory the copies are issued
     non-blocking on ``stream`` (else on the tier pair's own side stream) and the returned
     handle must be waited on; CPU-only copies are complete on return. Logical pools copy nothing.
+
+    ``dst_indices`` must be distinct; that is not checked (a check costs a sort per copy on the
+    hot path): every caller's destinations are units it has just allocated. A repeated one gets
+    one of its sources (the last on CPU; on CUDA, unspecified).
     """
     pair = _view_pairs(src, dst)
     views, arrays, aliases = pair.views, pair.arrays, pair.aliases
