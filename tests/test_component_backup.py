@@ -189,3 +189,30 @@ def test_write_through_writes_every_checkpoint_with_fewer_host_state_slots_than_
     for k in (4, 8):
         _restores_from_l3("hybrid-mamba", tmp_path, torch.cat([prompt[: k * PAGE], tokens(95, 1)]), k)
     _restores_from_l3("hybrid-mamba", tmp_path, other, 8)
+
+
+def test_a_component_backup_whose_copy_raises_gives_back_its_host_unit(tmp_path: Path) -> None:
+    """Fault injection (the pool group's device -> host copy raising when called for a component
+    a backed-up node gained): the host slot allocated for the checkpoint stayed in use by no one."""
+    import sys
+
+    a = tokens(71, 6)
+    b = torch.cat([a[: 3 * PAGE], tokens(72, 3)])
+    with open_cache("hybrid-mamba", tmp_path, WAIT) as cache:
+        _serve_in_two_chunks(cache, a, 6)
+        real = cache.pools.device_to_host
+        failed = []
+
+        def copy_fails(*args: object) -> object:
+            if sys._getframe(1).f_code.co_name == "copy_components":
+                failed.append(args[0])
+                raise RuntimeError("injected copy fault")
+            return real(*args)  # type: ignore[arg-type]
+
+        cache.pools.device_to_host = copy_fails  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="injected copy fault"):
+            _serve_in_two_chunks(cache, b, 3)
+        del cache.pools.device_to_host
+        assert failed == ["mamba"]
+        cache.flush()
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache), "the host slot leaked"

@@ -13,6 +13,7 @@ import torch
 
 from controller_support import (
     device_accounting,
+    fill,
     host_units_held_by_tree,
     host_units_in_use,
     open_cache,
@@ -324,3 +325,25 @@ def test_a_backend_raising_anything_fails_that_read_counted_and_leaks_nothing(
         cache.release(lease)
         assert host_units_in_use(cache) == host_units_held_by_tree(cache)
         assert cache.prefetcher is not None and cache.prefetcher.reserved_pages == 0
+
+
+@pytest.mark.parametrize("stack", ["kv", "hybrid-mamba"])
+def test_a_backup_whose_copy_raises_gives_back_its_host_units(stack: str) -> None:
+    """A device -> host copy that raises (fault injection: a patched copy) left the host units
+    the backup had allocated for it in use by no one (6 host units per failed backup of 6 pages)."""
+    with open_cache(stack) as cache:
+        lease = cache.lookup(tokens(1, 6))
+        cache.admit(lease)
+        fill(cache, lease, cache.allocate(lease))
+
+        def copy_fails(*args: object, **kwargs: object) -> list:
+            raise RuntimeError("injected copy fault")
+
+        cache.pools.device_to_host = copy_fails  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="injected copy fault"):
+            cache.insert(lease)  # write-through: backs the pages up
+        del cache.pools.device_to_host
+        cache.release(lease)
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache), "host units leaked"
+        assert serve(cache, tokens(2, 6))[1] == 0
+        assert cache.tree.units(cache.layout.anchor, "host") >= 6, "the next backups are made"
