@@ -210,9 +210,17 @@ def test_a_component_backup_whose_copy_raises_gives_back_its_host_unit(tmp_path:
             return real(*args)  # type: ignore[arg-type]
 
         cache.pools.device_to_host = copy_fails  # type: ignore[method-assign]
+        lease = cache.lookup(b[: 3 * PAGE])  # B, as ``_serve_in_two_chunks`` serves it
+        cache.admit(lease)
         with pytest.raises(RuntimeError, match="injected copy fault"):
-            _serve_in_two_chunks(cache, b, 3)
+            for last in (False, True):
+                units = cache.allocate(lease)
+                cache.fork_state(lease)
+                fill(cache, lease, units)
+                cache.insert(lease, close=last)
+                lease.extend(b[3 * PAGE :])
         del cache.pools.device_to_host
+        cache.release(lease)
         assert failed == ["mamba"]
         cache.flush()
         assert host_units_in_use(cache) == host_units_held_by_tree(cache), "the host slot leaked"
