@@ -210,3 +210,38 @@ def test_write_back_writes_every_checkpoint_an_eviction_drops_with_3_host_state_
         assert cache.tree.units("mamba", "host") == 3
     for k in (4, 8):
         _restores_from_l3("hybrid-mamba", tmp_path, torch.cat([prompt[: k * PAGE], tokens(99, 1)]), k)
+
+
+def test_a_component_backup_whose_copy_raises_gives_back_its_host_unit(tmp_path: Path) -> None:
+    """Fault injection (the pool group's device -> host copy raising when called for a component
+    a backed-up node gained): the host slot allocated for the checkpoint stayed in use by no one."""
+    import sys
+
+    a = tokens(71, 6)
+    b = torch.cat([a[: 3 * PAGE], tokens(72, 3)])
+    with open_cache("hybrid-mamba", tmp_path, WAIT) as cache:
+        _serve_in_two_chunks(cache, a, 6)
+        real = cache.pools.device_to_host
+        failed = []
+
+        def copy_fails(*args: object) -> object:
+            if sys._getframe(1).f_code.co_name == "copy_components":
+                failed.append(args[0])
+                raise RuntimeError("injected copy fault")
+            return real(*args)  # type: ignore[arg-type]
+
+        cache.pools.device_to_host = copy_fails  # type: ignore[method-assign]
+        lease = cache.lookup(b[: 3 * PAGE])  # B, as ``_serve_in_two_chunks`` serves it
+        cache.admit(lease)
+        with pytest.raises(RuntimeError, match="injected copy fault"):
+            for last in (False, True):
+                units = cache.allocate(lease)
+                cache.fork_state(lease)
+                fill(cache, lease, units)
+                cache.insert(lease, close=last)
+                lease.extend(b[3 * PAGE :])
+        del cache.pools.device_to_host
+        cache.release(lease)
+        assert failed == ["mamba"]
+        cache.flush()
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache), "the host slot leaked"

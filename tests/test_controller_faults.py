@@ -5,6 +5,7 @@ leaks no host slot."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from controller_support import (
     device_accounting,
+    fill,
     host_units_held_by_tree,
     host_units_in_use,
     open_cache,
@@ -285,3 +287,63 @@ def test_a_load_back_whose_copy_raises_gives_back_its_device_units(stack: str) -
         device_accounting(cache, [])
         again, bad = serve(cache, request)
         assert again.cached_pages == 6 and bad == 0, "the next request loads the prefix back"
+
+
+class _Interrupt(BaseException):
+    """What a KeyboardInterrupt / SystemExit is to the cache: not an ``Exception``."""
+
+
+@pytest.mark.parametrize("error", [InjectedFault, _Interrupt])
+@pytest.mark.parametrize(("call", "reason"), [("get", "damaged_object"), ("exists", "storage_down")])
+def test_a_backend_raising_anything_fails_that_read_counted_and_leaks_nothing(
+    error: type, call: str, reason: str
+) -> None:
+    """Fault injection (a backend whose ``get`` or ``exists`` raises): an ``Exception`` fails the
+    read as a counted failure with its pages skipped (damaged objects; L3 down); a
+    ``BaseException`` (an interrupt, ``SystemExit``, an async client's ``CancelledError``) on the
+    prefetch worker failed it too, but counted neither the failure nor the pages (a silent miss)."""
+
+    class Raising(FaultyBackend):
+        def exists(self, keys: Sequence[str]) -> list[bool]:
+            if call == "exists":
+                raise error("injected exists failure")
+            return [True] * len(keys)
+
+        def get(self, objects: object) -> list[int]:
+            raise error("injected get failure")
+
+    host = PluginHost()
+    host.storage_backends.register(Raising)
+    overrides = ["tiers.storage={l3: {type: faults, operations: []}}", "policy.prefetch.threshold_tokens=64"]
+    with open_cache("kv", overrides=overrides, host=host) as cache:
+        lease = cache.lookup(tokens(1, 4), prefetch="wait")
+        assert lease.prefetch is not None and lease.prefetch.done.wait(30)
+        cache.admit(lease)
+        assert lease.cached_pages == 0
+        assert lease.skipped == {reason: 4}, "the pages L3 held are counted"
+        assert cache.metrics.snapshot()["failures"] >= 1
+        cache.release(lease)
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+        assert cache.prefetcher is not None and cache.prefetcher.reserved_pages == 0
+
+
+@pytest.mark.parametrize("stack", ["kv", "hybrid-mamba"])
+def test_a_backup_whose_copy_raises_gives_back_its_host_units(stack: str) -> None:
+    """A device -> host copy that raises (fault injection: a patched copy) left the host units
+    the backup had allocated for it in use by no one (6 host units per failed backup of 6 pages)."""
+    with open_cache(stack) as cache:
+        lease = cache.lookup(tokens(1, 6))
+        cache.admit(lease)
+        fill(cache, lease, cache.allocate(lease))
+
+        def copy_fails(*args: object, **kwargs: object) -> list:
+            raise RuntimeError("injected copy fault")
+
+        cache.pools.device_to_host = copy_fails  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="injected copy fault"):
+            cache.insert(lease)  # write-through: backs the pages up
+        del cache.pools.device_to_host
+        cache.release(lease)
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache), "host units leaked"
+        assert serve(cache, tokens(2, 6))[1] == 0
+        assert cache.tree.units(cache.layout.anchor, "host") >= 6, "the next backups are made"

@@ -318,3 +318,34 @@ def test_an_interrupt_after_a_prefetch_is_in_the_tree_leaves_the_tree_its_units(
     assert _reread_after_others(cache, request, 5) == 0, "another request's bytes served"
     _host_exact(cache)
     cache.close()
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_interrupt_inside_insert_host_frees_the_units_the_tree_did_not_take(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """Fault injection (a patched ``PrefixTree.insert_host`` raising before, or after, the real
+    insert: an eviction order's ``split`` / ``inserted`` hook interrupted). ``commit`` had handed
+    the read's units to the tree, so an interrupt before the tree took them left them allocated
+    and no one's (5 host units per interrupted commit); after, the tree's must stay its own."""
+    request = tokens(4, 5)
+    cache = open_cache("kv", _stored(tmp_path, request))
+    real = PrefixTree.insert_host
+
+    def interrupted(self: PrefixTree, *args: object) -> object:
+        monkeypatch.setattr(PrefixTree, "insert_host", real)
+        if when == "after":
+            real(self, *args)  # type: ignore[arg-type]
+        raise Interrupt("insert_host")
+
+    lease = _prefetched(cache, request)
+    monkeypatch.setattr(PrefixTree, "insert_host", interrupted)
+    with pytest.raises(Interrupt):
+        cache.admit(lease)
+    cache.release(lease)
+    cache.tree.check()
+    _host_exact(cache)
+    assert cache.tree.units("kv", "host") == (5 if when == "after" else 0)
+    assert _reread_after_others(cache, request, 5) == 0, "another request's bytes served"
+    _host_exact(cache)
+    cache.close()

@@ -257,3 +257,35 @@ def test_index_source_on_a_component_is_refused(plugins: PluginHost, stack: str,
     anchor = "kv" if stack == "hybrid-mamba.yaml" else "full"
     with pytest.raises(ValueError, match=rf"pool '{pool}' \({pool}\): index_source '{anchor}' is set, but"):
         build(plugins, stack, f"model.pools.{pool}.index_source={anchor}")
+
+
+def test_a_sidecar_copy_that_raises_waits_for_the_copies_already_issued(
+    plugins: PluginHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection (a patched ``copy_units`` whose handles record their wait, the third call
+    raising): the handles of the pools already copied were dropped with the error, so no caller
+    could wait for them -- on CUDA a load-back then freed device units an issued host -> device
+    copy still wrote into. They are now waited for before the error leaves."""
+    from kvstrata.core import pool_group
+    from kvstrata.core.transfer import TransferHandle
+
+    group = build(plugins, "mla-nsa-draft.yaml")
+    issued: list[str] = []
+    waited: list[str] = []
+
+    class Recorded(TransferHandle):
+        def wait(self) -> None:
+            waited.append(self.name)
+
+    def copy_fails_third(src: object, *args: object, **kwargs: object) -> TransferHandle:
+        if len(issued) == 2:
+            raise RuntimeError("injected copy fault")
+        issued.append(str(len(issued)))
+        handle = Recorded()
+        handle.name = issued[-1]  # type: ignore[attr-defined]
+        return handle
+
+    monkeypatch.setattr(pool_group, "copy_units", copy_fails_third)
+    with pytest.raises(RuntimeError, match="injected copy fault"):
+        group.host_to_device("mla", torch.tensor([0, 1]), torch.tensor([2, 3]))
+    assert waited == ["0", "1"], "the copies issued before the fault were waited for"

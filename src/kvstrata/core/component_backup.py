@@ -24,6 +24,7 @@ from kvstrata.core.metrics import Operation
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.stack import PoolKind, StackLayout, unit_bytes
 from kvstrata.core.storage_engine import StorageEngine
+from kvstrata.core.transfer import settle_copies
 from kvstrata.core.tree import MatchResult, PrefixTree, Tier, TreeNode
 from kvstrata.core.tree_bytes import UNIT, unit_tensor
 from kvstrata.core.write_back import gained_components
@@ -94,8 +95,15 @@ def copy_components(context: PartContext, nodes: Sequence[TreeNode]) -> tuple[li
             context.metrics.count(Operation.BACKUPS_SKIPPED)
             continue
         host = got[name]
-        for handle in context.pools.device_to_host(name, unit_tensor(device), host):
-            handle.wait()
+        handles = []
+        try:  # (a copy that raises, or an interrupt: the units go back once no copy writes into them)
+            handles = context.pools.device_to_host(name, unit_tensor(device), host)
+            for handle in handles:
+                handle.wait()
+        except BaseException:
+            settle_copies(handles)
+            context.units.free(Tier.HOST, got)
+            raise
         context.tree.set_host_value(node, name, host.numpy().tobytes())
         nbytes += count * unit_bytes(context.pools, context.layout.tree_pools[name])
         if not copied or copied[-1] is not node:

@@ -16,7 +16,7 @@ import torch
 from kvstrata.core.metrics import Operation
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.stack import PoolKind, unit_bytes
-from kvstrata.core.transfer import TransferHandle
+from kvstrata.core.transfer import settle_copies
 from kvstrata.core.tree import MatchResult, Tier, TreeNode, tree_path
 
 
@@ -110,7 +110,7 @@ class LoadBack:
             for handle in handles:
                 handle.wait()
         except BaseException:  # a copy raised (or an interrupt): nothing is indexed yet, so every
-            _settle_copies(handles)  # unit goes back, once no copy issued still writes into it
+            settle_copies(handles)  # unit goes back, once no copy issued still writes into it
             self.units.free(Tier.DEVICE, got)
             raise
         # anchor first, root to leaf (device prefixes stay closed), then the components
@@ -124,12 +124,3 @@ class LoadBack:
         self.metrics.count(Operation.LOAD_BACKS)
         self.metrics.add_bytes("host_to_device", nbytes)
         return LoadBackResult(True, nbytes)
-
-
-def _settle_copies(handles: list[TransferHandle]) -> None:
-    """Wait for the copies already issued, each on its own: one that fails has nothing to wait for."""
-    for handle in handles:
-        try:
-            handle.wait()
-        except Exception:  # (the load-back's first error is the one raised)
-            continue

@@ -39,7 +39,7 @@ from pydantic import ValidationError
 from kvstrata.core.allocator import UnitAllocator
 from kvstrata.core.buffers import EngineTensor, HostAllocatorFn, PoolBuffers, engine_tensor_units
 from kvstrata.core.config import HostTierConfig, KvstrataConfig, anchor_instances, dotted
-from kvstrata.core.transfer import TransferHandle, as_index, copy_unit_bytes, copy_units
+from kvstrata.core.transfer import TransferHandle, as_index, copy_unit_bytes, copy_units, issue_copies
 from kvstrata.plugins.errors import ConfigError, PluginError
 from kvstrata.plugins.host import PluginHost
 from kvstrata.plugins.pool_type import (
@@ -491,9 +491,8 @@ class PoolGroup:
         if not pairs:
             return []
         if type(src_indices) is bytes and type(dst_indices) is bytes:  # int64 bytes: no tensors
-            return [copy_unit_bytes(src, src_indices, dst, dst_indices) for src, dst in pairs]
-        src_idx, dst_idx = as_index(src_indices), as_index(dst_indices)
-        return [copy_units(src, src_idx, dst, dst_idx) for src, dst in pairs]
+            return issue_copies(copy_unit_bytes, pairs, src_indices, dst_indices)
+        return issue_copies(copy_units, pairs, as_index(src_indices), as_index(dst_indices))
 
     def describe(self) -> list[dict[str, Any]]:
         """One row per pool (for logs and ``kvstrata doctor``)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstrata.core.metrics import SkipReason
+from kvstrata.core.metrics import CacheMetrics, SkipReason
 
 
 @dataclass(eq=False)
@@ -54,3 +54,15 @@ class PrefetchOp:
         """What a revoked read lost: the pages L3 holds (not the pages asked for), or every page
         asked for where L3 could not say (its existence query failed)."""
         return (SkipReason.STORAGE_DOWN, len(self.hashes)) if self.exists_failed else (why, self.found)
+
+
+def read_failed(op: PrefetchOp, metrics: CacheMetrics, asked: bool) -> None:
+    """A worker that raised read nothing: one failure, and the pages no reason counts yet lost
+    as a failed existence query's (``asked`` False: every page asked for) or a failed read's."""
+    metrics.fail()
+    op.pages = 0
+    if not asked:
+        op.exists_failed, op.found_known = True, True
+        op.lost = {SkipReason.STORAGE_DOWN: len(op.hashes)}
+    elif op.read_end > 0:
+        op.lost[SkipReason.DAMAGED_OBJECT] = op.lost.get(SkipReason.DAMAGED_OBJECT, 0) + op.read_end

@@ -43,10 +43,10 @@ from kvstrata.core.backend_calls import Notify
 from kvstrata.core.metrics import Operation, SkipReason, count_failure
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.prefetch_end import PrefetchEnd, prefetch_end
-from kvstrata.core.prefetch_op import PrefetchOp
+from kvstrata.core.prefetch_op import PrefetchOp, read_failed
 from kvstrata.core.prefetch_read import checkpoint, lose, read_prefix, read_verified, usable_length
 from kvstrata.core.storage_engine import StorageEngine
-from kvstrata.core.tree import PageKey, Tier, TreeNode
+from kvstrata.core.tree import InsertResult, PageKey, Tier, TreeNode
 from kvstrata.core.unit_digests import UnitDigests, check_span
 from kvstrata.core.write_back import StoredWindowEnds
 
@@ -59,6 +59,16 @@ class PrefetchMode(StrEnum):
     POLICY = "policy"  # the configured gates and end policy
     WAIT = "wait"  # no gates; admit waits for the whole read (an engine that must not recompute)
     OFF = "off"  # no L3 read for this request
+
+
+def _insert_host(context: PartContext, keys: list[PageKey], values: dict[str, torch.Tensor]) -> InsertResult:
+    """``tree.insert_host``; where it raises (an eviction order's ``split`` / ``inserted`` hook
+    interrupted, before or after the tree took them), the units no node holds are no one's."""
+    try:
+        return context.tree.insert_host(keys, values)
+    except BaseException:
+        context.units.free_unowned(Tier.HOST, values)
+        raise
 
 
 class Prefetcher:
@@ -133,6 +143,7 @@ class Prefetcher:
         only the read, into the units ``finish`` made room for; ``settle``: a shorter end's
         window and state objects, for ``shorten``). Never touches the tree; ``done`` is always set."""
         late = late or settle > 0
+        asked = late  # L3 said what it holds: a failure from here on fails the read
         try:
             if settle:
                 op.settled = checkpoint(functools.partial(self._read, op), op, settle, op.pages, op.pages)
@@ -141,7 +152,7 @@ class Prefetcher:
                 op.pages = self._read_verified(op, op.read_end)
                 return
             end = usable_length(op, self.pools, self.layout, functools.partial(self._exists, op))
-            op.read_end = end
+            op.read_end, asked = end, True
             if end > 0 and not op.cancelled:
                 needs = self.layout.slot_counts(end)
                 got = self.units.try_alloc(Tier.HOST, needs)  # allocators are thread-safe
@@ -150,9 +161,9 @@ class Prefetcher:
                 else:
                     op.reserved = got
                     op.pages = self._read_verified(op, end)
-        except BaseException:  # an engine bug, or a plugin's BaseException (asyncio.CancelledError)
-            log.exception("prefetch failed")  # on this worker thread: the read fails, nothing leaks
-            op.pages = 0
+        except BaseException:  # an engine bug, or a plugin's BaseException (asyncio.CancelledError,
+            log.exception("prefetch failed")  # an interrupt): the read fails, counted; not re-raised,
+            read_failed(op, self.metrics, asked)  # a worker's future is no one's to read
         finally:
             if not late:  # (one sample per prefetch)
                 self.metrics.latency("prefetch", time.perf_counter() - op.started_s)
@@ -275,11 +286,11 @@ class Prefetcher:
         if self.digests and not check_span(self.digests, "l3_restore", values, op.hashes[:pages], Tier.HOST):
             self.release(op)  # not the bytes committed for them: a miss
             return 0
-        op.reserved = spare  # the tree's from here (insert_host interrupted midway: they leak)
-        result = self.tree.insert_host(list(keys[: op.start + pages]), values)
-        if self.layout.windowed:  # its last window was just read from L3: no write puts it back
-            self.window_ends.add(result.node)
+        op.reserved = spare  # the tree's from here
+        result = _insert_host(self.context, list(keys[: op.start + pages]), values)
         try:
+            if self.layout.windowed:  # its last window was just read from L3: no write puts it back
+                self.window_ends.add(result.node)
             self.release(op)
         finally:
             self.units.free(Tier.HOST, result.duplicates)

@@ -20,6 +20,7 @@ from kvstrata.core.metrics import CacheMetrics, Operation
 from kvstrata.core.pool_group import PoolGroup
 from kvstrata.core.stack import NO_UNITS
 from kvstrata.core.tree import EvictionResult, PrefixTree, Tier, TreeNode
+from kvstrata.core.tree_bytes import unit_tensor
 from kvstrata.core.tree_eviction import TreeEvictor
 from kvstrata.core.tree_node import UNIT
 
@@ -70,6 +71,15 @@ class TierUnits:
         for pool, value in units.items():
             if value.shape[0]:
                 self.allocator(pool, tier).free(value)  # type: ignore[union-attr]
+
+    def free_unowned(self, tier: Tier, units: Mapping[str, torch.Tensor]) -> None:
+        """Free the ``units`` no node holds in ``tier``: what an insert that raised midway left
+        allocated and no one's. (The tree's units are read back: an exception path only.)"""
+        for pool, value in units.items():
+            p = self.tree.index[pool]
+            nodes = self.tree.holding(pool, tier)
+            held = b"".join(n.device_raw[p] if tier is Tier.DEVICE else n.host_raw[p] for n in nodes)
+            self.free(tier, {pool: value[~torch.isin(value, unit_tensor(held))] if held else value})
 
     def freer(self, tier: Tier) -> Callable[[str, torch.Tensor], None]:
         """A callback the tree calls with the units it dropped from ``tier``."""

@@ -11,8 +11,9 @@ held as an engine's per-layer tensors (:meth:`PoolBuffers.from_tensors`) is copi
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,6 +86,35 @@ class TransferHandle:
         if self.event is not None:
             self.event.synchronize()
         self.keep_alive.clear()
+
+
+def settle_copies(handles: Sequence[TransferHandle]) -> None:
+    """Wait for the copies already issued, each on its own: one that fails has nothing to wait
+    for (a caller's first error is the one raised)."""
+    for handle in handles:
+        try:
+            handle.wait()
+        except Exception:
+            continue
+
+
+def issue_copies(
+    copy: Callable[[PoolBuffers, Any, PoolBuffers, Any], TransferHandle],
+    pairs: Sequence[tuple[PoolBuffers, PoolBuffers]],
+    src_indices: Any,
+    dst_indices: Any,
+) -> list[TransferHandle]:
+    """One ``copy`` per tier pair (a pool and its sidecars). Where one raises, those issued before
+    it are waited for first: their handles would leave with the error, and no caller could wait
+    for them before freeing or reusing the units an asynchronous copy still writes into."""
+    handles: list[TransferHandle] = []
+    try:
+        for src, dst in pairs:
+            handles.append(copy(src, src_indices, dst, dst_indices))
+    except BaseException:
+        settle_copies(handles)
+        raise
+    return handles
 
 
 def _check_compatible(src: PoolBuffers, dst: PoolBuffers) -> None:
@@ -322,6 +352,10 @@ def copy_units(
     Works for any layout pair and any devices. Between CUDA and host memory the copies are issued
     non-blocking on ``stream`` (else on the tier pair's own side stream) and the returned
     handle must be waited on; CPU-only copies are complete on return. Logical pools copy nothing.
+
+    ``dst_indices`` must be distinct; that is not checked (a check costs a sort per copy on the
+    hot path): every caller's destinations are units it has just allocated. A repeated one gets
+    one of its sources (the last on CPU; on CUDA, unspecified).
     """
     pair = _view_pairs(src, dst)
     views, arrays, aliases = pair.views, pair.arrays, pair.aliases

@@ -44,6 +44,7 @@ from kvstrata.core.node_set import SplitFollowingSet, on_host
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.stack import pool_batch, unit_bytes
 from kvstrata.core.storage_engine import BatchResult, PoolBatch, StorageEngine
+from kvstrata.core.transfer import settle_copies
 from kvstrata.core.tree import MatchResult, PageKey, Tier, TreeNode, tree_path
 from kvstrata.core.tree_bytes import UNIT, unit_tensor
 from kvstrata.core.unit_digests import UnitDigests, check_nodes, record_nodes
@@ -200,14 +201,19 @@ class Writer:
         nbytes = 0
         stored: dict[str, bytes] = {}
         tree_pools = self.layout.tree_pools
-        for name, host in hosts.items():
-            if not host:
-                continue
-            handles += self.pools.device_to_host(name, devices[name], host)
-            nbytes += len(host) // UNIT * unit_bytes(self.pools, tree_pools[name])
-            stored[name] = host
-        for handle in handles:
-            handle.wait()
+        try:
+            for name, host in hosts.items():
+                if not host:
+                    continue
+                handles += self.pools.device_to_host(name, devices[name], host)
+                nbytes += len(host) // UNIT * unit_bytes(self.pools, tree_pools[name])
+                stored[name] = host
+            for handle in handles:
+                handle.wait()
+        except BaseException:  # a copy raised (or an interrupt): nothing is recorded yet, so every
+            settle_copies(handles)  # host unit goes back, once no copy issued still writes into it
+            self.units.free(Tier.HOST, {name: unit_tensor(host) for name, host in hosts.items() if host})
+            raise
         self.tree.set_host_values(nodes, stored)
         self.metrics.count(Operation.BACKUPS, len(nodes))
         self.metrics.add_bytes("device_to_host", nbytes)
