@@ -1020,3 +1020,26 @@ def test_blocks_two_requests_compute_in_one_step_are_put_and_announced_once(engi
     hashes = engine.scheduler._hashes(engine.scheduler.requests["c"], 4)
     assert [(h, parent) for h, parent, _ in plan.stored] == [(hashes[:3], None), (hashes[3:], hashes[2])]
     assert plan.stored[1][2] == requests[2].all_token_ids[3 * BS : 4 * BS]
+
+
+def test_a_hole_l3_lost_inside_a_resumed_requests_saved_range_is_stored_again(engines: Any) -> None:
+    """A request stored blocks 0-3, then L3 lost block 1 (evicted, or a put that failed) and
+    vLLM preempted the request, dropping its blocks: resumed, it loads block 0 and computes
+    blocks 1-3 again. Its saves started where its own saves had stopped (block 4), so block 1
+    stayed a hole and every lookup, here or in another engine, stopped at block 0 for good."""
+    engine = engines()
+    prompt = list(range(1, 4 * BS + 3))
+    request = engine.request("r", prompt, num_preemptions=0)
+    _decode(engine, request, 1, async_output=False)
+    assert engine.saved_blocks(request) == [0, 1, 2, 3]
+    hashes = engine.scheduler._hashes(engine.scheduler.requests["r"], 4)
+    (keys,) = engine.engine.object_keys(engine.layout.anchor.pool, hashes[1:2])
+    assert engine.engine.backend.remove(keys) == [True]
+    request.num_computed_tokens, request.num_preemptions = 0, 1  # preempted, its blocks dropped
+    assert engine.scheduler.matched_tokens(request, 0) == (BS, True), "block 0 only"
+    engine.scheduler.after_alloc(request, BS)
+    engine.step({})  # the load
+    request.num_computed_tokens = BS
+    engine.step({"r": len(request.all_token_ids) - BS})  # the rest, computed again
+    fresh = engine.scheduler.__class__(engine.engine, engine.layout, engine.scheduler.identity)
+    assert fresh.matched_tokens(_request("probe", prompt), 0) == (4 * BS, True), "the hole is filled"

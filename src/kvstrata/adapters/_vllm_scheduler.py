@@ -230,7 +230,9 @@ class SchedulerSide:
         hashes = self._hashes(state, whole)
         blocks, stored = self._usable_blocks(state, hashes, local, most)
         state.hit_blocks, state.lookup_from = blocks, local
-        state.stored_blocks = max(state.stored_blocks, stored)
+        # from L3's first gap on (an eviction, a failed put) blocks are saved when computed: a
+        # resumed request's own saves had passed a gap, which then stranded every block after it
+        state.stored_blocks = max(local, stored)
         if blocks <= local:
             return 0, False
         if counted:
