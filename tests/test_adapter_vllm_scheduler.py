@@ -1043,3 +1043,22 @@ def test_a_hole_l3_lost_inside_a_resumed_requests_saved_range_is_stored_again(en
     engine.step({"r": len(request.all_token_ids) - BS})  # the rest, computed again
     fresh = engine.scheduler.__class__(engine.engine, engine.layout, engine.scheduler.identity)
     assert fresh.matched_tokens(_request("probe", prompt), 0) == (4 * BS, True), "the hole is filled"
+
+
+def test_a_failed_load_of_a_request_aborted_meanwhile_is_not_counted_a_load_failure(engines: Any) -> None:
+    """vLLM aborts a request while its load runs (``request_finished`` first, the workers'
+    report after): no request recomputes anything, yet ``load_failures`` counted it like a load
+    vLLM had to recompute. It is counted apart; a failed load of a live request still counts."""
+    engine = engines()
+    prompt = list(range(1, 3 * BS + 5))
+    _decode(engine, engine.request("w", prompt), 1, async_output=False)
+    engine.scheduler.finished(engine.scheduler.requests["w"].request)
+    for rid in ("live", "aborted"):
+        reader = engine.request(rid, prompt)
+        assert engine.scheduler.matched_tokens(reader, 0) == (3 * BS, True)
+        engine.scheduler.after_alloc(reader, 3 * BS)
+    engine.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={}))
+    engine.scheduler.finished(engine.scheduler.requests["aborted"].request)  # the abort
+    engine.scheduler.loads_failed({"live", "aborted"})  # both loads failed (L3 went down)
+    assert engine.scheduler.stats["load_failures"] == 1
+    assert engine.scheduler.stats["aborted_load_failures"] == 1

@@ -419,13 +419,12 @@ class SchedulerSide:
     def loads_failed(self, req_ids: set[str]) -> None:
         """The workers could not load these requests (damaged, foreign or missing objects; the
         workers announce the blocks they removed)."""
-        for req_id in req_ids:
-            state = self.requests.get(req_id)
-            if state is not None:
-                state.load_failed = True
-                state.stored_blocks = 0
-                state.hit_blocks = 0
-        self.stats["load_failures"] = self.stats.get("load_failures", 0) + len(req_ids)
+        live = [self.requests[req_id] for req_id in req_ids if req_id in self.requests]
+        for state in live:
+            state.load_failed, state.stored_blocks, state.hit_blocks = True, 0, 0
+        # one that finished meanwhile (aborted while its load ran) recomputes nothing: apart
+        for key, count in (("load_failures", len(live)), ("aborted_load_failures", len(req_ids) - len(live))):
+            self.stats[key] = self.stats.get(key, 0) + count
 
     def finished(self, request: Any) -> None:
         state = self.requests.pop(request.request_id, None)
