@@ -311,6 +311,9 @@ def test_a_load_accepted_beyond_what_was_found_fails_rather_than_hangs(engines: 
     engine.scheduler.after_alloc(reader, 4 * BS)  # more than the three blocks found
     plan = engine.step({})
     assert list(plan.loads) == ["r"]
+    # the blocks vLLM holds for the request: for a vLLM that asks ``get_finished``, which reports
+    # a failed load by its blocks (``get_block_ids_with_load_errors``)
+    assert [t.block_ids for t in plan.loads["r"]] == [engine.block_ids["r"]]
     assert engine.worker.take_finished() == ({"r"}, {"r"})  # finished, and failed
 
 
@@ -331,6 +334,7 @@ def test_a_load_with_no_block_to_load_into_fails_that_load_not_the_scheduler(
     engine.block_ids["r"] = table
     plan = engine.step({})
     assert list(plan.loads) == ["r"]
+    assert [t.block_ids for t in plan.loads["r"]] == [table], "what vLLM holds (for get_finished)"
     assert engine.worker.take_finished() == ({"r"}, {"r"})  # finished, and failed
 
 

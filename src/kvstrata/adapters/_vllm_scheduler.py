@@ -296,14 +296,10 @@ class SchedulerSide:
                 continue
             first, end = state.pending_load
             state.pending_load = None
-            transfers = (
-                self._load_transfers(req_id, state, first, end)
-                if end >= 0
-                else [GroupTransfer(self.layout.anchor.group_id, [], [])]  # the worker fails it
-            )
-            if transfers is not None:
-                plan.loads[req_id] = transfers
-                self.stats["loads_planned"] += 1
+            transfers = self._load_transfers(req_id, state, first, end) if end >= 0 else None
+            transfers = transfers or self._failed_load(req_id, first)  # the worker fails it
+            plan.loads[req_id] = transfers
+            self.stats["loads_planned"] += 1
         if not self.may_save:
             return plan
         saves: dict[int, GroupTransfer] = {}
@@ -362,9 +358,17 @@ class SchedulerSide:
         except (KeyError, AssertionError):
             return None
 
+    def _failed_load(self, req_id: str, first: int) -> list[GroupTransfer]:
+        """A load for the worker to fail (no objects), with the anchor's blocks from ``first``
+        on: a vLLM that asks ``get_finished`` learns of the failure by those blocks."""
+        ids = self._block_ids(req_id)
+        row = ids[self.layout.anchor.group_id] if ids is not None else []
+        return [GroupTransfer(self.layout.anchor.group_id, [], [b for b in row[first:] if b])]
+
     def _load_transfers(
         self, req_id: str, state: _Request, first: int, end: int
     ) -> list[GroupTransfer] | None:
+        """The transfers of a load, anchor first; None where vLLM holds no block to load into."""
         ids = self._block_ids(req_id)
         hashes = self._hashes(state, end)
         transfers = []
@@ -374,7 +378,7 @@ class SchedulerSide:
             row = ids[group.group_id] if ids is not None else []  # (short where vLLM holds fewer)
             blocks = [row[i] for i in wanted if i < len(row)]
             if len(blocks) < len(wanted) or 0 in blocks:  # no block to load into (or a null one):
-                return [GroupTransfer(group.group_id, [], [])]  # the worker reports the load failed
+                return None  # the worker reports the load failed
             transfers.append(GroupTransfer(group.group_id, state.object_keys(group, hashes, wanted), blocks))
         return transfers
 
