@@ -1066,3 +1066,49 @@ def test_a_failed_load_of_a_request_aborted_meanwhile_is_not_counted_a_load_fail
     engine.scheduler.loads_failed({"live", "aborted"})  # both loads failed (L3 went down)
     assert engine.scheduler.stats["load_failures"] == 1
     assert engine.scheduler.stats["aborted_load_failures"] == 1
+
+
+def test_pipeline_stages_a_block_a_later_stage_lost_costs_one_recompute_then_serves(
+    engines: Any, tmp_path: Path
+) -> None:
+    """Pipeline parallel (documented, not fixed): the scheduler knows stage 0's layers only, so a
+    lookup asks for stage 0's objects. A block stage 1 lost is offered, stage 1's load fails and
+    vLLM recomputes; that request's saves store stage 1's blocks again, and the next one loads."""
+    engine = engines()
+    layout1 = _layout({"layers.1.self_attn": _attention()})  # stage 1: other layers, other pools
+    storage1 = _storage(layout1, tmp_path / "l3")
+    stage1 = WorkerSide(storage1.engine, layout1)
+    stage1.register(
+        {"layers.1.self_attn": torch.zeros((BLOCKS, 2, BS, HEADS, HEAD_DIM), dtype=torch.bfloat16)}
+    )
+    prompt = list(range(1, 3 * BS + 5))
+
+    def serve(rid: str) -> set[str]:
+        """vLLM's path: lookup, the load on both stages (their failures), then the prefill."""
+        request = engine.request(rid, prompt)
+        found, _ = engine.scheduler.matched_tokens(request, 0)
+        engine.scheduler.after_alloc(request, found)
+        plan = engine.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={}))
+        for worker in (engine.worker, stage1):
+            worker.load(plan)
+        failed = engine.worker.take_finished()[1] | stage1.take_finished()[1]
+        if failed:
+            engine.scheduler.loads_failed(failed)
+            found = 0  # vLLM recomputes the request
+        request.num_computed_tokens = found
+        plan = engine.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={rid: len(prompt) - found}))
+        for worker in (engine.worker, stage1):
+            worker.save(plan)
+        engine.scheduler.finished(request)
+        return failed
+
+    try:
+        assert serve("w") == set()
+        hashes = engine.scheduler._hashes(engine.scheduler._state(_request("x", prompt)), 3)
+        (keys,) = storage1.engine.object_keys(layout1.anchor.pool, hashes[1:2])
+        assert storage1.engine.backend.remove(keys) == [True]  # stage 1 lost block 1
+        assert serve("r1") == {"r1"}, "offered from stage 0's objects, failed on stage 1"
+        assert serve("r2") == set(), "stored again on stage 1 by the recompute"
+        assert stage1.stats["loaded_blocks"] == 3
+    finally:
+        storage1.close()

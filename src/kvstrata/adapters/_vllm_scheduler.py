@@ -7,6 +7,11 @@ asynchronous in vLLM's sense (``(tokens, True)``): the request waits until the w
 load, so vLLM's Mamba align-mode precopy (checkpoint ``n-1`` into the running slot) runs on
 restored data, and a failed load is a request-level failure vLLM recomputes (block-level load
 errors are not supported by vLLM for models with several KV cache groups).
+
+Pipeline parallel: vLLM gives this role stage 0's KV cache config (``generate_scheduler_kv_cache_config``;
+the stages differ in layer names, which name their pools), so a lookup asks for stage 0's objects
+only. A block another stage lost (an eviction, a failed put) fails that stage's load; the request
+recomputes (``loads_failed`` sets ``stored_blocks`` to 0) and saves every block on every stage.
 """
 
 from __future__ import annotations
