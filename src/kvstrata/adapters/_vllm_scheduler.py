@@ -137,6 +137,13 @@ def held_prefix(layout: StoreLayout, ids: tuple[list[int], ...], hashes: list[st
     return transfers
 
 
+def failed_load(layout: StoreLayout, ids: tuple[list[int], ...] | None, first: int) -> list[GroupTransfer]:
+    """A load for the worker to fail (no objects), with the anchor's blocks from ``first`` on
+    (``ids``: vLLM's per group): a vLLM that asks ``get_finished`` learns of the failure by them."""
+    row = ids[layout.anchor.group_id] if ids is not None else []
+    return [GroupTransfer(layout.anchor.group_id, [], [b for b in row[first:] if b])]
+
+
 class SchedulerSide:
     """Lookup and planning state of the scheduler role (one per engine)."""
 
@@ -302,7 +309,7 @@ class SchedulerSide:
             first, end = state.pending_load
             state.pending_load = None
             transfers = self._load_transfers(req_id, state, first, end) if end >= 0 else None
-            transfers = transfers or self._failed_load(req_id, first)  # the worker fails it
+            transfers = transfers or failed_load(self.layout, self._block_ids(req_id), first)
             plan.loads[req_id] = transfers
             self.stats["loads_planned"] += 1
         if not self.may_save:
@@ -362,13 +369,6 @@ class SchedulerSide:
             return self.kv_cache_manager.get_block_ids(req_id)
         except (KeyError, AssertionError):
             return None
-
-    def _failed_load(self, req_id: str, first: int) -> list[GroupTransfer]:
-        """A load for the worker to fail (no objects), with the anchor's blocks from ``first``
-        on: a vLLM that asks ``get_finished`` learns of the failure by those blocks."""
-        ids = self._block_ids(req_id)
-        row = ids[self.layout.anchor.group_id] if ids is not None else []
-        return [GroupTransfer(self.layout.anchor.group_id, [], [b for b in row[first:] if b])]
 
     def _load_transfers(
         self, req_id: str, state: _Request, first: int, end: int
