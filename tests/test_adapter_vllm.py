@@ -762,3 +762,33 @@ def test_a_block_one_rank_did_not_store_is_never_announced_stored() -> None:
     )
     out = _in_vllm(check).strip().splitlines()[-1]
     assert out == "['aa'] [] [] None ['cc']"
+
+
+def test_get_finished_reports_a_failed_load_by_its_blocks_never_as_loaded() -> None:
+    """``get_finished`` (what a vLLM before ``get_transfer_results``, or a wrapping connector,
+    asks) reported a failed load in ``finished_recving`` alone: the request went on from blocks
+    nothing was loaded into. Its blocks now go to ``get_block_ids_with_load_errors`` in the same
+    pass (vLLM recomputes from the first); through ``get_transfer_results`` (vLLM 0.32) a failed
+    load is reported by request only (vLLM refuses block ids for several KV cache groups)."""
+    check = (
+        "from collections import deque\n"
+        "from kvstrata.adapters.vllm import KvstrataConnector\n"
+        "from kvstrata.adapters._vllm_plan import GroupTransfer, StepPlan\n"
+        "from kvstrata.adapters._vllm_worker import WorkerSide\n"
+        "def connector():\n"
+        "    made = object.__new__(KvstrataConnector)\n"
+        "    made._worker = worker = object.__new__(WorkerSide)\n"
+        "    worker.finished_loads, worker.failed_loads, worker.failed_blocks = set(), set(), set()\n"
+        "    worker.stats, worker.removed_ranges, made._load_errors = {}, deque(), set()\n"
+        "    worker.load(StepPlan(loads={'bad': [GroupTransfer(0, [], [3, 4])]}))\n"
+        "    return made\n"
+        "old = connector()\n"
+        "print(old.get_finished(set()), sorted(old.get_block_ids_with_load_errors()),"
+        " old.get_block_ids_with_load_errors(), old.get_finished(set()))\n"
+        "new = connector()\n"
+        "results = new.get_transfer_results(set())\n"
+        "print(results.finished_recving, results.failed_recving, new.get_block_ids_with_load_errors())\n"
+    )
+    old, new = _in_vllm(check).strip().splitlines()[-2:]
+    assert old == "(None, {'bad'}) [3, 4] set() (None, None)"
+    assert new == "{'bad'} {'bad'} set()"

@@ -311,6 +311,9 @@ def test_a_load_accepted_beyond_what_was_found_fails_rather_than_hangs(engines: 
     engine.scheduler.after_alloc(reader, 4 * BS)  # more than the three blocks found
     plan = engine.step({})
     assert list(plan.loads) == ["r"]
+    # the blocks vLLM holds for the request: for a vLLM that asks ``get_finished``, which reports
+    # a failed load by its blocks (``get_block_ids_with_load_errors``)
+    assert [t.block_ids for t in plan.loads["r"]] == [engine.block_ids["r"]]
     assert engine.worker.take_finished() == ({"r"}, {"r"})  # finished, and failed
 
 
@@ -331,6 +334,7 @@ def test_a_load_with_no_block_to_load_into_fails_that_load_not_the_scheduler(
     engine.block_ids["r"] = table
     plan = engine.step({})
     assert list(plan.loads) == ["r"]
+    assert [t.block_ids for t in plan.loads["r"]] == [table], "what vLLM holds (for get_finished)"
     assert engine.worker.take_finished() == ({"r"}, {"r"})  # finished, and failed
 
 
@@ -1020,3 +1024,91 @@ def test_blocks_two_requests_compute_in_one_step_are_put_and_announced_once(engi
     hashes = engine.scheduler._hashes(engine.scheduler.requests["c"], 4)
     assert [(h, parent) for h, parent, _ in plan.stored] == [(hashes[:3], None), (hashes[3:], hashes[2])]
     assert plan.stored[1][2] == requests[2].all_token_ids[3 * BS : 4 * BS]
+
+
+def test_a_hole_l3_lost_inside_a_resumed_requests_saved_range_is_stored_again(engines: Any) -> None:
+    """A request stored blocks 0-3, then L3 lost block 1 (evicted, or a put that failed) and
+    vLLM preempted the request, dropping its blocks: resumed, it loads block 0 and computes
+    blocks 1-3 again. Its saves started where its own saves had stopped (block 4), so block 1
+    stayed a hole and every lookup, here or in another engine, stopped at block 0 for good."""
+    engine = engines()
+    prompt = list(range(1, 4 * BS + 3))
+    request = engine.request("r", prompt, num_preemptions=0)
+    _decode(engine, request, 1, async_output=False)
+    assert engine.saved_blocks(request) == [0, 1, 2, 3]
+    hashes = engine.scheduler._hashes(engine.scheduler.requests["r"], 4)
+    (keys,) = engine.engine.object_keys(engine.layout.anchor.pool, hashes[1:2])
+    assert engine.engine.backend.remove(keys) == [True]
+    request.num_computed_tokens, request.num_preemptions = 0, 1  # preempted, its blocks dropped
+    assert engine.scheduler.matched_tokens(request, 0) == (BS, True), "block 0 only"
+    engine.scheduler.after_alloc(request, BS)
+    engine.step({})  # the load
+    request.num_computed_tokens = BS
+    engine.step({"r": len(request.all_token_ids) - BS})  # the rest, computed again
+    fresh = engine.scheduler.__class__(engine.engine, engine.layout, engine.scheduler.identity)
+    assert fresh.matched_tokens(_request("probe", prompt), 0) == (4 * BS, True), "the hole is filled"
+
+
+def test_a_failed_load_of_a_request_aborted_meanwhile_is_not_counted_a_load_failure(engines: Any) -> None:
+    """vLLM aborts a request while its load runs (``request_finished`` first, the workers'
+    report after): no request recomputes anything, yet ``load_failures`` counted it like a load
+    vLLM had to recompute. It is counted apart; a failed load of a live request still counts."""
+    engine = engines()
+    prompt = list(range(1, 3 * BS + 5))
+    _decode(engine, engine.request("w", prompt), 1, async_output=False)
+    engine.scheduler.finished(engine.scheduler.requests["w"].request)
+    for rid in ("live", "aborted"):
+        reader = engine.request(rid, prompt)
+        assert engine.scheduler.matched_tokens(reader, 0) == (3 * BS, True)
+        engine.scheduler.after_alloc(reader, 3 * BS)
+    engine.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={}))
+    engine.scheduler.finished(engine.scheduler.requests["aborted"].request)  # the abort
+    engine.scheduler.loads_failed({"live", "aborted"})  # both loads failed (L3 went down)
+    assert engine.scheduler.stats["load_failures"] == 1
+    assert engine.scheduler.stats["aborted_load_failures"] == 1
+
+
+def test_pipeline_stages_a_block_a_later_stage_lost_costs_one_recompute_then_serves(
+    engines: Any, tmp_path: Path
+) -> None:
+    """Pipeline parallel (documented, not fixed): the scheduler knows stage 0's layers only, so a
+    lookup asks for stage 0's objects. A block stage 1 lost is offered, stage 1's load fails and
+    vLLM recomputes; that request's saves store stage 1's blocks again, and the next one loads."""
+    engine = engines()
+    layout1 = _layout({"layers.1.self_attn": _attention()})  # stage 1: other layers, other pools
+    storage1 = _storage(layout1, tmp_path / "l3")
+    stage1 = WorkerSide(storage1.engine, layout1)
+    stage1.register(
+        {"layers.1.self_attn": torch.zeros((BLOCKS, 2, BS, HEADS, HEAD_DIM), dtype=torch.bfloat16)}
+    )
+    prompt = list(range(1, 3 * BS + 5))
+
+    def serve(rid: str) -> set[str]:
+        """vLLM's path: lookup, the load on both stages (their failures), then the prefill."""
+        request = engine.request(rid, prompt)
+        found, _ = engine.scheduler.matched_tokens(request, 0)
+        engine.scheduler.after_alloc(request, found)
+        plan = engine.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={}))
+        for worker in (engine.worker, stage1):
+            worker.load(plan)
+        failed = engine.worker.take_finished()[1] | stage1.take_finished()[1]
+        if failed:
+            engine.scheduler.loads_failed(failed)
+            found = 0  # vLLM recomputes the request
+        request.num_computed_tokens = found
+        plan = engine.scheduler.build_plan(SimpleNamespace(num_scheduled_tokens={rid: len(prompt) - found}))
+        for worker in (engine.worker, stage1):
+            worker.save(plan)
+        engine.scheduler.finished(request)
+        return failed
+
+    try:
+        assert serve("w") == set()
+        hashes = engine.scheduler._hashes(engine.scheduler._state(_request("x", prompt)), 3)
+        (keys,) = storage1.engine.object_keys(layout1.anchor.pool, hashes[1:2])
+        assert storage1.engine.backend.remove(keys) == [True]  # stage 1 lost block 1
+        assert serve("r1") == {"r1"}, "offered from stage 0's objects, failed on stage 1"
+        assert serve("r2") == set(), "stored again on stage 1 by the recompute"
+        assert stage1.stats["loaded_blocks"] == 3
+    finally:
+        storage1.close()

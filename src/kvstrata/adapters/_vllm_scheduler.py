@@ -7,6 +7,11 @@ asynchronous in vLLM's sense (``(tokens, True)``): the request waits until the w
 load, so vLLM's Mamba align-mode precopy (checkpoint ``n-1`` into the running slot) runs on
 restored data, and a failed load is a request-level failure vLLM recomputes (block-level load
 errors are not supported by vLLM for models with several KV cache groups).
+
+Pipeline parallel: vLLM gives this role stage 0's KV cache config (``generate_scheduler_kv_cache_config``;
+the stages differ in layer names, which name their pools), so a lookup asks for stage 0's objects
+only. A block another stage lost (an eviction, a failed put) fails that stage's load; the request
+recomputes (``loads_failed`` sets ``stored_blocks`` to 0) and saves every block on every stage.
 """
 
 from __future__ import annotations
@@ -28,48 +33,15 @@ from kvstrata.adapters._vllm_keys import (
     private_key,
 )
 from kvstrata.adapters._vllm_layout import STATE, GroupLayout, StoreLayout
+from kvstrata.adapters._vllm_plan import GroupTransfer, StepPlan, Stored, once_each, written_since
 from kvstrata.engine_kit import StorageEngine
+
+__all__ = ["GroupTransfer", "SchedulerSide", "StepPlan"]  # (the plan's types, for the worker)
 
 log = logging.getLogger(__name__)
 
 #: Second chunk of a prefix existence query (after one probe block); each further chunk doubles.
 FIRST_EXISTS_CHUNK = 16
-
-
-@dataclass
-class GroupTransfer:
-    """Blocks of one group to move: object ``hashes[i]`` <-> vLLM block ``block_ids[i]``."""
-
-    group_id: int
-    hashes: list[str]
-    block_ids: list[int]
-
-
-Stored = tuple[list[str], str | None, list[int]]  # blocks stored: hashes, parent hash, tokens
-
-
-@dataclass
-class StepPlan:
-    """What the workers do in one step (sent inside the connector metadata)."""
-
-    loads: dict[str, list[GroupTransfer]] = field(default_factory=dict)  # req id -> transfers
-    saves: list[GroupTransfer] = field(default_factory=list)
-    #: per request range saved: (its block hashes, the parent hash, its token ids), for the
-    #: ``BlockStored`` events the workers publish once the anchor objects are stored
-    stored: list[Stored] = field(default_factory=list)
-    #: blocks of a prefix vLLM served from its own cache to a request starting now: the workers
-    #: ask L3 for them, which keeps them recent in an LRU bound (the file backend's index), and
-    #: store the ones L3 lost again -- else a hot prefix vLLM keeps serving locally was what L3
-    #: evicted first, stranding every block keyed under it (keys are chained: a lookup in another
-    #: engine starts at block 0)
-    held: list[GroupTransfer] = field(default_factory=list)
-    #: finished requests' own state checkpoints (and ones a prefill replaced): no lookup asks
-    #: for them again, so the workers remove them from every state group's pool
-    drops: list[str] = field(default_factory=list)
-
-    def for_workers(self) -> bool:
-        """Whether the workers have anything to do after the step's forward pass."""
-        return bool(self.saves or self.drops or self.held)
 
 
 @dataclass
@@ -165,40 +137,11 @@ def held_prefix(layout: StoreLayout, ids: tuple[list[int], ...], hashes: list[st
     return transfers
 
 
-def once_each(
-    saves: Iterable[GroupTransfer], stored: list[Stored], block_size: int
-) -> tuple[list[GroupTransfer], list[Stored]]:
-    """A step's saves, each block once per group, and stored ranges less the blocks an earlier
-    one has (a chain: its head): requests computing the same blocks in one step (vLLM without its
-    prefix cache) put and announce each object once."""
-    unique = []
-    for transfer in saves:
-        pairs = dict(zip(transfer.hashes, transfer.block_ids, strict=True))
-        unique.append(GroupTransfer(transfer.group_id, list(pairs), list(pairs.values())))
-    announced: set[str] = set()
-    ranges = []
-    for hashes, parent, tokens in stored:
-        skip = next((i for i, h in enumerate(hashes) if h not in announced), len(hashes))
-        if skip < len(hashes):
-            ranges.append((hashes[skip:], hashes[skip - 1] if skip else parent, tokens[skip * block_size :]))
-        announced.update(hashes)
-    return unique, ranges
-
-
-def written_since(held: list[GroupTransfer], written: set[int]) -> list[GroupTransfer]:
-    """``held`` less the blocks not known written since the connector's reset (``written``):
-    vLLM's own prefix cache outlives a reset issued while requests run (its block pool refuses
-    to reset with blocks in use; the connector is reset anyway), so a request arriving later
-    hits blocks of the old weights -- never to be stored under the new generation's keys."""
-    kept = []
-    for transfer in held:
-        if not transfer.block_ids:  # (a state checkpoint: asked for only, no bytes stored)
-            kept.append(transfer)
-            continue
-        pairs = [(h, b) for h, b in zip(transfer.hashes, transfer.block_ids, strict=True) if b in written]
-        if pairs:
-            kept.append(GroupTransfer(transfer.group_id, [h for h, _ in pairs], [b for _, b in pairs]))
-    return kept
+def failed_load(layout: StoreLayout, ids: tuple[list[int], ...] | None, first: int) -> list[GroupTransfer]:
+    """A load for the worker to fail (no objects), with the anchor's blocks from ``first`` on
+    (``ids``: vLLM's per group): a vLLM that asks ``get_finished`` learns of the failure by them."""
+    row = ids[layout.anchor.group_id] if ids is not None else []
+    return [GroupTransfer(layout.anchor.group_id, [], [b for b in row[first:] if b])]
 
 
 class SchedulerSide:
@@ -299,7 +242,9 @@ class SchedulerSide:
         hashes = self._hashes(state, whole)
         blocks, stored = self._usable_blocks(state, hashes, local, most)
         state.hit_blocks, state.lookup_from = blocks, local
-        state.stored_blocks = max(state.stored_blocks, stored)
+        # from L3's first gap on (an eviction, a failed put) blocks are saved when computed: a
+        # resumed request's own saves had passed a gap, which then stranded every block after it
+        state.stored_blocks = max(local, stored)
         if blocks <= local:
             return 0, False
         if counted:
@@ -363,14 +308,10 @@ class SchedulerSide:
                 continue
             first, end = state.pending_load
             state.pending_load = None
-            transfers = (
-                self._load_transfers(req_id, state, first, end)
-                if end >= 0
-                else [GroupTransfer(self.layout.anchor.group_id, [], [])]  # the worker fails it
-            )
-            if transfers is not None:
-                plan.loads[req_id] = transfers
-                self.stats["loads_planned"] += 1
+            transfers = self._load_transfers(req_id, state, first, end) if end >= 0 else None
+            transfers = transfers or failed_load(self.layout, self._block_ids(req_id), first)
+            plan.loads[req_id] = transfers
+            self.stats["loads_planned"] += 1
         if not self.may_save:
             return plan
         saves: dict[int, GroupTransfer] = {}
@@ -432,6 +373,7 @@ class SchedulerSide:
     def _load_transfers(
         self, req_id: str, state: _Request, first: int, end: int
     ) -> list[GroupTransfer] | None:
+        """The transfers of a load, anchor first; None where vLLM holds no block to load into."""
         ids = self._block_ids(req_id)
         hashes = self._hashes(state, end)
         transfers = []
@@ -441,7 +383,7 @@ class SchedulerSide:
             row = ids[group.group_id] if ids is not None else []  # (short where vLLM holds fewer)
             blocks = [row[i] for i in wanted if i < len(row)]
             if len(blocks) < len(wanted) or 0 in blocks:  # no block to load into (or a null one):
-                return [GroupTransfer(group.group_id, [], [])]  # the worker reports the load failed
+                return None  # the worker reports the load failed
             transfers.append(GroupTransfer(group.group_id, state.object_keys(group, hashes, wanted), blocks))
         return transfers
 
@@ -486,13 +428,12 @@ class SchedulerSide:
     def loads_failed(self, req_ids: set[str]) -> None:
         """The workers could not load these requests (damaged, foreign or missing objects; the
         workers announce the blocks they removed)."""
-        for req_id in req_ids:
-            state = self.requests.get(req_id)
-            if state is not None:
-                state.load_failed = True
-                state.stored_blocks = 0
-                state.hit_blocks = 0
-        self.stats["load_failures"] = self.stats.get("load_failures", 0) + len(req_ids)
+        live = [self.requests[req_id] for req_id in req_ids if req_id in self.requests]
+        for state in live:
+            state.load_failed, state.stored_blocks, state.hit_blocks = True, 0, 0
+        # one that finished meanwhile (aborted while its load ran) recomputes nothing: apart
+        for key, count in (("load_failures", len(live)), ("aborted_load_failures", len(req_ids) - len(live))):
+            self.stats[key] = self.stats.get(key, 0) + count
 
     def finished(self, request: Any) -> None:
         state = self.requests.pop(request.request_id, None)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.adapters._vllm_layout import STATE, GroupLayout, StoreLayout
-from kvstrata.adapters._vllm_scheduler import GroupTransfer, StepPlan
+from kvstrata.adapters._vllm_plan import GroupTransfer, StepPlan
 from kvstrata.engine_kit import BatchResult, StorageEngine, cuda_alias
 from kvstrata.plugins import BufferRegion
 
@@ -196,6 +196,9 @@ class WorkerSide:
         self.in_place = True
         self.finished_loads: set[str] = set()
         self.failed_loads: set[str] = set()
+        #: the blocks of the failed loads since the last ``take_finished`` (the anchor's), for a
+        #: vLLM that asks ``get_finished``: it learns of a failed load only by its blocks
+        self.failed_blocks: set[int] = set()
         # a failed load is counted once, by the scheduler (vLLM sums the roles' and ranks' stats)
         #: (``resaved_blocks``: blocks vLLM held whose objects L3 had lost, stored again)
         counters = ("loaded_blocks", "saved_blocks", "save_failures", "own_states_removed", "resaved_blocks")
@@ -338,6 +341,7 @@ class WorkerSide:
             self.finished_loads.add(req_id)
             if not ok:
                 self.failed_loads.add(req_id)
+                self.failed_blocks.update(transfers[0].block_ids if transfers else ())
             anchor = transfers[0].hashes if transfers else []
             first = next((k for k, h in enumerate(anchor) if h in refused), len(anchor))
             if first < len(anchor):  # no lookup finds the blocks from there on (keys are chained)
@@ -448,5 +452,5 @@ class WorkerSide:
 
     def take_finished(self) -> tuple[set[str], set[str]]:
         done, failed = self.finished_loads, self.failed_loads
-        self.finished_loads, self.failed_loads = set(), set()
+        self.finished_loads, self.failed_loads, self.failed_blocks = set(), set(), set()
         return done, failed

@@ -223,6 +223,7 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._counters = CounterDelta()
+        self._load_errors: set[int] = set()  # blocks of failed loads ``get_finished`` reported
         self._events = EventLog(self.layout.block_size)
         # kv_role (module docstring), read as vLLM reads it
         loads = bool(getattr(transfer, "is_kv_consumer", True))
@@ -376,8 +377,22 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.save(meta.plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """For a caller of this rather than ``get_transfer_results`` (vLLM 0.32 calls that; an
+        older vLLM or a wrapping connector this): a failed load is reported finished -- vLLM
+        waits for it -- and its blocks go to ``get_block_ids_with_load_errors`` (vLLM recomputes
+        from the first), never as loaded."""
+        if self._worker is None:
+            return None, None
+        failed_blocks = self._worker.failed_blocks  # (``take_finished`` starts a new set)
         results = self.get_transfer_results(finished_req_ids)
+        self._load_errors |= failed_blocks
         return None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Only loads ``get_finished`` reported: ``get_transfer_results`` reports failed loads by
+        request (``failed_recving``), and vLLM refuses block ids for several KV cache groups."""
+        blocks, self._load_errors = self._load_errors, set()
+        return blocks
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
