@@ -91,6 +91,7 @@ class Writer:
         self.room_deadline: float | None = None  # ``flush(timeout)``: a backup waits for room no longer
         if policy.write == "write_back":
             self.units.before_device_eviction = self.back_up_for_eviction
+            self.units.host_last = self.waits.exposed  # (their only copy, until their prefix is written)
 
     # --- L1 -> L2 -----------------------------------------------------------------------------
 
