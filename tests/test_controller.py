@@ -729,7 +729,7 @@ def test_write_back_host_eviction_keeps_a_leaf_waiting_for_its_prefix(tmp_path: 
         "policy.write=write_back",
         "tiers.device.capacity_tokens=512",  # 8 pages
         "tiers.host.capacity_tokens=256",  # 4 pages
-        "policy.backup_wait_s=0.05",
+        "policy.backup_wait_s=0.5",  # (a file write takes well under it)
         *WAIT,
     ]
     shared = tokens(32, 2)
