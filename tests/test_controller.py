@@ -719,6 +719,51 @@ def test_write_back_writes_a_leaf_held_back_for_its_prefix_once_the_prefix_is_wr
         assert (lease.hit_pages["storage"], bad) == (4, 0)
 
 
+@pytest.mark.parametrize("stack", ["kv", "hybrid-mamba"])
+def test_write_back_host_eviction_keeps_a_leaf_waiting_for_its_prefix(tmp_path: Path, stack: str) -> None:
+    # a leaf left the device while its shared prefix stayed there (a lease held it) and the host
+    # tier had no room for the prefix (in-flight L3 writes locked it): the leaf waited on the host
+    # for the prefix's write, as it must. Host eviction then took it like any other node before
+    # the prefix was written: its pages were in no tier, and a fresh cache found 2 of its 4
+    overrides = [
+        "policy.write=write_back",
+        "tiers.device.capacity_tokens=512",  # 8 pages
+        "tiers.host.capacity_tokens=256",  # 4 pages
+        "policy.backup_wait_s=0.5",  # (a file write takes well under it)
+        *WAIT,
+    ]
+    shared = tokens(32, 2)
+    request = torch.cat([shared, tokens(800, 2)])
+    with open_cache(stack, tmp_path, overrides) as cache:
+        assert cache.engine is not None
+        gate = threading.Event()  # fault injection: L3 writes held, their host sources locked
+        put_group = cache.engine.put_group
+        cache.engine.put_group = lambda batches: (gate.wait(60), put_group(batches))[1]  # type: ignore[method-assign]
+        serve(cache, tokens(700, 2))
+        hashes = serve(cache, request)[0].page_hashes
+        serve(cache, tokens(701, 2))  # the device is full
+        held = cache.lookup(shared)  # the shared prefix stays on the device
+        cache.admit(held)
+        serve(cache, tokens(702, 2))  # evicts the first request: on the host, its write held
+        serve(cache, tokens(703, 2))  # evicts the leaf: no host room for its prefix, it waits
+        assert cache.metrics.snapshot()["operations"]["backups_skipped"] >= 1  # the prefix's backup
+        assert cache.writer.waits, "the leaf waits for its prefix"
+        gate.set()
+        cache.flush()
+        for i in range(4):  # each evicts the least recently used device node: the host tier evicts
+            serve(cache, tokens(1500 + i, 2))
+        assert cache.metrics.snapshot()["evicted_units"]["host"]["kv"] >= 4
+        cache.release(held)
+        cache.flush()
+        push_off_device(cache, pages=2, seed=1300)  # the prefix leaves the device: written with the leaf
+        cache.flush()
+    with open_cache(stack, tmp_path, WAIT) as cold:
+        assert cold.engine is not None
+        assert sum(cold.engine.exists("kv", hashes).ok) == 4
+        lease, bad = serve(cold, request)
+        assert (lease.hit_pages["storage"], bad) == (4, 0)
+
+
 @pytest.mark.parametrize(
     ("stack", "write"),
     [

@@ -156,6 +156,32 @@ def test_load_back_changes_nothing_when_the_device_cannot_make_room() -> None:
     assert parts.pools.pools["kv"].device_allocator.used == 0
 
 
+def test_host_eviction_takes_the_host_last_nodes_only_where_nothing_else_frees_enough() -> None:
+    # write-back's nodes waiting on the host for their prefix's L3 write (their only copy) go
+    # last: the others first, least recently used or not; then, where the tier holds nothing
+    # else and no L3 write in flight will free room, they go too (a host tier full of them must
+    # not refuse every later backup)
+    config, host = _config("kv")  # 32 host pages
+    parts = build_cache(config, host)
+    units = TierUnits(parts.pools, parts.tree, delete_unbacked=True, on_eviction=lambda *a: None)
+    allocator = parts.pools.pools["kv"].host_allocator
+    nodes = []
+    for seed in (1, 2, 3):  # 3 host-only prefixes of 10 pages, the first least recently used
+        keys = page_keys(tokens(seed, 10), config.model.page_size)
+        nodes.append(parts.tree.insert_host(keys, {"kv": allocator.alloc(10)}).node)
+    writing = [True]  # an L3 write in flight: it frees its sources, nothing is lost for room
+    units.host_last = lambda: ([nodes[0]], not writing[0])
+    assert units.alloc(Tier.HOST, {"kv": 12}) is not None  # (2 free)
+    assert units.alloc(Tier.HOST, {"kv": 10}) is not None
+    assert [n.parent is not None for n in nodes] == [True, False, False], "the others went first"
+    assert not any(nodes[0].host_lock), "(locked for the first pass only)"
+    assert units.alloc(Tier.HOST, {"kv": 10}) is None and nodes[0].parent is not None
+    writing[0] = False
+    assert units.alloc(Tier.HOST, {"kv": 10}) is not None
+    assert nodes[0].parent is None, "then it went too"
+    assert allocator.used == 32
+
+
 class _OtherRankHolds:
     """A stand-in for the other ranks of a group (this test is about counting, not transport)."""
 

@@ -56,6 +56,10 @@ class TierUnits:
         self.on_eviction = on_eviction
         self.metrics = metrics
         self.before_device_eviction: BeforeDeviceEviction | None = None
+        #: the nodes host eviction takes only where nothing else frees enough, and whether it may
+        #: take them now (write-back: those waiting on the host for their prefix's L3 write,
+        #: ``PrefixWaits``; not while an L3 write is in flight, whose sources it then frees)
+        self.host_last: Callable[[], tuple[list[TreeNode], bool]] | None = None
         #: each pool's allocator per tier, looked up once (a pool keeps its allocators for life)
         self._allocators: dict[Tier, dict[str, UnitAllocator | None]] = {Tier.DEVICE: {}, Tier.HOST: {}}
 
@@ -127,7 +131,7 @@ class TierUnits:
                 shortfall, self.freer(Tier.DEVICE), delete_unbacked=self.delete_unbacked
             )
         else:
-            result = self.tree.evict_host(shortfall, self.freer(Tier.HOST))
+            result = self._evict_host(shortfall)
         self._observe(tier, result)
         got = self.try_alloc(tier, needs, arrays=arrays)
         if got is None and tier is Tier.DEVICE and not self.delete_unbacked:
@@ -140,6 +144,28 @@ class TierUnits:
             self._observe(tier, result)
             got = self.try_alloc(tier, needs, arrays=arrays)
         return got
+
+    def _evict_host(self, shortfall: Mapping[str, int]) -> EvictionResult:
+        """Evict ``shortfall`` from the host tier, the :attr:`host_last` nodes only where the
+        others do not free enough and it may take them (a second pass). A write-back node waiting
+        there for its prefix's L3 write is in no other tier: taken like any other, its pages were
+        lost to every fresh cache though the prefix reached L3 soon after. Where only an L3 write
+        in flight holds the room, the caller waits for it (``Writer``) or goes without."""
+        last, may_take = self.host_last() if self.host_last is not None else ([], True)
+        if not last:
+            return self.tree.evict_host(shortfall, self.freer(Tier.HOST))
+        guards = []
+        try:  # (locked for the first pass: an eviction passes over locked nodes)
+            guards.extend(self.tree.lock(node, Tier.HOST) for node in last)
+            result = self.tree.evict_host(shortfall, self.freer(Tier.HOST))
+        finally:
+            for guard in guards:
+                self.tree.unlock(guard)
+        rest = {pool: want - result.units.get(pool, 0) for pool, want in shortfall.items()}
+        if may_take and any(want > 0 for want in rest.values()):  # (their pages are lost)
+            self._observe(Tier.HOST, result)
+            result = self.tree.evict_host({p: w for p, w in rest.items() if w > 0}, self.freer(Tier.HOST))
+        return result
 
     def _shortfall(self, tier: Tier, needs: Mapping[str, int]) -> dict[str, int]:
         """What ``needs`` wants beyond the free units of each pool of ``tier``."""

@@ -424,7 +424,10 @@ class PrefixWaits:
     and nothing wrote it later: not the ancestor's own write once it left the device, not host
     eviction. Its pages were lost to every fresh cache, though L3 came to hold their whole prefix.
     They wait here and go with the first write that completes their prefix; a split's halves
-    both wait. Scanned at each eviction's write while any wait: O(waiting x depth), none mostly."""
+    both wait. Their host copy is their only one, so host eviction takes them last
+    (:meth:`exposed`): taken like any other node, a leaf waiting below a prefix a lease kept on
+    the device was lost for good. Scanned at each eviction's write while any wait: O(waiting x
+    depth), none mostly."""
 
     def __init__(self, tree: PrefixTree) -> None:
         self.tree = tree
@@ -432,6 +435,11 @@ class PrefixWaits:
 
     def __bool__(self) -> bool:
         return bool(len(self._nodes))
+
+    def exposed(self) -> list[TreeNode]:
+        """The waiting nodes in the host tier only: host eviction takes them last
+        (``TierUnits.host_last``), as their pages would be in no tier."""
+        return [node for node in self._nodes if on_host(node) and node.device_raw[0] is None] if self else []
 
     def ready(self, fresh: Sequence[TreeNode]) -> list[TreeNode]:
         """Of ``fresh`` host copies and the waiting nodes still on the host, those to write now,

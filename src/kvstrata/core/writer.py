@@ -92,6 +92,7 @@ class Writer:
         self.room_deadline: float | None = None  # ``flush(timeout)``: a backup waits for room no longer
         if policy.write == "write_back":
             self.units.before_device_eviction = self.back_up_for_eviction
+            self.units.host_last = lambda: (self.waits.exposed(), not self.pending)  # (their only copy)
 
     # --- L1 -> L2 -----------------------------------------------------------------------------
 
