@@ -104,11 +104,22 @@ class PageKeepingSlidingWindowLayer(DynamicSlidingWindowLayer):
         super().reset()
         self.keep_from = 0
 
-    def restore(self, keys: torch.Tensor, values: torch.Tensor, tokens: int) -> None:
-        """Hold ``keys`` / ``values`` ``[1, H, t, D]`` as the last tokens of a ``tokens``-long prefix."""
+    def restore(self, keys: torch.Tensor, values: torch.Tensor, tokens: int, keep_from: int) -> None:
+        """Hold ``keys`` / ``values`` ``[1, H, t, D]`` as the last tokens of a ``tokens``-long
+        prefix, keeping those from ``keep_from`` on (they must be among ``keys``)."""
+        if not 0 <= tokens - keep_from <= keys.shape[-2]:
+            raise ValueError(f"keep_from {keep_from}: not within the {keys.shape[-2]} tokens restored")
         self.lazy_initialization(keys, values)
         self.keys, self.values = keys, values
-        self.cumulative_length = self.keep_from = tokens
+        self.cumulative_length, self.keep_from = tokens, keep_from
+
+    def window_start(self, tokens: int, page: int) -> int:
+        """The first token the window of any page-aligned commit after ``tokens`` (page-aligned)
+        reaches: a window pool stores the last ``ceil((sliding_window - 1) / page)`` whole pages,
+        so a commit whose prefix was evicted (only the window stored) needs them all, the first
+        from before ``tokens`` where the window is longer than a page."""
+        window_pages = -(-max(self.sliding_window - 1, 1) // page)
+        return max(0, tokens - (window_pages - 1) * page)
 
 
 class KvstrataDynamicCache(DynamicCache):
@@ -350,11 +361,17 @@ def restore_full(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) 
 
 
 def restore_window(
-    layer: PageKeepingSlidingWindowLayer, keys: torch.Tensor, values: torch.Tensor, tokens: int
+    layer: PageKeepingSlidingWindowLayer, keys: torch.Tensor, values: torch.Tensor, tokens: int, page: int
 ) -> None:
-    """A window layer at ``tokens``: it holds the tail the stock layer would hold there."""
+    """A window layer at ``tokens``: it holds the tail the stock layer would hold there, and keeps
+    from the first page a later commit's window reaches (``window_start``)."""
     tail = layer._stock_kept(tokens)
-    layer.restore(keys[:, :, keys.shape[-2] - tail :, :], values[:, :, values.shape[-2] - tail :, :], tokens)
+    layer.restore(
+        keys[:, :, keys.shape[-2] - tail :, :],
+        values[:, :, values.shape[-2] - tail :, :],
+        tokens,
+        layer.window_start(tokens, page),
+    )
 
 
 def restore_states(layer: LinearAttentionLayer, states: dict[StateTensor, torch.Tensor]) -> None:

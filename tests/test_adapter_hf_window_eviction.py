@@ -1,0 +1,59 @@
+"""HF window layers whose request's prefix is evicted while it runs: the next commit stores the
+window only (no L3 here, so nothing else holds the prefix), and must still store it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+try:
+    import transformers  # noqa: F401
+except ImportError as exc:  # CI sets KVSTRATA_REQUIRE_HF=1 (scripts/test.sh): fail there
+    if os.environ.get("KVSTRATA_REQUIRE_HF") == "1":
+        raise
+    pytest.skip(f"transformers is not installed (pip install 'kvstrata[hf]'): {exc}", allow_module_level=True)
+
+import hf_support as hf
+from kvstrata.adapters.hf import HFStateCache
+from kvstrata.testing.hf_models import tiny_model
+
+PAGE = hf.PAGE
+
+
+@pytest.mark.parametrize(
+    ("family", "restored"),
+    [("mistral", True), ("gpt_oss", False)],
+    ids=["mistral-after-restore", "gpt_oss-between-commits"],
+)
+def test_a_window_layer_commits_its_window_after_the_prefix_is_evicted(family: str, restored: bool) -> None:
+    """Windows of 23 / 19 tokens span two 16-token pages. A request's prefix evicted while it
+    runs (another prompt's pages push it out): its next commit stores its window only, both
+    pages, the first from before the restore or the last commit. The window layer used to keep
+    only from there, so that commit stored nothing and the prefix was never restorable."""
+    hf.quiet()
+    tiers = {"tiers": {"device": {"capacity_tokens": 8 * PAGE}, "host": {"capacity_tokens": 8 * PAGE}}}
+    with HFStateCache(tiny_model(family), tiers, page_size=PAGE) as cache:
+        first = hf.tokens(40, 6 * PAGE)
+        hf.run_pages(cache, cache.new_cache(), first, 0, commit_every=1)
+        ids = torch.cat([first[: 4 * PAGE], hf.tokens(41, 3 * PAGE)])
+        if restored:
+            past, cached = cache.restore(ids)
+        else:  # run and commit the first four pages on this cache
+            past, cached = cache.new_cache(), 4 * PAGE
+            hf.run_pages(cache, past, ids[:cached], 0, commit_every=1)
+        assert cached == 4 * PAGE
+        filler = hf.tokens(42, 8 * PAGE)
+        hf.run_pages(cache, cache.new_cache(), filler, 0, commit_every=1)  # evicts the prefix
+        commits = []
+        with torch.no_grad():
+            for end in range(cached + PAGE, len(ids) + 1, PAGE):
+                cache.model(input_ids=ids[end - PAGE : end].unsqueeze(0), past_key_values=past)
+                commits.append(cache.commit(ids, end, past))
+        assert commits == [5 * PAGE, 6 * PAGE, 7 * PAGE]
+        prompt = torch.cat([ids[: 5 * PAGE], hf.tokens(43, 2)])
+        want = hf.reference(cache, prompt)
+        got_cached, got = hf.continue_from_restore(cache, prompt)
+        assert got_cached == 5 * PAGE and hf.matches(want, got_cached, got)
+        assert cache.cache.open_leases == 0
