@@ -57,3 +57,33 @@ def test_a_window_layer_commits_its_window_after_the_prefix_is_evicted(family: s
         got_cached, got = hf.continue_from_restore(cache, prompt)
         assert got_cached == 5 * PAGE and hf.matches(want, got_cached, got)
         assert cache.cache.open_leases == 0
+
+
+@pytest.mark.parametrize("how", ["twin-prefill", "twin-decode", "reset"])
+def test_a_state_cache_moved_outside_the_hooked_model_is_never_committed(how: str) -> None:
+    """A pure state model's cache counts no tokens itself: the adapter records those its hooked
+    model runs. Another copy of the model running on the cache (a chunk, or one decode step that
+    updates the conv state in place), or ``reset()``, moved the states past what was recorded,
+    and a commit stored them as the state at the recorded end: a later restore continued from
+    the wrong state. Such a cache is now never committed; the model's own runs still are."""
+    import copy
+
+    hf.quiet()
+    model = tiny_model("mamba2")
+    twin = copy.deepcopy(model)
+    with HFStateCache(model, page_size=PAGE) as cache:
+        ids = hf.tokens(44, 3 * PAGE)
+        past = cache.new_cache()
+        with torch.no_grad():
+            model(input_ids=ids[None, : 2 * PAGE], cache_params=past, use_cache=True)
+            if how == "reset":
+                past.reset()
+            else:
+                extra = ids[None, 2 * PAGE :] if how == "twin-prefill" else ids[None, 2 * PAGE : 2 * PAGE + 1]
+                twin(input_ids=extra, cache_params=past, use_cache=True)
+        with pytest.raises(ValueError, match=r"reset\(\)|outside a forward of the model"):
+            cache.commit(ids, 2 * PAGE, past)
+        assert cache.restore(ids)[1] == 0 and cache.cache.open_leases == 0
+        own = cache.new_cache()
+        hf.run_pages(cache, own, ids[: 2 * PAGE], 0)
+        assert cache.commit(ids, 2 * PAGE, own) == 2 * PAGE

@@ -223,6 +223,42 @@ class KvstrataDynamicCache(DynamicCache):
         """The forward returned: the cache holds the tokens :meth:`saw` recorded."""
         self._kvstrata_running = False
 
+    # (every state layer is read and written through these four: a module outside the hooked
+    # model's forward, another copy of the model, moves a state that no token count shows)
+    def get_conv_state(self, *args: Any, **kwargs: Any) -> Any:
+        self._state_touched()  # (decoding updates the returned tensor in place)
+        return super().get_conv_state(*args, **kwargs)
+
+    def get_recurrent_state(self, *args: Any, **kwargs: Any) -> Any:
+        self._state_touched()
+        return super().get_recurrent_state(*args, **kwargs)
+
+    def update_conv_state(self, *args: Any, **kwargs: Any) -> Any:
+        self._state_touched()
+        return super().update_conv_state(*args, **kwargs)
+
+    def update_recurrent_state(self, *args: Any, **kwargs: Any) -> Any:
+        self._state_touched()
+        return super().update_recurrent_state(*args, **kwargs)
+
+    def reset(self) -> None:
+        """The stock reset (attention emptied, states zeroed in place): the record of the tokens
+        no longer says what the cache holds, so it is never committed (:meth:`new_cache` is the
+        empty cache for a new prompt)."""
+        super().reset()
+        if len(self.kvstrata_tokens) and self._kvstrata_unknown is None:
+            self._kvstrata_unknown = "reset() emptied it after tokens ran through it"
+
+    def _state_touched(self) -> None:
+        """A state read or written outside a forward of the hooked model: its tokens go
+        unrecorded (a pure state model's cache counts none), so the cache is never committed
+        (its states would be stored as those of the tokens recorded)."""
+        if not self._kvstrata_running and self._kvstrata_unknown is None:
+            self._kvstrata_unknown = (
+                "its states were read or updated outside a forward of the model HFStateCache hooks "
+                "(another module ran on it; its tokens were not recorded)"
+            )
+
     def _check_finished(self) -> None:
         """A forward that began and never returned raised: the cache is marked never to commit."""
         if self._kvstrata_running and self._kvstrata_unknown is None:
