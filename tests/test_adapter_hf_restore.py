@@ -4,6 +4,7 @@ window only (no L3 here, so nothing else holds the prefix), and must still store
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -87,3 +88,41 @@ def test_a_state_cache_moved_outside_the_hooked_model_is_never_committed(how: st
         own = cache.new_cache()
         hf.run_pages(cache, own, ids[: 2 * PAGE], 0)
         assert cache.commit(ids, 2 * PAGE, own) == 2 * PAGE
+
+
+def _held_tensors(past: Any) -> list[torch.Tensor]:
+    """Every tensor a cache's layers hold: attention K/V, conv and recurrent states."""
+    out = []
+    for layer in past.layers:
+        out += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None]
+        for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+            out += [t for t in states.values() if t is not None]
+    return [t for t in out if t.numel()]
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "jamba", "mamba2"])
+def test_a_second_restore_after_eviction_is_bit_exact_whatever_the_first_was_used_for(family: str) -> None:
+    """Window, full-attention and Mamba layers: every tensor a restore hands out is the model's
+    own (private copies: the model writes conv states in place while decoding). The first
+    restore's tensors overwritten in place, the committing cache's too, the prefix pushed to the
+    host tier: the second restore holds the same bytes and continues exactly as the model alone."""
+    hf.quiet()
+    tiers = {"tiers": {"device": {"capacity_tokens": 8 * PAGE}, "host": {"capacity_tokens": 16 * PAGE}}}
+    with HFStateCache(tiny_model(family), tiers, page_size=PAGE, state_slots=8) as cache:
+        ids = hf.tokens(45, 5 * PAGE + 2)
+        writer = cache.new_cache()
+        hf.run_pages(cache, writer, ids, 0, commit_every=1)
+        first, cached = cache.restore(ids)
+        assert cached == 5 * PAGE
+        held = [t.clone() for t in _held_tensors(first)]
+        for tensor in _held_tensors(first) + _held_tensors(writer):
+            tensor.mul_(-3).add_(7)
+        filler = hf.tokens(46, 6 * PAGE)
+        hf.run_pages(cache, cache.new_cache(), filler, 0, commit_every=1)
+        second, again = cache.restore(ids)
+        assert again == cached and cache.last_restore.pages["host"] > 0
+        assert all(torch.equal(a, b) for a, b in zip(held, _held_tensors(second), strict=True))
+        want = hf.reference(cache, ids)
+        got = hf.run_pages(cache, second, ids, again)
+        assert hf.matches(want, again, got + hf.decode(cache, second, got[-1]))
+        assert cache.cache.open_leases == 0
