@@ -104,11 +104,22 @@ class PageKeepingSlidingWindowLayer(DynamicSlidingWindowLayer):
         super().reset()
         self.keep_from = 0
 
-    def restore(self, keys: torch.Tensor, values: torch.Tensor, tokens: int) -> None:
-        """Hold ``keys`` / ``values`` ``[1, H, t, D]`` as the last tokens of a ``tokens``-long prefix."""
+    def restore(self, keys: torch.Tensor, values: torch.Tensor, tokens: int, keep_from: int) -> None:
+        """Hold ``keys`` / ``values`` ``[1, H, t, D]`` as the last tokens of a ``tokens``-long
+        prefix, keeping those from ``keep_from`` on (they must be among ``keys``)."""
+        if not 0 <= tokens - keep_from <= keys.shape[-2]:
+            raise ValueError(f"keep_from {keep_from}: not within the {keys.shape[-2]} tokens restored")
         self.lazy_initialization(keys, values)
         self.keys, self.values = keys, values
-        self.cumulative_length = self.keep_from = tokens
+        self.cumulative_length, self.keep_from = tokens, keep_from
+
+    def window_start(self, tokens: int, page: int) -> int:
+        """The first token the window of any page-aligned commit after ``tokens`` (page-aligned)
+        reaches: a window pool stores the last ``ceil((sliding_window - 1) / page)`` whole pages,
+        so a commit whose prefix was evicted (only the window stored) needs them all, the first
+        from before ``tokens`` where the window is longer than a page."""
+        window_pages = -(-max(self.sliding_window - 1, 1) // page)
+        return max(0, tokens - (window_pages - 1) * page)
 
 
 class KvstrataDynamicCache(DynamicCache):
@@ -211,6 +222,42 @@ class KvstrataDynamicCache(DynamicCache):
     def forward_done(self) -> None:
         """The forward returned: the cache holds the tokens :meth:`saw` recorded."""
         self._kvstrata_running = False
+
+    # (every state layer is read and written through these four: a module outside the hooked
+    # model's forward, another copy of the model, moves a state that no token count shows)
+    def get_conv_state(self, *args: Any, **kwargs: Any) -> Any:
+        self._state_touched()  # (decoding updates the returned tensor in place)
+        return super().get_conv_state(*args, **kwargs)
+
+    def get_recurrent_state(self, *args: Any, **kwargs: Any) -> Any:
+        self._state_touched()
+        return super().get_recurrent_state(*args, **kwargs)
+
+    def update_conv_state(self, *args: Any, **kwargs: Any) -> Any:
+        self._state_touched()
+        return super().update_conv_state(*args, **kwargs)
+
+    def update_recurrent_state(self, *args: Any, **kwargs: Any) -> Any:
+        self._state_touched()
+        return super().update_recurrent_state(*args, **kwargs)
+
+    def reset(self) -> None:
+        """The stock reset (attention emptied, states zeroed in place): the record of the tokens
+        no longer says what the cache holds, so it is never committed (:meth:`new_cache` is the
+        empty cache for a new prompt)."""
+        super().reset()
+        if len(self.kvstrata_tokens) and self._kvstrata_unknown is None:
+            self._kvstrata_unknown = "reset() emptied it after tokens ran through it"
+
+    def _state_touched(self) -> None:
+        """A state read or written outside a forward of the hooked model: its tokens go
+        unrecorded (a pure state model's cache counts none), so the cache is never committed
+        (its states would be stored as those of the tokens recorded)."""
+        if not self._kvstrata_running and self._kvstrata_unknown is None:
+            self._kvstrata_unknown = (
+                "its states were read or updated outside a forward of the model HFStateCache hooks "
+                "(another module ran on it; its tokens were not recorded)"
+            )
 
     def _check_finished(self) -> None:
         """A forward that began and never returned raised: the cache is marked never to commit."""
@@ -350,11 +397,17 @@ def restore_full(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) 
 
 
 def restore_window(
-    layer: PageKeepingSlidingWindowLayer, keys: torch.Tensor, values: torch.Tensor, tokens: int
+    layer: PageKeepingSlidingWindowLayer, keys: torch.Tensor, values: torch.Tensor, tokens: int, page: int
 ) -> None:
-    """A window layer at ``tokens``: it holds the tail the stock layer would hold there."""
+    """A window layer at ``tokens``: it holds the tail the stock layer would hold there, and keeps
+    from the first page a later commit's window reaches (``window_start``)."""
     tail = layer._stock_kept(tokens)
-    layer.restore(keys[:, :, keys.shape[-2] - tail :, :], values[:, :, values.shape[-2] - tail :, :], tokens)
+    layer.restore(
+        keys[:, :, keys.shape[-2] - tail :, :],
+        values[:, :, values.shape[-2] - tail :, :],
+        tokens,
+        layer.window_start(tokens, page),
+    )
 
 
 def restore_states(layer: LinearAttentionLayer, states: dict[StateTensor, torch.Tensor]) -> None:

@@ -223,7 +223,7 @@ class HFStateCache:
             have = lease.cached_pages
             if have >= pages or (self.layout.states and processed != pages * self.page_size):
                 self.cache.release(lease)
-                return _stored(past_key_values, have * self.page_size)
+                return _stored(past_key_values, have * self.page_size, self.page_size)
             # window layers that lost the first new pages (a prefix evicted since the restore)
             # can still give their window
             held = [
@@ -232,12 +232,12 @@ class HFStateCache:
             units = self.cache.allocate(lease, window_only=max(held, default=0) > have * self.page_size)
             if not self._write(past_key_values, lease, units, pages):
                 self.cache.release(lease)
-                return _stored(past_key_values, have * self.page_size)
+                return _stored(past_key_values, have * self.page_size, self.page_size)
             self.cache.insert(lease)
         except BaseException:
             self.cache.release(lease)
             raise
-        return _stored(past_key_values, pages * self.page_size)
+        return _stored(past_key_values, pages * self.page_size, self.page_size)
 
     def prefill(self, input_ids: torch.Tensor | list[int], *, chunk_pages: int = 1) -> PrefillResult:
         """Restore, run the model over the rest of ``input_ids`` in chunks of ``chunk_pages``
@@ -322,7 +322,7 @@ class HFStateCache:
                 if pool.window is None:
                     restore_full(layer, keys, values)
                 else:
-                    restore_window(layer, keys, values, tokens)
+                    restore_window(layer, keys, values, tokens, self.page_size)
         for state_pool in self.layout.states:
             data = self.cache.read_units(state_pool.name, lease.prefix_units(state_pool.name))
             for index, layer_id in enumerate(state_pool.layer_ids):
@@ -389,13 +389,15 @@ def model_identity(
     )
 
 
-def _stored(past: Any, tokens: int) -> int:
+def _stored(past: Any, tokens: int, page: int) -> int:
     """kvstrata holds the first ``tokens`` of ``past``'s prompt: its window layers may forget the
     pages they kept for a commit before them (also when another request stored them first, or
-    every page was cached: kept, they grew with the prompt). Returns ``tokens``."""
+    every page was cached: kept, they grew with the prompt), all but those the window of a later
+    commit reaches (it stores only its window where this prefix is evicted by then). Returns
+    ``tokens``."""
     for layer in past.layers:
         if isinstance(layer, PageKeepingSlidingWindowLayer):
-            layer.trim(tokens)
+            layer.trim(layer.window_start(tokens, page))
     return tokens
 
 
