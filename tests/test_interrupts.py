@@ -27,6 +27,7 @@ from kvstrata.core.controller import CacheController
 from kvstrata.core.lease import Lease
 from kvstrata.core.prefetcher import Prefetcher
 from kvstrata.core.tree import PrefixTree
+from kvstrata.eviction_policies.fifo import FifoPolicy
 from kvstrata.plugins import PluginHost
 
 
@@ -348,4 +349,69 @@ def test_an_interrupt_inside_insert_host_frees_the_units_the_tree_did_not_take(
     assert cache.tree.units("kv", "host") == (5 if when == "after" else 0)
     assert _reread_after_others(cache, request, 5) == 0, "another request's bytes served"
     _host_exact(cache)
+    cache.close()
+
+
+# --- an eviction order's hook interrupted inside a tree update of the device or host tier ---------
+
+
+class InterruptOnce:
+    """Patches ``FifoPolicy.<event>`` to raise once, on the ``tier``'s order, once armed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, event: str, tier: str) -> None:
+        self.armed = False
+        real = getattr(FifoPolicy, event)
+
+        def hook(policy: FifoPolicy, *args: object) -> None:
+            if self.armed and policy.context.tier == tier:
+                self.armed = False
+                raise Interrupt(event)
+            real(policy, *args)
+
+        monkeypatch.setattr(FifoPolicy, event, hook)
+
+
+def test_an_interrupt_in_the_device_orders_inserted_hook_leaves_the_tree_its_units(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fault injection (the device eviction order's ``inserted`` hook raising an interrupt):
+    ``PrefixTree.insert`` had set the lease's units on the nodes, then told the order; the lease
+    never learnt the tree took them, and ``release`` freed units the tree indexed (the next
+    requests' writes were served as this prompt's pages)."""
+    cache = open_cache("kv", overrides=["tiers.storage={}", "policy.eviction={type: fifo}"])
+    hook = InterruptOnce(monkeypatch, "inserted", "device")
+    request = tokens(1, 4)
+    lease = computed(cache, request)
+    hook.armed = True
+    with pytest.raises(Interrupt):
+        cache.insert(lease)
+    assert not hook.armed  # it fired where meant
+    cache.release(lease)
+    cache.tree.check()
+    _device_exact(cache)
+    assert _reread_after_others(cache, request, 4) == 0, "another request's bytes served"
+    _device_exact(cache)
+    cache.close()
+
+
+def test_an_interrupt_in_the_device_orders_split_hook_during_insert_frees_the_leases_units(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fault injection (the device order's ``split`` hook raising an interrupt while ``insert``
+    cuts the node another request inserted meanwhile): the tree took none of the lease's units
+    yet, so its ``release`` frees them all, once."""
+    cache = open_cache("kv", overrides=["tiers.storage={}", "policy.eviction={type: fifo}"])
+    hook = InterruptOnce(monkeypatch, "split", "device")
+    request, longer = tokens(1, 4), tokens(1, 6)
+    lease = computed(cache, request)
+    serve(cache, longer)  # inserted first: one node of 6 pages, ``lease``'s 4 end inside it
+    hook.armed = True
+    with pytest.raises(Interrupt):
+        cache.insert(lease)
+    assert not hook.armed
+    cache.release(lease)
+    cache.tree.check()
+    _device_exact(cache)
+    assert _reread_after_others(cache, longer, 6) == 0, "another request's bytes served"
+    _device_exact(cache)
     cache.close()
