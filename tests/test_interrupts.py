@@ -13,6 +13,7 @@ import torch
 
 from controller_support import (
     computed,
+    device_accounting,
     fill,
     host_units_held_by_tree,
     host_units_in_use,
@@ -26,7 +27,7 @@ from kvstrata.core import lease_units, prefetcher
 from kvstrata.core.controller import CacheController
 from kvstrata.core.lease import Lease
 from kvstrata.core.prefetcher import Prefetcher
-from kvstrata.core.tree import PrefixTree
+from kvstrata.core.tree import PrefixTree, Tier
 from kvstrata.eviction_policies.fifo import FifoPolicy
 from kvstrata.plugins import PluginHost
 
@@ -414,4 +415,33 @@ def test_an_interrupt_in_the_device_orders_split_hook_during_insert_frees_the_le
     _device_exact(cache)
     assert _reread_after_others(cache, longer, 6) == 0, "another request's bytes served"
     _device_exact(cache)
+    cache.close()
+
+
+@pytest.mark.parametrize("stack", ["kv", "hybrid-mamba"])
+def test_an_interrupt_in_the_device_orders_hook_during_a_load_back_frees_the_units_not_indexed(
+    monkeypatch: pytest.MonkeyPatch, stack: str
+) -> None:
+    """Fault injection (the device eviction order's ``inserted`` hook raising an interrupt as the
+    load-back's first ``set_device_value`` tells it the node came back): the copies were done and
+    the tree had taken the first node's units, the rest of them (the second node's pages, a
+    component's) stayed allocated and no one's, for good."""
+    cache = open_cache(stack, overrides=["tiers.storage={}", "policy.eviction={type: fifo}"])
+    hook = InterruptOnce(monkeypatch, "inserted", "device")
+    shorter, request = tokens(1, 4), tokens(1, 6)
+    serve(cache, shorter)
+    serve(cache, request)  # write-through: the host holds both nodes, [0, 4) and [4, 6)
+    cache.tree.evict_device({name: 1 << 30 for name in cache.tree_pools}, cache.units.freer(Tier.DEVICE))
+    lease = cache.lookup(request)
+    assert lease.host_pages == 6 and lease.device_pages == 0
+    hook.armed = True
+    with pytest.raises(Interrupt):
+        cache.admit(lease)
+    assert not hook.armed
+    cache.release(lease)
+    cache.tree.check()
+    device_accounting(cache, [])
+    again, bad = serve(cache, request)
+    assert again.cached_pages == 6 and bad == 0, "the next request loads the prefix back"
+    device_accounting(cache, [])
     cache.close()
