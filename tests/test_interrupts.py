@@ -24,6 +24,7 @@ from controller_support import (
 )
 from kvstrata import hookimpl
 from kvstrata.core import lease_units, prefetcher
+from kvstrata.core import writer as writer_module
 from kvstrata.core.controller import CacheController
 from kvstrata.core.lease import Lease
 from kvstrata.core.prefetcher import Prefetcher
@@ -444,4 +445,46 @@ def test_an_interrupt_in_the_device_orders_hook_during_a_load_back_frees_the_uni
     again, bad = serve(cache, request)
     assert again.cached_pages == 6 and bad == 0, "the next request loads the prefix back"
     device_accounting(cache, [])
+    cache.close()
+
+
+@pytest.mark.parametrize("when", ["before", "after", "digests"])
+def test_an_interrupt_after_a_backups_copies_frees_the_host_units_no_node_took(
+    monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """Fault injection (a patched ``PrefixTree.set_host_values`` raising before, or after, the
+    real call -- the host order's ``inserted`` hook interrupted -- or the ``debug.unit_digests``
+    check of the copies raising): the device -> host copies had finished, so before the tree
+    recorded them the backup's host units were no one's (4 per 4-page write-through, for good);
+    after, they are the tree's and hold the pages' bytes."""
+    cache = open_cache("kv", overrides=["tiers.storage={}", "debug.unit_digests=true"])
+    request = tokens(1, 4)
+    lease = computed(cache, request)
+    real = PrefixTree.set_host_values
+
+    def interrupted(self: PrefixTree, *args: object) -> None:
+        monkeypatch.setattr(PrefixTree, "set_host_values", real)
+        if when == "after":
+            real(self, *args)  # type: ignore[arg-type]
+        raise Interrupt("set_host_values")
+
+    def check_fails(*args: object) -> None:
+        monkeypatch.undo()
+        raise Interrupt("digests")
+
+    if when == "digests":
+        monkeypatch.setattr(writer_module, "_check_backups", check_fails)
+    else:
+        monkeypatch.setattr(PrefixTree, "set_host_values", interrupted)
+    with pytest.raises(Interrupt):
+        cache.insert(lease)
+    cache.release(lease)
+    cache.tree.check()
+    assert host_units_in_use(cache) == host_units_held_by_tree(cache), "host units leaked or freed twice"
+    assert cache.tree.units("kv", "host") == (0 if when == "before" else 4)
+    _device_exact(cache)
+    cache.tree.evict_device({name: 1 << 30 for name in cache.tree_pools}, cache.units.freer(Tier.DEVICE))
+    again, bad = serve(cache, request)  # from the host copies (after), or computed again (before)
+    assert bad == 0 and again.cached_pages == (0 if when == "before" else 4)
+    assert host_units_in_use(cache) == host_units_held_by_tree(cache)
     cache.close()
