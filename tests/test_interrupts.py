@@ -13,6 +13,7 @@ import torch
 
 from controller_support import (
     computed,
+    device_accounting,
     fill,
     host_units_held_by_tree,
     host_units_in_use,
@@ -23,10 +24,12 @@ from controller_support import (
 )
 from kvstrata import hookimpl
 from kvstrata.core import lease_units, prefetcher
+from kvstrata.core import writer as writer_module
 from kvstrata.core.controller import CacheController
 from kvstrata.core.lease import Lease
 from kvstrata.core.prefetcher import Prefetcher
-from kvstrata.core.tree import PrefixTree
+from kvstrata.core.tree import PrefixTree, Tier
+from kvstrata.eviction_policies.fifo import FifoPolicy
 from kvstrata.plugins import PluginHost
 
 
@@ -348,4 +351,140 @@ def test_an_interrupt_inside_insert_host_frees_the_units_the_tree_did_not_take(
     assert cache.tree.units("kv", "host") == (5 if when == "after" else 0)
     assert _reread_after_others(cache, request, 5) == 0, "another request's bytes served"
     _host_exact(cache)
+    cache.close()
+
+
+# --- an eviction order's hook interrupted inside a tree update of the device or host tier ---------
+
+
+class InterruptOnce:
+    """Patches ``FifoPolicy.<event>`` to raise once, on the ``tier``'s order, once armed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, event: str, tier: str) -> None:
+        self.armed = False
+        real = getattr(FifoPolicy, event)
+
+        def hook(policy: FifoPolicy, *args: object) -> None:
+            if self.armed and policy.context.tier == tier:
+                self.armed = False
+                raise Interrupt(event)
+            real(policy, *args)
+
+        monkeypatch.setattr(FifoPolicy, event, hook)
+
+
+def test_an_interrupt_in_the_device_orders_inserted_hook_leaves_the_tree_its_units(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fault injection (the device eviction order's ``inserted`` hook raising an interrupt):
+    ``PrefixTree.insert`` had set the lease's units on the nodes, then told the order; the lease
+    never learnt the tree took them, and ``release`` freed units the tree indexed (the next
+    requests' writes were served as this prompt's pages)."""
+    cache = open_cache("kv", overrides=["tiers.storage={}", "policy.eviction={type: fifo}"])
+    hook = InterruptOnce(monkeypatch, "inserted", "device")
+    request = tokens(1, 4)
+    lease = computed(cache, request)
+    hook.armed = True
+    with pytest.raises(Interrupt):
+        cache.insert(lease)
+    assert not hook.armed  # it fired where meant
+    cache.release(lease)
+    cache.tree.check()
+    _device_exact(cache)
+    assert _reread_after_others(cache, request, 4) == 0, "another request's bytes served"
+    _device_exact(cache)
+    cache.close()
+
+
+def test_an_interrupt_in_the_device_orders_split_hook_during_insert_frees_the_leases_units(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fault injection (the device order's ``split`` hook raising an interrupt while ``insert``
+    cuts the node another request inserted meanwhile): the tree took none of the lease's units
+    yet, so its ``release`` frees them all, once."""
+    cache = open_cache("kv", overrides=["tiers.storage={}", "policy.eviction={type: fifo}"])
+    hook = InterruptOnce(monkeypatch, "split", "device")
+    request, longer = tokens(1, 4), tokens(1, 6)
+    lease = computed(cache, request)
+    serve(cache, longer)  # inserted first: one node of 6 pages, ``lease``'s 4 end inside it
+    hook.armed = True
+    with pytest.raises(Interrupt):
+        cache.insert(lease)
+    assert not hook.armed
+    cache.release(lease)
+    cache.tree.check()
+    _device_exact(cache)
+    assert _reread_after_others(cache, longer, 6) == 0, "another request's bytes served"
+    _device_exact(cache)
+    cache.close()
+
+
+@pytest.mark.parametrize("stack", ["kv", "hybrid-mamba"])
+def test_an_interrupt_in_the_device_orders_hook_during_a_load_back_frees_the_units_not_indexed(
+    monkeypatch: pytest.MonkeyPatch, stack: str
+) -> None:
+    """Fault injection (the device eviction order's ``inserted`` hook raising an interrupt as the
+    load-back's first ``set_device_value`` tells it the node came back): the copies were done and
+    the tree had taken the first node's units, the rest of them (the second node's pages, a
+    component's) stayed allocated and no one's, for good."""
+    cache = open_cache(stack, overrides=["tiers.storage={}", "policy.eviction={type: fifo}"])
+    hook = InterruptOnce(monkeypatch, "inserted", "device")
+    shorter, request = tokens(1, 4), tokens(1, 6)
+    serve(cache, shorter)
+    serve(cache, request)  # write-through: the host holds both nodes, [0, 4) and [4, 6)
+    cache.tree.evict_device({name: 1 << 30 for name in cache.tree_pools}, cache.units.freer(Tier.DEVICE))
+    lease = cache.lookup(request)
+    assert lease.host_pages == 6 and lease.device_pages == 0
+    hook.armed = True
+    with pytest.raises(Interrupt):
+        cache.admit(lease)
+    assert not hook.armed
+    cache.release(lease)
+    cache.tree.check()
+    device_accounting(cache, [])
+    again, bad = serve(cache, request)
+    assert again.cached_pages == 6 and bad == 0, "the next request loads the prefix back"
+    device_accounting(cache, [])
+    cache.close()
+
+
+@pytest.mark.parametrize("when", ["before", "after", "digests"])
+def test_an_interrupt_after_a_backups_copies_frees_the_host_units_no_node_took(
+    monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """Fault injection (a patched ``PrefixTree.set_host_values`` raising before, or after, the
+    real call -- the host order's ``inserted`` hook interrupted -- or the ``debug.unit_digests``
+    check of the copies raising): the device -> host copies had finished, so before the tree
+    recorded them the backup's host units were no one's (4 per 4-page write-through, for good);
+    after, they are the tree's and hold the pages' bytes."""
+    cache = open_cache("kv", overrides=["tiers.storage={}", "debug.unit_digests=true"])
+    request = tokens(1, 4)
+    lease = computed(cache, request)
+    real = PrefixTree.set_host_values
+
+    def interrupted(self: PrefixTree, *args: object) -> None:
+        monkeypatch.setattr(PrefixTree, "set_host_values", real)
+        if when == "after":
+            real(self, *args)  # type: ignore[arg-type]
+        raise Interrupt("set_host_values")
+
+    def check_fails(*args: object) -> None:
+        monkeypatch.undo()
+        raise Interrupt("digests")
+
+    if when == "digests":
+        monkeypatch.setattr(writer_module, "_check_backups", check_fails)
+    else:
+        monkeypatch.setattr(PrefixTree, "set_host_values", interrupted)
+    with pytest.raises(Interrupt):
+        cache.insert(lease)
+    cache.release(lease)
+    cache.tree.check()
+    assert host_units_in_use(cache) == host_units_held_by_tree(cache), "host units leaked or freed twice"
+    assert cache.tree.units("kv", "host") == (0 if when == "before" else 4)
+    _device_exact(cache)
+    cache.tree.evict_device({name: 1 << 30 for name in cache.tree_pools}, cache.units.freer(Tier.DEVICE))
+    again, bad = serve(cache, request)  # from the host copies (after), or computed again (before)
+    assert bad == 0 and again.cached_pages == (0 if when == "before" else 4)
+    assert host_units_in_use(cache) == host_units_held_by_tree(cache)
     cache.close()

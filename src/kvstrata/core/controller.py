@@ -286,7 +286,7 @@ class CacheController(UnitMemory, ClosingApi):
         if end > lease.committed_pages:
             values, rest = take_for_insert(self.layout, lease, end)
             above = lease.node
-            result = self.tree.insert(lease.keys[lease.committed_pages : end], values, at=above)
+            result = self.tree.insert(lease.keys[lease.committed_pages : end], values, at=above, tell=False)
             hand_to_tree(self.units, self.layout, self.tree, lease, result, end, rest, close)
             writer = self.writer
             if self.policy.write == "write_through" or writer.digests is not None or writer.hears_inserts:

@@ -215,9 +215,13 @@ def hand_to_tree(
     """``insert``, once the tree holds the lease's values: free the duplicates and mark the lease
     inserted, that also when something raises between (a Ctrl-C; the duplicates not freed then
     are the lease's, freed at its close): left pending, the values were freed by the lease's
-    release while the tree served them, and the next request's writes became their bytes."""
+    release while the tree served them, and the next request's writes became their bytes. Then
+    tell the device eviction order (``tree.insert(..., tell=False)``): a hook of it interrupted
+    before the lease was marked left the tree's units the lease's too."""
     kept = result.duplicates if result.has_duplicates else None  # the lease's to free, unless freed now
     try:
         kept = free_duplicates(units, layout, result, close) if kept else None
     finally:
         lease.mark_inserted(tree, result.node, end, rest, kept or None)
+    if tree.evictor.hears:
+        tree.evictor.inserted(_DEVICE, result.node, result.new_pages)

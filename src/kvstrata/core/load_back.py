@@ -114,13 +114,17 @@ class LoadBack:
             self.units.free(Tier.DEVICE, got)
             raise
         # anchor first, root to leaf (device prefixes stay closed), then the components
-        for name, nodes in plan.nodes.items():
-            p = self.tree.index[name]
-            offset = 0
-            for node in nodes:
-                width = len(node.host[p])  # type: ignore[arg-type]
-                self.tree.set_device_value(node, name, got[name][offset : offset + width])
-                offset += width
+        try:
+            for name, nodes in plan.nodes.items():
+                p = self.tree.index[name]
+                offset = 0
+                for node in nodes:
+                    width = len(node.host[p])  # type: ignore[arg-type]
+                    self.tree.set_device_value(node, name, got[name][offset : offset + width])
+                    offset += width
+        except BaseException:  # the device order's hook interrupted (it hears each node come back):
+            self.units.free_unowned(Tier.DEVICE, got)  # the units not indexed yet are no one's
+            raise
         self.metrics.count(Operation.LOAD_BACKS)
         self.metrics.add_bytes("host_to_device", nbytes)
         return LoadBackResult(True, nbytes)

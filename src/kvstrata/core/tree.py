@@ -229,26 +229,26 @@ class PrefixTree:
 
     # ------------------------------------------------------------------ insert
     def insert(
-        self, keys: Sequence[PageKey], values: Mapping[str, Units], *, at: TreeNode | None = None
+        self,
+        keys: Sequence[PageKey],
+        values: Mapping[str, Units],
+        *,
+        at: TreeNode | None = None,
+        tell: bool = True,
     ) -> InsertResult:
-        """Insert a device-resident prefix; existing nodes are reused.
-
-        ``values`` maps a tracked pool to its unit indices (a 1-D index tensor, or int64 bytes as
-        a node stores them: a lease's pending units) for the *last* ``len(value)`` pages of
-        the sequence (usually all of them; a shorter value leaves the earlier pages untouched:
-        a request inserting what it computed after its cached prefix, or a window pool that
-        only holds its last pages) -- one slot for node-state pools: the state after the last
-        page. A pool left out gets tombstones on the new nodes. Existing nodes adopt given units
-        where they lack them (host-only nodes come back to device, tombstones are revived); the
-        rest are returned as duplicates. The anchor's values are required.
-
-        ``at``: a node of the tree to insert below; ``keys`` are then the pages after it. A
-        request extending its own prefix chunk by chunk pays only for its new pages.
-        """
+        """Insert a device-resident prefix, reusing existing nodes. ``values``: per tracked pool,
+        unit indices (a 1-D index tensor, or int64 bytes: a lease's pending units) of the *last*
+        ``len(value)`` pages (a request's pages after its cached prefix, a window pool's last
+        pages), one slot for node-state pools (the state after the last page); a pool left out
+        gets tombstones, the anchor's are required. Existing nodes adopt given units they lack
+        (host-only nodes come back to device, tombstones revive); the rest are returned as
+        duplicates. ``at``: insert below this node (``keys``: the pages after it; a chunk pays
+        for its new pages only). ``tell=False``: the caller tells the eviction order
+        (``evictor.inserted``) once it holds the result (a hook interrupted then loses none)."""
         if at is not None and at is not self.root and at.parent is None:  # (the one check per chunk)
             self._require_node(at)
         result = self._inserter.insert(keys, values, _DEVICE, at)
-        if self.evictor.hears:
+        if tell and self.evictor.hears:
             self.evictor.inserted(_DEVICE, result.node, result.new_pages)
         return result
 

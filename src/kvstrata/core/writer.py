@@ -215,7 +215,11 @@ class Writer:
             settle_copies(handles)  # host unit goes back, once no copy issued still writes into it
             self.units.free(Tier.HOST, {name: unit_tensor(host) for name, host in hosts.items() if host})
             raise
-        self.tree.set_host_values(nodes, stored)
+        try:
+            self.tree.set_host_values(nodes, stored)
+        except BaseException:  # the units no node took are no one's (those it took stay its own)
+            self.units.free_unowned(Tier.HOST, {n: unit_tensor(host) for n, host in stored.items()})
+            raise
         self.metrics.count(Operation.BACKUPS, len(nodes))
         self.metrics.add_bytes("device_to_host", nbytes)
         if self.digests is not None:
