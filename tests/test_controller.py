@@ -764,6 +764,52 @@ def test_write_back_host_eviction_keeps_a_leaf_waiting_for_its_prefix(tmp_path: 
         assert (lease.hit_pages["storage"], bad) == (4, 0)
 
 
+def test_write_back_writes_a_waiting_leaf_once_the_host_has_room_for_its_prefix(tmp_path: Path) -> None:
+    # a leaf waited on the host for its prefix (a lease kept it on the device; in-flight writes
+    # locked the host room). Once the host had free room again, each device eviction copied its
+    # own candidates into it and never the waiting leaf's prefix: the leaf stayed the prefix's
+    # only chance, until a larger eviction took it (nothing else left to take) and a fresh cache
+    # found 2 of its 4 pages. The prefix now takes free host room first: the leaf is written
+    overrides = [
+        "policy.write=write_back",
+        "tiers.device.capacity_tokens=512",  # 8 pages
+        "tiers.host.capacity_tokens=384",  # 6 pages
+        "policy.backup_wait_s=0.5",
+        *WAIT,
+    ]
+    shared = tokens(32, 2)
+    request = torch.cat([shared, tokens(800, 2)])
+    with open_cache("kv", tmp_path, overrides) as cache:
+        assert cache.engine is not None
+        gate = threading.Event()  # fault injection: L3 writes held, their host sources locked
+        put_group = cache.engine.put_group
+        cache.engine.put_group = lambda batches: (gate.wait(60), put_group(batches))[1]  # type: ignore[method-assign]
+        serve(cache, tokens(700, 3))
+        hashes = serve(cache, request)[0].page_hashes
+        held = cache.lookup(shared)  # the shared prefix stays on the device
+        cache.admit(held)
+        serve(cache, tokens(702, 2))  # evicts the first request: 3 host pages locked by its write
+        serve(cache, tokens(703, 3))  # evicts the leaf: no host room for its prefix, it waits
+        assert cache.writer.waits, "the leaf waits for its prefix"
+        gate.set()
+        cache.flush()
+        serve(cache, tokens(1500, 2))  # evicts 702: the host drops the first request, 2 pages free
+        cache.flush()
+        serve(cache, tokens(1501, 3))  # evicts 703 into the free room: the prefix could have had it
+        cache.flush()
+        assert not cache.writer.waits, "the prefix took the free room: the leaf is written"
+        serve(cache, tokens(1502, 6))  # evicts 5 pages: the host takes everything it may
+        cache.release(held)
+        cache.flush()
+        push_off_device(cache, pages=2, seed=1300)  # the prefix leaves the device: written
+        cache.flush()
+    with open_cache("kv", tmp_path, WAIT) as cold:
+        assert cold.engine is not None
+        assert sum(cold.engine.exists("kv", hashes).ok) == 4
+        lease, bad = serve(cold, request)
+        assert (lease.hit_pages["storage"], bad) == (4, 0)
+
+
 @pytest.mark.parametrize(
     ("stack", "write"),
     [

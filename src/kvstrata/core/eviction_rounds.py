@@ -64,6 +64,8 @@ class Writer(EndWriter, Protocol):
 def back_up_for_eviction(writer: Writer, shortfall: Mapping[str, int]) -> None:
     """See :meth:`~kvstrata.core.writer.Writer.back_up_for_eviction`; in rounds with an L3."""
     with writer.units.keeping_copies():  # the other device pages' host copies let them leave
+        if writer.engine is not None and writer.waits:
+            _write_waiting(writer)  # (before this eviction's candidates take the free room)
         rest: list[TreeNode] | None = eviction_backups(writer.tree, writer.layout, shortfall)
         handed: set[TreeNode] = set()  # state copies given to a later round
         while rest:
@@ -77,6 +79,25 @@ def back_up_for_eviction(writer: Writer, shortfall: Mapping[str, int]) -> None:
             if rest and write is not None and write is not before:
                 handed.update(_hand_on_states(writer, write, rest))
         back_up_gained(writer, skip=handed)  # and components nodes backed up earlier gained since
+
+
+def _write_waiting(writer: Writer) -> None:
+    """Copy the device-only prefixes of the nodes waiting on the host (``PrefixWaits``) into
+    free host units, root first while they fit (no eviction for them), and queue the writes
+    they complete. Each eviction's own candidates took the free room first and the prefix got
+    none: a waiting leaf stayed its path's only copy until a larger eviction took it."""
+    above = writer.waits.prefixes()
+    free = {name: writer.units.allocator(name, Tier.HOST) for name in writer.tree.index}
+    room = {name: a.available if a is not None else 0 for name, a in free.items()}
+    fits: list[TreeNode] = []
+    for node in above:
+        needs = unit_counts(node, writer.tree.index)
+        if any(count > room[name] for name, count in needs.items()):
+            break
+        fits.append(node)
+        room = {name: room[name] - count for name, count in needs.items()}
+    if fits:
+        writer._queue_write(writer.waits.ready(writer.copy_to_host(fits)), None)
 
 
 def _hand_on_states(writer: Writer, write: PendingWrite, rest: Sequence[TreeNode]) -> list[TreeNode]:

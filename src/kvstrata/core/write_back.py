@@ -441,6 +441,11 @@ class PrefixWaits:
         (``TierUnits.host_last``), as their pages would be in no tier."""
         return [node for node in self._nodes if on_host(node) and node.device_raw[0] is None] if self else []
 
+    def prefixes(self) -> list[TreeNode]:
+        """The device-only ancestors the waiting nodes still on the host wait for, root first."""
+        held = [node for node in self._nodes if on_host(node)] if self else []
+        return device_only_ancestors(self.tree, held) if held else []
+
     def ready(self, fresh: Sequence[TreeNode]) -> list[TreeNode]:
         """Of ``fresh`` host copies and the waiting nodes still on the host, those to write now,
         root first (:func:`with_backed_up_prefix`); the others with a host copy wait."""
