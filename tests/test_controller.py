@@ -50,6 +50,16 @@ def push_off_device(cache: CacheController, pages: int = 4, seed: int = 1000) ->
         serve(cache, tokens(seed + i, pages))
 
 
+def hold_l3_writes(cache: CacheController) -> threading.Event:
+    """Fault injection: every L3 write of ``cache`` waits (up to 60 s) until the returned event
+    is set, so its host sources stay locked meanwhile."""
+    assert cache.engine is not None
+    put_group = cache.engine.put_group
+    gate = threading.Event()
+    cache.engine.put_group = lambda batches: (gate.wait(60), put_group(batches))[1]  # type: ignore[method-assign]
+    return gate
+
+
 @pytest.mark.parametrize("stack", STACKS)
 def test_evicted_prefix_comes_back_from_host_with_exact_bytes(stack: str) -> None:
     with open_cache(stack) as cache:
@@ -637,9 +647,7 @@ def test_write_back_backups_for_an_eviction_keep_the_other_device_pages_copies(
         serve(first_run, prompt)
     with open_cache(stack, tmp_path, ["policy.write=write_back", *WAIT]) as cache:
         assert cache.engine is not None
-        gate = threading.Event()  # L3 writes held back: their host sources stay locked
-        put_group = cache.engine.put_group
-        cache.engine.put_group = lambda batches: (gate.wait(60), put_group(batches))[1]  # type: ignore[method-assign]
+        gate = hold_l3_writes(cache)  # L3 writes held back: their host sources stay locked
         serve(cache, prompt)  # restored from L3: on the device with a host copy
         for seed in (28, 29, 30):  # each evicts the one before: backed up, its write held
             serve(cache, prompt)
@@ -701,9 +709,7 @@ def test_write_back_writes_a_leaf_held_back_for_its_prefix_once_the_prefix_is_wr
     requests = [torch.cat([shared, tokens(800 + i, 2)]) for i in range(4)]
     with open_cache("kv", tmp_path, overrides) as cache:
         assert cache.engine is not None
-        gate = threading.Event()  # fault injection: L3 writes held, their host sources locked
-        put_group = cache.engine.put_group
-        cache.engine.put_group = lambda batches: (gate.wait(60), put_group(batches))[1]  # type: ignore[method-assign]
+        gate = hold_l3_writes(cache)  # fault injection: L3 writes held, their host sources locked
         serve(cache, tokens(700, 4))
         serve(cache, tokens(701, 4))  # both evicted below: 8 host pages locked by their writes
         hashes = [serve(cache, request)[0].page_hashes for request in requests]  # the last evicts
@@ -736,9 +742,7 @@ def test_write_back_host_eviction_keeps_a_leaf_waiting_for_its_prefix(tmp_path: 
     request = torch.cat([shared, tokens(800, 2)])
     with open_cache(stack, tmp_path, overrides) as cache:
         assert cache.engine is not None
-        gate = threading.Event()  # fault injection: L3 writes held, their host sources locked
-        put_group = cache.engine.put_group
-        cache.engine.put_group = lambda batches: (gate.wait(60), put_group(batches))[1]  # type: ignore[method-assign]
+        gate = hold_l3_writes(cache)  # fault injection: L3 writes held, their host sources locked
         serve(cache, tokens(700, 2))
         hashes = serve(cache, request)[0].page_hashes
         serve(cache, tokens(701, 2))  # the device is full
@@ -781,9 +785,7 @@ def test_write_back_writes_a_waiting_leaf_once_the_host_has_room_for_its_prefix(
     request = torch.cat([shared, tokens(800, 2)])
     with open_cache("kv", tmp_path, overrides) as cache:
         assert cache.engine is not None
-        gate = threading.Event()  # fault injection: L3 writes held, their host sources locked
-        put_group = cache.engine.put_group
-        cache.engine.put_group = lambda batches: (gate.wait(60), put_group(batches))[1]  # type: ignore[method-assign]
+        gate = hold_l3_writes(cache)  # fault injection: L3 writes held, their host sources locked
         serve(cache, tokens(700, 3))
         hashes = serve(cache, request)[0].page_hashes
         held = cache.lookup(shared)  # the shared prefix stays on the device
