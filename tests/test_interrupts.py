@@ -37,6 +37,20 @@ class Interrupt(BaseException):
     """What a KeyboardInterrupt is to the cache: not an ``Exception``."""
 
 
+def interrupt_once(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, *, after: bool = False) -> None:
+    """Fault injection: ``owner.<name>`` raises :class:`Interrupt` on its next call (after the
+    real call where ``after``: the interrupt lands once it did its work), then is itself again."""
+    real = getattr(owner, name)
+
+    def interrupted(*args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(owner, name, real)
+        if after:
+            real(*args, **kwargs)
+        raise Interrupt(name)
+
+    monkeypatch.setattr(owner, name, interrupted)
+
+
 def _inside(function: str) -> bool:
     frame = sys._getframe()
     while frame is not None:
@@ -134,13 +148,7 @@ def test_an_interrupt_before_the_lease_records_an_allocation_frees_its_units(
     """``allocate`` took the units, then was interrupted before the lease recorded them: no one
     held them, and they were never freed."""
     cache = open_cache("kv", overrides=["tiers.storage={}"])
-    real = Lease.add_allocation
-
-    def interrupted(self: Lease, *args: object) -> object:
-        monkeypatch.setattr(Lease, "add_allocation", real)
-        raise Interrupt("allocate")
-
-    monkeypatch.setattr(Lease, "add_allocation", interrupted)
+    interrupt_once(monkeypatch, Lease, "add_allocation")
     lease = cache.lookup(tokens(1, 4))
     with pytest.raises(Interrupt):
         cache.allocate(lease)
@@ -175,13 +183,7 @@ def test_an_interrupt_while_insert_moves_the_lock_leaves_the_tree_its_units(
     cache = open_cache("kv", overrides=["tiers.storage={}"])
     request = tokens(1, 4)
     lease = computed(cache, request)
-    real = PrefixTree.lock
-
-    def interrupted(self: PrefixTree, *args: object) -> object:
-        monkeypatch.setattr(PrefixTree, "lock", real)
-        raise Interrupt("insert")
-
-    monkeypatch.setattr(PrefixTree, "lock", interrupted)
+    interrupt_once(monkeypatch, PrefixTree, "lock")
     with pytest.raises(Interrupt):
         cache.insert(lease)
     cache.release(lease)
@@ -248,14 +250,8 @@ def test_an_interrupt_as_a_prefetch_commits_frees_its_host_units(
     its pages stayed in ``reserved_pages`` (throttling every later prefetch)."""
     request = tokens(1, 5)
     cache = open_cache("kv", _stored(tmp_path, request))
-    real = Prefetcher.commit
-
-    def interrupted(self: Prefetcher, *args: object, **kwargs: object) -> int:
-        monkeypatch.setattr(Prefetcher, "commit", real)
-        raise Interrupt("commit")
-
     lease = _prefetched(cache, request)
-    monkeypatch.setattr(Prefetcher, "commit", interrupted)
+    interrupt_once(monkeypatch, Prefetcher, "commit")
     with pytest.raises(Interrupt):
         getattr(cache, call)(lease)
     cache.release(lease)
@@ -272,14 +268,8 @@ def test_an_interrupt_while_a_prefetch_checks_its_digests_frees_its_host_units(
     took the pages: ``reserved_pages`` was settled, the host units never freed."""
     request = tokens(2, 5)
     cache = open_cache("kv", _stored(tmp_path, request), ["debug.unit_digests=true"])
-    real = prefetcher.check_span
-
-    def interrupted(*args: object) -> bool:
-        monkeypatch.setattr(prefetcher, "check_span", real)
-        raise Interrupt("check_span")
-
     lease = _prefetched(cache, request)
-    monkeypatch.setattr(prefetcher, "check_span", interrupted)
+    interrupt_once(monkeypatch, prefetcher, "check_span")
     with pytest.raises(Interrupt):
         cache.admit(lease)
     cache.release(lease)
@@ -333,16 +323,8 @@ def test_an_interrupt_inside_insert_host_frees_the_units_the_tree_did_not_take(
     and no one's (5 host units per interrupted commit); after, the tree's must stay its own."""
     request = tokens(4, 5)
     cache = open_cache("kv", _stored(tmp_path, request))
-    real = PrefixTree.insert_host
-
-    def interrupted(self: PrefixTree, *args: object) -> object:
-        monkeypatch.setattr(PrefixTree, "insert_host", real)
-        if when == "after":
-            real(self, *args)  # type: ignore[arg-type]
-        raise Interrupt("insert_host")
-
     lease = _prefetched(cache, request)
-    monkeypatch.setattr(PrefixTree, "insert_host", interrupted)
+    interrupt_once(monkeypatch, PrefixTree, "insert_host", after=when == "after")
     with pytest.raises(Interrupt):
         cache.admit(lease)
     cache.release(lease)
@@ -460,13 +442,6 @@ def test_an_interrupt_after_a_backups_copies_frees_the_host_units_no_node_took(
     cache = open_cache("kv", overrides=["tiers.storage={}", "debug.unit_digests=true"])
     request = tokens(1, 4)
     lease = computed(cache, request)
-    real = PrefixTree.set_host_values
-
-    def interrupted(self: PrefixTree, *args: object) -> None:
-        monkeypatch.setattr(PrefixTree, "set_host_values", real)
-        if when == "after":
-            real(self, *args)  # type: ignore[arg-type]
-        raise Interrupt("set_host_values")
 
     def check_fails(*args: object) -> None:
         monkeypatch.undo()
@@ -475,7 +450,7 @@ def test_an_interrupt_after_a_backups_copies_frees_the_host_units_no_node_took(
     if when == "digests":
         monkeypatch.setattr(writer_module, "_check_backups", check_fails)
     else:
-        monkeypatch.setattr(PrefixTree, "set_host_values", interrupted)
+        interrupt_once(monkeypatch, PrefixTree, "set_host_values", after=when == "after")
     with pytest.raises(Interrupt):
         cache.insert(lease)
     cache.release(lease)
