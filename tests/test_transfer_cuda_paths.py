@@ -129,3 +129,21 @@ def test_a_failing_wait_after_a_fault_leaves_the_copys_own_error(
     monkeypatch.setattr(transfer, "_cross_copy", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         copy_units(host, torch.tensor([1]), device, torch.tensor([2]), stream=fake_cuda)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("to_device", [True, False])
+def test_a_side_stream_copy_keeps_the_indices_it_reads_until_waited_for(
+    fake_cuda: FakeStream, to_device: bool
+) -> None:
+    """The side stream reads the index tensors after ``copy_units`` returns; a caller's CUDA
+    indices (allocated on its own stream) were dropped with nothing holding them, so the caching
+    allocator could reuse their memory for that stream's next tensor while the copy still read
+    them (units gathered from or scattered to the wrong places). The handle now holds them."""
+    host, device = tiers()
+    src, dst = (host, device) if to_device else (device, host)
+    src_idx, dst_idx = torch.tensor([1, 2]), torch.tensor([4, 5])
+    handle = copy_units(src, src_idx, dst, dst_idx, stream=fake_cuda)  # type: ignore[arg-type]
+    held = {id(t) for t in handle.keep_alive}
+    assert id(src_idx) in held and id(dst_idx) in held
+    handle.wait()
+    assert not handle.keep_alive, "released once the copy is waited for"

@@ -422,7 +422,11 @@ def _side_copies(
     side: torch.cuda.Stream,
 ) -> None:
     """The copies of :func:`copy_units` between a CUDA tier and host memory, issued on ``side``
-    (the current stream): ``src`` / ``dst`` are the indices and their :func:`_checked_run`."""
+    (the current stream): ``src`` / ``dst`` are the indices and their :func:`_checked_run`.
+
+    The index tensors the copies read are kept in ``handle`` until it is waited for: a caller's
+    CUDA indices were allocated on its own stream, so once it dropped them the caching allocator
+    could hand their memory to that stream's next tensor while the side stream still read them."""
     (src_idx, src_run), (dst_idx, dst_run) = src, dst
     views, aliases = pair.views, pair.aliases
     src_device, dst_device = views[0][0].device, views[0][1].device
@@ -439,11 +443,13 @@ def _side_copies(
             idx if run is not None else idx.to(cuda_device, non_blocking=True)
             for idx, run in zip((src_idx, dst_idx), runs, strict=True)
         )
+        handle.keep_alive += (src_at, dst_at)
         for src_view, dst_view in aliases:
             _copy_rows(src_view, src_at, runs[0], dst_view, dst_at, runs[1])
         return
     src_at, src_start = _placed(src_idx, src_device, non_blocking=True)
     dst_at, dst_start = _placed(dst_idx, dst_device, non_blocking=True)
+    handle.keep_alive += (src_at, dst_at)
     rows = torch.arange(src_idx.numel())
     for src_view, dst_view in views:
         _cross_copy(src_view, src_at, src_start, dst_view, dst_at, dst_start, rows, handle.keep_alive, side)
