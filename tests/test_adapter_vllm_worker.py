@@ -320,3 +320,43 @@ def test_a_refused_registration_keeps_no_group_registered(open_worker) -> None:
     with pytest.raises(ValueError, match=r"layers\.9\.linear_attn"):
         worker.register(caches)
     assert worker.planes == {} and worker.columns == {} and worker.blocks == 0
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="fault injection of the CUDA path, on a CPU-only machine")
+def test_a_save_gather_that_raises_part_way_waits_for_the_kernels_it_issued(
+    open_worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection (a worker that takes its CPU tensors for ``cuda:0``; the pinned staging's
+    device view is the staging itself; the current stream and the second layer's gather kernel
+    are stand-ins, the gather raising): on a GPU, the layers gathered before the fault were
+    kernels still writing into the pinned staging through its device view, and the staging went
+    back to torch's pinned allocator (which records no event for such kernels) un-waited: the
+    next staging handed out, a load's rows written by the backend, could be overwritten by them.
+    The stream is now synchronized on the way out."""
+    worker = open_worker()
+    worker.register(_caches("block_first", seed=12))
+    worker.device = torch.device("cuda", 0)
+    waits: list[str] = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(
+        synchronize=lambda: waits.append("synchronize")
+    ))  # fmt: skip
+    monkeypatch.setattr(_vllm_worker, "cuda_alias", lambda view, device: view)
+    monkeypatch.setattr(worker, "_index", lambda block_ids: torch.tensor(list(block_ids)))
+    group = worker.groups[0]
+    width = group.layer_bytes * len(group.layer_names)
+    monkeypatch.setattr(
+        worker, "_staging", lambda group_id, count: torch.empty((count, width), dtype=torch.uint8)
+    )
+    real = torch.index_select
+    gathers: list[int] = []
+
+    def fails_second(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if gathers:
+            raise RuntimeError("injected kernel fault")
+        gathers.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "index_select", fails_second)
+    with pytest.raises(RuntimeError, match="injected kernel fault"):
+        worker._staged(0, [1, 2])
+    assert gathers and waits == ["synchronize"]

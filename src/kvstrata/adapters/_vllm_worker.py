@@ -281,12 +281,16 @@ class WorkerSide:
         )
         columns = self.columns[group_id]
         target = columns.staging_view(gathered)
-        for part in columns.parts:
-            torch.index_select(part.source, part.dim, index, out=part.columns(target))
-        if alias is None:
-            staging.copy_(gathered, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the backend reads it next
+        try:
+            for part in columns.parts:
+                torch.index_select(part.source, part.dim, index, out=part.columns(target))
+            if alias is None:
+                staging.copy_(gathered, non_blocking=True)
+        finally:  # the backend reads it next; and where a kernel raised, the staging goes back to
+            # torch's pinned allocator, which knows nothing of kernels writing through its device
+            # view: none may still write into it when the allocator hands it out again
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
         return staging
 
     def _scatter(self, group_id: int, index: torch.Tensor, staging: torch.Tensor) -> None:

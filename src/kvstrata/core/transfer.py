@@ -10,6 +10,7 @@ held as an engine's per-layer tensors (:meth:`PoolBuffers.from_tensors`) is copi
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from kvstrata.core.buffers import PoolBuffers
 from kvstrata.core.pinned_alias import aliased_pairs, prefer_kernels
 from kvstrata.core.row_copy import IndexList, UnitArrays, copy_few, copy_rows, unit_arrays
 from kvstrata.core.tree_bytes import UNIT, unit_tensor
+
+log = logging.getLogger(__name__)
 
 #: the byte order of int64 unit bytes (numpy's native one, as the tree stores them)
 _ORDER = sys.byteorder
@@ -218,6 +221,16 @@ def _cross_copy(
         dst_view.index_copy_(0, dst_idx, staged)
 
 
+def _drain(side: torch.cuda.Stream) -> None:
+    """Wait for the copies ``side`` holds when a copy raised part-way: no handle leaves with the
+    error, so nothing else would wait before the caller frees or reuses the units they still read
+    or write. Where waiting fails too (a broken CUDA context), the copy's own error is raised."""
+    try:
+        side.synchronize()
+    except Exception:
+        log.debug("waiting for the side stream after a failed copy failed too", exc_info=True)
+
+
 def _placed(
     indices: torch.Tensor,
     device: torch.device,
@@ -358,7 +371,7 @@ def copy_units(
     one of its sources (the last on CPU; on CUDA, unspecified).
     """
     pair = _view_pairs(src, dst)
-    views, arrays, aliases = pair.views, pair.arrays, pair.aliases
+    views, arrays = pair.views, pair.arrays
     if arrays is not None:  # between CPU tiers: a few units are one numpy assignment per view
         src_list, dst_list = _index_list(src, src_indices), _index_list(dst, dst_indices)
         if src_list is not None and dst_list is not None:
@@ -388,28 +401,55 @@ def copy_units(
     cuda_device = src.device if src.device.type == "cuda" else dst.device
     side = stream or pair.side_stream(cuda_device)
     side.wait_stream(torch.cuda.current_stream(cuda_device))
-    with torch.cuda.stream(side):
-        host = 0 if src.device.type == "cpu" else 1
-        host_run = (src_run, dst_run)[host]
-        if aliases is not None and prefer_kernels([pair[host] for pair in views], host_run, src_idx.numel()):
-            # device kernels gather and scatter the host units where they lie; a side whose
-            # indices are a run is a slice, so the kernel reads or writes it in place (one pass
-            # on the device, not a gather into a temporary and a second kernel over it)
-            runs = [None if run is False else run for run in (src_run, dst_run)]  # False: CUDA indices
-            src_at, dst_at = (
-                idx if run is not None else idx.to(cuda_device, non_blocking=True)
-                for idx, run in zip((src_idx, dst_idx), runs, strict=True)
-            )
-            for src_view, dst_view in aliases:
-                _copy_rows(src_view, src_at, runs[0], dst_view, dst_at, runs[1])
-        elif src.device != dst.device:
-            src_at, src_start = _placed(src_idx, src_device, non_blocking=True)
-            dst_at, dst_start = _placed(dst_idx, dst_device, non_blocking=True)
-            rows = torch.arange(src_idx.numel())
-            for src_view, dst_view in views:
-                _cross_copy(
-                    src_view, src_at, src_start, dst_view, dst_at, dst_start, rows, handle.keep_alive, side
-                )
-        handle.event = torch.cuda.Event()
-        handle.event.record(side)
+    try:
+        with torch.cuda.stream(side):
+            if src.device != dst.device:
+                _side_copies(pair, (src_idx, src_run), (dst_idx, dst_run), src.device.type, handle, side)
+            handle.event = torch.cuda.Event()
+            handle.event.record(side)
+    except BaseException:  # copies issued before the one that raised are on ``side``, with no event
+        _drain(side)
+        raise
     return handle
+
+
+def _side_copies(
+    pair: _PairViews,
+    src: tuple[torch.Tensor, int | bool | None],
+    dst: tuple[torch.Tensor, int | bool | None],
+    src_type: str,
+    handle: TransferHandle,
+    side: torch.cuda.Stream,
+) -> None:
+    """The copies of :func:`copy_units` between a CUDA tier and host memory, issued on ``side``
+    (the current stream): ``src`` / ``dst`` are the indices and their :func:`_checked_run`.
+
+    The index tensors the copies read are kept in ``handle`` until it is waited for: a caller's
+    CUDA indices were allocated on its own stream, so once it dropped them the caching allocator
+    could hand their memory to that stream's next tensor while the side stream still read them."""
+    (src_idx, src_run), (dst_idx, dst_run) = src, dst
+    views, aliases = pair.views, pair.aliases
+    src_device, dst_device = views[0][0].device, views[0][1].device
+    host = 0 if src_type == "cpu" else 1
+    cuda_device = (src_device, dst_device)[1 - host]
+    if aliases is not None and prefer_kernels(
+        [p[host] for p in views], (src_run, dst_run)[host], src_idx.numel()
+    ):
+        # device kernels gather and scatter the host units where they lie; a side whose
+        # indices are a run is a slice, so the kernel reads or writes it in place (one pass
+        # on the device, not a gather into a temporary and a second kernel over it)
+        runs = [None if run is False else run for run in (src_run, dst_run)]  # False: CUDA indices
+        src_at, dst_at = (
+            idx if run is not None else idx.to(cuda_device, non_blocking=True)
+            for idx, run in zip((src_idx, dst_idx), runs, strict=True)
+        )
+        handle.keep_alive += (src_at, dst_at)
+        for src_view, dst_view in aliases:
+            _copy_rows(src_view, src_at, runs[0], dst_view, dst_at, runs[1])
+        return
+    src_at, src_start = _placed(src_idx, src_device, non_blocking=True)
+    dst_at, dst_start = _placed(dst_idx, dst_device, non_blocking=True)
+    handle.keep_alive += (src_at, dst_at)
+    rows = torch.arange(src_idx.numel())
+    for src_view, dst_view in views:
+        _cross_copy(src_view, src_at, src_start, dst_view, dst_at, dst_start, rows, handle.keep_alive, side)
