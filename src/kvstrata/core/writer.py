@@ -188,8 +188,6 @@ class Writer:
             self.metrics.count(Operation.HOST_REJECTED, refused)
         if not todo:
             return [], None
-        # every page entering the host tier (the filter's or not: write-back, a refill's prefix)
-        self.metrics.count(Operation.HOST_ADMITTED, len(device[self.layout.anchor]) // UNIT)
         self._copy_down(todo, device, host)
         return todo, candidates[len(todo) :] if stalled else None
 
@@ -221,6 +219,9 @@ class Writer:
             self.units.free_unowned(Tier.HOST, {n: unit_tensor(host) for n, host in stored.items()})
             raise
         self.metrics.count(Operation.BACKUPS, len(nodes))
+        # every page entering the host tier (the filter's or not: write-back, a refill's prefix),
+        # once recorded (a copy that raised admitted nothing)
+        self.metrics.count(Operation.HOST_ADMITTED, len(devices[self.layout.anchor]) // UNIT)
         self.metrics.add_bytes("device_to_host", nbytes)
         if self.digests is not None:
             _check_backups(self, self.digests, nodes)
