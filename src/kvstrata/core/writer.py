@@ -55,6 +55,7 @@ from kvstrata.core.write_back import (
     PrefixWaits,
     RetryWrites,
     StoredWindowEnds,
+    Unqueued,
     count_refused_writes,
     host_locks,
     unbacked_above,
@@ -84,6 +85,7 @@ class Writer:
         self.refused = SplitFollowingSet(self.tree, on_host)  # by the storage filter: offered at a reuse
         self.retry = RetryWrites(self.tree)  # lost to a transient failure: offered again at a reuse
         self.waits = PrefixWaits(self.tree)  # write-back: on the host, L3 waits for their prefix
+        self.unqueued = Unqueued(self.tree)  # copied, their write not queued: an interrupt came
         self.window_ends = StoredWindowEnds(tree=self.tree)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
         self.hit_touch = HitTouch.of(engine, context, self._thread, self.window_ends)  # hot prefixes stay
@@ -158,11 +160,12 @@ class Writer:
         where the batch's own host units fill a pool (a chunked prompt's checkpoints, more than
         the host tier has state slots): each round's write frees the units the next waits for."""
         rest: list[TreeNode] | None = list(nodes)
-        while rest:
-            todo, rest = self._copy_round(rest, admit, rounds=self.engine is not None)
-            admit = False  # (the rest was admitted with the first round)
-            if todo and self.engine is not None:
-                self._queue_write(todo, hashes)
+        with self.unqueued.call():
+            while rest:
+                todo, rest = self._copy_round(rest, admit, rounds=self.engine is not None)
+                admit = False  # (the rest was admitted with the first round)
+                if todo and self.engine is not None:
+                    self._queue_write(todo, hashes)
 
     def copy_to_host(self, nodes: Iterable[TreeNode], *, admit: bool = False) -> list[TreeNode]:
         """Copy device-only nodes to host, root first, stopping at the first that does not fit,
@@ -188,7 +191,11 @@ class Writer:
             self.metrics.count(Operation.HOST_REJECTED, refused)
         if not todo:
             return [], None
-        self._copy_down(todo, device, host)
+        try:
+            self._copy_down(todo, device, host)
+        finally:  # (those the tree recorded, where an interrupt came after: ``Unqueued``)
+            if self.engine is not None:
+                self.unqueued.copied(todo)
         return todo, candidates[len(todo) :] if stalled else None
 
     def _copy_down(self, nodes: Sequence[TreeNode], devices: Raw, hosts: Raw) -> None:
@@ -233,7 +240,8 @@ class Writer:
         the device, and after close no page written below it was found). A node goes to L3 only
         with its whole prefix backed up (where the host tier cannot hold both, L2 until then).
         In rounds where host state slots run out (:mod:`~kvstrata.core.eviction_rounds`)."""
-        back_up_for_eviction(self, shortfall)
+        with self.unqueued.call():
+            back_up_for_eviction(self, shortfall)
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
 
@@ -263,6 +271,7 @@ class Writer:
         ``hashes()`` -- the request's page hashes -- is the one place a request's pages are hashed.
         ``admitted``: True, admitted now (counted); None, admitted and counted before (a retry)."""
         assert self.engine is not None
+        self.unqueued.queued(nodes)
         if admitted:
             self.metrics.count(Operation.STORAGE_ADMITTED, sum(n.pages for n in nodes))
         elif admitted is not None:
@@ -310,6 +319,8 @@ class Writer:
             self._finish(pending.popleft())
         if lost := self.hit_touch.lost(self.refused):
             self._queue_write(lost, None, admitted=True)  # hit pages L3 lost: stored again
+        if self.unqueued.lost and (lost := self.unqueued.take()):  # (write-back: their prefix first)
+            self._queue_write(self.waits.ready(lost) if self.policy.write == "write_back" else lost, None)
         return took
 
     def _finish(self, write: PendingWrite) -> None:
@@ -434,9 +445,10 @@ def back_up_prefix(writer: Writer, keys: Sequence[PageKey], hashes: PageHashes) 
     if match.host_pages < len(keys):
         return False
     if writer.waits:  # write-back: nodes below the path wait for its L3 write, or it for theirs
-        todo = writer.copy_to_host(match.path)
-        if writer.engine is not None and (ready := writer.waits.ready(todo)):
-            writer._queue_write(ready, None)
+        with writer.unqueued.call():
+            todo = writer.copy_to_host(match.path)
+            if writer.engine is not None and (ready := writer.waits.ready(todo)):
+                writer._queue_write(ready, None)
     elif not all(writer.tree.backed_up(n) for n in match.path):
         writer.back_up(match.path, hashes=hashes)
     return all(writer.tree.backed_up(n) for n in match.path)
