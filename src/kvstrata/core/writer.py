@@ -16,7 +16,6 @@ keep those units alive, and the owner thread drains finished writes (unlock, cou
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +30,7 @@ from kvstrata.core.component_backup import (
     lookup_end_to_l3,
     window_end_to_l3,
 )
-from kvstrata.core.eviction_rounds import back_up_for_eviction
+from kvstrata.core.eviction_rounds import back_up_for_eviction, wait_for_room
 from kvstrata.core.l3_touch import HitTouch
 from kvstrata.core.l3_values import (
     PageHashes,
@@ -166,6 +165,10 @@ class Writer:
                 admit = False  # (the rest was admitted with the first round)
                 if todo and self.engine is not None:
                     self._queue_write(todo, hashes)
+
+    def wait_for_room(self, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None:
+        """Host units for ``node`` once in-flight L3 writes freed them (:func:`wait_for_room`)."""
+        return wait_for_room(self, node, needs)
 
     def copy_to_host(self, nodes: Iterable[TreeNode], *, admit: bool = False) -> list[TreeNode]:
         """Copy device-only nodes to host, root first, stopping at the first that does not fit,
@@ -389,7 +392,7 @@ def _host_units(
                 stalled = True
                 break
             if got is None and writer.pending:
-                got = _wait_for_room(writer, node, needs)
+                got = wait_for_room(writer, node, needs)
         except BaseException:  # the units taken for earlier nodes are no one's yet
             for taken in allocated:
                 writer.units.free(Tier.HOST, taken)
@@ -402,32 +405,6 @@ def _host_units(
     if len(todo) < len(candidates):
         device = device_units(todo, index)
     return todo, device, joined(allocated), stalled
-
-
-def _wait_for_room(writer: Writer, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None:
-    """Backpressure: the host units may be held by in-flight L3 writes. Wait for them, oldest
-    first, up to ``policy.backup_wait_s`` (and a flush's deadline), so write-through persists
-    what it promised instead of skipping a backup whenever L3 is a little behind."""
-    deadline = time.monotonic() + writer.policy.backup_wait_s
-    if writer.room_deadline is not None:
-        deadline = min(deadline, writer.room_deadline)
-    while writer.pending:
-        oldest = writer.pending[0]
-        if not oldest.future.done():  # (with no time left, a write that finished still counts)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            try:
-                oldest.future.exception(remaining)
-            except TimeoutError:
-                return None
-        oldest.finished = True  # done: its callback may not have run yet
-        writer.drain()
-        got = writer.units.alloc_protecting(node, Tier.HOST, needs)
-        if got is not None:
-            writer.metrics.count(Operation.BACKUPS_WAITED)
-            return got
-    return None
 
 
 def _check_backups(writer: Writer, digests: UnitDigests, nodes: Sequence[TreeNode]) -> None:
