@@ -475,15 +475,20 @@ def _restored(l3: Path, request: torch.Tensor) -> int:
         return lease.cached_pages
 
 
-@pytest.mark.parametrize("write", ["write_through", "write_back"])
+@pytest.mark.parametrize(
+    ("write", "where"),
+    [("write_through", "recorded"), ("write_back", "recorded"), ("write_back", "ancestors")],
+)
 def test_an_interrupt_after_a_backup_recorded_its_copies_still_writes_them_to_l3(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: str, where: str
 ) -> None:
     """Fault injection: ``PrefixTree.set_host_values`` raises once its real call recorded a
     backup's copies (the host order's ``inserted`` hook interrupted) -- write-through's at the
-    insert, write-back's ahead of the eviction that makes room for the next request. The pages
-    stayed on the host with no L3 write queued, and none came later: every backup passes over
-    a node on the host, reuse and flush included. A fresh cache restored 0 of the 4 pages."""
+    insert, write-back's ahead of the eviction that makes room for the next request -- or the
+    eviction's copy of the nodes' device-only ancestors does, before it copies (a host eviction
+    it makes room with, interrupted). The pages stayed on the host with no L3 write queued, and
+    none came later: every backup passes over a node on the host, reuse and flush included. A
+    fresh cache restored 0 of the 4 pages."""
     l3 = tmp_path / "l3"
     device = ["tiers.device.capacity_tokens=512"]  # 8 pages: the second request evicts the first
     cache = open_cache("kv", l3, overrides=[f"policy.write={write}", *device])
@@ -494,7 +499,10 @@ def test_an_interrupt_after_a_backup_recorded_its_copies_still_writes_them_to_l3
         serve(cache, first)
         lease = cache.lookup(tokens(2, 6))
         cache.admit(lease)
-    interrupt_once(monkeypatch, PrefixTree, "set_host_values", after=True)
+    if where == "recorded":
+        interrupt_once(monkeypatch, PrefixTree, "set_host_values", after=True)
+    else:
+        interrupt_once(monkeypatch, cache.writer, "copy_to_host")
     with pytest.raises(Interrupt):
         cache.insert(lease) if write == "write_through" else cache.allocate(lease)
     cache.release(lease)
