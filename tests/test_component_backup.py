@@ -8,6 +8,7 @@ lost to the host tier and to L3 once it left (audit 29). Every restored byte is 
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from controller_support import (
     tokens,
     verify,
 )
+from test_controller import hold_l3_writes
 
 PAGE = 64
 WAIT = ["policy.prefetch.policy=wait_complete"]
@@ -116,6 +118,44 @@ def test_write_back_backs_up_the_checkpoint_a_backed_up_node_gained_before_evict
         cache.release(lease)
         cache.flush()
     _restores_from_l3(stack, tmp_path, torch.cat([a[: 3 * PAGE], tokens(86, 2)]), 3)
+
+
+def test_write_back_waits_for_an_l3_write_to_back_up_the_checkpoint_its_eviction_drops(
+    tmp_path: Path,
+) -> None:
+    """As above, with 3 host state slots and L3 writes in flight (held, fault injection, until
+    0.3 s into the last eviction): the slot B's checkpoint needed was held by a write's sources,
+    and its component backup skipped it at once (``backups_skipped``) where an ordinary backup
+    waits for room (``policy.backup_wait_s``): the eviction dropped the checkpoint, and a lookup
+    of the 3-page prefix found 0 pages. (Where write-back nodes wait on the host for their
+    prefix's L3 write, host eviction leaves them while a write is in flight: skipped too.)"""
+    a = tokens(81, 6)
+    b = torch.cat([a[: 3 * PAGE], tokens(82, 3)])
+    slots = ["policy.write=write_back", *WAIT, "model.pools.mamba.host_units=3", "policy.backup_wait_s=30"]
+    with open_cache("hybrid-mamba", tmp_path, slots) as cache:
+        gate = hold_l3_writes(cache)
+        filler = cache.pools.device_pages - 2
+        _serve_in_two_chunks(cache, a, 6)
+        _serve_in_two_chunks(cache, tokens(83, filler), filler)  # evicts A: backed up whole
+        _serve_in_two_chunks(cache, a, 6)  # A on the device again, its host copy kept
+        _serve_in_two_chunks(cache, b, 3)  # splits it at 3 and checkpoints there
+        shared = cache.tree.match(cache.tree.keys_of(a[: 3 * PAGE]), count_hit=False).path[-1]
+        state = cache.tree.index["mamba"]
+        assert shared.host_raw[state] is None and cache.writer.pending, "(writes in flight)"
+        opens = threading.Timer(0.3, gate.set)
+        opens.start()
+        _serve_in_two_chunks(cache, tokens(84, filler), filler)  # evicts A's nodes again
+        opens.join()
+        assert shared.device_raw[0] is None and shared.host_raw[state] is not None
+        assert cache.metrics.snapshot(samples=False)["operations"]["backups_skipped"] == 0
+        lease = cache.lookup(torch.cat([a[: 3 * PAGE], tokens(85, 2)]))
+        cache.admit(lease)
+        assert (lease.cached_pages, lease.hit_pages["host"]) == (3, 3), lease.skipped
+        assert verify(cache, lease) == 0
+        cache.release(lease)
+        cache.flush()
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+    _restores_from_l3("hybrid-mamba", tmp_path, torch.cat([a[: 3 * PAGE], tokens(86, 2)]), 3)
 
 
 def test_selective_write_through_writes_the_window_at_a_branch_point_once_it_is_hot(tmp_path: Path) -> None:

@@ -330,7 +330,8 @@ def test_a_backend_raising_anything_fails_that_read_counted_and_leaks_nothing(
 @pytest.mark.parametrize("stack", ["kv", "hybrid-mamba"])
 def test_a_backup_whose_copy_raises_gives_back_its_host_units(stack: str) -> None:
     """A device -> host copy that raises (fault injection: a patched copy) left the host units
-    the backup had allocated for it in use by no one (6 host units per failed backup of 6 pages)."""
+    the backup had allocated for it in use by no one (6 host units per failed backup of 6 pages),
+    and ``host_admitted`` counted its 6 pages, which never entered the host tier."""
     with open_cache(stack) as cache:
         lease = cache.lookup(tokens(1, 6))
         cache.admit(lease)
@@ -345,5 +346,7 @@ def test_a_backup_whose_copy_raises_gives_back_its_host_units(stack: str) -> Non
         del cache.pools.device_to_host
         cache.release(lease)
         assert host_units_in_use(cache) == host_units_held_by_tree(cache), "host units leaked"
+        assert cache.metrics.snapshot()["operations"]["host_admitted"] == 0, "no page entered the host"
         assert serve(cache, tokens(2, 6))[1] == 0
         assert cache.tree.units(cache.layout.anchor, "host") >= 6, "the next backups are made"
+        assert cache.metrics.snapshot()["operations"]["host_admitted"] == 6

@@ -463,3 +463,53 @@ def test_an_interrupt_after_a_backups_copies_frees_the_host_units_no_node_took(
     assert bad == 0 and again.cached_pages == (0 if when == "before" else 4)
     assert host_units_in_use(cache) == host_units_held_by_tree(cache)
     cache.close()
+
+
+def _restored(l3: Path, request: torch.Tensor) -> int:
+    """Pages a fresh cache on ``l3`` restores of ``request``, every byte checked."""
+    with open_cache("kv", l3) as fresh:
+        lease = fresh.lookup(request, prefetch="wait")
+        fresh.admit(lease)
+        assert verify(fresh, lease) == 0
+        fresh.release(lease)
+        return lease.cached_pages
+
+
+@pytest.mark.parametrize(
+    ("write", "where"),
+    [("write_through", "recorded"), ("write_back", "recorded"), ("write_back", "ancestors")],
+)
+def test_an_interrupt_after_a_backup_recorded_its_copies_still_writes_them_to_l3(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: str, where: str
+) -> None:
+    """Fault injection: ``PrefixTree.set_host_values`` raises once its real call recorded a
+    backup's copies (the host order's ``inserted`` hook interrupted) -- write-through's at the
+    insert, write-back's ahead of the eviction that makes room for the next request -- or the
+    eviction's copy of the nodes' device-only ancestors does, before it copies (a host eviction
+    it makes room with, interrupted). The pages stayed on the host with no L3 write queued, and
+    none came later: every backup passes over a node on the host, reuse and flush included. A
+    fresh cache restored 0 of the 4 pages."""
+    l3 = tmp_path / "l3"
+    device = ["tiers.device.capacity_tokens=512"]  # 8 pages: the second request evicts the first
+    cache = open_cache("kv", l3, overrides=[f"policy.write={write}", *device])
+    first = tokens(1, 4)
+    if write == "write_through":
+        lease = computed(cache, first)
+    else:
+        serve(cache, first)
+        lease = cache.lookup(tokens(2, 6))
+        cache.admit(lease)
+    if where == "recorded":
+        interrupt_once(monkeypatch, PrefixTree, "set_host_values", after=True)
+    else:
+        interrupt_once(monkeypatch, cache.writer, "copy_to_host")
+    with pytest.raises(Interrupt):
+        cache.insert(lease) if write == "write_through" else cache.allocate(lease)
+    cache.release(lease)
+    assert cache.tree.units("kv", "host") == 4, "(the copies are recorded)"
+    again, bad = serve(cache, first)  # (the next call)
+    assert again.cached_pages == 4 and bad == 0
+    cache.flush()
+    assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+    cache.close()
+    assert _restored(l3, first) == 4, "the pages reached L3"

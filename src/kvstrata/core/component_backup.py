@@ -16,8 +16,10 @@ the insert, selective write-through once the node is hot, write-back at the look
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Protocol
+
+import torch
 
 from kvstrata.core.l3_values import PageHashes, PerPool, host_values_per_pool, path_hashes, trailing_windows
 from kvstrata.core.metrics import Operation
@@ -56,6 +58,8 @@ class EndWriter(Protocol):
 
     def submit(self, nodes: Sequence[TreeNode], per_pool: PerPool, ends: Sequence[TreeNode] = ()) -> None: ...
 
+    def wait_for_room(self, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None: ...
+
 
 def unbacked_components(context: PartContext, nodes: Sequence[TreeNode]) -> list[tuple[TreeNode, str]]:
     """``(node, pool)`` for each component of ``nodes`` held whole on the device and not on the
@@ -78,10 +82,15 @@ def unbacked_components(context: PartContext, nodes: Sequence[TreeNode]) -> list
     return found
 
 
-def copy_components(context: PartContext, nodes: Sequence[TreeNode]) -> tuple[list[TreeNode], set[str]]:
+def copy_components(
+    context: PartContext,
+    nodes: Sequence[TreeNode],
+    room: Callable[[TreeNode, dict[str, int]], dict[str, torch.Tensor] | None] | None = None,
+) -> tuple[list[TreeNode], set[str]]:
     """Copy each unbacked component of ``nodes`` to the host (evicting where needed, the node's
-    path kept); returns the nodes that gained a host copy and the pools copied (for their L3
-    write: :func:`only_pools`)."""
+    path kept; else waiting for ``room``: in-flight L3 writes lock their sources); returns the
+    nodes that gained a host copy and the pools copied (for their L3 write: :func:`only_pools`).
+    Without the wait a write-back eviction dropped the checkpoint whose slot a write held."""
     found = unbacked_components(context, nodes) if context.pools.host_enabled else []
     copied: list[TreeNode] = []
     names: set[str] = set()
@@ -91,6 +100,8 @@ def copy_components(context: PartContext, nodes: Sequence[TreeNode]) -> tuple[li
         assert device is not None
         count = len(device) // UNIT
         got = context.units.alloc_protecting(node, Tier.HOST, {name: count})
+        if got is None and room is not None:
+            got = room(node, {name: count})
         if got is None:  # the host tier is full of pages other requests hold
             context.metrics.count(Operation.BACKUPS_SKIPPED)
             continue
@@ -170,7 +181,7 @@ def window_end_to_l3(writer: EndWriter, end: TreeNode, hashes: PageHashes) -> No
 def back_up_components(writer: EndWriter, nodes: Sequence[TreeNode], hashes: PageHashes | None) -> None:
     """Host copies and the L3 write of the components ``nodes`` gained after their backup
     (``hashes``: the request's page hashes; None: hashed from the nodes' path)."""
-    copied, names = copy_components(writer.context, nodes)
+    copied, names = copy_components(writer.context, nodes, writer.wait_for_room)
     copied = [node for node in copied if node not in writer.refused]  # storage admission's call
     if writer.engine is None or not copied:
         return

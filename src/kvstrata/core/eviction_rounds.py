@@ -21,11 +21,13 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
+import torch
+
 from kvstrata.core.backup_plan import unit_counts
 from kvstrata.core.component_backup import EndWriter, back_up_gained
 from kvstrata.core.config import PolicyConfig
 from kvstrata.core.l3_values import PageHashes
-from kvstrata.core.metrics import CacheMetrics
+from kvstrata.core.metrics import CacheMetrics, Operation
 from kvstrata.core.stack import PoolKind
 from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import Tier, TreeNode
@@ -135,3 +137,30 @@ def _hand_on_states(writer: Writer, write: PendingWrite, rest: Sequence[TreeNode
                 units.on_eviction(Tier.HOST.value, name, freed.shape[0])
                 writer.metrics.evicted(Tier.HOST.value, {name: freed.shape[0]})
     return dropped
+
+
+def wait_for_room(writer: Writer, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None:
+    """Backpressure: the host units may be held by in-flight L3 writes. Wait for them, oldest
+    first, up to ``policy.backup_wait_s`` (and a flush's deadline), so write-through persists
+    what it promised instead of skipping a backup whenever L3 is a little behind (a component
+    backup too: :func:`~kvstrata.core.component_backup.copy_components`)."""
+    deadline = time.monotonic() + writer.policy.backup_wait_s
+    if writer.room_deadline is not None:
+        deadline = min(deadline, writer.room_deadline)
+    while writer.pending:
+        oldest = writer.pending[0]
+        if not oldest.future.done():  # (with no time left, a write that finished still counts)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                oldest.future.exception(remaining)
+            except TimeoutError:
+                return None
+        oldest.finished = True  # done: its callback may not have run yet
+        writer.drain()
+        got = writer.units.alloc_protecting(node, Tier.HOST, needs)
+        if got is not None:
+            writer.metrics.count(Operation.BACKUPS_WAITED)
+            return got
+    return None

@@ -12,9 +12,10 @@ them meanwhile, and one backup of many chunks costs what one of a single chunk d
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import time
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -457,3 +458,43 @@ class PrefixWaits:
             self._nodes.update(n for n in candidates if n not in taken and n.host_raw[0] is not None)
         self._nodes.difference_update(kept)
         return kept
+
+
+class Unqueued:
+    """Host copies a writer :meth:`call` made and has not queued the L3 write of yet. An
+    interrupt (an observer hook's) between a backup's copies and its write's queueing left them
+    on the host with no write to come: later backups pass over a node on the host, so L3 never
+    got their pages, reused or not. They are :attr:`lost`, for the writer's next drain to queue."""
+
+    def __init__(self, tree: PrefixTree) -> None:
+        self.lost = SplitFollowingSet(tree, on_host)
+        self._copied: dict[TreeNode, None] = {}
+        self._depth = 0
+
+    def copied(self, nodes: Iterable[TreeNode]) -> None:
+        if self._depth:
+            self._copied.update(dict.fromkeys(nodes))
+
+    def queued(self, nodes: Iterable[TreeNode]) -> None:
+        for node in nodes if self._copied else ():
+            self._copied.pop(node, None)
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """A writer call that copies and queues: what it copied, left unqueued, is :attr:`lost`."""
+        self._depth += 1
+        try:
+            yield
+        except BaseException:  # (a nested call's: the outer one's too, the same nodes)
+            self.lost.update(node for node in self._copied if on_host(node))
+            raise
+        finally:
+            self._depth -= 1
+            if not self._depth:
+                self._copied.clear()
+
+    def take(self) -> list[TreeNode]:
+        """The lost nodes still on the host, root first (and forgets them all)."""
+        nodes = sorted((node for node in self.lost if on_host(node)), key=lambda n: n.depth_end)
+        self.lost.difference_update(list(self.lost))
+        return nodes

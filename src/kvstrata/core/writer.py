@@ -16,7 +16,6 @@ keep those units alive, and the owner thread drains finished writes (unlock, cou
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +30,7 @@ from kvstrata.core.component_backup import (
     lookup_end_to_l3,
     window_end_to_l3,
 )
-from kvstrata.core.eviction_rounds import back_up_for_eviction
+from kvstrata.core.eviction_rounds import back_up_for_eviction, wait_for_room
 from kvstrata.core.l3_touch import HitTouch
 from kvstrata.core.l3_values import (
     PageHashes,
@@ -55,6 +54,7 @@ from kvstrata.core.write_back import (
     PrefixWaits,
     RetryWrites,
     StoredWindowEnds,
+    Unqueued,
     count_refused_writes,
     host_locks,
     unbacked_above,
@@ -84,6 +84,7 @@ class Writer:
         self.refused = SplitFollowingSet(self.tree, on_host)  # by the storage filter: offered at a reuse
         self.retry = RetryWrites(self.tree)  # lost to a transient failure: offered again at a reuse
         self.waits = PrefixWaits(self.tree)  # write-back: on the host, L3 waits for their prefix
+        self.unqueued = Unqueued(self.tree)  # copied, their write not queued: an interrupt came
         self.window_ends = StoredWindowEnds(tree=self.tree)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
         self.hit_touch = HitTouch.of(engine, context, self._thread, self.window_ends)  # hot prefixes stay
@@ -158,11 +159,16 @@ class Writer:
         where the batch's own host units fill a pool (a chunked prompt's checkpoints, more than
         the host tier has state slots): each round's write frees the units the next waits for."""
         rest: list[TreeNode] | None = list(nodes)
-        while rest:
-            todo, rest = self._copy_round(rest, admit, rounds=self.engine is not None)
-            admit = False  # (the rest was admitted with the first round)
-            if todo and self.engine is not None:
-                self._queue_write(todo, hashes)
+        with self.unqueued.call():
+            while rest:
+                todo, rest = self._copy_round(rest, admit, rounds=self.engine is not None)
+                admit = False  # (the rest was admitted with the first round)
+                if todo and self.engine is not None:
+                    self._queue_write(todo, hashes)
+
+    def wait_for_room(self, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None:
+        """Host units for ``node`` once in-flight L3 writes freed them (:func:`wait_for_room`)."""
+        return wait_for_room(self, node, needs)
 
     def copy_to_host(self, nodes: Iterable[TreeNode], *, admit: bool = False) -> list[TreeNode]:
         """Copy device-only nodes to host, root first, stopping at the first that does not fit,
@@ -188,9 +194,11 @@ class Writer:
             self.metrics.count(Operation.HOST_REJECTED, refused)
         if not todo:
             return [], None
-        # every page entering the host tier (the filter's or not: write-back, a refill's prefix)
-        self.metrics.count(Operation.HOST_ADMITTED, len(device[self.layout.anchor]) // UNIT)
-        self._copy_down(todo, device, host)
+        try:
+            self._copy_down(todo, device, host)
+        finally:  # (those the tree recorded, where an interrupt came after: ``Unqueued``)
+            if self.engine is not None:
+                self.unqueued.copied(todo)
         return todo, candidates[len(todo) :] if stalled else None
 
     def _copy_down(self, nodes: Sequence[TreeNode], devices: Raw, hosts: Raw) -> None:
@@ -221,6 +229,9 @@ class Writer:
             self.units.free_unowned(Tier.HOST, {n: unit_tensor(host) for n, host in stored.items()})
             raise
         self.metrics.count(Operation.BACKUPS, len(nodes))
+        # every page entering the host tier (the filter's or not: write-back, a refill's prefix),
+        # once recorded (a copy that raised admitted nothing)
+        self.metrics.count(Operation.HOST_ADMITTED, len(devices[self.layout.anchor]) // UNIT)
         self.metrics.add_bytes("device_to_host", nbytes)
         if self.digests is not None:
             _check_backups(self, self.digests, nodes)
@@ -232,7 +243,8 @@ class Writer:
         the device, and after close no page written below it was found). A node goes to L3 only
         with its whole prefix backed up (where the host tier cannot hold both, L2 until then).
         In rounds where host state slots run out (:mod:`~kvstrata.core.eviction_rounds`)."""
-        back_up_for_eviction(self, shortfall)
+        with self.unqueued.call():
+            back_up_for_eviction(self, shortfall)
 
     # --- L2 -> L3 -----------------------------------------------------------------------------
 
@@ -262,6 +274,7 @@ class Writer:
         ``hashes()`` -- the request's page hashes -- is the one place a request's pages are hashed.
         ``admitted``: True, admitted now (counted); None, admitted and counted before (a retry)."""
         assert self.engine is not None
+        self.unqueued.queued(nodes)
         if admitted:
             self.metrics.count(Operation.STORAGE_ADMITTED, sum(n.pages for n in nodes))
         elif admitted is not None:
@@ -309,6 +322,8 @@ class Writer:
             self._finish(pending.popleft())
         if lost := self.hit_touch.lost(self.refused):
             self._queue_write(lost, None, admitted=True)  # hit pages L3 lost: stored again
+        if self.unqueued.lost and (lost := self.unqueued.take()):  # (write-back: their prefix first)
+            self._queue_write(self.waits.ready(lost) if self.policy.write == "write_back" else lost, None)
         return took
 
     def _finish(self, write: PendingWrite) -> None:
@@ -377,7 +392,7 @@ def _host_units(
                 stalled = True
                 break
             if got is None and writer.pending:
-                got = _wait_for_room(writer, node, needs)
+                got = wait_for_room(writer, node, needs)
         except BaseException:  # the units taken for earlier nodes are no one's yet
             for taken in allocated:
                 writer.units.free(Tier.HOST, taken)
@@ -390,32 +405,6 @@ def _host_units(
     if len(todo) < len(candidates):
         device = device_units(todo, index)
     return todo, device, joined(allocated), stalled
-
-
-def _wait_for_room(writer: Writer, node: TreeNode, needs: dict[str, int]) -> dict[str, torch.Tensor] | None:
-    """Backpressure: the host units may be held by in-flight L3 writes. Wait for them, oldest
-    first, up to ``policy.backup_wait_s`` (and a flush's deadline), so write-through persists
-    what it promised instead of skipping a backup whenever L3 is a little behind."""
-    deadline = time.monotonic() + writer.policy.backup_wait_s
-    if writer.room_deadline is not None:
-        deadline = min(deadline, writer.room_deadline)
-    while writer.pending:
-        oldest = writer.pending[0]
-        if not oldest.future.done():  # (with no time left, a write that finished still counts)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            try:
-                oldest.future.exception(remaining)
-            except TimeoutError:
-                return None
-        oldest.finished = True  # done: its callback may not have run yet
-        writer.drain()
-        got = writer.units.alloc_protecting(node, Tier.HOST, needs)
-        if got is not None:
-            writer.metrics.count(Operation.BACKUPS_WAITED)
-            return got
-    return None
 
 
 def _check_backups(writer: Writer, digests: UnitDigests, nodes: Sequence[TreeNode]) -> None:
@@ -433,9 +422,10 @@ def back_up_prefix(writer: Writer, keys: Sequence[PageKey], hashes: PageHashes) 
     if match.host_pages < len(keys):
         return False
     if writer.waits:  # write-back: nodes below the path wait for its L3 write, or it for theirs
-        todo = writer.copy_to_host(match.path)
-        if writer.engine is not None and (ready := writer.waits.ready(todo)):
-            writer._queue_write(ready, None)
+        with writer.unqueued.call():
+            todo = writer.copy_to_host(match.path)
+            if writer.engine is not None and (ready := writer.waits.ready(todo)):
+                writer._queue_write(ready, None)
     elif not all(writer.tree.backed_up(n) for n in match.path):
         writer.back_up(match.path, hashes=hashes)
     return all(writer.tree.backed_up(n) for n in match.path)
