@@ -222,3 +222,82 @@ def test_every_eviction_policy_option_is_in_the_eviction_docs_with_its_default()
                 if shown is None or shown not in shown_default(field):
                     wrong.append(f"{name}.{option}: docs {shown!r}, code {shown_default(field)}")
     assert options >= 15 and not wrong, "docs/eviction.md options table:\n" + "\n".join(wrong)
+
+
+#: Root config keys whose value is a plugin's config or a mapping of them: documented as one row.
+WHOLE = {
+    "model.pools",
+    "tiers.storage",
+    "policy.eviction",
+    "policy.admission.host",
+    "policy.admission.storage",
+}
+
+
+def root_keys(model: type, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> pydantic field of every leaf of ``model`` (the ``WHOLE`` ones as leaves)."""
+    from pydantic import BaseModel
+
+    keys = {}
+    for name, field in model.model_fields.items():
+        key = prefix + name
+        sub = field.annotation
+        if key not in WHOLE and isinstance(sub, type) and issubclass(sub, BaseModel):
+            keys.update(root_keys(sub, key + "."))
+        else:
+            keys[key] = field
+    return keys
+
+
+def readme_key_table() -> dict[str, str]:
+    """Dotted key -> default cell of the README's table of root keys (``a.b``, ``c`` rows share
+    ``a.``; ``{x,y}_{r,s}`` expands, its defaults following the last group)."""
+    import itertools
+
+    text = (REPO / "README.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if (
+            not line.startswith("| `")
+            or len(cells) != 3
+            or not re.match(r"`(model|tiers|policy|parallel|debug)\.", cells[0])
+        ):
+            continue
+        names = re.findall(r"`([^`]+)`", cells[0])
+        parent = names[0].rsplit(".", 1)[0] + "."
+        keys = [names[0], *(parent + n for n in names[1:])]
+        groups = re.findall(r"\{([^}]*)\}", keys[0])
+        if groups:
+            template = re.sub(r"\{[^}]*\}", "{}", keys[0])
+            keys = [template.format(*combo) for combo in itertools.product(*(g.split(",") for g in groups))]
+        defaults = [d.strip().strip("`") for d in cells[1].split(",")]
+        if groups:
+            defaults = defaults * (len(keys) // len(defaults))
+        if len(defaults) != len(keys):
+            defaults = [cells[1]] * len(keys)
+        rows.update(zip(keys, defaults, strict=True))
+    return rows
+
+
+def test_the_readme_lists_every_root_config_key_with_its_default() -> None:
+    """Audit s45: ``model.page_size``, both tiers' ``capacity_tokens``, ``policy.checksum`` and the
+    retention cap had no default anywhere, and ``parallel.dp_size`` only through a brace form."""
+    from kvstrata.core.config import KvstrataConfig
+
+    table = readme_key_table()
+    special = {"tiers.host.pin_memory": "pin when L1 is on CUDA", "tiers.storage": "{}", "model.pools": None}
+    wrong = []
+    for key, field in root_keys(KvstrataConfig).items():
+        if key in special:
+            ok = special[key] is None or table.get(key) == special[key]
+        elif key.startswith("policy.admission."):
+            ok = table.get(key) == field.default.type
+        else:
+            ok = table.get(key) in shown_default(field)
+        if not ok:
+            wrong.append(f"{key}: README {table.get(key)!r}, code {shown_default(field)}")
+    stale = sorted(set(table) - set(root_keys(KvstrataConfig)))
+    assert not wrong and not stale, "README config table:\n" + "\n".join(
+        wrong + [f"gone: {k}" for k in stale]
+    )
