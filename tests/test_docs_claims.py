@@ -301,3 +301,28 @@ def test_the_readme_lists_every_root_config_key_with_its_default() -> None:
     assert not wrong and not stale, "README config table:\n" + "\n".join(
         wrong + [f"gone: {k}" for k in stale]
     )
+
+
+# --- docs/eviction.md's "Writing a policy" example is a policy the conformance kit accepts (s45) ---
+
+
+def docs_mru_policy() -> type:
+    """The ``MruPolicy`` class of docs/eviction.md's example, executed as printed."""
+    text = (REPO / "docs/eviction.md").read_text()
+    block = re.search(r"```python\n(# kvstrata_mru/policy\.py\n.*?)```", text, re.S)
+    assert block is not None, "docs/eviction.md lost its policy example"
+    namespace: dict[str, Any] = {}  # compiled without this module's future import, as a plugin is
+    exec(compile(block.group(1), "docs/eviction.md", "exec", dont_inherit=True), namespace)
+    return namespace["MruPolicy"]
+
+
+from kvstrata.testing.policy_kit import EvictionPolicyConformance  # noqa: E402
+
+
+class TestTheDocsPolicyExample(EvictionPolicyConformance):
+    policy = "mru"
+
+    @pytest.fixture
+    def policy_host(self, kvstrata_host):
+        kvstrata_host.eviction_policies.register(docs_mru_policy())
+        return kvstrata_host
