@@ -225,3 +225,14 @@ def test_the_readme_names_every_family_the_exporter_serves_with_its_labels() -> 
         # the labels each family declares (a family without samples has none to read them from)
         served = {family.name: set(family._labelnames) for family in collector.collect()}
     assert documented == served
+
+
+def test_the_readme_names_every_operation_and_latency_kind() -> None:
+    """The ``operation`` and ``kind`` label values (audit s45: ``backups_skipped``,
+    ``load_backs`` and the prefetch counts were named nowhere in the docs)."""
+    from controller_support import REPO
+    from kvstrata.core.metrics import LATENCIES, OPERATIONS
+
+    readme = (REPO / "README.md").read_text()
+    missing = [name for name in [*OPERATIONS, *LATENCIES] if f"`{name}`" not in readme]
+    assert not missing, f"README Metrics does not name: {missing}"
