@@ -152,3 +152,205 @@ def test_every_config_key_the_docs_name_exists() -> None:
             if key not in ADAPTER_KEYS and not names_a_field(KvstrataConfig, key.split(".")):
                 unknown.append(f"{name}: {key}")
     assert not unknown, "config keys the docs name that the schema lacks:\n" + "\n".join(unknown)
+
+
+# --- every option of a bundled plugin's config is in the docs' tables, with its default (s45) ------
+
+
+def shown_default(field: Any) -> set[str]:
+    """How a docs table may show a pydantic field's default."""
+    from pydantic_core import PydanticUndefined
+
+    value = field.default
+    if value is PydanticUndefined:
+        return {"required"}
+    if value is None:
+        return {"none", "null"}
+    if isinstance(value, bool):
+        return {str(value).lower()}
+    if isinstance(value, (int, float)):
+        return {str(value), f"{value:g}", repr(float(value))}
+    return {str(value), f'"{value}"'}
+
+
+def table_defaults(text: str, leading: int) -> dict[tuple[str, ...], str]:
+    """``(first cells..., option) -> default`` of every table row whose cells after ``leading``
+    start with a backticked option and its default (its first word, before any ``(``)."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) > leading + 1:
+            option = re.fullmatch(r"`([a-z_0-9]+)`", cells[leading])
+            if option:
+                where = tuple(c.strip("`") for c in cells[:leading])
+                rows[(*where, option.group(1))] = cells[leading + 1].split(" (")[0].strip("`")
+    return rows
+
+
+@pytest.mark.parametrize("backend", ["file", "memory", "mooncake", "hf3fs"])
+def test_every_backend_option_is_in_the_storage_docs_with_its_default(backend: str) -> None:
+    """Mooncake's ``staging_bytes`` and ``local_hostname``, the memory backend's ``latency_s``
+    and others were documented nowhere; a new option must join its backend's table."""
+    from kvstrata.plugins.host import PluginHost
+
+    config = PluginHost().storage_backends.get(backend).Config
+    heading = f"## `{backend}` backend"
+    text = (REPO / "docs/storage.md").read_text()
+    assert heading in text, f"docs/storage.md has no section for the {backend} backend"
+    rows = table_defaults(text.split(heading, 1)[1].split("\n## ")[0], 0)
+    wrong = []
+    for name, field in config.model_fields.items():
+        if name in ("type", "circuit_breaker"):
+            continue
+        shown = rows.get((name,))
+        if shown is None or shown not in shown_default(field):
+            wrong.append(f"{name}: docs {shown!r}, code {shown_default(field)}")
+    assert not wrong, f"docs/storage.md, {backend} backend table:\n" + "\n".join(wrong)
+
+
+def test_every_eviction_policy_option_is_in_the_eviction_docs_with_its_default() -> None:
+    from kvstrata.plugins.host import PluginHost
+
+    registry = PluginHost().eviction_policies
+    rows = table_defaults((REPO / "docs/eviction.md").read_text(), 1)
+    wrong, options = [], 0
+    for name in registry.names():
+        for option, field in registry.get(name).Config.model_fields.items():
+            if option != "type":
+                options += 1
+                shown = rows.get((name, option))
+                if shown is None or shown not in shown_default(field):
+                    wrong.append(f"{name}.{option}: docs {shown!r}, code {shown_default(field)}")
+    assert options >= 15 and not wrong, "docs/eviction.md options table:\n" + "\n".join(wrong)
+
+
+#: Root config keys whose value is a plugin's config or a mapping of them: documented as one row.
+WHOLE = {
+    "model.pools",
+    "tiers.storage",
+    "policy.eviction",
+    "policy.admission.host",
+    "policy.admission.storage",
+}
+
+
+def root_keys(model: type, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> pydantic field of every leaf of ``model`` (the ``WHOLE`` ones as leaves)."""
+    from pydantic import BaseModel
+
+    keys = {}
+    for name, field in model.model_fields.items():
+        key = prefix + name
+        sub = field.annotation
+        if key not in WHOLE and isinstance(sub, type) and issubclass(sub, BaseModel):
+            keys.update(root_keys(sub, key + "."))
+        else:
+            keys[key] = field
+    return keys
+
+
+def readme_key_table() -> dict[str, str]:
+    """Dotted key -> default cell of the README's table of root keys (``a.b``, ``c`` rows share
+    ``a.``; ``{x,y}_{r,s}`` expands, its defaults following the last group)."""
+    import itertools
+
+    text = (REPO / "README.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if (
+            not line.startswith("| `")
+            or len(cells) != 3
+            or not re.match(r"`(model|tiers|policy|parallel|debug)\.", cells[0])
+        ):
+            continue
+        names = re.findall(r"`([^`]+)`", cells[0])
+        parent = names[0].rsplit(".", 1)[0] + "."
+        keys = [names[0], *(parent + n for n in names[1:])]
+        groups = re.findall(r"\{([^}]*)\}", keys[0])
+        if groups:
+            template = re.sub(r"\{[^}]*\}", "{}", keys[0])
+            keys = [template.format(*combo) for combo in itertools.product(*(g.split(",") for g in groups))]
+        defaults = [d.strip().strip("`") for d in cells[1].split(",")]
+        if groups:
+            defaults = defaults * (len(keys) // len(defaults))
+        if len(defaults) != len(keys):
+            defaults = [cells[1]] * len(keys)
+        rows.update(zip(keys, defaults, strict=True))
+    return rows
+
+
+def test_the_readme_lists_every_root_config_key_with_its_default() -> None:
+    """Audit s45: ``model.page_size``, both tiers' ``capacity_tokens``, ``policy.checksum`` and the
+    retention cap had no default anywhere, and ``parallel.dp_size`` only through a brace form."""
+    from kvstrata.core.config import KvstrataConfig
+
+    table = readme_key_table()
+    special = {"tiers.host.pin_memory": "pin when L1 is on CUDA", "tiers.storage": "{}", "model.pools": None}
+    wrong = []
+    for key, field in root_keys(KvstrataConfig).items():
+        if key in special:
+            ok = special[key] is None or table.get(key) == special[key]
+        elif key.startswith("policy.admission."):
+            ok = table.get(key) == field.default.type
+        else:
+            ok = table.get(key) in shown_default(field)
+        if not ok:
+            wrong.append(f"{key}: README {table.get(key)!r}, code {shown_default(field)}")
+    stale = sorted(set(table) - set(root_keys(KvstrataConfig)))
+    assert not wrong and not stale, "README config table:\n" + "\n".join(
+        wrong + [f"gone: {k}" for k in stale]
+    )
+
+
+# --- docs/eviction.md's "Writing a policy" example is a policy the conformance kit accepts (s45) ---
+
+
+def docs_mru_policy() -> type:
+    """The ``MruPolicy`` class of docs/eviction.md's example, executed as printed."""
+    text = (REPO / "docs/eviction.md").read_text()
+    block = re.search(r"```python\n(# kvstrata_mru/policy\.py\n.*?)```", text, re.S)
+    assert block is not None, "docs/eviction.md lost its policy example"
+    namespace: dict[str, Any] = {}  # compiled without this module's future import, as a plugin is
+    exec(compile(block.group(1), "docs/eviction.md", "exec", dont_inherit=True), namespace)
+    return namespace["MruPolicy"]
+
+
+from kvstrata.testing.policy_kit import EvictionPolicyConformance  # noqa: E402
+
+
+class TestTheDocsPolicyExample(EvictionPolicyConformance):
+    policy = "mru"
+
+    @pytest.fixture
+    def policy_host(self, kvstrata_host):
+        kvstrata_host.eviction_policies.register(docs_mru_policy())
+        return kvstrata_host
+
+
+def test_the_api_reference_names_every_public_name() -> None:
+    """docs/api/kvstrata.rst left out ``ConcurrentUseError``, ``OpenLeasesWarning``,
+    ``KvstrataConfig`` and ``CacheController.unpin`` / ``poll`` / ``open_leases`` (audit s45)."""
+    from kvstrata.core.controller import CacheController
+
+    reference = (REPO / "docs/api/kvstrata.rst").read_text()
+    missing = [name for name in kvstrata.__all__ if not re.search(rf"\b{re.escape(name)}\b", reference)]
+    members = re.search(r"CacheController\n   :members: ([^\n]*)", reference)
+    assert members is not None
+    public = {name for name in vars(CacheController) if not name.startswith("_")}
+    documented = set(members.group(1).split(", "))
+    readme = (REPO / "README.md").read_text()
+    called = {name for name in public if f"cache.{name}(" in readme or f"`{name}`" in readme}
+    assert not missing and called <= documented, (missing, sorted(called - documented))
+
+
+def test_docs_storage_names_every_storage_counter() -> None:
+    """``snapshot()["storage"]`` and ``kvstrata_storage_events`` show every ``StorageMetrics``
+    counter; ``get_hits``, ``put_skipped_read_only`` and others were named nowhere (audit s45)."""
+    import dataclasses
+
+    from kvstrata.core.storage_metrics import StorageMetrics
+
+    text = (REPO / "docs/storage.md").read_text()
+    missing = [f.name for f in dataclasses.fields(StorageMetrics) if f"`{f.name}`" not in text]
+    assert not missing, f"docs/storage.md does not name these storage counters: {missing}"

@@ -201,3 +201,38 @@ def test_open_leases_are_a_gauge_in_the_snapshot_and_the_exporter() -> None:
         assert registry.get_sample_value("kvstrata_open_leases", {"cache": "c"}) == 1
         cache.release(leases[2])
     assert cache.metrics.snapshot()["open_leases"] == 0
+
+
+def test_the_readme_names_every_family_the_exporter_serves_with_its_labels() -> None:
+    """README "Metrics" lists the families (``kvstrata_x`` or ``_x``, extra labels in parentheses
+    after it): the list and the exporter must name the same families and labels (audit s45)."""
+    import re
+
+    from prometheus_client import CollectorRegistry
+
+    from controller_support import REPO
+
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("as counters labelled by `cache`")
+    text = readme[start : readme.index("a second cache of the process", start)]
+    documented = {}
+    for name, labels in re.findall(r"`(kvstrata_[a-z_]+|_[a-z_]+)`(?:\s*\(([^)]*)\))?", text):
+        if name not in ("_total", "kvstrata_requests_total"):
+            full = name if name.startswith("kvstrata_") else "kvstrata" + name
+            documented[full] = {"cache", *re.findall(r"`([a-z_]+)`", labels)}
+    with open_cache("kv") as cache:
+        collector = register(cache.metrics, CollectorRegistry())
+        # the labels each family declares (a family without samples has none to read them from)
+        served = {family.name: set(family._labelnames) for family in collector.collect()}
+    assert documented == served
+
+
+def test_the_readme_names_every_operation_and_latency_kind() -> None:
+    """The ``operation`` and ``kind`` label values (audit s45: ``backups_skipped``,
+    ``load_backs`` and the prefetch counts were named nowhere in the docs)."""
+    from controller_support import REPO
+    from kvstrata.core.metrics import LATENCIES, OPERATIONS
+
+    readme = (REPO / "README.md").read_text()
+    missing = [name for name in [*OPERATIONS, *LATENCIES] if f"`{name}`" not in readme]
+    assert not missing, f"README Metrics does not name: {missing}"

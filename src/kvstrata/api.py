@@ -30,7 +30,8 @@ def open(
     """A ready cache: ``kvstrata.open("stack.yaml", overrides={"tiers.device.capacity_tokens": 65536})``.
 
     ``plugins``: a :class:`~kvstrata.plugins.PluginHost` with in-process registrations (default: the
-    installed plugins); ``collective``: how ranks agree on reuse (default: one rank);
+    installed plugins); ``collective``: how ranks agree on reuse (default: none, for a config of one
+    rank; one of several is refused without it: ``TorchCollective``, or ``LocalCollective`` to decide alone);
     ``device_tensors``: the engine's own device memory as L1 (pool -> buffer -> tensor, or a list
     of per-layer tensors), validated against each pool's spec. Close the cache (or use it as a
     context manager) to flush L3 writes.

@@ -163,7 +163,9 @@ def register(metrics: CacheMetrics, registry: Any | None = None, cache: str = "d
 
 
 def serve_metrics(cache: Any, port: int, addr: str = "127.0.0.1", name: str = "default") -> CacheCollector:
-    """Register ``cache.metrics`` and serve ``/metrics`` on ``addr:port`` (a daemon thread)."""
+    """Serve ``cache.metrics`` (labelled ``cache=name``) on ``addr:port``'s ``/metrics``, from a
+    registry of its own (a daemon thread); another cache joins through the returned collector's
+    :meth:`~CacheCollector.add`."""
     client = _client()
     registry = client.CollectorRegistry()
     collector = register(cache.metrics, registry, name)

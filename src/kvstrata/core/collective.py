@@ -1,10 +1,11 @@
 """How ranks agree on hit lengths: a MIN over small integer vectors.
 
 Every rank of a tensor/context-parallel group holds its own shard of each page, so a prefix is
-usable only if *every* rank holds it: the controller takes the MIN of its local lengths at fixed
-points of each ``admit`` (one call each; the device point repeats while the ranks' trees end
-the prefix at different pages), which all ranks reach in the same order because the engine
-drives them in lockstep, also when an ``admit`` raises on one of them. A single
+usable only if *every* rank holds it: the controller takes the MIN of its local lengths at two
+fixed points of each ``admit`` (:class:`RankAgreement`: one call each, repeated while a state or
+window pool lets the ranks end the prefix only at different pages; every call also carries the
+admit's number), which all ranks reach in the same order because the engine drives them in
+lockstep, also when an ``admit`` raises on one of them. A single
 process needs no communication (:class:`LocalCollective`, the default); a ``torch.distributed``
 process group (gloo, CPU tensors) does it across processes.
 """

@@ -299,7 +299,8 @@ class CacheController(UnitMemory, ClosingApi):
 
     @exclusive
     def release(self, lease: Lease) -> None:
-        """Abort a request: free its unused units, end its prefetch, unlock its prefix."""
+        """Abort a request: free its unused units, end its prefetch, unlock its prefix; pages it
+        inserted stay, and what write-through batched of them (an open lease's) is backed up."""
         require_lease(lease, self)
         if lease.closed:
             return
@@ -357,7 +358,8 @@ class CacheController(UnitMemory, ClosingApi):
 
     @exclusive
     def flush(self, timeout: float | None = None) -> None:
-        """Wait for every queued L3 write and revoked prefetch, then commit their results."""
+        """Back up what write-through batched for open leases, then wait (at most ``timeout`` s)
+        for every queued L3 write and revoked prefetch, and commit their results."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self.writer.wait(deadline)
         if self.prefetcher is not None:

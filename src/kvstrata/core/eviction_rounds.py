@@ -11,7 +11,8 @@ tier nor L3. With an L3, the backups now go in rounds: each round is written, an
 stored it the state copies of its shallowest nodes, which stay on the device until this
 eviction drops them, give their host slots to the next round (L3 holds them; the last round's,
 the deepest checkpoints, stay on the host). Without an L3 a dropped copy would be lost: one
-batch, as before.
+batch, as before. Before any of that, the device-only prefixes of nodes waiting on the host for
+their prefix's L3 write get the free host room and are written (:func:`_write_waiting`).
 """
 
 from __future__ import annotations

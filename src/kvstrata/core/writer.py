@@ -241,8 +241,10 @@ class Writer:
         :func:`~kvstrata.core.write_back.eviction_backups`) and, with an L3, their device-only
         ancestors: what L3 holds is found only below its prefix (a hot shared prefix never left
         the device, and after close no page written below it was found). A node goes to L3 only
-        with its whole prefix backed up (where the host tier cannot hold both, L2 until then).
-        In rounds where host state slots run out (:mod:`~kvstrata.core.eviction_rounds`)."""
+        with its whole prefix backed up (where the host tier cannot hold both, it waits in L2
+        for that prefix: ``PrefixWaits``). First the device-only prefixes of nodes already
+        waiting take the free host room; then the eviction's own backups, in rounds where host
+        state slots run out (:mod:`~kvstrata.core.eviction_rounds`)."""
         with self.unqueued.call():
             back_up_for_eviction(self, shortfall)
 
