@@ -133,7 +133,8 @@ def doctor(files: ConfigFiles = None, config_option: ConfigOption = None, set_: 
     out.print(
         f"host budget: the pools' {tiers} need {human_size(required)} per rank; "
         f"available {human_size(available)} per rank "
-        f"(available memory - reserve_bytes, / ranks_per_host {host_tier.ranks_per_host}): {verdict}"
+        f"(available memory - reserve_bytes, / ranks_per_host {host_tier.ranks_per_host}): {verdict}",
+        soft_wrap=True,  # one line, as the ``problem:`` lines are, never cut at 80 columns in a log
     )
     if required > available:
         problems.append(f"the pools' {tiers} need {required:,} bytes per rank, {available:,} available")
