@@ -48,6 +48,8 @@ def test_belady_is_the_offline_reference() -> None:
     [
         (["--eviction", "lur"], "installed: arc, belady"),
         (["--eviction", "{type: arc, speed: 1}"], "--eviction.speed"),
+        # was "an eviction policy needs a `type`": YAML read the key 'type:s3fifo', no value
+        (["--eviction", "{type:s3fifo,small_fraction:0.2}"], "YAML needs a space after ':' ('type:s3fifo'"),
         (["--sweep", "x.png", "--capacities", "a,b"], "--capacities"),
         (["--sweep", "x.png", "--policies", "lru,nope"], "unknown eviction policy 'nope'"),
         # checked before the sweep runs (they ran it whole, then failed with a traceback)

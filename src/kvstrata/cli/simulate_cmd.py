@@ -46,6 +46,12 @@ def _eviction_setting(text: str) -> str | dict[str, Any]:
         raise ValueError(f"--eviction: cannot parse {text!r} as a YAML mapping ({problem})") from None
     if not isinstance(value, str | dict):
         raise ValueError(f"--eviction: expected a policy name or a mapping, got {text!r}")
+    glued = [k for k, v in value.items() if v is None and ":" in str(k)] if isinstance(value, dict) else []
+    if glued:  # YAML reads ``{type:s3fifo}`` as the key 'type:s3fifo' without a value
+        raise ValueError(
+            f"--eviction: YAML needs a space after ':' ({glued[0]!r} is read as one key without a "
+            "value); write '{type: s3fifo, small_fraction: 0.2}'"
+        )
     return value
 
 
