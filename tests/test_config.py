@@ -374,3 +374,16 @@ def test_names_that_look_like_markup_are_printed_as_written(tmp_path: Path) -> N
     result = validate_in_process(str(write(tmp_path / "c.yaml", data)))
     assert result.exit_code == 0, result.output
     assert "pools: kv[/x] (kv)" in result.output
+
+
+def test_an_error_never_prints_a_url_password(tmp_path: Path) -> None:
+    """An error quotes the override it blames (``environment NAME=value``, ``--set a=value``), and
+    a backend's message quotes a URL it refuses: a password in a CI variable landed in the log,
+    though ``config show`` masks it (a URL whose port does not parse could not be masked)."""
+    config = write(tmp_path / "c.yaml", BASE)
+    url = "redis://user:s3cret@cache.internal:port0/0"
+    from_env = validate_in_process(str(config), env={"KVSTRATA_MODEL__PAGE_SIZE": url})
+    from_set = validate_in_process(str(config), "--set", f"model.page_size={url}")
+    for out in (from_env, from_set):
+        assert out.exit_code == 2, out.output
+        assert "s3cret" not in out.output and "redis://user:***@cache.internal:port0/0" in out.output
