@@ -142,6 +142,37 @@ def test_include_cycle_and_unreadable_files_are_config_errors(tmp_path: Path) ->
         compose([tmp_path / "bad.yaml"], environ={})
 
 
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (
+            "model: [unclosed\n  x: 1\n",
+            "line 2, column 4: expected ',' or ']', but got ':' (while parsing a flow",
+        ),
+        (
+            "model:\n  name: a\nmodel:\n  name: b\n",
+            "line 3, column 1: key 'model' given twice in one mapping",
+        ),
+    ],
+)
+def test_a_yaml_file_that_does_not_parse_is_one_line_naming_the_file_and_line(
+    tmp_path: Path, text: str, where: str
+) -> None:
+    """PyYAML's message spans several lines, names the source ``"<unicode string>"`` instead of
+    the file, and draws a caret under a copy of the line: one ``error:`` line it is not."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    out = validate_in_process(str(bad))
+    assert out.exit_code == 2, out.output
+    assert out.stderr.strip().count("\n") == 0, out.stderr
+    assert f"{bad}: <root>: cannot parse: {where}" in out.stderr, out.stderr
+    assert "<unicode string>" not in out.stderr
+    good = write(tmp_path / "good.yaml", BASE)
+    override = validate_in_process(str(good), "--set", "model={a: 1")
+    assert override.exit_code == 2 and "<unicode string>" not in override.stderr, override.stderr
+    assert "cannot parse value '{a: 1': line 1, column 6: expected ',' or '}'" in override.stderr
+
+
 def test_json_schema_has_a_discriminated_union_of_installed_plugins(kvstrata_host: PluginHost) -> None:
     schema = config_json_schema(kvstrata_host)
     text = json.dumps(schema)
@@ -269,7 +300,7 @@ def test_a_key_given_twice_in_a_file_is_refused(tmp_path: Path, kvstrata_host: P
     twice.write_text(
         model + "tiers:\n  device: {capacity_tokens: 262144}\ntiers:\n  host: {capacity_tokens: 1024}\n"
     )
-    with pytest.raises(ConfigError, match=r"(?s)key 'tiers' given twice.*line 4") as caught:
+    with pytest.raises(ConfigError, match=r"line 4, column 1: key 'tiers' given twice") as caught:
         load(twice, plugins=kvstrata_host, environ={})
     assert str(twice) in str(caught.value)
     merged = tmp_path / "merged.yaml"  # a merge key may still override what it brings in
@@ -343,3 +374,16 @@ def test_names_that_look_like_markup_are_printed_as_written(tmp_path: Path) -> N
     result = validate_in_process(str(write(tmp_path / "c.yaml", data)))
     assert result.exit_code == 0, result.output
     assert "pools: kv[/x] (kv)" in result.output
+
+
+def test_an_error_never_prints_a_url_password(tmp_path: Path) -> None:
+    """An error quotes the override it blames (``environment NAME=value``, ``--set a=value``), and
+    a backend's message quotes a URL it refuses: a password in a CI variable landed in the log,
+    though ``config show`` masks it (a URL whose port does not parse could not be masked)."""
+    config = write(tmp_path / "c.yaml", BASE)
+    url = "redis://user:s3cret@cache.internal:port0/0"
+    from_env = validate_in_process(str(config), env={"KVSTRATA_MODEL__PAGE_SIZE": url})
+    from_set = validate_in_process(str(config), "--set", f"model.page_size={url}")
+    for out in (from_env, from_set):
+        assert out.exit_code == 2, out.output
+        assert "s3cret" not in out.output and "redis://user:***@cache.internal:port0/0" in out.output

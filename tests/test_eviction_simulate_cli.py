@@ -48,6 +48,8 @@ def test_belady_is_the_offline_reference() -> None:
     [
         (["--eviction", "lur"], "installed: arc, belady"),
         (["--eviction", "{type: arc, speed: 1}"], "--eviction.speed"),
+        # was "an eviction policy needs a `type`": YAML read the key 'type:s3fifo', no value
+        (["--eviction", "{type:s3fifo,small_fraction:0.2}"], "YAML needs a space after ':' ('type:s3fifo'"),
         (["--sweep", "x.png", "--capacities", "a,b"], "--capacities"),
         (["--sweep", "x.png", "--policies", "lru,nope"], "unknown eviction policy 'nope'"),
         # checked before the sweep runs (they ran it whole, then failed with a traceback)
@@ -165,3 +167,89 @@ def test_the_table_says_how_many_requests_the_cache_refused() -> None:
     assert table.exit_code == 0, table.output
     row = next(line for line in table.output.splitlines() if "refused requests" in line)
     assert row.split("│")[2].strip() == f"{refused:,}", row
+
+
+def test_a_plot_that_cannot_be_written_keeps_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plot's directory removed while the sweep ran: the plot was written before the numbers
+    were printed, so a FileNotFoundError traceback (exit 1) lost the whole sweep. The numbers now
+    come first, then one ``error:`` line naming ``--sweep`` and exit 1 (an output not written)."""
+    pytest.importorskip("matplotlib")
+    import kvstrata.replay.simulate as simulate_module
+
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    real_sweep = simulate_module.sweep
+
+    def sweep_then_remove_the_folder(*args: object, **kwargs: object) -> dict[str, list[float]]:
+        rates = real_sweep(*args, **kwargs)  # type: ignore[arg-type]
+        folder.rmdir()
+        return rates
+
+    monkeypatch.setattr(simulate_module, "sweep", sweep_then_remove_the_folder)
+    args = ["simulate", "--limit", "20", "--sweep", str(folder / "s.png"), "--policies", "lru"]
+    out = runner.invoke(app, [*args, "--capacities", "0.1", "--json"])
+    assert out.exit_code == 1, out.output
+    assert out.exception is None or isinstance(out.exception, SystemExit), repr(out.exception)
+    assert f"cannot write --sweep {folder / 's.png'}" in out.stderr
+    assert json.loads(out.stdout)["hit_rate"]["lru"][0] > 0  # the sweep's numbers were printed
+
+
+def test_an_interrupted_plot_leaves_no_half_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C (or a full disk) while the sweep's PNG was being written left a truncated image
+    under the name the user asked for; it is written beside it and renamed into place, so an
+    earlier plot stays whole and nothing else is left in the folder."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from kvstrata.replay.simulate import plot_sweep
+
+    png = tmp_path / "s.png"
+    png.write_bytes(b"an earlier plot")
+
+    def cut_short(self: Figure, target: object, **_kwargs: object) -> None:
+        if isinstance(target, str | Path):  # a file name: savefig opens it, truncating it
+            Path(target).write_bytes(b"\x89PNG half")
+        else:
+            target.write(b"\x89PNG half")  # type: ignore[attr-defined]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        plot_sweep({"lru": [0.1, 0.2]}, [1_000_000, 2_000_000], png, title="t")
+    assert png.read_bytes() == b"an earlier plot"
+    assert [p.name for p in tmp_path.iterdir()] == ["s.png"]
+    monkeypatch.undo()
+    plot_sweep({"lru": [0.1, 0.2]}, [1_000_000, 2_000_000], png, title="t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["s.png"]
+
+
+def test_a_plot_path_that_is_a_link_or_no_regular_file_is_written_not_replaced(tmp_path: Path) -> None:
+    """The plot is renamed into place, but never over what is not a regular file (``--sweep
+    /dev/null`` as root would have replaced the device with a file) nor over a symbolic link
+    (the file it points at gets the plot, as ``savefig(path)`` wrote it)."""
+    pytest.importorskip("matplotlib")
+    import os
+    import stat
+    import threading
+
+    from kvstrata.replay.simulate import plot_sweep
+
+    rates, sizes = {"lru": [0.1, 0.2]}, [1_000_000, 2_000_000]
+    real, link = tmp_path / "real.png", tmp_path / "link.png"
+    real.write_bytes(b"old")
+    link.symlink_to(real)
+    plot_sweep(rates, sizes, link, title="t")
+    assert link.is_symlink() and real.read_bytes()[:4] == b"\x89PNG"
+    fifo = tmp_path / "pipe.svg"  # (PNG needs a seekable file)
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    plot_sweep(rates, sizes, fifo, title="t")
+    reader.join(timeout=30)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode), "the FIFO was replaced by a file"
+    assert received and b"<svg" in received[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.png", "pipe.svg", "real.png"]

@@ -132,6 +132,14 @@ def test_request_longer_than_the_bound_is_refused_at_read(tmp_path: Path) -> Non
         read_trace(path, max_request_tokens=4095)
 
 
+def test_a_bound_too_large_for_one_read_reads_the_trace(tmp_path: Path) -> None:
+    """``--max-request-tokens 99999999999999999999999`` (or ``model.max_request_tokens`` in a
+    config: neither has an upper bound) was an ``OverflowError`` traceback from the line reader in
+    ``simulate`` and ``replay``; a bound no read can reach is no bound."""
+    path = write(tmp_path, [json.dumps({**GOOD, "input_length": 4096, "hash_ids": list(range(8))})])
+    assert read_trace(path, max_request_tokens=10**23)[0].input_length == 4096
+
+
 def test_a_request_of_ten_million_hash_ids_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
     """A 10^7-id line (5*10^9 tokens, ~41 GB of token ids in a replay) stops at the line length a
     request within the bound can need: at most that many bytes are read."""

@@ -105,3 +105,18 @@ def test_large_sizes_are_named_in_the_largest_binary_unit() -> None:
     assert human_size(3 * 2**40) == "3.000 TiB"
     assert human_size(5 * 2**60) == "5.000 EiB"
     assert human_size(10**28) == "1.000e+28 bytes"
+
+
+def test_the_verdict_lines_are_one_line_each_in_a_log() -> None:
+    """Piped (a CI log, ``| grep``), rich wrapped ``doctor``'s host-budget line and ``config
+    validate``'s ``valid:`` line at 80 columns, mid-phrase; ``error:`` and ``problem:`` lines
+    were already one line each."""
+    env = {"COLUMNS": "80"}
+    budget = runner.invoke(app, ["doctor", str(DEMO), "--set", "tiers.storage={}"], env=env)
+    assert budget.exit_code == 0, budget.output
+    line = next(text for text in budget.stdout.splitlines() if text.startswith("host budget:"))
+    assert line.endswith(": fits"), budget.stdout
+    name = "a-model-name-long-enough-to-cross-eighty-columns-on-its-own"
+    valid = runner.invoke(app, ["config", "validate", str(DEMO), "--set", f"model.name={name}"], env=env)
+    assert valid.exit_code == 0, valid.output
+    assert valid.stdout.count("\n") == 1 and "storage: l3 (file)" in valid.stdout, valid.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -54,9 +55,20 @@ SetOption = Annotated[
 ]
 
 
+#: the password of a URL (``redis://user:secret@host``), wherever a message quotes one
+_URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s:/@]*:)[^\s@/]+@")
+
+
+def masked(text: str) -> str:
+    """``text`` with every URL password shown as ``***``: an error quotes the value it refuses
+    (``KVSTRATA_TIERS__STORAGE__L3__URL=redis://u:secret@host:port0``), and what the CLI prints
+    lands in terminals and CI logs, where ``config show`` already masks them."""
+    return _URL_PASSWORD.sub(r"\1***@", text)
+
+
 def _fail(exc: BaseException | str, code: int) -> typer.Exit:
     """Print ``error: ...`` (the text escaped: ``kvstrata[mooncake]`` is not rich markup)."""
-    err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(masked(str(exc)))}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 

@@ -17,6 +17,7 @@ from kvstrata.cli._app import (
     _fail,
     app,
     err,
+    masked,
     out,
 )
 from kvstrata.cli._checks import backend_problem, check_stack, config_paths, load_cli_config
@@ -89,14 +90,14 @@ def doctor(files: ConfigFiles = None, config_option: ConfigOption = None, set_: 
         try:
             cls = host.storage_backends.require(backend_config.type)
         except PluginError as exc:
-            reach_table.add_row(*who, "[red]missing[/]", escape(str(exc)))
+            reach_table.add_row(*who, "[red]missing[/]", escape(masked(str(exc))))
             problems.append(f"backend {instance!r}: {exc}")
             continue
         try:  # a third-party plugin's bug is this backend's problem, not a traceback
             caps = cls(instance, backend_config).instance_capabilities()
         except Exception as exc:
             broken = f"{type(exc).__name__}: {exc}"
-            reach_table.add_row(*who, "[red]broken[/]", escape(broken))
+            reach_table.add_row(*who, "[red]broken[/]", escape(masked(broken)))
             problems.append(f"backend {instance!r} ({backend_config.type}): {broken}")
             continue
         plans = plan_backend(instance, caps, specs.values(), parallel=config.parallel)
@@ -115,7 +116,7 @@ def doctor(files: ConfigFiles = None, config_option: ConfigOption = None, set_: 
         if reason is None:
             reach_table.add_row(*who, "[green]reachable[/]", "")
         else:
-            reach_table.add_row(*who, "[red]unavailable[/]", escape(reason))
+            reach_table.add_row(*who, "[red]unavailable[/]", escape(masked(reason)))
             problems.append(f"backend {instance!r} ({backend_config.type}): {reason}")
     if config.tiers.storage:
         out.print(plan_table)
@@ -133,12 +134,13 @@ def doctor(files: ConfigFiles = None, config_option: ConfigOption = None, set_: 
     out.print(
         f"host budget: the pools' {tiers} need {human_size(required)} per rank; "
         f"available {human_size(available)} per rank "
-        f"(available memory - reserve_bytes, / ranks_per_host {host_tier.ranks_per_host}): {verdict}"
+        f"(available memory - reserve_bytes, / ranks_per_host {host_tier.ranks_per_host}): {verdict}",
+        soft_wrap=True,  # one line, as the ``problem:`` lines are, never cut at 80 columns in a log
     )
     if required > available:
         problems.append(f"the pools' {tiers} need {required:,} bytes per rank, {available:,} available")
     if problems:
         for problem in problems:
-            err.print(f"[bold red]problem:[/] {escape(problem)}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]problem:[/] {escape(masked(problem))}", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_RUNTIME)
     out.print("[green]ok[/]: every pool can be stored as configured")

@@ -14,12 +14,13 @@ from rich.table import Table
 
 from kvstrata.cli._app import (
     EXIT_INVALID,
+    EXIT_RUNTIME,
     _fail,
     app,
     err,
     out,
 )
-from kvstrata.cli._checks import check_output_path, check_plot_format
+from kvstrata.cli._checks import check_output_path, check_plot_format, describe_os_error
 from kvstrata.core.config import (
     DEFAULT_MAX_REQUEST_TOKENS,
 )
@@ -45,6 +46,12 @@ def _eviction_setting(text: str) -> str | dict[str, Any]:
         raise ValueError(f"--eviction: cannot parse {text!r} as a YAML mapping ({problem})") from None
     if not isinstance(value, str | dict):
         raise ValueError(f"--eviction: expected a policy name or a mapping, got {text!r}")
+    glued = [k for k, v in value.items() if v is None and ":" in str(k)] if isinstance(value, dict) else []
+    if glued:  # YAML reads ``{type:s3fifo}`` as the key 'type:s3fifo' without a value
+        raise ValueError(
+            f"--eviction: YAML needs a space after ':' ({glued[0]!r} is read as one key without a "
+            "value); write '{type: s3fifo, small_fraction: 0.2}'"
+        )
     return value
 
 
@@ -235,15 +242,21 @@ def _simulate_sweep(
         rates = sweep(requests, names, sizes, block_size=config.block_size, host=host, warmup_fraction=warmup)
     except PluginError as exc:
         raise _fail(exc, EXIT_INVALID) from None
-    plot_sweep(rates, sizes, png, title=f"hit rate vs capacity: {trace or 'bundled sample trace'}")
+    # the numbers first: a plot that cannot be written (its directory removed, a full disk)
+    # must not lose a sweep that may have taken minutes
     if as_json:
         print(json.dumps({"capacities_tokens": sizes, "hit_rate": rates}, indent=2))
-        return
-    table = Table(title=escape(f"hit rate by capacity (million tokens): {trace or 'bundled sample trace'}"))
-    table.add_column("policy")
-    for size in sizes:
-        table.add_column(f"{size / 1e6:g}M", justify="right")
-    for name, values in rates.items():
-        table.add_row(escape(name), *(f"{v:.2%}" for v in values))
-    out.print(table)
+    else:
+        title = f"hit rate by capacity (million tokens): {trace or 'bundled sample trace'}"
+        table = Table(title=escape(title))
+        table.add_column("policy")
+        for size in sizes:
+            table.add_column(f"{size / 1e6:g}M", justify="right")
+        for name, values in rates.items():
+            table.add_row(escape(name), *(f"{v:.2%}" for v in values))
+        out.print(table)
+    try:
+        plot_sweep(rates, sizes, png, title=f"hit rate vs capacity: {trace or 'bundled sample trace'}")
+    except OSError as exc:
+        raise _fail(f"cannot write --sweep {png}: {describe_os_error(exc)}", EXIT_RUNTIME) from None
     err.print(f"plot written to {png}", highlight=False, markup=False)

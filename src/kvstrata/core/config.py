@@ -38,6 +38,7 @@ from kvstrata.core.config_text import (
     match_case,
     parse_config_text,
     parse_override,
+    parse_problem,
     scalar_text,
     set_path,
 )
@@ -250,7 +251,7 @@ def _read_file(path: Path) -> dict[str, Any]:
     try:
         data = parse_config_text(text, path.suffix)
     except (yaml.YAMLError, tomllib.TOMLDecodeError, ValueError) as exc:  # (JSONDecodeError too)
-        raise ConfigError([("", f"cannot parse: {exc}")], str(path)) from None
+        raise ConfigError([("", f"cannot parse: {parse_problem(exc)}")], str(path)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -33,6 +33,21 @@ def parse_config_text(text: str, suffix: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
+def parse_problem(exc: Exception) -> str:
+    """A parser's error on one line: PyYAML's spans several, each naming ``"<unicode string>"``
+    (the file is named by the caller) with a caret drawn under a copy of the line."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
+        return str(exc)
+    mark, problem = exc.problem_mark, exc.problem or "invalid YAML"
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    if exc.context:  # e.g. "while parsing a flow sequence", and where that began
+        began = exc.context_mark
+        text += f" ({exc.context}" + (
+            f" started at line {began.line + 1}, column {began.column + 1})" if began else ")"
+        )
+    return text
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.safe_load`` refusing a key given twice in one mapping (merges, ``<<``, may still
     override)."""
@@ -94,7 +109,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = parse_config_text(raw, ".yaml") if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError([(path.strip(), f"cannot parse value {raw!r}: {exc}")]) from None
+        raise ConfigError([(path.strip(), f"cannot parse value {raw!r}: {parse_problem(exc)}")]) from None
     return [part.strip() for part in path.strip().split(".")], value
 
 

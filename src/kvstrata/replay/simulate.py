@@ -24,6 +24,7 @@ LRU gives 14.3 %.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -346,5 +347,26 @@ def plot_sweep(
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        save_figure(fig, Path(path))
+    finally:
+        plt.close(fig)
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Write ``fig`` to a temporary file beside ``path``, then rename it into place: a Ctrl-C or
+    a full disk mid-write leaves no half image under ``path`` (an existing one stays whole). A
+    path that is no regular file (``/dev/null``, a FIFO) is written to, never replaced, and a
+    symbolic link is written through."""
+    fmt = path.suffix[1:].lower() or None  # the format from the suffix, as savefig(path) takes it
+    if path.exists() and not path.is_file():
+        fig.savefig(path, dpi=120, format=fmt)
+        return
+    target = path.resolve() if path.is_symlink() else path
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        with open(partial, "wb") as handle:
+            fig.savefig(handle, dpi=120, format=fmt)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -162,7 +163,8 @@ def parse_request(
 def _lines(handle: BinaryIO, source: Path, max_tokens: int, block_size: int) -> Iterator[tuple[int, str]]:
     """(line number, text) of each line, read at most ``max_bytes`` at a time and decoded as
     strict UTF-8: an endless or binary file is refused at its first bad line, never slurped."""
-    max_bytes = line_limit(max_tokens, block_size)
+    # a bound beyond what one read can ask for (``--max-request-tokens 1e23``) is no bound
+    max_bytes = min(line_limit(max_tokens, block_size), sys.maxsize - 1)
     lineno = 0
     while raw := handle.readline(max_bytes + 1):
         lineno += 1
