@@ -796,3 +796,26 @@ def test_an_undeclared_shared_backend_is_told_to_declare_it() -> None:
 
     with pytest.raises(AssertionError, match="does not declare shared_across_instances"):
         CoreConformance().test_second_instance(factory)
+
+
+class CompactsHitsOnMiss(MemoryBackend):
+    """Breaks the per-key contract on purpose (fault injection): get() answers per key, but
+    writes the objects it found one after another into the batch's first regions, so with a
+    miss in the batch the objects after it land in the regions of the ones before them. The
+    engine reads a refused object once more, alone (no miss in that batch): the kit passed it."""
+
+    def get(self, objects):  # type: ignore[no-untyped-def]
+        with self._lock:
+            found = [self._objects.get(obj.key) for obj in objects]
+        for obj, data in zip(objects, [data for data in found if data is not None], strict=False):
+            offset = 0
+            for view in object_views(obj):
+                chunk = data[offset : offset + len(view)]
+                view[: len(chunk)] = chunk
+                offset += len(chunk)
+        return [-1 if data is None else len(data) for data in found]
+
+
+def test_the_kit_catches_a_batch_read_that_the_engines_reread_covers_up() -> None:
+    with pytest.raises(AssertionError, match="read back wrong and right when read again on their own"):
+        CoreConformance().test_partial_batches_per_key(CompactsHitsOnMiss("l3", MemoryConfig()))

@@ -259,6 +259,24 @@ class BackendKit:
         return stored
 
     @staticmethod
+    def assert_read_right_first_time(backend: StorageBackend, engine: StorageEngine) -> None:
+        """No object was refused, and none was refused once then accepted when read again alone:
+        the engine reads a refused object a second time (a concurrent writer may have torn it),
+        which hid a backend that mixes up the objects of one batch -- e.g. writing each found
+        object into the regions of the one before it when a key in the batch is missing."""
+        metrics = engine.metrics
+        assert metrics.corrupt_detected == 0, (
+            f"backend {backend.name!r}: {metrics.corrupt_detected} objects read back damaged "
+            f"({metrics.corrupt_reasons}), with nothing damaging them"
+        )
+        assert metrics.reread_cleared == 0, (
+            f"backend {backend.name!r}: {metrics.reread_cleared} objects of a batch read back wrong "
+            "and right when read again on their own: get() must read each object of a batch into "
+            "its own regions whatever else the batch holds (misses, other sizes), with no writer "
+            "around"
+        )
+
+    @staticmethod
     def assert_units_are(pool: HostPoolForTests, stored: Sequence[bytes], units: Sequence[int]) -> None:
         for unit, expected in zip(units, stored, strict=True):
             assert pool.unit_bytes(unit) == expected, (

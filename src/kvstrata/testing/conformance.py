@@ -90,7 +90,7 @@ class CoreConformance(BackendKit):
         assert all(all(r.ok) for r in got.values()), got
         for name in specs:
             self.assert_units_are(target[name], stored[name], range(6))
-        assert engine.metrics.corrupt_detected == 0
+        self.assert_read_right_first_time(backend, engine)
 
     @pytest.mark.parametrize("checksum", ["xxh3", "none"])
     def test_round_trip_through_registered_host_memory(
@@ -124,7 +124,7 @@ class CoreConformance(BackendKit):
             f"backend {backend.name!r}: get() of a key it does not hold wrote into that key's regions "
             "(a miss writes nothing into the page)"
         )
-        assert engine.metrics.corrupt_detected == 0
+        self.assert_read_right_first_time(backend, engine)
 
     def test_partial_batches_per_key(self, backend: StorageBackend) -> None:
         specs = conformance_specs()
@@ -139,7 +139,8 @@ class CoreConformance(BackendKit):
         assert result.prefix == 1
         self.assert_units_equal(source["attn"], target["attn"], stored)
         assert target["attn"].unit_bytes(1) == bytes(len(target["attn"].unit_bytes(1)))
-        assert engine.metrics.get_misses == 2 and engine.metrics.corrupt_detected == 0
+        assert engine.metrics.get_misses == 2
+        self.assert_read_right_first_time(backend, engine)
 
     def test_existence_prefix_semantics(self, backend: StorageBackend) -> None:
         specs = conformance_specs()
