@@ -819,3 +819,28 @@ class CompactsHitsOnMiss(MemoryBackend):
 def test_the_kit_catches_a_batch_read_that_the_engines_reread_covers_up() -> None:
     with pytest.raises(AssertionError, match="read back wrong and right when read again on their own"):
         CoreConformance().test_partial_batches_per_key(CompactsHitsOnMiss("l3", MemoryConfig()))
+
+
+class FirstTwoConfig(EvictionPolicyConfig):
+    type: Literal["first_two"] = "first_two"
+
+
+class FirstTwoPolicy(MruPolicy):
+    """Breaks the ranking contract on purpose: bounds its work by cutting the list it is given
+    to two candidates (``del entries[2:]``) and ranks those. The kit compared the ranked nodes
+    with that list after the call, so the two matched and it passed; an eviction then picks from
+    two arbitrary leaves, and frees less than asked once those are gone."""
+
+    name = "first_two"
+    Config = FirstTwoConfig
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        del entries[2:]
+        return super().ranked(entries)
+
+
+def test_the_policy_kit_compares_with_the_candidates_as_given(kvstrata_host: PluginHost) -> None:
+    kvstrata_host.eviction_policies.register(FirstTwoPolicy)
+    ops = [([1, i % 4, i % 3, i], False, False) for i in range(24)]
+    with pytest.raises(AssertionError, match=r"ranked\(\) must return one \(rank, node.id, node\) entry"):
+        run_workload(kvstrata_host, "first_two", ops)
