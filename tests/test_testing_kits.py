@@ -530,7 +530,14 @@ def test_the_kit_modules_are_assert_rewritten() -> None:
 
     import kvstrata.testing.conformance  # noqa: F401 - loaded already; here for the lookup below
 
-    for module in ("conformance", "conformance_optional", "_backend_kit", "policy_kit", "pool_kit"):
+    for module in (
+        "conformance",
+        "conformance_optional",
+        "_backend_kit",
+        "_lifecycle_kit",
+        "policy_kit",
+        "pool_kit",
+    ):
         loader = sys.modules[f"kvstrata.testing.{module}"].__loader__
         assert type(loader).__name__ == "AssertionRewritingHook", f"{module} is not assert-rewritten"
 
@@ -844,3 +851,49 @@ def test_the_policy_kit_compares_with_the_candidates_as_given(kvstrata_host: Plu
     ops = [([1, i % 4, i % 3, i], False, False) for i in range(24)]
     with pytest.raises(AssertionError, match=r"ranked\(\) must return one \(rank, node.id, node\) entry"):
         run_workload(kvstrata_host, "first_two", ops)
+
+
+class SharedClientBackend(MemoryBackend):
+    """Breaks ``close()`` on purpose (fault injection): every instance of the process talks
+    through one client, and closing any instance shuts that client down for all of them."""
+
+    def __init__(self, instance: str, config: MemoryConfig, client: dict[str, bool]) -> None:
+        super().__init__(instance, config)
+        self.client = client
+
+    def open(self) -> None:
+        self.client["up"] = True
+
+    def close(self) -> None:
+        self.client["up"] = False
+
+    def _call(self, method, *args):  # type: ignore[no-untyped-def]
+        if not self.client["up"]:
+            raise ConnectionError("client closed")
+        return method(*args)
+
+    def exists(self, keys):  # type: ignore[no-untyped-def]
+        return self._call(super().exists, keys)
+
+    def put(self, objects):  # type: ignore[no-untyped-def]
+        return self._call(super().put, objects)
+
+    def get(self, objects):  # type: ignore[no-untyped-def]
+        return self._call(super().get, objects)
+
+
+def test_the_kit_catches_a_close_that_takes_other_instances_down() -> None:
+    client: dict[str, bool] = {}
+
+    def factory(instance: str = "conformance") -> StorageBackend:
+        backend = SharedClientBackend(instance, MemoryConfig(), client)
+        backend.open()
+        return backend
+
+    with pytest.raises(
+        AssertionError, match="once another instance was closed, an instance still open failed"
+    ):
+        CoreConformance().test_closing_one_instance_leaves_another_working(factory)
+    CoreConformance().test_closing_one_instance_leaves_another_working(
+        lambda instance="conformance": MemoryBackend(instance, MemoryConfig())
+    )

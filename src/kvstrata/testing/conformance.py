@@ -47,6 +47,7 @@ from kvstrata.testing._backend_kit import (
     marker_specs,
     page_hashes,
 )
+from kvstrata.testing._lifecycle_kit import LifecycleChecks
 from kvstrata.testing.conformance_optional import IntegrityConformance, RemovalConformance
 
 __all__ = [
@@ -72,9 +73,10 @@ def _format(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc)).rstrip()
 
 
-class CoreConformance(BackendKit):
+class CoreConformance(LifecycleChecks):
     """What every backend must do: round trips, per-key batches, existence, zero-copy honesty,
-    namespace isolation, concurrency, marker objects, a second instance."""
+    namespace isolation, concurrency, marker objects, a second instance, and closing one instance
+    leaves the others working (:class:`~kvstrata.testing._lifecycle_kit.LifecycleChecks`)."""
 
     def test_round_trip_multi_region(self, backend: StorageBackend) -> None:
         specs = conformance_specs()
