@@ -897,3 +897,41 @@ def test_the_kit_catches_a_close_that_takes_other_instances_down() -> None:
     CoreConformance().test_closing_one_instance_leaves_another_working(
         lambda instance="conformance": MemoryBackend(instance, MemoryConfig())
     )
+
+
+class _PortReusingSocket:
+    """A socket whose OS hands a port back as soon as it is free again (lowest free first), as
+    Linux may: the test's way to make the rare equal-port pick happen every time."""
+
+    bound: set[int] = set()
+
+    def __init__(self, *args: object) -> None:
+        self.port = 0
+
+    def bind(self, address: tuple[str, int]) -> None:
+        self.port = min(set(range(40000, 40010)) - self.bound)
+        self.bound.add(self.port)
+
+    def getsockname(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+    def close(self) -> None:
+        self.bound.discard(self.port)
+
+    def __enter__(self) -> _PortReusingSocket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def test_a_mooncake_master_gets_three_distinct_ports(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each port was picked with a socket closed before the next pick, so two could be equal
+    (5 master starts in 20 000 here) and the master failed to listen."""
+    from kvstrata.testing import mooncake_servers
+
+    monkeypatch.setattr(mooncake_servers.socket, "socket", _PortReusingSocket)
+    monkeypatch.setattr(mooncake_servers, "find_mooncake_binary", lambda name: f"/nonexistent/{name}")
+    master = mooncake_servers.MooncakeMaster(log_dir=tmp_path)
+    assert len({master.rpc_port, master.http_port, master.metrics_port}) == 3
+    assert mooncake_servers.free_loopback_port() == 40000  # (each call: one port, none held)

@@ -10,6 +10,7 @@ plugin) so a test session pays the start-up once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -48,9 +49,20 @@ def find_mooncake_binary(name: str) -> str:
 
 def free_loopback_port() -> int:
     """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
+    return free_loopback_ports(1)[0]
+
+
+def free_loopback_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 right now. Each is held until all are
+    picked: a port closed before the next pick may be picked again (one master start in a few
+    thousand got two equal ports and failed to listen)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((LOOPBACK, 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
 def _log_tail(path: Path, lines: int = 30) -> str:
@@ -132,9 +144,7 @@ class MooncakeMaster:
         client_ttl_s: int = 3,
         extra_args: Sequence[str] = (),
     ) -> None:
-        self.rpc_port = free_loopback_port()
-        self.http_port = free_loopback_port()
-        self.metrics_port = free_loopback_port()
+        self.rpc_port, self.http_port, self.metrics_port = free_loopback_ports(3)
         self._tmp = None if log_dir is not None else tempfile.TemporaryDirectory(prefix="kvstrata-mc-")
         self.log_dir = Path(log_dir if log_dir is not None else self._tmp.name)  # type: ignore[union-attr]
         argv = [
