@@ -935,3 +935,30 @@ def test_a_mooncake_master_gets_three_distinct_ports(monkeypatch: pytest.MonkeyP
     master = mooncake_servers.MooncakeMaster(log_dir=tmp_path)
     assert len({master.rpc_port, master.http_port, master.metrics_port}) == 3
     assert mooncake_servers.free_loopback_port() == 40000  # (each call: one port, none held)
+
+
+def test_a_server_start_interrupted_while_waiting_stops_the_process(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C (or any error) while waiting for the port left the started process running: the
+    fixture's setup raised, so it had no teardown, and the server outlived the session."""
+    import os
+    import signal
+    import sys
+
+    from kvstrata.testing import mooncake_servers
+
+    def interrupted(address: str, timeout_s: float) -> str | None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mooncake_servers, "tcp_probe", interrupted)
+    argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+    process = mooncake_servers.ManagedProcess("sleeper", argv, 1, tmp_path / "sleeper.log")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            process.start()
+        assert not process.alive(), "the process the interrupted start began is still running"
+    finally:
+        if process.alive():  # (the old helper's leak: stop the one process this test started)
+            os.kill(process.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            process.popen.wait()  # type: ignore[union-attr]

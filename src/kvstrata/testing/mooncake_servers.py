@@ -85,11 +85,21 @@ class ManagedProcess:
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def start(self, ready_timeout_s: float = 20.0) -> None:
-        """Start the process and wait until ``ready_port`` accepts; on failure show the log tail."""
+        """Start the process and wait until ``ready_port`` accepts; on failure show the log tail.
+        Whatever ends the wait other than readiness (a timeout, Ctrl-C) stops the process: a
+        fixture whose setup raised gets no teardown, and the process would outlive the session."""
         with self.log_path.open("wb") as log:
             self.popen = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env
             )
+        try:
+            self._wait_ready(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, ready_timeout_s: float) -> None:
+        assert self.popen is not None
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
@@ -101,7 +111,6 @@ class ManagedProcess:
             if tcp_probe(f"{LOOPBACK}:{self.ready_port}", 0.2) is None:
                 return
             time.sleep(0.05)
-        self.stop()
         raise RuntimeError(
             f"{self.name} did not listen on {LOOPBACK}:{self.ready_port} within {ready_timeout_s:.0f} s; "
             f"log tail ({self.log_path}):\n{_log_tail(self.log_path)}"
