@@ -962,3 +962,24 @@ def test_a_server_start_interrupted_while_waiting_stops_the_process(
         if process.alive():  # (the old helper's leak: stop the one process this test started)
             os.kill(process.pid, signal.SIGKILL)  # type: ignore[arg-type]
             process.popen.wait()  # type: ignore[union-attr]
+
+
+class RaisesOnBatches(MemoryBackend):
+    """Breaks the batch contract on purpose: get() of more than one object raises."""
+
+    def get(self, objects):  # type: ignore[no-untyped-def]
+        if len(objects) > 1:
+            raise RuntimeError("batches not supported")
+        return super().get(objects)
+
+
+def test_the_kit_shows_the_error_of_a_backend_call_that_raised() -> None:
+    """The engine turns a raising call into misses of every key: the kit's failure read "get()
+    answers per key: a miss fails only its key" (and, from several threads, "not thread-safe")
+    and never showed the exception."""
+    kit = CoreConformance()
+    raised = r"the call failed: get on backend 'l3' \(pool 'attn'\) failed: RuntimeError\('batches not"
+    with pytest.raises(AssertionError, match=r"get\(\) answers per key(.|\n)*" + raised):
+        kit.test_partial_batches_per_key(RaisesOnBatches("l3", MemoryConfig()))
+    with pytest.raises(AssertionError, match=r"thread \d: get of its own keys failed(.|\n)*" + raised):
+        kit.test_concurrent_distinct_and_same_keys(RaisesOnBatches("l3", MemoryConfig()))

@@ -13,6 +13,7 @@ import torch
 from kvstrata.core.config import ParallelConfig
 from kvstrata.core.io_plan import IOMode, plan_backend
 from kvstrata.core.keys import hash_pages, namespace_root
+from kvstrata.core.storage_batch import BatchResult
 from kvstrata.core.storage_engine import StorageEngine
 from kvstrata.plugins.pool_type import (
     BufferSpec,
@@ -149,6 +150,12 @@ class HostPoolForTests:
 def page_hashes(count: int, model: str = "conformance", seed: int = 0) -> list[str]:
     tokens = torch.arange(seed * 1000, seed * 1000 + count * PAGE_SIZE, dtype=torch.int64)
     return hash_pages(tokens, PAGE_SIZE, namespace_root(model))
+
+
+def answers(result: BatchResult) -> str:
+    """A batch's per-key answers, and the error that failed the call when one did (a backend
+    that raised reads "[False, False]" otherwise, as if it had missed every key)."""
+    return f"{result.ok}" + (f", the call failed: {result.error}" if result.error else "")
 
 
 class BackendKit:

@@ -43,6 +43,7 @@ from kvstrata.testing._backend_kit import (
     PAGE_SIZE,
     BackendKit,
     HostPoolForTests,
+    answers,
     conformance_specs,
     marker_specs,
     page_hashes,
@@ -117,8 +118,8 @@ class CoreConformance(LifecycleChecks):
         got = engine.get_group({n: PoolBatch(hashes, target[n].units(range(4))) for n in specs})
         for name in specs:
             assert got[name].ok == [True, True, True, False], (
-                f"checksum {checksum}: get of pool {name!r} into registered host memory: {got[name].ok}, "
-                "expected three hits and a miss"
+                f"checksum {checksum}: get of pool {name!r} into registered host memory: "
+                f"{answers(got[name])}, expected three hits and a miss"
             )
             self.assert_units_are(target[name], stored[name], range(3))
         missed = target["attn"].unit_bytes(3)
@@ -135,9 +136,12 @@ class CoreConformance(LifecycleChecks):
         hashes = page_hashes(4, seed=2)
         stored = [0, 2]
         assert all(engine.put("attn", [hashes[i] for i in stored], source["attn"].units(stored)).ok)
-        assert engine.exists("attn", hashes).ok == [True, False, True, False], "exists() answers per key"
+        found = engine.exists("attn", hashes)
+        assert found.ok == [True, False, True, False], f"exists() answers per key: {answers(found)}"
         result = engine.get("attn", hashes, target["attn"].units(range(4)))
-        assert result.ok == [True, False, True, False], "get() answers per key: a miss fails only its key"
+        assert result.ok == [True, False, True, False], (
+            f"get() answers per key: a miss fails only its key: {answers(result)}"
+        )
         assert result.prefix == 1
         self.assert_units_equal(source["attn"], target["attn"], stored)
         assert target["attn"].unit_bytes(1) == bytes(len(target["attn"].unit_bytes(1)))
@@ -253,19 +257,19 @@ class CoreConformance(LifecycleChecks):
             try:
                 own = page_hashes(per_thread, seed=10 + index)
                 units = range(index * per_thread, (index + 1) * per_thread)
-                put = engine.put("attn", own, source["attn"].units(units)).ok
-                assert all(put), f"thread {index}: put of its own keys failed: {put}"
-                put = engine.put("attn", shared, source["attn"].units(range(per_thread))).ok
-                assert all(put), f"thread {index}: put of the shared keys failed: {put}"
+                put = engine.put("attn", own, source["attn"].units(units))
+                assert all(put.ok), f"thread {index}: put of its own keys failed: {answers(put)}"
+                put = engine.put("attn", shared, source["attn"].units(range(per_thread)))
+                assert all(put.ok), f"thread {index}: put of the shared keys failed: {answers(put)}"
                 target = HostPoolForTests(specs["attn"], per_thread)
-                got = engine.get("attn", own, target.units(range(per_thread))).ok
-                assert all(got), f"thread {index}: get of its own keys failed: {got}"
+                got = engine.get("attn", own, target.units(range(per_thread)))
+                assert all(got.ok), f"thread {index}: get of its own keys failed: {answers(got)}"
                 for offset, unit in enumerate(units):
                     assert target.unit_bytes(offset) == source["attn"].unit_bytes(unit), (
                         f"thread {index}: its own page {offset} read back other bytes"
                     )
-                got = engine.get("attn", shared, target.units(range(per_thread))).ok
-                assert all(got), f"thread {index}: get of the shared keys failed: {got}"
+                got = engine.get("attn", shared, target.units(range(per_thread)))
+                assert all(got.ok), f"thread {index}: get of the shared keys failed: {answers(got)}"
                 self.assert_units_equal(source["attn"], target, range(per_thread))
             except BaseException as exc:  # surfaced in the main thread below
                 errors.append(exc)
