@@ -983,3 +983,17 @@ def test_the_kit_shows_the_error_of_a_backend_call_that_raised() -> None:
         kit.test_partial_batches_per_key(RaisesOnBatches("l3", MemoryConfig()))
     with pytest.raises(AssertionError, match=r"thread \d: get of its own keys failed(.|\n)*" + raised):
         kit.test_concurrent_distinct_and_same_keys(RaisesOnBatches("l3", MemoryConfig()))
+
+
+class IgnoresRemove(MemoryBackend):
+    """Breaks ``remove`` on purpose: answers True and deletes nothing."""
+
+    def remove(self, keys):  # type: ignore[no-untyped-def]
+        return [True] * len(keys)
+
+
+def test_the_kit_names_a_remove_that_deletes_nothing() -> None:
+    with pytest.raises(
+        AssertionError, match=r"after remove\(\) of the first of three stored keys returned True"
+    ):
+        RemovalConformance().test_remove_and_damaged_objects_are_removed(IgnoresRemove("l3", MemoryConfig()))
