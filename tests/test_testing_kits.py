@@ -997,3 +997,53 @@ def test_the_kit_names_a_remove_that_deletes_nothing() -> None:
         AssertionError, match=r"after remove\(\) of the first of three stored keys returned True"
     ):
         RemovalConformance().test_remove_and_damaged_objects_are_removed(IgnoresRemove("l3", MemoryConfig()))
+
+
+class WindowAnchorConfig(ListPoolConfig):
+    type: Literal["window_anchor"] = "window_anchor"  # type: ignore[assignment]
+
+
+class WindowAnchor(ListPool):
+    """Breaks the anchor's rule on purpose: an anchor whose hit rule keeps only the last two
+    pages. Its spec passed the kit's spec check; the round trip then failed with "a new cache
+    restores the prompt from L3", which did not say why."""
+
+    name = "window_anchor"
+    Config = WindowAnchorConfig
+    default_role = PoolRole.ANCHOR
+
+    def spec(self) -> PoolSpec:
+        rule = HitRule(kind=HitRuleKind.TRAILING_PAGES, pages=2)
+        return super().spec().model_copy(update={"role": PoolRole.ANCHOR, "hit_rule": rule})
+
+
+class PagesStateConfig(ListPoolConfig):
+    type: Literal["pages_state"] = "pages_state"  # type: ignore[assignment]
+
+
+class PagesState(ListPool):
+    """Mis-declares on purpose: token pages served by the state rule, which the core ignores
+    (it keys on the granularity, so every page is needed)."""
+
+    name = "pages_state"
+    Config = PagesStateConfig
+
+    def spec(self) -> PoolSpec:
+        return super().spec().model_copy(update={"hit_rule": HitRule(kind=HitRuleKind.PREFIX_END_STATE)})
+
+
+@pytest.mark.parametrize(
+    ("pool", "rule"),
+    [
+        (WindowAnchor, "an anchor pool holds every page of a prefix"),
+        (PagesState, "granularity token_pages with hit rule prefix_end_state"),
+    ],
+)
+def test_the_pool_kit_names_a_hit_rule_that_does_not_fit(
+    kvstrata_host: PluginHost, pool: type, rule: str
+) -> None:
+    kvstrata_host.pool_types.register(pool)
+    kit = TestADefaultLayoutsPoolThroughThePoolKit()
+    kit.pool_config = {"type": pool.name}
+    with pytest.raises(AssertionError, match=rule):
+        kit.test_declares_a_consistent_spec(kvstrata_host, 16)
