@@ -533,6 +533,7 @@ def test_the_kit_modules_are_assert_rewritten() -> None:
     for module in (
         "conformance",
         "conformance_optional",
+        "_allocator_kit",
         "_backend_kit",
         "_lifecycle_kit",
         "policy_kit",
@@ -1047,3 +1048,37 @@ def test_the_pool_kit_names_a_hit_rule_that_does_not_fit(
     kit.pool_config = {"type": pool.name}
     with pytest.raises(AssertionError, match=rule):
         kit.test_declares_a_consistent_spec(kvstrata_host, 16)
+
+
+HOST_ALLOCATOR = ZERO_COPY.model_copy(update={"host_allocator": True})
+
+
+class AllocatingMemory(MemoryBackend):
+    """A correct ``host_allocator`` backend: each call, a buffer of its own (kept alive here)."""
+
+    capabilities = HOST_ALLOCATOR
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.buffers: list[ctypes.Array[ctypes.c_uint8]] = []
+
+    def allocate_host_memory(self, nbytes: int) -> BufferRegion:
+        self.buffers.append((ctypes.c_uint8 * nbytes)())
+        return BufferRegion(ctypes.addressof(self.buffers[-1]), nbytes)
+
+
+class OneArena(AllocatingMemory):
+    """Breaks the allocator on purpose: every call returns the same arena, so every host pool the
+    core allocates shares one memory. No kit test called ``allocate_host_memory``: it passed."""
+
+    def allocate_host_memory(self, nbytes: int) -> BufferRegion:
+        if not self.buffers:
+            self.buffers.append((ctypes.c_uint8 * (1 << 20))())
+        return BufferRegion(ctypes.addressof(self.buffers[0]), nbytes)
+
+
+def test_the_kit_runs_a_host_allocators_memory_and_fails_a_shared_arena() -> None:
+    kit = CoreConformance()
+    kit.test_round_trip_through_backend_allocated_host_memory(AllocatingMemory("l3", MemoryConfig()))
+    with pytest.raises(AssertionError, match=r"allocate_host_memory\(\) handed out overlapping memory"):
+        kit.test_round_trip_through_backend_allocated_host_memory(OneArena("l3", MemoryConfig()))

@@ -10,6 +10,7 @@ from typing import Literal
 import pytest
 import torch
 
+from kvstrata.core.buffers import region_tensor
 from kvstrata.core.config import ParallelConfig
 from kvstrata.core.io_plan import IOMode, plan_backend
 from kvstrata.core.keys import hash_pages, namespace_root
@@ -29,6 +30,10 @@ from kvstrata.plugins.pool_type import (
 from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend
 
 PAGE_SIZE = 4
+
+#: what the pages a get misses hold before it (and must hold after it): not zeros, so a backend
+#: that zero-fills the regions of a key it does not hold is caught
+MISS_FILL = 0x5A
 
 
 def conformance_specs(dtype: str = "float16") -> dict[str, PoolSpec]:
@@ -101,10 +106,27 @@ class HostPoolForTests:
     """A layer-first host pool: one uint8 allocation (as a host tier's, registered whole for
     zero-copy I/O) cut into a tensor per buffer; one object = one region per layer."""
 
-    def __init__(self, spec: PoolSpec, units: int, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        spec: PoolSpec,
+        units: int,
+        seed: int | None = None,
+        allocate: Callable[[int], BufferRegion] | None = None,
+    ) -> None:
+        """``allocate``: where the memory comes from (a backend's ``allocate_host_memory``, as
+        the core takes it for ``host_allocator`` backends); default: this process's heap."""
         self.spec = spec
         sizes = {b.name: b.layers * units * b.bytes_per_unit_per_layer for b in spec.buffers}
-        self.backing = torch.zeros(sum(sizes.values()), dtype=torch.uint8)
+        total = sum(sizes.values())
+        if allocate is None or not total:
+            self.backing = torch.zeros(total, dtype=torch.uint8)
+        else:
+            region = allocate(total)
+            assert region.nbytes >= total, (
+                f"allocate_host_memory({total}) returned a region of {region.nbytes} bytes"
+            )
+            self.backing = region_tensor(region)[:total]
+            self.backing.zero_()
         self.tensors = {}
         offset = 0
         for b in spec.buffers:
@@ -188,11 +210,18 @@ class BackendKit:
         specs: dict[str, PoolSpec] | None = None,
         model_name: str | None = None,
         checksum: Literal["xxh3", "none"] = "xxh3",
+        host_memory_from_backend: bool = False,
     ) -> StorageEngine:
         specs = specs or conformance_specs()
         parallel = ParallelConfig()
         caps = backend.instance_capabilities()
-        plans = plan_backend(backend.instance, caps, specs.values(), parallel=parallel)
+        plans = plan_backend(
+            backend.instance,
+            caps,
+            specs.values(),
+            parallel=parallel,
+            host_memory_from_backend=host_memory_from_backend,
+        )
         return StorageEngine(
             backend,
             specs,

@@ -39,7 +39,9 @@ from kvstrata.core.io_plan import IOMode
 from kvstrata.core.storage_engine import PoolBatch
 from kvstrata.plugins.pool_type import BufferSpec
 from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend, StorageObject
+from kvstrata.testing._allocator_kit import HostAllocatorChecks
 from kvstrata.testing._backend_kit import (
+    MISS_FILL,
     PAGE_SIZE,
     BackendKit,
     HostPoolForTests,
@@ -65,19 +67,16 @@ __all__ = [
 ]
 
 
-#: what the pages a get misses hold before it (and must hold after it): not zeros, so a backend
-#: that zero-fills the regions of a key it does not hold is caught
-MISS_FILL = 0x5A
-
-
 def _format(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc)).rstrip()
 
 
-class CoreConformance(LifecycleChecks):
+class CoreConformance(LifecycleChecks, HostAllocatorChecks):
     """What every backend must do: round trips, per-key batches, existence, zero-copy honesty,
     namespace isolation, concurrency, marker objects, a second instance, and closing one instance
-    leaves the others working (:class:`~kvstrata.testing._lifecycle_kit.LifecycleChecks`)."""
+    leaves the others working (:class:`~kvstrata.testing._lifecycle_kit.LifecycleChecks`); a
+    ``host_allocator`` backend's host pools round trip from its allocator
+    (:class:`~kvstrata.testing._allocator_kit.HostAllocatorChecks`)."""
 
     def test_round_trip_multi_region(self, backend: StorageBackend) -> None:
         specs = conformance_specs()
