@@ -1082,3 +1082,27 @@ def test_the_kit_runs_a_host_allocators_memory_and_fails_a_shared_arena() -> Non
     kit.test_round_trip_through_backend_allocated_host_memory(AllocatingMemory("l3", MemoryConfig()))
     with pytest.raises(AssertionError, match=r"allocate_host_memory\(\) handed out overlapping memory"):
         kit.test_round_trip_through_backend_allocated_host_memory(OneArena("l3", MemoryConfig()))
+
+
+class ClaimsPersistence(MemoryBackend):
+    """Mis-declares on purpose: ``persistent`` while its objects live in its own memory (gone
+    with the instance). No kit test closed an instance and read after it: it passed."""
+
+    capabilities = MemoryBackend.capabilities.model_copy(update={"persistent": True})
+
+
+def test_the_kit_holds_a_persistent_backend_to_its_word(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvstrata.storage_backends.file import FileBackend, FileConfig
+
+    kit = CoreConformance()
+    with pytest.raises(AssertionError, match="declares persistent, but a new instance opened after"):
+        kit.test_a_persistent_backend_keeps_its_objects_through_close(
+            lambda instance="conformance": ClaimsPersistence(instance, MemoryConfig())
+        )
+
+    def file_backend(instance: str = "conformance") -> StorageBackend:
+        backend = FileBackend(instance, FileConfig(path=str(tmp_path / "l3")))
+        backend.open()
+        return backend
+
+    kit.test_a_persistent_backend_keeps_its_objects_through_close(file_backend)
