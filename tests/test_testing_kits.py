@@ -280,7 +280,8 @@ class KeepForeverBackend(MemoryBackend):
 
 
 class TestANonRemovableBackendOptsOut(CoreConformance, IntegrityConformance):
-    """Composes the mixins it supports: every test here runs, none is skipped."""
+    """Composes the mixins it supports: no removal test runs, so none is skipped (the core skips
+    only the checks of capabilities it does not declare: host_allocator, persistent)."""
 
     @pytest.fixture
     def backend_factory(self) -> Callable[[str], StorageBackend]:
