@@ -10,9 +10,11 @@ from typing import Literal
 import pytest
 import torch
 
+from kvstrata.core.buffers import region_tensor
 from kvstrata.core.config import ParallelConfig
 from kvstrata.core.io_plan import IOMode, plan_backend
 from kvstrata.core.keys import hash_pages, namespace_root
+from kvstrata.core.storage_batch import BatchResult
 from kvstrata.core.storage_engine import StorageEngine
 from kvstrata.plugins.pool_type import (
     BufferSpec,
@@ -28,6 +30,10 @@ from kvstrata.plugins.pool_type import (
 from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend
 
 PAGE_SIZE = 4
+
+#: what the pages a get misses hold before it (and must hold after it): not zeros, so a backend
+#: that zero-fills the regions of a key it does not hold is caught
+MISS_FILL = 0x5A
 
 
 def conformance_specs(dtype: str = "float16") -> dict[str, PoolSpec]:
@@ -100,10 +106,27 @@ class HostPoolForTests:
     """A layer-first host pool: one uint8 allocation (as a host tier's, registered whole for
     zero-copy I/O) cut into a tensor per buffer; one object = one region per layer."""
 
-    def __init__(self, spec: PoolSpec, units: int, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        spec: PoolSpec,
+        units: int,
+        seed: int | None = None,
+        allocate: Callable[[int], BufferRegion] | None = None,
+    ) -> None:
+        """``allocate``: where the memory comes from (a backend's ``allocate_host_memory``, as
+        the core takes it for ``host_allocator`` backends); default: this process's heap."""
         self.spec = spec
         sizes = {b.name: b.layers * units * b.bytes_per_unit_per_layer for b in spec.buffers}
-        self.backing = torch.zeros(sum(sizes.values()), dtype=torch.uint8)
+        total = sum(sizes.values())
+        if allocate is None or not total:
+            self.backing = torch.zeros(total, dtype=torch.uint8)
+        else:
+            region = allocate(total)
+            assert region.nbytes >= total, (
+                f"allocate_host_memory({total}) returned a region of {region.nbytes} bytes"
+            )
+            self.backing = region_tensor(region)[:total]
+            self.backing.zero_()
         self.tensors = {}
         offset = 0
         for b in spec.buffers:
@@ -151,6 +174,12 @@ def page_hashes(count: int, model: str = "conformance", seed: int = 0) -> list[s
     return hash_pages(tokens, PAGE_SIZE, namespace_root(model))
 
 
+def answers(result: BatchResult) -> str:
+    """A batch's per-key answers, and the error that failed the call when one did (a backend
+    that raised reads "[False, False]" otherwise, as if it had missed every key)."""
+    return f"{result.ok}" + (f", the call failed: {result.error}" if result.error else "")
+
+
 class BackendKit:
     """Fixtures and helpers of the backend conformance mixins; subclass a mixin, not this."""
 
@@ -181,11 +210,18 @@ class BackendKit:
         specs: dict[str, PoolSpec] | None = None,
         model_name: str | None = None,
         checksum: Literal["xxh3", "none"] = "xxh3",
+        host_memory_from_backend: bool = False,
     ) -> StorageEngine:
         specs = specs or conformance_specs()
         parallel = ParallelConfig()
         caps = backend.instance_capabilities()
-        plans = plan_backend(backend.instance, caps, specs.values(), parallel=parallel)
+        plans = plan_backend(
+            backend.instance,
+            caps,
+            specs.values(),
+            parallel=parallel,
+            host_memory_from_backend=host_memory_from_backend,
+        )
         return StorageEngine(
             backend,
             specs,
@@ -257,6 +293,24 @@ class BackendKit:
         for pool in pools.values():
             pool.scribble()
         return stored
+
+    @staticmethod
+    def assert_read_right_first_time(backend: StorageBackend, engine: StorageEngine) -> None:
+        """No object was refused, and none was refused once then accepted when read again alone:
+        the engine reads a refused object a second time (a concurrent writer may have torn it),
+        which hid a backend that mixes up the objects of one batch -- e.g. writing each found
+        object into the regions of the one before it when a key in the batch is missing."""
+        metrics = engine.metrics
+        assert metrics.corrupt_detected == 0, (
+            f"backend {backend.name!r}: {metrics.corrupt_detected} objects read back damaged "
+            f"({metrics.corrupt_reasons}), with nothing damaging them"
+        )
+        assert metrics.reread_cleared == 0, (
+            f"backend {backend.name!r}: {metrics.reread_cleared} objects of a batch read back wrong "
+            "and right when read again on their own: get() must read each object of a batch into "
+            "its own regions whatever else the batch holds (misses, other sizes), with no writer "
+            "around"
+        )
 
     @staticmethod
     def assert_units_are(pool: HostPoolForTests, stored: Sequence[bytes], units: Sequence[int]) -> None:

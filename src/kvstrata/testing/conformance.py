@@ -39,14 +39,18 @@ from kvstrata.core.io_plan import IOMode
 from kvstrata.core.storage_engine import PoolBatch
 from kvstrata.plugins.pool_type import BufferSpec
 from kvstrata.plugins.storage_backend import BufferRegion, StorageBackend, StorageObject
+from kvstrata.testing._allocator_kit import HostAllocatorChecks
 from kvstrata.testing._backend_kit import (
+    MISS_FILL,
     PAGE_SIZE,
     BackendKit,
     HostPoolForTests,
+    answers,
     conformance_specs,
     marker_specs,
     page_hashes,
 )
+from kvstrata.testing._lifecycle_kit import LifecycleChecks
 from kvstrata.testing.conformance_optional import IntegrityConformance, RemovalConformance
 
 __all__ = [
@@ -63,18 +67,16 @@ __all__ = [
 ]
 
 
-#: what the pages a get misses hold before it (and must hold after it): not zeros, so a backend
-#: that zero-fills the regions of a key it does not hold is caught
-MISS_FILL = 0x5A
-
-
 def _format(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc)).rstrip()
 
 
-class CoreConformance(BackendKit):
+class CoreConformance(LifecycleChecks, HostAllocatorChecks):
     """What every backend must do: round trips, per-key batches, existence, zero-copy honesty,
-    namespace isolation, concurrency, marker objects, a second instance."""
+    namespace isolation, concurrency, marker objects, a second instance, and closing one instance
+    leaves the others working (:class:`~kvstrata.testing._lifecycle_kit.LifecycleChecks`); a
+    ``host_allocator`` backend's host pools round trip from its allocator
+    (:class:`~kvstrata.testing._allocator_kit.HostAllocatorChecks`)."""
 
     def test_round_trip_multi_region(self, backend: StorageBackend) -> None:
         specs = conformance_specs()
@@ -90,7 +92,7 @@ class CoreConformance(BackendKit):
         assert all(all(r.ok) for r in got.values()), got
         for name in specs:
             self.assert_units_are(target[name], stored[name], range(6))
-        assert engine.metrics.corrupt_detected == 0
+        self.assert_read_right_first_time(backend, engine)
 
     @pytest.mark.parametrize("checksum", ["xxh3", "none"])
     def test_round_trip_through_registered_host_memory(
@@ -115,8 +117,8 @@ class CoreConformance(BackendKit):
         got = engine.get_group({n: PoolBatch(hashes, target[n].units(range(4))) for n in specs})
         for name in specs:
             assert got[name].ok == [True, True, True, False], (
-                f"checksum {checksum}: get of pool {name!r} into registered host memory: {got[name].ok}, "
-                "expected three hits and a miss"
+                f"checksum {checksum}: get of pool {name!r} into registered host memory: "
+                f"{answers(got[name])}, expected three hits and a miss"
             )
             self.assert_units_are(target[name], stored[name], range(3))
         missed = target["attn"].unit_bytes(3)
@@ -124,7 +126,7 @@ class CoreConformance(BackendKit):
             f"backend {backend.name!r}: get() of a key it does not hold wrote into that key's regions "
             "(a miss writes nothing into the page)"
         )
-        assert engine.metrics.corrupt_detected == 0
+        self.assert_read_right_first_time(backend, engine)
 
     def test_partial_batches_per_key(self, backend: StorageBackend) -> None:
         specs = conformance_specs()
@@ -133,13 +135,17 @@ class CoreConformance(BackendKit):
         hashes = page_hashes(4, seed=2)
         stored = [0, 2]
         assert all(engine.put("attn", [hashes[i] for i in stored], source["attn"].units(stored)).ok)
-        assert engine.exists("attn", hashes).ok == [True, False, True, False], "exists() answers per key"
+        found = engine.exists("attn", hashes)
+        assert found.ok == [True, False, True, False], f"exists() answers per key: {answers(found)}"
         result = engine.get("attn", hashes, target["attn"].units(range(4)))
-        assert result.ok == [True, False, True, False], "get() answers per key: a miss fails only its key"
+        assert result.ok == [True, False, True, False], (
+            f"get() answers per key: a miss fails only its key: {answers(result)}"
+        )
         assert result.prefix == 1
         self.assert_units_equal(source["attn"], target["attn"], stored)
         assert target["attn"].unit_bytes(1) == bytes(len(target["attn"].unit_bytes(1)))
-        assert engine.metrics.get_misses == 2 and engine.metrics.corrupt_detected == 0
+        assert engine.metrics.get_misses == 2
+        self.assert_read_right_first_time(backend, engine)
 
     def test_existence_prefix_semantics(self, backend: StorageBackend) -> None:
         specs = conformance_specs()
@@ -250,19 +256,19 @@ class CoreConformance(BackendKit):
             try:
                 own = page_hashes(per_thread, seed=10 + index)
                 units = range(index * per_thread, (index + 1) * per_thread)
-                put = engine.put("attn", own, source["attn"].units(units)).ok
-                assert all(put), f"thread {index}: put of its own keys failed: {put}"
-                put = engine.put("attn", shared, source["attn"].units(range(per_thread))).ok
-                assert all(put), f"thread {index}: put of the shared keys failed: {put}"
+                put = engine.put("attn", own, source["attn"].units(units))
+                assert all(put.ok), f"thread {index}: put of its own keys failed: {answers(put)}"
+                put = engine.put("attn", shared, source["attn"].units(range(per_thread)))
+                assert all(put.ok), f"thread {index}: put of the shared keys failed: {answers(put)}"
                 target = HostPoolForTests(specs["attn"], per_thread)
-                got = engine.get("attn", own, target.units(range(per_thread))).ok
-                assert all(got), f"thread {index}: get of its own keys failed: {got}"
+                got = engine.get("attn", own, target.units(range(per_thread)))
+                assert all(got.ok), f"thread {index}: get of its own keys failed: {answers(got)}"
                 for offset, unit in enumerate(units):
                     assert target.unit_bytes(offset) == source["attn"].unit_bytes(unit), (
                         f"thread {index}: its own page {offset} read back other bytes"
                     )
-                got = engine.get("attn", shared, target.units(range(per_thread))).ok
-                assert all(got), f"thread {index}: get of the shared keys failed: {got}"
+                got = engine.get("attn", shared, target.units(range(per_thread)))
+                assert all(got.ok), f"thread {index}: get of the shared keys failed: {answers(got)}"
                 self.assert_units_equal(source["attn"], target, range(per_thread))
             except BaseException as exc:  # surfaced in the main thread below
                 errors.append(exc)

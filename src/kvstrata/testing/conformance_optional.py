@@ -126,7 +126,10 @@ class RemovalConformance(BackendKit):
         assert all(engine.put("state", hashes, source["state"].units(range(3))).ok)
         keys = engine.object_keys("state", hashes)[0]
         assert backend.remove([keys[0], "conformance-never-stored"]) == [True, True]
-        assert backend.exists(keys) == [False, True, True]
+        assert backend.exists(keys) == [False, True, True], (
+            f"backend {backend.name!r}: after remove() of the first of three stored keys returned True, "
+            f"exists() answers {backend.exists(keys)}: True means the object is gone, and only it"
+        )
         assert self.corrupt(backend, keys[1], "flip")
         target = self.pools(specs, 3, seed=None)
         assert engine.get("state", hashes, target["state"].units(range(3))).ok == [False, False, True]

@@ -10,6 +10,7 @@ plugin) so a test session pays the start-up once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -48,9 +49,20 @@ def find_mooncake_binary(name: str) -> str:
 
 def free_loopback_port() -> int:
     """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
+    return free_loopback_ports(1)[0]
+
+
+def free_loopback_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 right now. Each is held until all are
+    picked: a port closed before the next pick may be picked again (one master start in a few
+    thousand got two equal ports and failed to listen)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((LOOPBACK, 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
 def _log_tail(path: Path, lines: int = 30) -> str:
@@ -73,11 +85,21 @@ class ManagedProcess:
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def start(self, ready_timeout_s: float = 20.0) -> None:
-        """Start the process and wait until ``ready_port`` accepts; on failure show the log tail."""
+        """Start the process and wait until ``ready_port`` accepts; on failure show the log tail.
+        Whatever ends the wait other than readiness (a timeout, Ctrl-C) stops the process: a
+        fixture whose setup raised gets no teardown, and the process would outlive the session."""
         with self.log_path.open("wb") as log:
             self.popen = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env
             )
+        try:
+            self._wait_ready(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, ready_timeout_s: float) -> None:
+        assert self.popen is not None
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
@@ -89,7 +111,6 @@ class ManagedProcess:
             if tcp_probe(f"{LOOPBACK}:{self.ready_port}", 0.2) is None:
                 return
             time.sleep(0.05)
-        self.stop()
         raise RuntimeError(
             f"{self.name} did not listen on {LOOPBACK}:{self.ready_port} within {ready_timeout_s:.0f} s; "
             f"log tail ({self.log_path}):\n{_log_tail(self.log_path)}"
@@ -132,9 +153,7 @@ class MooncakeMaster:
         client_ttl_s: int = 3,
         extra_args: Sequence[str] = (),
     ) -> None:
-        self.rpc_port = free_loopback_port()
-        self.http_port = free_loopback_port()
-        self.metrics_port = free_loopback_port()
+        self.rpc_port, self.http_port, self.metrics_port = free_loopback_ports(3)
         self._tmp = None if log_dir is not None else tempfile.TemporaryDirectory(prefix="kvstrata-mc-")
         self.log_dir = Path(log_dir if log_dir is not None else self._tmp.name)  # type: ignore[union-attr]
         argv = [

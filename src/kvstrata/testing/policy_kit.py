@@ -171,12 +171,12 @@ def _checked_ranked(policy: str | dict[str, Any], ranked: Any) -> Any:
     comparable with the others'."""
 
     def check(nodes: list[TreeNode]) -> list[tuple[Any, int, TreeNode]]:
+        given = sorted(node.id for node in nodes)  # before the call: a policy may change the list
         entries = ranked(nodes)
         assert type(entries) is list, (
             f"policy {policy!r}: ranked() must return a list (the eviction heapifies it in place "
             f"and indexes it), not a {type(entries).__name__}"
         )
-        given = sorted(node.id for node in nodes)
         got = sorted(entry[2].id for entry in entries)
         assert got == given, (
             f"policy {policy!r}: ranked() must return one (rank, node.id, node) entry for each entry "

@@ -33,7 +33,15 @@ import torch
 
 import kvstrata
 from kvstrata.plugins.host import PluginHost
-from kvstrata.plugins.pool_type import Granularity, Layout, ModelContext, PoolRole, PoolSpec, dtype_itemsize
+from kvstrata.plugins.pool_type import (
+    Granularity,
+    HitRuleKind,
+    Layout,
+    ModelContext,
+    PoolRole,
+    PoolSpec,
+    dtype_itemsize,
+)
 
 #: Tokens per page of the kit's stacks (each test runs at :data:`PAGE_SIZES`); pages of its prompts.
 PAGE = 16
@@ -155,6 +163,18 @@ class PoolTypeConformance:
             f"spec.page_size is {spec.page_size} in a stack of page_size {page_size}: take it from "
             "ModelContext.page_size (every tree pool shares one page size)"
         )
+        state = spec.granularity is Granularity.NODE_STATE
+        assert state == (spec.hit_rule.kind is HitRuleKind.PREFIX_END_STATE), (
+            f"granularity {spec.granularity.value} with hit rule {spec.hit_rule.kind.value}: a state "
+            "slot (node_state) is served by prefix_end_state, a page (token_pages) by all_pages or "
+            "trailing_pages; the core keys on the granularity, so the hit rule would be ignored"
+        )
+        if spec.role is PoolRole.ANCHOR:
+            assert not state and spec.hit_rule.kind is HitRuleKind.ALL_PAGES, (
+                f"an anchor pool holds every page of a prefix (its objects commit the page): "
+                f"granularity token_pages, hit rule all_pages, not {spec.granularity.value} / "
+                f"{spec.hit_rule.kind.value}"
+            )
         if spec.logical:
             assert not spec.buffers, "a logical pool holds no bytes"
             return

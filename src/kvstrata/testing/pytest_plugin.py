@@ -22,7 +22,16 @@ import pytest
 # The kits' asserts show their values (``assert 5 == 3``) only when pytest rewrites the kit
 # modules, and only modules marked before their first import are rewritten: mark them here,
 # before anything imports them (the package itself is already imported, so name the modules).
-_KIT_MODULES = ("_backend_kit", "conformance", "conformance_optional", "faults", "policy_kit", "pool_kit")
+_KIT_MODULES = (
+    "_allocator_kit",
+    "_backend_kit",
+    "_lifecycle_kit",
+    "conformance",
+    "conformance_optional",
+    "faults",
+    "policy_kit",
+    "pool_kit",
+)
 pytest.register_assert_rewrite(*(f"kvstrata.testing.{module}" for module in _KIT_MODULES))
 
 from kvstrata.plugins.host import PluginHost  # noqa: E402
