@@ -126,3 +126,30 @@ def test_a_second_restore_after_eviction_is_bit_exact_whatever_the_first_was_use
         got = hf.run_pages(cache, second, ids, again)
         assert hf.matches(want, again, got + hf.decode(cache, second, got[-1]))
         assert cache.cache.open_leases == 0
+
+
+@pytest.mark.parametrize("bad", [256, 10**6, -1], ids=["vocab", "far-past-vocab", "negative"])
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_cache_or_the_model_sees_them(
+    bad: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny models embed 256 ids. An id past them was looked up (``restore`` returned the
+    prefix before it, or a short prompt's 0) and ``prefill`` committed the pages before it,
+    then the model's forward failed with ``IndexError: index out of range in self``. Every
+    call now raises a ``ValueError`` naming the id and the vocabulary before any lookup."""
+    hf.quiet()
+    with HFStateCache(tiny_model("llama"), page_size=PAGE) as cache:
+        ids = hf.tokens(47, 3 * PAGE + 1)
+        lookups: list[object] = []
+        real = cache.cache.lookup
+        monkeypatch.setattr(cache.cache, "lookup", lambda *a, **k: lookups.append(a) or real(*a, **k))
+        message = rf"token id {bad}, outside the model's vocabulary \[0, 256\)"
+        for at in (0, 2 * PAGE + 3, 3 * PAGE):  # in the restorable prefix, in its last page, past it
+            wrong = ids.clone()
+            wrong[at] = bad
+            for call in (cache.restore, cache.prefill, lambda x: cache.commit(x, 0, cache.new_cache())):
+                with pytest.raises(ValueError, match=message):
+                    call(wrong)
+            with pytest.raises(ValueError, match="outside the model's vocabulary"):
+                cache.restore(wrong[at : at + 2].tolist())  # a short prompt restored nothing before
+        assert not lookups and cache.cache.open_leases == 0
+        assert cache.prefill(ids).cached_tokens == 0, "no page of the refused prompts was committed"

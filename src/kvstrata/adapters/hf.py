@@ -146,6 +146,7 @@ class HFStateCache:
         #: parameter (an assignment, an injected adapter), the namespace no longer says it
         self._weights = _weights_now(model)
         self._config = _config_facts(model)  # and its config (set_attn_implementation changes it)
+        self._vocab = _vocab_size(model)  # ids past it fail the model's forward: refused up front
         self._hooks: ForwardHooks | None = ForwardHooks(model, self.layout.cache_argument, self._owner)
 
     # --- caches ---------------------------------------------------------------------------------
@@ -161,7 +162,7 @@ class HFStateCache:
         synchronously; every restored tensor is a private copy (the model may mutate it)."""
         self._check_open()
         started = time.perf_counter()
-        ids = _sequence(input_ids)
+        ids = _sequence(input_ids, self._vocab)
         past = self.new_cache()
         limit = (max(0, len(ids) - 1) // self.page_size) * self.page_size
         if limit == 0:
@@ -199,7 +200,7 @@ class HFStateCache:
         afterwards: less than asked where a state pool has no state at that page (the cache has
         moved past it) or a window layer no longer holds its pages."""
         self._check_open()
-        ids = _sequence(input_ids)
+        ids = _sequence(input_ids, self._vocab)
         if isinstance(upto, bool) or not isinstance(upto, int):
             raise TypeError(f"upto must be an int (tokens), got {upto!r}")
         if not 0 <= upto <= len(ids):
@@ -244,7 +245,7 @@ class HFStateCache:
         pages (the last chunk may be shorter), committing after each whole-page chunk."""
         if isinstance(chunk_pages, bool) or not isinstance(chunk_pages, int) or chunk_pages < 1:
             raise ValueError(f"chunk_pages must be an int >= 1, got {chunk_pages!r}")
-        ids = _sequence(input_ids)
+        ids = _sequence(input_ids, self._vocab)
         if not len(ids):
             raise ValueError("prefill needs at least one token (input_ids is empty)")
         past, cached = self.restore(ids)
@@ -439,8 +440,21 @@ def _without_paths(value: Any) -> Any:
     return value
 
 
-def _sequence(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
-    """One sequence of token ids as a 1-D CPU int64 tensor (a batch must hold exactly one)."""
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    """The ids the model's input embedding holds (its forward fails past them), else the
+    config's ``vocab_size``; None where neither says."""
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embedding = None
+    rows = getattr(embedding, "num_embeddings", None)
+    rows = rows if isinstance(rows, int) else getattr(model.config, "vocab_size", None)
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0 else None
+
+
+def _sequence(input_ids: torch.Tensor | list[int], vocab: int | None = None) -> torch.Tensor:
+    """One sequence of token ids as a 1-D CPU int64 tensor (a batch must hold exactly one), each
+    id in ``[0, vocab)``: refused here, before the cache is asked, not by the model's forward."""
     if isinstance(input_ids, (str, bytes)) or input_ids is None:
         raise TypeError(
             f"input_ids must be token ids (a tensor or a list of ints), got {type(input_ids).__name__}"
@@ -456,4 +470,12 @@ def _sequence(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
         raise ValueError(f"input_ids must be [tokens] or [1, tokens], got shape {tuple(ids.shape)}")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"input_ids must hold integer token ids, got a {ids.dtype} tensor")
-    return ids.to(device="cpu", dtype=torch.int64)  # the cache checks the id range
+    ids = ids.to(device="cpu", dtype=torch.int64)  # a uint64 id past 2**63 wraps negative
+    if ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or (vocab is not None and high >= vocab):
+            raise ValueError(
+                f"input_ids holds token id {low if low < 0 else high}, outside the model's vocabulary "
+                f"[0, {vocab if vocab is not None else 'inf'})"
+            )
+    return ids
