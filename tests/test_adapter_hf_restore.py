@@ -153,3 +153,22 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_cache_or_the_mo
                 cache.restore(wrong[at : at + 2].tolist())  # a short prompt restored nothing before
         assert not lookups and cache.cache.open_leases == 0
         assert cache.prefill(ids).cached_tokens == 0, "no page of the refused prompts was committed"
+
+
+def test_input_ids_that_are_no_token_ids_get_a_type_or_value_error_naming_input_ids() -> None:
+    """A tokenizer's output (a mapping) raised ``RuntimeError: Could not infer dtype of dict``, a
+    meta tensor ``NotImplementedError``, a ragged or mixed list torch's own message."""
+    from transformers import BatchEncoding
+
+    hf.quiet()
+    with HFStateCache(tiny_model("llama"), page_size=PAGE) as cache:
+        ids = hf.tokens(48, 2 * PAGE)
+        for wrong in ({"input_ids": ids}, BatchEncoding({"input_ids": ids[None]})):
+            with pytest.raises(TypeError, match=r"got .*a tokenizer's output\? pass its \['input_ids'\]"):
+                cache.restore(wrong)
+        with pytest.raises(ValueError, match="input_ids is a tensor on the meta device"):
+            cache.prefill(ids.to("meta"))
+        for wrong in ([[1, 2], [3]], [1, "a"]):
+            with pytest.raises(TypeError, match="input_ids must be token ids"):
+                cache.commit(wrong, 0, cache.new_cache())
+        assert cache.cache.open_leases == 0

@@ -455,11 +455,15 @@ def _vocab_size(model: torch.nn.Module) -> int | None:
 def _sequence(input_ids: torch.Tensor | list[int], vocab: int | None = None) -> torch.Tensor:
     """One sequence of token ids as a 1-D CPU int64 tensor (a batch must hold exactly one), each
     id in ``[0, vocab)``: refused here, before the cache is asked, not by the model's forward."""
-    if isinstance(input_ids, (str, bytes)) or input_ids is None:
+    if isinstance(input_ids, (str, bytes, Mapping)) or input_ids is None:
+        hint = " (a tokenizer's output? pass its ['input_ids'])" if isinstance(input_ids, Mapping) else ""
         raise TypeError(
-            f"input_ids must be token ids (a tensor or a list of ints), got {type(input_ids).__name__}"
+            f"input_ids must be token ids (a tensor or a list of ints), got {type(input_ids).__name__}{hint}"
         )
-    ids = torch.as_tensor(input_ids)
+    try:
+        ids = torch.as_tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise TypeError(f"input_ids must be token ids (a tensor or a list of ints): {exc}") from None
     if not ids.numel() and not isinstance(input_ids, torch.Tensor):
         ids = ids.to(torch.int64)  # ``[]``: no tokens, not a float tensor
     if ids.dim() == 2:
@@ -470,6 +474,8 @@ def _sequence(input_ids: torch.Tensor | list[int], vocab: int | None = None) -> 
         raise ValueError(f"input_ids must be [tokens] or [1, tokens], got shape {tuple(ids.shape)}")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"input_ids must hold integer token ids, got a {ids.dtype} tensor")
+    if ids.is_meta:
+        raise ValueError("input_ids is a tensor on the meta device: it holds no token ids")
     ids = ids.to(device="cpu", dtype=torch.int64)  # a uint64 id past 2**63 wraps negative
     if ids.numel():
         low, high = int(ids.min()), int(ids.max())
