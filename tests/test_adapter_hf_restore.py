@@ -4,6 +4,7 @@ window only (no L3 here, so nothing else holds the prefix), and must still store
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -172,3 +173,23 @@ def test_input_ids_that_are_no_token_ids_get_a_type_or_value_error_naming_input_
             with pytest.raises(TypeError, match="input_ids must be token ids"):
                 cache.commit(wrong, 0, cache.new_cache())
         assert cache.cache.open_leases == 0
+
+
+@pytest.mark.slow  # dynamo traces the model (~5-50 s on two busy cores)
+def test_a_torch_compiled_model_is_served_under_the_namespace_of_the_model_it_wraps(tmp_path: Path) -> None:
+    """``HFStateCache(torch.compile(model))`` raised ``UnsupportedModelError: OptimizedModule.forward
+    takes neither past_key_values nor cache_params``. The wrapper's module is mapped, hashed and
+    hooked (hooks on it run under the compiled forward), and the wrapper runs the forwards."""
+    hf.quiet()
+    model = tiny_model("llama")
+    ids = hf.tokens(49, 3 * PAGE + 1)
+    config = hf.storage(tmp_path / "l3")
+    with HFStateCache(torch.compile(model, backend="eager"), config, page_size=PAGE) as compiled:
+        first = compiled.prefill(ids)
+        assert (first.cached_tokens, first.committed_tokens) == (0, 3 * PAGE)
+        assert compiled.prefill(ids).cached_tokens == 3 * PAGE
+        namespace = compiled.namespace
+    with HFStateCache(model, config, page_size=PAGE) as plain:
+        assert plain.namespace == namespace
+        again = plain.prefill(ids)
+        assert again.cached_tokens == 3 * PAGE and torch.allclose(again.logits, first.logits, atol=1e-5)

@@ -98,7 +98,8 @@ class HFStateCache:
     ``page_size``, ``cache_salt``, ``name`` (a readable namespace prefix), ``state_slots``
     (device slots of every state pool: one checkpoint each), and any config field as
     ``tiers__device__capacity_tokens=65536`` (``__`` for ``.``). Raises :class:`UnsupportedModelError`
-    naming the layer or cache type for a model it cannot map.
+    naming the layer or cache type for a model it cannot map. ``model`` may be a ``torch.compile``
+    wrapper: the module it wraps is mapped and hashed (the same namespace), the wrapper runs.
     """
 
     def __init__(
@@ -109,7 +110,8 @@ class HFStateCache:
     ) -> None:
         if isinstance(config, Mapping) and "pools" in (config.get("model") or {}):
             raise ValueError("model.pools: HFStateCache derives the pools from the model; leave them out")
-        self.model = model
+        self.model = model  # what prefill runs: a torch.compile wrapper stays compiled
+        model = self._module = _uncompiled(model)  # its layout, weights, config and hooks
         self.layout: ModelLayout = describe_model(model)
         prefix = str(overrides.pop("name", f"hf-{self.layout.model_type}"))
         if not prefix:  # (else pydantic's error names EngineIdentity.model, not this keyword)
@@ -281,12 +283,12 @@ class HFStateCache:
         if self._hooks is None:
             raise RuntimeError("HFStateCache is closed")
         # (every restore and commit: a namespace names the weights it hashed at construction)
-        if not _same_weights(_weights_now(self.model), self._weights):
+        if not _same_weights(_weights_now(self._module), self._weights):
             raise RuntimeError(
                 "the model's weights changed since this HFStateCache hashed them (its namespace): "
                 "make a new HFStateCache for the new weights"
             )
-        if _config_facts(self.model) != self._config:
+        if _config_facts(self._module) != self._config:
             raise RuntimeError(
                 "the model's config or attention implementation changed since this HFStateCache "
                 "hashed them (its namespace): make a new HFStateCache for the changed model"
@@ -388,6 +390,13 @@ def model_identity(
         dtypes=tuple(sorted({str(tensor.dtype) for tensor in state.values()})),
         layout=json.loads(json.dumps(layout_facts, sort_keys=True, default=str)),
     )
+
+
+def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile`` wrapper runs (its forward takes ``*args, **kwargs``, so
+    the cache argument is the module's; its parameter names gain ``_orig_mod.``)."""
+    inner = getattr(model, "_orig_mod", None) if isinstance(model, torch.nn.Module) else None
+    return inner if isinstance(inner, torch.nn.Module) else model
 
 
 def _stored(past: Any, tokens: int, page: int) -> int:
