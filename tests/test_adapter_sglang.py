@@ -316,6 +316,10 @@ def test_bad_calls_fail_the_call_not_the_thread(writer: tuple[Any, Any]) -> None
     ) == {PoolName.MAMBA: [False, False]}
     assert storage.batch_get_v1(keys, torch.arange(40 * PAGE, 42 * PAGE)) == [False, False]  # not in the pool
     assert storage.clear() is False
+    # arguments the failure answer cannot be sized from: an empty answer, not a raise
+    assert storage.batch_set_v1(None, torch.arange(PAGE)) == []
+    assert storage.batch_get(None) == []
+    assert storage.batch_set_v2(None) == {} and storage.batch_get_v2(None) == {}
 
 
 def test_bad_host_indices_are_a_failed_write_even_for_stored_keys(writer: tuple[Any, Any]) -> None:
