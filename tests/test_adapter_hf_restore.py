@@ -4,6 +4,7 @@ window only (no L3 here, so nothing else holds the prefix), and must still store
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -126,3 +127,69 @@ def test_a_second_restore_after_eviction_is_bit_exact_whatever_the_first_was_use
         got = hf.run_pages(cache, second, ids, again)
         assert hf.matches(want, again, got + hf.decode(cache, second, got[-1]))
         assert cache.cache.open_leases == 0
+
+
+@pytest.mark.parametrize("bad", [256, 10**6, -1], ids=["vocab", "far-past-vocab", "negative"])
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_cache_or_the_model_sees_them(
+    bad: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny models embed 256 ids. An id past them was looked up (``restore`` returned the
+    prefix before it, or a short prompt's 0) and ``prefill`` committed the pages before it,
+    then the model's forward failed with ``IndexError: index out of range in self``. Every
+    call now raises a ``ValueError`` naming the id and the vocabulary before any lookup."""
+    hf.quiet()
+    with HFStateCache(tiny_model("llama"), page_size=PAGE) as cache:
+        ids = hf.tokens(47, 3 * PAGE + 1)
+        lookups: list[object] = []
+        real = cache.cache.lookup
+        monkeypatch.setattr(cache.cache, "lookup", lambda *a, **k: lookups.append(a) or real(*a, **k))
+        message = rf"token id {bad}, outside the model's vocabulary \[0, 256\)"
+        for at in (0, 2 * PAGE + 3, 3 * PAGE):  # in the restorable prefix, in its last page, past it
+            wrong = ids.clone()
+            wrong[at] = bad
+            for call in (cache.restore, cache.prefill, lambda x: cache.commit(x, 0, cache.new_cache())):
+                with pytest.raises(ValueError, match=message):
+                    call(wrong)
+            with pytest.raises(ValueError, match="outside the model's vocabulary"):
+                cache.restore(wrong[at : at + 2].tolist())  # a short prompt restored nothing before
+        assert not lookups and cache.cache.open_leases == 0
+        assert cache.prefill(ids).cached_tokens == 0, "no page of the refused prompts was committed"
+
+
+def test_input_ids_that_are_no_token_ids_get_a_type_or_value_error_naming_input_ids() -> None:
+    """A tokenizer's output (a mapping) raised ``RuntimeError: Could not infer dtype of dict``, a
+    meta tensor ``NotImplementedError``, a ragged or mixed list torch's own message."""
+    from transformers import BatchEncoding
+
+    hf.quiet()
+    with HFStateCache(tiny_model("llama"), page_size=PAGE) as cache:
+        ids = hf.tokens(48, 2 * PAGE)
+        for wrong in ({"input_ids": ids}, BatchEncoding({"input_ids": ids[None]})):
+            with pytest.raises(TypeError, match=r"got .*a tokenizer's output\? pass its \['input_ids'\]"):
+                cache.restore(wrong)
+        with pytest.raises(ValueError, match="input_ids is a tensor on the meta device"):
+            cache.prefill(ids.to("meta"))
+        for wrong in ([[1, 2], [3]], [1, "a"]):
+            with pytest.raises(TypeError, match="input_ids must be token ids"):
+                cache.commit(wrong, 0, cache.new_cache())
+        assert cache.cache.open_leases == 0
+
+
+@pytest.mark.slow  # dynamo traces the model (~5-50 s on two busy cores)
+def test_a_torch_compiled_model_is_served_under_the_namespace_of_the_model_it_wraps(tmp_path: Path) -> None:
+    """``HFStateCache(torch.compile(model))`` raised ``UnsupportedModelError: OptimizedModule.forward
+    takes neither past_key_values nor cache_params``. The wrapper's module is mapped, hashed and
+    hooked (hooks on it run under the compiled forward), and the wrapper runs the forwards."""
+    hf.quiet()
+    model = tiny_model("llama")
+    ids = hf.tokens(49, 3 * PAGE + 1)
+    config = hf.storage(tmp_path / "l3")
+    with HFStateCache(torch.compile(model, backend="eager"), config, page_size=PAGE) as compiled:
+        first = compiled.prefill(ids)
+        assert (first.cached_tokens, first.committed_tokens) == (0, 3 * PAGE)
+        assert compiled.prefill(ids).cached_tokens == 3 * PAGE
+        namespace = compiled.namespace
+    with HFStateCache(model, config, page_size=PAGE) as plain:
+        assert plain.namespace == namespace
+        again = plain.prefill(ids)
+        assert again.cached_tokens == 3 * PAGE and torch.allclose(again.logits, first.logits, atol=1e-5)

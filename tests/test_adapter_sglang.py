@@ -316,6 +316,10 @@ def test_bad_calls_fail_the_call_not_the_thread(writer: tuple[Any, Any]) -> None
     ) == {PoolName.MAMBA: [False, False]}
     assert storage.batch_get_v1(keys, torch.arange(40 * PAGE, 42 * PAGE)) == [False, False]  # not in the pool
     assert storage.clear() is False
+    # arguments the failure answer cannot be sized from: an empty answer, not a raise
+    assert storage.batch_set_v1(None, torch.arange(PAGE)) == []
+    assert storage.batch_get(None) == []
+    assert storage.batch_set_v2(None) == {} and storage.batch_get_v2(None) == {}
 
 
 def test_bad_host_indices_are_a_failed_write_even_for_stored_keys(writer: tuple[Any, Any]) -> None:
@@ -332,6 +336,34 @@ def test_bad_host_indices_are_a_failed_write_even_for_stored_keys(writer: tuple[
     assert storage.batch_set_v2([side]) == {PoolName.KV: [False, False]}
     assert storage.batch_set_v1(keys, indices) == [True, True, True]  # good indices: as before
     assert storage.batch_exists(keys) == 3
+
+
+def test_a_page_table_that_is_not_whole_pages_once_each_stores_and_loads_nothing(
+    writer: tuple[Any, Any],
+) -> None:
+    """Host indices were checked only at each page's first slot: a page whose other slots were
+    another page's (SGLang's page table out of step), float indices (truncated), or one host
+    page named for two keys stored the start page's bytes under every key and loaded two pages
+    into one host page, answering True. Each is now a failed call: nothing stored or loaded."""
+    storage, pool = writer
+    keys = support.page_keys(3, seed=14)
+    indices = support.fill_mha(pool, [0, 1, 2], 14, [0, 1, 2])
+    scrambled = indices[: 2 * PAGE].clone()
+    scrambled[PAGE + 1 : 2 * PAGE] = indices[2 * PAGE + 1 :]  # page 1 starts right, ends in page 2
+    twice = torch.cat([indices[:PAGE], indices[:PAGE]])
+    for wrong in (scrambled, twice, indices[: 2 * PAGE].double() + 0.5):
+        assert storage.batch_set_v1(keys[:2], wrong) == [False, False]
+        transfer = PoolTransfer(name=PoolName.KV, keys=keys[:2], host_indices=wrong)
+        storage.register_mem_host_pool_v2(pool, PoolName.KV)
+        assert storage.batch_set_v2([transfer]) == {PoolName.KV: [False, False]}
+    assert storage.batch_exists(keys) == 0
+    assert storage.batch_set_v1(keys, indices) == [True, True, True]
+    pool.kv_buffer.zero_()
+    for wrong in (scrambled, twice):
+        assert storage.batch_get_v1(keys[:2], wrong) == [False, False]
+    assert not bool(pool.kv_buffer.any()), "a refused read copied nothing into the host pool"
+    assert storage.batch_get_v1(keys, indices) == [True, True, True]
+    assert all(support.mha_holds(pool, p, 14, p) for p in range(3))
 
 
 def test_calls_before_any_pool_is_registered_answer_a_miss(l3: dict[str, Any]) -> None:

@@ -70,6 +70,24 @@ def test_a_cache_refuses_something_that_is_not_a_lease() -> None:
         cache.insert({"keys": []})  # type: ignore[arg-type]
 
 
+def test_a_copy_of_a_lease_is_refused_so_its_units_are_never_inserted_twice() -> None:
+    """``copy.copy(lease)`` made a second lease sharing the first's pending units: inserting both
+    (or one, then releasing the other) left device units neither the tree nor a lease held. A
+    lease now refuses to be copied (and, as before, to be deep-copied or pickled)."""
+    import copy
+    import pickle
+
+    with open_cache("kv") as cache:
+        lease = computed(cache, tokens(2, 3))
+        for duplicate in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match="Lease cannot be copied or pickled"):
+                duplicate(lease)
+        cache.insert(lease)
+        assert _pages_in_use(cache) == cache.tree.units(cache.layout.anchor, "device") == 3
+        served, bad = serve(cache, tokens(2, 3))
+        assert served.cached_pages == 3 and bad == 0
+
+
 # --- 4. lookup raised after locking on a bad token id ----------------------------------------------
 
 

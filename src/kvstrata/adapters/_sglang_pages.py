@@ -113,22 +113,32 @@ class PageFormat(ABC):
         return self.spec.name
 
     def pages(self, host_indices: torch.Tensor, count: int) -> torch.Tensor:
-        """Page numbers of ``count`` pages whose host slots are ``host_indices`` (page-aligned)."""
+        """Page numbers of ``count`` pages whose host slots are ``host_indices``: integers, each
+        page's slots whole and in order from a page-aligned start, no page twice (a page table
+        that is not would store or load other slots' bytes under a key)."""
         slots = self.slots_per_page
-        indices = torch.as_tensor(host_indices).reshape(-1)
+        indices = torch.as_tensor(host_indices)
+        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+            raise ValueError(f"pool {self.name!r}: host indices must be integers, got {indices.dtype}")
+        indices = indices.reshape(-1)
         if indices.numel() != count * slots:
             raise ValueError(
                 f"pool {self.name!r}: {indices.numel()} host indices for {count} pages of {slots} slots"
             )
-        starts = indices[::slots].to(torch.int64).cpu()
+        runs = indices.to(device="cpu", dtype=torch.int64).view(count, slots)
+        starts = runs[:, 0]
         if slots > 1 and bool((starts % slots).any()):
             raise ValueError(f"pool {self.name!r}: host indices are not page-aligned")
+        if slots > 1 and not torch.equal(runs - starts[:, None], torch.arange(slots).expand(count, slots)):
+            raise ValueError(f"pool {self.name!r}: a page's host indices are not its {slots} slots in order")
         pages = starts // slots
         # zero-copy I/O computes raw addresses from page numbers: never outside the host buffer
         if pages.numel() and (
             int(pages.min()) < 0 or (self.page_count and int(pages.max()) >= self.page_count)
         ):
             raise ValueError(f"pool {self.name!r}: host indices outside the pool's {self.page_count} pages")
+        if count > 1 and int(torch.unique(pages).numel()) != count:
+            raise ValueError(f"pool {self.name!r}: host indices name a host page twice")
         return pages
 
     def host_region(self) -> BufferRegion | None:

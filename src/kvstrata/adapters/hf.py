@@ -98,7 +98,8 @@ class HFStateCache:
     ``page_size``, ``cache_salt``, ``name`` (a readable namespace prefix), ``state_slots``
     (device slots of every state pool: one checkpoint each), and any config field as
     ``tiers__device__capacity_tokens=65536`` (``__`` for ``.``). Raises :class:`UnsupportedModelError`
-    naming the layer or cache type for a model it cannot map.
+    naming the layer or cache type for a model it cannot map. ``model`` may be a ``torch.compile``
+    wrapper: the module it wraps is mapped and hashed (the same namespace), the wrapper runs.
     """
 
     def __init__(
@@ -109,7 +110,8 @@ class HFStateCache:
     ) -> None:
         if isinstance(config, Mapping) and "pools" in (config.get("model") or {}):
             raise ValueError("model.pools: HFStateCache derives the pools from the model; leave them out")
-        self.model = model
+        self.model = model  # what prefill runs: a torch.compile wrapper stays compiled
+        model = self._module = _uncompiled(model)  # its layout, weights, config and hooks
         self.layout: ModelLayout = describe_model(model)
         prefix = str(overrides.pop("name", f"hf-{self.layout.model_type}"))
         if not prefix:  # (else pydantic's error names EngineIdentity.model, not this keyword)
@@ -146,6 +148,7 @@ class HFStateCache:
         #: parameter (an assignment, an injected adapter), the namespace no longer says it
         self._weights = _weights_now(model)
         self._config = _config_facts(model)  # and its config (set_attn_implementation changes it)
+        self._vocab = _vocab_size(model)  # ids past it fail the model's forward: refused up front
         self._hooks: ForwardHooks | None = ForwardHooks(model, self.layout.cache_argument, self._owner)
 
     # --- caches ---------------------------------------------------------------------------------
@@ -161,7 +164,7 @@ class HFStateCache:
         synchronously; every restored tensor is a private copy (the model may mutate it)."""
         self._check_open()
         started = time.perf_counter()
-        ids = _sequence(input_ids)
+        ids = _sequence(input_ids, self._vocab)
         past = self.new_cache()
         limit = (max(0, len(ids) - 1) // self.page_size) * self.page_size
         if limit == 0:
@@ -199,7 +202,7 @@ class HFStateCache:
         afterwards: less than asked where a state pool has no state at that page (the cache has
         moved past it) or a window layer no longer holds its pages."""
         self._check_open()
-        ids = _sequence(input_ids)
+        ids = _sequence(input_ids, self._vocab)
         if isinstance(upto, bool) or not isinstance(upto, int):
             raise TypeError(f"upto must be an int (tokens), got {upto!r}")
         if not 0 <= upto <= len(ids):
@@ -244,7 +247,7 @@ class HFStateCache:
         pages (the last chunk may be shorter), committing after each whole-page chunk."""
         if isinstance(chunk_pages, bool) or not isinstance(chunk_pages, int) or chunk_pages < 1:
             raise ValueError(f"chunk_pages must be an int >= 1, got {chunk_pages!r}")
-        ids = _sequence(input_ids)
+        ids = _sequence(input_ids, self._vocab)
         if not len(ids):
             raise ValueError("prefill needs at least one token (input_ids is empty)")
         past, cached = self.restore(ids)
@@ -280,12 +283,12 @@ class HFStateCache:
         if self._hooks is None:
             raise RuntimeError("HFStateCache is closed")
         # (every restore and commit: a namespace names the weights it hashed at construction)
-        if not _same_weights(_weights_now(self.model), self._weights):
+        if not _same_weights(_weights_now(self._module), self._weights):
             raise RuntimeError(
                 "the model's weights changed since this HFStateCache hashed them (its namespace): "
                 "make a new HFStateCache for the new weights"
             )
-        if _config_facts(self.model) != self._config:
+        if _config_facts(self._module) != self._config:
             raise RuntimeError(
                 "the model's config or attention implementation changed since this HFStateCache "
                 "hashed them (its namespace): make a new HFStateCache for the changed model"
@@ -389,6 +392,13 @@ def model_identity(
     )
 
 
+def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile`` wrapper runs (its forward takes ``*args, **kwargs``, so
+    the cache argument is the module's; its parameter names gain ``_orig_mod.``)."""
+    inner = getattr(model, "_orig_mod", None) if isinstance(model, torch.nn.Module) else None
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
 def _stored(past: Any, tokens: int, page: int) -> int:
     """kvstrata holds the first ``tokens`` of ``past``'s prompt: its window layers may forget the
     pages they kept for a commit before them (also when another request stored them first, or
@@ -439,13 +449,30 @@ def _without_paths(value: Any) -> Any:
     return value
 
 
-def _sequence(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
-    """One sequence of token ids as a 1-D CPU int64 tensor (a batch must hold exactly one)."""
-    if isinstance(input_ids, (str, bytes)) or input_ids is None:
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    """The ids the model's input embedding holds (its forward fails past them), else the
+    config's ``vocab_size``; None where neither says."""
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embedding = None
+    rows = getattr(embedding, "num_embeddings", None)
+    rows = rows if isinstance(rows, int) else getattr(model.config, "vocab_size", None)
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0 else None
+
+
+def _sequence(input_ids: torch.Tensor | list[int], vocab: int | None = None) -> torch.Tensor:
+    """One sequence of token ids as a 1-D CPU int64 tensor (a batch must hold exactly one), each
+    id in ``[0, vocab)``: refused here, before the cache is asked, not by the model's forward."""
+    if isinstance(input_ids, (str, bytes, Mapping)) or input_ids is None:
+        hint = " (a tokenizer's output? pass its ['input_ids'])" if isinstance(input_ids, Mapping) else ""
         raise TypeError(
-            f"input_ids must be token ids (a tensor or a list of ints), got {type(input_ids).__name__}"
+            f"input_ids must be token ids (a tensor or a list of ints), got {type(input_ids).__name__}{hint}"
         )
-    ids = torch.as_tensor(input_ids)
+    try:
+        ids = torch.as_tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise TypeError(f"input_ids must be token ids (a tensor or a list of ints): {exc}") from None
     if not ids.numel() and not isinstance(input_ids, torch.Tensor):
         ids = ids.to(torch.int64)  # ``[]``: no tokens, not a float tensor
     if ids.dim() == 2:
@@ -456,4 +483,14 @@ def _sequence(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
         raise ValueError(f"input_ids must be [tokens] or [1, tokens], got shape {tuple(ids.shape)}")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"input_ids must hold integer token ids, got a {ids.dtype} tensor")
-    return ids.to(device="cpu", dtype=torch.int64)  # the cache checks the id range
+    if ids.is_meta:
+        raise ValueError("input_ids is a tensor on the meta device: it holds no token ids")
+    ids = ids.to(device="cpu", dtype=torch.int64)  # a uint64 id past 2**63 wraps negative
+    if ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or (vocab is not None and high >= vocab):
+            raise ValueError(
+                f"input_ids holds token id {low if low < 0 else high}, outside the model's vocabulary "
+                f"[0, {vocab if vocab is not None else 'inf'})"
+            )
+    return ids

@@ -81,7 +81,10 @@ def _never_raises(failure: Callable[..., Any]) -> Callable[[Callable[..., Any]],
                 return method(self, *args, **kwargs)
             except Exception:
                 log.exception("kvstrata L3: %s failed; SGLang sees a miss / failed write", method.__name__)
-                return failure(*args, **kwargs)
+                try:
+                    return failure(*args, **kwargs)
+                except Exception:  # arguments too malformed to size the answer (keys=None)
+                    return failure([])
 
         return call
 

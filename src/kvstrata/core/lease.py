@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 import torch
@@ -41,8 +41,19 @@ class CacheFullError(RuntimeError):
         self.too_long = too_long
 
 
+class _NotCopyable:
+    """A lease is one request's hold on units: a copy would insert or release them a second time
+    (its pending units indexed twice, or freed while the tree holds them)."""
+
+    def __reduce_ex__(self, protocol: object) -> NoReturn:  # copy.copy, copy.deepcopy, pickle
+        raise TypeError(
+            "a kvstrata Lease cannot be copied or pickled: it is one request's hold on the cache's "
+            "units; pass the lease itself"
+        )
+
+
 @dataclass(eq=False)
-class Lease:
+class Lease(_NotCopyable):
     """A request's hold on its cached prefix, from ``lookup`` to ``insert`` or ``release``.
 
     A lease may grow (:meth:`extend`, chunked prefill and decode) and commit chunk by chunk
