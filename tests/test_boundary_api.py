@@ -332,6 +332,8 @@ def test_allocate_takes_an_integer_end_page_as_an_int_and_refuses_any_other() ->
     cache.admit(lease)
     with pytest.raises(TypeError, match="end_page must be an integer"):
         cache.allocate(lease, end_page=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="end_page must be an integer"):
+        cache.allocate(lease, end_page=True)  # (taken as 1 page)
     assert lease.allocated_pages == 0
     cache.allocate(lease, end_page=torch.tensor(2))  # type: ignore[arg-type]
     cache.allocate(lease, end_page=np.int64(3))  # type: ignore[arg-type]

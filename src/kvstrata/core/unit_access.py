@@ -20,6 +20,7 @@ import torch
 
 from kvstrata.core.engine_tensors import torch_dtype
 from kvstrata.core.row_copy import copy_rows
+from kvstrata.core.tokens import integer
 from kvstrata.plugins.pool_type import BufferSpec, Layout, PoolSpec
 
 
@@ -86,12 +87,16 @@ class UnitAccess:
     def check_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _check_layer(self, buffer: BufferSpec, layer: int) -> None:
-        if not isinstance(layer, int) or not 0 <= layer < buffer.layers:
+    def _check_layer(self, buffer: BufferSpec, layer: int) -> int:
+        """``layer`` as an int: any integer (a NumPy one, a 0-d tensor) but a bool, which as an
+        index added a dimension (``view[:, True]``) instead of selecting layer 1."""
+        index = integer(layer)
+        if index is None or not 0 <= index < buffer.layers:
             raise IndexError(
                 f"pool {self.spec.name!r} buffer {buffer.name!r}: layer {layer!r} is not a pool layer "
                 f"index in [0, {buffer.layers}) (map a model layer id with PoolSpec.layer_index)"
             )
+        return index
 
     # --- unit access for engines ---------------------------------------------------------------
 
@@ -104,7 +109,7 @@ class UnitAccess:
         """
         buffer = self._placement(name).spec
         if layer is not None:
-            self._check_layer(buffer, layer)
+            layer = self._check_layer(buffer, layer)
         if self.logical:
             raise ValueError(f"pool {self.spec.name!r} holds no bytes (buffer {name!r}, {self.units} units)")
         if name in self._layer_tensors:
@@ -142,7 +147,7 @@ class UnitAccess:
         for name in names:
             buffer = self._placement(name).spec
             if layer is not None:
-                self._check_layer(buffer, layer)
+                layer = self._check_layer(buffer, layer)
             word = self.word_bytes(name)
             if layer is None and self.split_layers(name):
                 words = torch.stack(
@@ -175,7 +180,7 @@ class UnitAccess:
         for name, tensor in tensors.items():
             buffer = self._placement(name).spec
             if layer is not None:
-                self._check_layer(buffer, layer)
+                layer = self._check_layer(buffer, layer)
             lead = (idx.numel(),) if layer is not None else (idx.numel(), buffer.layers)
             expected = (*lead, *buffer.unit_shape)
             dtype = torch_dtype(buffer.dtype)
