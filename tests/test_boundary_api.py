@@ -370,3 +370,20 @@ def test_a_refused_end_page_does_not_admit_the_lease(end_page: object) -> None:
     cache.admit(lease)
     cache.release(lease)
     cache.close()
+
+
+def test_unit_indices_or_payloads_on_the_meta_device_are_refused_by_name() -> None:
+    """A meta tensor (a shape, no values: an engine traced on the meta device) as ``units`` failed
+    deep inside with "Tensor.item() cannot be called on meta tensors", and as a payload with
+    "Cannot copy out of meta tensor", naming neither the argument nor the buffer."""
+    cache = open_cache("kv")
+    meta = torch.zeros(2, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="units: a tensor on the meta device holds no unit indices"):
+        cache.read_units("kv", meta)
+    payload = cache.read_units("kv", [0, 1])
+    with pytest.raises(ValueError, match="units: a tensor on the meta device"):
+        cache.write_units("kv", meta, payload)
+    with pytest.raises(ValueError, match="buffer 'k': a meta tensor holds no values"):
+        cache.write_units("kv", [0, 1], {"k": payload["k"].to("meta")})
+    assert all(torch.equal(cache.read_units("kv", [0, 1])[b], payload[b]) for b in payload)
+    cache.close()

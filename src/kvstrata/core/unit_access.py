@@ -40,7 +40,7 @@ WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def unit_index(units: torch.Tensor | Sequence[int] | int) -> torch.Tensor:
     """Unit indices as a flat int64 tensor (kept on its device); a float or bool index is
-    refused, never truncated to another unit."""
+    refused, never truncated to another unit, and a meta tensor (no values) by name."""
     if isinstance(units, torch.Tensor):
         idx = units
     elif isinstance(units, numbers.Integral) and not isinstance(units, bool):
@@ -52,6 +52,8 @@ def unit_index(units: torch.Tensor | Sequence[int] | int) -> torch.Tensor:
             raise TypeError(
                 f"units: expected unit indices (ints or an integer tensor), got {units!r}"
             ) from None
+    if idx.is_meta:  # (else ``Tensor.item() cannot be called on meta tensors``, from deep inside)
+        raise ValueError(f"units: a tensor on the meta device holds no unit indices (shape only): {idx!r}")
     if idx.dtype is torch.bool or idx.is_floating_point() or idx.is_complex():
         raise TypeError(f"units: unit indices must be integers, got a {idx.dtype} {tuple(idx.shape)} index")
     return idx.to(torch.int64).flatten()
@@ -198,6 +200,8 @@ class UnitAccess:
                     f"pool {self.spec.name!r} buffer {name!r}: expected {dtype} {expected} "
                     f"(units, {'' if layer is not None else 'layers, '}*unit_shape), got {given}"
                 )
+            if tensor.is_meta:  # (else "Cannot copy out of meta tensor", naming no buffer)
+                raise ValueError(f"pool {self.spec.name!r} buffer {name!r}: a meta tensor holds no values")
             word = self.word_bytes(name)
             layer_bytes = buffer.bytes_per_unit_per_layer
             rows = tensor.to(self.device).contiguous().view(*lead, layer_bytes // dtype.itemsize)
