@@ -778,3 +778,23 @@ def test_crop_zero_removes_no_token_from_the_record(tmp_path: Path) -> None:
         past.crop(-8)
         assert past.get_seq_length() == 32 and len(past.kvstrata_tokens) == 32
         assert cache.commit(ids, 32, past) == 32
+
+
+def test_integer_arguments_of_any_integer_type_are_taken_and_bools_refused() -> None:
+    """``commit(upto=np.int64(32))`` (a length computed with NumPy, or read from a tensor) was
+    refused as "upto must be an int", ``chunk_pages`` alike; ``True`` stays refused."""
+    import numpy as np
+
+    model = tiny_model("llama")
+    prompt = hf.tokens(98, 2 * PAGE + 3)
+    with HFStateCache(model, page_size=PAGE) as cache:
+        assert cache.prefill(prompt, chunk_pages=np.int64(1)).committed_tokens == 2 * PAGE
+        past, cached = cache.restore(prompt)
+        assert cached == 2 * PAGE
+        assert cache.commit(prompt, np.int64(PAGE), past) == PAGE
+        assert cache.commit(prompt, torch.tensor(2 * PAGE), past) == 2 * PAGE
+        with pytest.raises(TypeError, match="upto must be an int"):
+            cache.commit(prompt, True, past)
+        with pytest.raises(ValueError, match="chunk_pages must be an int"):
+            cache.prefill(prompt, chunk_pages=True)
+        assert cache.cache.open_leases == 0

@@ -601,3 +601,14 @@ def test_lapsed_ttls_leave_evictions_unranked() -> None:
         level = retention.levels()
         assert level is not None and retention.active
         assert len(retention._levels) == 1  # (the permanent one's node)
+
+
+def test_a_retention_priority_of_any_integer_type_is_taken_as_an_int_and_a_bool_refused() -> None:
+    import numpy as np
+
+    hint = RetentionHint(priority=np.int64(2))
+    assert hint.priority == 2 and type(hint.priority) is int and hint.level == 2
+    with pytest.raises(TypeError, match="priority must be an int"):
+        RetentionHint(priority=True)
+    with pytest.raises(TypeError, match="priority must be an int"):
+        RetentionHint(priority=1.0)  # type: ignore[arg-type]

@@ -332,6 +332,8 @@ def test_allocate_takes_an_integer_end_page_as_an_int_and_refuses_any_other() ->
     cache.admit(lease)
     with pytest.raises(TypeError, match="end_page must be an integer"):
         cache.allocate(lease, end_page=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="end_page must be an integer"):
+        cache.allocate(lease, end_page=True)  # (taken as 1 page)
     assert lease.allocated_pages == 0
     cache.allocate(lease, end_page=torch.tensor(2))  # type: ignore[arg-type]
     cache.allocate(lease, end_page=np.int64(3))  # type: ignore[arg-type]
@@ -367,4 +369,21 @@ def test_a_refused_end_page_does_not_admit_the_lease(end_page: object) -> None:
     assert cache.pools.pools["kv"].device_allocator.used == 0
     cache.admit(lease)
     cache.release(lease)
+    cache.close()
+
+
+def test_unit_indices_or_payloads_on_the_meta_device_are_refused_by_name() -> None:
+    """A meta tensor (a shape, no values: an engine traced on the meta device) as ``units`` failed
+    deep inside with "Tensor.item() cannot be called on meta tensors", and as a payload with
+    "Cannot copy out of meta tensor", naming neither the argument nor the buffer."""
+    cache = open_cache("kv")
+    meta = torch.zeros(2, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="units: a tensor on the meta device holds no unit indices"):
+        cache.read_units("kv", meta)
+    payload = cache.read_units("kv", [0, 1])
+    with pytest.raises(ValueError, match="units: a tensor on the meta device"):
+        cache.write_units("kv", meta, payload)
+    with pytest.raises(ValueError, match="buffer 'k': a meta tensor holds no values"):
+        cache.write_units("kv", [0, 1], {"k": payload["k"].to("meta")})
+    assert all(torch.equal(cache.read_units("kv", [0, 1])[b], payload[b]) for b in payload)
     cache.close()

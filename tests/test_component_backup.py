@@ -120,18 +120,27 @@ def test_write_back_backs_up_the_checkpoint_a_backed_up_node_gained_before_evict
     _restores_from_l3(stack, tmp_path, torch.cat([a[: 3 * PAGE], tokens(86, 2)]), 3)
 
 
+@pytest.mark.parametrize("host_slots", [2, 3])
 def test_write_back_waits_for_an_l3_write_to_back_up_the_checkpoint_its_eviction_drops(
-    tmp_path: Path,
+    tmp_path: Path, host_slots: int
 ) -> None:
     """As above, with 3 host state slots and L3 writes in flight (held, fault injection, until
     0.3 s into the last eviction): the slot B's checkpoint needed was held by a write's sources,
     and its component backup skipped it at once (``backups_skipped``) where an ordinary backup
     waits for room (``policy.backup_wait_s``): the eviction dropped the checkpoint, and a lookup
     of the 3-page prefix found 0 pages. (Where write-back nodes wait on the host for their
-    prefix's L3 write, host eviction leaves them while a write is in flight: skipped too.)"""
+    prefix's L3 write, host eviction leaves them while a write is in flight: skipped too.) With
+    2 slots it was skipped after the wait too: the slots were held by the copies this eviction
+    had just made of A's and B's own checkpoints, kept while their nodes were on the device;
+    once L3 stored them one hands its slot on (as to a next round of the eviction's backups)."""
     a = tokens(81, 6)
     b = torch.cat([a[: 3 * PAGE], tokens(82, 3)])
-    slots = ["policy.write=write_back", *WAIT, "model.pools.mamba.host_units=3", "policy.backup_wait_s=30"]
+    slots = [
+        "policy.write=write_back",
+        *WAIT,
+        f"model.pools.mamba.host_units={host_slots}",
+        "policy.backup_wait_s=30",
+    ]
     with open_cache("hybrid-mamba", tmp_path, slots) as cache:
         gate = hold_l3_writes(cache)
         filler = cache.pools.device_pages - 2
@@ -285,3 +294,34 @@ def test_a_component_backup_whose_copy_raises_gives_back_its_host_unit(tmp_path:
         assert failed == ["mamba"]
         cache.flush()
         assert host_units_in_use(cache) == host_units_held_by_tree(cache), "the host slot leaked"
+
+
+def test_an_interrupt_after_a_component_backup_recorded_its_copy_still_writes_it_to_l3(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: ``PrefixTree.set_host_value`` raises once its real call recorded the
+    host copy of the checkpoint B left in A's backed-up node (an interrupt, as from an observer
+    hook). The node then had the checkpoint on the host and no longer counted as gaining it:
+    no later backup wrote it, and a fresh cache restored 0 of the 3 pages."""
+    from kvstrata.core.tree import PrefixTree
+    from test_interrupts import Interrupt, interrupt_once
+
+    a = tokens(71, 6)
+    b = torch.cat([a[: 3 * PAGE], tokens(72, 3)])
+    with open_cache("hybrid-mamba", tmp_path, WAIT) as cache:
+        _serve_in_two_chunks(cache, a, 6)
+        interrupt_once(monkeypatch, PrefixTree, "set_host_value", after=True)
+        lease = cache.lookup(b[: 3 * PAGE])  # B, as ``_serve_in_two_chunks`` serves it
+        cache.admit(lease)
+        units = cache.allocate(lease)
+        cache.fork_state(lease)
+        fill(cache, lease, units)
+        with pytest.raises(Interrupt):
+            cache.insert(lease)  # splits A's node at 3 and checkpoints there
+        cache.release(lease)
+        shared = cache.tree.match(cache.tree.keys_of(a[: 3 * PAGE]), count_hit=False).path[-1]
+        assert shared.host_raw[cache.tree.index["mamba"]] is not None, "(the copy is recorded)"
+        serve(cache, tokens(73, 1))  # (the next call)
+        cache.flush()
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+    _restores_from_l3("hybrid-mamba", tmp_path, torch.cat([a[: 3 * PAGE], tokens(73, 2)]), 3)

@@ -387,3 +387,49 @@ def test_a_rank_a_call_out_of_step_is_met_again_or_failed_not_paired_with_anothe
         assert agreement.prefetch_pages(0, 6) == 6
         assert agreement.cached_match(_pages(6), _pages).device_pages == 0, "the other left it"
     assert len(group.offered) == 3 and agreement.failures == 1
+
+
+class _Peer:
+    """Rank 1 of a group of 2 as rank 0 (this process) sees it: it agrees at open, offers the
+    prefetch ends ``ends`` at the next calls (each exact: it holds a state there), then holds
+    whatever this rank offers."""
+
+    world_size = 2
+
+    def __init__(self, *ends: int) -> None:
+        self.ends, self.opened = list(ends), False
+
+    def all_min(self, values: list[int]) -> list[int]:
+        if not self.opened:  # (the group check at open: rank 1 holds the other place)
+            self.opened = True
+            return [2, -2, -1, -1]
+        values = list(values)
+        if self.ends:
+            values[:2] = [min(values[0], self.ends.pop(0)), min(values[1], 0)]
+        return values
+
+
+def test_a_settle_read_that_finds_a_damaged_state_counts_damage_not_a_rank_disagreement(
+    tmp_path: Path,
+) -> None:
+    """This rank read 12 pages (states at 8 and 12); the other holds 8, so this rank re-reads
+    the state at 8 -- damaged (torn). The 8 pages that lost are the damaged object's, only the 4
+    the other rank lacked a disagreement: all 12 were counted ``rank_disagreement``, sending an
+    operator to look for a rank bug instead of at L3."""
+    from controller_support import open_cache, serve, tokens
+    from test_controller_skips import _damage
+
+    sets = ["parallel.tp_rank=0", "parallel.tp_size=2", "policy.prefetch.policy=wait_complete"]
+    request = tokens(24, 12)
+    with open_cache("hybrid-mamba", tmp_path, sets, collective=_Peer()) as writer:
+        serve(writer, request[: 8 * 64])
+        lease, _ = serve(writer, request)
+        writer.flush()
+        _damage(writer, "mamba", lease.page_hashes[7])  # the state at page 8
+    with open_cache("hybrid-mamba", tmp_path, sets, collective=_Peer(8, 8)) as cold:
+        lease = cold.lookup(request)
+        cold.admit(lease)
+        assert lease.cached_pages == 0
+        assert lease.skipped == {"rank_disagreement": 4, "damaged_object": 8}
+        assert cold.metrics.corrupt_detected >= 1
+        cold.release(lease)

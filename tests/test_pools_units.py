@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -423,6 +424,12 @@ def test_unit_access_rejects_bad_requests_before_writing() -> None:
         tier.write_units([0, 4], payload)
     with pytest.raises(IndexError, match=r"layer 2 is not a pool layer index in \[0, 2\)"):
         tier.read_units([0], layer=2)
+    # a bool is no layer (``view[:, True]`` added a dimension); any other integer is one
+    with pytest.raises(IndexError, match=r"layer True is not a pool layer index"):
+        tier.read_units([0], layer=True)
+    with pytest.raises(IndexError, match=r"layer True is not a pool layer index"):
+        tier.unit_view("k", layer=True)
+    assert torch.equal(tier.read_units([1], layer=np.int64(1))["k"], before["k"][1:2, 1])
     with pytest.raises(KeyError, match="has no buffer 'q'"):
         tier.write_units([0, 1], {"q": payload["k"]})
     assert_same(tier.read_units(range(4)), before)  # nothing was written by any failed call

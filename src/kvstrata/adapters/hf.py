@@ -61,7 +61,7 @@ from kvstrata.adapters._hf_layout import (
     UnsupportedModelError,
     describe_model,
 )
-from kvstrata.adapters._shared import EngineIdentity, open_cache, weights_digest
+from kvstrata.adapters._shared import EngineIdentity, integer, open_cache, weights_digest
 
 __all__ = ["HFStateCache", "PrefillResult", "RestoreInfo", "UnsupportedModelError", "model_identity"]
 
@@ -203,8 +203,9 @@ class HFStateCache:
         moved past it) or a window layer no longer holds its pages."""
         self._check_open()
         ids = _sequence(input_ids, self._vocab)
-        if isinstance(upto, bool) or not isinstance(upto, int):
+        if (number := integer(upto)) is None:  # (any integer: a NumPy one, a 0-d tensor; no bool)
             raise TypeError(f"upto must be an int (tokens), got {upto!r}")
+        upto = number
         if not 0 <= upto <= len(ids):
             raise ValueError(f"upto {upto} is outside [0, {len(ids)}] (the length of input_ids)")
         if upto % self.page_size and upto != len(ids):
@@ -245,8 +246,9 @@ class HFStateCache:
     def prefill(self, input_ids: torch.Tensor | list[int], *, chunk_pages: int = 1) -> PrefillResult:
         """Restore, run the model over the rest of ``input_ids`` in chunks of ``chunk_pages``
         pages (the last chunk may be shorter), committing after each whole-page chunk."""
-        if isinstance(chunk_pages, bool) or not isinstance(chunk_pages, int) or chunk_pages < 1:
+        if (number := integer(chunk_pages)) is None or number < 1:
             raise ValueError(f"chunk_pages must be an int >= 1, got {chunk_pages!r}")
+        chunk_pages = number
         ids = _sequence(input_ids, self._vocab)
         if not len(ids):
             raise ValueError("prefill needs at least one token (input_ids is empty)")

@@ -317,7 +317,7 @@ class PoolBuffers(UnitAccess):
         place = self._placement(name)
         buffer = place.spec
         if layer is not None:
-            self._check_layer(buffer, layer)
+            layer = self._check_layer(buffer, layer)
         if self.word_bytes(name) % word_bytes:
             raise ValueError(
                 f"buffer {name!r} of pool {self.spec.name!r} is not tiled by {word_bytes}-byte words"

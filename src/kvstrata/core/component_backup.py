@@ -29,7 +29,7 @@ from kvstrata.core.storage_engine import StorageEngine
 from kvstrata.core.transfer import settle_copies
 from kvstrata.core.tree import MatchResult, PrefixTree, Tier, TreeNode
 from kvstrata.core.tree_bytes import UNIT, unit_tensor
-from kvstrata.core.write_back import gained_components
+from kvstrata.core.write_back import Unqueued, gained_components
 
 
 class EndWriter(Protocol):
@@ -51,6 +51,8 @@ class EndWriter(Protocol):
     def refused(self) -> Container[TreeNode]: ...  # by the storage admission filter
     @property
     def window_ends(self) -> Container[TreeNode]: ...  # stored last windows
+    @property
+    def unqueued(self) -> Unqueued: ...  # copied, their write not queued: an interrupt came
 
     def back_up(
         self, nodes: Iterable[TreeNode], *, hashes: PageHashes | None = None, admit: bool = False
@@ -86,11 +88,14 @@ def copy_components(
     context: PartContext,
     nodes: Sequence[TreeNode],
     room: Callable[[TreeNode, dict[str, int]], dict[str, torch.Tensor] | None] | None = None,
+    unqueued: Unqueued | None = None,
 ) -> tuple[list[TreeNode], set[str]]:
     """Copy each unbacked component of ``nodes`` to the host (evicting where needed, the node's
     path kept; else waiting for ``room``: in-flight L3 writes lock their sources); returns the
     nodes that gained a host copy and the pools copied (for their L3 write: :func:`only_pools`).
-    Without the wait a write-back eviction dropped the checkpoint whose slot a write held."""
+    Without the wait a write-back eviction dropped the checkpoint whose slot a write held. Each
+    copy recorded is told to ``unqueued``: a node with its component on the host no longer
+    counts as gaining it, so an interrupt before its L3 write was queued lost that write."""
     found = unbacked_components(context, nodes) if context.pools.host_enabled else []
     copied: list[TreeNode] = []
     names: set[str] = set()
@@ -115,7 +120,11 @@ def copy_components(
             settle_copies(handles)
             context.units.free(Tier.HOST, got)
             raise
-        context.tree.set_host_value(node, name, host.numpy().tobytes())
+        try:
+            context.tree.set_host_value(node, name, host.numpy().tobytes())
+        finally:  # (recorded, where an interrupt came after)
+            if unqueued is not None and node.host_raw[context.tree.index[name]] is not None:
+                unqueued.copied((node,))
         nbytes += count * unit_bytes(context.pools, context.layout.tree_pools[name])
         if not copied or copied[-1] is not node:
             copied.append(node)
@@ -180,9 +189,19 @@ def window_end_to_l3(writer: EndWriter, end: TreeNode, hashes: PageHashes) -> No
 
 def back_up_components(writer: EndWriter, nodes: Sequence[TreeNode], hashes: PageHashes | None) -> None:
     """Host copies and the L3 write of the components ``nodes`` gained after their backup
-    (``hashes``: the request's page hashes; None: hashed from the nodes' path)."""
-    copied, names = copy_components(writer.context, nodes, writer.wait_for_room)
-    copied = [node for node in copied if node not in writer.refused]  # storage admission's call
+    (``hashes``: the request's page hashes; None: hashed from the nodes' path). An interrupt
+    before the write is queued leaves the copies to the writer's next drain (``Unqueued``)."""
+    unqueued = writer.unqueued if writer.engine is not None else None
+    with writer.unqueued.call():
+        copied, names = copy_components(writer.context, nodes, writer.wait_for_room, unqueued)
+        _write_components(writer, [node for node in copied if node not in writer.refused], names, hashes)
+        writer.unqueued.queued(copied)  # (those storage admission refused too: offered at a reuse)
+
+
+def _write_components(
+    writer: EndWriter, copied: Sequence[TreeNode], names: set[str], hashes: PageHashes | None
+) -> None:
+    """The L3 write of the components ``names`` of ``copied`` (their host copies just made)."""
     if writer.engine is None or not copied:
         return
     per_pool, ends = host_values_per_pool(

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from kvstrata.core.backup_plan import unit_counts
-from kvstrata.core.component_backup import EndWriter, back_up_gained
+from kvstrata.core.component_backup import EndWriter, back_up_gained, unbacked_components
 from kvstrata.core.config import PolicyConfig
 from kvstrata.core.l3_values import PageHashes
 from kvstrata.core.metrics import CacheMetrics, Operation
@@ -37,6 +37,7 @@ from kvstrata.core.write_back import (
     PrefixWaits,
     device_only_ancestors,
     eviction_backups,
+    gained_components,
     wait_writes,
 )
 
@@ -71,6 +72,7 @@ def back_up_for_eviction(writer: Writer, shortfall: Mapping[str, int]) -> None:
             _write_waiting(writer)  # (before this eviction's candidates take the free room)
         rest: list[TreeNode] | None = eviction_backups(writer.tree, writer.layout, shortfall)
         handed: set[TreeNode] = set()  # state copies given to a later round
+        last: PendingWrite | None = None  # this eviction's last write
         while rest:
             nodes, rest = writer._copy_round(rest, False, rounds=writer.engine is not None)
             if writer.engine is None or not nodes:
@@ -79,8 +81,11 @@ def back_up_for_eviction(writer: Writer, shortfall: Mapping[str, int]) -> None:
             before = writer.pending[-1] if writer.pending else None
             writer._queue_write(writer.waits.ready(above + nodes), None)  # (and what waited for them)
             write = writer.pending[-1] if writer.pending else None
+            last = write if write is not before else last
             if rest and write is not None and write is not before:
                 handed.update(_hand_on_states(writer, write, rest))
+        if last is not None:
+            handed.update(_hand_on_to_gained(writer, last, handed))
         back_up_gained(writer, skip=handed)  # and components nodes backed up earlier gained since
 
 
@@ -101,6 +106,26 @@ def _write_waiting(writer: Writer) -> None:
         room = {name: room[name] - count for name, count in needs.items()}
     if fits:
         writer._queue_write(writer.waits.ready(writer.copy_to_host(fits)), None)
+
+
+def _hand_on_to_gained(writer: Writer, write: PendingWrite, handed: set[TreeNode]) -> list[TreeNode]:
+    """Host state slots for the checkpoints nodes backed up earlier gained (``back_up_gained``),
+    where none is free: this eviction's copies, kept while their nodes are on the device, held
+    every slot (2 slots, 2 checkpoints copied), and waiting for room freed none, so the gained
+    checkpoint was skipped and the eviction dropped it, in no tier. Once ``write`` is stored its
+    copies hand their slots on, as to a next round (:func:`_hand_on_states`)."""
+    gained = [n for n in gained_components(writer.tree, writer.layout) if n not in handed]
+    states: list[TreeNode] = []
+    needs: dict[str, int] = {}  # (a state is one unit)
+    for node, name in unbacked_components(writer.context, gained):
+        if writer.layout.tree_pools[name].kind is PoolKind.STATE:
+            states.append(node)
+            needs[name] = needs.get(name, 0) + 1
+    free = {name: writer.units.allocator(name, Tier.HOST) for name in needs}
+    short = any(
+        count > (a.available if (a := free[name]) is not None else 0) for name, count in needs.items()
+    )
+    return _hand_on_states(writer, write, states) if short else []
 
 
 def _hand_on_states(writer: Writer, write: PendingWrite, rest: Sequence[TreeNode]) -> list[TreeNode]:

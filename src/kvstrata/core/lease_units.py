@@ -6,7 +6,6 @@ pending units, apart from the lease so that class stays its state and its transi
 
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -14,6 +13,7 @@ import torch
 
 from kvstrata.core.lease import CacheFullError, Lease, unit_arrays
 from kvstrata.core.stack import NO_UNITS, PoolKind, StackLayout
+from kvstrata.core.tokens import integer
 from kvstrata.core.tree import Tier
 from kvstrata.core.tree_bytes import UNIT
 
@@ -30,11 +30,11 @@ _DEVICE = Tier.DEVICE
 def page_number(value: object, name: str) -> int:
     """A page count or position an engine passed (an int, or a NumPy / 0-d tensor integer, as a
     length read from a tensor is): as a Python int, or a clear error. Kept as given, a tensor
-    would become the lease's ``allocated_pages`` and the allocator's counts."""
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {value!r}") from None
+    would become the lease's ``allocated_pages`` and the allocator's counts (a bool: refused)."""
+    number = integer(value)
+    if number is None:
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    return number
 
 
 def allocation_needs(layout: StackLayout, lease: Lease, end: int) -> dict[str, int]:

@@ -32,6 +32,8 @@ class PrefetchOp:
     read_end: int = 0  # pages the worker tried to read (window/state objects sit at its end)
     #: a shorter end the ranks settled on whose window/state objects the units now hold (0: none)
     settled: int = 0
+    #: pages the settle reads lost to their objects (in ``lost``; not a rank's disagreement)
+    settle_lost: int = 0
     blocking: bool = False  # admit waits for it whatever the end policy
     foreign: int = 0  # objects the reads refused as another layout / format (not damage)
     #: a read refused an object as damaged or failed: a short read is damage, not an eviction

@@ -164,11 +164,28 @@ def read_verified(read: Reread, pools: PoolGroup, layout: StackLayout, op: Prefe
     target = checkpoint(read, op, usable, end, pages)
     if target < end and not can_truncate(pools, layout):
         target = 0
-    # objects of another layout under our keys are a layout change, not damage; objects
-    # that were simply gone at the read were evicted (or removed) after the existence answer
-    if op.foreign:
-        reason = SkipReason.LAYOUT_MISMATCH
-    else:
-        reason = SkipReason.DAMAGED_OBJECT if op.damaged else SkipReason.OBJECT_GONE
-    lose(op, reason, end - target)
+    lose(op, _short_read(op), end - target)
     return target
+
+
+def read_settled(read: Reread, op: PrefetchOp, end: int) -> int:
+    """The ranks settled on ``end`` below what ``op`` read: the longest prefix end at most
+    ``end`` whose window and state objects verify, re-read there (0: none). The pages between
+    the checkpoint ``end`` reaches and that end are lost to the objects (:attr:`PrefetchOp.
+    settle_lost`), not to the ranks: counted as a disagreement, a damaged state sent an
+    operator looking for a rank bug."""
+    settled = checkpoint(read, op, end, op.pages, op.pages)
+    reached = max((c for c in op.checkpoints if c <= end), default=0)
+    if reached > settled:
+        lose(op, _short_read(op), reached - settled)
+        op.settle_lost += reached - settled
+    return settled
+
+
+def _short_read(op: PrefetchOp) -> SkipReason:
+    """Why a read verified less than L3 said it holds: objects of another layout under our keys
+    are a layout change, not damage; objects simply gone at the read were evicted (or removed)
+    after the existence answer."""
+    if op.foreign:
+        return SkipReason.LAYOUT_MISMATCH
+    return SkipReason.DAMAGED_OBJECT if op.damaged else SkipReason.OBJECT_GONE

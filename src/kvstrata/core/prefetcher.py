@@ -44,7 +44,7 @@ from kvstrata.core.metrics import Operation, SkipReason, count_failure
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.prefetch_end import PrefetchEnd, prefetch_end
 from kvstrata.core.prefetch_op import PrefetchOp, read_failed
-from kvstrata.core.prefetch_read import checkpoint, lose, read_prefix, read_verified, usable_length
+from kvstrata.core.prefetch_read import lose, read_prefix, read_settled, read_verified, usable_length
 from kvstrata.core.storage_engine import StorageEngine
 from kvstrata.core.tree import InsertResult, PageKey, Tier, TreeNode
 from kvstrata.core.unit_digests import UnitDigests, check_span
@@ -146,7 +146,7 @@ class Prefetcher:
         asked = late  # L3 said what it holds: a failure from here on fails the read
         try:
             if settle:
-                op.settled = checkpoint(functools.partial(self._read, op), op, settle, op.pages, op.pages)
+                op.settled = read_settled(functools.partial(self._read, op), op, settle)
                 return
             if late:
                 op.pages = self._read_verified(op, op.read_end)
@@ -252,7 +252,7 @@ class Prefetcher:
         free every other unit. Returns the pages committed (0 when dropped or still reading).
         Pages found but not committed are counted in ``skipped`` by reason: ``unused`` (the
         request was released), else a timeout where ``finish`` gave up waiting, else another
-        rank holding less."""
+        rank holding less (what a settle read lost to its objects is theirs: ``read_settled``)."""
         if not op.done.is_set():  # still reading into the slots: free them when it finishes
             self.release(op)
             self.metrics.count(Operation.PREFETCHES_REVOKED)
@@ -270,7 +270,7 @@ class Prefetcher:
         partial = pages > 0 and (self.layout.clampable or pages == op.settled)
         if pages < op.pages:
             why = unused or (SkipReason.TIMEOUT if op.timed_out else SkipReason.RANK_DISAGREEMENT)
-            self.metrics.skip(why, op.pages - pages if partial else op.pages, skipped)
+            self.metrics.skip(why, (op.pages - pages if partial else op.pages) - op.settle_lost, skipped)
         if not (pages > 0 and (pages == op.pages or partial)):
             if op.found:
                 self.metrics.count(Operation.PREFETCHES_DROPPED)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstrata.core.metrics import CacheMetrics, Operation
+from kvstrata.core.tokens import integer
 from kvstrata.core.tree import LockHandle, PrefixTree, Tier, TreeNode, tree_path
 from kvstrata.core.tree_bytes import UNIT
 
@@ -53,8 +54,10 @@ class RetentionHint:
     ttl_s: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+        priority = integer(self.priority)  # any integer (a NumPy one, a 0-d tensor) but a bool
+        if priority is None:
             raise TypeError(f"priority must be an int, got {self.priority!r}")
+        object.__setattr__(self, "priority", priority)
         if self.ttl_s is not None and not (self.ttl_s > 0 and math.isfinite(self.ttl_s)):
             raise ValueError(f"ttl_s must be a positive number of seconds, got {self.ttl_s!r}")
 

@@ -7,6 +7,7 @@ controller (both check tokens) so neither imports the other for it.
 
 from __future__ import annotations
 
+import operator
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
@@ -114,3 +115,15 @@ def _from_numpy(ids: np.ndarray, what: str) -> torch.Tensor:
 def _given(tokens: Any, dtype: torch.dtype, shape: torch.Size) -> str:
     kind = "tensor" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
     return f"a {kind} of {dtype} with shape {tuple(shape)}"
+
+
+def integer(value: object) -> int | None:
+    """``value`` as an int where it is an integer of any kind (a NumPy one, a 0-d tensor: what
+    ``operator.index`` takes), else None. A bool is none: ``True`` as a count or an index was
+    taken as 1 (as an index of a view, it added a dimension)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None

@@ -20,6 +20,7 @@ import torch
 
 from kvstrata.core.engine_tensors import torch_dtype
 from kvstrata.core.row_copy import copy_rows
+from kvstrata.core.tokens import integer
 from kvstrata.plugins.pool_type import BufferSpec, Layout, PoolSpec
 
 
@@ -39,7 +40,7 @@ WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def unit_index(units: torch.Tensor | Sequence[int] | int) -> torch.Tensor:
     """Unit indices as a flat int64 tensor (kept on its device); a float or bool index is
-    refused, never truncated to another unit."""
+    refused, never truncated to another unit, and a meta tensor (no values) by name."""
     if isinstance(units, torch.Tensor):
         idx = units
     elif isinstance(units, numbers.Integral) and not isinstance(units, bool):
@@ -51,6 +52,8 @@ def unit_index(units: torch.Tensor | Sequence[int] | int) -> torch.Tensor:
             raise TypeError(
                 f"units: expected unit indices (ints or an integer tensor), got {units!r}"
             ) from None
+    if idx.is_meta:  # (else ``Tensor.item() cannot be called on meta tensors``, from deep inside)
+        raise ValueError(f"units: a tensor on the meta device holds no unit indices (shape only): {idx!r}")
     if idx.dtype is torch.bool or idx.is_floating_point() or idx.is_complex():
         raise TypeError(f"units: unit indices must be integers, got a {idx.dtype} {tuple(idx.shape)} index")
     return idx.to(torch.int64).flatten()
@@ -86,12 +89,16 @@ class UnitAccess:
     def check_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _check_layer(self, buffer: BufferSpec, layer: int) -> None:
-        if not isinstance(layer, int) or not 0 <= layer < buffer.layers:
+    def _check_layer(self, buffer: BufferSpec, layer: int) -> int:
+        """``layer`` as an int: any integer (a NumPy one, a 0-d tensor) but a bool, which as an
+        index added a dimension (``view[:, True]``) instead of selecting layer 1."""
+        index = integer(layer)
+        if index is None or not 0 <= index < buffer.layers:
             raise IndexError(
                 f"pool {self.spec.name!r} buffer {buffer.name!r}: layer {layer!r} is not a pool layer "
                 f"index in [0, {buffer.layers}) (map a model layer id with PoolSpec.layer_index)"
             )
+        return index
 
     # --- unit access for engines ---------------------------------------------------------------
 
@@ -104,7 +111,7 @@ class UnitAccess:
         """
         buffer = self._placement(name).spec
         if layer is not None:
-            self._check_layer(buffer, layer)
+            layer = self._check_layer(buffer, layer)
         if self.logical:
             raise ValueError(f"pool {self.spec.name!r} holds no bytes (buffer {name!r}, {self.units} units)")
         if name in self._layer_tensors:
@@ -142,7 +149,7 @@ class UnitAccess:
         for name in names:
             buffer = self._placement(name).spec
             if layer is not None:
-                self._check_layer(buffer, layer)
+                layer = self._check_layer(buffer, layer)
             word = self.word_bytes(name)
             if layer is None and self.split_layers(name):
                 words = torch.stack(
@@ -175,7 +182,7 @@ class UnitAccess:
         for name, tensor in tensors.items():
             buffer = self._placement(name).spec
             if layer is not None:
-                self._check_layer(buffer, layer)
+                layer = self._check_layer(buffer, layer)
             lead = (idx.numel(),) if layer is not None else (idx.numel(), buffer.layers)
             expected = (*lead, *buffer.unit_shape)
             dtype = torch_dtype(buffer.dtype)
@@ -193,6 +200,8 @@ class UnitAccess:
                     f"pool {self.spec.name!r} buffer {name!r}: expected {dtype} {expected} "
                     f"(units, {'' if layer is not None else 'layers, '}*unit_shape), got {given}"
                 )
+            if tensor.is_meta:  # (else "Cannot copy out of meta tensor", naming no buffer)
+                raise ValueError(f"pool {self.spec.name!r} buffer {name!r}: a meta tensor holds no values")
             word = self.word_bytes(name)
             layer_bytes = buffer.bytes_per_unit_per_layer
             rows = tensor.to(self.device).contiguous().view(*lead, layer_bytes // dtype.itemsize)
