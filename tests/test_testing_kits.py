@@ -266,6 +266,88 @@ def test_the_policy_kit_catches_an_id_ranked_policy_every_time(kvstrata_host: Pl
         kit.test_is_deterministic_on_a_sibling_heavy_workload(kvstrata_host)
 
 
+class HostBlindConfig(EvictionPolicyConfig):
+    type: Literal["host_blind"] = "host_blind"
+
+
+class HostBlindPolicy(MruPolicy):
+    """Breaks the ranking contract on purpose, on the host tier only: ranks none of its
+    candidates there (a live cache's host tier then never frees a page and refuses backups)."""
+
+    name = "host_blind"
+    Config = HostBlindConfig
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        return [] if self.context.tier == "host" else super().ranked(entries)
+
+
+class HostRaisesConfig(EvictionPolicyConfig):
+    type: Literal["host_raises"] = "host_raises"
+
+
+class HostRaisesPolicy(MruPolicy):
+    """Breaks on purpose on the host tier only: ``ranked()`` raises there."""
+
+    name = "host_raises"
+    Config = HostRaisesConfig
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        if self.context.tier == "host" and entries:
+            raise KeyError("host bookkeeping")
+        return super().ranked(entries)
+
+
+class HostExtraConfig(EvictionPolicyConfig):
+    type: Literal["host_extra"] = "host_extra"
+
+
+class HostExtraPolicy(MruPolicy):
+    """Breaks on purpose on the host tier only: ranks a node it was not offered as well (the
+    parent of a candidate: a node the tier may not drop yet, e.g. locked or with children)."""
+
+    name = "host_extra"
+    Config = HostExtraConfig
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        out = super().ranked(entries)
+        if self.context.tier == "host":
+            ids = {n.id for n in entries}
+            extra = [n.parent for n in entries if n.parent is not None and n.parent.parent is not None]
+            extra = [n for n in extra if n.id not in ids][:1]
+            out += [(-1, n.id, n) for n in extra]
+        return out
+
+
+@pytest.mark.parametrize(
+    ("policy", "rule"),
+    [
+        (HostBlindPolicy, r"\(host tier\): ranked\(\) must return one \(rank, node.id, node\) entry"),
+        (HostRaisesPolicy, r"\(host tier\): ranked\(\) raised KeyError"),
+        (HostExtraPolicy, r"\(host tier\): ranked\(\) must return one \(rank, node.id, node\) entry"),
+    ],
+)
+def test_the_policy_kit_drives_the_host_tier(kvstrata_host: PluginHost, policy: type, rule: str) -> None:
+    """The kit ran the device tier only: a policy broken on the host tier (where a cache ranks
+    with its own instance of the policy) passed every check."""
+    kvstrata_host.eviction_policies.register(policy)
+    kit = EvictionPolicyConformance()
+    kit.policy = policy.name
+    with pytest.raises(AssertionError, match=rule):
+        kit.test_the_workload_evicts_at_all(kvstrata_host)
+
+
+def test_the_policy_kit_workload_evicts_from_the_host_tier(kvstrata_host: PluginHost) -> None:
+    """The host tier is smaller than the traffic: both passes of a host eviction run (host-only
+    nodes deleted; host copies of pages still on the device dropped)."""
+    ops: list = [([1, i, i, i], i % 3 == 0, False) for i in range(8)]
+    evicted = run_workload(kvstrata_host, "lru", ops)
+    assert sum(int(item[2]) for item in evicted if item[0] == "host") >= 8, evicted
+    assert any(item[0] == "demoted" for item in evicted), evicted
+    assert any(item[0] == "host" and item[1] > 0 for item in evicted), evicted  # host-only nodes
+    copies = run_workload(kvstrata_host, "lru", [([1, i, i], False, False) for i in range(6)])
+    assert any(item[0] == "host" and item[1] == 0 and item[2] > 0 for item in copies), copies
+
+
 # --- backend kit: capability mixins and the "absent key removed" rule ------------------------------
 
 
