@@ -348,6 +348,50 @@ def test_the_policy_kit_workload_evicts_from_the_host_tier(kvstrata_host: Plugin
     assert any(item[0] == "host" and item[1] == 0 and item[2] > 0 for item in copies), copies
 
 
+class HangingConfig(EvictionPolicyConfig):
+    type: Literal["hanging"] = "hanging"
+
+
+def test_the_policy_kit_fails_a_policy_that_never_returns(kvstrata_host: PluginHost) -> None:
+    """A ``ranked()`` that never returns hung the kit (and the whole test run) forever: it now
+    fails after the kit's deadline, naming the hang. Run here in a thread of its own, so this
+    test fails rather than hangs where the kit does not catch it."""
+    release = threading.Event()
+
+    class HangingPolicy(MruPolicy):
+        name = "hanging"
+        Config = HangingConfig
+
+        def ranked(self, entries):  # type: ignore[no-untyped-def]
+            if entries:
+                release.wait(60)  # "forever", released when the test ends
+            return super().ranked(entries)
+
+    kvstrata_host.eviction_policies.register(HangingPolicy)
+    kit = EvictionPolicyConformance()
+    kit.policy = "hanging"
+    kit.workload_deadline_s = 0.5
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            kit.test_the_workload_evicts_at_all(kvstrata_host)
+        except BaseException as exc:
+            raised.append(exc)
+
+    try:
+        runner = threading.Thread(target=run, daemon=True)
+        runner.start()
+        runner.join(20)
+        assert not runner.is_alive(), "the policy kit hung on a policy whose ranked() never returns"
+        assert raised, "the policy kit passed a policy whose ranked() never returns"
+        message = str(raised[0])
+        assert "did not finish within 0.5 s" in message and "device tier" in message, message
+        assert "left running as a daemon" in message, message
+    finally:
+        release.set()
+
+
 # --- backend kit: capability mixins and the "absent key removed" rule ------------------------------
 
 

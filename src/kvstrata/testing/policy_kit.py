@@ -28,6 +28,7 @@ its thread is left running as a daemon. Needs ``hypothesis``: ``pip install 'kvs
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable
 from itertools import count
 from typing import Any
@@ -51,6 +52,10 @@ from kvstrata.pool_types.kv import KVConfig, KVPoolType
 PAGE = 4
 CAPACITY = 12
 HOST_CAPACITY = 10
+
+#: Seconds one workload may take before the kit fails the policy as hung (a workload takes
+#: milliseconds; a ``ranked()`` or an event that never returns would hang the test run).
+WORKLOAD_DEADLINE_S = 60.0
 
 #: One request of a workload: (page ids, keep its lock, pin its prefix).
 Op = tuple[list[int], bool, bool]
@@ -99,10 +104,44 @@ def request_paths() -> Any:
     return st.lists(st.tuples(path, st.booleans(), st.booleans()), min_size=1, max_size=40)
 
 
-def run_workload(host: PluginHost, policy: str | dict[str, Any], ops: list[Op]) -> list[tuple[Hashable, ...]]:
+class PolicyHung(BaseException):
+    """A workload did not finish in time: a policy call never returned. A ``BaseException`` so
+    hypothesis reports it at once instead of shrinking (every try would wait the deadline again)."""
+
+
+def run_workload(
+    host: PluginHost,
+    policy: str | dict[str, Any],
+    ops: list[Op],
+    deadline_s: float = WORKLOAD_DEADLINE_S,
+) -> list[tuple[Hashable, ...]]:
     """Serve ``ops`` through a real tree ranked by ``policy``; assert the invariants after every
-    step; return what was evicted, in order."""
-    return _Workload(host, policy).serve(ops)
+    step; return what was evicted, in order. Runs in a daemon thread: a policy call that never
+    returns fails the test after ``deadline_s`` (:class:`PolicyHung`) instead of hanging it."""
+    workload = _Workload(host, policy)
+    done: list[list[tuple[Hashable, ...]]] = []
+    failed: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            done.append(workload.serve(ops))
+        except BaseException as exc:  # raised in the caller's thread below
+            failed.append(exc)
+
+    thread = threading.Thread(target=serve, name=f"kvstrata-policy-kit-{policy!r}", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if thread.is_alive():
+        raise PolicyHung(
+            f"policy {policy!r}: the workload did not finish within {deadline_s:g} s, stuck at "
+            f"request {workload.step} of {len(ops)} (pages {workload.path}) while serving its "
+            f"{workload.tier} tier: a call of the policy (ranked() or an event) never returned; a "
+            "live cache would hang there with its lock held. The stuck thread is left running as a "
+            "daemon."
+        )
+    if failed:
+        raise failed[0]
+    return done[0]
 
 
 class _Workload:
@@ -131,16 +170,18 @@ class _Workload:
         self.host_held: list[LockHandle] = []
         self.pinned: list[Pin] = []
         self.evicted: list[tuple[Hashable, ...]] = []
+        self.step, self.path, self.tier = 0, [0], "device"  # where a hung workload is stuck
 
     def serve(self, ops: list[Op]) -> list[tuple[Hashable, ...]]:
         self.future.paths = [set(page_keys(*path)) for path, _, _ in ops]
         for index, (path, keep, pin) in enumerate(ops):
-            self.future.now = index
+            self.future.now, self.step, self.path = index, index, path
             self._request(page_keys(*path), keep, pin)
         return self.evicted
 
     def _request(self, keys: list[tuple[int, ...]], keep: bool, pin: bool) -> None:
         tree, policy = self.tree, self.policy
+        self.tier = "device"
         match = tree.match(keys)
         lock = tree.lock(match.device_node) if match.device_pages else None
         # a load-back's source is locked on the host for as long as the request runs (as a lease)
@@ -207,6 +248,7 @@ class _Workload:
         """Back up the path to ``end`` (its nodes without a host copy: the path's tail) to the
         host tier, evicting there first what it lacks; as much of the tail as then fits."""
         tree, policy = self.tree, self.policy
+        self.tier = "host"
         need = sum(node.pages for node in tree_path(tree, end) if node.host_raw[0] is None)
         used = tree.units("kv", Tier.HOST)
         if used + need > HOST_CAPACITY:
@@ -334,6 +376,8 @@ class EvictionPolicyConformance:
 
     #: the policy under test: its name, or a mapping with ``type`` and options
     policy: str | dict[str, Any] = ""
+    #: seconds one workload may run before the policy fails as hung (:class:`PolicyHung`)
+    workload_deadline_s: float = WORKLOAD_DEADLINE_S
 
     @pytest.fixture
     def policy_host(self) -> PluginHost:
@@ -358,12 +402,12 @@ class EvictionPolicyConformance:
     def test_keeps_locked_and_pinned_pages_and_the_capacity(
         self, policy_host: PluginHost, ops: list[Op]
     ) -> None:
-        run_workload(policy_host, self.policy, ops)
+        run_workload(policy_host, self.policy, ops, self.workload_deadline_s)
 
     @_given(max_examples=20)
     def test_is_deterministic(self, policy_host: PluginHost, ops: list[Op]) -> None:
-        first = run_workload(policy_host, self.policy, ops)
-        assert first == run_workload(policy_host, self.policy, ops), (
+        first = run_workload(policy_host, self.policy, ops, self.workload_deadline_s)
+        assert first == run_workload(policy_host, self.policy, ops, self.workload_deadline_s), (
             f"policy {self.policy!r} evicted differently on the same workload: ranks must not depend "
             "on randomness, wall time or object ids"
         )
@@ -373,11 +417,11 @@ class EvictionPolicyConformance:
         between the runs (so the tree's nodes sit elsewhere in memory): the random workloads
         above hit such a case only sometimes."""
         ops: list[Op] = [([1, i % 4, i % 3, i], False, False) for i in range(24)]
-        first = run_workload(policy_host, self.policy, ops)
+        first = run_workload(policy_host, self.policy, ops, self.workload_deadline_s)
         alive: list[object] = []
         for extra in (0, 1000, 333):
             alive.extend([object() for _ in range(extra)] + [{} for _ in range(extra // 3)])
-            assert run_workload(policy_host, self.policy, ops) == first, (
+            assert run_workload(policy_host, self.policy, ops, self.workload_deadline_s) == first, (
                 f"policy {self.policy!r} evicted differently on the same workload: ranks must not "
                 "depend on randomness, wall time or object ids"
             )
@@ -385,7 +429,7 @@ class EvictionPolicyConformance:
     def test_the_workload_evicts_at_all(self, policy_host: PluginHost) -> None:
         """The properties above are not vacuous: a plain workload overflows both tiers."""
         ops: list[Op] = [([1, i, i, i], False, False) for i in range(8)]
-        evicted = run_workload(policy_host, self.policy, ops)
+        evicted = run_workload(policy_host, self.policy, ops, self.workload_deadline_s)
         freed = sum(int(item[2]) for item in evicted if item[0] == "deleted")
         assert freed >= 8, (
             f"policy {self.policy!r}: 8 requests of 4 new pages each through a {CAPACITY}-page tier "
