@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import random
 import threading
+import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -462,6 +463,65 @@ class KeepsReferences(MemoryBackend):
                 offset += len(chunk)
             out.append(offset)
         return out
+
+
+class KeepsFirstClaimsReplace(MemoryBackend):
+    """Breaks its declaration on purpose: declares overwrite='replace' but keeps the first object
+    under a key (the memory backend's skip_existing)."""
+
+    capabilities = MemoryBackend.capabilities.model_copy(update={"overwrite": "replace"})
+
+
+class Replaces(MemoryBackend):
+    """Keeps its declaration: overwrite='replace', and a second put of a key replaces it."""
+
+    capabilities = MemoryBackend.capabilities.model_copy(update={"overwrite": "replace"})
+
+    def put(self, objects):  # type: ignore[no-untyped-def]
+        self.remove([obj.key for obj in objects])
+        return super().put(objects)
+
+
+class VisibleWhileWritten(MemoryBackend):
+    """Breaks its declaration on purpose: declares atomic_visibility but publishes each key
+    before its bytes are copied in (a zero-filled object for a while), as a store that
+    preallocates and then fills in place does."""
+
+    def put(self, objects):  # type: ignore[no-untyped-def]
+        for obj in objects:
+            slot = bytearray(obj.nbytes)
+            with self._lock:
+                if obj.key in self._objects:  # skip_existing
+                    continue
+                self._objects[obj.key] = slot  # type: ignore[assignment]
+                self._bytes += len(slot)
+            time.sleep(0.005)  # the copy takes a while (a large object, a slow device)
+            slot[:] = b"".join(bytes(view) for view in object_views(obj))
+        return [True] * len(objects)
+
+
+def test_the_kit_checks_the_overwrite_a_backend_declares() -> None:
+    """The kit read only what RemovalConformance's layout change needed: a backend declaring
+    overwrite='replace' that kept the first object passed."""
+    kit = CoreConformance()
+    kit.model_name = "conformance-overwrite"
+    with pytest.raises(AssertionError, match="declares overwrite='replace', but a second put"):
+        kit.test_overwrite_is_what_the_backend_declares(KeepsFirstClaimsReplace("l3", MemoryConfig()))
+    kit.test_overwrite_is_what_the_backend_declares(Replaces("l3", MemoryConfig()))
+    kit.test_overwrite_is_what_the_backend_declares(MemoryBackend("l3", MemoryConfig()))  # skip_existing
+
+
+def test_the_kit_checks_atomic_visibility_when_declared() -> None:
+    """No check named atomic_visibility: a backend declaring it whose keys are visible before
+    their bytes failed only the concurrency test, as "not thread-safe" (its threads re-put shared
+    keys). The race names the capability, on fresh keys with a reader that never writes."""
+    kit = CoreConformance()
+    kit.model_name = "conformance-atomic"
+    with pytest.raises(AssertionError, match="declares atomic_visibility, but a reader racing a writer"):
+        kit.test_atomic_visibility_holds_against_a_concurrent_reader(
+            VisibleWhileWritten("l3", MemoryConfig())
+        )
+    kit.test_atomic_visibility_holds_against_a_concurrent_reader(MemoryBackend("l3", MemoryConfig()))
 
 
 def test_the_kit_catches_a_put_that_keeps_references_instead_of_bytes() -> None:
