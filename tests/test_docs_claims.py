@@ -208,6 +208,50 @@ def test_every_backend_option_is_in_the_storage_docs_with_its_default(backend: s
     assert not wrong, f"docs/storage.md, {backend} backend table:\n" + "\n".join(wrong)
 
 
+def test_every_pool_type_key_is_in_the_pools_docs_with_its_default() -> None:
+    """Pool types' own keys (``kv_lora_rank``, ``replication``, ``window`` ...) were described in
+    prose only; every key of every pool type's config (and of a mamba state) must be a row of
+    docs/pools.md's table with its default and a type."""
+    from enum import Enum
+
+    from kvstrata.plugins.host import PluginHost
+    from kvstrata.plugins.pool_type import PoolConfig
+    from kvstrata.pool_types.mamba import StateShape
+
+    heading = "### Config keys of every pool type"
+    text = (REPO / "docs/pools.md").read_text()
+    assert heading in text, f"docs/pools.md has no {heading!r} table"
+    text = text.split(heading, 1)[1]
+    rows: dict[tuple[str, str], tuple[str, str]] = {}
+    for line in text.split("\n#", 1)[0].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        key = re.fullmatch(r"`([a-z_0-9]+)`", cells[1]) if line.startswith("|") and len(cells) > 3 else None
+        if key:
+            for owner in cells[0].split(","):
+                rows[(owner.strip().replace("`", ""), key.group(1))] = (cells[2].strip("`"), cells[3])
+
+    def defaults(field: Any) -> set[str]:
+        value = field.default
+        if isinstance(value, Enum):
+            return {str(value.value)}
+        if value == ():
+            return {"[]", "()"}
+        return shown_default(field)
+
+    registry = PluginHost().pool_types
+    configs = [(name, registry.get(name).Config) for name in registry.names()]
+    wrong, keys = [], 0
+    for owner, config in [("every", PoolConfig), *configs, ("mamba state", StateShape)]:
+        for key, field in config.model_fields.items():
+            if key == "type" or (owner not in ("every", "mamba state") and key in PoolConfig.model_fields):
+                continue
+            keys += 1
+            shown, kind = rows.get((owner, key), (None, ""))
+            if shown is None or shown not in defaults(field) or not kind:
+                wrong.append(f"{owner}.{key}: docs {shown!r} ({kind!r}), code {defaults(field)}")
+    assert keys >= 30 and not wrong, "docs/pools.md config keys table:\n" + "\n".join(wrong)
+
+
 def test_every_eviction_policy_option_is_in_the_eviction_docs_with_its_default() -> None:
     from kvstrata.plugins.host import PluginHost
 

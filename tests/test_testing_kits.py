@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import random
 import threading
+import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -266,6 +267,132 @@ def test_the_policy_kit_catches_an_id_ranked_policy_every_time(kvstrata_host: Pl
         kit.test_is_deterministic_on_a_sibling_heavy_workload(kvstrata_host)
 
 
+class HostBlindConfig(EvictionPolicyConfig):
+    type: Literal["host_blind"] = "host_blind"
+
+
+class HostBlindPolicy(MruPolicy):
+    """Breaks the ranking contract on purpose, on the host tier only: ranks none of its
+    candidates there (a live cache's host tier then never frees a page and refuses backups)."""
+
+    name = "host_blind"
+    Config = HostBlindConfig
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        return [] if self.context.tier == "host" else super().ranked(entries)
+
+
+class HostRaisesConfig(EvictionPolicyConfig):
+    type: Literal["host_raises"] = "host_raises"
+
+
+class HostRaisesPolicy(MruPolicy):
+    """Breaks on purpose on the host tier only: ``ranked()`` raises there."""
+
+    name = "host_raises"
+    Config = HostRaisesConfig
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        if self.context.tier == "host" and entries:
+            raise KeyError("host bookkeeping")
+        return super().ranked(entries)
+
+
+class HostExtraConfig(EvictionPolicyConfig):
+    type: Literal["host_extra"] = "host_extra"
+
+
+class HostExtraPolicy(MruPolicy):
+    """Breaks on purpose on the host tier only: ranks a node it was not offered as well (the
+    parent of a candidate: a node the tier may not drop yet, e.g. locked or with children)."""
+
+    name = "host_extra"
+    Config = HostExtraConfig
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        out = super().ranked(entries)
+        if self.context.tier == "host":
+            ids = {n.id for n in entries}
+            extra = [n.parent for n in entries if n.parent is not None and n.parent.parent is not None]
+            extra = [n for n in extra if n.id not in ids][:1]
+            out += [(-1, n.id, n) for n in extra]
+        return out
+
+
+@pytest.mark.parametrize(
+    ("policy", "rule"),
+    [
+        (HostBlindPolicy, r"\(host tier\): ranked\(\) must return one \(rank, node.id, node\) entry"),
+        (HostRaisesPolicy, r"\(host tier\): ranked\(\) raised KeyError"),
+        (HostExtraPolicy, r"\(host tier\): ranked\(\) must return one \(rank, node.id, node\) entry"),
+    ],
+)
+def test_the_policy_kit_drives_the_host_tier(kvstrata_host: PluginHost, policy: type, rule: str) -> None:
+    """The kit ran the device tier only: a policy broken on the host tier (where a cache ranks
+    with its own instance of the policy) passed every check."""
+    kvstrata_host.eviction_policies.register(policy)
+    kit = EvictionPolicyConformance()
+    kit.policy = policy.name
+    with pytest.raises(AssertionError, match=rule):
+        kit.test_the_workload_evicts_at_all(kvstrata_host)
+
+
+def test_the_policy_kit_workload_evicts_from_the_host_tier(kvstrata_host: PluginHost) -> None:
+    """The host tier is smaller than the traffic: both passes of a host eviction run (host-only
+    nodes deleted; host copies of pages still on the device dropped)."""
+    ops: list = [([1, i, i, i], i % 3 == 0, False) for i in range(8)]
+    evicted = run_workload(kvstrata_host, "lru", ops)
+    assert sum(int(item[2]) for item in evicted if item[0] == "host") >= 8, evicted
+    assert any(item[0] == "demoted" for item in evicted), evicted
+    assert any(item[0] == "host" and item[1] > 0 for item in evicted), evicted  # host-only nodes
+    copies = run_workload(kvstrata_host, "lru", [([1, i, i], False, False) for i in range(6)])
+    assert any(item[0] == "host" and item[1] == 0 and item[2] > 0 for item in copies), copies
+
+
+class HangingConfig(EvictionPolicyConfig):
+    type: Literal["hanging"] = "hanging"
+
+
+def test_the_policy_kit_fails_a_policy_that_never_returns(kvstrata_host: PluginHost) -> None:
+    """A ``ranked()`` that never returns hung the kit (and the whole test run) forever: it now
+    fails after the kit's deadline, naming the hang. Run here in a thread of its own, so this
+    test fails rather than hangs where the kit does not catch it."""
+    release = threading.Event()
+
+    class HangingPolicy(MruPolicy):
+        name = "hanging"
+        Config = HangingConfig
+
+        def ranked(self, entries):  # type: ignore[no-untyped-def]
+            if entries:
+                release.wait(60)  # "forever", released when the test ends
+            return super().ranked(entries)
+
+    kvstrata_host.eviction_policies.register(HangingPolicy)
+    kit = EvictionPolicyConformance()
+    kit.policy = "hanging"
+    kit.workload_deadline_s = 0.5
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            kit.test_the_workload_evicts_at_all(kvstrata_host)
+        except BaseException as exc:
+            raised.append(exc)
+
+    try:
+        runner = threading.Thread(target=run, daemon=True)
+        runner.start()
+        runner.join(20)
+        assert not runner.is_alive(), "the policy kit hung on a policy whose ranked() never returns"
+        assert raised, "the policy kit passed a policy whose ranked() never returns"
+        message = str(raised[0])
+        assert "did not finish within 0.5 s" in message and "device tier" in message, message
+        assert "left running as a daemon" in message, message
+    finally:
+        release.set()
+
+
 # --- backend kit: capability mixins and the "absent key removed" rule ------------------------------
 
 
@@ -336,6 +463,65 @@ class KeepsReferences(MemoryBackend):
                 offset += len(chunk)
             out.append(offset)
         return out
+
+
+class KeepsFirstClaimsReplace(MemoryBackend):
+    """Breaks its declaration on purpose: declares overwrite='replace' but keeps the first object
+    under a key (the memory backend's skip_existing)."""
+
+    capabilities = MemoryBackend.capabilities.model_copy(update={"overwrite": "replace"})
+
+
+class Replaces(MemoryBackend):
+    """Keeps its declaration: overwrite='replace', and a second put of a key replaces it."""
+
+    capabilities = MemoryBackend.capabilities.model_copy(update={"overwrite": "replace"})
+
+    def put(self, objects):  # type: ignore[no-untyped-def]
+        self.remove([obj.key for obj in objects])
+        return super().put(objects)
+
+
+class VisibleWhileWritten(MemoryBackend):
+    """Breaks its declaration on purpose: declares atomic_visibility but publishes each key
+    before its bytes are copied in (a zero-filled object for a while), as a store that
+    preallocates and then fills in place does."""
+
+    def put(self, objects):  # type: ignore[no-untyped-def]
+        for obj in objects:
+            slot = bytearray(obj.nbytes)
+            with self._lock:
+                if obj.key in self._objects:  # skip_existing
+                    continue
+                self._objects[obj.key] = slot  # type: ignore[assignment]
+                self._bytes += len(slot)
+            time.sleep(0.005)  # the copy takes a while (a large object, a slow device)
+            slot[:] = b"".join(bytes(view) for view in object_views(obj))
+        return [True] * len(objects)
+
+
+def test_the_kit_checks_the_overwrite_a_backend_declares() -> None:
+    """The kit read only what RemovalConformance's layout change needed: a backend declaring
+    overwrite='replace' that kept the first object passed."""
+    kit = CoreConformance()
+    kit.model_name = "conformance-overwrite"
+    with pytest.raises(AssertionError, match="declares overwrite='replace', but a second put"):
+        kit.test_overwrite_is_what_the_backend_declares(KeepsFirstClaimsReplace("l3", MemoryConfig()))
+    kit.test_overwrite_is_what_the_backend_declares(Replaces("l3", MemoryConfig()))
+    kit.test_overwrite_is_what_the_backend_declares(MemoryBackend("l3", MemoryConfig()))  # skip_existing
+
+
+def test_the_kit_checks_atomic_visibility_when_declared() -> None:
+    """No check named atomic_visibility: a backend declaring it whose keys are visible before
+    their bytes failed only the concurrency test, as "not thread-safe" (its threads re-put shared
+    keys). The race names the capability, on fresh keys with a reader that never writes."""
+    kit = CoreConformance()
+    kit.model_name = "conformance-atomic"
+    with pytest.raises(AssertionError, match="declares atomic_visibility, but a reader racing a writer"):
+        kit.test_atomic_visibility_holds_against_a_concurrent_reader(
+            VisibleWhileWritten("l3", MemoryConfig())
+        )
+    kit.test_atomic_visibility_holds_against_a_concurrent_reader(MemoryBackend("l3", MemoryConfig()))
 
 
 def test_the_kit_catches_a_put_that_keeps_references_instead_of_bytes() -> None:

@@ -50,6 +50,7 @@ from kvstrata.testing._backend_kit import (
     marker_specs,
     page_hashes,
 )
+from kvstrata.testing._capability_kit import CapabilityChecks
 from kvstrata.testing._lifecycle_kit import LifecycleChecks
 from kvstrata.testing.conformance_optional import IntegrityConformance, RemovalConformance
 
@@ -71,12 +72,14 @@ def _format(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc)).rstrip()
 
 
-class CoreConformance(LifecycleChecks, HostAllocatorChecks):
+class CoreConformance(LifecycleChecks, HostAllocatorChecks, CapabilityChecks):
     """What every backend must do: round trips, per-key batches, existence, zero-copy honesty,
     namespace isolation, concurrency, marker objects, a second instance, and closing one instance
     leaves the others working (:class:`~kvstrata.testing._lifecycle_kit.LifecycleChecks`); a
     ``host_allocator`` backend's host pools round trip from its allocator
-    (:class:`~kvstrata.testing._allocator_kit.HostAllocatorChecks`)."""
+    (:class:`~kvstrata.testing._allocator_kit.HostAllocatorChecks`); ``overwrite`` and
+    ``atomic_visibility`` do what they declare
+    (:class:`~kvstrata.testing._capability_kit.CapabilityChecks`)."""
 
     def test_round_trip_multi_region(self, backend: StorageBackend) -> None:
         specs = conformance_specs()
