@@ -253,3 +253,15 @@ def test_a_plot_path_that_is_a_link_or_no_regular_file_is_written_not_replaced(t
     assert stat.S_ISFIFO(os.stat(fifo).st_mode), "the FIFO was replaced by a file"
     assert received and b"<svg" in received[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.png", "pipe.svg", "real.png"]
+
+
+def test_the_plot_options_help_names_every_format_not_only_png() -> None:
+    """``--sweep`` (and ``replay --plot``) said "into this PNG" although any suffix matplotlib
+    writes is accepted (``check_plot_format``) and written in that format."""
+    import typer.main
+
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    for command, option in (("simulate", "sweep_out"), ("replay", "plot_out")):
+        params = {p.name: p for p in commands[command].params}
+        text = str(getattr(params[option], "help", ""))
+        assert "this PNG" not in text and ".svg" in text and "suffix" in text, text

@@ -95,7 +95,12 @@ def replay(
         Path | None, typer.Option("--json", help="write the result (fixed keys) as JSON to this file")
     ] = None,
     plot_out: Annotated[
-        Path | None, typer.Option("--plot", help="draw hit rate per tier over the trace to this PNG")
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="draw hit rate per tier over the trace to this file, in the format its suffix names "
+            "(.png, .svg, .pdf: any matplotlib writes)",
+        ),
     ] = None,
     fresh: Annotated[
         bool,

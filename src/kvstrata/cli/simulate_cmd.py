@@ -83,7 +83,11 @@ def simulate(
     ] = None,
     sweep_out: Annotated[
         Path | None,
-        typer.Option("--sweep", help="plot hit rate against capacity for several policies into this PNG"),
+        typer.Option(
+            "--sweep",
+            help="plot hit rate against capacity for several policies to this file, in the format "
+            "its suffix names (.png, .svg, .pdf: any matplotlib writes)",
+        ),
     ] = None,
     policies: Annotated[
         str | None, typer.Option("--policies", help="--sweep: comma-separated policies (default: a set)")
