@@ -120,3 +120,21 @@ def test_the_verdict_lines_are_one_line_each_in_a_log() -> None:
     valid = runner.invoke(app, ["config", "validate", str(DEMO), "--set", f"model.name={name}"], env=env)
     assert valid.exit_code == 0, valid.output
     assert valid.stdout.count("\n") == 1 and "storage: l3 (file)" in valid.stdout, valid.stdout
+
+
+def test_no_usable_backend_is_one_line_not_an_empty_plan_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend that cannot even be set up (a plugin whose constructor or capabilities raise)
+    left the "I/O plan" table with its headers and no row: one line says so instead."""
+    from kvstrata.storage_backends.file import FileBackend
+
+    def broken(self: object) -> object:
+        raise RuntimeError("plugin bug")
+
+    monkeypatch.setattr(FileBackend, "instance_capabilities", broken)
+    result = doctor(f"tiers.storage.l3.path={tmp_path}")
+    assert result.exit_code == 1, result.output
+    assert "I/O plan per" not in result.stdout and "┏" in result.stdout  # the backends table stays
+    assert "I/O plan: none, no storage backend could be set up" in result.stdout
+    assert "RuntimeError: plugin bug" in " ".join(result.output.split())
