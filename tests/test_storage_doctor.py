@@ -138,3 +138,29 @@ def test_no_usable_backend_is_one_line_not_an_empty_plan_table(
     assert "I/O plan per" not in result.stdout and "┏" in result.stdout  # the backends table stays
     assert "I/O plan: none, no storage backend could be set up" in result.stdout
     assert "RuntimeError: plugin bug" in " ".join(result.output.split())
+
+
+def test_doctor_leaves_no_directory_it_created_to_probe_the_l3(tmp_path: Path) -> None:
+    """The file backend's probe ran ``mkdir -p`` on the L3 path and left it there: a diagnostic
+    created what it checked. It still creates and writes it (that is the test of writability),
+    then removes the directories it created, and only those."""
+    kept = tmp_path / "existing"
+    kept.mkdir()
+    (kept / "mine.txt").write_text("the user's")
+    target = kept / "new" / "l3"
+    result = doctor(f"tiers.storage.l3.path={target}")
+    assert result.exit_code == 0, result.output
+    assert "reachable" in result.output
+    assert not (kept / "new").exists()
+    assert sorted(p.name for p in kept.iterdir()) == ["mine.txt"]  # nothing else touched
+    already = doctor(f"tiers.storage.l3.path={kept}")  # an existing directory stays, as it was
+    assert already.exit_code == 0, already.output
+    assert sorted(p.name for p in kept.iterdir()) == ["mine.txt"]
+
+
+def test_the_probe_still_refuses_a_path_it_cannot_create(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = doctor(f"tiers.storage.l3.path={blocker / 'l3'}")
+    assert result.exit_code == 1, result.output
+    assert "cannot create" in result.output and blocker.read_text() == "not a directory"
