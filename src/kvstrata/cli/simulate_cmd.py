@@ -241,9 +241,18 @@ def _simulate_sweep(
 ) -> None:
     from kvstrata.replay.simulate import plot_sweep, sweep
 
-    try:
-        warmup = config.warmup_fraction
-        rates = sweep(requests, names, sizes, block_size=config.block_size, host=host, warmup_fraction=warmup)
+    verb = f"sweep of {len(names)} policies x {len(sizes)} capacities: simulated"
+    try:  # progress on stderr (a live bar on a terminal), as one simulation and replay show it
+        with progress(err, verb, len(names) * len(sizes) * len(requests), quiet=as_json) as update:
+            rates = sweep(
+                requests,
+                names,
+                sizes,
+                block_size=config.block_size,
+                host=host,
+                warmup_fraction=config.warmup_fraction,
+                progress=update,
+            )
     except PluginError as exc:
         raise _fail(exc, EXIT_INVALID) from None
     # the numbers first: a plot that cannot be written (its directory removed, a full disk)

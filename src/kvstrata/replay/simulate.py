@@ -307,24 +307,35 @@ def sweep(
     block_size: int = MOONCAKE_BLOCK_SIZE,
     host: PluginHost | None = None,
     warmup_fraction: float = 0.0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, list[float]]:
     """Hit rate per policy (by name) at each capacity in tokens (``warmup_fraction``: as in
-    :class:`SimulationConfig`, the leading share of requests that only warm each cache)."""
+    :class:`SimulationConfig`, the leading share of requests that only warm each cache).
+    ``progress(done, total)`` counts requests simulated over every run of the sweep (one run per
+    policy and capacity): several policies at 8 capacities on a full trace take minutes."""
     host = host or PluginHost()
     out: dict[str, list[float]] = {}
+    total = len(policies) * len(capacities) * len(requests)
+    done = 0
     for policy in policies:
         name = policy_config(host, policy).type
-        out[name] = [
-            simulate(
-                requests,
-                SimulationConfig(
-                    block_size=block_size, capacity_tokens=c, eviction=policy, warmup_fraction=warmup_fraction
-                ),
-                host=host,
-            ).hit_rate
-            for c in capacities
-        ]
+        out[name] = []
+        for capacity in capacities:
+            config = SimulationConfig(
+                block_size=block_size,
+                capacity_tokens=capacity,
+                eviction=policy,
+                warmup_fraction=warmup_fraction,
+            )
+            report = None if progress is None else _offset_progress(progress, done, total)
+            out[name].append(simulate(requests, config, host=host, progress=report).hit_rate)
+            done += len(requests)
     return out
+
+
+def _offset_progress(progress: Callable[[int, int], None], before: int, total: int) -> Callable[[int], None]:
+    """One run's ``progress(n)`` as the sweep's ``progress(before + n, total)``."""
+    return lambda n: progress(before + n, total)
 
 
 def plot_sweep(
