@@ -11,7 +11,9 @@ Exit codes (every command):
   checked before any work starts, one ``error:`` line;
 - 3: ``replay`` served corrupt data (``corrupt_pages_served`` > 0); never tolerated;
 - 130: interrupted (Ctrl-C); ``replay`` first reports the requests it replayed;
-- 143: ``replay`` terminated (SIGTERM), its temporary L3 directory removed first.
+- 143: ``replay`` terminated (SIGTERM), its temporary L3 directory removed first; any command
+  terminated while writing its plot (``replay --plot``, ``simulate --sweep``), the plot's
+  temporary file removed first.
 
 A reader that closes the pipe early (``| head -1``) changes none of these: what it no longer
 reads is dropped without a word and the command exits with its own code.

@@ -21,6 +21,7 @@ from kvstrata.cli._app import (
     out,
 )
 from kvstrata.cli._checks import check_output_path, check_plot_format, describe_os_error
+from kvstrata.cli.interrupt import writing_output
 from kvstrata.core.config import (
     DEFAULT_MAX_REQUEST_TOKENS,
 )
@@ -269,7 +270,8 @@ def _simulate_sweep(
             table.add_row(escape(name), *(f"{v:.2%}" for v in values))
         out.print(table)
     try:
-        plot_sweep(rates, sizes, png, title=f"hit rate vs capacity: {trace or 'bundled sample trace'}")
+        with writing_output("--sweep", png):
+            plot_sweep(rates, sizes, png, title=f"hit rate vs capacity: {trace or 'bundled sample trace'}")
     except OSError as exc:
         raise _fail(f"cannot write --sweep {png}: {describe_os_error(exc)}", EXIT_RUNTIME) from None
     err.print(f"plot written to {png}", highlight=False, markup=False)

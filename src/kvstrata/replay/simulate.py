@@ -24,7 +24,6 @@ LRU gives 14.3 %.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from kvstrata.plugins.pool_type import (
     PoolSpec,
     Replication,
 )
+from kvstrata.replay.figure import save_figure
 from kvstrata.replay.trace import MOONCAKE_BLOCK_SIZE, TraceRequest
 
 #: the one (byte-less) pool of the simulated tree: one unit per trace block
@@ -362,22 +362,3 @@ def plot_sweep(
         save_figure(fig, Path(path))
     finally:
         plt.close(fig)
-
-
-def save_figure(fig: Any, path: Path) -> None:
-    """Write ``fig`` to a temporary file beside ``path``, then rename it into place: a Ctrl-C or
-    a full disk mid-write leaves no half image under ``path`` (an existing one stays whole). A
-    path that is no regular file (``/dev/null``, a FIFO) is written to, never replaced, and a
-    symbolic link is written through."""
-    fmt = path.suffix[1:].lower() or None  # the format from the suffix, as savefig(path) takes it
-    if path.exists() and not path.is_file():
-        fig.savefig(path, dpi=120, format=fmt)
-        return
-    target = path.resolve() if path.is_symlink() else path
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-    try:
-        with open(partial, "wb") as handle:
-            fig.savefig(handle, dpi=120, format=fmt)
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
