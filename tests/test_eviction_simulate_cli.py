@@ -253,3 +253,77 @@ def test_a_plot_path_that_is_a_link_or_no_regular_file_is_written_not_replaced(t
     assert stat.S_ISFIFO(os.stat(fifo).st_mode), "the FIFO was replaced by a file"
     assert received and b"<svg" in received[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.png", "pipe.svg", "real.png"]
+
+
+def test_the_plot_options_help_names_every_format_not_only_png() -> None:
+    """``--sweep`` (and ``replay --plot``) said "into this PNG" although any suffix matplotlib
+    writes is accepted (``check_plot_format``) and written in that format."""
+    import typer.main
+
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    for command, option in (("simulate", "sweep_out"), ("replay", "plot_out")):
+        params = {p.name: p for p in commands[command].params}
+        text = str(getattr(params[option], "help", ""))
+        assert "this PNG" not in text and ".svg" in text and "suffix" in text, text
+
+
+def _sweep_args(png: Path) -> list[str]:
+    return [
+        "simulate",
+        "--limit",
+        "300",
+        "--sweep",
+        str(png),
+        "--policies",
+        "lru,fifo",
+        "--capacities",
+        "0.5,1",
+    ]
+
+
+def test_a_sweep_shows_its_progress_on_stderr_only(tmp_path: Path) -> None:
+    """Several policies at 8 capacities on a full trace ran for minutes without a word: the sweep
+    now reports requests simulated over all its runs, on stderr, as plain lines when stderr is no
+    terminal (no ANSI codes); stdout keeps exactly the table, and ``--json`` stays silent."""
+    env = {"KVSTRATA_PROGRESS_S": "0", "COLUMNS": "200"}
+    piped = runner.invoke(app, _sweep_args(tmp_path / "a.png"), env=env)
+    assert piped.exit_code == 0, piped.output
+    lines = piped.stderr.splitlines()
+    assert any(
+        line.startswith("sweep of 2 policies x 2 capacities: simulated 1,200/1,200 requests (100%), in ")
+        for line in lines
+    ), piped.stderr
+    assert "\x1b[" not in piped.stderr and "\x1b[" not in piped.stdout
+    assert "simulated" not in piped.stdout and piped.stdout.lstrip().startswith("hit rate by capacity")
+    as_json = runner.invoke(app, [*_sweep_args(tmp_path / "b.png"), "--json"], env=env)
+    assert as_json.exit_code == 0, as_json.output
+    assert "simulated" not in as_json.stderr and json.loads(as_json.stdout)["capacities_tokens"]
+
+
+def test_a_sweep_on_a_terminal_draws_a_live_bar_on_stderr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    import kvstrata.cli.simulate_cmd as simulate_cmd
+
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=120)
+    monkeypatch.setattr(simulate_cmd, "err", terminal)
+    out = runner.invoke(app, _sweep_args(tmp_path / "a.png"), env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    drawn = terminal.file.getvalue()  # type: ignore[attr-defined]
+    assert "sweep of 2 policies x 2 capacities: simulated" in drawn and "\x1b[" in drawn
+    assert "\x1b[" not in out.stdout and "simulated" not in out.stdout
+
+
+def test_sweep_reports_requests_over_every_run() -> None:
+    from kvstrata.replay.simulate import sweep
+
+    requests = read_trace(limit=300)
+    seen: list[tuple[int, int]] = []
+    sweep(requests, ["lru", "fifo"], [500_000, 1_000_000], progress=lambda d, t: seen.append((d, t)))
+    assert {t for _, t in seen} == {1200}
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1] == (1200, 1200)
+    assert (300, 1200) in seen and (900, 1200) in seen  # each run's end

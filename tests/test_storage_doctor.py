@@ -120,3 +120,47 @@ def test_the_verdict_lines_are_one_line_each_in_a_log() -> None:
     valid = runner.invoke(app, ["config", "validate", str(DEMO), "--set", f"model.name={name}"], env=env)
     assert valid.exit_code == 0, valid.output
     assert valid.stdout.count("\n") == 1 and "storage: l3 (file)" in valid.stdout, valid.stdout
+
+
+def test_no_usable_backend_is_one_line_not_an_empty_plan_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend that cannot even be set up (a plugin whose constructor or capabilities raise)
+    left the "I/O plan" table with its headers and no row: one line says so instead."""
+    from kvstrata.storage_backends.file import FileBackend
+
+    def broken(self: object) -> object:
+        raise RuntimeError("plugin bug")
+
+    monkeypatch.setattr(FileBackend, "instance_capabilities", broken)
+    result = doctor(f"tiers.storage.l3.path={tmp_path}")
+    assert result.exit_code == 1, result.output
+    assert "I/O plan per" not in result.stdout and "┏" in result.stdout  # the backends table stays
+    assert "I/O plan: none, no storage backend could be set up" in result.stdout
+    assert "RuntimeError: plugin bug" in " ".join(result.output.split())
+
+
+def test_doctor_leaves_no_directory_it_created_to_probe_the_l3(tmp_path: Path) -> None:
+    """The file backend's probe ran ``mkdir -p`` on the L3 path and left it there: a diagnostic
+    created what it checked. It still creates and writes it (that is the test of writability),
+    then removes the directories it created, and only those."""
+    kept = tmp_path / "existing"
+    kept.mkdir()
+    (kept / "mine.txt").write_text("the user's")
+    target = kept / "new" / "l3"
+    result = doctor(f"tiers.storage.l3.path={target}")
+    assert result.exit_code == 0, result.output
+    assert "reachable" in result.output
+    assert not (kept / "new").exists()
+    assert sorted(p.name for p in kept.iterdir()) == ["mine.txt"]  # nothing else touched
+    already = doctor(f"tiers.storage.l3.path={kept}")  # an existing directory stays, as it was
+    assert already.exit_code == 0, already.output
+    assert sorted(p.name for p in kept.iterdir()) == ["mine.txt"]
+
+
+def test_the_probe_still_refuses_a_path_it_cannot_create(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = doctor(f"tiers.storage.l3.path={blocker / 'l3'}")
+    assert result.exit_code == 1, result.output
+    assert "cannot create" in result.output and blocker.read_text() == "not a directory"

@@ -11,7 +11,12 @@ Exit codes (every command):
   checked before any work starts, one ``error:`` line;
 - 3: ``replay`` served corrupt data (``corrupt_pages_served`` > 0); never tolerated;
 - 130: interrupted (Ctrl-C); ``replay`` first reports the requests it replayed;
-- 143: ``replay`` terminated (SIGTERM), its temporary L3 directory removed first.
+- 143: ``replay`` terminated (SIGTERM), its temporary L3 directory removed first; any command
+  terminated while writing its plot (``replay --plot``, ``simulate --sweep``), the plot's
+  temporary file removed first.
+
+A reader that closes the pipe early (``| head -1``) changes none of these: what it no longer
+reads is dropped without a word and the command exits with its own code.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from kvstrata.cli._checks import (
 )
 from kvstrata.cli.doctor_cmd import build_pool_specs
 from kvstrata.cli.interrupt import exit_on_interrupt
+from kvstrata.cli.pipes import reader_gone_quiet
 from kvstrata.cli.plugins_cmd import install_hint, plugin_rows
 from kvstrata.cli.replay_cmd import describe_storage
 from kvstrata.plugins.errors import ConfigError, KvstrataError, PluginError
@@ -63,12 +69,14 @@ __all__ = [
 
 def main() -> None:
     """Console-script entry point: maps kvstrata errors to exit codes instead of tracebacks, and
-    a Ctrl-C to one line and exit 130 (``replay`` installs its own, gentler handler)."""
+    a Ctrl-C to one line and exit 130 (``replay`` installs its own, gentler handler), and a
+    pipe's reader that stopped reading to nothing at all (``cli/pipes.py``)."""
     previous = None
     with suppress(ValueError):  # ValueError: not the main thread (an embedding application)
         previous = signal.signal(signal.SIGINT, exit_on_interrupt)
     try:
-        _run()
+        with reader_gone_quiet():
+            _run()
     finally:
         if previous is not None:  # main() called in-process (tests) leaves the handler as it was
             signal.signal(signal.SIGINT, previous)

@@ -119,7 +119,14 @@ def doctor(files: ConfigFiles = None, config_option: ConfigOption = None, set_: 
             reach_table.add_row(*who, "[red]unavailable[/]", escape(masked(reason)))
             problems.append(f"backend {instance!r} ({backend_config.type}): {reason}")
     if config.tiers.storage:
-        out.print(plan_table)
+        if plan_table.row_count:
+            out.print(plan_table)
+        else:  # an empty table with its headers read as "nothing to plan", not "nothing usable"
+            out.print(
+                "I/O plan: none, no storage backend could be set up (see the backends below)",
+                soft_wrap=True,
+                highlight=False,
+            )
         out.print(reach_table)
     else:
         out.print("no storage tier configured (tiers.storage is empty)")

@@ -112,3 +112,30 @@ def sigint_handled() -> Iterator[ReplayInterrupt]:
     finally:
         signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, previous_term)
+
+
+@contextmanager
+def writing_output(option: str, path: Path) -> Iterator[None]:
+    """While the command writes ``path`` (its ``--plot`` / ``--sweep`` file): a SIGTERM or a
+    Ctrl-C ends it with one line and exit 143 / 130 by raising ``SystemExit``, so every
+    ``finally`` runs on the way out: the writer's removes its temporary file (SIGTERM's default
+    action, and ``replay``'s exit at once, left a hidden ``.NAME.PID.partial`` beside the plot)
+    and ``replay``'s removes its temporary L3 directory. Main thread only; the handlers before
+    are restored after the block."""
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        what = "terminated" if signum == signal.SIGTERM else "interrupted"
+        _say(f"{what} while writing {option} {path}: stopped, no partial file left")
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread
+        yield
+        return
+    previous_int = signal.signal(signal.SIGINT, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)

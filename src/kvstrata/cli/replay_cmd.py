@@ -29,7 +29,7 @@ from kvstrata.cli._checks import (
     load_cli_config,
     without_password,
 )
-from kvstrata.cli.interrupt import sigint_handled
+from kvstrata.cli.interrupt import sigint_handled, writing_output
 from kvstrata.core.config import (
     KvstrataConfig,
 )
@@ -95,7 +95,12 @@ def replay(
         Path | None, typer.Option("--json", help="write the result (fixed keys) as JSON to this file")
     ] = None,
     plot_out: Annotated[
-        Path | None, typer.Option("--plot", help="draw hit rate per tier over the trace to this PNG")
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="draw hit rate per tier over the trace to this file, in the format its suffix names "
+            "(.png, .svg, .pdf: any matplotlib writes)",
+        ),
     ] = None,
     fresh: Annotated[
         bool,
@@ -213,9 +218,10 @@ def replay(
                 )
             elif plot_out is not None:
                 try:
-                    plot_hit_rates(
-                        details, plot_out, title=f"kvstrata replay: {trace or 'bundled sample trace'}"
-                    )
+                    with writing_output("--plot", plot_out):
+                        plot_hit_rates(
+                            details, plot_out, title=f"kvstrata replay: {trace or 'bundled sample trace'}"
+                        )
                 except OSError as exc:
                     raise _fail(
                         f"cannot write --plot {plot_out}: {describe_os_error(exc)}", EXIT_RUNTIME

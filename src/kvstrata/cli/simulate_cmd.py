@@ -21,6 +21,7 @@ from kvstrata.cli._app import (
     out,
 )
 from kvstrata.cli._checks import check_output_path, check_plot_format, describe_os_error
+from kvstrata.cli.interrupt import writing_output
 from kvstrata.core.config import (
     DEFAULT_MAX_REQUEST_TOKENS,
 )
@@ -83,7 +84,11 @@ def simulate(
     ] = None,
     sweep_out: Annotated[
         Path | None,
-        typer.Option("--sweep", help="plot hit rate against capacity for several policies into this PNG"),
+        typer.Option(
+            "--sweep",
+            help="plot hit rate against capacity for several policies to this file, in the format "
+            "its suffix names (.png, .svg, .pdf: any matplotlib writes)",
+        ),
     ] = None,
     policies: Annotated[
         str | None, typer.Option("--policies", help="--sweep: comma-separated policies (default: a set)")
@@ -237,9 +242,18 @@ def _simulate_sweep(
 ) -> None:
     from kvstrata.replay.simulate import plot_sweep, sweep
 
-    try:
-        warmup = config.warmup_fraction
-        rates = sweep(requests, names, sizes, block_size=config.block_size, host=host, warmup_fraction=warmup)
+    verb = f"sweep of {len(names)} policies x {len(sizes)} capacities: simulated"
+    try:  # progress on stderr (a live bar on a terminal), as one simulation and replay show it
+        with progress(err, verb, len(names) * len(sizes) * len(requests), quiet=as_json) as update:
+            rates = sweep(
+                requests,
+                names,
+                sizes,
+                block_size=config.block_size,
+                host=host,
+                warmup_fraction=config.warmup_fraction,
+                progress=update,
+            )
     except PluginError as exc:
         raise _fail(exc, EXIT_INVALID) from None
     # the numbers first: a plot that cannot be written (its directory removed, a full disk)
@@ -256,7 +270,8 @@ def _simulate_sweep(
             table.add_row(escape(name), *(f"{v:.2%}" for v in values))
         out.print(table)
     try:
-        plot_sweep(rates, sizes, png, title=f"hit rate vs capacity: {trace or 'bundled sample trace'}")
+        with writing_output("--sweep", png):
+            plot_sweep(rates, sizes, png, title=f"hit rate vs capacity: {trace or 'bundled sample trace'}")
     except OSError as exc:
         raise _fail(f"cannot write --sweep {png}: {describe_os_error(exc)}", EXIT_RUNTIME) from None
     err.print(f"plot written to {png}", highlight=False, markup=False)

@@ -23,6 +23,7 @@ from kvstrata.core.metrics import DIRECTIONS as _DIRECTIONS
 from kvstrata.core.metrics import LATENCIES
 from kvstrata.core.metrics import TIERS as _TIERS
 from kvstrata.plugins.errors import KvstrataError
+from kvstrata.replay.figure import save_figure
 
 Tier = Literal["device", "host", "storage"]
 Direction = Literal["device_to_host", "host_to_device", "host_to_storage", "storage_to_host"]
@@ -477,6 +478,8 @@ def plot_hit_rates(
     ax_cum.legend(loc="upper left", ncols=5, fontsize="small")
     ax_cum.set_title(title or "kvstrata replay: token-weighted hit rate by tier (stacked)")
     path = Path(out)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:  # whole or not at all: an interrupted write left half a PNG under the user's name
+        save_figure(fig, path)
+    finally:
+        plt.close(fig)
     return path

@@ -24,7 +24,6 @@ LRU gives 14.3 %.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from kvstrata.plugins.pool_type import (
     PoolSpec,
     Replication,
 )
+from kvstrata.replay.figure import save_figure
 from kvstrata.replay.trace import MOONCAKE_BLOCK_SIZE, TraceRequest
 
 #: the one (byte-less) pool of the simulated tree: one unit per trace block
@@ -307,24 +307,35 @@ def sweep(
     block_size: int = MOONCAKE_BLOCK_SIZE,
     host: PluginHost | None = None,
     warmup_fraction: float = 0.0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, list[float]]:
     """Hit rate per policy (by name) at each capacity in tokens (``warmup_fraction``: as in
-    :class:`SimulationConfig`, the leading share of requests that only warm each cache)."""
+    :class:`SimulationConfig`, the leading share of requests that only warm each cache).
+    ``progress(done, total)`` counts requests simulated over every run of the sweep (one run per
+    policy and capacity): several policies at 8 capacities on a full trace take minutes."""
     host = host or PluginHost()
     out: dict[str, list[float]] = {}
+    total = len(policies) * len(capacities) * len(requests)
+    done = 0
     for policy in policies:
         name = policy_config(host, policy).type
-        out[name] = [
-            simulate(
-                requests,
-                SimulationConfig(
-                    block_size=block_size, capacity_tokens=c, eviction=policy, warmup_fraction=warmup_fraction
-                ),
-                host=host,
-            ).hit_rate
-            for c in capacities
-        ]
+        out[name] = []
+        for capacity in capacities:
+            config = SimulationConfig(
+                block_size=block_size,
+                capacity_tokens=capacity,
+                eviction=policy,
+                warmup_fraction=warmup_fraction,
+            )
+            report = None if progress is None else _offset_progress(progress, done, total)
+            out[name].append(simulate(requests, config, host=host, progress=report).hit_rate)
+            done += len(requests)
     return out
+
+
+def _offset_progress(progress: Callable[[int, int], None], before: int, total: int) -> Callable[[int], None]:
+    """One run's ``progress(n)`` as the sweep's ``progress(before + n, total)``."""
+    return lambda n: progress(before + n, total)
 
 
 def plot_sweep(
@@ -351,22 +362,3 @@ def plot_sweep(
         save_figure(fig, Path(path))
     finally:
         plt.close(fig)
-
-
-def save_figure(fig: Any, path: Path) -> None:
-    """Write ``fig`` to a temporary file beside ``path``, then rename it into place: a Ctrl-C or
-    a full disk mid-write leaves no half image under ``path`` (an existing one stays whole). A
-    path that is no regular file (``/dev/null``, a FIFO) is written to, never replaced, and a
-    symbolic link is written through."""
-    fmt = path.suffix[1:].lower() or None  # the format from the suffix, as savefig(path) takes it
-    if path.exists() and not path.is_file():
-        fig.savefig(path, dpi=120, format=fmt)
-        return
-    target = path.resolve() if path.is_symlink() else path
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-    try:
-        with open(partial, "wb") as handle:
-            fig.savefig(handle, dpi=120, format=fmt)
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)

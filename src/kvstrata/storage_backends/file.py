@@ -116,6 +116,19 @@ class FileBackend(FileIO, StorageBackend):
             self._pool = None
 
     def probe(self) -> str | None:
+        """Whether the directory can be created and written, by doing both (permission bits do
+        not tell). A diagnostic must not create what it checks (``doctor`` left an empty L3
+        directory behind): the directories this probe created are removed again, deepest first,
+        only those and only while empty (``open`` creates them for a run)."""
+        created = [d for d in (self.root, *self.root.parents) if not d.exists()]
+        try:
+            return self._probe_root()
+        finally:
+            for directory in created:
+                with contextlib.suppress(OSError):  # not empty (another process's files): kept
+                    directory.rmdir()
+
+    def _probe_root(self) -> str | None:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
