@@ -261,6 +261,35 @@ def test_write_back_writes_every_checkpoint_an_eviction_drops_with_3_host_state_
         _restores_from_l3("hybrid-mamba", tmp_path, torch.cat([prompt[: k * PAGE], tokens(99, 1)]), k)
 
 
+@pytest.mark.parametrize("digests", [False, True], ids=["", "unit_digests"])
+@pytest.mark.parametrize("stack", ["hybrid-mamba", "swa-mamba"])
+@pytest.mark.parametrize("state_slots", [1, 3])
+def test_write_back_without_l3_keeps_the_deepest_checkpoints_of_an_evicted_prompt(
+    state_slots: int, stack: str, digests: bool
+) -> None:
+    """Write-back, no L3, fewer host state slots than an evicted prompt's 8 checkpoints. The
+    eviction backed up nodes root first while each took a state slot and skipped the rest: the
+    device dropped nodes 4-8 unbacked (28 of 32 host page units free) and the prompt restored
+    3 of its 8 pages. A host node with pages and no state is the middle of a longer prefix, so
+    the shallow nodes' slots now go to the deepest checkpoints: the whole prompt restores from
+    the host, every byte exact, and no unit leaks."""
+    slots = ["policy.write=write_back", *WAIT, f"model.pools.mamba.host_units={state_slots}"]
+    prompt = tokens(96, 8)
+    with open_cache(stack, None, slots + (DIGESTS if digests else [])) as cache:
+        _prefill_page_by_page(cache, prompt)
+        for seed in (97, 98):  # the prompt leaves the device
+            assert serve(cache, tokens(seed, 8))[1] == 0
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+        assert cache.tree.units("mamba", "host") == state_slots
+        for _ in range(2):  # (the second from the device the first restored to)
+            lease = cache.lookup(torch.cat([prompt, tokens(99, 1)]))
+            cache.admit(lease)
+            assert lease.cached_pages == 8, lease.hit_pages
+            assert verify(cache, lease) == 0
+            cache.release(lease)
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+
+
 def test_a_component_backup_whose_copy_raises_gives_back_its_host_unit(tmp_path: Path) -> None:
     """Fault injection (the pool group's device -> host copy raising when called for a component
     a backed-up node gained): the host slot allocated for the checkpoint stayed in use by no one."""

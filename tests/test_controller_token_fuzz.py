@@ -27,7 +27,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from controller_support import _content, device_accounting, holds_ids, verify
+from controller_support import (
+    _content,
+    device_accounting,
+    holds_ids,
+    host_units_held_by_tree,
+    host_units_in_use,
+    verify,
+)
+from kvstrata.core import eviction_rounds
 from kvstrata.core.config import load
 from kvstrata.core.controller import CacheController, CacheFullError, Lease, PoolKind
 from kvstrata.plugins import PluginHost
@@ -124,6 +132,9 @@ class TokenEngine(RuleBasedStateMachine):
     page = 4
     #: counts over the run (restored pages per tier, forks checked, open-lease units checked)
     seen: dict[str, int] = {}
+    #: whether a host tier comes with an L3 (on ``self.l3``); the host state slots (None: 10)
+    with_l3 = True
+    state_slots: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -145,7 +156,9 @@ class TokenEngine(RuleBasedStateMachine):
             f"debug.unit_digests={digests}",
             *extra,
         ]
-        if host:
+        if self.state_slots is not None:
+            sets.append(f"model.pools.mamba.host_units={self.state_slots}")
+        if host and self.with_l3:
             sets.append("tiers.storage.l3.type=file")
             sets.append(f"tiers.storage.l3.path={self.l3}")
             if self.l3cap:
@@ -424,6 +437,44 @@ class StateTiers(TokenEngine):
             self.reread(pick, cut)
 
 
+LOAD_BACK = ("policy.load_back_threshold_tokens=0",)  # (a short host hit is loaded, not recomputed)
+
+
+class WriteBackNoL3(StateTiers):
+    """Write-back with a host tier and no L3, 2-4 host state slots: an eviction's checkpoints
+    outnumber the slots, which go to the deepest of each path (a host node with pages and no
+    state is the middle of a longer prefix). Every restore exact, and with no lease open every
+    host unit in use is the tree's."""
+
+    with_l3 = False
+
+    @initialize(
+        slots=st.integers(2, 4),
+        host=st.sampled_from([12, 32]),
+        evict=st.sampled_from([None, "lru", "fifo", "s3fifo"]),
+        window=st.integers(1, 4),
+        device=st.sampled_from([10, 14, 24]),
+        digests=st.booleans(),
+        prefetch=st.sampled_from(["wait_complete", "best_effort"]),
+    )
+    def start(self, slots, host, evict, window, device, digests, prefetch) -> None:  # type: ignore[override]
+        self.state_slots, self.l3cap, self.recycle, self.io_threads = slots, 0, False, 1
+        self.stems = [tok(7000 + i, 6 * self.page + 3) for i in range(3)]
+        self.args = ("write_back", host, evict, window, device, prefetch, digests)
+        self.cache = self._open(*self.args, LOAD_BACK)
+
+    @precondition(lambda self: self.since >= 3)
+    @rule(host=st.sampled_from([12, 32]), device=st.sampled_from([10, 14, 24]), digests=st.booleans())
+    def reopen(self, host, device, digests) -> None:  # type: ignore[override]
+        super().reopen("write_back", host, self.args[2], device, digests, LOAD_BACK)
+
+    @invariant()
+    def host_units_are_the_trees(self) -> None:
+        if self.cache is not None and not self.open:
+            in_use = host_units_in_use(self.cache)
+            assert in_use == {n: c for n, c in host_units_held_by_tree(self.cache).items() if n in in_use}
+
+
 def run(
     kind: str, page: int, examples: int, steps: int = 50, derandomize: bool = True, base: type = TokenEngine
 ) -> dict[str, int]:
@@ -458,6 +509,25 @@ def test_token_level_engine_loops_restore_exact_bytes(kind: str, page: int) -> N
 def test_state_checkpoints_restored_from_host_and_l3_hold_exact_bytes(kind: str, page: int) -> None:
     seen = run(kind, page, examples=15, steps=30, base=StateTiers)
     assert seen.get("state_host", 0) and seen.get("state_storage", 0), seen
+
+
+@pytest.mark.parametrize(("kind", "page"), [("kv-mamba", 1), ("kv-mamba", 4), ("kv-mamba", 16), ("all", 4)])
+def test_write_back_without_l3_restores_exact_bytes_with_few_host_state_slots(
+    kind: str, page: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random request mixes, write-back, no L3, 2-4 host state slots: checkpoints come back
+    from the host with the slots given to deeper ones (counted: ``given``), every byte exact."""
+    given = [0]
+    give = eviction_rounds._give_slots
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        dropped = give(*args, **kwargs)
+        given[0] += len(dropped)
+        return dropped
+
+    monkeypatch.setattr(eviction_rounds, "_give_slots", counted)
+    seen = run(kind, page, examples=12, steps=30, base=WriteBackNoL3)
+    assert given[0] and (kind != "kv-mamba" or seen.get("state_host", 0)), (seen, given)
 
 
 #: the pairs the fast case leaves out: with it, every stack at every page size (examples kept

@@ -10,8 +10,14 @@ device then dropped the skipped nodes unbacked: checkpoints 5-8 of 8 reached nei
 tier nor L3. With an L3, the backups now go in rounds: each round is written, and once L3 has
 stored it the state copies of its shallowest nodes, which stay on the device until this
 eviction drops them, give their host slots to the next round (L3 holds them; the last round's,
-the deepest checkpoints, stay on the host). Without an L3 a dropped copy would be lost: one
-batch, as before. Before any of that, the device-only prefixes of nodes waiting on the host for
+the deepest checkpoints, stay on the host). Without an L3 the rounds go on as well, but a
+state copy goes to a deeper round only from an ancestor of that round's nodes (:func:`_above`):
+a host node with pages and no state is the middle of a longer prefix ending at a deeper
+checkpoint (the state pool's hit rule), so the path's deepest checkpoints keep the slots and the
+whole prefix restores from the host. Taken root first as one batch, nodes 1-3 of an 8-page
+prompt chunked page by page took the 3 slots and nodes 4-8 were dropped unbacked (3 of 8 pages
+restored, 28 of 32 host page units free). A shorter prefix ending at a shallow node loses its
+checkpoint instead. Before any of that, the device-only prefixes of nodes waiting on the host for
 their prefix's L3 write get the free host room and are written (:func:`_write_waiting`).
 """
 
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -31,7 +37,7 @@ from kvstrata.core.l3_values import PageHashes
 from kvstrata.core.metrics import CacheMetrics, Operation
 from kvstrata.core.stack import PoolKind
 from kvstrata.core.tier_units import TierUnits
-from kvstrata.core.tree import Tier, TreeNode
+from kvstrata.core.tree import PrefixTree, Tier, TreeNode
 from kvstrata.core.write_back import (
     PendingWrite,
     PrefixWaits,
@@ -66,17 +72,23 @@ class Writer(EndWriter, Protocol):
 
 
 def back_up_for_eviction(writer: Writer, shortfall: Mapping[str, int]) -> None:
-    """See :meth:`~kvstrata.core.writer.Writer.back_up_for_eviction`; in rounds with an L3."""
+    """See :meth:`~kvstrata.core.writer.Writer.back_up_for_eviction`; in rounds (module docstring)."""
     with writer.units.keeping_copies():  # the other device pages' host copies let them leave
         if writer.engine is not None and writer.waits:
             _write_waiting(writer)  # (before this eviction's candidates take the free room)
         rest: list[TreeNode] | None = eviction_backups(writer.tree, writer.layout, shortfall)
         handed: set[TreeNode] = set()  # state copies given to a later round
         last: PendingWrite | None = None  # this eviction's last write
+        copied: list[TreeNode] = []  # (without an L3: this eviction's backups so far)
         while rest:
-            nodes, rest = writer._copy_round(rest, False, rounds=writer.engine is not None)
-            if writer.engine is None or not nodes:
+            nodes, rest = writer._copy_round(rest, False, rounds=True)
+            if not nodes:
                 break
+            if writer.engine is None:  # no L3: a deeper checkpoint on the path stands for it
+                copied += nodes
+                if rest:
+                    handed.update(_give_slots(writer, _above(writer.tree, copied, rest), rest))
+                continue
             above = writer.copy_to_host(device_only_ancestors(writer.tree, nodes))  # first
             before = writer.pending[-1] if writer.pending else None
             writer._queue_write(writer.waits.ready(above + nodes), None)  # (and what waited for them)
@@ -84,6 +96,8 @@ def back_up_for_eviction(writer: Writer, shortfall: Mapping[str, int]) -> None:
             last = write if write is not before else last
             if rest and write is not None and write is not before:
                 handed.update(_hand_on_states(writer, write, rest))
+        if writer.engine is None and handed:
+            handed = _stood_for(writer, handed, copied)
         if last is not None:
             handed.update(_hand_on_to_gained(writer, last, handed))
         back_up_gained(writer, skip=handed)  # and components nodes backed up earlier gained since
@@ -143,16 +157,27 @@ def _hand_on_states(writer: Writer, write: PendingWrite, rest: Sequence[TreeNode
     if not results or not all(all(r.ok) for r in results.values()):
         return []  # (not stored: the next round skips, as one batch did)
     writer.drain()  # (unlocks the write's host sources)
+    return _give_slots(writer, sorted(write.nodes, key=lambda n: n.depth_end), rest, results)
+
+
+def _give_slots(
+    writer: Writer, givers: Sequence[TreeNode], rest: Sequence[TreeNode], pools: Container[str] | None = None
+) -> list[TreeNode]:
+    """Drop the host state copies of ``givers`` (root first) that the device still holds,
+    shallowest first, until each state pool (of ``pools``; None: all) has the free host slots
+    ``rest`` needs. Returns the nodes whose copy went."""
     tree, units = writer.tree, writer.units
     dropped: list[TreeNode] = []
     for name, p in tree.index.items():
-        if writer.layout.tree_pools[name].kind is not PoolKind.STATE or name not in results:
+        if writer.layout.tree_pools[name].kind is not PoolKind.STATE:
+            continue
+        if pools is not None and name not in pools:
             continue
         allocator = units.allocator(name, Tier.HOST)
         if allocator is None:
             continue
         need = sum(unit_counts(node, {name: p})[name] for node in rest) - allocator.available
-        for node in sorted(write.nodes, key=lambda n: n.depth_end):
+        for node in givers:
             if need <= 0:
                 break
             if node.host_raw[p] is not None and node.device_raw[p] is not None and not node.host_lock[p]:
@@ -190,3 +215,34 @@ def wait_for_room(writer: Writer, node: TreeNode, needs: dict[str, int]) -> dict
             writer.metrics.count(Operation.BACKUPS_WAITED)
             return got
     return None
+
+
+def _above(tree: PrefixTree, copied: Sequence[TreeNode], rest: Sequence[TreeNode]) -> list[TreeNode]:
+    """Of ``copied`` (this eviction's backups, no L3), the ancestors of a node of ``rest``, root
+    first: a checkpoint below them on their path makes their prefix restorable from the host
+    (a host node with pages and no state is the middle of a longer prefix), so their state slots
+    go to ``rest``'s deeper checkpoints. The others' states are their paths' only ones."""
+    ancestors: set[TreeNode] = set()
+    for node in rest:
+        parent = node.parent
+        while parent is not None and parent is not tree.root and parent not in ancestors:
+            ancestors.add(parent)
+            parent = parent.parent
+    return sorted((n for n in copied if n in ancestors), key=lambda n: n.depth_end)
+
+
+def _stood_for(writer: Writer, handed: set[TreeNode], copied: Sequence[TreeNode]) -> set[TreeNode]:
+    """Of ``handed`` (nodes whose host state copy went to a deeper backup, no L3), those below
+    which a copied node now holds that state pool's copy on the host. A later round that copied
+    nothing under one leaves it standing for no checkpoint: it is backed up again if it fits
+    (``back_up_gained``), as before the rounds."""
+    tree = writer.tree
+    states = [p for name, p in tree.index.items() if writer.layout.tree_pools[name].kind is PoolKind.STATE]
+    covered: set[TreeNode] = set()  # nodes with every state pool's copy on the host below them
+    for node in copied:
+        if all(node.host_raw[p] is not None for p in states):
+            parent = node.parent
+            while parent is not None and parent is not tree.root and parent not in covered:
+                covered.add(parent)
+                parent = parent.parent
+    return {node for node in handed if node in covered}
