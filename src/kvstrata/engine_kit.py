@@ -29,6 +29,7 @@ from kvstrata.core.keys import hash_pages, namespace_root
 from kvstrata.core.pinned_alias import cuda_alias
 from kvstrata.core.storage_batch import BatchResult
 from kvstrata.core.storage_engine import StorageEngine, StorageMetrics, longest_present_prefix
+from kvstrata.core.tokens import integer
 from kvstrata.plugins import PluginHost
 
 
@@ -81,6 +82,7 @@ __all__ = [
     "cuda_alias",
     "dotted",
     "hash_pages",
+    "integer",
     "layout_fingerprint",
     "load_file",
     "longest_present_prefix",

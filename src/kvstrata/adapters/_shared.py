@@ -53,7 +53,6 @@ import copy
 import hashlib
 import json
 import logging
-import operator
 import re
 import threading
 from collections.abc import Iterable, Mapping
@@ -339,15 +338,3 @@ def page_key(key: str) -> str:
         return key
     raw = key.encode("utf-8", "surrogatepass")
     return _HASHED_MARK + hashlib.blake2b(raw, digest_size=16, person=_PAGE_KEY_PERSON).hexdigest()
-
-
-def integer(value: object) -> int | None:
-    """``value`` as an int where it is an integer of any kind (a NumPy one, a 0-d tensor: what
-    ``operator.index`` takes) but a bool, else None (as ``kvstrata.core.tokens.integer``: adapters
-    import no core module)."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return None

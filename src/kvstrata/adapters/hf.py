@@ -61,7 +61,8 @@ from kvstrata.adapters._hf_layout import (
     UnsupportedModelError,
     describe_model,
 )
-from kvstrata.adapters._shared import EngineIdentity, integer, open_cache, weights_digest
+from kvstrata.adapters._shared import EngineIdentity, open_cache, weights_digest
+from kvstrata.engine_kit import integer
 
 __all__ = ["HFStateCache", "PrefillResult", "RestoreInfo", "UnsupportedModelError", "model_identity"]
 
