@@ -230,19 +230,7 @@ class _Workload:
         result = tree.evict_device({"kv": want})
         self.evicted.extend(("demoted", tuple(node.keys), node.pages) for node in result.demoted)
         self.evicted.append(("deleted", result.deleted, result.units.get("kv", 0)))
-        free = min(want, used - sum(protected.values()))
-        assert result.units.get("kv", 0) >= free, (
-            f"policy {policy!r}: asked to free {want} pages, {free} of them "
-            f"unprotected, the eviction freed {result.units.get('kv', 0)}: ranked() must rank every "
-            "candidate it is given, so the tier can free what is asked while unprotected pages remain"
-        )
-        for node, pages in protected.items():
-            assert node.parent is not None and node.device[0] is not None, (
-                f"policy {policy!r}: a locked or pinned node lost its pages"
-            )
-            assert len(node.device[0]) == pages == node.pages, (
-                f"policy {policy!r}: a protected node was trimmed"
-            )
+        _check_freed(policy, Tier.DEVICE, want, result.units.get("kv", 0), used, protected)
 
     def _back_up(self, end: TreeNode) -> None:
         """Back up the path to ``end`` (its nodes without a host copy: the path's tail) to the
@@ -257,19 +245,7 @@ class _Workload:
             result = tree.evict_host({"kv": want})
             freed = result.units.get("kv", 0)
             self.evicted.append(("host", result.deleted, freed))
-            free = min(want, used - sum(protected.values()))
-            assert freed >= free, (
-                f"policy {policy!r}, host tier: asked to free {want} pages, {free} of them unprotected, "
-                f"the eviction freed {freed}: ranked() must rank every candidate it is given, in "
-                "every tier"
-            )
-            for node, pages in protected.items():
-                assert node.parent is not None and node.host[0] is not None, (
-                    f"policy {policy!r}, host tier: a host-locked node lost its host pages"
-                )
-                assert len(node.host[0]) == pages == node.pages, (
-                    f"policy {policy!r}, host tier: a host-locked node was trimmed"
-                )
+            _check_freed(policy, Tier.HOST, want, freed, used, protected)
         room = HOST_CAPACITY - tree.units("kv", Tier.HOST)
         nodes = []
         for node in tree_path(tree, end):
@@ -286,6 +262,24 @@ class _Workload:
         assert tree.units("kv", Tier.HOST) <= HOST_CAPACITY, (
             f"policy {policy!r}: the host tier holds more than its capacity"
         )
+
+
+def _check_freed(
+    policy: str | dict[str, Any], tier: Tier, want: int, freed: int, used: int, protected: dict[TreeNode, int]
+) -> None:
+    """An eviction in ``tier`` freed what was asked while unprotected pages remained, and left
+    every locked or pinned node (``protected``: its pages) whole in that tier."""
+    who = f"policy {policy!r}, {tier.value} tier"
+    free = min(want, used - sum(protected.values()))
+    assert freed >= free, (
+        f"{who}: asked to free {want} pages, {free} of them unprotected, the eviction freed "
+        f"{freed}: ranked() must rank every candidate it is given, so the tier can free what is "
+        "asked while unprotected pages remain"
+    )
+    for node, pages in protected.items():
+        held = node.device[0] if tier is Tier.DEVICE else node.host[0]
+        assert node.parent is not None and held is not None, f"{who}: a locked or pinned node lost its pages"
+        assert len(held) == pages == node.pages, f"{who}: a protected node was trimmed"
 
 
 def _checked_ranked(policy: str | dict[str, Any], ranked: Any, tier: str = "device") -> Any:
