@@ -44,6 +44,18 @@ def _serve_in_two_chunks(cache, request: torch.Tensor, first_pages: int) -> None
             lease.extend(request[first_pages * PAGE :])
 
 
+def _checkpoint_a_backed_up_node(cache, a: torch.Tensor, b: torch.Tensor) -> tuple[int, object, int]:
+    """A (6 pages) served, evicted (backed up whole) and served again, its host copy kept; then
+    B splits it at 3 pages and checkpoints there: (filler pages, the shared node, the state pool)."""
+    filler = cache.pools.device_pages - 2
+    _serve_in_two_chunks(cache, a, 6)
+    _serve_in_two_chunks(cache, tokens(83, filler), filler)  # evicts A: backed up whole
+    _serve_in_two_chunks(cache, a, 6)  # A on the device again, its host copy kept
+    _serve_in_two_chunks(cache, b, 3)  # splits it at 3 and checkpoints there
+    shared = cache.tree.match(cache.tree.keys_of(a[: 3 * PAGE]), count_hit=False).path[-1]
+    return filler, shared, cache.tree.index["mamba"]
+
+
 def _restores_from_l3(stack: str, l3: Path, request: torch.Tensor, pages: int) -> None:
     """A new process on ``l3`` (L3 only) restores ``pages`` of ``request``, every byte exact."""
     with open_cache(stack, l3, WAIT) as cold:
@@ -101,13 +113,7 @@ def test_write_back_backs_up_the_checkpoint_a_backed_up_node_gained_before_evict
     a = tokens(81, 6)
     b = torch.cat([a[: 3 * PAGE], tokens(82, 3)])
     with open_cache(stack, tmp_path, ["policy.write=write_back", *WAIT]) as cache:
-        filler = cache.pools.device_pages - 2
-        _serve_in_two_chunks(cache, a, 6)
-        _serve_in_two_chunks(cache, tokens(83, filler), filler)  # evicts A: backed up whole
-        _serve_in_two_chunks(cache, a, 6)  # A on the device again, its host copy kept
-        _serve_in_two_chunks(cache, b, 3)  # splits it at 3 and checkpoints there
-        shared = cache.tree.match(cache.tree.keys_of(a[: 3 * PAGE]), count_hit=False).path[-1]
-        state = cache.tree.index["mamba"]
+        filler, shared, state = _checkpoint_a_backed_up_node(cache, a, b)
         assert shared.host_raw[0] is not None and shared.host_raw[state] is None
         _serve_in_two_chunks(cache, tokens(84, filler), filler)  # evicts A's nodes again
         assert shared.device_raw[0] is None and shared.host_raw[state] is not None
@@ -143,13 +149,7 @@ def test_write_back_waits_for_an_l3_write_to_back_up_the_checkpoint_its_eviction
     ]
     with open_cache("hybrid-mamba", tmp_path, slots) as cache:
         gate = hold_l3_writes(cache)
-        filler = cache.pools.device_pages - 2
-        _serve_in_two_chunks(cache, a, 6)
-        _serve_in_two_chunks(cache, tokens(83, filler), filler)  # evicts A: backed up whole
-        _serve_in_two_chunks(cache, a, 6)  # A on the device again, its host copy kept
-        _serve_in_two_chunks(cache, b, 3)  # splits it at 3 and checkpoints there
-        shared = cache.tree.match(cache.tree.keys_of(a[: 3 * PAGE]), count_hit=False).path[-1]
-        state = cache.tree.index["mamba"]
+        filler, shared, state = _checkpoint_a_backed_up_node(cache, a, b)
         assert shared.host_raw[state] is None and cache.writer.pending, "(writes in flight)"
         opens = threading.Timer(0.3, gate.set)
         opens.start()
