@@ -56,6 +56,16 @@ def _checkpoint_a_backed_up_node(cache, a: torch.Tensor, b: torch.Tensor) -> tup
     return filler, shared, cache.tree.index["mamba"]
 
 
+def _shared_prefix_from_the_host(cache, a: torch.Tensor) -> None:
+    """A request sharing A's first 3 pages finds all 3 on the host, their bytes exact; flushed."""
+    lease = cache.lookup(torch.cat([a[: 3 * PAGE], tokens(85, 2)]))
+    cache.admit(lease)
+    assert (lease.cached_pages, lease.hit_pages["host"]) == (3, 3), lease.skipped
+    assert verify(cache, lease) == 0
+    cache.release(lease)
+    cache.flush()
+
+
 def _restores_from_l3(stack: str, l3: Path, request: torch.Tensor, pages: int) -> None:
     """A new process on ``l3`` (L3 only) restores ``pages`` of ``request``, every byte exact."""
     with open_cache(stack, l3, WAIT) as cold:
@@ -117,12 +127,7 @@ def test_write_back_backs_up_the_checkpoint_a_backed_up_node_gained_before_evict
         assert shared.host_raw[0] is not None and shared.host_raw[state] is None
         _serve_in_two_chunks(cache, tokens(84, filler), filler)  # evicts A's nodes again
         assert shared.device_raw[0] is None and shared.host_raw[state] is not None
-        lease = cache.lookup(torch.cat([a[: 3 * PAGE], tokens(85, 2)]))
-        cache.admit(lease)
-        assert (lease.cached_pages, lease.hit_pages["host"]) == (3, 3), lease.skipped
-        assert verify(cache, lease) == 0
-        cache.release(lease)
-        cache.flush()
+        _shared_prefix_from_the_host(cache, a)
     _restores_from_l3(stack, tmp_path, torch.cat([a[: 3 * PAGE], tokens(86, 2)]), 3)
 
 
@@ -157,12 +162,7 @@ def test_write_back_waits_for_an_l3_write_to_back_up_the_checkpoint_its_eviction
         opens.join()
         assert shared.device_raw[0] is None and shared.host_raw[state] is not None
         assert cache.metrics.snapshot(samples=False)["operations"]["backups_skipped"] == 0
-        lease = cache.lookup(torch.cat([a[: 3 * PAGE], tokens(85, 2)]))
-        cache.admit(lease)
-        assert (lease.cached_pages, lease.hit_pages["host"]) == (3, 3), lease.skipped
-        assert verify(cache, lease) == 0
-        cache.release(lease)
-        cache.flush()
+        _shared_prefix_from_the_host(cache, a)
         assert host_units_in_use(cache) == host_units_held_by_tree(cache)
     _restores_from_l3("hybrid-mamba", tmp_path, torch.cat([a[: 3 * PAGE], tokens(86, 2)]), 3)
 
