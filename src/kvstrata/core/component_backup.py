@@ -122,6 +122,9 @@ def copy_components(
             raise
         try:
             context.tree.set_host_value(node, name, host.numpy().tobytes())
+        except BaseException:  # (not recorded: the unit is no one's; recorded: the node's)
+            context.units.free_unowned(Tier.HOST, got)
+            raise
         finally:  # (recorded, where an interrupt came after)
             if unqueued is not None and node.host_raw[context.tree.index[name]] is not None:
                 unqueued.copied((node,))
