@@ -354,3 +354,68 @@ def test_an_interrupt_after_a_component_backup_recorded_its_copy_still_writes_it
         cache.flush()
         assert host_units_in_use(cache) == host_units_held_by_tree(cache)
     _restores_from_l3("hybrid-mamba", tmp_path, torch.cat([a[: 3 * PAGE], tokens(73, 2)]), 3)
+
+
+def test_an_interrupt_before_a_component_backup_recorded_its_copy_gives_back_its_host_unit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: ``PrefixTree.set_host_value`` raises before recording the host copy of
+    the checkpoint B left in A's backed-up node (an interrupt). The host slot taken for the copy
+    stayed in use by no one."""
+    from kvstrata.core.tree import PrefixTree
+    from test_interrupts import Interrupt, interrupt_once
+
+    a = tokens(71, 6)
+    b = torch.cat([a[: 3 * PAGE], tokens(72, 3)])
+    with open_cache("hybrid-mamba", tmp_path, WAIT) as cache:
+        _serve_in_two_chunks(cache, a, 6)
+        interrupt_once(monkeypatch, PrefixTree, "set_host_value")
+        lease = cache.lookup(b[: 3 * PAGE])  # B, as ``_serve_in_two_chunks`` serves it
+        cache.admit(lease)
+        units = cache.allocate(lease)
+        cache.fork_state(lease)
+        fill(cache, lease, units)
+        with pytest.raises(Interrupt):
+            cache.insert(lease)  # splits A's node at 3 and checkpoints there
+        cache.release(lease)
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache), "the host slot leaked"
+        serve(cache, tokens(73, 1))  # (the next call)
+        cache.flush()
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+
+
+@pytest.mark.parametrize("interrupt", [False, True], ids=["clean", "interrupted"])
+def test_a_component_write_an_interrupt_lost_rewrites_only_the_component(
+    interrupt: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: an interrupt once the checkpoint B left in A's backed-up node was copied
+    to the host, before its L3 write was queued. The writer's next drain queued the whole node
+    again: its 3 pages, in L3 already, were written and counted ``storage_admitted`` twice (10
+    objects, 10 pages admitted; 7 without the interrupt). Now only the checkpoint is."""
+    from kvstrata.core.metrics import Operation
+    from kvstrata.core.tree import PrefixTree
+    from test_interrupts import Interrupt, interrupt_once
+
+    a = tokens(71, 6)
+    b = torch.cat([a[: 3 * PAGE], tokens(72, 3)])
+    with open_cache("hybrid-mamba", tmp_path, WAIT) as cache:
+        _serve_in_two_chunks(cache, a, 6)
+        if interrupt:
+            interrupt_once(monkeypatch, PrefixTree, "set_host_value", after=True)
+        lease = cache.lookup(b[: 3 * PAGE])
+        cache.admit(lease)
+        units = cache.allocate(lease)
+        cache.fork_state(lease)
+        fill(cache, lease, units)
+        if interrupt:
+            with pytest.raises(Interrupt):
+                cache.insert(lease)  # splits A's node at 3 and checkpoints there
+        else:
+            cache.insert(lease)
+        cache.release(lease)
+        serve(cache, tokens(73, 1))  # (the next call)
+        cache.flush()
+        metrics = cache.metrics
+        assert (metrics.operations[Operation.STORAGE_ADMITTED], metrics.storage.put_units) == (7, 10)
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+    _restores_from_l3("hybrid-mamba", tmp_path, torch.cat([a[: 3 * PAGE], tokens(73, 2)]), 3)

@@ -23,6 +23,7 @@ import torch
 
 from kvstrata.core.l3_values import PageHashes, PerPool, host_values_per_pool, path_hashes, trailing_windows
 from kvstrata.core.metrics import Operation
+from kvstrata.core.node_set import on_host
 from kvstrata.core.part_context import PartContext
 from kvstrata.core.stack import PoolKind, StackLayout, unit_bytes
 from kvstrata.core.storage_engine import StorageEngine
@@ -30,6 +31,55 @@ from kvstrata.core.transfer import settle_copies
 from kvstrata.core.tree import MatchResult, PrefixTree, Tier, TreeNode
 from kvstrata.core.tree_bytes import UNIT, unit_tensor
 from kvstrata.core.write_back import Unqueued, gained_components
+
+
+class UnqueuedPools(Unqueued):
+    """:class:`Unqueued` knowing the nodes whose lost copies were components only (a checkpoint
+    a backed-up node gained): the drain wrote the whole node again, objects L3 had, each page
+    counted ``storage_admitted`` twice. :func:`requeue_lost` writes those components only."""
+
+    def __init__(self, tree: PrefixTree) -> None:
+        super().__init__(tree)
+        self._call: dict[TreeNode, set[str]] = {}  # this call's component-only copies
+        self.pools: dict[TreeNode, set[str]] = {}  # lost nodes that lost these components only
+
+    def copied(self, nodes: Iterable[TreeNode], pool: str | None = None) -> None:
+        """``pool``: a component's copy (None: a whole node's backup)."""
+        if not self._depth:
+            return
+        nodes = list(nodes)
+        for node in nodes:
+            if pool is None:
+                self._call.pop(node, None)
+            elif node not in self._copied or node in self._call:  # (not after its whole backup)
+                self._call.setdefault(node, set()).add(pool)
+        super().copied(nodes)
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        for node in self._copied if kind is not None else ():
+            if not on_host(node):
+                continue
+            if node in self._call and (node not in self.lost or node in self.pools):
+                self.pools.setdefault(node, set()).update(self._call[node])
+            else:  # (a whole node lost: written whole)
+                self.pools.pop(node, None)
+        super().__exit__(kind, *rest)
+        if not self._depth:
+            self._call.clear()
+
+
+def requeue_lost(writer: EndWriter) -> list[TreeNode]:
+    """Queue the component writes an interrupt lost (:class:`UnqueuedPools`); returns the other
+    lost nodes (:meth:`~kvstrata.core.write_back.Unqueued.take`), to write whole."""
+    nodes = writer.unqueued.take()
+    pools, writer.unqueued.pools = writer.unqueued.pools, {}
+    groups: dict[frozenset[str], list[TreeNode]] = {}
+    for node in nodes:
+        if node in pools and node not in writer.refused:
+            groups.setdefault(frozenset(pools[node]), []).append(node)
+    for names, group in groups.items():
+        _write_components(writer, group, set(names), None)
+    return [node for node in nodes if node not in pools]
 
 
 class EndWriter(Protocol):
@@ -52,7 +102,7 @@ class EndWriter(Protocol):
     @property
     def window_ends(self) -> Container[TreeNode]: ...  # stored last windows
     @property
-    def unqueued(self) -> Unqueued: ...  # copied, their write not queued: an interrupt came
+    def unqueued(self) -> UnqueuedPools: ...  # copied, their write not queued: an interrupt came
 
     def back_up(
         self, nodes: Iterable[TreeNode], *, hashes: PageHashes | None = None, admit: bool = False
@@ -88,7 +138,7 @@ def copy_components(
     context: PartContext,
     nodes: Sequence[TreeNode],
     room: Callable[[TreeNode, dict[str, int]], dict[str, torch.Tensor] | None] | None = None,
-    unqueued: Unqueued | None = None,
+    unqueued: UnqueuedPools | None = None,
 ) -> tuple[list[TreeNode], set[str]]:
     """Copy each unbacked component of ``nodes`` to the host (evicting where needed, the node's
     path kept; else waiting for ``room``: in-flight L3 writes lock their sources); returns the
@@ -122,9 +172,12 @@ def copy_components(
             raise
         try:
             context.tree.set_host_value(node, name, host.numpy().tobytes())
+        except BaseException:  # (not recorded: the unit is no one's; recorded: the node's)
+            context.units.free_unowned(Tier.HOST, got)
+            raise
         finally:  # (recorded, where an interrupt came after)
             if unqueued is not None and node.host_raw[context.tree.index[name]] is not None:
-                unqueued.copied((node,))
+                unqueued.copied((node,), name)
         nbytes += count * unit_bytes(context.pools, context.layout.tree_pools[name])
         if not copied or copied[-1] is not node:
             copied.append(node)

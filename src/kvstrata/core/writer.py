@@ -25,9 +25,11 @@ import torch
 from kvstrata.core.admission import make_admission
 from kvstrata.core.backup_plan import Raw, Units, backup_candidates, device_units, joined, unit_counts
 from kvstrata.core.component_backup import (
+    UnqueuedPools,
     back_up_components,
     back_up_hot,
     lookup_end_to_l3,
+    requeue_lost,
     window_end_to_l3,
 )
 from kvstrata.core.eviction_rounds import back_up_for_eviction, wait_for_room
@@ -54,7 +56,6 @@ from kvstrata.core.write_back import (
     PrefixWaits,
     RetryWrites,
     StoredWindowEnds,
-    Unqueued,
     count_refused_writes,
     host_locks,
     unbacked_above,
@@ -84,7 +85,7 @@ class Writer:
         self.refused = SplitFollowingSet(self.tree, on_host)  # by the storage filter: offered at a reuse
         self.retry = RetryWrites(self.tree)  # lost to a transient failure: offered again at a reuse
         self.waits = PrefixWaits(self.tree)  # write-back: on the host, L3 waits for their prefix
-        self.unqueued = Unqueued(self.tree)  # copied, their write not queued: an interrupt came
+        self.unqueued = UnqueuedPools(self.tree)  # copied, their write not queued: an interrupt came
         self.window_ends = StoredWindowEnds(tree=self.tree)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-l3-write")
         self.hit_touch = HitTouch.of(engine, context, self._thread, self.window_ends)  # hot prefixes stay
@@ -324,7 +325,7 @@ class Writer:
             self._finish(pending.popleft())
         if lost := self.hit_touch.lost(self.refused):
             self._queue_write(lost, None, admitted=True)  # hit pages L3 lost: stored again
-        if self.unqueued.lost and (lost := self.unqueued.take()):  # (write-back: their prefix first)
+        if self.unqueued.lost and (lost := requeue_lost(self)):  # (write-back: their prefix first)
             self._queue_write(self.waits.ready(lost) if self.policy.write == "write_back" else lost, None)
         return took
 
