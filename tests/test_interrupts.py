@@ -513,3 +513,45 @@ def test_an_interrupt_after_a_backup_recorded_its_copies_still_writes_them_to_l3
     assert host_units_in_use(cache) == host_units_held_by_tree(cache)
     cache.close()
     assert _restored(l3, first) == 4, "the pages reached L3"
+
+
+def test_an_interrupt_after_a_state_copy_gave_its_host_slot_frees_the_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fault injection: ``PrefixTree.drop_component`` raises once its real call dropped a host
+    state copy that write-back's rounds (no L3, 1 host state slot) give to a deeper checkpoint
+    (a Ctrl-C landing after the drop). The tree no longer held the slot and nothing had freed
+    it: one host state unit in use by no one, for the cache's life (the token fuzz machine's
+    leak check, interrupts injected, found it)."""
+    slots = [
+        "policy.write=write_back",
+        "policy.prefetch.policy=wait_complete",
+        "model.pools.mamba.host_units=1",
+    ]
+    prompt = tokens(96, 8)
+    with open_cache("hybrid-mamba", None, slots) as cache:
+        lease = cache.lookup(prompt[:64])  # a chunked prefill: a checkpoint at every page
+        cache.admit(lease)
+        for end in range(1, 9):
+            if end > 1:
+                lease.extend(prompt[(end - 1) * 64 : end * 64])
+            fill(cache, lease, cache.allocate(lease))
+            cache.fork_state(lease)
+            cache.insert(lease, close=end == 8)
+        interrupt_once(monkeypatch, PrefixTree, "drop_component", after=True)
+        interrupted = False
+        for seed in (97, 98):  # the prompt leaves the device
+            other = cache.lookup(tokens(seed, 8))
+            cache.admit(other)
+            try:
+                fill(cache, other, cache.allocate(other))
+            except Interrupt:
+                cache.release(other)
+                interrupted = True
+                break
+            cache.insert(other)
+        assert interrupted
+        cache.tree.check()
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+        assert serve(cache, tokens(99, 8))[1] == 0
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
