@@ -6,6 +6,7 @@ leave every unit, reservation and backend accounted for."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -513,3 +514,83 @@ def test_an_interrupt_after_a_backup_recorded_its_copies_still_writes_them_to_l3
     assert host_units_in_use(cache) == host_units_held_by_tree(cache)
     cache.close()
     assert _restored(l3, first) == 4, "the pages reached L3"
+
+
+def test_an_interrupt_after_a_state_copy_gave_its_host_slot_frees_the_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fault injection: ``PrefixTree.drop_component`` raises once its real call dropped a host
+    state copy that write-back's rounds (no L3, 1 host state slot) give to a deeper checkpoint
+    (a Ctrl-C landing after the drop). The tree no longer held the slot and nothing had freed
+    it: one host state unit in use by no one, for the cache's life (the token fuzz machine's
+    leak check, interrupts injected, found it)."""
+    slots = [
+        "policy.write=write_back",
+        "policy.prefetch.policy=wait_complete",
+        "model.pools.mamba.host_units=1",
+    ]
+    prompt = tokens(96, 8)
+    with open_cache("hybrid-mamba", None, slots) as cache:
+        lease = cache.lookup(prompt[:64])  # a chunked prefill: a checkpoint at every page
+        cache.admit(lease)
+        for end in range(1, 9):
+            if end > 1:
+                lease.extend(prompt[(end - 1) * 64 : end * 64])
+            fill(cache, lease, cache.allocate(lease))
+            cache.fork_state(lease)
+            cache.insert(lease, close=end == 8)
+        interrupt_once(monkeypatch, PrefixTree, "drop_component", after=True)
+        interrupted = False
+        for seed in (97, 98):  # the prompt leaves the device
+            other = cache.lookup(tokens(seed, 8))
+            cache.admit(other)
+            try:
+                fill(cache, other, cache.allocate(other))
+            except Interrupt:
+                cache.release(other)
+                interrupted = True
+                break
+            cache.insert(other)
+        assert interrupted
+        cache.tree.check()
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+        assert serve(cache, tokens(99, 8))[1] == 0
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+
+
+@pytest.mark.parametrize("write", ["write_through", "write_back"])
+def test_flush_after_an_interrupted_backup_waits_for_its_l3_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: str
+) -> None:
+    """Fault injection as above, then ``flush`` (or ``close``: what an interrupted engine calls
+    next) with no call between. The write the interrupt left for the next drain was queued by
+    flush's own closing poll, after its wait: flush returned with the pages not in L3 yet, and
+    close counted the write abandoned ("cancelled, not stored"), cancelled where the writer
+    thread had not started it."""
+    l3 = tmp_path / "l3"
+    cache = open_cache("kv", l3, overrides=[f"policy.write={write}", "tiers.device.capacity_tokens=512"])
+    first = tokens(1, 4)
+    if write == "write_through":
+        lease = computed(cache, first)
+    else:
+        serve(cache, first)
+        lease = cache.lookup(tokens(2, 6))
+        cache.admit(lease)
+    interrupt_once(monkeypatch, PrefixTree, "set_host_values", after=True)
+    with pytest.raises(Interrupt):
+        cache.insert(lease) if write == "write_through" else cache.allocate(lease)
+    cache.release(lease)
+    engine = cache.writer.engine
+    assert engine is not None
+    put_group = engine.put_group
+
+    def slow(*args: object, **kwargs: object) -> object:  # (an L3 a little behind)
+        time.sleep(0.2)
+        return put_group(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "put_group", slow)
+    cache.flush()
+    assert all(write.future.done() for write in cache.writer.pending), "flush left a write running"
+    assert _restored(l3, first) == 4, "the pages reached L3 by flush's return"
+    cache.close()
+    assert cache.metrics.snapshot()["operations"]["storage_writes_abandoned"] == 0

@@ -38,6 +38,7 @@ from kvstrata.core.metrics import CacheMetrics, Operation
 from kvstrata.core.stack import PoolKind
 from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import PrefixTree, Tier, TreeNode
+from kvstrata.core.tree_bytes import unit_tensor
 from kvstrata.core.write_back import (
     PendingWrite,
     PrefixWaits,
@@ -180,8 +181,14 @@ def _give_slots(
         for node in givers:
             if need <= 0:
                 break
-            if node.host_raw[p] is not None and node.device_raw[p] is not None and not node.host_lock[p]:
-                freed = tree.drop_component(node, name, Tier.HOST)
+            held = node.host_raw[p]
+            if held is not None and node.device_raw[p] is not None and not node.host_lock[p]:
+                try:
+                    freed = tree.drop_component(node, name, Tier.HOST)
+                except BaseException:  # (dropped, where an interrupt came after: no one's units)
+                    if node.host_raw[p] is None:
+                        units.free(Tier.HOST, {name: unit_tensor(held)})
+                    raise
                 units.free(Tier.HOST, {name: freed})
                 need -= freed.shape[0]
                 dropped.append(node)

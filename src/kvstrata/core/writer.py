@@ -357,8 +357,8 @@ class Writer:
             self.end_open()
         finally:
             self.room_deadline = None
-        if self.hit_touch.wait(deadline, self.refused):
-            self.drain()  # (what L3 lost of a hit: written again, waited for below)
+        if self.hit_touch.wait(deadline, self.refused) or self.unqueued.lost:
+            self.drain()  # (what L3 lost of a hit, an interrupted backup's write: waited for below)
         wait_writes(self.pending, deadline)
 
     def shutdown(self, wait: bool = True) -> None:
