@@ -66,6 +66,24 @@ def _shared_prefix_from_the_host(cache, a: torch.Tensor) -> None:
     cache.flush()
 
 
+def _split_interrupted(cache, monkeypatch: pytest.MonkeyPatch, b: torch.Tensor, *, after: bool) -> None:
+    """B's first chunk (as :func:`_serve_in_two_chunks` serves it) splits A's backed-up node at 3
+    pages and checkpoints there; ``PrefixTree.set_host_value`` raises an interrupt once, before
+    or ``after`` recording the checkpoint's host copy; B is then released."""
+    from kvstrata.core.tree import PrefixTree
+    from test_interrupts import Interrupt, interrupt_once
+
+    interrupt_once(monkeypatch, PrefixTree, "set_host_value", after=after)
+    lease = cache.lookup(b[: 3 * PAGE])
+    cache.admit(lease)
+    units = cache.allocate(lease)
+    cache.fork_state(lease)
+    fill(cache, lease, units)
+    with pytest.raises(Interrupt):
+        cache.insert(lease)
+    cache.release(lease)
+
+
 def _restores_from_l3(stack: str, l3: Path, request: torch.Tensor, pages: int) -> None:
     """A new process on ``l3`` (L3 only) restores ``pages`` of ``request``, every byte exact."""
     with open_cache(stack, l3, WAIT) as cold:
@@ -332,22 +350,12 @@ def test_an_interrupt_after_a_component_backup_recorded_its_copy_still_writes_it
     host copy of the checkpoint B left in A's backed-up node (an interrupt, as from an observer
     hook). The node then had the checkpoint on the host and no longer counted as gaining it:
     no later backup wrote it, and a fresh cache restored 0 of the 3 pages."""
-    from kvstrata.core.tree import PrefixTree
-    from test_interrupts import Interrupt, interrupt_once
 
     a = tokens(71, 6)
     b = torch.cat([a[: 3 * PAGE], tokens(72, 3)])
     with open_cache("hybrid-mamba", tmp_path, WAIT) as cache:
         _serve_in_two_chunks(cache, a, 6)
-        interrupt_once(monkeypatch, PrefixTree, "set_host_value", after=True)
-        lease = cache.lookup(b[: 3 * PAGE])  # B, as ``_serve_in_two_chunks`` serves it
-        cache.admit(lease)
-        units = cache.allocate(lease)
-        cache.fork_state(lease)
-        fill(cache, lease, units)
-        with pytest.raises(Interrupt):
-            cache.insert(lease)  # splits A's node at 3 and checkpoints there
-        cache.release(lease)
+        _split_interrupted(cache, monkeypatch, b, after=True)
         shared = cache.tree.match(cache.tree.keys_of(a[: 3 * PAGE]), count_hit=False).path[-1]
         assert shared.host_raw[cache.tree.index["mamba"]] is not None, "(the copy is recorded)"
         serve(cache, tokens(73, 1))  # (the next call)
@@ -362,22 +370,12 @@ def test_an_interrupt_before_a_component_backup_recorded_its_copy_gives_back_its
     """Fault injection: ``PrefixTree.set_host_value`` raises before recording the host copy of
     the checkpoint B left in A's backed-up node (an interrupt). The host slot taken for the copy
     stayed in use by no one."""
-    from kvstrata.core.tree import PrefixTree
-    from test_interrupts import Interrupt, interrupt_once
 
     a = tokens(71, 6)
     b = torch.cat([a[: 3 * PAGE], tokens(72, 3)])
     with open_cache("hybrid-mamba", tmp_path, WAIT) as cache:
         _serve_in_two_chunks(cache, a, 6)
-        interrupt_once(monkeypatch, PrefixTree, "set_host_value")
-        lease = cache.lookup(b[: 3 * PAGE])  # B, as ``_serve_in_two_chunks`` serves it
-        cache.admit(lease)
-        units = cache.allocate(lease)
-        cache.fork_state(lease)
-        fill(cache, lease, units)
-        with pytest.raises(Interrupt):
-            cache.insert(lease)  # splits A's node at 3 and checkpoints there
-        cache.release(lease)
+        _split_interrupted(cache, monkeypatch, b, after=False)
         assert host_units_in_use(cache) == host_units_held_by_tree(cache), "the host slot leaked"
         serve(cache, tokens(73, 1))  # (the next call)
         cache.flush()
