@@ -52,6 +52,19 @@ def interrupt_once(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, *,
     monkeypatch.setattr(owner, name, interrupted)
 
 
+def _lease_that_backs_up(cache: CacheController, write: str) -> Lease:
+    """The lease whose next call backs up a first request's 4 pages: under write-through that
+    request's own (computed, its insert backs it up), under write-back a second request's, whose
+    allocation evicts the first (the backup ahead of the eviction)."""
+    first = tokens(1, 4)
+    if write == "write_through":
+        return computed(cache, first)
+    serve(cache, first)
+    lease = cache.lookup(tokens(2, 6))
+    cache.admit(lease)
+    return lease
+
+
 def _inside(function: str) -> bool:
     frame = sys._getframe()
     while frame is not None:
@@ -493,13 +506,7 @@ def test_an_interrupt_after_a_backup_recorded_its_copies_still_writes_them_to_l3
     l3 = tmp_path / "l3"
     device = ["tiers.device.capacity_tokens=512"]  # 8 pages: the second request evicts the first
     cache = open_cache("kv", l3, overrides=[f"policy.write={write}", *device])
-    first = tokens(1, 4)
-    if write == "write_through":
-        lease = computed(cache, first)
-    else:
-        serve(cache, first)
-        lease = cache.lookup(tokens(2, 6))
-        cache.admit(lease)
+    first, lease = tokens(1, 4), _lease_that_backs_up(cache, write)
     if where == "recorded":
         interrupt_once(monkeypatch, PrefixTree, "set_host_values", after=True)
     else:
@@ -569,13 +576,7 @@ def test_flush_after_an_interrupted_backup_waits_for_its_l3_write(
     thread had not started it."""
     l3 = tmp_path / "l3"
     cache = open_cache("kv", l3, overrides=[f"policy.write={write}", "tiers.device.capacity_tokens=512"])
-    first = tokens(1, 4)
-    if write == "write_through":
-        lease = computed(cache, first)
-    else:
-        serve(cache, first)
-        lease = cache.lookup(tokens(2, 6))
-        cache.admit(lease)
+    first, lease = tokens(1, 4), _lease_that_backs_up(cache, write)
     interrupt_once(monkeypatch, PrefixTree, "set_host_values", after=True)
     with pytest.raises(Interrupt):
         cache.insert(lease) if write == "write_through" else cache.allocate(lease)
