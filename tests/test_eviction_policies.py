@@ -383,3 +383,25 @@ def test_learned_counts_a_reuse_only_for_the_same_prefix() -> None:
     assert len(learned.pending) == 3  # type: ignore[attr-defined]  # none resolved
     tree.match(seq(20))  # the first prefix read again: its prediction resolves
     assert len(learned.pending) == 2  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ["reuse", "arc"])
+def test_a_node_first_heard_of_in_ranked_ranks_as_it_ranks_alone_next(name: str) -> None:
+    """A node ``reuse`` (ARC and S3-FIFO alike) first hears of in ``ranked`` (an insert revived a
+    host-only node) enters probation there. The segments' order was read from the page counts
+    before it entered, so the same node ranked alone next (an eviction ranks nodes that become
+    leaves as it goes, against the rest) ranked a whole segment apart: the policy kit, driving
+    the host tier, found 8.0 against 2**50 + 8."""
+
+    class Node:
+        def __init__(self, node_id: int, pages: int) -> None:
+            self.id, self.pages = node_id, pages
+
+    order = policy(name, capacity=8)  # reuse's probation target: 0.8 pages (ARC's T1: 0)
+    hot, revived = Node(1, 1), Node(2, 2)
+    order.ranked([hot])  # type: ignore[list-item]  # heard of here: probation (T1)
+    order.accessed([hot])  # type: ignore[list-item]  # read again: main (T2); probation empty
+    together = {entry[2]: entry[0] for entry in order.ranked([hot, revived])}  # type: ignore[list-item]
+    alone = order.ranked([revived])[0][0]  # type: ignore[list-item]
+    assert together[revived] == alone
+    assert alone < together[hot], "probation (2 pages, over its target) goes first"

@@ -62,14 +62,14 @@ class ArcPolicy(EvictionPolicy):
         self._list[node] = which
 
     def ranked(self, entries: list[E]) -> list[tuple[float, int, E]]:
+        for node in entries:  # unheard of (an insert revived a host-only node): new, placed
+            if node not in self._list:  # before the lists' order is read from their sizes,
+                self._place(node, 1)  # else a node ranked alone next ranked otherwise
         t1, t2 = self.sizes[1], self.sizes[2]
         first = 1 if (t1 > self.target and t1 > 0) or t2 == 0 else 2
         out = []
         for node in entries:
-            which = self._list.get(node)
-            if which is None:  # unheard of (an insert revived a host-only node): new
-                self._place(node, 1)
-                which = 1
+            which = self._list[node]
             out.append(((which != first) * _LIST + self._stamp[node], node.id, node))
         return out
 

@@ -121,15 +121,15 @@ class ReusePolicy(EvictionPolicy):
     # --- ranking ------------------------------------------------------------------------------
 
     def ranked(self, entries: list[E]) -> list[tuple[float, int, E]]:
+        for node in entries:  # unheard of (an insert revived a host-only node): new, entered
+            if node not in self.segment:  # before the segments' order is read from the counts,
+                self._enter(node, _PROBATION)  # else a node ranked alone next ranked otherwise
         probation_first = self.pages[_PROBATION] > self.target or self.pages[_MAIN] == 0
         shift = self.settings.size_weight * self.lifetime
         odds = self._log_odds() if shift else None
         out = []
         for node in entries:
-            segment = self.segment.get(node)
-            if segment is None:  # unheard of (an insert revived a host-only node): new
-                self._enter(node, _PROBATION)
-                segment = _PROBATION
+            segment = self.segment[node]
             rank = self.stamp[node]
             if segment == _PROBATION and odds is not None:
                 rank += shift * odds[self.size_class[node]]

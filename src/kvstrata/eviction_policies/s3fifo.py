@@ -108,13 +108,13 @@ class S3FifoPolicy(EvictionPolicy):
             self._main.append(node)
 
     def ranked(self, entries: list[E]) -> list[tuple[float, int, E]]:
+        for node in entries:  # unheard of (an insert revived a host-only node): new, entered
+            if node not in self._queue:  # before the queues' order is read from the counts,
+                self._enter(node, _SMALL)  # else a node ranked alone next ranked otherwise
         small_first = self.small_pages >= self.small_limit or not self._main
         out = []
         for node in entries:
-            queue = self._queue.get(node)
-            if queue is None:  # unheard of (an insert revived a host-only node): new
-                self._enter(node, _SMALL)
-                queue = _SMALL
+            queue = self._queue[node]
             if queue == _SMALL:
                 level = 0 if small_first else self.max_reads + 1
             else:
