@@ -66,20 +66,27 @@ def _shared_prefix_from_the_host(cache, a: torch.Tensor) -> None:
     cache.flush()
 
 
-def _split_interrupted(cache, monkeypatch: pytest.MonkeyPatch, b: torch.Tensor, *, after: bool) -> None:
+def _split_interrupted(
+    cache, monkeypatch: pytest.MonkeyPatch, b: torch.Tensor, *, after: bool, interrupt: bool = True
+) -> None:
     """B's first chunk (as :func:`_serve_in_two_chunks` serves it) splits A's backed-up node at 3
     pages and checkpoints there; ``PrefixTree.set_host_value`` raises an interrupt once, before
-    or ``after`` recording the checkpoint's host copy; B is then released."""
+    or ``after`` recording the checkpoint's host copy (none without ``interrupt``); B is then
+    released."""
     from kvstrata.core.tree import PrefixTree
     from test_interrupts import Interrupt, interrupt_once
 
-    interrupt_once(monkeypatch, PrefixTree, "set_host_value", after=after)
+    if interrupt:
+        interrupt_once(monkeypatch, PrefixTree, "set_host_value", after=after)
     lease = cache.lookup(b[: 3 * PAGE])
     cache.admit(lease)
     units = cache.allocate(lease)
     cache.fork_state(lease)
     fill(cache, lease, units)
-    with pytest.raises(Interrupt):
+    if interrupt:
+        with pytest.raises(Interrupt):
+            cache.insert(lease)
+    else:
         cache.insert(lease)
     cache.release(lease)
 
@@ -391,26 +398,12 @@ def test_a_component_write_an_interrupt_lost_rewrites_only_the_component(
     again: its 3 pages, in L3 already, were written and counted ``storage_admitted`` twice (10
     objects, 10 pages admitted; 7 without the interrupt). Now only the checkpoint is."""
     from kvstrata.core.metrics import Operation
-    from kvstrata.core.tree import PrefixTree
-    from test_interrupts import Interrupt, interrupt_once
 
     a = tokens(71, 6)
     b = torch.cat([a[: 3 * PAGE], tokens(72, 3)])
     with open_cache("hybrid-mamba", tmp_path, WAIT) as cache:
         _serve_in_two_chunks(cache, a, 6)
-        if interrupt:
-            interrupt_once(monkeypatch, PrefixTree, "set_host_value", after=True)
-        lease = cache.lookup(b[: 3 * PAGE])
-        cache.admit(lease)
-        units = cache.allocate(lease)
-        cache.fork_state(lease)
-        fill(cache, lease, units)
-        if interrupt:
-            with pytest.raises(Interrupt):
-                cache.insert(lease)  # splits A's node at 3 and checkpoints there
-        else:
-            cache.insert(lease)
-        cache.release(lease)
+        _split_interrupted(cache, monkeypatch, b, after=True, interrupt=interrupt)
         serve(cache, tokens(73, 1))  # (the next call)
         cache.flush()
         metrics = cache.metrics
