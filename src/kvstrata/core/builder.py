@@ -83,6 +83,7 @@ def check_startup(config: KvstrataConfig, plugins: PluginHost, *, machine: bool 
     _check_eviction(config, plugins)
     sizing = _SizingOnly(config, plugins)
     _check_device_units(config, {name: units for name, (_, units) in sizing.sized.items()})
+    _check_host_units(config)
 
 
 def startup_host_bytes(config: KvstrataConfig, plugins: PluginHost) -> int:
@@ -156,6 +157,21 @@ def _check_device_units(config: KvstrataConfig, units: Mapping[str, tuple[int, i
         )
 
 
+def _check_host_units(config: KvstrataConfig) -> None:
+    """A page reaches the host tier (and L3, which goes through it) only with a host unit in
+    every pool of the stack: one pool set to no host units turned both off for every pool, with
+    no word at start-up (doctor said every pool could be stored)."""
+    if config.tiers.host.capacity_tokens <= 0:
+        return
+    for name, pool in config.model.pools.items():
+        if pool.host_units == 0:
+            raise StartupError(
+                f"model.pools.{name}.host_units is 0: no page of the stack could be on the host tier "
+                "or in L3 (a page needs a host unit in every pool); set it to at least one, or "
+                "tiers.host.capacity_tokens=0 to run without a host tier"
+            )
+
+
 @dataclass
 class CacheParts:
     """Everything start-up builds; the controller coordinates these objects."""
@@ -197,6 +213,7 @@ def build_cache(
     try:
         pools = PoolGroup(config, plugins, host_allocator=host_allocator, device_tensors=device_tensors)
         _check_device_units(config, {name: (pool.device.units, 0) for name, pool in pools.pools.items()})
+        _check_host_units(config)
         tree = PrefixTree(pool.spec for pool in pools.pools.values())
         parts = CacheParts(config, plugins, pools, tree, StackLayout.of(pools, tree), CacheMetrics())
         if backend is not None:

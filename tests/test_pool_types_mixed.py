@@ -1,0 +1,44 @@
+"""Stacks that mix the less common pool types (mla, nsa, draft, logical, swa, mamba) at odd sizes:
+what start-up refuses for them, and bit-exact restores through every tier and a new process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import kvstrata
+from kvstrata.core.builder import StartupError
+
+MLA = {"type": "mla", "layers": 1, "kv_lora_rank": 4, "qk_rope_head_dim": 2}
+SWA = {"type": "swa", "layers": 1, "kv_heads": 1, "head_dim": 4, "window": 6}
+MAMBA = {"type": "mamba", "layers": 1, "states": {"s": {"shape": [2]}}}
+
+#: a stack and the tree pool set to no host units (an anchor, a window and a state component)
+NO_HOST_UNITS = {
+    "mla anchor": ({"mla": MLA, "idx": {"type": "nsa", "layers": 1}}, "mla"),
+    "swa component": ({"mla": MLA, "swa": SWA}, "swa"),
+    "logical anchor": ({"anchor": {"type": "logical"}, "swa": SWA}, "anchor"),
+    "mamba component": ({"anchor": {"type": "logical"}, "mamba": MAMBA}, "mamba"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NO_HOST_UNITS))
+def test_a_pool_with_no_host_units_under_a_host_tier_is_refused_naming_it(case: str, tmp_path: Path) -> None:
+    # one pool's host_units: 0 left every pool without host and L3 reuse (a page needs a host
+    # unit in every tree pool), and start-up, validate and doctor all said nothing
+    pools, zero = NO_HOST_UNITS[case]
+    pools = {name: dict(config, host_units=0) if name == zero else config for name, config in pools.items()}
+    config = {
+        "model": {"name": "m", "page_size": 4, "pools": pools},
+        "tiers": {
+            "device": {"capacity_tokens": 64},
+            "host": {"capacity_tokens": 128},
+            "storage": {"l3": {"type": "file", "path": str(tmp_path)}},
+        },
+    }
+    with pytest.raises(StartupError, match=rf"^model\.pools\.{zero}\.host_units is 0: no page"):
+        kvstrata.open(config, environ={})
+    config["tiers"] = {"device": {"capacity_tokens": 64}, "host": {"capacity_tokens": 0}}
+    with kvstrata.open(config, environ={}) as cache:  # no host tier: nothing to refuse
+        assert cache.pools.pools[zero].host is None
