@@ -9,6 +9,7 @@ import pytest
 
 import kvstrata
 from kvstrata.core.builder import StartupError
+from kvstrata.plugins.errors import ConfigError
 
 MLA = {"type": "mla", "layers": 1, "kv_lora_rank": 4, "qk_rope_head_dim": 2}
 SWA = {"type": "swa", "layers": 1, "kv_heads": 1, "head_dim": 4, "window": 6}
@@ -42,3 +43,46 @@ def test_a_pool_with_no_host_units_under_a_host_tier_is_refused_naming_it(case: 
     config["tiers"] = {"device": {"capacity_tokens": 64}, "host": {"capacity_tokens": 0}}
     with kvstrata.open(config, environ={}) as cache:  # no host tier: nothing to refuse
         assert cache.pools.pools[zero].host is None
+
+
+DRAFT = {"type": "draft", "layers": 1, "kv_heads": 1, "head_dim": 4}
+
+#: config values the pool group refuses, and the dotted path its error must start with
+POOL_GROUP_REFUSALS = {
+    "index_source on a component": (
+        {"mla": MLA, "swa": dict(SWA, index_source="mla")},
+        "model.pools.swa.index_source",
+    ),
+    "page sidecar of a state pool": (
+        {"mla": MLA, "mamba": MAMBA, "idx": {"type": "nsa", "layers": 1, "index_source": "mamba"}},
+        "model.pools.idx.index_source",
+    ),
+    "device_units on a sidecar": (
+        {"mla": MLA, "draft": dict(DRAFT, device_units=4)},
+        "model.pools.draft.device_units",
+    ),
+    "host_units on a sidecar": (
+        {"mla": MLA, "draft": dict(DRAFT, host_units=4)},
+        "model.pools.draft.host_units",
+    ),
+    "state interval on token pages": (
+        {"anchor": {"type": "logical", "state_every_pages": 2}, "swa": SWA},
+        "model.pools.anchor.state_every_pages",
+    ),
+    "sidecar cycle": (
+        {"mla": MLA, "a": dict(DRAFT, index_source="b"), "b": dict(DRAFT, index_source="a")},
+        "model.pools",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(POOL_GROUP_REFUSALS))
+def test_open_refuses_a_bad_pool_value_with_a_config_error_naming_its_path(case: str) -> None:
+    # README: `kvstrata.open` raises ConfigError naming the dotted path of a bad field; these
+    # were bare ValueErrors naming the pool only (still ValueErrors, for callers catching that)
+    pools, path = POOL_GROUP_REFUSALS[case]
+    config = {"model": {"name": "m", "page_size": 4, "pools": pools}}
+    with pytest.raises(ConfigError) as raised:
+        kvstrata.open(config, environ={})
+    assert isinstance(raised.value, ValueError)
+    assert str(raised.value).startswith(f"{path}: ") or str(raised.value).startswith(f"{path} is ")

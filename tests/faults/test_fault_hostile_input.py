@@ -158,7 +158,7 @@ CONFIG_CASES = {
     ),
     "state_interval_on_token_pages": (
         ["model.pools.kv.state_every_pages=4"],
-        "pool 'kv': state_every_pages sizes node-state pools",
+        "model.pools.kv.state_every_pages: state_every_pages sizes node-state pools",
     ),
     "not_a_torch_device": (["tiers.device.device=tpu7"], "tiers.device.device 'tpu7' is not a torch device"),
 }
