@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import kvstrata
+from controller_support import serve, tokens
 from kvstrata.core.builder import StartupError
 from kvstrata.plugins.errors import ConfigError
 
@@ -86,3 +87,31 @@ def test_open_refuses_a_bad_pool_value_with_a_config_error_naming_its_path(case:
         kvstrata.open(config, environ={})
     assert isinstance(raised.value, ValueError)
     assert str(raised.value).startswith(f"{path}: ") or str(raised.value).startswith(f"{path} is ")
+
+
+def _stack(l3: Path, pools: dict, page: int = 4) -> dict:
+    return {
+        "model": {"name": "mixed", "page_size": page, "pools": pools},
+        "tiers": {
+            "device": {"capacity_tokens": 16 * page},
+            "host": {"capacity_tokens": 32 * page},
+            "storage": {"l3": {"type": "file", "path": str(l3)}},
+        },
+        "policy": {"prefetch": {"policy": "wait_complete"}},
+    }
+
+
+def test_a_draft_pool_under_another_name_reads_no_draft_page_of_the_old_one(tmp_path: Path) -> None:
+    """docs/namespaces.md: kvstrata cannot see a draft model's weights; the draft pool's instance
+    name is in its keys, so a new draft model under a new pool name never gets the old draft's
+    KV (the target's pages are the same model's: with the draft clamping, none is served)."""
+    request = tokens(7, 4, 4)
+    old = {"mla": MLA, "draft_r1": DRAFT}
+    with kvstrata.open(_stack(tmp_path, old), environ={}) as first:
+        serve(first, request)
+    with kvstrata.open(_stack(tmp_path, {"mla": MLA, "draft_r2": DRAFT}), environ={}) as second:
+        lease, bad = serve(second, request)
+        assert (lease.cached_pages, bad) == (0, 0)
+    with kvstrata.open(_stack(tmp_path, old), environ={}) as again:
+        lease, bad = serve(again, request)
+        assert (lease.cached_pages, lease.hit_pages["storage"], bad) == (4, 4, 0)
