@@ -6,10 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kvstrata
-from controller_support import serve, tokens
+from controller_support import fill, serve, tokens, verify
 from kvstrata.core.builder import StartupError
+from kvstrata.core.controller import Lease, PoolKind
 from kvstrata.plugins.errors import ConfigError
 
 MLA = {"type": "mla", "layers": 1, "kv_lora_rank": 4, "qk_rope_head_dim": 2}
@@ -115,3 +119,111 @@ def test_a_draft_pool_under_another_name_reads_no_draft_page_of_the_old_one(tmp_
     with kvstrata.open(_stack(tmp_path, old), environ={}) as again:
         lease, bad = serve(again, request)
         assert (lease.cached_pages, lease.hit_pages["storage"], bad) == (4, 4, 0)
+
+
+# --- random stacks of every pool type at odd sizes, through every tier and a new process ----------
+
+FLOATS = ["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+DTYPES = [*FLOATS, "int8", "uint8", "int16", "int32"]
+_DIM = st.integers(1, 3)
+
+
+@st.composite
+def mixed_stacks(draw: st.DrawFn) -> dict:
+    """An anchor (kv, mla or logical) and a random set of sidecars and components, every shape and
+    dtype drawn: 1-element dims, 1-byte dtypes, head-major units, v_head_dim, float indexer keys."""
+
+    def attention(kind: str) -> dict:
+        pool = {
+            "type": kind,
+            "layers": draw(st.integers(1, 2)),
+            "kv_heads": draw(_DIM),
+            "head_dim": draw(_DIM),
+        }
+        pool["dtype"] = draw(st.sampled_from(DTYPES))
+        pool["unit_layout"] = draw(st.sampled_from(["token_major", "head_major"]))
+        if draw(st.booleans()):
+            pool["v_head_dim"] = draw(_DIM)
+        return pool
+
+    def mla(**extra: object) -> dict:
+        rope = draw(st.integers(0, 2))
+        layers = draw(st.integers(1, 2))
+        return {
+            "type": "mla",
+            "layers": layers,
+            "kv_lora_rank": draw(_DIM),
+            "qk_rope_head_dim": rope,
+            **extra,
+        }
+
+    anchor = draw(st.sampled_from(["kv", "mla", "logical"]))
+    pools: dict = {
+        "kv": lambda: {"a": attention("kv")},
+        "mla": lambda: {"a": mla(dtype=draw(st.sampled_from(DTYPES)))},
+        "logical": lambda: {"a": {"type": "logical"}},
+    }[anchor]()
+    if draw(st.booleans()):
+        window = draw(st.integers(1, 9))
+        pools["swa"] = {**attention("swa"), "window": window}
+    if draw(st.booleans()):
+        shape = draw(st.lists(_DIM, min_size=1, max_size=2))
+        pools["mamba"] = {"type": "mamba", "layers": 1, "states": {"s": {"shape": shape, "dtype": "int8"}}}
+    if draw(st.booleans()):
+        key = draw(st.sampled_from(["fp8_with_scales", "bfloat16", "float32"]))
+        dim = 128 if key == "fp8_with_scales" else draw(_DIM)
+        pools["idx"] = {"type": "nsa", "layers": 1, "key_dtype": key, "index_head_dim": dim}
+    if draw(st.booleans()) or (anchor == "logical" and len(pools) == 1):
+        pools["draft"] = attention("draft")
+    if draw(st.booleans()):
+        sources = [name for name in pools if name not in ("mamba", "idx", "draft")]
+        pools["c"] = mla(index_source=draw(st.sampled_from(sources)))
+    return pools
+
+
+def _serve_checked(cache: kvstrata.CacheController, request: torch.Tensor) -> Lease:
+    """``serve`` with every pool's restored units counted too (a pool handing back no unit would
+    pass the byte check vacuously): all pages, the last window, or one state slot."""
+    lease = cache.lookup(request)
+    cache.admit(lease)
+    assert verify(cache, lease) == 0, "a restored unit holds bytes of another page, pool or layout"
+    cached = lease.cached_pages
+    for name, pool in cache.pools.pools.items():
+        if pool.spec.logical or not cached:
+            continue
+        count, kind = len(lease.prefix_units(name)), cache.pool_kind(name)
+        wanted = {PoolKind.PAGES: (cached, cached), PoolKind.STATE: (1, 1)}.get(kind, (1, cached))
+        assert wanted[0] <= count <= wanted[1], (name, kind, count, cached)
+    fill(cache, lease, cache.allocate(lease))
+    cache.insert(lease)
+    cache.tree.check()
+    return lease
+
+
+@settings(
+    max_examples=12, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
+@given(pools=mixed_stacks(), page=st.sampled_from([1, 2, 3, 5, 64]), data=st.data())
+def test_random_stacks_of_every_pool_type_restore_exact_bytes_from_every_tier_and_a_new_process(
+    tmp_path_factory: pytest.TempPathFactory, pools: dict, page: int, data: st.DataObject
+) -> None:
+    l3 = tmp_path_factory.mktemp("l3")
+    pages = max(2, 12 // page)
+    config = _stack(l3, pools, page)
+    config["tiers"]["device"]["capacity_tokens"] = 2 * pages * page
+    config["tiers"]["host"]["capacity_tokens"] = 4 * pages * page
+    stems = [tokens(100 + i, pages, page) for i in range(3)]
+    cuts = data.draw(st.lists(st.integers(1, pages), min_size=3, max_size=6), label="shared pages")
+    requests = [*stems]
+    for i, cut in enumerate(cuts):  # requests branching off a stem after `cut` pages
+        requests.append(torch.cat([stems[i % 3][: cut * page], tokens(500 + i, 1, page)]))
+    hits = {"device": 0, "host": 0, "storage": 0}
+    with kvstrata.open(config, environ={}) as cache:
+        for request in [*requests, *reversed(requests)]:
+            for tier, n in _serve_checked(cache, request).hit_pages.items():
+                hits[str(tier)] += n
+    with kvstrata.open(config, environ={}) as fresh:  # a new process: what it gets comes from L3
+        for request in requests:
+            lease = _serve_checked(fresh, request)
+            hits["storage"] += lease.hit_pages["storage"]
+    assert hits["storage"] > 0, (pools, hits)
