@@ -168,7 +168,8 @@ def mixed_stacks(draw: st.DrawFn) -> dict:
         pools["swa"] = {**attention("swa"), "window": window}
     if draw(st.booleans()):
         shape = draw(st.lists(_DIM, min_size=1, max_size=2))
-        pools["mamba"] = {"type": "mamba", "layers": 1, "states": {"s": {"shape": shape, "dtype": "int8"}}}
+        state = {"s": {"shape": shape, "dtype": "int8"}}  # (slots: a hit and a new page need two)
+        pools["mamba"] = {"type": "mamba", "layers": 1, "states": state, "device_units": 4, "host_units": 8}
     if draw(st.booleans()):
         key = draw(st.sampled_from(["fp8_with_scales", "bfloat16", "float32"]))
         dim = 128 if key == "fp8_with_scales" else draw(_DIM)
