@@ -90,7 +90,15 @@ def test_open_refuses_a_bad_pool_value_with_a_config_error_naming_its_path(case:
     with pytest.raises(ConfigError) as raised:
         kvstrata.open(config, environ={})
     assert isinstance(raised.value, ValueError)
-    assert str(raised.value).startswith(f"{path}: ") or str(raised.value).startswith(f"{path} is ")
+    assert str(raised.value).startswith((f"{path}: ", f"{path} is ")), str(raised.value)
+
+
+def test_an_index_source_naming_its_own_pool_says_so() -> None:
+    # the stack's one anchor-type pool naming itself was refused as "needs exactly one anchor
+    # pool ...; found none"
+    config = {"model": {"name": "m", "page_size": 4, "pools": {"mla": dict(MLA, index_source="mla")}}}
+    with pytest.raises(ConfigError, match=r"model: .*pools\.mla\.index_source names the pool itself"):
+        kvstrata.open(config, environ={})
 
 
 def _stack(l3: Path, pools: dict, page: int = 4) -> dict:
