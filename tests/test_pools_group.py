@@ -255,7 +255,7 @@ def test_index_source_on_a_component_is_refused(plugins: PluginHost, stack: str,
     # swa and mamba are components whatever their config says: an index_source on one was
     # silently ignored (the pool kept its own indices, not the ones the config named)
     anchor = "kv" if stack == "hybrid-mamba.yaml" else "full"
-    with pytest.raises(ValueError, match=rf"pool '{pool}' \({pool}\): index_source '{anchor}' is set, but"):
+    with pytest.raises(ValueError, match=rf"model\.pools\.{pool}\.index_source is '{anchor}', but a {pool}"):
         build(plugins, stack, f"model.pools.{pool}.index_source={anchor}")
 
 

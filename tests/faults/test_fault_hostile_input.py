@@ -152,9 +152,13 @@ CONFIG_CASES = {
         ["model.pools.kv.device_units=0"],
         "model.pools.kv.device_units is 0: the pool would hold nothing on the device",
     ),
+    "host_units_zero_under_a_host_tier": (
+        ["model.pools.kv.host_units=0"],
+        "model.pools.kv.host_units is 0: no page of the stack could be on the host tier or in L3",
+    ),
     "state_interval_on_token_pages": (
         ["model.pools.kv.state_every_pages=4"],
-        "pool 'kv': state_every_pages sizes node-state pools",
+        "model.pools.kv.state_every_pages: state_every_pages sizes node-state pools",
     ),
     "not_a_torch_device": (["tiers.device.device=tpu7"], "tiers.device.device 'tpu7' is not a torch device"),
 }

@@ -25,9 +25,9 @@ each refuses exactly what start-up would refuse, with the same message.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -81,8 +81,9 @@ def check_startup(config: KvstrataConfig, plugins: PluginHost, *, machine: bool 
     _check_storage(config)
     _check_device(config, machine=machine)
     _check_eviction(config, plugins)
-    sizing = _SizingOnly(config, plugins)
+    sizing = _named(lambda: _SizingOnly(config, plugins))
     _check_device_units(config, {name: units for name, (_, units) in sizing.sized.items()})
+    _check_host_units(config)
 
 
 def startup_host_bytes(config: KvstrataConfig, plugins: PluginHost) -> int:
@@ -156,6 +157,40 @@ def _check_device_units(config: KvstrataConfig, units: Mapping[str, tuple[int, i
         )
 
 
+_Group = TypeVar("_Group", bound=PoolGroup)
+
+
+def _named(build: Callable[[], _Group]) -> _Group:
+    """``build()`` the pool group; where it refuses a config value (its message starts with the
+    value's dotted path, ``model.pools...``), as a :class:`StartupError`: ``kvstrata.open``
+    documents a ``ConfigError`` naming the field, and these were bare ``ValueError``s (a sidecar's
+    ``device_units``, an ``index_source`` on a component ...). Other refusals (the engine's
+    tensors) stay as they were."""
+    try:
+        return build()
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        if str(exc).startswith("model.pools"):
+            raise StartupError(str(exc)) from None
+        raise
+
+
+def _check_host_units(config: KvstrataConfig) -> None:
+    """A page reaches the host tier (and L3, which goes through it) only with a host unit in
+    every pool of the stack: one pool set to no host units turned both off for every pool, with
+    no word at start-up (doctor said every pool could be stored)."""
+    if config.tiers.host.capacity_tokens <= 0:
+        return
+    for name, pool in config.model.pools.items():
+        if pool.host_units == 0:
+            raise StartupError(
+                f"model.pools.{name}.host_units is 0: no page of the stack could be on the host tier "
+                "or in L3 (a page needs a host unit in every pool); set it to at least one, or "
+                "tiers.host.capacity_tokens=0 to run without a host tier"
+            )
+
+
 @dataclass
 class CacheParts:
     """Everything start-up builds; the controller coordinates these objects."""
@@ -195,8 +230,11 @@ def build_cache(
     backend, host_allocator = _open_backend(config, plugins)
     announced = False  # the plugins heard the backend open (its engine was made)
     try:
-        pools = PoolGroup(config, plugins, host_allocator=host_allocator, device_tensors=device_tensors)
+        pools = _named(
+            lambda: PoolGroup(config, plugins, host_allocator=host_allocator, device_tensors=device_tensors)
+        )
         _check_device_units(config, {name: (pool.device.units, 0) for name, pool in pools.pools.items()})
+        _check_host_units(config)
         tree = PrefixTree(pool.spec for pool in pools.pools.values())
         parts = CacheParts(config, plugins, pools, tree, StackLayout.of(pools, tree), CacheMetrics())
         if backend is not None:

@@ -121,6 +121,8 @@ class ModelConfig(UserConfig):
     @model_validator(mode="after")
     def _one_anchor(self, info: ValidationInfo) -> ModelConfig:
         for instance, pool in self.pools.items():
+            if pool.index_source == instance:  # (an anchor naming itself read as "found none")
+                raise ValueError(f"pools.{instance}.index_source names the pool itself; name another pool")
             if pool.index_source is not None and pool.index_source not in self.pools:
                 raise ValueError(f"pools.{instance}.index_source names unknown pool {pool.index_source!r}")
         anchors = anchor_instances(self.pools, _host(info))

@@ -129,7 +129,7 @@ def build_order(specs: Mapping[str, PoolSpec], existing: Sequence[str] = ()) -> 
     while pending:
         ready = [n for n, s in pending.items() if s.index_source is None or s.index_source in placed]
         if not ready:
-            raise ValueError(f"sidecar index_source cycle or unknown source among {sorted(pending)}")
+            raise ValueError(f"model.pools: index_source cycle or unknown source among {sorted(pending)}")
         for name in ready:  # a sidecar holds what its source hands out (pages, or state slots)
             if (source := pending.pop(name).index_source) in specs:
                 specs[name].check_index_source(specs[source])
@@ -284,8 +284,8 @@ class PoolGroup:
         if spec.index_source is not None:
             if config.device_units is not None or config.host_units is not None:
                 raise ValueError(
-                    f"pool {spec.name!r} is a sidecar of {spec.index_source!r}: it shares that pool's "
-                    "indices, so device_units / host_units cannot be set on it"
+                    f"model.pools.{spec.name}.{'host' if config.device_units is None else 'device'}_units: a "
+                    f"sidecar of {spec.index_source!r} shares that pool's indices: no device/host_units"
                 )
             if spec.index_source in self.pools:
                 source = self.pools[spec.index_source]
@@ -296,7 +296,7 @@ class PoolGroup:
         if engine_units is not None:
             if device is not None and device != engine_units:
                 raise ValueError(
-                    f"pool {spec.name!r}: device_units is {device} but the engine's device tensors "
+                    f"model.pools.{spec.name}.device_units is {device} but the engine's device tensors "
                     f"hold {engine_units} units; drop device_units or make them agree"
                 )
             device = engine_units
@@ -312,8 +312,8 @@ class PoolGroup:
         else:
             if config.state_every_pages is not None:
                 raise ValueError(
-                    f"pool {spec.name!r}: state_every_pages sizes node-state pools (one state per "
-                    "node); this pool holds token pages"
+                    f"model.pools.{spec.name}.state_every_pages: state_every_pages sizes node-state pools "
+                    "(one state per node); this pool holds token pages"
                 )
             device = self.device_pages if device is None else device
             host = self.host_pages if config.host_units is None else config.host_units

@@ -276,7 +276,8 @@ class PoolSpec(BaseModel):
         state pool got one unit per tree node, where its data needs one per page."""
         if self.granularity is not source.granularity:
             raise ValueError(
-                f"sidecar pool {self.name!r} ({self.pool_type}) holds {self.granularity.value} units, "
+                f"model.pools.{self.name}.index_source: sidecar pool {self.name!r} ({self.pool_type}) "
+                f"holds {self.granularity.value} units, "
                 f"but its index_source {source.name!r} ({source.pool_type}) hands out "
                 f"{source.granularity.value} units: a sidecar shares its source's indices, so both "
                 "need one granularity (choose another index_source)"
@@ -416,9 +417,9 @@ class PoolType(ABC):
         if config.index_source is not None and self.role is not PoolRole.SIDECAR:
             # (a type whose role is fixed -- swa, mamba, logical -- ignored it without a word)
             raise ValueError(
-                f"pool {instance!r} ({self.name}): index_source {config.index_source!r} is set, but a "
-                f"{self.name} pool is a {self.role.value} with its own indices; only sidecars share "
-                "another pool's indices. Remove index_source"
+                f"model.pools.{instance}.index_source is {config.index_source!r}, but a {self.name} "
+                f"pool is a {self.role.value} with its own indices; only sidecars share another "
+                "pool's indices. Remove index_source"
             )
 
     @abstractmethod
