@@ -512,7 +512,7 @@ def test_group_uses_engine_tensors_as_the_device_tier(plugins: PluginHost) -> No
 
 def test_group_checks_engine_tensors_against_the_config(plugins: PluginHost) -> None:
     with pytest.raises(
-        ValueError, match="pool 'mamba': device_units is 4 but the engine's device tensors hold 3"
+        ValueError, match=r"model\.pools\.mamba\.device_units is 4 but the engine's device tensors hold 3"
     ):
         PoolGroup(
             hybrid_config(plugins, mamba={"device_units": 4}),
