@@ -390,6 +390,35 @@ def test_state_slots_are_sized_for_the_engine_checkpoint_interval() -> None:
         _open("hybrid-mamba", ["model.pools.kv.state_every_pages=4"])
 
 
+def test_a_small_device_tier_still_gives_a_state_pool_a_slot_to_resume_a_cached_checkpoint_in() -> None:
+    """At 16 device pages or fewer the default was one state slot: a request whose prefix hit a
+    cached checkpoint (locked, it is the request's state) needed a second slot to fork it into,
+    and ``allocate`` raised CacheFullError instead of serving the hit."""
+    config = {
+        "model": {
+            "name": "tiny-hybrid",
+            "page_size": 4,
+            "pools": {
+                "kv": {"type": "kv", "layers": 1, "kv_heads": 1, "head_dim": 4, "dtype": "float32"},
+                "mamba": {"type": "mamba", "layers": 1, "states": {"conv": {"shape": [2, 2]}}},
+            },
+        },
+        "tiers": {"device": {"capacity_tokens": 64}, "host": {"capacity_tokens": 128}},
+    }
+    with kvstrata.open(config, environ={}) as cache:
+        assert cache.pools.pool("mamba").device.units == 2
+        prompt = torch.arange(16)
+        first = cache.lookup(prompt)
+        cache.allocate(first)
+        cache.insert(first)
+        resumed = cache.lookup(torch.cat([prompt, torch.arange(100, 108)]))
+        got = cache.allocate(resumed)  # (admits: the hit is settled there)
+        assert resumed.hit_pages["device"] == 4, "the prompt's checkpoint is a hit"
+        assert got["kv"].numel() == 2 and got["mamba"].numel() == 1
+        cache.fork_state(resumed)
+        cache.insert(resumed)
+
+
 def test_a_request_shorter_than_a_page_has_no_pages_and_no_hashes() -> None:
     with _open("kv", []) as cache:
         lease = cache.lookup(tokens(64, 1)[:10])

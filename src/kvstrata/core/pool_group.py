@@ -9,7 +9,7 @@ Sizing (units = pages for token-page pools, slots for node-state pools):
 
 * token pages: ``ceil(tiers.device.capacity_tokens / page_size)`` on the device and
   ``ceil(tiers.host.capacity_tokens / page_size)`` on the host;
-* node state: ``device_units`` or one slot per 16 device pages (at least 1), and on the host
+* node state: ``device_units`` or one slot per 16 device pages (at least two), and on the host
   ``host_units`` or the device slots times the host/device token ratio;
 * a pool's ``device_units`` / ``host_units`` override either;
 * sidecars always have exactly their index source's units and share its allocators.
@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 #: Node-state pools without ``device_units`` get one slot per this many device pages.
 DEVICE_PAGES_PER_STATE_SLOT = 16
+MIN_DEFAULT_STATE_SLOTS = 2  #: a request resuming from a locked cached checkpoint forks it into its own
 
 
 class HostMemoryError(MemoryError):
@@ -303,7 +304,7 @@ class PoolGroup:
         if spec.granularity is Granularity.NODE_STATE:
             if device is None:
                 every = config.state_every_pages or DEVICE_PAGES_PER_STATE_SLOT
-                device = max(1, math.ceil(self.device_pages / every))
+                device = max(MIN_DEFAULT_STATE_SLOTS, math.ceil(self.device_pages / every))
             host = config.host_units
             if host is None:
                 tokens = self.config.tiers

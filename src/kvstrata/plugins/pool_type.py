@@ -343,7 +343,7 @@ class PoolConfig(UserConfig):
         default=None,
         ge=0,
         description="L1 pages/slots of this pool; default: from tiers.device.capacity_tokens "
-        "(token-page pools) or one slot per 16 device pages (node-state pools); not for sidecars",
+        "(token-page pools) or one slot per 16 device pages, at least 2 (node-state pools); not for sidecars",
     )
     host_units: int | None = Field(
         default=None,
