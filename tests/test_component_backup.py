@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvstrata
 from controller_support import (
     fill,
     host_units_held_by_tree,
@@ -312,6 +313,76 @@ def test_write_back_without_l3_keeps_the_deepest_checkpoints_of_an_evicted_promp
             assert lease.cached_pages == 8, lease.hit_pages
             assert verify(cache, lease) == 0
             cache.release(lease)
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+
+
+def _kv_mamba_two_host_slots(window: bool) -> dict:
+    """kv + mamba (+ a 4-page sliding window pool: ``window``), write-back, no L3: 16 device
+    pages and 8 device state slots (4 with the window pool), 32 host pages and 2 host state
+    slots."""
+    pools: dict = {"kv": {"type": "kv", "layers": 1, "kv_heads": 1, "head_dim": 8, "dtype": "bfloat16"}}
+    if window:
+        pools["swa"] = {"type": "swa", "layers": 1, "kv_heads": 1, "head_dim": 8, "window": 4 * PAGE}
+    pools["mamba"] = {
+        "type": "mamba",
+        "layers": 1,
+        "states": {"conv": {"shape": [3, 8]}, "ssm": {"shape": [2, 4, 4], "dtype": "float32"}},
+        "device_units": 4 if window else 8,
+        "host_units": 2,
+    }
+    return {
+        "model": {"name": "write-back-two-host-slots", "page_size": PAGE, "pools": pools},
+        "tiers": {
+            "device": {"capacity_tokens": 16 * PAGE},
+            "host": {"capacity_tokens": 32 * PAGE},
+            "storage": {},
+        },
+        "policy": {"write": "write_back", "prefetch": {"policy": "wait_complete"}},
+    }
+
+
+@pytest.mark.parametrize("window", [False, True], ids=["kv-mamba", "kv-swa-mamba"])
+@pytest.mark.parametrize("chunk", [1, 2])
+@pytest.mark.parametrize("fillers", [3, 4, 5])
+def test_write_back_without_l3_keeps_the_deepest_host_checkpoint_as_later_requests_evict_a_prompt(
+    fillers: int, chunk: int, window: bool
+) -> None:
+    """Write-back, no L3, 2 host state slots. An 8-page prompt prefilled in ``chunk``-page chunks
+    (a checkpoint per chunk), then 4-page requests: the third evicts the prompt's pages 5-8,
+    whose deepest checkpoints (pages 7-8 or 6 and 8) take the host slots. The fourth evicts pages
+    1-4, and backing up their checkpoints took both slots from the deeper ones by host eviction
+    (oldest first): the prompt restored 4 of its 8 pages after 4 and 5 requests, though its
+    page-8 checkpoint had been on the host. A user should get the deepest prefix the host tier
+    can keep: an eviction never throws a deeper checkpoint away to keep a shallower one of the
+    same path, so pages 1-4 go to the host without their states (a host node with pages and no
+    state is the middle of the longer prefix). The whole prompt restores, every byte exact;
+    the 5th request's own checkpoint takes the older slot (page 7 or 6), page 8's stays.
+
+    With a window pool the 4th request's eviction also backed up a request that stayed on the
+    device (its checkpoint's copy took the page-8 slot): the window units it had to free were
+    counted from unbacked leaves only, though the prompt's backed-up pages 1-4, leaving first,
+    freed them (window pools make room after the anchor). The prompt restored none of its pages."""
+    prompt = tokens(96, 8)
+    with kvstrata.open(_kv_mamba_two_host_slots(window), environ={}) as cache:
+        lease = cache.lookup(prompt[: chunk * PAGE])
+        cache.admit(lease)
+        for end in range(chunk, 9, chunk):
+            if end > chunk:
+                lease.extend(prompt[(end - chunk) * PAGE : end * PAGE])
+            units = cache.allocate(lease)
+            cache.fork_state(lease)
+            fill(cache, lease, units)
+            cache.insert(lease, close=end == 8)
+        for seed in range(fillers):
+            assert serve(cache, tokens(200 + seed, 4))[1] == 0
+        assert host_units_in_use(cache) == host_units_held_by_tree(cache)
+        deepest = cache.tree.match(cache.tree.keys_of(prompt), count_hit=False).path[-1]
+        assert deepest.depth_end == 8 and deepest.host_raw[cache.tree.index["mamba"]] is not None
+        lease = cache.lookup(torch.cat([prompt, tokens(99, 1)]))
+        cache.admit(lease)
+        assert lease.cached_pages == 8, lease.hit_pages
+        assert verify(cache, lease) == 0
+        cache.release(lease)
         assert host_units_in_use(cache) == host_units_held_by_tree(cache)
 
 

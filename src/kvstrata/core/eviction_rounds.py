@@ -17,8 +17,11 @@ checkpoint (the state pool's hit rule), so the path's deepest checkpoints keep t
 whole prefix restores from the host. Taken root first as one batch, nodes 1-3 of an 8-page
 prompt chunked page by page took the 3 slots and nodes 4-8 were dropped unbacked (3 of 8 pages
 restored, 28 of 32 host page units free). A shorter prefix ending at a shallow node loses its
-checkpoint instead. Before any of that, the device-only prefixes of nodes waiting on the host for
-their prefix's L3 write get the free host room and are written (:func:`_write_waiting`).
+checkpoint instead. Candidates above a checkpoint the host tier already holds go there without
+their states where the free slots fall short (:func:`_back_up_pages`): a slot allocated for
+them came from host eviction, oldest first, which took that deeper checkpoint of their path.
+Before any of that, the device-only prefixes of nodes waiting on the host for their prefix's
+L3 write get the free host room and are written (:func:`_write_waiting`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from kvstrata.core.backup_plan import unit_counts
+from kvstrata.core.backup_plan import Raw, Units, device_units, joined, unit_counts
 from kvstrata.core.component_backup import EndWriter, back_up_gained, unbacked_components
 from kvstrata.core.config import PolicyConfig
 from kvstrata.core.l3_values import PageHashes
@@ -38,7 +41,7 @@ from kvstrata.core.metrics import CacheMetrics, Operation
 from kvstrata.core.stack import PoolKind
 from kvstrata.core.tier_units import TierUnits
 from kvstrata.core.tree import PrefixTree, Tier, TreeNode
-from kvstrata.core.tree_bytes import unit_tensor
+from kvstrata.core.tree_bytes import UNIT, unit_tensor
 from kvstrata.core.write_back import (
     PendingWrite,
     PrefixWaits,
@@ -65,6 +68,8 @@ class Writer(EndWriter, Protocol):
 
     def copy_to_host(self, nodes: Iterable[TreeNode], *, admit: bool = False) -> list[TreeNode]: ...
 
+    def _copy_down(self, nodes: Sequence[TreeNode], devices: Raw, hosts: Raw) -> None: ...
+
     def _queue_write(
         self, nodes: Sequence[TreeNode], hashes: PageHashes | None, *, admitted: bool | None = False
     ) -> None: ...
@@ -81,6 +86,9 @@ def back_up_for_eviction(writer: Writer, shortfall: Mapping[str, int]) -> None:
         handed: set[TreeNode] = set()  # state copies given to a later round
         last: PendingWrite | None = None  # this eviction's last write
         copied: list[TreeNode] = []  # (without an L3: this eviction's backups so far)
+        if writer.engine is None and rest:  # the deeper checkpoints the host holds stay there
+            stood, rest = _back_up_pages(writer, rest)
+            handed.update(stood)
         while rest:
             nodes, rest = writer._copy_round(rest, False, rounds=True)
             if not nodes:
@@ -98,7 +106,7 @@ def back_up_for_eviction(writer: Writer, shortfall: Mapping[str, int]) -> None:
             if rest and write is not None and write is not before:
                 handed.update(_hand_on_states(writer, write, rest))
         if writer.engine is None and handed:
-            handed = _stood_for(writer, handed, copied)
+            handed = _stood_for(writer, handed)
         if last is not None:
             handed.update(_hand_on_to_gained(writer, last, handed))
         back_up_gained(writer, skip=handed)  # and components nodes backed up earlier gained since
@@ -238,18 +246,87 @@ def _above(tree: PrefixTree, copied: Sequence[TreeNode], rest: Sequence[TreeNode
     return sorted((n for n in copied if n in ancestors), key=lambda n: n.depth_end)
 
 
-def _stood_for(writer: Writer, handed: set[TreeNode], copied: Sequence[TreeNode]) -> set[TreeNode]:
-    """Of ``handed`` (nodes whose host state copy went to a deeper backup, no L3), those below
-    which a copied node now holds that state pool's copy on the host. A later round that copied
-    nothing under one leaves it standing for no checkpoint: it is backed up again if it fits
-    (``back_up_gained``), as before the rounds."""
-    tree = writer.tree
-    states = [p for name, p in tree.index.items() if writer.layout.tree_pools[name].kind is PoolKind.STATE]
-    covered: set[TreeNode] = set()  # nodes with every state pool's copy on the host below them
-    for node in copied:
-        if all(node.host_raw[p] is not None for p in states):
-            parent = node.parent
-            while parent is not None and parent is not tree.root and parent not in covered:
-                covered.add(parent)
-                parent = parent.parent
+def _stood_for(writer: Writer, handed: set[TreeNode]) -> set[TreeNode]:
+    """Of ``handed`` (nodes whose state went to a deeper backup or that were backed up without
+    it, no L3), those below which a node holds every state pool's copy on the host. A later
+    round that copied nothing under one, or a host eviction that took the copy it stood for,
+    leaves it standing for no checkpoint: it is backed up again if it fits (``back_up_gained``),
+    as before the rounds."""
+    covered = _covered(writer.tree, _state_pools(writer))
     return {node for node in handed if node in covered}
+
+
+def _state_pools(writer: Writer) -> dict[str, int]:
+    """The stack's state pools (name: tree index)."""
+    pools = writer.layout.tree_pools
+    return {name: p for name, p in writer.tree.index.items() if pools[name].kind is PoolKind.STATE}
+
+
+def _covered(tree: PrefixTree, states: Mapping[str, int]) -> set[TreeNode]:
+    """The ancestors of the nodes holding every state pool of ``states`` on the host: a prefix
+    through them continues to a checkpoint the host tier restores. O(host state slots x depth)."""
+    if not states:
+        return set()
+    covered: set[TreeNode] = set()
+    for node in tree.holding(next(iter(states)), Tier.HOST):
+        if any(node.host_raw[q] is None for q in states.values()):
+            continue
+        parent = node.parent
+        while parent is not None and parent is not tree.root and parent not in covered:
+            covered.add(parent)
+            parent = parent.parent
+    return covered
+
+
+def _back_up_pages(writer: Writer, rest: list[TreeNode]) -> tuple[list[TreeNode], list[TreeNode]]:
+    """No L3, where the checkpoints of the eviction's candidates (``rest``, root first)
+    outnumber the free host state slots: back up, shallowest first until the others' states fit,
+    the candidates above a checkpoint the host tier already holds without their states (a host
+    node with pages and no state is the middle of a longer prefix, as in :func:`_above`). Their
+    state slots came from host eviction, which takes the oldest copies: the deeper checkpoints of
+    the same path (an 8-page prompt, 2 host state slots at pages 7 and 8: each 4-page request
+    evicting pages 1-4 took both for pages 3 and 4, and the prompt restored 4 of its 8 pages, then
+    none). Returns the nodes backed up so (their checkpoint stays on the device until this
+    eviction drops it) and the candidates left."""
+    tree, units = writer.tree, writer.units
+    states = _state_pools(writer)
+    short: dict[str, int] = {}
+    for name, p in states.items():
+        allocator = units.allocator(name, Tier.HOST)
+        need = sum(len(n.device_raw[p] or b"") // UNIT for n in rest)
+        if allocator is not None and need > allocator.available:
+            short[name] = need - allocator.available
+    if not short:
+        return [], rest
+    covered = _covered(tree, states)
+    chosen: list[TreeNode] = []
+    for node in rest:
+        if not short:
+            break
+        if node in covered and any(node.device_raw[p] is not None for p in states.values()):
+            chosen.append(node)
+            for name in list(short):
+                short[name] -= len(node.device_raw[states[name]] or b"") // UNIT
+                if short[name] <= 0:
+                    del short[name]
+    if not chosen:
+        return [], rest
+    index = {name: p for name, p in tree.index.items() if name not in states}
+    todo: list[TreeNode] = []
+    allocated: list[Units] = []
+    try:
+        for node in chosen:
+            got = units.alloc_protecting(node, Tier.HOST, unit_counts(node, index))
+            if got is None:  # the host tier is full of pages other requests hold
+                writer.metrics.count(Operation.BACKUPS_SKIPPED)
+                break
+            todo.append(node)
+            allocated.append(got)
+    except BaseException:  # the units taken for earlier nodes are no one's yet
+        for taken in allocated:
+            units.free(Tier.HOST, taken)
+        raise
+    if todo:
+        writer._copy_down(todo, device_units(todo, index), joined(allocated))
+    done = set(todo)
+    return todo, [node for node in rest if node not in done]

@@ -108,21 +108,22 @@ def eviction_backups(tree: PrefixTree, layout: StackLayout, shortfall: Mapping[s
     window) is tombstoned on inner nodes too, so any unbacked node whose component is not
     locked will do, the path of a running request included. Picking by stamp alone chose
     inner nodes above unbacked leaves and nodes whose units were locked, freed nothing, and
-    raised ``CacheFullError`` on a tier of evictable pages (issue 29). The components'
+    raised ``CacheFullError`` on a tier of evictable pages (issue 29); a window pool, evicted
+    after the anchor, counts the units of the backed-up leaves leaving too. The components'
     candidates are kept across evictions (``core/component_index.py``): ranking every holder
     cost O(tier) per eviction (5 ms per request with 3,000 device nodes). Retention levels (and
     a plugin's order) rank them as the eviction does: by recency alone a prioritised prefix's
     state checkpoint was backed up, the only one the eviction could then drop."""
-    anchor = layout.anchor
-    chosen: dict[TreeNode, None] = {}
-    if shortfall.get(anchor, 0):
-        chosen.update(dict.fromkeys(_evictable_leaves(tree, layout, shortfall[anchor])))
+    anchor, rank = layout.anchor, tree.evictor._eviction_rank
+    leaving = _evictable_leaves(tree, layout, shortfall[anchor]) if shortfall.get(anchor, 0) else []
+    chosen: dict[TreeNode, None] = {n: None for n in leaving if n.host_raw[0] is None}
     ranked, level = None, None  # (read once a component needs backups)
     for name, want in shortfall.items():
         if name == anchor or want <= 0:
             continue
-        p = tree.index[name]
-        have = sum(len(n.device[p]) for n in chosen if n.device[p] is not None)
+        p = tree.index[name]  # a pool evicted after the anchor: its leaves, backed up or not, free it
+        freed = [*chosen, *(n for n in leaving if n.host_raw[0] is not None)] if rank[p] > rank[0] else chosen
+        have = sum(len(n.device[p]) for n in freed if n.device[p] is not None)
         if have >= want:  # (the anchor's backups may cover it)
             continue
         if ranked is None:
@@ -223,7 +224,7 @@ def with_backed_up_prefix(
 
 
 def _evictable_leaves(tree: PrefixTree, layout: StackLayout, want: int) -> list[TreeNode]:
-    """Unbacked device nodes to back up so that ``want`` pages can leave the device.
+    """The device nodes that leave so that ``want`` pages can (the unbacked ones to back up).
 
     Walks the device part of the tree from its leaves up, least recently used first, as
     eviction will: a node is reached once every device child below it can leave; a
@@ -238,7 +239,6 @@ def _evictable_leaves(tree: PrefixTree, layout: StackLayout, want: int) -> list[
     heap = tree.evictor.heaps.of(Tier.DEVICE)
     if heap is None or level is not None:
         return _evictable_leaves_ranked(tree, layout, want, level)
-    backed_up = tree.backed_up
     chosen: list[TreeNode] = []
     pages = 0
 
@@ -246,8 +246,7 @@ def _evictable_leaves(tree: PrefixTree, layout: StackLayout, want: int) -> list[
         nonlocal pages
         if any(node.device_lock):
             return False
-        if not backed_up(node):
-            chosen.append(node)
+        chosen.append(node)
         pages += node.pages
         return True
 
@@ -262,7 +261,6 @@ def _evictable_leaves_ranked(
     retention ``level`` of each node, as its eviction takes them (by recency, the backups let a
     write-back eviction drop only what LRU would have: ``fifo`` kept its first prefix and
     dropped a later one)."""
-    backed_up = tree.backed_up
     order = tree.eviction_order(Tier.DEVICE).ranked
 
     def ranked(nodes: list[TreeNode]) -> list[tuple[Any, int, TreeNode]]:
@@ -278,8 +276,7 @@ def _evictable_leaves_ranked(
         *_, node = heapq.heappop(ready)
         if any(node.device_lock):
             continue
-        if not backed_up(node):
-            chosen.append(node)
+        chosen.append(node)
         pages += node.pages
         parent = node.parent
         if parent in below:
