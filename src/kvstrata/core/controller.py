@@ -58,7 +58,6 @@ from kvstrata.core.lease import CacheFullError, Lease, found_pages, require_leas
 from kvstrata.core.lease_units import (
     allocate_units,
     device_full,
-    hand_to_lease,
     hand_to_tree,
     page_number,
     take_for_insert,
@@ -263,10 +262,9 @@ class CacheController(UnitMemory, ClosingApi):
             self.metrics.fail()
             pinned = self.parts.retention.pinned_pages
             raise device_full(self.layout, lease, end, self.units, pinned, too_long=not fits)
-        hand_to_lease(self.units, self.layout, lease, got, end)
         if self.layout.self_owned:  # the tensors are the caller's: the lease keeps bytes of its own
-            return got[0]
-        return {name: got[0][owner] for name, owner in self.layout.owner_of.items()}
+            return got
+        return {name: got[owner] for name, owner in self.layout.owner_of.items()}
 
     @exclusive
     def insert(self, lease: Lease, *, close: bool = True) -> None:
