@@ -290,7 +290,8 @@ class CacheController(UnitMemory, ClosingApi):
             if self.policy.write == "write_through" or writer.digests is not None or writer.hears_inserts:
                 hashes, cached = lease.hashes_source, lease.cached_pages
                 writer.on_insert(result.node, hashes, above, cached, owner=lease, keep_open=not close)
-        self._retain(lease)  # also a request whose whole prefix was cached: its hint holds there
+        if lease.retention is not None:  # (read here: no call per chunk of a request without a hint)
+            self._retain(lease)  # also a request whose whole prefix was cached: its hint holds there
         if close:
             self._free_pending(lease)
             self._close_lease(lease)
