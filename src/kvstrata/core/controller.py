@@ -58,7 +58,6 @@ from kvstrata.core.lease import CacheFullError, Lease, found_pages, require_leas
 from kvstrata.core.lease_units import (
     allocate_units,
     device_full,
-    hand_to_lease,
     hand_to_tree,
     page_number,
     take_for_insert,
@@ -263,10 +262,9 @@ class CacheController(UnitMemory, ClosingApi):
             self.metrics.fail()
             pinned = self.parts.retention.pinned_pages
             raise device_full(self.layout, lease, end, self.units, pinned, too_long=not fits)
-        hand_to_lease(self.units, self.layout, lease, got, end)
         if self.layout.self_owned:  # the tensors are the caller's: the lease keeps bytes of its own
-            return got[0]
-        return {name: got[0][owner] for name, owner in self.layout.owner_of.items()}
+            return got
+        return {name: got[owner] for name, owner in self.layout.owner_of.items()}
 
     @exclusive
     def insert(self, lease: Lease, *, close: bool = True) -> None:
@@ -292,7 +290,8 @@ class CacheController(UnitMemory, ClosingApi):
             if self.policy.write == "write_through" or writer.digests is not None or writer.hears_inserts:
                 hashes, cached = lease.hashes_source, lease.cached_pages
                 writer.on_insert(result.node, hashes, above, cached, owner=lease, keep_open=not close)
-        self._retain(lease)  # also a request whose whole prefix was cached: its hint holds there
+        if lease.retention is not None:  # (read here: no call per chunk of a request without a hint)
+            self._retain(lease)  # also a request whose whole prefix was cached: its hint holds there
         if close:
             self._free_pending(lease)
             self._close_lease(lease)

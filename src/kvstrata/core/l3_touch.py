@@ -78,8 +78,10 @@ class HitTouch:
         self.at_ends: list[tuple[int, TreePool, list[str]]] = []
         self._read: object = None  # the layout's tree pools ``paged`` and ``at_ends`` were read from
         self._read_pools()
-        self._due: list[tuple[list[str], TreeNode]] = []  # lookups' hits not asked for yet
-        self._asked: deque[_Ask] = deque()  # asks not drained yet, oldest first
+        #: lookups' hits not asked for yet, and asks not drained yet (oldest first): the writer
+        #: reads both before calling :meth:`lost` (every drain, so every chunk; mostly both empty)
+        self.due: list[tuple[list[str], TreeNode]] = []
+        self.asked: deque[_Ask] = deque()
         #: nodes an answer found whole in L3: only what L3 is known to have held is written
         #: again when lost (a write that failed -- a full or read-only disk -- is not retried at
         #: every hit: the failures of a run would depend on when answers came)
@@ -130,15 +132,15 @@ class HitTouch:
             return
         self._read_pools()
         if self.paged:
-            self._due.append((list(hashes()[: match.host_pages]), match.host_path[-1]))
+            self.due.append((list(hashes()[: match.host_pages]), match.host_path[-1]))
 
     def _ask(self, refused: Container[TreeNode]) -> None:
         """Queue the due asks: at the writer's next drain, after whatever the lookup queued
         itself (a reuse's backup and L3 write), so a write still to come is not taken as lost;
         only of the path's leading run on the host that the storage admission filter has not
         refused (nothing below a refused node was written either)."""
-        for page_hashes, last in self._due:
-            if last.parent is None or len(self._asked) >= _ASKS_MAX:  # (evicted since; too many)
+        for page_hashes, last in self.due:
+            if last.parent is None or len(self.asked) >= _ASKS_MAX:  # (evicted since; too many)
                 continue
             ask = _Ask(last, 0, page_hashes)
             for node in tree_path(self.tree, last):
@@ -149,8 +151,8 @@ class HitTouch:
             if ask.backed:
                 ask.pages = page_hashes[: ask.backed]
                 ask.answer = self._submit(self._present, ask)  # type: ignore[misc]
-                self._asked.append(ask)
-        self._due.clear()
+                self.asked.append(ask)
+        self.due.clear()
 
     def _ask_end(self, ask: _Ask, node: TreeNode) -> None:
         """The state and window objects a restore ending at ``node`` needs, where it has them."""
@@ -195,10 +197,10 @@ class HitTouch:
         """Wait (up to ``deadline``, a ``time.monotonic`` value) for every ask's answer; whether
         there were any (``flush``: what L3 lost of a hit is written again before it returns)."""
         self._ask(refused)
-        if not self._asked:
+        if not self.asked:
             return False
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        futures.wait([ask.answer for ask in self._asked if ask.answer is not None], timeout)
+        futures.wait([ask.answer for ask in self.asked if ask.answer is not None], timeout)
         return True
 
     def lost(self, refused: Container[TreeNode]) -> list[TreeNode]:
@@ -209,11 +211,13 @@ class HitTouch:
         the host with its parents (backups stay a contiguous prefix) and was not refused by the
         storage admission filter (never in L3). Their windows are forgotten as stored, so the
         writes carry them whole."""
+        if not (self.due or self.asked):  # (every drain, so every chunk: nothing due or asked)
+            return []
         self._ask(refused)
         nodes: dict[TreeNode, None] = {}
         ends = self.window_ends
-        while self._asked and self._asked[0].answer is not None and self._asked[0].answer.done():
-            ask = self._asked.popleft()
+        while self.asked and self.asked[0].answer is not None and self.asked[0].answer.done():
+            ask = self.asked.popleft()
             answer = _answer(ask.answer, self.metrics)  # type: ignore[arg-type]
             if answer is None or ask.last.parent is None:
                 continue
@@ -236,7 +240,8 @@ class HitTouch:
                     # the lookup asking writes the window at its branch point -- had not run)
                     self._confirmed.discard(node)
                     nodes[node] = None
-        self.window_ends.difference_update(nodes)
+        if nodes:
+            ends.difference_update(nodes)
         return list(nodes)
 
 

@@ -103,10 +103,11 @@ def window_extras(layout: StackLayout, lease: Lease, end: int) -> dict[str, int]
 
 def allocate_units(
     units: TierUnits, layout: StackLayout, lease: Lease, end: int, window_only: bool = False
-) -> tuple[dict[str, torch.Tensor], dict[str, bytes]] | None:
+) -> dict[str, torch.Tensor] | None:
     """Device units for pages ``[lease.allocated_pages, end)`` per tree pool (evicting what it
     must for :func:`allocation_needs`, then, unless ``window_only``, :func:`window_extras` where
-    room is spare), or None: as tensors for the engine and as int64 bytes for the lease."""
+    room is spare), recorded in the lease (window units it no longer needs freed), or None: the
+    engine's tensors (one call per chunk: the lease's record is here, not a helper's)."""
     needs = allocation_needs(layout, lease, end)
     got = units.try_alloc(_DEVICE, needs, arrays=True)  # free units suffice (every chunk): no eviction
     if got is None:
@@ -127,7 +128,14 @@ def allocate_units(
     for name, array in got.items():
         tensors[name] = torch.from_numpy(array) if array.shape[0] else NO_UNITS
         raw[name] = array.tobytes()
-    return tensors, raw
+    try:  # handed to the lease: interrupted before it recorded them (a Ctrl-C), they are freed
+        dropped = lease.add_allocation(layout, (tensors, raw), end)
+    except BaseException:  # (units no one holds were never freed again)
+        units.free(_DEVICE, unit_arrays(raw))
+        raise
+    if dropped:  # a window pool's stale units
+        units.free(_DEVICE, dropped)
+    return tensors
 
 
 def take_for_insert(layout: StackLayout, lease: Lease, end: int) -> tuple[dict[str, bytes], dict[str, bytes]]:
@@ -181,25 +189,6 @@ def free_duplicates(
     if len(kept) < len(duplicates):
         units.free(_DEVICE, {name: value for name, value in duplicates.items() if name not in kept})
     return kept
-
-
-def hand_to_lease(
-    units: TierUnits,
-    layout: StackLayout,
-    lease: Lease,
-    got: tuple[dict[str, torch.Tensor], dict[str, bytes]],
-    end: int,
-) -> None:
-    """``allocate``: record ``got`` (:func:`allocate_units`) in the lease and free the window units
-    it no longer needs; interrupted before the lease recorded them (a Ctrl-C), they are freed:
-    units no one holds were never freed again."""
-    try:
-        dropped = lease.add_allocation(layout, got, end)
-    except BaseException:
-        units.free(_DEVICE, unit_arrays(got[1]))
-        raise
-    if dropped:  # a window pool's stale units
-        units.free(_DEVICE, dropped)
 
 
 def hand_to_tree(

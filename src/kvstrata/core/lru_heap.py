@@ -249,10 +249,11 @@ class LruHeaps:
 
     def device_moved(self, node: TreeNode, joined: bool) -> None:
         parent: TreeNode = node.parent  # type: ignore[assignment]
-        if joined:
+        if joined:  # (every chunk's node: ``active`` read here, a push call only where kept)
             parent.device_children += 1
-            self.device.push(node)
-            if node.host_raw[0] is not None:  # back on the device: its host copy may go
+            if self.device.active:
+                self.device.push(node)
+            if node.host_raw[0] is not None and self.copies.active:  # back: its host copy may go
                 self.copies.push(node)
             return
         parent.device_children -= 1
@@ -263,9 +264,10 @@ class LruHeaps:
 
     def host_moved(self, node: TreeNode, joined: bool) -> None:
         parent: TreeNode = node.parent  # type: ignore[assignment]
-        if joined:
+        if joined:  # (a backup's every node)
             parent.host_children += 1
-            (self.host if node.device_raw[0] is None else self.copies).push(node)
+            if (heap := self.host if node.device_raw[0] is None else self.copies).active:
+                heap.push(node)
             return
         parent.host_children -= 1
         if not parent.host_children and parent.device_raw[0] is not None and parent.host_raw[0] is not None:

@@ -463,9 +463,8 @@ class Unqueued:
     got their pages, reused or not. They are :attr:`lost`, for the writer's next drain to queue."""
 
     def __init__(self, tree: PrefixTree) -> None:
-        self.lost = SplitFollowingSet(tree, on_host)
-        self._copied: dict[TreeNode, None] = {}
-        self._depth = 0
+        self.lost, self.interrupted = SplitFollowingSet(tree, on_host), False  # (a drain reads the flag)
+        self._copied, self._depth = dict[TreeNode, None](), 0
 
     def copied(self, nodes: Iterable[TreeNode]) -> None:
         if self._depth:
@@ -476,8 +475,7 @@ class Unqueued:
             self._copied.pop(node, None)
 
     def call(self) -> Unqueued:
-        """A writer call that copies and queues (``with unqueued.call():``); its own context
-        manager (a generator-based one cost each backup, once per insert, a microsecond or two)."""
+        """A writer call that copies and queues (``with unqueued.call():``; a generator's cost ~1-2 us)."""
         return self
 
     def __enter__(self) -> None:
@@ -485,6 +483,7 @@ class Unqueued:
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         if kind is not None:  # (a nested call's: the outer one's too, the same nodes)
+            self.interrupted = True
             self.lost.update(node for node in self._copied if on_host(node))
         self._depth -= 1
         if not self._depth:
@@ -494,4 +493,5 @@ class Unqueued:
         """The lost nodes still on the host, root first (and forgets them all)."""
         nodes = sorted((node for node in self.lost if on_host(node)), key=lambda n: n.depth_end)
         self.lost.difference_update(list(self.lost))
+        self.interrupted = False
         return nodes

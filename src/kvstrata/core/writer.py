@@ -323,9 +323,9 @@ class Writer:
         took = bool(pending) and pending[0].finished
         while pending and pending[0].finished:
             self._finish(pending.popleft())
-        if lost := self.hit_touch.lost(self.refused):
+        if (self.hit_touch.due or self.hit_touch.asked) and (lost := self.hit_touch.lost(self.refused)):
             self._queue_write(lost, None, admitted=True)  # hit pages L3 lost: stored again
-        if self.unqueued.lost and (lost := requeue_lost(self)):  # (write-back: their prefix first)
+        if self.unqueued.interrupted and self.unqueued.lost and (lost := requeue_lost(self)):
             self._queue_write(self.waits.ready(lost) if self.policy.write == "write_back" else lost, None)
         return took
 
