@@ -249,14 +249,14 @@ class PrefixTree:
             self._require_node(at)
         result = self._inserter.insert(keys, values, _DEVICE, at)
         if tell and self.evictor.hears:
-            self.evictor.inserted(_DEVICE, result.node, result.new_pages)
+            self.evictor.inserted(_DEVICE, result)
         return result
 
     def insert_host(self, keys: Sequence[PageKey], values: Mapping[str, Units]) -> InsertResult:
         """Insert a host-resident prefix (a committed prefetch): new nodes exist only on host."""
         result = self._inserter.insert(keys, values, _HOST)
         if self.evictor.hears:
-            self.evictor.inserted(_HOST, result.node, result.new_pages)
+            self.evictor.inserted(_HOST, result)
         return result
 
     # ------------------------------------------------------------------ tier values
