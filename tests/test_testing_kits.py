@@ -245,6 +245,29 @@ def test_the_policy_kit_wants_a_list_of_ranks(kvstrata_host: PluginHost) -> None
         kit.test_the_workload_evicts_at_all(kvstrata_host)
 
 
+class NanRankConfig(EvictionPolicyConfig):
+    type: Literal["nan_rank"] = "nan_rank"
+
+
+class NanRankPolicy(MruPolicy):
+    """Breaks the ranking contract on purpose: a NaN rank (what 0 / 0 or inf x 0 in a policy's
+    arithmetic gives). It compares false with every rank, so the eviction order is arbitrary;
+    every other property holds (deterministic, locks kept), so the kit passed it."""
+
+    name = "nan_rank"
+    Config = NanRankConfig
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        return [(float("nan") if n.id % 2 else float(n.last_access), n.id, n) for n in entries]
+
+
+def test_the_policy_kit_catches_nan_ranks(kvstrata_host: PluginHost) -> None:
+    kvstrata_host.eviction_policies.register(NanRankPolicy)
+    ops = [([1, i % 4, i % 3, i], False, False) for i in range(24)]
+    with pytest.raises(AssertionError, match="a NaN rank"):
+        run_workload(kvstrata_host, "nan_rank", ops)
+
+
 class ByAddressConfig(EvictionPolicyConfig):
     type: Literal["by_address"] = "by_address"
 

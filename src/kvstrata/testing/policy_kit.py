@@ -306,6 +306,11 @@ def _checked_ranked(policy: str | dict[str, Any], ranked: Any, tier: str = "devi
         assert all(entry[1] == entry[2].id for entry in entries), (
             f"{who}: the second item of a ranked() entry must be its node's id (tie-break)"
         )
+        nan = [entry[2].id for entry in entries if entry[0] != entry[0]]  # (NaN is not itself)
+        assert not nan, (
+            f"{who}: ranked() gave node ids {nan} a NaN rank: NaN compares false with every rank, "
+            "so the eviction's order is arbitrary (an overflow or 0 / 0 in the policy's arithmetic?)"
+        )
         if len(entries) > 1:  # an eviction ranks a node that became a leaf alone, mid-way
             rank, _, probe = entries[-1]
             alone = list(ranked([probe]))
