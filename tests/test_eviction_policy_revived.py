@@ -64,3 +64,15 @@ def test_a_revived_prefix_its_policy_remembers_returns_as_a_ghost(name: str, mai
         assert state[a] == 2, "a recency ghost's return enters T2"
     elif name == "reuse":
         assert state[a] == 1, "a probation ghost's return enters main"
+
+
+def test_a_node_backed_up_one_pool_at_a_time_is_told_to_the_host_policy_with_its_anchor() -> None:
+    tree, units = tree_with("fifo", Tier.HOST), Units()
+    a = tree.insert(seq(1, 2), {"kv": units.take(2)}).node
+    b = tree.insert(seq(3, 4), {"kv": units.take(2)}).node
+    tree.set_host_value(a, "kv", units.take(2))  # a backup through the per-pool call: a first
+    back_up(tree, units, b)
+    assert a in tree.eviction_order(Tier.HOST)._entered  # type: ignore[attr-defined]
+    tree.evict_device({"kv": 4})
+    tree.evict_host({"kv": 2})
+    assert a.host_raw[0] is None and b.host_raw[0] is not None, "FIFO: the first to enter leaves first"
