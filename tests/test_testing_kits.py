@@ -245,6 +245,61 @@ def test_the_policy_kit_wants_a_list_of_ranks(kvstrata_host: PluginHost) -> None
         kit.test_the_workload_evicts_at_all(kvstrata_host)
 
 
+class NanRankConfig(EvictionPolicyConfig):
+    type: Literal["nan_rank"] = "nan_rank"
+
+
+class NanRankPolicy(MruPolicy):
+    """Breaks the ranking contract on purpose: a NaN rank (what 0 / 0 or inf x 0 in a policy's
+    arithmetic gives). It compares false with every rank, so the eviction order is arbitrary;
+    every other property holds (deterministic, locks kept), so the kit passed it."""
+
+    name = "nan_rank"
+    Config = NanRankConfig
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        return [(float("nan") if n.id % 2 else float(n.last_access), n.id, n) for n in entries]
+
+
+def test_the_policy_kit_catches_nan_ranks(kvstrata_host: PluginHost) -> None:
+    kvstrata_host.eviction_policies.register(NanRankPolicy)
+    ops = [([1, i % 4, i % 3, i], False, False) for i in range(24)]
+    with pytest.raises(AssertionError, match="a NaN rank"):
+        run_workload(kvstrata_host, "nan_rank", ops)
+
+
+class SegmentFlipConfig(EvictionPolicyConfig):
+    type: Literal["segment_flip"] = "segment_flip"
+
+
+class SegmentFlipPolicy(MruPolicy):
+    """Breaks the ranking contract on purpose, as ``arc`` / ``reuse`` / ``s3fifo`` did with a
+    node they first heard of in ``ranked()``: a node seen first there joins a segment, and which
+    segment goes first follows the segments' sizes. Every node of a call joins before the order
+    is read, so a node ranked again alone ranks the same; but a parent that becomes a candidate
+    mid-eviction, ranked alone, flips the order the heap's other ranks were computed under."""
+
+    name = "segment_flip"
+    Config = SegmentFlipConfig
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.seen: dict[object, int] = {}
+
+    def ranked(self, entries):  # type: ignore[no-untyped-def]
+        for n in entries:
+            self.seen.setdefault(n, len(self.seen))
+        odd_first = len(self.seen) % 2
+        return [(((self.seen[n] % 2) != odd_first) * 1e9 + n.last_access, n.id, n) for n in entries]
+
+
+def test_the_policy_kit_catches_a_rank_order_changed_mid_eviction(kvstrata_host: PluginHost) -> None:
+    kvstrata_host.eviction_policies.register(SegmentFlipPolicy)
+    ops = [([1, i % 4, i % 3, i], False, False) for i in range(24)]
+    with pytest.raises(AssertionError, match="a candidate mid-eviction, changed node"):
+        run_workload(kvstrata_host, "segment_flip", ops)
+
+
 class ByAddressConfig(EvictionPolicyConfig):
     type: Literal["by_address"] = "by_address"
 

@@ -213,4 +213,4 @@ def hand_to_tree(
     finally:
         lease.mark_inserted(tree, result.node, end, rest, kept or None)
     if tree.evictor.hears:
-        tree.evictor.inserted(_DEVICE, result.node, result.new_pages)
+        tree.evictor.inserted(_DEVICE, result)

@@ -249,14 +249,14 @@ class PrefixTree:
             self._require_node(at)
         result = self._inserter.insert(keys, values, _DEVICE, at)
         if tell and self.evictor.hears:
-            self.evictor.inserted(_DEVICE, result.node, result.new_pages)
+            self.evictor.inserted(_DEVICE, result)
         return result
 
     def insert_host(self, keys: Sequence[PageKey], values: Mapping[str, Units]) -> InsertResult:
         """Insert a host-resident prefix (a committed prefetch): new nodes exist only on host."""
         result = self._inserter.insert(keys, values, _HOST)
         if self.evictor.hears:
-            self.evictor.inserted(_HOST, result.node, result.new_pages)
+            self.evictor.inserted(_HOST, result)
         return result
 
     # ------------------------------------------------------------------ tier values
@@ -275,12 +275,12 @@ class PrefixTree:
         self.evictor.entered(_DEVICE, (node,) if p == 0 else ())  # a load-back: told as an insert
 
     def set_host_value(self, node: TreeNode, name: str, value: torch.Tensor | bytes) -> None:
-        """Record a host copy of one pool's units (units or their int64 bytes) on ``node``: a
-        component may follow an anchor already on host. :meth:`set_host_values` records a backup."""
+        """A host copy of one pool's units (or int64 bytes) on ``node``; a backup: :meth:`set_host_values`."""
         p = self._pool(name)
         self._require_node(node)
         raw = value if isinstance(value, bytes) else unit_bytes(self._check_value(p, value, node.pages))
         self._inserter.record_host_value(node, p, raw)
+        self.evictor.entered(_HOST, () if p else (node,))  # the anchor: a backup, told as an insert
 
     def set_host_values(self, nodes: Sequence[TreeNode], values: Mapping[str, bytes]) -> None:
         """A backup of ``nodes`` (none backed up yet) in one call: ``values[pool]`` their host

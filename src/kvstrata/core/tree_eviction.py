@@ -45,6 +45,7 @@ from kvstrata.core.tree_node import (
     _DEVICE,
     _HOST,
     EvictionResult,
+    InsertResult,
     Membership,
     PoolLayout,
     SetValue,
@@ -158,18 +159,18 @@ class TreeEvictor:
         for order in self._hearing.values():
             order.accessed(deepest_first)
 
-    def inserted(self, tier: Tier, node: TreeNode, new_pages: int) -> None:
-        """An insert into ``tier`` ended at ``node`` and created its last ``new_pages`` pages."""
+    def inserted(self, tier: Tier, result: InsertResult) -> None:
+        """An insert into ``tier``: what it brought there, root-most first -- the existing nodes it
+        adopted (``result.revived``: else a policy heard of them only ranking them) above those it created."""
         order = self._hearing.get(tier)
-        if order is None or new_pages <= 0:
+        node, first = result.node, result.node.depth_end - result.new_pages
+        if order is None or (result.new_pages <= 0 and not result.revived):
             return
-        first = node.depth_end - new_pages
         created = []
-        while node is not self.root and node.depth_start >= first:
+        while result.new_pages > 0 and node is not self.root and node.depth_start >= first:
             created.append(node)
             node = node.parent  # type: ignore[assignment]
-        created.reverse()
-        order.inserted(created)
+        order.inserted([*result.revived, *created[::-1]])
 
     def entered(self, tier: Tier, nodes: Sequence[TreeNode]) -> None:
         """``nodes`` joined ``tier`` from the other tier (a load-back, a backup): inserted into it,

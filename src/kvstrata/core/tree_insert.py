@@ -135,6 +135,7 @@ class TreeInserter:
         # each given value as int64 bytes, made when a node first stores part of it: a node keeps
         # its own slice (33 bytes beside the units, untracked), never a view of the caller's tensor
         raw: list[bytes | None] = [None] * npools
+        revived: list[TreeNode] = []  # existing nodes whose anchor the insert brought into the tier
         # adopt into existing nodes: revive host-only nodes / tombstones, the rest is duplicate
         e = 0  # the path runs contiguously below ``top``: each node starts where the last ended
         for node in path:
@@ -149,6 +150,8 @@ class TreeInserter:
                     if raw[p] is None:
                         raw[p] = unit_bytes(given[p])  # type: ignore[arg-type]
                     self._set(node, tier, p, raw[p][lo * UNIT : hi * UNIT])  # type: ignore[index]
+                    if not p:
+                        revived.append(node)
                     continue
                 ranges = dup_ranges.get(names[p])
                 if ranges is None:
@@ -200,7 +203,7 @@ class TreeInserter:
             tick += 1
             node_.last_access = tick
         clock.tick = tick
-        return InsertResult(node, n - i, values, dup_ranges)
+        return InsertResult(node, n - i, values, dup_ranges, revived)
 
     def _grow(
         self,

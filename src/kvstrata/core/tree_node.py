@@ -331,7 +331,7 @@ class MatchResult:
 class InsertResult:
     """Outcome of an insert; the duplicate tensors are sliced only when asked for."""
 
-    __slots__ = ("_duplicates", "_given", "_ranges", "new_pages", "node")
+    __slots__ = ("_duplicates", "_given", "_ranges", "new_pages", "node", "revived")
 
     def __init__(
         self,
@@ -339,9 +339,12 @@ class InsertResult:
         new_pages: int,
         given: Mapping[str, Units],
         ranges: dict[str, list[list[int]]],
+        revived: Sequence[TreeNode] = (),
     ) -> None:
         self.node = node  # the node ending at the inserted length (root for an empty insert)
         self.new_pages = new_pages  # pages that did not exist in the tree before
+        #: existing nodes the insert brought into its tier (their anchor adopted), root-most first
+        self.revived = revived
         self._given = given
         self._ranges = ranges
         self._duplicates: dict[str, torch.Tensor] | None = None

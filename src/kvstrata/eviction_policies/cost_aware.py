@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from kvstrata.plugins.eviction_policy import (
     E,
@@ -29,11 +29,13 @@ from kvstrata.plugins.eviction_policy import (
 
 
 class CostAwareConfig(EvictionPolicyConfig):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN rank orders nothing
     type: Literal["cost_aware"] = "cost_aware"
     alpha: float = Field(1.0, ge=0, description="weight of efficiency against recency")
     attention_weight: float = Field(
         1.0 / 8192,
         ge=0,
+        le=1,  # (far above any model's; a huge weight overflowed every efficiency: NaN ranks)
         description="recompute of one token per token of prefix before it, relative to the "
         "per-token (MLP, projection, state update) work",
     )

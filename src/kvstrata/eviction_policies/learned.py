@@ -39,10 +39,11 @@ from collections.abc import Hashable, Sequence
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from kvstrata.eviction_policies._ghosts import ghost_key
 from kvstrata.plugins.eviction_policy import (
+    NEVER,
     E,
     EvictionPolicy,
     EvictionPolicyConfig,
@@ -58,6 +59,7 @@ _MIN_OUTCOMES = 20  # of each kind before the first fit (until then every score 
 
 
 class LearnedConfig(EvictionPolicyConfig):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN rank orders nothing
     type: Literal["learned"] = "learned"
     max_shift: float = Field(400.0, ge=0, description="largest rank shift per unit of log-odds, in requests")
     shift_lifetimes: float = Field(1.5, ge=0, description="largest shift in mean lifetimes of the tier")
@@ -134,8 +136,13 @@ class ReuseModel:
             p = torch.sigmoid(x @ w)
             gradient = x.T @ (p - y) + self._l2 * w
             hessian = (x * (p * (1 - p)).unsqueeze(1)).T @ x + eye
-            step = torch.linalg.solve(hessian, gradient)
+            try:  # a tiny l2 over collinear features (a constant one) leaves it singular
+                step = torch.linalg.solve(hessian, gradient)
+            except RuntimeError:  # (torch.linalg.LinAlgError)
+                return  # the last fit stays: raising here failed the event that learned the outcome
             w = w - step * min(1.0, _MAX_STEP / max(float(step.norm()), 1e-12))
+        if not bool(torch.isfinite(w).all()):
+            return  # (an overflow): a NaN weight made every rank NaN, which orders nothing
         self._w = w.tolist()
         self.version += 1
 
@@ -159,7 +166,7 @@ class LearnedPolicy(EvictionPolicy):
         self.reread: set[object] = set()  # read again since it entered the tier
         # page (position, key) -> turn of the request that brought it (requests that built its chain)
         self.history: OrderedDict[Hashable, int] = OrderedDict()
-        self.history_limit = int(config.history_factor * capacity)
+        self.history_limit = int(min(config.history_factor * capacity, NEVER))
         self.pending: dict[Hashable, Features] = {}  # last page of an insert -> its features
         self.deadlines: deque[tuple[int, Hashable, Features]] = deque()
 
@@ -233,7 +240,7 @@ class LearnedPolicy(EvictionPolicy):
             history.popitem(last=False)
         last = keys[-1]
         self.pending[last] = x
-        self.deadlines.append((self.requests + int(self.horizon()), last, x))
+        self.deadlines.append((self.requests + int(min(self.horizon(), NEVER)), last, x))
 
     def split(self, upper: E, lower: E) -> None:
         if lower in self.stamp:

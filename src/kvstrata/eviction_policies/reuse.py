@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from kvstrata.eviction_policies._ghosts import Ghosts, ghost_key
 from kvstrata.plugins.eviction_policy import (
@@ -50,11 +50,14 @@ _LIFETIME_EWMA = 0.02  # weight of one leaf's probation lifetime in the running 
 
 
 class ReuseConfig(EvictionPolicyConfig):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN rank orders nothing
     type: Literal["reuse"] = "reuse"
     initial_probation: float = Field(0.1, gt=0, lt=1, description="probation share to start with")
     min_probation: float = Field(0.02, ge=0, lt=1, description="least probation share")
     max_probation: float = Field(0.5, gt=0, le=1, description="largest probation share")
-    size_weight: float = Field(0.3, ge=0, description="weight of the learned reuse odds per size class")
+    size_weight: float = Field(
+        0.3, ge=0, le=100, description="weight of the learned reuse odds per size class"
+    )
     prior: float = Field(4.0, gt=0, description="outcomes of the mean rate a size class starts with")
     decay: int = Field(4096, ge=16, description="outcomes between halvings of the learned counts")
 

@@ -156,12 +156,14 @@ class _Workload:
         self.policy = policy
         self.tree = tree = PrefixTree([kv])
         self.future = _OpsFuture([])
+        self.batches: dict[Tier, list[tuple[Any, TreeNode]]] = {}  # each tier's eviction's first ranks
         for tier, capacity in ((Tier.DEVICE, CAPACITY), (Tier.HOST, HOST_CAPACITY)):
             context = PolicyContext(tier=tier.value, capacity_pages=capacity, page_size=PAGE, page_bytes=64)
             ranker = make_policy(host, policy_config(host, policy), context)
             if ranker.capabilities.needs_future:
                 ranker.bind_future(self.future)
             ranker.ranked = _checked_ranked(policy, ranker.ranked, tier.value)  # type: ignore[method-assign]
+            self.batches[tier] = ranker.ranked.batch  # type: ignore[attr-defined]
             tree.set_eviction_order(tier, ranker)
         self.retention = Retention(tree, max_pinned_pages=CAPACITY // 3, metrics=CacheMetrics())
         tree.set_retention(self.retention)
@@ -227,6 +229,7 @@ class _Workload:
     def _evict_device(self, want: int, protected: dict[TreeNode, int]) -> None:
         tree, policy = self.tree, self.policy
         used = tree.units("kv", Tier.DEVICE)
+        self.batches[Tier.DEVICE].clear()  # a new eviction: ranks of the last one may differ
         result = tree.evict_device({"kv": want})
         self.evicted.extend(("demoted", tuple(node.keys), node.pages) for node in result.demoted)
         self.evicted.append(("deleted", result.deleted, result.units.get("kv", 0)))
@@ -242,6 +245,7 @@ class _Workload:
         if used + need > HOST_CAPACITY:
             protected = _protected(tree, self.host_held, [], None, Tier.HOST)
             want = used + need - HOST_CAPACITY
+            self.batches[Tier.HOST].clear()
             result = tree.evict_host({"kv": want})
             freed = result.units.get("kv", 0)
             self.evicted.append(("host", result.deleted, freed))
@@ -285,8 +289,11 @@ def _check_freed(
 def _checked_ranked(policy: str | dict[str, Any], ranked: Any, tier: str = "device") -> Any:
     """``ranked`` checked against the contract: a list of one ``(rank, node.id, node)`` entry per
     given node, each exactly once, and no other node; and a node ranked again alone gets the same rank,
-    comparable with the others'. Failures name the tier (each tier ranks with its own instance)."""
+    comparable with the others'; ranking a node that became a candidate mid-eviction changes no
+    rank of the eviction's first batch (kept in ``check.batch``, which the workload clears when an
+    eviction starts). Failures name the tier (each tier ranks with its own instance)."""
     who = f"policy {policy!r} ({tier} tier)"
+    batch: list[tuple[Any, TreeNode]] = []
 
     def check(nodes: list[TreeNode]) -> list[tuple[Any, int, TreeNode]]:
         given = sorted(node.id for node in nodes)  # before the call: a policy may change the list
@@ -306,7 +313,15 @@ def _checked_ranked(policy: str | dict[str, Any], ranked: Any, tier: str = "devi
         assert all(entry[1] == entry[2].id for entry in entries), (
             f"{who}: the second item of a ranked() entry must be its node's id (tie-break)"
         )
+        nan = [entry[2].id for entry in entries if entry[0] != entry[0]]  # (NaN is not itself)
+        assert not nan, (
+            f"{who}: ranked() gave node ids {nan} a NaN rank: NaN compares false with every rank, "
+            "so the eviction's order is arbitrary (an overflow or 0 / 0 in the policy's arithmetic?)"
+        )
+        if len(entries) == 1 and batch:
+            _same_ranks(who, ranked, batch, entries[0][2], tier)
         if len(entries) > 1:  # an eviction ranks a node that became a leaf alone, mid-way
+            batch[:] = [(entry[0], entry[2]) for entry in entries]
             rank, _, probe = entries[-1]
             alone = list(ranked([probe]))
             assert len(alone) == 1 and alone[0][2] is probe, f"{who}: ranked([node]) gave {alone}"
@@ -324,7 +339,24 @@ def _checked_ranked(policy: str | dict[str, Any], ranked: Any, tier: str = "devi
             )
         return entries
 
+    check.batch = batch  # type: ignore[attr-defined]
     return check
+
+
+def _same_ranks(who: str, ranked: Any, batch: list[tuple[Any, TreeNode]], new: TreeNode, tier: str) -> None:
+    """The ranks of an eviction's first batch, its nodes still in ``tier`` ranked again alone, are
+    what they were before ``new`` (a node that became a leaf mid-eviction) was ranked: the heap
+    still holds them, so a policy whose state the new node changed (placed on first sight into a
+    segment whose size decides which segment goes first) ranked it against an order it had left."""
+    for rank, node in batch:
+        held = node.device_raw[0] if tier == "device" else node.host_raw[0]
+        if node is new or node.parent is None or held is None:
+            continue
+        again = ranked([node])[0][0]
+        assert again == rank, (
+            f"{who}: ranking node {new.id}, a candidate mid-eviction, changed node {node.id}'s rank "
+            f"from {rank!r} to {again!r}: the eviction's heap compares the new rank with the old ones"
+        )
 
 
 def _protected(
