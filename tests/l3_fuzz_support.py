@@ -12,6 +12,7 @@ Run as a script it is the other process of a cross-process case::
     python l3_fuzz_support.py write SPEC   # the driver, then flush + close; or, with "kill",
                                            # "FLUSH" on stdout before each flush until SIGKILL
     python l3_fuzz_support.py read SPEC    # every planned request once: JSON of hits and bytes
+                                           # (with "until": again, fresh caches, until that file is)
 
 ``SPEC`` is JSON: stack, l3 directory, overrides, seed, ops (the plan is the seed's, so a reader
 asks for exactly the requests a writer served).
@@ -155,9 +156,27 @@ def read_all(cache: CacheController, requests: list[Request]) -> dict[str, Any]:
     return {"storage": storage, "bad": bad, "corrupt": cache.metrics.corrupt_detected}
 
 
+def _read_until(spec: dict[str, Any], l3: Path | None, requests: list[Request]) -> dict[str, Any]:
+    """Fresh caches reading every request, one after another, until the file ``until`` exists:
+    a reader beside a writer (each cache's reads come from L3, not from the one before)."""
+    total = {"storage": 0, "bad": 0, "corrupt": 0, "rounds": 0}
+    while total["rounds"] < 100:
+        done = Path(spec["until"]).exists()
+        with open_cache(spec["stack"], l3, spec["overrides"]) as cache:
+            for name, value in read_all(cache, requests).items():
+                total[name] += value
+        total["rounds"] += 1
+        if done:
+            break
+    return total
+
+
 def _main(role: str, spec: dict[str, Any]) -> None:
     l3 = Path(spec["l3"]) if spec.get("l3") else None
     requests = plan(spec["seed"])
+    if role == "read" and spec.get("until"):
+        print(json.dumps(_read_until(spec, l3, requests)), flush=True)
+        return
     with open_cache(spec["stack"], l3, spec["overrides"]) as cache:
         if role == "read":
             print(json.dumps(read_all(cache, requests)), flush=True)
@@ -169,7 +188,7 @@ def _main(role: str, spec: dict[str, Any]) -> None:
         while spec.get("kill"):  # the parent kills this process during one of these flushes
             print("FLUSH", flush=True)
             cache.flush()
-            for _ in range(5):  # (work for the next flush)
+            for _ in range(10):  # (work for the next flush)
                 driver.step()
         cache.flush()
         print(json.dumps(driver.stats), flush=True)

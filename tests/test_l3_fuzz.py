@@ -98,7 +98,7 @@ def _write(spec: dict[str, Any], rng: random.Random) -> str:
         if line.startswith("FLUSH"):
             flushes -= 1
             if not flushes:
-                time.sleep(rng.uniform(0, 0.05))
+                time.sleep(rng.choice([0, 0.001, 0.003, 0.01, 0.03]))  # (a flush takes ms)
                 break
     os.kill(proc.pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=60)
@@ -115,12 +115,14 @@ def cross_process_case(seed: int, storage: list[str], l3: Path, name: str) -> di
         own.append("policy.checksum=none")
     spec = {"stack": stack, "l3": str(l3), "overrides": own, "seed": seed, "ops": rng.randint(20, 80)}
     spec["kill"] = rng.random() < 0.5
-    during = _process("read", spec)  # a reader of the same config while the writer writes
+    until = l3.parent / "writer-ended"
+    during = _process("read", {**spec, "until": str(until)})  # reads while the writer writes
     try:
         ended = _write(spec, rng)
     except BaseException:
         during.kill()
         raise
+    until.touch()
     temps = len(list(l3.rglob(".*.tmp-*"))) if l3.is_dir() else 0  # a killed put's leftovers
     # the same model with another host layout (the payload order is canonical): exact or a miss
     readers = {"same": own, "layout": [*own, f"tiers.host.layout={rng.choice(LAYOUTS)}"]}
