@@ -53,7 +53,7 @@ def test_device_eviction_follows_the_device_tier_order() -> None:
     tree.check()
 
     tree, (one, two, three) = _three_leaves()
-    tree.evictor.orders[Tier.DEVICE] = MostRecentFirst()
+    tree.set_eviction_order(Tier.DEVICE, MostRecentFirst())
     assert tree.evict_device({"kv": 1}).deleted == 1
     assert two.parent is None and one.parent is tree.root and three.parent is tree.root
     tree.check()

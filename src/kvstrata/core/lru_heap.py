@@ -17,7 +17,8 @@ every eviction cost O(tier) per allocation once the tier was full: 79 ms per req
 
 So the node that surfaces is the one the scan ranked lowest: an eviction costs the nodes it
 looks at, not the tier. Dropped and stale entries are compacted away once the heap holds twice
-the tier. Plugin orders and retention levels (a rank that is not the stamp) rank by a scan.
+the tier. Plugin orders and retention levels (a rank that is not the stamp) rank by a scan,
+unless an order declares ``recency_order`` (:func:`ranks_by_recency`: the ``lru`` plugin).
 Nothing is kept until the first eviction asks (then built from the members): a cache that never
 evicts pays no push per insert (~3 us per sequence of a 30,000-sequence tree).
 The host copies of device nodes the second host pass may drop are kept the same way
@@ -275,3 +276,17 @@ class LruHeaps:
         # its last child may be leaving the tree (a host eviction deletes it after this)
         if parent.parent is not None and parent.device_raw[0] is None and len(parent.children) <= 1:
             self.host.push(parent)
+
+
+def ranks_by_recency(order: object) -> bool:
+    """Whether the heaps may rank for ``order``: it declares ``recency_order`` (and trims no leaf),
+    and its ``ranked`` is the one declared with that (a subclass that re-ranks is ranked by its own
+    ``ranked``). ``policy.eviction: lru`` spelled out scanned the tier at every eviction: 10 ms
+    per request at 5,000 device nodes against 0.3 ms left unset."""
+    caps = getattr(order, "capabilities", None)
+    if not getattr(caps, "recency_order", False) or getattr(caps, "chain_aware", False):
+        return False
+    mro = type(order).__mro__
+    declared = next(c for c in mro if "capabilities" in vars(c))
+    ranking = next((c for c in mro if "ranked" in vars(c)), object)
+    return issubclass(declared, ranking)

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from kvstrata.core.component_index import ComponentIndex
-from kvstrata.core.lru_heap import LruHeaps
+from kvstrata.core.lru_heap import LruHeaps, ranks_by_recency
 from kvstrata.core.policy_events import GuardedEvents
 from kvstrata.core.state_copies import drop_state_copies
 from kvstrata.core.tree_node import (
@@ -54,6 +54,7 @@ from kvstrata.core.tree_node import (
     TreeNode,
     unit_tensor,
 )
+from kvstrata.plugins.eviction_policy import PolicyCapabilities
 
 Split = Callable[[TreeNode, int], TreeNode]
 
@@ -92,7 +93,7 @@ class LruOrder:
     """Least recently used first: ``last_access`` is stamped by every match and insert, deepest
     node first, so a parent is never older than its children."""
 
-    __slots__ = ()
+    capabilities = PolicyCapabilities(recency_order=True)  # (the heaps rank it: see use)
 
     def ranked(self, nodes: list[TreeNode]) -> list[tuple[float, int, TreeNode]]:
         return [(n.last_access, n.id, n) for n in nodes]
@@ -142,7 +143,7 @@ class TreeEvictor:
     def use(self, tier: Tier, order: EvictionOrder) -> None:
         """Make ``order`` rank ``tier``'s candidates, honouring its declared capabilities."""
         self.orders[tier] = order
-        self.heaps.enable(tier, type(order) is LruOrder)
+        self.heaps.enable(tier, ranks_by_recency(order))
         caps = getattr(order, "capabilities", None)
         self._trims[tier] = bool(getattr(caps, "chain_aware", False)) and self._can_trim
         if getattr(caps, "events", False):
@@ -313,7 +314,7 @@ class TreeEvictor:
         becomes a candidate in turn. A chain-aware order trims the last leaf it needs to the pages still
         wanted. The LRU order's candidates are kept (``core/lru_heap.py``): ranking them all cost O(tier)."""
         name = self.pools[0].name
-        kept = self.heaps.of(tier) if type(self.orders[tier]) is LruOrder and self._level is None else None
+        kept = self.heaps.of(tier) if self._level is None else None
         if kept is not None:
             kept.evict(self._node_evictable, self._drop_node, name, tier, want, result)
         else:
@@ -347,7 +348,7 @@ class TreeEvictor:
         dev = tier is _DEVICE  # (a host lock may be an L3 write's, reading the whole node)
         free = _head_free if heads and dev else _unlocked
         keep = dev and not self._delete_unbacked  # write-back: a node without a backup stays
-        if p and type(self.orders[tier]) is LruOrder and self._level is None:
+        if p and self.heaps.of(tier) is not None and self._level is None:
             return self.components.evicting(dev, p).ordered(lambda n: _may_lose(n, p, dev, keep, free), keep)
         nodes = [n for n in self._members[tier][p] if _may_lose(n, p, dev, keep, free)]
         return iter([n for *_, n in sorted(self._ranked(tier, nodes))])
@@ -404,7 +405,7 @@ def _drop_copies(evictor: TreeEvictor, want: int, result: EvictionResult) -> Non
     """Second host pass: host copies of pages that stay on the device go, deepest first in
     the order (their pages are still served from L1; the host tier needs the room)."""
     name = evictor.pools[0].name
-    if type(evictor.orders[_HOST]) is LruOrder and evictor._level is None:  # kept: core/lru_heap.py
+    if evictor.heaps.of(_HOST) is not None and evictor._level is None:  # kept: core/lru_heap.py
         drop = lambda node, tier, result: evictor._drop_copy(node, result)  # noqa: E731
         evictor.heaps.copies.evict(lambda node, tier: _copy_droppable(node), drop, name, _HOST, want, result)
         return

@@ -18,7 +18,7 @@ class LruConfig(EvictionPolicyConfig):
 class LruPolicy(EvictionPolicy):
     name = "lru"
     Config = LruConfig
-    capabilities = PolicyCapabilities()
+    capabilities = PolicyCapabilities(recency_order=True)  # the tree's kept heaps rank it: O(log n)
 
     def ranked(self, entries: list[E]) -> list[tuple[float, int, E]]:
         return [(n.last_access, n.id, n) for n in entries]

@@ -49,6 +49,9 @@ class PolicyCapabilities(BaseModel):
     chain_aware: bool = False  # the tree may trim a leaf: evict exactly the tail pages needed
     needs_future: bool = False  # the offline optimum: needs every future access (simulate only)
     cost_aware: bool = False  # weighs recompute saved against bytes held (reads PolicyContext costs)
+    #: ranks exactly as the tree's recency stamps do, ``(last_access, id)``: the core keeps its own
+    #: LRU heaps (O(log n) per eviction) and never calls ``ranked`` (ranking the tier is O(tier))
+    recency_order: bool = False
 
 
 class EvictionPolicyConfig(UserConfig):
