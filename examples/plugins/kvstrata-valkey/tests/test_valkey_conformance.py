@@ -76,6 +76,21 @@ def test_config_refuses_bad_urls_and_unknown_fields(fields: dict[str, str], mess
         ValkeyConfig(**fields)
 
 
+def test_a_bad_url_error_never_prints_its_password(tmp_path: Path) -> None:
+    """``kvstrata.load`` (what an engine calls, and logs the error of) raises the validator's
+    message unmasked: the bad-port message quoted the whole url, password included."""
+    import kvstrata
+
+    config = tmp_path / "stack.yaml"
+    config.write_text(
+        "model: {name: demo, page_size: 16, pools: {kv: {type: kv, layers: 1, kv_heads: 1, head_dim: 8}}}\n"
+        "tiers: {storage: {l3: {type: valkey, url: 'redis://kv:s3cret@127.0.0.1:abc/0'}}}\n"
+    )
+    with pytest.raises(kvstrata.ConfigError, match=r"tiers\.storage\.l3\.url.*bad port") as info:
+        kvstrata.load(config)
+    assert "s3cret" not in str(info.value)
+
+
 def test_unreachable_server_fails_open_with_the_address(tmp_path: Path) -> None:
     from kvstrata_valkey.testing import free_loopback_port
 

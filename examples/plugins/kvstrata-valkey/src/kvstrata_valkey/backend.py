@@ -68,7 +68,9 @@ class ValkeyConfig(BackendConfig):
         try:
             parts.port  # noqa: B018 - raises ValueError on a port that is not a number
         except ValueError as exc:
-            raise ValueError(f"bad port in {url!r}: {exc}") from None
+            # not the url itself: it may carry a password, and kvstrata.load()'s ConfigError (what
+            # an engine logs) prints this message as it is; the field path names the setting
+            raise ValueError(f"bad port: {exc}") from None
         db = parts.path.lstrip("/")
         if db and not db.isdigit():
             raise ValueError(f"the database after the port must be a number, got {db!r}")
