@@ -208,6 +208,41 @@ def test_a_server_refusing_every_read_fails_the_call_not_a_cold_cache(tmp_path: 
             backend.close()
 
 
+def test_a_server_refusing_every_write_fails_the_call_but_a_full_one_refuses_per_key(tmp_path: Path) -> None:
+    """A replica answers READONLY to every write: the put fails (kvstrata's write breaker counts
+    it, the writer offers the pages again later), where it read as each object refused. A full
+    server (``noeviction``) still refuses per key, and what it holds reads back exact."""
+    import valkey
+
+    payload = (ctypes.c_char * 4096).from_buffer_copy(b"p" * 4096)
+
+    def objects(*keys: str) -> list[StorageObject]:
+        return [StorageObject(key, (BufferRegion(ctypes.addressof(payload), 4096),)) for key in keys]
+
+    with ValkeyServer(tmp_path / "server", maxmemory="2mb") as running:
+        backend = opened("l3", running.url)
+        admin = valkey.Valkey.from_url(running.url)
+        try:
+            assert backend.put(objects("a")) == [True]
+            admin.replicaof(LOOPBACK, free_loopback_port())  # nothing listens there
+            with pytest.raises(StorageError, match="refused every write: ReadOnlyError"):
+                backend.put(objects("b", "c"))
+            with pytest.raises(StorageError, match="ReadOnlyError"):
+                backend.remove(["a"])
+            admin.replicaof("NO", "ONE")
+            assert backend.put(objects("b")) == [True]  # writes are taken again
+            admin.config_set("maxmemory-policy", "noeviction")
+            answers = backend.put(objects(*(f"fill-{i}" for i in range(1000))))
+            assert 0 < answers.count(True) < len(answers), "some stored, then refused per key"
+            assert backend.put(objects("late-1", "late-2")) == [False, False]  # full: per key
+            target = (ctypes.c_char * 4096)()
+            got = backend.get([StorageObject("fill-0", (BufferRegion(ctypes.addressof(target), 4096),))])
+            assert got == [4096] and target.raw == payload.raw
+        finally:
+            admin.close()
+            backend.close()
+
+
 def test_config_show_masks_the_url_password_unless_asked(tmp_path: Path) -> None:
     """``kvstrata config show`` lands in terminals and CI logs: a ``url``'s password is ``***``
     (it was printed in full), and ``--reveal-secrets`` prints it for a config meant to be reused."""

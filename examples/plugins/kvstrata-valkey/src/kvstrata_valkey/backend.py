@@ -7,7 +7,9 @@ is caught by kvstrata's header check and becomes a miss.
 
 * ``SET key value NX``: a key appears whole or not at all (atomic visibility), and an existing
   key is never rewritten (equal keys carry equal bytes).
-* Every call is one pipeline round trip for the whole batch; per-key errors fail that key only.
+* Every call is one pipeline round trip for the whole batch; per-key errors fail that key only,
+  but a server refusing the whole batch for what it is (a replica, loading, a failed save) fails
+  the call, so kvstrata's breaker sees it.
 * The server evicts on its own (``maxmemory`` + an ``allkeys-*`` policy), so a put may fail per
   key when it is full and an object may vanish later: both are misses, never wrong data.
 
@@ -184,7 +186,7 @@ class ValkeyBackend(StorageBackend):
             pipe.set(self._key(obj.key), b"".join(region_views(obj.regions)), nx=True)
         # True: stored now; None: the key existed (NX), equal bytes by construction; an exception
         # (out of memory, value too large): that key failed
-        return [not isinstance(result, Exception) for result in pipe.execute(raise_on_error=False)]
+        return [not isinstance(result, Exception) for result in self._write(pipe)]
 
     def get(self, objects: Sequence[StorageObject]) -> list[int]:
         pipe = self._pipeline()
@@ -225,11 +227,31 @@ class ValkeyBackend(StorageBackend):
             )
         return answers
 
+    def _write(self, pipe: Any) -> list[Any]:
+        """A write pipeline's answers, one per command. A server refusing every write of the
+        batch for what it is, not for the objects (a replica: READONLY; MISCONF after a failed
+        save; MASTERDOWN; an ACL: NOPERM) fails the call: answered per key, kvstrata's write
+        breaker never opened, the writer shipped every value again, and the lost writes were not
+        offered again once the server took writes. Out of memory stays per key: the server is
+        full (or the object too large for it), a refusal of those objects."""
+        import valkey
+
+        answers = pipe.execute(raise_on_error=False)
+        refused = [a for a in answers if isinstance(a, Exception)]
+        full = [a for a in refused if isinstance(a, valkey.exceptions.OutOfMemoryError)]
+        if answers and len(refused) == len(answers) and not full:
+            first = refused[0]
+            raise StorageError(
+                f"valkey backend {self.instance!r}: the server refused every write: "
+                f"{type(first).__name__}: {first}"
+            )
+        return answers
+
     def remove(self, keys: Sequence[str]) -> list[bool]:
         pipe = self._pipeline()
         for key in keys:
             pipe.delete(self._key(key))
-        return [not isinstance(result, Exception) for result in pipe.execute(raise_on_error=False)]
+        return [not isinstance(result, Exception) for result in self._write(pipe)]
 
     # -- for kvstrata's conformance kit: damage an object on demand -------------------------------
 
