@@ -68,12 +68,37 @@ def test_a_missing_valkey_client_names_the_command_that_installs_it(monkeypatch:
         ({"url": "redis://127.0.0.1:6379/x"}, "must be a number"),
         ({"url": "redis://:6379/0"}, "no host"),
         ({"url": "redis://127.0.0.1:6379/0?decode_responses=True"}, "remove decode_responses"),
+        ({"url": "unix://"}, "no socket path"),
+        ({"url": "unix://localhost/run/valkey.sock"}, "not a host"),
+        ({"url": "unix:///run/valkey.sock?db=x"}, "must be a number"),
         ({"host": "127.0.0.1"}, "Extra inputs are not permitted"),
     ],
 )
 def test_config_refuses_bad_urls_and_unknown_fields(fields: dict[str, str], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         ValkeyConfig(**fields)
+
+
+def test_a_unix_socket_url_reaches_the_same_server(tmp_path: Path) -> None:
+    """The client speaks ``unix:///path?db=N`` (a local server without TCP's cost); the url
+    check refused every scheme but redis:// and rediss://."""
+    with ValkeyServer(tmp_path / "s", unixsocket=True) as running:
+        over_socket = opened("l3", running.unix_url)
+        over_tcp = opened("l3", running.url)
+        try:
+            payload = (ctypes.c_char * 64).from_buffer_copy(bytes(range(64)))
+            stored = over_socket.put([StorageObject("u", (BufferRegion(ctypes.addressof(payload), 64),))])
+            assert stored == [True]
+            target = (ctypes.c_char * 64)()
+            assert over_tcp.get([StorageObject("u", (BufferRegion(ctypes.addressof(target), 64),))]) == [64]
+            assert target.raw == payload.raw
+        finally:
+            over_socket.close()
+            over_tcp.close()
+        url = f"unix://:s3cret@{tmp_path}/none.sock"
+        missing = ValkeyBackend("l3", ValkeyConfig(url=url, socket_timeout_s=0.5))
+        reason = missing.probe() or ""
+        assert f"unix://{tmp_path}/none.sock?db=0 unreachable" in reason and "s3cret" not in reason
 
 
 def test_a_bad_url_error_never_prints_its_password(tmp_path: Path) -> None:

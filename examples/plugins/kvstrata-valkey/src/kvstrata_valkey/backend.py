@@ -49,7 +49,10 @@ class ValkeyConfig(BackendConfig):
     type: Literal["valkey"] = "valkey"
     url: str = Field(
         default="redis://127.0.0.1:6379/0",
-        description="server as redis://[user:password@]host:port/db (rediss:// for TLS)",
+        description=(
+            "server as redis://[user:password@]host:port/db (rediss:// for TLS), or a local one's "
+            "socket as unix:///path/to/valkey.sock?db=N"
+        ),
     )
     key_prefix: str = Field(default="kvstrata:", description="prepended to every key")
     socket_timeout_s: float = Field(default=5.0, gt=0, description="per call; a dead server fails fast")
@@ -63,8 +66,13 @@ class ValkeyConfig(BackendConfig):
     @classmethod
     def _standard_url(cls, url: str) -> str:
         parts = urlsplit(url)
+        if parts.scheme == "unix":  # the client's own form: the socket's path, the db as ?db=N
+            return _unix_url(url)
         if parts.scheme not in ("redis", "rediss"):
-            raise ValueError(f"expected redis://host:port/db or rediss://..., got scheme {parts.scheme!r}")
+            raise ValueError(
+                "expected redis://host:port/db, rediss://... or unix:///path?db=N, "
+                f"got scheme {parts.scheme!r}"
+            )
         if not parts.hostname:
             raise ValueError("the url names no host (redis://host:port/db)")
         try:
@@ -81,6 +89,23 @@ class ValkeyConfig(BackendConfig):
             # while puts and exists still answered, so the L3 was written and never read
             raise ValueError("remove decode_responses from the url: values are binary objects, read as bytes")
         return url
+
+
+def _unix_url(url: str) -> str:
+    """A ``unix://`` url names a socket path (``unix:///run/valkey.sock?db=1``)."""
+    parts = urlsplit(url)
+    if not parts.path or parts.path == "/":
+        raise ValueError("the url names no socket path (unix:///path/to/valkey.sock?db=N)")
+    if parts.hostname:
+        raise ValueError(
+            f"a unix:// url names a path, not a host (unix:///path, three slashes), got {parts.hostname!r}"
+        )
+    query = parse_qs(parts.query)
+    if any(not db.isdigit() for db in query.get("db", [])):
+        raise ValueError(f"the database (?db=) must be a number, got {query['db']!r}")
+    if "decode_responses" in query:
+        raise ValueError("remove decode_responses from the url: values are binary objects, read as bytes")
+    return url
 
 
 class ValkeyBackend(StorageBackend):
@@ -161,6 +186,9 @@ class ValkeyBackend(StorageBackend):
 
     def _where(self) -> str:
         parts = urlsplit(self.config.url)
+        if parts.scheme == "unix":
+            db = parse_qs(parts.query).get("db", ["0"])[0]
+            return f"unix://{parts.path}?db={db}"  # never the password (unix://:pw@/path)
         return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path or ''}"
 
     def _key(self, key: str) -> str:

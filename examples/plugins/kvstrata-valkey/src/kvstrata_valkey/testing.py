@@ -36,8 +36,16 @@ def free_loopback_port() -> int:
 class ValkeyServer:
     """``with ValkeyServer(tmp_path) as server: server.url`` -> ``redis://127.0.0.1:PORT/0``."""
 
-    def __init__(self, workdir: Path, maxmemory: str = "256mb", startup_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        maxmemory: str = "256mb",
+        startup_timeout_s: float = 10.0,
+        unixsocket: bool = False,
+    ) -> None:
+        """``unixsocket``: also listen on ``workdir/valkey.sock`` (``server.unix_url``)."""
         self.workdir = workdir
+        self.unixsocket = unixsocket
         self.maxmemory = maxmemory
         self.startup_timeout_s = startup_timeout_s
         self.port = 0
@@ -47,6 +55,10 @@ class ValkeyServer:
     @property
     def url(self) -> str:
         return f"redis://{LOOPBACK}:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        return f"unix://{self.workdir / 'valkey.sock'}?db=0"
 
     def start(self) -> ValkeyServer:
         binary = find_server()
@@ -63,6 +75,8 @@ class ValkeyServer:
             "--maxmemory-policy", "allkeys-lru",
             "--logfile", str(self.log),
         ]  # fmt: skip
+        if self.unixsocket:
+            args += ["--unixsocket", str(self.workdir / "valkey.sock"), "--unixsocketperm", "700"]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
