@@ -268,6 +268,51 @@ def test_a_server_refusing_every_write_fails_the_call_but_a_full_one_refuses_per
             backend.close()
 
 
+def test_a_node_of_a_cluster_of_several_shards_is_refused_at_open(tmp_path: Path) -> None:
+    """Keys in another node's hash slots answer MOVED: each was a refused put and a miss, so a
+    backend pointed at one node of an N-shard cluster silently kept about 1/N of what it stored.
+    ``open`` (and ``kvstrata doctor``'s probe) now say so; a one-shard cluster serves every key."""
+    import time
+
+    import valkey
+
+    buses: dict[str, int] = {}
+
+    def node(name: str) -> ValkeyServer:
+        conf = tmp_path / name / "nodes.conf"
+        # the bus port defaults to port + 10000, past 65535 for a high free port
+        buses[name] = free_loopback_port()
+        bus = ("--cluster-port", str(buses[name]))
+        return ValkeyServer(
+            tmp_path / name, extra_args=("--cluster-enabled", "yes", "--cluster-config-file", str(conf), *bus)
+        )
+
+    with node("a") as first, node("b") as second:
+        a, b = valkey.Valkey.from_url(first.url), valkey.Valkey.from_url(second.url)
+        try:
+            a.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 8191)
+            b.execute_command("CLUSTER", "ADDSLOTSRANGE", 8192, 16383)
+            a.execute_command("CLUSTER", "MEET", LOOPBACK, second.port, buses["b"])
+            deadline = time.monotonic() + 10
+            while b"cluster_state:ok" not in a.execute_command("CLUSTER", "INFO"):
+                assert time.monotonic() < deadline, "the two nodes never formed a cluster"
+                time.sleep(0.1)
+            backend = ValkeyBackend("l3", ValkeyConfig(url=first.url))
+            with pytest.raises(StorageError, match="Cluster node serving 8192 of 16384 hash slots"):
+                backend.open()
+        finally:
+            a.close()
+            b.close()
+    with node("c") as alone:
+        c = valkey.Valkey.from_url(alone.url)
+        try:
+            c.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            backend = ValkeyBackend("l3", ValkeyConfig(url=alone.url))
+            assert backend.probe() is None, "one node serving every slot holds every key"
+        finally:
+            c.close()
+
+
 def test_config_show_masks_the_url_password_unless_asked(tmp_path: Path) -> None:
     """``kvstrata config show`` lands in terminals and CI logs: a ``url``'s password is ``***``
     (it was printed in full), and ``--reveal-secrets`` prints it for a config meant to be reused."""

@@ -39,6 +39,8 @@ from kvstrata.plugins import (
 MISS = -1
 #: Valkey's and Redis's default ``proto-max-bulk-len``: the largest value one SET accepts.
 MAX_VALUE_BYTES = 512 * 1024 * 1024
+#: A Valkey (or Redis) Cluster's hash slots: a node serving all of them holds every key.
+CLUSTER_SLOTS = 16384
 #: The client's own requirement (pyproject.toml): the plugin itself is installed if kvstrata found it.
 INSTALL = "pip install 'valkey>=6'"
 
@@ -106,6 +108,34 @@ def _unix_url(url: str) -> str:
     if "decode_responses" in query:
         raise ValueError("remove decode_responses from the url: values are binary objects, read as bytes")
     return url
+
+
+def _cluster_slots(client: Any) -> int | None:
+    """How many of the cluster's hash slots this server serves, or None when it is not a
+    cluster node (or will not say: a user whose ACL refuses INFO or CLUSTER still connects)."""
+    import valkey
+
+    try:
+        if not client.info("cluster").get("cluster_enabled"):
+            return None
+        nodes = client.execute_command("CLUSTER", "NODES")
+    except valkey.exceptions.ResponseError:
+        return None
+    text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) < 8 or "myself" not in fields[2].split(","):
+            continue
+        if "master" not in fields[2].split(","):
+            return 0  # a replica serves no slot itself: it redirects to its primary
+        served = 0
+        for item in fields[8:]:
+            if item.startswith("["):  # a slot being migrated: still counted where it is
+                continue
+            low, _, high = item.partition("-")
+            served += int(high or low) - int(low) + 1
+        return served
+    return None
 
 
 class ValkeyBackend(StorageBackend):
@@ -177,11 +207,20 @@ class ValkeyBackend(StorageBackend):
             )
         try:
             client.ping()
+            slots = _cluster_slots(client)
         except Exception as exc:  # any client error means "not reachable" for the doctor
             return f"{self._where()} unreachable: {type(exc).__name__}: {exc}"
         finally:
             if client is not self._client:
                 client.close()
+        if slots is not None and slots < CLUSTER_SLOTS:
+            # every key of another node's slots answers MOVED: a refused put, a miss on get, per
+            # key, so a cluster of N shards silently kept about 1/N of what kvstrata stored
+            return (
+                f"{self._where()} is a Valkey Cluster node serving {slots} of {CLUSTER_SLOTS} hash "
+                "slots: this backend talks to one server (keys in the other slots would answer "
+                "MOVED); point it at a standalone server or a one-shard cluster's primary"
+            )
         return None
 
     def _where(self) -> str:

@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -42,8 +43,11 @@ class ValkeyServer:
         maxmemory: str = "256mb",
         startup_timeout_s: float = 10.0,
         unixsocket: bool = False,
+        extra_args: Sequence[str] = (),
     ) -> None:
-        """``unixsocket``: also listen on ``workdir/valkey.sock`` (``server.unix_url``)."""
+        """``unixsocket``: also listen on ``workdir/valkey.sock`` (``server.unix_url``);
+        ``extra_args``: more server options (``--cluster-enabled yes``)."""
+        self.extra_args = tuple(extra_args)
         self.workdir = workdir
         self.unixsocket = unixsocket
         self.maxmemory = maxmemory
@@ -77,6 +81,7 @@ class ValkeyServer:
         ]  # fmt: skip
         if self.unixsocket:
             args += ["--unixsocket", str(self.workdir / "valkey.sock"), "--unixsocketperm", "700"]
+        args += self.extra_args
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
