@@ -52,6 +52,20 @@ def test_plugin_imports_nothing_of_kvstrata_but_the_plugin_api() -> None:
                     assert name == "kvstrata.plugins", f"{path.name} imports {name}"
 
 
+def test_readme_abridged_backend_declares_what_the_plugin_does() -> None:
+    """The top-level README's abridged ``ValkeyBackend`` is what authors copy: its ``requires``
+    hint said ``pip install 'kvstrata-valkey'`` (a reinstall pip calls satisfied) after the
+    plugin moved to the client's own requirement."""
+    from kvstrata_valkey import ValkeyBackend
+
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("# kvstrata_valkey/backend.py (abridged)")
+    block = readme[start : readme.index("```", start)]
+    line = next(row for row in block.splitlines() if row.strip().startswith("requires = "))
+    declared = ast.literal_eval(line.split("=", 1)[1].split("#", 1)[0].strip())
+    assert declared == ValkeyBackend.requires
+
+
 def test_installed_plugin_is_listed_from_its_distribution(tmp_path: Path) -> None:
     proc = kvstrata("plugins", "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -68,12 +68,52 @@ def test_a_missing_valkey_client_names_the_command_that_installs_it(monkeypatch:
         ({"url": "redis://127.0.0.1:6379/x"}, "must be a number"),
         ({"url": "redis://:6379/0"}, "no host"),
         ({"url": "redis://127.0.0.1:6379/0?decode_responses=True"}, "remove decode_responses"),
+        ({"url": "unix://"}, "no socket path"),
+        ({"url": "unix://localhost/run/valkey.sock"}, "not a host"),
+        ({"url": "unix:///run/valkey.sock?db=x"}, "must be a number"),
         ({"host": "127.0.0.1"}, "Extra inputs are not permitted"),
     ],
 )
 def test_config_refuses_bad_urls_and_unknown_fields(fields: dict[str, str], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         ValkeyConfig(**fields)
+
+
+def test_a_unix_socket_url_reaches_the_same_server(tmp_path: Path) -> None:
+    """The client speaks ``unix:///path?db=N`` (a local server without TCP's cost); the url
+    check refused every scheme but redis:// and rediss://."""
+    with ValkeyServer(tmp_path / "s", unixsocket=True) as running:
+        over_socket = opened("l3", running.unix_url)
+        over_tcp = opened("l3", running.url)
+        try:
+            payload = (ctypes.c_char * 64).from_buffer_copy(bytes(range(64)))
+            stored = over_socket.put([StorageObject("u", (BufferRegion(ctypes.addressof(payload), 64),))])
+            assert stored == [True]
+            target = (ctypes.c_char * 64)()
+            assert over_tcp.get([StorageObject("u", (BufferRegion(ctypes.addressof(target), 64),))]) == [64]
+            assert target.raw == payload.raw
+        finally:
+            over_socket.close()
+            over_tcp.close()
+        url = f"unix://:s3cret@{tmp_path}/none.sock"
+        missing = ValkeyBackend("l3", ValkeyConfig(url=url, socket_timeout_s=0.5))
+        reason = missing.probe() or ""
+        assert f"unix://{tmp_path}/none.sock?db=0 unreachable" in reason and "s3cret" not in reason
+
+
+def test_a_bad_url_error_never_prints_its_password(tmp_path: Path) -> None:
+    """``kvstrata.load`` (what an engine calls, and logs the error of) raises the validator's
+    message unmasked: the bad-port message quoted the whole url, password included."""
+    import kvstrata
+
+    config = tmp_path / "stack.yaml"
+    config.write_text(
+        "model: {name: demo, page_size: 16, pools: {kv: {type: kv, layers: 1, kv_heads: 1, head_dim: 8}}}\n"
+        "tiers: {storage: {l3: {type: valkey, url: 'redis://kv:s3cret@127.0.0.1:abc/0'}}}\n"
+    )
+    with pytest.raises(kvstrata.ConfigError, match=r"tiers\.storage\.l3\.url.*bad port") as info:
+        kvstrata.load(config)
+    assert "s3cret" not in str(info.value)
 
 
 def test_unreachable_server_fails_open_with_the_address(tmp_path: Path) -> None:
@@ -191,6 +231,86 @@ def test_a_server_refusing_every_read_fails_the_call_not_a_cold_cache(tmp_path: 
         finally:
             admin.close()
             backend.close()
+
+
+def test_a_server_refusing_every_write_fails_the_call_but_a_full_one_refuses_per_key(tmp_path: Path) -> None:
+    """A replica answers READONLY to every write: the put fails (kvstrata's write breaker counts
+    it, the writer offers the pages again later), where it read as each object refused. A full
+    server (``noeviction``) still refuses per key, and what it holds reads back exact."""
+    import valkey
+
+    payload = (ctypes.c_char * 4096).from_buffer_copy(b"p" * 4096)
+
+    def objects(*keys: str) -> list[StorageObject]:
+        return [StorageObject(key, (BufferRegion(ctypes.addressof(payload), 4096),)) for key in keys]
+
+    with ValkeyServer(tmp_path / "server", maxmemory="2mb") as running:
+        backend = opened("l3", running.url)
+        admin = valkey.Valkey.from_url(running.url)
+        try:
+            assert backend.put(objects("a")) == [True]
+            admin.replicaof(LOOPBACK, free_loopback_port())  # nothing listens there
+            with pytest.raises(StorageError, match="refused every write: ReadOnlyError"):
+                backend.put(objects("b", "c"))
+            with pytest.raises(StorageError, match="ReadOnlyError"):
+                backend.remove(["a"])
+            admin.replicaof("NO", "ONE")
+            assert backend.put(objects("b")) == [True]  # writes are taken again
+            admin.config_set("maxmemory-policy", "noeviction")
+            answers = backend.put(objects(*(f"fill-{i}" for i in range(1000))))
+            assert 0 < answers.count(True) < len(answers), "some stored, then refused per key"
+            assert backend.put(objects("late-1", "late-2")) == [False, False]  # full: per key
+            target = (ctypes.c_char * 4096)()
+            got = backend.get([StorageObject("fill-0", (BufferRegion(ctypes.addressof(target), 4096),))])
+            assert got == [4096] and target.raw == payload.raw
+        finally:
+            admin.close()
+            backend.close()
+
+
+def test_a_node_of_a_cluster_of_several_shards_is_refused_at_open(tmp_path: Path) -> None:
+    """Keys in another node's hash slots answer MOVED: each was a refused put and a miss, so a
+    backend pointed at one node of an N-shard cluster silently kept about 1/N of what it stored.
+    ``open`` (and ``kvstrata doctor``'s probe) now say so; a one-shard cluster serves every key."""
+    import time
+
+    import valkey
+
+    buses: dict[str, int] = {}
+
+    def node(name: str) -> ValkeyServer:
+        conf = tmp_path / name / "nodes.conf"
+        # the bus port defaults to port + 10000, past 65535 for a high free port
+        buses[name] = free_loopback_port()
+        bus = ("--cluster-port", str(buses[name]))
+        return ValkeyServer(
+            tmp_path / name, extra_args=("--cluster-enabled", "yes", "--cluster-config-file", str(conf), *bus)
+        )
+
+    with node("a") as first, node("b") as second:
+        a, b = valkey.Valkey.from_url(first.url), valkey.Valkey.from_url(second.url)
+        try:
+            a.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 8191)
+            b.execute_command("CLUSTER", "ADDSLOTSRANGE", 8192, 16383)
+            a.execute_command("CLUSTER", "MEET", LOOPBACK, second.port, buses["b"])
+            deadline = time.monotonic() + 10
+            while b"cluster_state:ok" not in a.execute_command("CLUSTER", "INFO"):
+                assert time.monotonic() < deadline, "the two nodes never formed a cluster"
+                time.sleep(0.1)
+            backend = ValkeyBackend("l3", ValkeyConfig(url=first.url))
+            with pytest.raises(StorageError, match="Cluster node serving 8192 of 16384 hash slots"):
+                backend.open()
+        finally:
+            a.close()
+            b.close()
+    with node("c") as alone:
+        c = valkey.Valkey.from_url(alone.url)
+        try:
+            c.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            backend = ValkeyBackend("l3", ValkeyConfig(url=alone.url))
+            assert backend.probe() is None, "one node serving every slot holds every key"
+        finally:
+            c.close()
 
 
 def test_config_show_masks_the_url_password_unless_asked(tmp_path: Path) -> None:

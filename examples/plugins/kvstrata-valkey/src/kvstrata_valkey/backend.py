@@ -7,7 +7,9 @@ is caught by kvstrata's header check and becomes a miss.
 
 * ``SET key value NX``: a key appears whole or not at all (atomic visibility), and an existing
   key is never rewritten (equal keys carry equal bytes).
-* Every call is one pipeline round trip for the whole batch; per-key errors fail that key only.
+* Every call is one pipeline round trip for the whole batch; per-key errors fail that key only,
+  but a server refusing the whole batch for what it is (a replica, loading, a failed save) fails
+  the call, so kvstrata's breaker sees it.
 * The server evicts on its own (``maxmemory`` + an ``allkeys-*`` policy), so a put may fail per
   key when it is full and an object may vanish later: both are misses, never wrong data.
 
@@ -37,6 +39,8 @@ from kvstrata.plugins import (
 MISS = -1
 #: Valkey's and Redis's default ``proto-max-bulk-len``: the largest value one SET accepts.
 MAX_VALUE_BYTES = 512 * 1024 * 1024
+#: A Valkey (or Redis) Cluster's hash slots: a node serving all of them holds every key.
+CLUSTER_SLOTS = 16384
 #: The client's own requirement (pyproject.toml): the plugin itself is installed if kvstrata found it.
 INSTALL = "pip install 'valkey>=6'"
 
@@ -47,7 +51,10 @@ class ValkeyConfig(BackendConfig):
     type: Literal["valkey"] = "valkey"
     url: str = Field(
         default="redis://127.0.0.1:6379/0",
-        description="server as redis://[user:password@]host:port/db (rediss:// for TLS)",
+        description=(
+            "server as redis://[user:password@]host:port/db (rediss:// for TLS), or a local one's "
+            "socket as unix:///path/to/valkey.sock?db=N"
+        ),
     )
     key_prefix: str = Field(default="kvstrata:", description="prepended to every key")
     socket_timeout_s: float = Field(default=5.0, gt=0, description="per call; a dead server fails fast")
@@ -61,14 +68,21 @@ class ValkeyConfig(BackendConfig):
     @classmethod
     def _standard_url(cls, url: str) -> str:
         parts = urlsplit(url)
+        if parts.scheme == "unix":  # the client's own form: the socket's path, the db as ?db=N
+            return _unix_url(url)
         if parts.scheme not in ("redis", "rediss"):
-            raise ValueError(f"expected redis://host:port/db or rediss://..., got scheme {parts.scheme!r}")
+            raise ValueError(
+                "expected redis://host:port/db, rediss://... or unix:///path?db=N, "
+                f"got scheme {parts.scheme!r}"
+            )
         if not parts.hostname:
             raise ValueError("the url names no host (redis://host:port/db)")
         try:
             parts.port  # noqa: B018 - raises ValueError on a port that is not a number
         except ValueError as exc:
-            raise ValueError(f"bad port in {url!r}: {exc}") from None
+            # not the url itself: it may carry a password, and kvstrata.load()'s ConfigError (what
+            # an engine logs) prints this message as it is; the field path names the setting
+            raise ValueError(f"bad port: {exc}") from None
         db = parts.path.lstrip("/")
         if db and not db.isdigit():
             raise ValueError(f"the database after the port must be a number, got {db!r}")
@@ -77,6 +91,51 @@ class ValkeyConfig(BackendConfig):
             # while puts and exists still answered, so the L3 was written and never read
             raise ValueError("remove decode_responses from the url: values are binary objects, read as bytes")
         return url
+
+
+def _unix_url(url: str) -> str:
+    """A ``unix://`` url names a socket path (``unix:///run/valkey.sock?db=1``)."""
+    parts = urlsplit(url)
+    if not parts.path or parts.path == "/":
+        raise ValueError("the url names no socket path (unix:///path/to/valkey.sock?db=N)")
+    if parts.hostname:
+        raise ValueError(
+            f"a unix:// url names a path, not a host (unix:///path, three slashes), got {parts.hostname!r}"
+        )
+    query = parse_qs(parts.query)
+    if any(not db.isdigit() for db in query.get("db", [])):
+        raise ValueError(f"the database (?db=) must be a number, got {query['db']!r}")
+    if "decode_responses" in query:
+        raise ValueError("remove decode_responses from the url: values are binary objects, read as bytes")
+    return url
+
+
+def _cluster_slots(client: Any) -> int | None:
+    """How many of the cluster's hash slots this server serves, or None when it is not a
+    cluster node (or will not say: a user whose ACL refuses INFO or CLUSTER still connects)."""
+    import valkey
+
+    try:
+        if not client.info("cluster").get("cluster_enabled"):
+            return None
+        nodes = client.execute_command("CLUSTER", "NODES")
+    except valkey.exceptions.ResponseError:
+        return None
+    text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) < 8 or "myself" not in fields[2].split(","):
+            continue
+        if "master" not in fields[2].split(","):
+            return 0  # a replica serves no slot itself: it redirects to its primary
+        served = 0
+        for item in fields[8:]:
+            if item.startswith("["):  # a slot being migrated: still counted where it is
+                continue
+            low, _, high = item.partition("-")
+            served += int(high or low) - int(low) + 1
+        return served
+    return None
 
 
 class ValkeyBackend(StorageBackend):
@@ -148,15 +207,27 @@ class ValkeyBackend(StorageBackend):
             )
         try:
             client.ping()
+            slots = _cluster_slots(client)
         except Exception as exc:  # any client error means "not reachable" for the doctor
             return f"{self._where()} unreachable: {type(exc).__name__}: {exc}"
         finally:
             if client is not self._client:
                 client.close()
+        if slots is not None and slots < CLUSTER_SLOTS:
+            # every key of another node's slots answers MOVED: a refused put, a miss on get, per
+            # key, so a cluster of N shards silently kept about 1/N of what kvstrata stored
+            return (
+                f"{self._where()} is a Valkey Cluster node serving {slots} of {CLUSTER_SLOTS} hash "
+                "slots: this backend talks to one server (keys in the other slots would answer "
+                "MOVED); point it at a standalone server or a one-shard cluster's primary"
+            )
         return None
 
     def _where(self) -> str:
         parts = urlsplit(self.config.url)
+        if parts.scheme == "unix":
+            db = parse_qs(parts.query).get("db", ["0"])[0]
+            return f"unix://{parts.path}?db={db}"  # never the password (unix://:pw@/path)
         return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path or ''}"
 
     def _key(self, key: str) -> str:
@@ -182,7 +253,7 @@ class ValkeyBackend(StorageBackend):
             pipe.set(self._key(obj.key), b"".join(region_views(obj.regions)), nx=True)
         # True: stored now; None: the key existed (NX), equal bytes by construction; an exception
         # (out of memory, value too large): that key failed
-        return [not isinstance(result, Exception) for result in pipe.execute(raise_on_error=False)]
+        return [not isinstance(result, Exception) for result in self._write(pipe)]
 
     def get(self, objects: Sequence[StorageObject]) -> list[int]:
         pipe = self._pipeline()
@@ -223,11 +294,31 @@ class ValkeyBackend(StorageBackend):
             )
         return answers
 
+    def _write(self, pipe: Any) -> list[Any]:
+        """A write pipeline's answers, one per command. A server refusing every write of the
+        batch for what it is, not for the objects (a replica: READONLY; MISCONF after a failed
+        save; MASTERDOWN; an ACL: NOPERM) fails the call: answered per key, kvstrata's write
+        breaker never opened, the writer shipped every value again, and the lost writes were not
+        offered again once the server took writes. Out of memory stays per key: the server is
+        full (or the object too large for it), a refusal of those objects."""
+        import valkey
+
+        answers = pipe.execute(raise_on_error=False)
+        refused = [a for a in answers if isinstance(a, Exception)]
+        full = [a for a in refused if isinstance(a, valkey.exceptions.OutOfMemoryError)]
+        if answers and len(refused) == len(answers) and not full:
+            first = refused[0]
+            raise StorageError(
+                f"valkey backend {self.instance!r}: the server refused every write: "
+                f"{type(first).__name__}: {first}"
+            )
+        return answers
+
     def remove(self, keys: Sequence[str]) -> list[bool]:
         pipe = self._pipeline()
         for key in keys:
             pipe.delete(self._key(key))
-        return [not isinstance(result, Exception) for result in pipe.execute(raise_on_error=False)]
+        return [not isinstance(result, Exception) for result in self._write(pipe)]
 
     # -- for kvstrata's conformance kit: damage an object on demand -------------------------------
 

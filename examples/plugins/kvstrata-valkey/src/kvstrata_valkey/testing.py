@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -36,8 +37,19 @@ def free_loopback_port() -> int:
 class ValkeyServer:
     """``with ValkeyServer(tmp_path) as server: server.url`` -> ``redis://127.0.0.1:PORT/0``."""
 
-    def __init__(self, workdir: Path, maxmemory: str = "256mb", startup_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        maxmemory: str = "256mb",
+        startup_timeout_s: float = 10.0,
+        unixsocket: bool = False,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        """``unixsocket``: also listen on ``workdir/valkey.sock`` (``server.unix_url``);
+        ``extra_args``: more server options (``--cluster-enabled yes``)."""
+        self.extra_args = tuple(extra_args)
         self.workdir = workdir
+        self.unixsocket = unixsocket
         self.maxmemory = maxmemory
         self.startup_timeout_s = startup_timeout_s
         self.port = 0
@@ -47,6 +59,10 @@ class ValkeyServer:
     @property
     def url(self) -> str:
         return f"redis://{LOOPBACK}:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        return f"unix://{self.workdir / 'valkey.sock'}?db=0"
 
     def start(self) -> ValkeyServer:
         binary = find_server()
@@ -63,6 +79,9 @@ class ValkeyServer:
             "--maxmemory-policy", "allkeys-lru",
             "--logfile", str(self.log),
         ]  # fmt: skip
+        if self.unixsocket:
+            args += ["--unixsocket", str(self.workdir / "valkey.sock"), "--unixsocketperm", "700"]
+        args += self.extra_args
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
