@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -252,8 +252,8 @@ def _stood_for(writer: Writer, handed: set[TreeNode]) -> set[TreeNode]:
     round that copied nothing under one, or a host eviction that took the copy it stood for,
     leaves it standing for no checkpoint: it is backed up again if it fits (``back_up_gained``),
     as before the rounds."""
-    covered = _covered(writer.tree, _state_pools(writer))
-    return {node for node in handed if node in covered}
+    covered = _covered(_state_pools(writer))
+    return {node for node in handed if covered(node)}
 
 
 def _state_pools(writer: Writer) -> dict[str, int]:
@@ -262,19 +262,23 @@ def _state_pools(writer: Writer) -> dict[str, int]:
     return {name: p for name, p in writer.tree.index.items() if pools[name].kind is PoolKind.STATE}
 
 
-def _covered(tree: PrefixTree, states: Mapping[str, int]) -> set[TreeNode]:
-    """The ancestors of the nodes holding every state pool of ``states`` on the host: a prefix
-    through them continues to a checkpoint the host tier restores. O(host state slots x depth)."""
-    if not states:
-        return set()
-    covered: set[TreeNode] = set()
-    for node in tree.holding(next(iter(states)), Tier.HOST):
-        if any(node.host_raw[q] is None for q in states.values()):
-            continue
-        parent = node.parent
-        while parent is not None and parent is not tree.root and parent not in covered:
-            covered.add(parent)
-            parent = parent.parent
+def _covered(states: Mapping[str, int]) -> Callable[[TreeNode], bool]:
+    """Whether a node has a descendant holding every state pool of ``states`` on the host: a
+    prefix through it continues to a checkpoint the host tier restores. Walks the node's subtree,
+    stopping at the first such descendant (the nodes asked about are the eviction's, mostly
+    leaves): collecting the ancestors of every host checkpoint cost O(host state slots x depth)
+    per eviction, 0.76 -> 8.5 ms per write-back request at 5,000 device nodes."""
+    wanted = tuple(states.values())
+
+    def covered(node: TreeNode) -> bool:
+        below = list(node.children.values())
+        while below:
+            child = below.pop()
+            if wanted and all(child.host_raw[q] is not None for q in wanted):
+                return True
+            below.extend(child.children.values())
+        return False
+
     return covered
 
 
@@ -298,12 +302,12 @@ def _back_up_pages(writer: Writer, rest: list[TreeNode]) -> tuple[list[TreeNode]
             short[name] = need - allocator.available
     if not short:
         return [], rest
-    covered = _covered(tree, states)
+    covered = _covered(states)
     chosen: list[TreeNode] = []
     for node in rest:
         if not short:
             break
-        if node in covered and any(node.device_raw[p] is not None for p in states.values()):
+        if any(node.device_raw[p] is not None for p in states.values()) and covered(node):
             chosen.append(node)
             for name in list(short):
                 short[name] -= len(node.device_raw[states[name]] or b"") // UNIT
