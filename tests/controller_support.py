@@ -147,6 +147,15 @@ def holds_page(cache: CacheController, pool: str, units: torch.Tensor, page_hash
     return holds_ids(cache, pool, units, _ids([page_hash] * len(units)))
 
 
+def fork_checked(cache: CacheController, lease: Lease) -> None:
+    """``cache.fork_state(lease)``, asserting that every state pool's new slot holds the
+    checkpoint of the lease's last committed page (a wrong fork is a wrong state, silently)."""
+    for name, slot in cache.fork_state(lease).items():
+        if len(slot) and lease.committed_pages and cache.pool_kind(name) is PoolKind.STATE:
+            checkpoint = lease.page_hashes[lease.committed_pages - 1]
+            assert holds_page(cache, name, slot, checkpoint), f"{name}: forked a wrong state"
+
+
 def holds_ids(cache: CacheController, pool: str, units: torch.Tensor, ids: torch.Tensor) -> bool:
     """Whether unit ``units[i]`` of ``pool`` holds the bytes of content id ``ids[i]``."""
     spec = cache.pools.pools[pool]

@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from controller_support import fill, holds_page, open_cache, tokens, verify
-from kvstrata.core.controller import CacheController, CacheFullError, Lease, PoolKind
+from controller_support import fill, fork_checked, open_cache, tokens, verify
+from kvstrata.core.controller import CacheController, CacheFullError, Lease
 
 PAGE = 64
 STEMS = 3
@@ -119,10 +119,7 @@ class Driver:
             self.open.remove(entry)
             cache.release(lease)
             return
-        for name, slot in cache.fork_state(lease).items():
-            if len(slot) and lease.committed_pages and cache.pool_kind(name) is PoolKind.STATE:
-                checkpoint = lease.page_hashes[lease.committed_pages - 1]
-                assert holds_page(cache, name, slot, checkpoint), f"{name}: forked a wrong state"
+        fork_checked(cache, lease)
         fill(cache, lease, units)
         last = lease.pages * PAGE >= len(request.tokens)
         cache.insert(lease, close=last)

@@ -227,6 +227,15 @@ def test_write_back_writes_the_window_at_a_branch_point_inside_a_backed_up_node(
     _restores_from_l3("swa", tmp_path, torch.cat([system, tokens(90, 2)]), 4)
 
 
+def _prompt_restores_whole(cache, prompt: torch.Tensor) -> None:
+    """The 8-page ``prompt`` and one page more: all 8 cached pages restore, every byte exact."""
+    lease = cache.lookup(torch.cat([prompt, tokens(99, 1)]))
+    cache.admit(lease)
+    assert lease.cached_pages == 8, lease.hit_pages
+    assert verify(cache, lease) == 0
+    cache.release(lease)
+
+
 def _prefill_page_by_page(cache, request: torch.Tensor) -> None:
     """A chunked prefill of one page per chunk: a checkpoint at every page, one lease."""
     lease = cache.lookup(request[:PAGE])
@@ -308,11 +317,7 @@ def test_write_back_without_l3_keeps_the_deepest_checkpoints_of_an_evicted_promp
         assert host_units_in_use(cache) == host_units_held_by_tree(cache)
         assert cache.tree.units("mamba", "host") == state_slots
         for _ in range(2):  # (the second from the device the first restored to)
-            lease = cache.lookup(torch.cat([prompt, tokens(99, 1)]))
-            cache.admit(lease)
-            assert lease.cached_pages == 8, lease.hit_pages
-            assert verify(cache, lease) == 0
-            cache.release(lease)
+            _prompt_restores_whole(cache, prompt)
         assert host_units_in_use(cache) == host_units_held_by_tree(cache)
 
 
@@ -378,11 +383,7 @@ def test_write_back_without_l3_keeps_the_deepest_host_checkpoint_as_later_reques
         assert host_units_in_use(cache) == host_units_held_by_tree(cache)
         deepest = cache.tree.match(cache.tree.keys_of(prompt), count_hit=False).path[-1]
         assert deepest.depth_end == 8 and deepest.host_raw[cache.tree.index["mamba"]] is not None
-        lease = cache.lookup(torch.cat([prompt, tokens(99, 1)]))
-        cache.admit(lease)
-        assert lease.cached_pages == 8, lease.hit_pages
-        assert verify(cache, lease) == 0
-        cache.release(lease)
+        _prompt_restores_whole(cache, prompt)
         assert host_units_in_use(cache) == host_units_held_by_tree(cache)
 
 

@@ -30,14 +30,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from controller_support import (
     device_accounting,
     fill,
-    holds_page,
+    fork_checked,
     host_units_held_by_tree,
     host_units_in_use,
     open_cache,
     tokens,
     verify,
 )
-from kvstrata.core.controller import CacheController, CacheFullError, Lease, PoolKind
+from kvstrata.core.controller import CacheController, CacheFullError, Lease
 from kvstrata.core.tree import PrefixTree
 from test_component_index import check_against_scans
 
@@ -132,11 +132,7 @@ class EngineLoop(RuleBasedStateMachine):
             cache.release(lease)
             self.open.remove(request)
             return
-        forked = cache.fork_state(lease)
-        for name, slot in forked.items():
-            if len(slot) and lease.committed_pages and cache.pool_kind(name) is PoolKind.STATE:
-                checkpoint = lease.page_hashes[lease.committed_pages - 1]
-                assert holds_page(cache, name, slot, checkpoint), f"{name}: forked a wrong state"
+        fork_checked(cache, lease)
         fill(cache, lease, units)
         last = lease.pages * PAGE >= len(request.tokens)
         cache.insert(lease, close=last)
