@@ -214,10 +214,15 @@ class TwicePolicy(MruPolicy):
         return super().ranked(entries) * 2
 
 
+#: 24 requests on one root branching four ways, then three, then each its own leaf: evictions
+#: that take leaves and, mid-eviction, parents whose last child left (what the broken policies trip)
+BRANCHING_OPS = [([1, i % 4, i % 3, i], False, False) for i in range(24)]
+
+
 @pytest.mark.parametrize("policy", [OnlyMostRecentPolicy, TwicePolicy])
 def test_the_policy_kit_names_the_ranking_rule(kvstrata_host: PluginHost, policy: type) -> None:
     kvstrata_host.eviction_policies.register(policy)
-    ops = [([1, i % 4, i % 3, i], False, False) for i in range(24)]
+    ops = BRANCHING_OPS
     with pytest.raises(AssertionError, match=r"ranked\(\) must return one \(rank, node.id, node\) entry"):
         run_workload(kvstrata_host, policy.name, ops)
 
@@ -263,7 +268,7 @@ class NanRankPolicy(MruPolicy):
 
 def test_the_policy_kit_catches_nan_ranks(kvstrata_host: PluginHost) -> None:
     kvstrata_host.eviction_policies.register(NanRankPolicy)
-    ops = [([1, i % 4, i % 3, i], False, False) for i in range(24)]
+    ops = BRANCHING_OPS
     with pytest.raises(AssertionError, match="a NaN rank"):
         run_workload(kvstrata_host, "nan_rank", ops)
 
@@ -295,7 +300,7 @@ class SegmentFlipPolicy(MruPolicy):
 
 def test_the_policy_kit_catches_a_rank_order_changed_mid_eviction(kvstrata_host: PluginHost) -> None:
     kvstrata_host.eviction_policies.register(SegmentFlipPolicy)
-    ops = [([1, i % 4, i % 3, i], False, False) for i in range(24)]
+    ops = BRANCHING_OPS
     with pytest.raises(AssertionError, match="a candidate mid-eviction, changed node"):
         run_workload(kvstrata_host, "segment_flip", ops)
 
@@ -1091,7 +1096,7 @@ class FirstTwoPolicy(MruPolicy):
 
 def test_the_policy_kit_compares_with_the_candidates_as_given(kvstrata_host: PluginHost) -> None:
     kvstrata_host.eviction_policies.register(FirstTwoPolicy)
-    ops = [([1, i % 4, i % 3, i], False, False) for i in range(24)]
+    ops = BRANCHING_OPS
     with pytest.raises(AssertionError, match=r"ranked\(\) must return one \(rank, node.id, node\) entry"):
         run_workload(kvstrata_host, "first_two", ops)
 
